@@ -1,0 +1,17 @@
+"""nemo_sspo: SSPO and GRPO-family policy losses on Megatron-Core.
+
+Layers (data flows one way): ``algorithms`` (plain torch) -> ``parallel`` (process-group maths)
+-> ``megatron`` (model, weight mapping, schedules) -> ``rollout`` / ``rewards`` / ``data``
+-> ``trainer`` -> ``cli``.
+
+Shape letters used in every docstring:
+
+- ``B``: responses in a (micro-)batch (rows).
+- ``T``: response tokens per row (padded); ``P``: prompt tokens.
+- ``S``: full sequence length ``P + T``.
+- ``N``: flattened tokens (``B * T``) fed to a vocab-parallel function.
+- ``V``: vocabulary size; ``V_local = V_padded / tp_size`` is one tensor-parallel vocab shard.
+- ``G``: responses per prompt (group size).
+"""
+
+__version__ = "0.1.0"

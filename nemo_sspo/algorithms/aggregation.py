@@ -1,0 +1,92 @@
+"""Reduction of a per-token loss matrix to a (numerator, denominator) pair.
+
+Normalisation contract: the loss of an optimizer step is ``sum(numerators) / sum(denominators)``
+over every micro-batch and data-parallel rank of the step. Returning the pair, instead of a mean,
+makes the result independent of how the global batch was split (pitfall P10: micro-batches with
+token losses [1] and [0, 0, 0] give token-mean 1/4, not (1 + 0) / 2). A zero-length response
+contributes 0 to the numerator and does not count in the denominator (P12).
+
+Modes (L_i = valid tokens of response i, l_it = per-token loss, R = responses with L_i >= 1):
+
+- ``"token-mean"``: sum_it l_it / sum_i L_i  (DAPO).
+- ``"seq-mean-token-mean"``: sum_i (1/L_i) sum_t l_it / R  (GRPO; GSPO; SSPO eq. 16).
+- ``"seq-mean-token-sum"``: sum_i sum_t l_it / R.
+- ``"seq-mean-token-sum-norm"``: sum_i (sum_t l_it / L_max) / R  (Dr. GRPO, arXiv 2503.20783,
+  constant denominator L_max = max_response_length).
+"""
+
+from __future__ import annotations
+
+import torch
+
+AGGREGATION_MODES = (
+    "token-mean",
+    "seq-mean-token-mean",
+    "seq-mean-token-sum",
+    "seq-mean-token-sum-norm",
+)
+
+
+def _check_inputs(
+    per_token_loss: torch.Tensor,
+    response_mask: torch.Tensor,
+    mode: str,
+    max_response_length: int | None,
+) -> None:
+    if mode not in AGGREGATION_MODES:
+        raise ValueError(f"unknown aggregation mode {mode!r}; valid modes: {AGGREGATION_MODES}")
+    if per_token_loss.dim() != 2 or per_token_loss.shape != response_mask.shape:
+        raise ValueError(
+            f"per_token_loss {tuple(per_token_loss.shape)} and response_mask "
+            f"{tuple(response_mask.shape)} must both be [B, T] with the same shape"
+        )
+    if response_mask.dtype != torch.bool:
+        raise ValueError(f"response_mask must be torch.bool, got {response_mask.dtype}")
+    if mode == "seq-mean-token-sum-norm" and (
+        max_response_length is None or max_response_length < 1
+    ):
+        raise ValueError(
+            "mode 'seq-mean-token-sum-norm' needs max_response_length >= 1 (the generation "
+            f"length cap), got {max_response_length!r}"
+        )
+
+
+def aggregate(
+    per_token_loss: torch.Tensor,
+    response_mask: torch.Tensor,
+    mode: str,
+    *,
+    max_response_length: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Reduce ``per_token_loss`` to this micro-batch's share of the step loss.
+
+    Args:
+        per_token_loss: ``[B, T]`` float, value to minimise at each token; masked positions are
+            never read (they may hold anything).
+        response_mask: ``[B, T]`` bool, True at valid response tokens.
+        mode: one of :data:`AGGREGATION_MODES` (see the module docstring for the formulas).
+        max_response_length: L_max in tokens; required by ``"seq-mean-token-sum-norm"`` and read
+            by no other mode.
+
+    Returns:
+        ``(numerator, denominator)``: 0-d tensors in the loss dtype; the numerator is
+        differentiable, the denominator is a count (valid tokens for ``"token-mean"``, responses
+        with >= 1 token otherwise). Sum both over micro-batches and ranks, then divide.
+
+    Raises:
+        ValueError: unknown mode (lists the valid ones), shape mismatch, non-bool mask, or missing
+            ``max_response_length``.
+    """
+    _check_inputs(per_token_loss, response_mask, mode, max_response_length)
+    zero = torch.zeros((), dtype=per_token_loss.dtype, device=per_token_loss.device)
+    token_sums = torch.where(response_mask, per_token_loss, zero).sum(dim=1)
+    lengths = response_mask.sum(dim=1).to(per_token_loss.dtype)
+    if mode == "token-mean":
+        return token_sums.sum(), lengths.sum()
+    responses = (lengths > 0).sum().to(per_token_loss.dtype)
+    if mode == "seq-mean-token-mean":
+        # clamp: an empty response has token sum 0, so it contributes 0 instead of 0/0.
+        return (token_sums / lengths.clamp(min=1)).sum(), responses
+    if mode == "seq-mean-token-sum":
+        return token_sums.sum(), responses
+    return token_sums.sum() / max_response_length, responses

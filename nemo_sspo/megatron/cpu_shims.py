@@ -1,0 +1,186 @@
+"""Every CPU-only workaround megatron-core 0.16.1 needs, in one place.
+
+megatron-core assumes a CUDA device in many small spots. On a CPU-only host (gloo backend; the
+development and test setup) these shims make the same code paths run. Nothing here changes
+behaviour when ``torch.cuda.is_available()`` is True: each public function is a no-op, returns a
+``nullcontext`` or returns an empty override dict on GPU.
+
+Shims (measured with megatron-core 0.16.1, torch 2.13 CPU):
+
+1. ``torch.cuda.current_device`` returns ``"cpu"``: layers, p2p buffers and rotary embeddings
+   allocate on ``torch.cuda.current_device()``.
+2. A CPU RNG tracker replaces Megatron's CUDA one: ``model_parallel_cuda_manual_seed`` and every
+   ``get_cuda_rng_tracker().fork()`` (attention dropout runs inside one even at p=0) read CUDA
+   generator states, which raise on CPU-only torch.
+3. ``cpu_device_context()``: a ``TorchFunctionMode`` that rewrites ``device="cuda"`` to CPU, and
+   turns ``torch.cuda.synchronize`` into a no-op; wrap Megatron's pipeline schedules
+   (``torch.zeros([], device="cuda")`` for the token count) and its optimizer in it.
+4. ``cpu_config_overrides()``: ``TransformerConfig`` fields: CPU initialisation, no fused kernels
+   (apex / TE are absent), ``pipeline_dtype=float32`` (gloo p2p), ``batch_p2p_sync=False`` (it
+   calls ``torch.cuda.synchronize``), ``batch_p2p_comm=False`` (with virtual pipeline stages the
+   batched gloo p2p silently returns wrong activations; we turn it off for every PP layout),
+   ``sequence_parallel=False`` (the local spec's torch norms refuse it).
+5. ``attention_mask_for()``: the local attention builds its default causal mask with
+   ``device="cuda"``; on CPU we pass an explicit boolean causal mask instead.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Iterator
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+__all__ = [
+    "CpuRNGStatesTracker",
+    "apply_cpu_shims",
+    "attention_mask_for",
+    "cpu_config_overrides",
+    "cpu_device_context",
+    "needs_cpu_shims",
+]
+
+
+def needs_cpu_shims() -> bool:
+    """True when no CUDA device is present, i.e. when the shims in this module must be applied."""
+    return not torch.cuda.is_available()
+
+
+class CpuRNGStatesTracker:
+    """Named CPU generator states with the interface of Megatron's ``CudaRNGStatesTracker``.
+
+    ``add(name, seed)`` records the CPU generator state after ``torch.manual_seed(seed)``;
+    ``fork(name)`` swaps that state in for the duration of the block and stores the advanced state
+    back, so tensor-parallel ranks draw different dropout masks, as on GPU.
+    """
+
+    def __init__(self) -> None:
+        self.states_: dict[str, torch.Tensor] = {}
+        self.seeds_: set[int] = set()
+
+    def is_initialized(self) -> bool:
+        return bool(self.states_)
+
+    def reset(self) -> None:
+        self.states_ = {}
+        self.seeds_ = set()
+
+    def get_states(self) -> dict[str, torch.Tensor]:
+        return {name: state.clone() for name, state in self.states_.items()}
+
+    def set_states(self, states: dict[str, torch.Tensor]) -> None:
+        self.states_ = dict(states)
+
+    def add(self, name: str, seed: int) -> None:
+        """Register ``name`` seeded with ``seed``; raises ValueError on a reused seed or name."""
+        if seed in self.seeds_:
+            raise ValueError(f"CPU rng seed {seed} already registered")
+        if name in self.states_:
+            raise ValueError(f"CPU rng state {name!r} already exists")
+        self.seeds_.add(seed)
+        original = torch.get_rng_state()
+        torch.manual_seed(seed)
+        self.states_[name] = torch.get_rng_state()
+        torch.set_rng_state(original)
+
+    @contextlib.contextmanager
+    def fork(self, name: str = "model-parallel-rng") -> Iterator[None]:
+        """Run the block with generator state ``name``; raises KeyError if it was never added."""
+        if name not in self.states_:
+            raise KeyError(f"CPU rng state {name!r} was not added")
+        original = torch.get_rng_state()
+        torch.set_rng_state(self.states_[name])
+        try:
+            yield
+        finally:
+            self.states_[name] = torch.get_rng_state()
+            torch.set_rng_state(original)
+
+
+def _cpu_current_device() -> str:
+    return "cpu"
+
+
+def apply_cpu_shims() -> bool:
+    """Install shims 1 and 2 (idempotent). Returns True when they were needed (no CUDA).
+
+    Must run before ``model_parallel_cuda_manual_seed``: Megatron's ``initialize_rng_tracker``
+    keeps an already-initialised tracker, so the CPU tracker installed here is the one it seeds.
+    """
+    if not needs_cpu_shims():
+        return False
+    from megatron.core.tensor_parallel import random as megatron_random
+
+    torch.cuda.current_device = _cpu_current_device
+    if not isinstance(megatron_random._CUDA_RNG_STATE_TRACKER, CpuRNGStatesTracker):
+        megatron_random._CUDA_RNG_STATE_TRACKER = CpuRNGStatesTracker()
+    megatron_random._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
+    return True
+
+
+def _is_cuda_device(device: Any) -> bool:
+    if isinstance(device, torch.device):
+        return device.type == "cuda"
+    if isinstance(device, str):
+        return device.startswith("cuda")
+    return isinstance(device, int) and not isinstance(device, bool)
+
+
+class _CudaToCpuMode(TorchFunctionMode):
+    """Rewrites ``device=<cuda>`` keyword arguments to CPU and ``Tensor.cuda()`` to identity."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        if func is torch.Tensor.cuda:
+            return args[0]
+        if _is_cuda_device(kwargs.get("device")):
+            kwargs["device"] = "cpu"
+        return func(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def cpu_device_context() -> Iterator[None]:
+    """Context for Megatron schedules / optimizer on CPU (shim 3); ``nullcontext`` on GPU."""
+    if not needs_cpu_shims():
+        yield
+        return
+    synchronize = torch.cuda.synchronize
+    torch.cuda.synchronize = lambda *args, **kwargs: None
+    try:
+        with _CudaToCpuMode():
+            yield
+    finally:
+        torch.cuda.synchronize = synchronize
+
+
+def cpu_config_overrides() -> dict[str, Any]:
+    """``TransformerConfig`` keyword overrides for CPU (shim 4); empty dict on GPU."""
+    if not needs_cpu_shims():
+        return {}
+    return {
+        "use_cpu_initialization": True,
+        "pipeline_dtype": torch.float32,
+        "batch_p2p_sync": False,
+        "batch_p2p_comm": False,
+        "sequence_parallel": False,
+        "gradient_accumulation_fusion": False,
+        "masked_softmax_fusion": False,
+        "bias_activation_fusion": False,
+        "bias_dropout_fusion": False,
+        "apply_rope_fusion": False,
+        "persist_layer_norm": False,
+    }
+
+
+def attention_mask_for(seq_len: int, device: torch.device) -> torch.Tensor | None:
+    """Causal attention mask for the local spec on CPU (shim 5).
+
+    Returns a bool tensor [1, 1, S, S], True above the diagonal (= masked key positions), on
+    ``device``; returns None on CUDA devices, where Megatron (local or TE spec) builds the causal
+    mask itself from ``AttnMaskType.causal``.
+    """
+    if device.type == "cuda":
+        return None
+    mask = torch.ones(seq_len, seq_len, dtype=torch.bool, device=device).triu(diagonal=1)
+    return mask.view(1, 1, seq_len, seq_len)

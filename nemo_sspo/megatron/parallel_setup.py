@@ -1,0 +1,136 @@
+"""Process-group and Megatron parallel-state setup; the one reader of ``parallel_state``.
+
+Rank layout is Megatron's default order (tp-cp-ep-dp-pp): tensor-parallel ranks are adjacent, e.g.
+world 4 with TP=2, PP=2 gives TP groups {0,1}, {2,3} and PP groups {0,2}, {1,3}.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import socket
+
+import torch
+import torch.distributed as dist
+
+from nemo_sspo.megatron.cpu_shims import apply_cpu_shims
+
+__all__ = ["ParallelGroups", "destroy_parallel", "get_parallel_groups", "initialize_parallel"]
+
+# True while the default process group is one that initialize_parallel created (so that
+# destroy_parallel tears it down, but never a group a launcher or test fixture owns).
+_OWNS_PROCESS_GROUP = False
+
+
+@dataclasses.dataclass(frozen=True)
+class ParallelGroups:
+    """This rank's tensor-, pipeline- and data-parallel groups with ranks and sizes."""
+
+    tp_group: dist.ProcessGroup
+    pp_group: dist.ProcessGroup
+    dp_group: dist.ProcessGroup
+    tp_rank: int
+    tp_size: int
+    pp_rank: int
+    pp_size: int
+    dp_rank: int
+    dp_size: int
+    is_first_stage: bool
+    is_last_stage: bool
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _init_process_group() -> None:
+    """Init from torchrun's env (RANK, WORLD_SIZE, MASTER_ADDR/PORT) or as a 1-process group."""
+    global _OWNS_PROCESS_GROUP
+    cuda = torch.cuda.is_available()
+    backend = "nccl" if cuda else "gloo"
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        if cuda:
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group(backend=backend)
+    else:
+        if cuda:
+            torch.cuda.set_device(0)
+        dist.init_process_group(
+            backend=backend, init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1
+        )
+    _OWNS_PROCESS_GROUP = True
+
+
+def initialize_parallel(*, tp_size: int, pp_size: int, seed: int) -> None:
+    """Set up torch.distributed, Megatron's model-parallel groups and its RNG tracker.
+
+    Initialises the default process group if needed (gloo on CPU, nccl on GPU; from torchrun's env
+    or as a 1-process group on a free local port), applies the CPU shims when no GPU is present,
+    calls ``parallel_state.initialize_model_parallel(tp_size, pp_size)``, seeds the default
+    generator with ``seed`` (identical on every rank, so CPU initialisation of the full weights
+    agrees across TP ranks) and calls ``model_parallel_cuda_manual_seed(seed)`` (Megatron's
+    per-TP-rank streams; the CPU tracker on CPU).
+
+    Raises:
+        ValueError: if ``tp_size`` / ``pp_size`` < 1, if ``world_size % (tp_size * pp_size) != 0``,
+            or if Megatron's parallel state is already initialised (call ``destroy_parallel``).
+    """
+    if tp_size < 1 or pp_size < 1:
+        raise ValueError(f"tp_size and pp_size must be >= 1, got tp_size={tp_size}, pp_size={pp_size}")
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+    if parallel_state.model_parallel_is_initialized():
+        raise ValueError("Megatron parallel state is already initialised: call destroy_parallel() first")
+    if not dist.is_initialized():
+        _init_process_group()
+    world_size = dist.get_world_size()
+    if world_size % (tp_size * pp_size) != 0:
+        raise ValueError(
+            f"world_size={world_size} is not divisible by tp_size*pp_size={tp_size}*{pp_size}: "
+            "launch a multiple of tp_size*pp_size processes or change the parallel layout"
+        )
+    apply_cpu_shims()
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=tp_size, pipeline_model_parallel_size=pp_size
+    )
+    torch.manual_seed(seed)
+    model_parallel_cuda_manual_seed(seed)
+
+
+def destroy_parallel() -> None:
+    """Undo ``initialize_parallel``: Megatron's groups, and the process group if it created it."""
+    global _OWNS_PROCESS_GROUP
+    from megatron.core import parallel_state
+
+    parallel_state.destroy_model_parallel()
+    if _OWNS_PROCESS_GROUP and dist.is_initialized():
+        dist.destroy_process_group()
+    _OWNS_PROCESS_GROUP = False
+
+
+def get_parallel_groups() -> ParallelGroups:
+    """This rank's groups, read from Megatron's ``parallel_state``.
+
+    Raises:
+        ValueError: if ``initialize_parallel`` has not been called.
+    """
+    from megatron.core import parallel_state as ps
+
+    if not ps.model_parallel_is_initialized():
+        raise ValueError("parallel state is not initialised: call initialize_parallel() first")
+    return ParallelGroups(
+        tp_group=ps.get_tensor_model_parallel_group(),
+        pp_group=ps.get_pipeline_model_parallel_group(),
+        dp_group=ps.get_data_parallel_group(),
+        tp_rank=ps.get_tensor_model_parallel_rank(),
+        tp_size=ps.get_tensor_model_parallel_world_size(),
+        pp_rank=ps.get_pipeline_model_parallel_rank(),
+        pp_size=ps.get_pipeline_model_parallel_world_size(),
+        dp_rank=ps.get_data_parallel_rank(),
+        dp_size=ps.get_data_parallel_world_size(),
+        is_first_stage=ps.is_pipeline_first_stage(),
+        is_last_stage=ps.is_pipeline_last_stage(),
+    )

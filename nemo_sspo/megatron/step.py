@@ -1,0 +1,164 @@
+"""forward_step / loss_func glue between Megatron-Core's pipeline schedules and the policy losses.
+
+Normalisation contract (one for every loss and every parallel layout): ``loss_func`` returns
+``(numerator, denominator, metrics)`` with ``TransformerConfig.calculate_per_token_loss = True``.
+The schedule then neither divides by the micro-batch count nor by the denominator; instead
+``finalize_model_grads`` sums the denominators over all micro-batches and data-parallel ranks
+(broadcast from the last pipeline stage) and scales the gradients by ``1 / total``. With Megatron's
+DDP summing gradients over data-parallel ranks (it does not average under this flag) the step's
+gradient is ``grad(sum of numerators) / sum of denominators``: the global mean defined by the loss's
+aggregation mode (tokens for token-mean, responses for the response-level mean of SSPO eq. 16),
+whatever the micro-batch size, gradient-accumulation count, TP, PP or DP size.
+
+All tensors of a :class:`PolicyBatch` are in the *target frame*: position ``j`` holds the
+prediction of token ``j + 1`` of ``input_ids`` (Megatron returns logits at every position).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, fields
+from functools import partial
+from typing import Any, Callable
+
+import torch
+
+from nemo_sspo.algorithms import aggregate
+from nemo_sspo.megatron.model import forward_logits
+from nemo_sspo.parallel import vocab_parallel_logprobs_entropy
+
+__all__ = ["PolicyBatch", "LossSpec", "make_forward_step", "split_micro_batches"]
+
+
+@dataclass
+class PolicyBatch:
+    """One micro-batch (or a whole batch) of packed rollouts.
+
+    Attributes:
+        input_ids: [B, S] int64, prompt then response tokens, right-padded.
+        position_ids: [B, S] int64, 0..S-1 (right padding keeps valid positions causal-correct).
+        targets: [B, S] int64, ``input_ids`` shifted left by one (last column padding).
+        loss_mask: [B, S] bool, True where ``targets`` is a response token.
+        segment_ids: [B, S] int64, newline-segment index of the target token within its response,
+            -1 where ``loss_mask`` is False.
+        old_logprobs: [B, S] float32, log pi_old of the target tokens (0 outside the mask).
+        old_entropy: [B, S] float32, entropy of pi_old at each position, nats (0 outside the mask).
+        advantages: [B] float32, one advantage per response.
+    """
+
+    input_ids: torch.Tensor
+    position_ids: torch.Tensor
+    targets: torch.Tensor
+    loss_mask: torch.Tensor
+    segment_ids: torch.Tensor
+    old_logprobs: torch.Tensor
+    old_entropy: torch.Tensor
+    advantages: torch.Tensor
+
+    def select(self, rows: slice) -> "PolicyBatch":
+        """Rows ``rows`` of every field, as a new batch (views, no copy)."""
+        return PolicyBatch(**{f.name: getattr(self, f.name)[rows] for f in fields(self)})
+
+
+def split_micro_batches(batch: PolicyBatch, micro_batch_size: int) -> list[PolicyBatch]:
+    """Splits a batch into consecutive micro-batches of ``micro_batch_size`` rows.
+
+    Raises:
+        ValueError: the batch size is not a multiple of ``micro_batch_size``.
+    """
+    rows = batch.input_ids.shape[0]
+    if rows % micro_batch_size:
+        raise ValueError(f"batch of {rows} rows does not split into micro-batches of {micro_batch_size}")
+    return [batch.select(slice(i, i + micro_batch_size)) for i in range(0, rows, micro_batch_size)]
+
+
+@dataclass(frozen=True)
+class LossSpec:
+    """What ``loss_func`` needs besides the micro-batch.
+
+    Attributes:
+        loss_fn: a registered policy loss (``nemo_sspo.algorithms.losses``).
+        loss_config: that loss's config dataclass instance (its ``aggregation`` picks the mode).
+        tp_group: tensor-parallel process group of the vocab shard (None for a single process).
+        vocab_start: first global token id of this rank's logits shard.
+        vocab_size: true vocabulary size (ids at or above it are Megatron's padding rows).
+        temperature: sampling temperature of the rollouts; divides the logits.
+        max_response_length: L_max for the constant-denominator (Dr. GRPO) aggregation.
+    """
+
+    loss_fn: Callable[..., Any]
+    loss_config: Any
+    tp_group: Any
+    vocab_start: int
+    vocab_size: int
+    temperature: float
+    max_response_length: int
+
+
+def _token_stats(logits: torch.Tensor, batch: PolicyBatch, spec: LossSpec):
+    """Log-probs and entropies [B, S] float32 of the masked targets from [B, S, V_local] logits."""
+    mask = batch.loss_mask
+    logprobs, entropy = vocab_parallel_logprobs_entropy(
+        logits[mask],
+        batch.targets[mask],
+        tp_group=spec.tp_group,
+        vocab_start=spec.vocab_start,
+        vocab_size=spec.vocab_size,
+        temperature=spec.temperature,
+    )
+    full_lp = torch.zeros(mask.shape, dtype=torch.float32, device=logits.device)
+    full_ent = torch.zeros(mask.shape, dtype=torch.float32, device=logits.device)
+    return full_lp.masked_scatter(mask, logprobs), full_ent.masked_scatter(mask, entropy)
+
+
+def _policy_loss_func(batch: PolicyBatch, spec: LossSpec, logits: torch.Tensor):
+    logprobs, _ = _token_stats(logits, batch, spec)
+    per_token, metrics = spec.loss_fn(
+        logprobs,
+        batch.old_logprobs,
+        batch.advantages,
+        batch.loss_mask,
+        batch.segment_ids,
+        batch.old_entropy,
+        spec.loss_config,
+    )
+    numerator, denominator = aggregate(
+        per_token,
+        batch.loss_mask,
+        spec.loss_config.aggregation,
+        max_response_length=spec.max_response_length,
+    )
+    metrics = {k: v.detach() for k, v in metrics.items()}
+    metrics["loss/policy"] = torch.stack([numerator.detach(), denominator.to(numerator.dtype)])
+    mask = batch.loss_mask
+    gap = (logprobs.detach() - batch.old_logprobs)[mask].abs()
+    metrics["policy/logprob_gap_abs"] = torch.stack([gap.sum(), torch.tensor(float(gap.numel()))])
+    return numerator, denominator.to(torch.int), metrics
+
+
+def _logprob_loss_func(batch: PolicyBatch, spec: LossSpec, logits: torch.Tensor):
+    logprobs, entropy = _token_stats(logits, batch, spec)
+    zero = logits.new_zeros((), dtype=torch.float32)
+    return zero, torch.zeros((), dtype=torch.int), {"logprobs": logprobs, "entropy": entropy}
+
+
+def make_forward_step(spec: LossSpec, *, compute_loss: bool) -> Callable:
+    """Builds the ``forward_step_func`` for ``megatron.core.pipeline_parallel.get_forward_backward_func()``.
+
+    Args:
+        spec: loss and vocab-shard settings (see :class:`LossSpec`).
+        compute_loss: True for a training pass (loss_func returns the policy loss numerator, its
+            denominator as int, and metric (sum, count) pairs); False for a forward-only pass whose
+            loss_func returns ``{"logprobs": [B, S], "entropy": [B, S]}`` float32 per micro-batch.
+
+    The data iterator yields :class:`PolicyBatch` micro-batches; every pipeline stage receives the
+    same ones (the first stage reads ``input_ids``, the last the loss fields).
+    """
+    loss_func = _policy_loss_func if compute_loss else _logprob_loss_func
+
+    def forward_step(data_iterator: Iterator[PolicyBatch], model: torch.nn.Module):
+        batch = next(data_iterator)
+        output = forward_logits(model, batch.input_ids, batch.position_ids)
+        return output, partial(loss_func, batch, spec)
+
+    return forward_step

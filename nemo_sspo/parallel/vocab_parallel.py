@@ -1,0 +1,282 @@
+"""Fused vocab-parallel token log-probs and entropies from tensor-parallel logit shards.
+
+Under Megatron tensor parallelism the output layer's logits are sharded along the vocabulary:
+rank ``r`` holds ``logits [N, V_local]`` for the global token ids
+``[vocab_start, vocab_start + V_local)``. SSPO needs, per token, the log-probability of the
+sampled token and the entropy of the full-vocabulary distribution (arXiv 2511.04256, eq. 12).
+Both are computed here without gathering the vocabulary.
+
+Maths, in the scaled logits ``z = logits / tau`` (``tau`` = sampling temperature), with the
+global max ``m``, ``S0 = sum_v exp(z_v - m)`` and ``S1 = sum_v exp(z_v - m) (z_v - m)``
+(each a sum of per-shard partial sums, so one all-reduce SUM gives both)::
+
+    log Z   = m + log S0
+    log p_t = (z_t - m) - log S0                     (t = target id)
+    H       = -sum_v p_v log p_v = log S0 - S1 / S0   (since log p_v = (z_v - m) - log S0)
+
+Gradients (derivation, writing ``E[z] = sum_u p_u z_u``):
+
+- ``d log p_t / d z_v = 1[v = t] - p_v`` because ``d log Z / d z_v = p_v``.
+- ``H = log Z - E[z]`` and ``d E[z] / d z_v = p_v + sum_u z_u p_u (1[u = v] - p_v)
+  = p_v + p_v (z_v - E[z])``, so ``d H / d z_v = p_v - p_v - p_v (z_v - E[z])
+  = -p_v (log p_v + H)`` (using ``z_v - E[z] = log p_v + H``).
+- ``d z / d logits = 1 / tau``.
+
+Every term is local to the shard once the per-token ``log Z`` and ``H`` are known, so the
+backward pass recomputes ``p`` from the saved input and needs no communication. Padding
+columns (global id >= the true vocabulary size) are excluded from every sum: probability 0,
+gradient 0.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["vocab_parallel_logprobs_entropy", "vocab_shard_range"]
+
+# CPU only: rows per compute block are picked so one fp32 block (~1 MiB) stays in the L2 cache,
+# which makes the several elementwise passes per block cost about one pass over memory.
+# On accelerators a whole communication chunk is one block (fewer, larger kernels).
+_CPU_BLOCK_BYTES = 1 << 20
+
+
+def vocab_shard_range(vocab_size_padded: int, tp_rank: int, tp_size: int) -> tuple[int, int]:
+    """Global vocabulary ids ``[start, end)`` held by tensor-parallel rank ``tp_rank``.
+
+    Megatron splits the padded vocabulary into ``tp_size`` equal contiguous shards.
+
+    Args:
+        vocab_size_padded: padded vocabulary size ``V_padded`` (rows of the output layer).
+        tp_rank: this rank's index in the tensor-parallel group, ``0 <= tp_rank < tp_size``.
+        tp_size: tensor-parallel world size, ``>= 1``.
+
+    Returns:
+        ``(start, end)`` with ``end - start = V_padded / tp_size = V_local``.
+
+    Raises:
+        ValueError: ``tp_size < 1``, ``tp_rank`` out of range, or ``vocab_size_padded`` not a
+            positive multiple of ``tp_size`` (pad the vocabulary to a multiple of ``tp_size``).
+    """
+    if tp_size < 1:
+        raise ValueError(f"tp_size must be >= 1, got {tp_size}")
+    if not 0 <= tp_rank < tp_size:
+        raise ValueError(f"tp_rank must be in [0, {tp_size}), got {tp_rank}")
+    if vocab_size_padded < 1 or vocab_size_padded % tp_size:
+        raise ValueError(
+            f"vocab_size_padded={vocab_size_padded} must be a positive multiple of "
+            f"tp_size={tp_size}; pad the vocabulary as Megatron does"
+        )
+    v_local = vocab_size_padded // tp_size
+    return tp_rank * v_local, (tp_rank + 1) * v_local
+
+
+def vocab_parallel_logprobs_entropy(
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    *,
+    tp_group: dist.ProcessGroup | None,
+    vocab_start: int,
+    vocab_size: int,
+    temperature: float = 1.0,
+    chunk_size: int = 2048,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token log-prob of the target and full-vocabulary entropy from a vocab shard.
+
+    ``p = softmax(logits_full / temperature)`` over the true vocabulary;
+    ``logprobs[i] = log p_i(targets[i])``; ``entropy[i] = -sum_v p_i(v) log p_i(v)``
+    (SSPO token entropy, arXiv 2511.04256 eq. 12). Forward per chunk of tokens: one
+    all-reduce MAX ``[chunk]`` and one all-reduce SUM ``[chunk, 3]`` on ``tp_group``; backward
+    has no communication. Peak extra memory is ``O(chunk_size * V_local)`` (on CPU, one
+    cache-sized block of rows); the input is never modified.
+
+    Args:
+        logits: ``[N, V_local]`` float (bf16/fp16/fp32/fp64), this rank's contiguous shard covering
+            global ids ``[vocab_start, vocab_start + V_local)``.
+        targets: ``[N]`` int64 global token ids in ``[0, vocab_size)``. Shifting (the token at
+            position ``t + 1`` is the target of the logits at ``t``) is the caller's job.
+        tp_group: tensor-parallel process group, or ``None`` for a single process (no
+            communication). Never read from Megatron's global state.
+        vocab_start: global id of this shard's first column.
+        vocab_size: true vocabulary size ``V``; shard columns with global id ``>= V`` are
+            Megatron's padding and get probability 0.
+        temperature: sampling temperature ``tau > 0``; logits are divided by it.
+        chunk_size: tokens per communication chunk, ``>= 1``.
+
+    Returns:
+        ``(logprobs [N], entropy [N])`` in nats, fp32 (fp64 for fp64 input), identical on every
+        rank of ``tp_group``, both differentiable w.r.t. ``logits`` (gradient in its dtype).
+
+    Raises:
+        ValueError: wrong shapes/dtypes/devices, non-positive temperature/chunk_size/vocab_size,
+            ``tp_group=None`` with a shard that is not the whole vocabulary,
+            negative vocab_start, or a target outside ``[0, vocab_size)`` (this last check costs
+            one device-to-host sync per call).
+    """
+    _check_args(logits, targets, tp_group, vocab_start, vocab_size, temperature, chunk_size)
+    return _VocabParallelLogprobsEntropy.apply(
+        logits, targets, tp_group, vocab_start, vocab_size, float(temperature), int(chunk_size)
+    )
+
+
+def _check_args(logits, targets, tp_group, vocab_start, vocab_size, temperature, chunk_size):
+    if logits.dim() != 2 or not logits.is_floating_point():
+        raise ValueError(
+            f"logits must be a 2-D float tensor [N, V_local], got shape {tuple(logits.shape)} "
+            f"dtype {logits.dtype}; flatten batch/sequence dims first"
+        )
+    if targets.dim() != 1 or targets.dtype != torch.int64 or targets.numel() != logits.shape[0]:
+        raise ValueError(
+            f"targets must be int64 [N] with N={logits.shape[0]} (rows of logits), got shape "
+            f"{tuple(targets.shape)} dtype {targets.dtype}"
+        )
+    if targets.device != logits.device:
+        raise ValueError(f"targets on {targets.device} but logits on {logits.device}; move them")
+    if vocab_size < 1 or vocab_start < 0:
+        raise ValueError(f"need vocab_size >= 1 and vocab_start >= 0, got {vocab_size}, {vocab_start}")
+    if tp_group is None and (vocab_start != 0 or logits.shape[1] < vocab_size):
+        raise ValueError(
+            f"tp_group=None means one process holds the whole vocabulary: need vocab_start=0 "
+            f"and V_local >= vocab_size, got vocab_start={vocab_start}, V_local="
+            f"{logits.shape[1]}, vocab_size={vocab_size}; pass the tensor-parallel group"
+        )
+    if not (temperature > 0 and temperature != float("inf")):
+        raise ValueError(f"temperature must be a finite positive number, got {temperature}")
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+    if targets.numel() and bool(((targets < 0) | (targets >= vocab_size)).any()):
+        raise ValueError(
+            f"targets must be global token ids in [0, vocab_size={vocab_size}); "
+            "replace ignore-index/padding values with a valid id and mask the loss instead"
+        )
+
+
+def _block_rows(logits: torch.Tensor, n_cols: int, chunk: int) -> int:
+    """Rows per compute block: the whole chunk on accelerators, a cache-sized block on CPU."""
+    if logits.device.type != "cpu":
+        return chunk
+    return max(1, min(chunk, _CPU_BLOCK_BYTES // (4 * max(n_cols, 1))))
+
+
+def _local_stats(block: torch.Tensor, inv_temp: float, acc: torch.dtype) -> torch.Tensor:
+    """``[rows, 3]``: local max ``m_r`` of ``z``, ``sum exp(z - m_r)``, ``sum exp(z - m_r)(z - m_r)``.
+
+    ``block [rows, n_valid]`` holds raw logits (never written). Sums use ``acc`` precision.
+    """
+    raw_max = block.amax(dim=-1, keepdim=True).to(acc)
+    # Subtracting an ``acc`` tensor from the block upcasts inside the kernel: one pass, new memory.
+    shifted = torch.sub(block, raw_max)
+    if inv_temp != 1.0:
+        shifted.mul_(inv_temp)
+    weights = torch.exp(shifted)
+    sum_exp = weights.sum(dim=-1)
+    sum_exp_shifted = weights.mul_(shifted).sum(dim=-1)
+    return torch.stack([raw_max.squeeze(-1) * inv_temp, sum_exp, sum_exp_shifted], dim=-1)
+
+
+def _chunk_stats(logits, targets, tp_group, vocab_start, n_valid, inv_temp, acc):
+    """Global ``(log S0, S1 / S0, z_t - m)`` per token of one chunk; two collectives."""
+    rows = logits.shape[0]
+    if n_valid == 0:  # every column of this shard is padding: contributes nothing
+        local = torch.zeros(rows, 3, dtype=acc, device=logits.device)
+        local_max = torch.full((rows,), float("-inf"), dtype=acc, device=logits.device)
+    else:
+        valid = logits[:, :n_valid]
+        step = _block_rows(logits, n_valid, rows)
+        local = torch.cat([_local_stats(valid[s : s + step], inv_temp, acc) for s in range(0, rows, step)])
+        local_max = local[:, 0].clone()
+    global_max = local_max.clone()
+    if tp_group is not None:
+        dist.all_reduce(global_max, op=dist.ReduceOp.MAX, group=tp_group)
+
+    stats = torch.zeros(rows, 3, dtype=acc, device=logits.device)
+    if n_valid:
+        # Re-base partial sums from the local to the global max (online-softmax identity):
+        # sum e^(z-m) = c sum e^(z-m_r), sum e^(z-m)(z-m) = c (sum e^(z-m_r)(z-m_r) + (m_r-m) S0_r),
+        # c = e^(m_r - m). This lets the block loop above run before any communication.
+        delta = local_max - global_max
+        scale = torch.exp(delta)
+        stats[:, 0] = local[:, 1] * scale
+        stats[:, 1] = (local[:, 2] + delta * local[:, 1]) * scale
+        local_ids = targets - vocab_start
+        owned = (local_ids >= 0) & (local_ids < n_valid)
+        target_raw = logits.gather(1, local_ids.clamp(0, n_valid - 1).unsqueeze(-1)).squeeze(-1)
+        target_shifted = target_raw.to(acc) * inv_temp - global_max
+        stats[:, 2] = torch.where(owned, target_shifted, torch.zeros_like(target_shifted))
+    if tp_group is not None:
+        dist.all_reduce(stats, op=dist.ReduceOp.SUM, group=tp_group)
+
+    log_sum_exp = stats[:, 0].log()
+    logprobs = stats[:, 2] - log_sum_exp
+    entropy = log_sum_exp - stats[:, 1] / stats[:, 0]
+    return logprobs, entropy, global_max + log_sum_exp
+
+
+def _block_grad(block, log_z, entropy, grad_lp, grad_h, inv_temp, acc) -> torch.Tensor:
+    """``[rows, n_valid]`` gradient w.r.t. raw logits, without the target one-hot term.
+
+    ``-p * (g_lp + g_H (log p + H)) / tau`` with ``log p = block / tau - log Z``; the one-hot
+    ``g_lp / tau`` is added by the caller. A missing upstream gradient counts as zero.
+    """
+    log_p = torch.sub(block, (log_z / inv_temp).unsqueeze(-1))
+    if inv_temp != 1.0:
+        log_p.mul_(inv_temp)
+    grad = torch.exp(log_p)
+    offset = torch.zeros_like(log_z) if grad_lp is None else grad_lp.to(acc)
+    if grad_h is None:
+        return grad.mul_((-inv_temp * offset).unsqueeze(-1))
+    grad_h = grad_h.to(acc)
+    # -(g_lp + g_H (log p + H)) / tau = log p * (-g_H / tau) - (g_lp + g_H H) / tau
+    log_p.mul_((-inv_temp * grad_h).unsqueeze(-1))
+    log_p.add_((-inv_temp * (offset + grad_h * entropy)).unsqueeze(-1))
+    return grad.mul_(log_p)
+
+
+class _VocabParallelLogprobsEntropy(torch.autograd.Function):
+    """Autograd function behind :func:`vocab_parallel_logprobs_entropy` (see module docstring)."""
+
+    @staticmethod
+    def forward(ctx, logits, targets, tp_group, vocab_start, vocab_size, temperature, chunk_size):
+        acc = torch.promote_types(logits.dtype, torch.float32)
+        inv_temp = 1.0 / temperature
+        n_valid = max(0, min(logits.shape[1], vocab_size - vocab_start))
+        pieces = [
+            _chunk_stats(logits[s : s + chunk_size], targets[s : s + chunk_size], tp_group, vocab_start, n_valid, inv_temp, acc)
+            for s in range(0, logits.shape[0], chunk_size)
+        ]
+        if pieces:
+            logprobs, entropy, log_z = (torch.cat(parts) for parts in zip(*pieces))
+        else:
+            logprobs = entropy = log_z = logits.new_zeros(0, dtype=acc)
+        ctx.save_for_backward(logits, targets, log_z, entropy)
+        ctx.meta = (vocab_start, n_valid, inv_temp, chunk_size, acc)
+        ctx.set_materialize_grads(False)
+        return logprobs, entropy
+
+    @staticmethod
+    def backward(ctx, grad_logprobs, grad_entropy):
+        if grad_logprobs is None and grad_entropy is None:
+            return (None,) * 7
+        logits, targets, log_z, entropy = ctx.saved_tensors
+        vocab_start, n_valid, inv_temp, chunk_size, acc = ctx.meta
+        grad_logits = torch.zeros_like(logits) if n_valid < logits.shape[1] else torch.empty_like(logits)
+        step = _block_rows(logits, n_valid, chunk_size)
+        for s in range(0, logits.shape[0] if n_valid else 0, step):
+            rows = slice(s, s + step)
+            g_lp = None if grad_logprobs is None else grad_logprobs[rows]
+            g_h = None if grad_entropy is None else grad_entropy[rows]
+            grad = _block_grad(logits[rows, :n_valid], log_z[rows], entropy[rows], g_lp, g_h, inv_temp, acc)
+            if g_lp is not None:
+                _add_target_onehot(grad, targets[rows] - vocab_start, g_lp.to(acc) * inv_temp)
+            grad_logits[rows, :n_valid] = grad
+        return grad_logits, None, None, None, None, None, None
+
+
+def _add_target_onehot(grad: torch.Tensor, local_ids: torch.Tensor, values: torch.Tensor) -> None:
+    """``grad[i, local_ids[i]] += values[i]`` for rows whose target lies in this shard.
+
+    Uses a masked scatter_add (no ``nonzero``), so it never syncs device and host.
+    """
+    owned = (local_ids >= 0) & (local_ids < grad.shape[1])
+    index = local_ids.clamp(0, grad.shape[1] - 1).unsqueeze(-1)
+    grad.scatter_add_(1, index, torch.where(owned, values, torch.zeros_like(values)).unsqueeze(-1))

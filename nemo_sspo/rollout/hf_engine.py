@@ -1,0 +1,152 @@
+"""Rollout generation with transformers ``generate`` (the CPU engine) and in-place weight refit."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from transformers import GenerationConfig
+
+from nemo_sspo.models.hf_checkpoint import check_state_dict_keys
+
+__all__ = ["HFRolloutEngine", "RolloutBatch"]
+
+
+@dataclass
+class RolloutBatch:
+    """One batch of sampled responses, row ``b`` answering ``prompts[b]``.
+
+    Attributes:
+        prompt_ids: ``[B, P]`` int64, LEFT-padded with the pad id.
+        prompt_mask: ``[B, P]`` bool, True on real prompt tokens.
+        response_ids: ``[B, T]`` int64, RIGHT-padded with the pad id; ``T`` is the longest response
+            of the batch (at most ``max_new_tokens``).
+        response_mask: ``[B, T]`` bool, True on generated tokens up to and including the first EOS.
+        truncated: ``[B]`` bool, True when no EOS was produced within ``max_new_tokens``.
+        response_texts: the responses decoded without special tokens.
+        rollout_logprobs: ``[B, T]`` float32, natural-log probability of each sampled token under
+            the sampling distribution (after temperature / top-k / top-p); 0 where the mask is False.
+    """
+
+    prompt_ids: torch.Tensor
+    prompt_mask: torch.Tensor
+    response_ids: torch.Tensor
+    response_mask: torch.Tensor
+    truncated: torch.Tensor
+    response_texts: list[str]
+    rollout_logprobs: torch.Tensor
+
+
+class HFRolloutEngine:
+    """Batched sampling from a ``transformers`` causal LM, with weight refit from the trainer.
+
+    Args:
+        model: a ``PreTrainedModel`` (e.g. from ``build_hf_model``); used in eval mode, no grad.
+        tokenizer: its tokenizer; must define ``pad_token_id`` and ``eos_token_id``.
+        max_new_tokens: response length cap ``T_max`` (tokens), > 0.
+        temperature: > 0; the sampling logits are ``logits / temperature``.
+        top_p: nucleus mass in (0, 1]. Keep 1.0 for training (pitfall P14): with ``top_p < 1`` the
+            rollout log-probs are renormalised over the kept support, so the gap between rollout and
+            trainer (full-vocabulary) log-probs grows and the first-step ratio is no longer 1.
+        top_k: keep the ``top_k`` most likely tokens, 0 = off; same P14 caveat as ``top_p``.
+
+    Memory: ``generate`` keeps the processed scores of every step, ``B * T * V`` fp32 values
+    (32 x 160 x 49152 x 4 B = 1.0 GB for SmolLM2), until :meth:`generate` returns.
+
+    Raises:
+        ValueError: a sampling setting out of range, or a tokenizer without pad/EOS ids.
+    """
+
+    def __init__(self, model, tokenizer, *, max_new_tokens: int, temperature: float, top_p: float = 1.0,
+                 top_k: int = 0) -> None:
+        if max_new_tokens <= 0:
+            raise ValueError(f"max_new_tokens={max_new_tokens} must be > 0")
+        if temperature <= 0:
+            raise ValueError(f"temperature={temperature} must be > 0 (sampling only; no greedy mode here)")
+        if not 0.0 < top_p <= 1.0:
+            raise ValueError(f"top_p={top_p} must be in (0, 1]; use 1.0 for training (P14)")
+        if top_k < 0:
+            raise ValueError(f"top_k={top_k} must be >= 0 (0 disables it)")
+        if tokenizer.pad_token_id is None or tokenizer.eos_token_id is None:
+            raise ValueError("tokenizer needs pad_token_id and eos_token_id; set pad_token = eos_token")
+        self.model = model.eval()
+        self.tokenizer = tokenizer
+        self.max_new_tokens = max_new_tokens
+        # A complete config, so nothing is inherited from the checkpoint's generation defaults.
+        self._generation_config = GenerationConfig(
+            do_sample=True,
+            max_new_tokens=max_new_tokens,
+            temperature=temperature,
+            top_p=top_p,
+            top_k=top_k,
+            pad_token_id=tokenizer.pad_token_id,
+            eos_token_id=tokenizer.eos_token_id,
+            output_scores=True,
+            return_dict_in_generate=True,
+        )
+
+    @torch.no_grad()
+    def generate(self, prompts: list[str], *, seed: int) -> RolloutBatch:
+        """Sample one response per prompt (repeat a prompt G times for a group).
+
+        Args:
+            prompts: already rendered prompts (chat template applied); no special tokens are added.
+            seed: sampling seed; the same seed, prompts and weights give the same responses. The
+                global torch RNG is left as it was.
+
+        Returns:
+            a :class:`RolloutBatch` with ``B = len(prompts)``.
+        """
+        if not prompts:
+            raise ValueError("prompts is empty; pass at least one rendered prompt")
+        enc = self.tokenizer(prompts, return_tensors="pt", padding=True, padding_side="left",
+                             add_special_tokens=False)
+        prompt_ids, prompt_mask = enc["input_ids"], enc["attention_mask"].bool()
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            out = self.model.generate(input_ids=prompt_ids, attention_mask=prompt_mask.long(),
+                                      generation_config=self._generation_config)
+        response_ids = out.sequences[:, prompt_ids.shape[1]:].clone()
+        response_mask, truncated = self._response_mask(response_ids)
+        # where, not multiply: a filtered (top-k/top-p) pad position has log-prob -inf and -inf * 0 = NaN.
+        logprobs = torch.where(response_mask, self._sampled_logprobs(out.scores, response_ids), 0.0)
+        response_ids[~response_mask] = self.tokenizer.pad_token_id
+        texts = self.tokenizer.batch_decode(response_ids, skip_special_tokens=True)
+        return RolloutBatch(prompt_ids=prompt_ids, prompt_mask=prompt_mask, response_ids=response_ids,
+                            response_mask=response_mask, truncated=truncated, response_texts=texts,
+                            rollout_logprobs=logprobs)
+
+    @torch.no_grad()
+    def load_weights(self, hf_state_dict: dict[str, torch.Tensor]) -> None:
+        """Refit: copy ``hf_state_dict`` (HF names, any float dtype) into the model in place.
+
+        Keys must match exactly (strict; ``lm_head.weight`` omitted when embeddings are tied), and
+        every shape must match.
+
+        Raises:
+            ValueError: missing/unexpected keys or a shape mismatch.
+        """
+        check_state_dict_keys(self.model, hf_state_dict)
+        params = self.model.state_dict()
+        for name, value in hf_state_dict.items():
+            if params[name].shape != value.shape:
+                raise ValueError(f"hf_state_dict[{name!r}] has shape {tuple(value.shape)}, "
+                                 f"expected {tuple(params[name].shape)}")
+        for name, value in hf_state_dict.items():
+            params[name].copy_(value)
+
+    def _response_mask(self, response_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``[B, T]`` mask up to and including the first EOS, and ``[B]`` truncated flags.
+
+        Found from the first EOS position, not from pad ids: SmolLM2 pads with its EOS token.
+        """
+        is_eos = response_ids == self.tokenizer.eos_token_id
+        seen_before = (is_eos.cumsum(dim=1) - is_eos.long()) > 0  # an EOS strictly earlier in the row
+        return ~seen_before, ~is_eos.any(dim=1)
+
+    @staticmethod
+    def _sampled_logprobs(scores: tuple[torch.Tensor, ...], response_ids: torch.Tensor) -> torch.Tensor:
+        """log-softmax of the processed step scores (``T`` tensors ``[B, V]``) at the sampled ids."""
+        steps = [torch.log_softmax(s.float(), dim=-1).gather(1, response_ids[:, t:t + 1])
+                 for t, s in enumerate(scores)]
+        return torch.cat(steps, dim=1)

@@ -1,0 +1,83 @@
+"""Packing rollouts into the trainer's target-frame layout (:class:`PolicyBatch`)."""
+
+from __future__ import annotations
+
+import torch
+
+from nemo_sspo.megatron.step import PolicyBatch
+
+__all__ = ["pack_rollouts", "response_to_target_frame"]
+
+
+def _row_offsets(prompt_mask: torch.Tensor) -> torch.Tensor:
+    """Target-frame column of each row's first response token: prompt length - 1. [B] int64."""
+    return prompt_mask.sum(dim=1) - 1
+
+
+def response_to_target_frame(values: torch.Tensor, prompt_mask: torch.Tensor, seq_len: int, fill=0):
+    """Places response-frame values [B, T] at their target-frame columns of a [B, seq_len] tensor.
+
+    Response token ``t`` of row ``b`` is predicted at target column ``P_b - 1 + t`` where ``P_b`` is
+    the row's unpadded prompt length. Positions without a response token get ``fill``.
+    """
+    rows, resp_len = values.shape
+    out = torch.full((rows, seq_len), fill, dtype=values.dtype)
+    cols = _row_offsets(prompt_mask)[:, None] + torch.arange(resp_len)[None, :]
+    keep = cols < seq_len
+    row_idx = torch.arange(rows)[:, None].expand_as(cols)
+    out[row_idx[keep], cols[keep]] = values[keep]
+    return out
+
+
+def pack_rollouts(
+    prompt_ids: torch.Tensor,
+    prompt_mask: torch.Tensor,
+    response_ids: torch.Tensor,
+    response_mask: torch.Tensor,
+    segment_ids: torch.Tensor,
+    advantages: torch.Tensor,
+    *,
+    pad_id: int,
+) -> PolicyBatch:
+    """Builds a :class:`PolicyBatch` (old log-probs/entropy zero, filled in later).
+
+    Args:
+        prompt_ids: [B, P] int64, LEFT-padded prompts; prompt_mask: [B, P] bool.
+        response_ids: [B, T] int64, RIGHT-padded responses; response_mask: [B, T] bool.
+        segment_ids: [B, T] int64 newline-segment ids in the response frame (-1 at padding).
+        advantages: [B] float32.
+        pad_id: token id written at padding positions.
+
+    Each row becomes ``prompt tokens + response tokens`` right-padded to ``S = max(P_b + T_b)``,
+    so positions ``0..S-1`` are the true positions of every valid token.
+
+    Raises:
+        ValueError: leading dimensions disagree.
+    """
+    rows = prompt_ids.shape[0]
+    for name, t in (("prompt_mask", prompt_mask), ("response_ids", response_ids),
+                    ("response_mask", response_mask), ("segment_ids", segment_ids),
+                    ("advantages", advantages)):
+        if t.shape[0] != rows:
+            raise ValueError(f"{name} has {t.shape[0]} rows, prompt_ids has {rows}")
+    prompt_len = prompt_mask.sum(dim=1)
+    resp_len = response_mask.sum(dim=1)
+    seq_len = int((prompt_len + resp_len).max())
+    input_ids = torch.full((rows, seq_len), pad_id, dtype=torch.long)
+    for b in range(rows):
+        p, t = int(prompt_len[b]), int(resp_len[b])
+        input_ids[b, :p] = prompt_ids[b][prompt_mask[b]]
+        input_ids[b, p : p + t] = response_ids[b][response_mask[b]]
+    targets = torch.cat([input_ids[:, 1:], torch.full((rows, 1), pad_id, dtype=torch.long)], dim=1)
+    loss_mask = response_to_target_frame(response_mask, prompt_mask, seq_len, fill=False)
+    zeros = torch.zeros(rows, seq_len, dtype=torch.float32)
+    return PolicyBatch(
+        input_ids=input_ids,
+        position_ids=torch.arange(seq_len).expand(rows, seq_len).contiguous(),
+        targets=targets,
+        loss_mask=loss_mask,
+        segment_ids=response_to_target_frame(segment_ids, prompt_mask, seq_len, fill=-1),
+        old_logprobs=zeros,
+        old_entropy=zeros.clone(),
+        advantages=advantages.to(torch.float32),
+    )

@@ -1,0 +1,102 @@
+"""Per-step metric output: a progress bar, one console line per step, ``metrics.jsonl``,
+TensorBoard events, and a reward/entropy plot at the end. Only the logging rank writes."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+from tqdm.auto import tqdm
+
+__all__ = ["MetricsLogger", "SUMMARY_KEYS", "plot_metrics"]
+
+# Shown on the console line, in this order (all keys still go to jsonl/TensorBoard).
+SUMMARY_KEYS = (
+    ("reward/mean", "reward", "{:.3f}"),
+    ("reward/accuracy", "acc", "{:.3f}"),
+    ("response/length_mean", "len", "{:.1f}"),
+    ("policy/entropy", "H", "{:.3f}"),
+    ("policy/clipfrac_tokens", "clip_tok", "{:.4f}"),
+    ("policy/clipfrac_segments", "clip_seg", "{:.4f}"),
+    ("policy/b_low", "b_low", "{:.3f}"),
+    ("policy/b_high", "b_high", "{:.3f}"),
+    ("policy/segments_per_response", "seg/resp", "{:.2f}"),
+    ("optim/grad_norm", "gnorm", "{:.3f}"),
+    ("timing/generation_s", "gen_s", "{:.1f}"),
+    ("timing/train_s", "train_s", "{:.1f}"),
+)
+
+
+def _format_line(step: int, metrics: dict[str, float]) -> str:
+    parts = [f"step {step:>3}"]
+    for key, short, fmt in SUMMARY_KEYS:
+        if key in metrics:
+            parts.append(f"{short}={fmt.format(metrics[key])}")
+    return " ".join(parts)
+
+
+class MetricsLogger:
+    """Writes one record per training step.
+
+    Args:
+        output_dir: folder for ``metrics.jsonl``, ``tensorboard/`` and ``reward_entropy.png``.
+        total_steps: length of the progress bar.
+        enabled: False on every rank but the logging one (nothing is written or shown).
+    """
+
+    def __init__(self, output_dir: str | Path, total_steps: int, *, enabled: bool) -> None:
+        self.enabled = enabled
+        self.output_dir = Path(output_dir)
+        self.history: list[dict[str, float]] = []
+        if not enabled:
+            return
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.output_dir.mkdir(parents=True, exist_ok=True)
+        self._jsonl = open(self.output_dir / "metrics.jsonl", "w", encoding="utf-8")
+        self._tb = SummaryWriter(log_dir=str(self.output_dir / "tensorboard"))
+        self._bar = tqdm(total=total_steps, desc="train", unit="step", dynamic_ncols=True)
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        """Records ``metrics`` (flat name -> float) for ``step`` (1-based)."""
+        self.history.append({"step": step, **metrics})
+        if not self.enabled:
+            return
+        self._jsonl.write(json.dumps({"step": step, **metrics}) + "\n")
+        self._jsonl.flush()
+        for key, value in metrics.items():
+            self._tb.add_scalar(key, value, step)
+        self._bar.update(1)
+        self._bar.set_postfix(reward=f"{metrics.get('reward/mean', math.nan):.3f}")
+        self._bar.write(_format_line(step, metrics))
+
+    def close(self) -> None:
+        """Closes the files and writes the reward/entropy plot."""
+        if not self.enabled:
+            return
+        self._bar.close()
+        self._tb.close()
+        self._jsonl.close()
+        if self.history:
+            plot_metrics(self.history, self.output_dir / "reward_entropy.png")
+
+
+def plot_metrics(history: list[dict[str, float]], path: Path) -> None:
+    """Saves a two-panel PNG of mean reward and mean token entropy over steps."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = [h["step"] for h in history]
+    fig, (ax_r, ax_h) = plt.subplots(1, 2, figsize=(10, 3.8))
+    ax_r.plot(steps, [h.get("reward/mean", math.nan) for h in history], marker="o", ms=3)
+    ax_r.set(xlabel="step", ylabel="mean reward", title="Reward")
+    ax_h.plot(steps, [h.get("policy/entropy", math.nan) for h in history], marker="o", ms=3, color="C1")
+    ax_h.set(xlabel="step", ylabel="nats / token", title="Token entropy (old policy)")
+    for ax in (ax_r, ax_h):
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

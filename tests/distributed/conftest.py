@@ -1,0 +1,134 @@
+"""Shared fixture for multi-process tests: ``run_distributed(fn, world_size, *args)``.
+
+Each call spawns ``world_size`` fresh processes (``torch.multiprocessing``, start method
+"spawn"), joins a gloo process group on a free localhost port, runs
+``fn(rank, world_size, *args)`` and returns the per-rank results. A child's exception is
+re-raised in the test with the child's traceback; a hung run is killed after a timeout.
+
+Spawning costs seconds (every child imports torch and the test module), so group many checks
+into one ``fn``. ``fn``, ``args`` and the return values must be picklable: ``fn`` is a
+module-level function of the test module.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import pickle
+import socket
+import sys
+import time
+import traceback
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+_TIMEOUT_S = 120.0
+_GRACE_S = 5.0  # after one rank fails, how long the others get to finish before being killed
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _child(rank, world_size, port, fn, args, results):
+    """Child entry: set up gloo, run ``fn``, report ``(rank, ok, value_or_traceback)``."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group(
+            "gloo", rank=rank, world_size=world_size,
+            timeout=datetime.timedelta(seconds=_TIMEOUT_S),
+        )
+        try:
+            # Plain pickle copies tensors by value; torch's queue pickler would pass them through
+            # shared memory owned by this process, which is gone once it exits.
+            results.put((rank, True, pickle.dumps(fn(rank, world_size, *args))))
+        finally:
+            dist.destroy_process_group()
+    except BaseException:  # noqa: BLE001 - every failure must reach the parent
+        results.put((rank, False, traceback.format_exc()))
+        sys.exit(1)
+
+
+def _import_roots(*functions) -> list[str]:
+    """Directories that make the functions' modules importable by name in a spawned child."""
+    roots = []
+    for function in functions:
+        module = sys.modules[function.__module__]
+        path = os.path.abspath(module.__file__)
+        for _ in range(function.__module__.count(".") + 1):
+            path = os.path.dirname(path)
+        roots.append(path)
+    return roots
+
+
+def _run(fn, world_size: int, *args, timeout_s: float = _TIMEOUT_S) -> list:
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    ctx = mp.get_context("spawn")
+    results = ctx.SimpleQueue()
+    port = _free_port()
+    # Children unpickle `fn` and `_child` by module name: put their roots first on sys.path
+    # (copied into the children at start) so another `conftest`/test module cannot shadow them.
+    saved_path = list(sys.path)
+    sys.path[:0] = _import_roots(fn, _child)
+    try:
+        procs = [
+            ctx.Process(target=_child, args=(rank, world_size, port, fn, args, results), daemon=True)
+            for rank in range(world_size)
+        ]
+        for proc in procs:
+            proc.start()
+    finally:
+        sys.path[:] = saved_path
+    return _collect(procs, results, world_size, timeout_s)
+
+
+def _collect(procs, results, world_size: int, timeout_s: float) -> list:
+    """Wait for every rank; raise on the first failure or when the deadline passes."""
+    deadline = time.monotonic() + timeout_s
+    values, failures = {}, {}
+    while len(values) + len(failures) < world_size and time.monotonic() < deadline:
+        while not results.empty():
+            rank, ok, payload = results.get()
+            if ok:
+                values[rank] = pickle.loads(payload)
+            else:
+                failures[rank] = payload
+        for rank, proc in enumerate(procs):
+            silent = rank not in values and rank not in failures
+            if silent and proc.exitcode is not None and results.empty():
+                failures[rank] = f"exited with code {proc.exitcode} without reporting (killed?)"
+        if failures:  # the other ranks may be stuck in a collective: give them a short grace
+            deadline = min(deadline, time.monotonic() + _GRACE_S)
+        time.sleep(0.02)
+    for proc in procs:
+        proc.join(timeout=1.0)
+        if proc.is_alive():
+            proc.kill()
+            proc.join()
+    if failures:
+        rank = min(failures)
+        raise RuntimeError(f"rank {rank} of {world_size} failed:\n{failures[rank]}")
+    if len(values) < world_size:
+        raise TimeoutError(
+            f"distributed run did not finish in {timeout_s:.0f} s (ranks done: {sorted(values)})"
+        )
+    return [values[rank] for rank in range(world_size)]
+
+
+@pytest.fixture
+def run_distributed():
+    """``run_distributed(fn, world_size, *args, timeout_s=120) -> [fn result of rank 0, 1, ...]``.
+
+    ``fn(rank, world_size, *args)`` runs in each spawned process after
+    ``torch.distributed.init_process_group("gloo")`` (default group = all ranks; build
+    subgroups with ``dist.new_group`` on every rank). Raises ``RuntimeError`` with the child's
+    traceback when any rank raises, ``TimeoutError`` when ranks hang.
+    """
+    return _run

@@ -1,0 +1,34 @@
+"""Packing rollouts into the target frame, checked against hand-built layouts."""
+
+import torch
+
+from nemo_sspo.trainer.batch import pack_rollouts
+
+PAD = 0
+
+
+def test_pack_rollouts_hand_layout():
+    # Row 0: prompt [5, 6] (left-padded to 3), response [7, 8, 9].
+    # Row 1: prompt [4, 5, 6], response [3] then padding; row 2: prompt [1], empty response.
+    prompt_ids = torch.tensor([[PAD, 5, 6], [4, 5, 6], [PAD, PAD, 1]])
+    prompt_mask = prompt_ids != PAD
+    response_ids = torch.tensor([[7, 8, 9], [3, PAD, PAD], [PAD, PAD, PAD]])
+    response_mask = torch.tensor([[1, 1, 1], [1, 0, 0], [0, 0, 0]], dtype=torch.bool)
+    segments = torch.tensor([[0, 0, 1], [0, -1, -1], [-1, -1, -1]])
+    adv = torch.tensor([1.0, -1.0, 0.0])
+
+    b = pack_rollouts(prompt_ids, prompt_mask, response_ids, response_mask, segments, adv, pad_id=PAD)
+
+    # S = max(2 + 3, 3 + 1, 1 + 0) = 5
+    assert b.input_ids.tolist() == [[5, 6, 7, 8, 9], [4, 5, 6, 3, PAD], [1, PAD, PAD, PAD, PAD]]
+    assert b.targets.tolist() == [[6, 7, 8, 9, PAD], [5, 6, 3, PAD, PAD], [PAD] * 5]
+    # Response token t of a row with prompt length P is predicted at column P - 1 + t.
+    assert b.loss_mask.tolist() == [
+        [False, True, True, True, False],
+        [False, False, True, False, False],
+        [False] * 5,
+    ]
+    assert b.segment_ids.tolist() == [[-1, 0, 0, 1, -1], [-1, -1, 0, -1, -1], [-1] * 5]
+    assert b.position_ids.tolist() == [list(range(5))] * 3
+    assert torch.equal(b.targets[b.loss_mask], response_ids[response_mask])
+    assert b.advantages.tolist() == [1.0, -1.0, 0.0]

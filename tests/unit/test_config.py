@@ -1,0 +1,67 @@
+"""Every shipped YAML loads and validates; bad configs fail at load time with the key path."""
+
+from pathlib import Path
+
+import pytest
+
+from nemo_sspo.cli import DEFAULT_CONFIG_DIR, load_config
+from nemo_sspo.trainer.config import validate
+
+CONF = Path(DEFAULT_CONFIG_DIR)
+
+
+def _group_options(group: str) -> list[str]:
+    return sorted(p.stem for p in (CONF / group).glob("*.yaml"))
+
+
+@pytest.mark.parametrize("config_name", sorted(p.stem for p in CONF.glob("*.yaml")))
+def test_top_level_configs_load_and_validate(config_name):
+    cfg = load_config(config_name)
+    model_parallel = cfg.parallel.tensor_model_parallel_size * cfg.parallel.pipeline_model_parallel_size
+    validate(cfg, world_size=model_parallel)
+
+
+@pytest.mark.parametrize("loss", _group_options("loss"))
+def test_every_loss_group_option_loads(loss):
+    cfg = load_config(overrides=[f"loss={loss}"])
+    assert cfg.loss.name == loss  # each file is named after its registry key
+
+
+@pytest.mark.parametrize("parallel", _group_options("parallel"))
+def test_every_parallel_group_option_validates_at_its_world_size(parallel):
+    cfg = load_config(overrides=[f"parallel={parallel}"])
+    p = cfg.parallel
+    validate(cfg, world_size=p.tensor_model_parallel_size * p.pipeline_model_parallel_size)
+
+
+def test_overrides_reach_the_typed_config():
+    cfg = load_config(overrides=["trainer.max_steps=2", "trainer.output_dir=/tmp/x", "loss.params.gamma=2.2"])
+    assert (cfg.trainer.max_steps, cfg.trainer.output_dir, cfg.loss.params["gamma"]) == (2, "/tmp/x", 2.2)
+
+
+@pytest.mark.parametrize(
+    "overrides, fragment",
+    [
+        (["trainer.max_stpes=2"], "max_stpes"),  # typo in a key
+        (["trainer.max_steps=two"], "max_steps"),  # wrong type
+        (["loss.name=ppo_magic"], "ppo_magic"),  # unknown loss name lists the valid ones
+        (["+loss.params.not_a_field=1"], "not_a_field"),  # parameter the loss does not have
+    ],
+)
+def test_bad_configs_fail_at_load_with_the_key(overrides, fragment):
+    with pytest.raises(ValueError, match=fragment):
+        load_config(overrides=overrides)
+
+
+@pytest.mark.parametrize(
+    "overrides, world, fragment",
+    [
+        (["rollout.samples_per_prompt=3"], 1, "micro_batch_size"),  # 4 x 3 = 12 rows, units of 8
+        (["parallel=tp3"], 2, "world size 2"),
+        (["rollout.temperature=0"], 1, "rollout.temperature"),
+    ],
+)
+def test_cross_field_checks_name_the_key(overrides, world, fragment):
+    cfg = load_config(overrides=overrides)
+    with pytest.raises(ValueError, match=fragment):
+        validate(cfg, world_size=world)
