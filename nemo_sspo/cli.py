@@ -71,11 +71,18 @@ def main(argv: list[str] | None = None) -> int:
 
         print(OmegaConf.to_yaml(OmegaConf.structured(cfg)))
         return 0
+    from nemo_sspo.megatron import destroy_parallel
     from nemo_sspo.trainer.loop import GRPOTrainer
 
-    trainer = GRPOTrainer(cfg)
-    history = trainer.fit()
-    if trainer.logger.enabled and history:
+    try:
+        trainer = GRPOTrainer(cfg)
+        history = trainer.fit()
+    except ValueError as err:
+        print(f"nemo-sspo: {err}", file=sys.stderr)
+        return 2
+    finally:
+        destroy_parallel()
+    if trainer.logger.enabled:
         print(f"done: {len(history)} steps, outputs in {cfg.trainer.output_dir}")
     return 0
 

@@ -14,7 +14,8 @@ Shims (measured with megatron-core 0.16.1, torch 2.13 CPU):
    generator states, which raise on CPU-only torch.
 3. ``cpu_device_context()``: a ``TorchFunctionMode`` that rewrites ``device="cuda"`` to CPU, and
    turns ``torch.cuda.synchronize`` into a no-op; wrap Megatron's pipeline schedules
-   (``torch.zeros([], device="cuda")`` for the token count) and its optimizer in it.
+   (``torch.zeros([], device="cuda")`` for the token count), its optimizer, and GPTModel
+   construction (tied embeddings with PP > 1 call ``weight.data.cuda()``) in it.
 4. ``cpu_config_overrides()``: ``TransformerConfig`` fields: CPU initialisation, no fused kernels
    (apex / TE are absent), ``pipeline_dtype=float32`` (gloo p2p), ``batch_p2p_sync=False`` (it
    calls ``torch.cuda.synchronize``), ``batch_p2p_comm=False`` (with virtual pipeline stages the

@@ -67,12 +67,17 @@ def _check_hf_keys(hf_state_dict: dict[str, torch.Tensor], hf_config: Any) -> No
     missing = sorted(expected - optional - hf_state_dict.keys())
     unexpected = sorted(hf_state_dict.keys() - expected)
     if missing or unexpected:
-        raise ValueError(f"hf_state_dict does not match hf_config: missing={missing}, unexpected={unexpected}")
-    if tied and _LM_HEAD in hf_state_dict and not torch.equal(hf_state_dict[_LM_HEAD], hf_state_dict[_EMBED]):
-        raise ValueError("tie_word_embeddings=True but hf_state_dict['lm_head.weight'] differs from embed_tokens")
+        raise ValueError(
+            f"hf_state_dict does not match hf_config: missing={missing}, unexpected={unexpected}"
+        )
+    lm_head = hf_state_dict.get(_LM_HEAD)
+    if tied and lm_head is not None and not torch.equal(lm_head, hf_state_dict[_EMBED]):
+        raise ValueError(
+            "tie_word_embeddings=True but hf_state_dict['lm_head.weight'] differs from embed_tokens"
+        )
 
 
-def _resolve(params: dict[str, torch.nn.Parameter], prefix: str, candidates: tuple[str, ...]) -> str:
+def _resolve(params: dict, prefix: str, candidates: tuple[str, ...]) -> str:
     """The first candidate name present in ``params`` (spec-dependent naming), else the first."""
     for name in candidates:
         if prefix + name in params:
@@ -98,7 +103,7 @@ def _fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, hf_config: Any)
     return torch.cat([q_grouped, k_grouped, v_grouped], dim=1).reshape(-1, hidden)
 
 
-def _split_qkv(qkv: torch.Tensor, hf_config: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _split_qkv(qkv: torch.Tensor, hf_config: Any) -> tuple[torch.Tensor, ...]:
     """Inverse of ``_fuse_qkv`` on the full (TP-gathered) fused weight."""
     groups, hidden = hf_config.num_key_value_heads, qkv.shape[1]
     head_dim = qkv.shape[0] // (hf_config.num_attention_heads + 2 * groups)
@@ -132,7 +137,8 @@ def _megatron_targets(gpt, hf: dict, hf_config: Any, params: dict, groups: Paral
         targets["embedding.word_embeddings.weight"] = _shard(_pad_rows(hf[_EMBED], rows), 0, groups)
     for index, layer in enumerate(gpt.decoder.layers):
         prefix = f"decoder.layers.{index}."
-        targets.update(_layer_targets(hf, layer.layer_number - 1, prefix, params, hf_config, groups))
+        hf_layer = layer.layer_number - 1  # global, 1-based in Megatron: includes the PP offset
+        targets.update(_layer_targets(hf, hf_layer, prefix, params, hf_config, groups))
     if gpt.post_process:
         targets["decoder.final_layernorm.weight"] = hf[_NORM]
         if gpt.output_layer.weight is not None:  # None when tied on a single stage
@@ -141,7 +147,9 @@ def _megatron_targets(gpt, hf: dict, hf_config: Any, params: dict, groups: Paral
     return targets
 
 
-def load_hf_into_megatron(model: torch.nn.Module, hf_state_dict: dict[str, torch.Tensor], hf_config: Any) -> None:
+def load_hf_into_megatron(
+    model: torch.nn.Module, hf_state_dict: dict[str, torch.Tensor], hf_config: Any
+) -> None:
     """Copy a full HF Llama state dict into this rank's (TP shard, PP stage) Megatron model.
 
     Every rank passes the full HF dict; each copies only its slices (see module docstring), cast
@@ -155,10 +163,18 @@ def load_hf_into_megatron(model: torch.nn.Module, hf_state_dict: dict[str, torch
     gpt = unwrap_model(model)
     params = dict(gpt.named_parameters())
     targets = _megatron_targets(gpt, hf_state_dict, hf_config, params, get_parallel_groups())
-    missing, unexpected = sorted(params.keys() - targets.keys()), sorted(targets.keys() - params.keys())
+    missing = sorted(params.keys() - targets.keys())
+    unexpected = sorted(targets.keys() - params.keys())
     if missing or unexpected:
-        raise ValueError(f"Megatron parameters not covered: {missing}; mapped names absent from model: {unexpected}")
-    bad = [f"{n}: model {tuple(params[n].shape)} vs mapped {tuple(t.shape)}" for n, t in targets.items() if params[n].shape != t.shape]
+        raise ValueError(
+            f"Megatron parameters not covered: {missing}; "
+            f"mapped names absent from model: {unexpected}"
+        )
+    bad = [
+        f"{name}: model {tuple(params[name].shape)} vs mapped {tuple(tensor.shape)}"
+        for name, tensor in targets.items()
+        if params[name].shape != tensor.shape
+    ]
     if bad:
         raise ValueError(f"shape mismatch: {bad}")
     with torch.no_grad():
@@ -166,7 +182,7 @@ def load_hf_into_megatron(model: torch.nn.Module, hf_state_dict: dict[str, torch
             params[name].copy_(tensor.to(dtype=params[name].dtype, device=params[name].device))
 
 
-def _gather_tp(tensor: torch.Tensor, dim: int | None, groups: ParallelGroups) -> list[torch.Tensor] | torch.Tensor:
+def _gather_tp(tensor: torch.Tensor, dim: int | None, groups: ParallelGroups):
     """All TP shards of ``tensor`` (a list), or concatenated on ``dim`` if ``dim`` is given."""
     shards = [torch.empty_like(tensor) for _ in range(groups.tp_size)]
     dist.all_gather(shards, tensor.detach().contiguous(), group=groups.tp_group)
@@ -201,7 +217,8 @@ def _export_stage(gpt, hf_config: Any, groups: ParallelGroups) -> dict[str, torc
         stage[_EMBED] = _gather_tp(params["embedding.word_embeddings.weight"], 0, groups)[:vocab]
     for index, layer in enumerate(gpt.decoder.layers):
         hf_prefix = f"model.layers.{layer.layer_number - 1}."
-        stage.update(_export_layer(params, f"decoder.layers.{index}.", hf_prefix, hf_config, groups))
+        prefix = f"decoder.layers.{index}."
+        stage.update(_export_layer(params, prefix, hf_prefix, hf_config, groups))
     if gpt.post_process:
         stage[_NORM] = params["decoder.final_layernorm.weight"].detach().clone()
         if not hf_config.tie_word_embeddings:
@@ -215,10 +232,14 @@ def _broadcast_stages(stage: dict[str, torch.Tensor], groups: ParallelGroups, de
     for src in range(groups.pp_size):
         src_global = dist.get_global_rank(groups.pp_group, src)
         own = src == groups.pp_rank
-        meta = [[(name, tensor.shape, tensor.dtype) for name, tensor in stage.items()] if own else None]
+        entries = [(name, tensor.shape, tensor.dtype) for name, tensor in stage.items()]
+        meta = [entries if own else None]
         dist.broadcast_object_list(meta, src=src_global, group=groups.pp_group)
         for name, shape, dtype in meta[0]:
-            tensor = stage[name].contiguous() if own else torch.empty(shape, dtype=dtype, device=device)
+            if own:
+                tensor = stage[name].contiguous()
+            else:
+                tensor = torch.empty(shape, dtype=dtype, device=device)
             dist.broadcast(tensor, src=src_global, group=groups.pp_group)
             merged[name] = tensor
     return merged

@@ -15,7 +15,12 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from nemo_sspo.megatron.cpu_shims import attention_mask_for, cpu_config_overrides, needs_cpu_shims
+from nemo_sspo.megatron.cpu_shims import (
+    attention_mask_for,
+    cpu_config_overrides,
+    cpu_device_context,
+    needs_cpu_shims,
+)
 from nemo_sspo.megatron.parallel_setup import get_parallel_groups
 
 __all__ = [
@@ -59,19 +64,23 @@ def _head_dim(hf_config: Any) -> int:
 
 def _validate_llama(hf_config: Any, tp_size: int, pp_size: int) -> None:
     if getattr(hf_config, "hidden_act", "silu") != "silu":
-        raise ValueError(f"hf_config.hidden_act={hf_config.hidden_act!r}: only 'silu' (SwiGLU) is supported")
+        raise ValueError(
+            f"hf_config.hidden_act={hf_config.hidden_act!r}: only 'silu' (SwiGLU) is supported"
+        )
     for flag in ("attention_bias", "mlp_bias"):
         if getattr(hf_config, flag, False):
             raise ValueError(f"hf_config.{flag}=True is not supported: Llama mapping has no biases")
     heads, kv_heads = hf_config.num_attention_heads, hf_config.num_key_value_heads
-    if heads % tp_size:
-        raise ValueError(f"num_attention_heads={heads} is not divisible by tp_size={tp_size}: choose a tp_size dividing it")
-    if kv_heads % tp_size:
-        raise ValueError(f"num_key_value_heads={kv_heads} is not divisible by tp_size={tp_size}: choose a tp_size dividing it")
+    for field, count in (("num_attention_heads", heads), ("num_key_value_heads", kv_heads)):
+        if count % tp_size:
+            raise ValueError(
+                f"{field}={count} is not divisible by tp_size={tp_size}: "
+                "choose a tp_size dividing it"
+            )
     if hf_config.num_hidden_layers % pp_size:
         raise ValueError(
-            f"num_hidden_layers={hf_config.num_hidden_layers} is not divisible by pp_size={pp_size}: "
-            "choose a pp_size dividing it"
+            f"num_hidden_layers={hf_config.num_hidden_layers} is not divisible by "
+            f"pp_size={pp_size}: choose a pp_size dividing it"
         )
 
 
@@ -150,18 +159,20 @@ def build_policy_model(hf_config: Any, *, params_dtype: torch.dtype = torch.floa
     config = transformer_config_from_hf(
         hf_config, tp_size=groups.tp_size, pp_size=groups.pp_size, params_dtype=params_dtype
     )
-    model = GPTModel(
-        config=config,
-        transformer_layer_spec=_layer_spec(config),
-        vocab_size=padded_vocab_size(hf_config.vocab_size, groups.tp_size),
-        max_sequence_length=hf_config.max_position_embeddings,
-        pre_process=groups.is_first_stage,
-        post_process=groups.is_last_stage,
-        parallel_output=True,
-        share_embeddings_and_output_weights=bool(hf_config.tie_word_embeddings),
-        position_embedding_type="rope",
-        rotary_base=_rope_theta(hf_config),
-    )
+    # Tied embeddings across pipeline stages move the weight with .cuda() for an all-reduce.
+    with cpu_device_context():
+        model = GPTModel(
+            config=config,
+            transformer_layer_spec=_layer_spec(config),
+            vocab_size=padded_vocab_size(hf_config.vocab_size, groups.tp_size),
+            max_sequence_length=hf_config.max_position_embeddings,
+            pre_process=groups.is_first_stage,
+            post_process=groups.is_last_stage,
+            parallel_output=True,
+            share_embeddings_and_output_weights=bool(hf_config.tie_word_embeddings),
+            position_embedding_type="rope",
+            rotary_base=_rope_theta(hf_config),
+        )
     model.true_vocab_size = int(hf_config.vocab_size)
     return model
 
@@ -203,11 +214,15 @@ def _check_inputs(input_ids, position_ids, attention_mask) -> None:
         raise ValueError("position_ids must be arange(S) in every row: use right padding")
     if attention_mask is not None:
         if attention_mask.shape != input_ids.shape:
-            raise ValueError(f"attention_mask must be [B, S] like input_ids, got {tuple(attention_mask.shape)}")
+            raise ValueError(
+                f"attention_mask must be [B, S] like input_ids, got {tuple(attention_mask.shape)}"
+            )
         valid = attention_mask.bool()
         # Right padding: once a row has a padding position, every later one is padding.
         if (valid[:, 1:] & ~valid[:, :-1]).any():
-            raise ValueError("attention_mask has valid tokens after padding: only right padding is supported")
+            raise ValueError(
+                "attention_mask has valid tokens after padding: only right padding is supported"
+            )
 
 
 def forward_logits(

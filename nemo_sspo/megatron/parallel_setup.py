@@ -24,17 +24,27 @@ _OWNS_PROCESS_GROUP = False
 
 @dataclasses.dataclass(frozen=True)
 class ParallelGroups:
-    """This rank's tensor-, pipeline- and data-parallel groups with ranks and sizes."""
+    """This rank's tensor-, pipeline-, data- and model-parallel groups with ranks and sizes.
+
+    The model-parallel group holds the TP x PP ranks of one data-parallel replica; ``mp_src_rank``
+    is its first member's global rank and ``pp_last_rank`` the global rank of this pipeline's last
+    stage (the sources of rollout and metric broadcasts).
+    """
 
     tp_group: dist.ProcessGroup
     pp_group: dist.ProcessGroup
     dp_group: dist.ProcessGroup
+    mp_group: dist.ProcessGroup
     tp_rank: int
     tp_size: int
     pp_rank: int
     pp_size: int
     dp_rank: int
     dp_size: int
+    mp_rank: int
+    mp_size: int
+    mp_src_rank: int
+    pp_last_rank: int
     is_first_stage: bool
     is_last_stage: bool
 
@@ -78,12 +88,12 @@ def initialize_parallel(*, tp_size: int, pp_size: int, seed: int) -> None:
             or if Megatron's parallel state is already initialised (call ``destroy_parallel``).
     """
     if tp_size < 1 or pp_size < 1:
-        raise ValueError(f"tp_size and pp_size must be >= 1, got tp_size={tp_size}, pp_size={pp_size}")
+        raise ValueError(
+            f"tp_size and pp_size must be >= 1, got tp_size={tp_size}, pp_size={pp_size}"
+        )
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
-    if parallel_state.model_parallel_is_initialized():
-        raise ValueError("Megatron parallel state is already initialised: call destroy_parallel() first")
     if not dist.is_initialized():
         _init_process_group()
     world_size = dist.get_world_size()
@@ -91,6 +101,10 @@ def initialize_parallel(*, tp_size: int, pp_size: int, seed: int) -> None:
         raise ValueError(
             f"world_size={world_size} is not divisible by tp_size*pp_size={tp_size}*{pp_size}: "
             "launch a multiple of tp_size*pp_size processes or change the parallel layout"
+        )
+    if parallel_state.model_parallel_is_initialized():
+        raise ValueError(
+            "Megatron parallel state is already initialised: call destroy_parallel() first"
         )
     apply_cpu_shims()
     parallel_state.initialize_model_parallel(
@@ -121,16 +135,23 @@ def get_parallel_groups() -> ParallelGroups:
 
     if not ps.model_parallel_is_initialized():
         raise ValueError("parallel state is not initialised: call initialize_parallel() first")
+    mp_group = ps.get_model_parallel_group()
+    pp_group = ps.get_pipeline_model_parallel_group()
     return ParallelGroups(
         tp_group=ps.get_tensor_model_parallel_group(),
-        pp_group=ps.get_pipeline_model_parallel_group(),
+        pp_group=pp_group,
         dp_group=ps.get_data_parallel_group(),
+        mp_group=mp_group,
         tp_rank=ps.get_tensor_model_parallel_rank(),
         tp_size=ps.get_tensor_model_parallel_world_size(),
         pp_rank=ps.get_pipeline_model_parallel_rank(),
         pp_size=ps.get_pipeline_model_parallel_world_size(),
         dp_rank=ps.get_data_parallel_rank(),
         dp_size=ps.get_data_parallel_world_size(),
+        mp_rank=dist.get_rank(mp_group),
+        mp_size=dist.get_world_size(mp_group),
+        mp_src_rank=dist.get_global_rank(mp_group, 0),
+        pp_last_rank=dist.get_global_rank(pp_group, dist.get_world_size(pp_group) - 1),
         is_first_stage=ps.is_pipeline_first_stage(),
         is_last_stage=ps.is_pipeline_last_stage(),
     )

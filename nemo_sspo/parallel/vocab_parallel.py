@@ -158,77 +158,96 @@ def _block_rows(logits: torch.Tensor, n_cols: int, chunk: int) -> int:
     return max(1, min(chunk, _CPU_BLOCK_BYTES // (4 * max(n_cols, 1))))
 
 
-def _local_stats(block: torch.Tensor, inv_temp: float, acc: torch.dtype) -> torch.Tensor:
-    """``[rows, 3]``: local max ``m_r`` of ``z``, ``sum exp(z - m_r)``, ``sum exp(z - m_r)(z - m_r)``.
+def _upcast_minus(block: torch.Tensor, column: torch.Tensor, acc: torch.dtype) -> torch.Tensor:
+    """``block - column`` in ``acc`` precision as new memory (the input is never written).
 
-    ``block [rows, n_valid]`` holds raw logits (never written). Sums use ``acc`` precision.
+    A copy then an in-place subtraction: a mixed-dtype ``torch.sub`` is ~10x slower on CPU.
+    """
+    if block.dtype == acc:
+        return torch.sub(block, column)
+    return block.to(acc).sub_(column)
+
+
+def _local_stats(block: torch.Tensor, inv_temp: float, acc: torch.dtype) -> torch.Tensor:
+    """``[rows, 3]``: raw local max ``c_r``, ``sum exp(z - m_r)``, ``sum exp(z - m_r) (z - m_r)``.
+
+    ``block [rows, n_valid]`` holds raw logits (never written); ``z = block / tau`` and
+    ``m_r = c_r / tau``. Sums use ``acc`` precision.
     """
     raw_max = block.amax(dim=-1, keepdim=True).to(acc)
-    # Subtracting an ``acc`` tensor from the block upcasts inside the kernel: one pass, new memory.
-    shifted = torch.sub(block, raw_max)
+    # Shifting before scaling keeps z - m_r as exact as the input allows.
+    shifted = _upcast_minus(block, raw_max, acc)
     if inv_temp != 1.0:
         shifted.mul_(inv_temp)
     weights = torch.exp(shifted)
     sum_exp = weights.sum(dim=-1)
     sum_exp_shifted = weights.mul_(shifted).sum(dim=-1)
-    return torch.stack([raw_max.squeeze(-1) * inv_temp, sum_exp, sum_exp_shifted], dim=-1)
+    return torch.stack([raw_max.squeeze(-1), sum_exp, sum_exp_shifted], dim=-1)
 
 
-def _chunk_stats(logits, targets, tp_group, vocab_start, n_valid, inv_temp, acc):
-    """Global ``(log S0, S1 / S0, z_t - m)`` per token of one chunk; two collectives."""
+def _shard_partials(logits, n_valid, inv_temp, acc):
+    """``[rows, 3]`` local statistics of one chunk, in cache-sized blocks of rows."""
     rows = logits.shape[0]
     if n_valid == 0:  # every column of this shard is padding: contributes nothing
         local = torch.zeros(rows, 3, dtype=acc, device=logits.device)
-        local_max = torch.full((rows,), float("-inf"), dtype=acc, device=logits.device)
-    else:
-        valid = logits[:, :n_valid]
-        step = _block_rows(logits, n_valid, rows)
-        local = torch.cat([_local_stats(valid[s : s + step], inv_temp, acc) for s in range(0, rows, step)])
-        local_max = local[:, 0].clone()
-    global_max = local_max.clone()
-    if tp_group is not None:
-        dist.all_reduce(global_max, op=dist.ReduceOp.MAX, group=tp_group)
+        local[:, 0] = float("-inf")
+        return local
+    step = _block_rows(logits, n_valid, rows)
+    valid = logits[:, :n_valid]
+    return torch.cat([_local_stats(valid[s : s + step], inv_temp, acc) for s in range(0, rows, step)])
 
-    stats = torch.zeros(rows, 3, dtype=acc, device=logits.device)
+
+def _chunk_stats(logits, targets, tp_group, vocab_start, n_valid, inv_temp, acc):
+    """Per token of one chunk: ``(logprobs, entropy, c, log S0)`` with ``c`` the global raw max.
+
+    Two collectives: all-reduce MAX of ``c`` ``[rows]``, all-reduce SUM of ``[rows, 3]``.
+    """
+    local = _shard_partials(logits, n_valid, inv_temp, acc)
+    raw_max = local[:, 0].clone()
+    if tp_group is not None:
+        dist.all_reduce(raw_max, op=dist.ReduceOp.MAX, group=tp_group)
+
+    sums = torch.zeros_like(local)
     if n_valid:
-        # Re-base partial sums from the local to the global max (online-softmax identity):
-        # sum e^(z-m) = c sum e^(z-m_r), sum e^(z-m)(z-m) = c (sum e^(z-m_r)(z-m_r) + (m_r-m) S0_r),
-        # c = e^(m_r - m). This lets the block loop above run before any communication.
-        delta = local_max - global_max
+        # Re-base partial sums from the local max m_r to the global max m (online-softmax
+        # identity), so the block loop above runs before any communication:
+        # sum e^(z-m) = k S0_r, sum e^(z-m)(z-m) = k (S1_r + (m_r - m) S0_r), k = e^(m_r - m).
+        delta = (local[:, 0] - raw_max) * inv_temp
         scale = torch.exp(delta)
-        stats[:, 0] = local[:, 1] * scale
-        stats[:, 1] = (local[:, 2] + delta * local[:, 1]) * scale
+        sums[:, 0] = local[:, 1] * scale
+        sums[:, 1] = (local[:, 2] + delta * local[:, 1]) * scale
         local_ids = targets - vocab_start
         owned = (local_ids >= 0) & (local_ids < n_valid)
         target_raw = logits.gather(1, local_ids.clamp(0, n_valid - 1).unsqueeze(-1)).squeeze(-1)
-        target_shifted = target_raw.to(acc) * inv_temp - global_max
-        stats[:, 2] = torch.where(owned, target_shifted, torch.zeros_like(target_shifted))
+        target_shifted = (target_raw.to(acc) - raw_max) * inv_temp  # z_t - m
+        sums[:, 2] = torch.where(owned, target_shifted, torch.zeros_like(target_shifted))
     if tp_group is not None:
-        dist.all_reduce(stats, op=dist.ReduceOp.SUM, group=tp_group)
+        dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=tp_group)
 
-    log_sum_exp = stats[:, 0].log()
-    logprobs = stats[:, 2] - log_sum_exp
-    entropy = log_sum_exp - stats[:, 1] / stats[:, 0]
-    return logprobs, entropy, global_max + log_sum_exp
+    log_sum_exp = sums[:, 0].log()
+    logprobs = sums[:, 2] - log_sum_exp
+    entropy = log_sum_exp - sums[:, 1] / sums[:, 0]
+    return logprobs, entropy, raw_max, log_sum_exp
 
 
-def _block_grad(block, log_z, entropy, grad_lp, grad_h, inv_temp, acc) -> torch.Tensor:
+def _block_grad(block, raw_max, log_sum_exp, entropy, grad_lp, grad_h, inv_temp, acc):
     """``[rows, n_valid]`` gradient w.r.t. raw logits, without the target one-hot term.
 
-    ``-p * (g_lp + g_H (log p + H)) / tau`` with ``log p = block / tau - log Z``; the one-hot
-    ``g_lp / tau`` is added by the caller. A missing upstream gradient counts as zero.
+    ``-p * (g_lp + g_H (log p + H)) / tau`` with ``log p = (block - c) / tau - log S0``; the
+    one-hot ``g_lp / tau`` is added by the caller. A missing upstream gradient counts as zero.
     """
-    log_p = torch.sub(block, (log_z / inv_temp).unsqueeze(-1))
+    log_p = _upcast_minus(block, raw_max.unsqueeze(-1), acc)
     if inv_temp != 1.0:
         log_p.mul_(inv_temp)
+    log_p.sub_(log_sum_exp.unsqueeze(-1))
     grad = torch.exp(log_p)
-    offset = torch.zeros_like(log_z) if grad_lp is None else grad_lp.to(acc)
+    offset = torch.zeros_like(entropy) if grad_lp is None else grad_lp.to(acc)
     if grad_h is None:
         return grad.mul_((-inv_temp * offset).unsqueeze(-1))
     grad_h = grad_h.to(acc)
     # -(g_lp + g_H (log p + H)) / tau = log p * (-g_H / tau) - (g_lp + g_H H) / tau
     log_p.mul_((-inv_temp * grad_h).unsqueeze(-1))
-    log_p.add_((-inv_temp * (offset + grad_h * entropy)).unsqueeze(-1))
+    log_p.sub_((inv_temp * (offset + grad_h * entropy)).unsqueeze(-1))
     return grad.mul_(log_p)
 
 
@@ -241,14 +260,18 @@ class _VocabParallelLogprobsEntropy(torch.autograd.Function):
         inv_temp = 1.0 / temperature
         n_valid = max(0, min(logits.shape[1], vocab_size - vocab_start))
         pieces = [
-            _chunk_stats(logits[s : s + chunk_size], targets[s : s + chunk_size], tp_group, vocab_start, n_valid, inv_temp, acc)
+            _chunk_stats(
+                logits[s : s + chunk_size], targets[s : s + chunk_size], tp_group, vocab_start,
+                n_valid, inv_temp, acc,
+            )
             for s in range(0, logits.shape[0], chunk_size)
         ]
         if pieces:
-            logprobs, entropy, log_z = (torch.cat(parts) for parts in zip(*pieces))
+            logprobs, entropy, raw_max, log_sum_exp = (torch.cat(parts) for parts in zip(*pieces))
         else:
-            logprobs = entropy = log_z = logits.new_zeros(0, dtype=acc)
-        ctx.save_for_backward(logits, targets, log_z, entropy)
+            logprobs = entropy = raw_max = log_sum_exp = logits.new_zeros(0, dtype=acc)
+        # Only per-token statistics are saved; backward recomputes p from the input.
+        ctx.save_for_backward(logits, targets, raw_max, log_sum_exp, entropy)
         ctx.meta = (vocab_start, n_valid, inv_temp, chunk_size, acc)
         ctx.set_materialize_grads(False)
         return logprobs, entropy
@@ -257,18 +280,23 @@ class _VocabParallelLogprobsEntropy(torch.autograd.Function):
     def backward(ctx, grad_logprobs, grad_entropy):
         if grad_logprobs is None and grad_entropy is None:
             return (None,) * 7
-        logits, targets, log_z, entropy = ctx.saved_tensors
+        logits, targets, raw_max, log_sum_exp, entropy = ctx.saved_tensors
         vocab_start, n_valid, inv_temp, chunk_size, acc = ctx.meta
-        grad_logits = torch.zeros_like(logits) if n_valid < logits.shape[1] else torch.empty_like(logits)
+        # Padding columns keep a zero gradient.
+        padded = n_valid < logits.shape[1]
+        grad_logits = torch.zeros_like(logits) if padded else torch.empty_like(logits)
         step = _block_rows(logits, n_valid, chunk_size)
         for s in range(0, logits.shape[0] if n_valid else 0, step):
             rows = slice(s, s + step)
             g_lp = None if grad_logprobs is None else grad_logprobs[rows]
             g_h = None if grad_entropy is None else grad_entropy[rows]
-            grad = _block_grad(logits[rows, :n_valid], log_z[rows], entropy[rows], g_lp, g_h, inv_temp, acc)
+            grad = _block_grad(
+                logits[rows, :n_valid], raw_max[rows], log_sum_exp[rows], entropy[rows],
+                g_lp, g_h, inv_temp, acc,
+            )
             if g_lp is not None:
                 _add_target_onehot(grad, targets[rows] - vocab_start, g_lp.to(acc) * inv_temp)
-            grad_logits[rows, :n_valid] = grad
+            grad_logits[rows, :n_valid] = grad  # one rounding to the input dtype
         return grad_logits, None, None, None, None, None, None
 
 

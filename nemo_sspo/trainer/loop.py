@@ -39,7 +39,7 @@ from nemo_sspo.models import build_hf_model, load_hf_checkpoint
 from nemo_sspo.parallel.metrics import reduce_metric_sums
 from nemo_sspo.rewards import MathVerifyReward
 from nemo_sspo.rollout import HFRolloutEngine, RolloutBatch
-from nemo_sspo.trainer.batch import pack_rollouts, response_to_target_frame
+from nemo_sspo.trainer.batch import concat_rollouts, pack_rollouts, response_to_target_frame
 from nemo_sspo.trainer.config import TrainConfig, build_loss_config, validate
 from nemo_sspo.trainer.metrics import MetricsLogger
 
@@ -102,7 +102,10 @@ class GRPOTrainer:
                                           top_p=ro.top_p)
             self.reward = MathVerifyReward(num_workers=cfg.reward.num_workers, timeout_s=cfg.reward.timeout_s)
         del state_dict
-        self.boundary = build_boundary_table(tokenizer)
+        boundary = build_boundary_table(tokenizer)
+        # The model's vocabulary can exceed the tokenizer's (e.g. Qwen2.5: 151,936 rows vs 151,665
+        # ids); ids the tokenizer never decodes close no segment.
+        self.boundary = torch.nn.functional.pad(boundary, (0, max(0, hf_config.vocab_size - len(boundary))))
         self.prompts = build_prompt_source(cfg.data.source, seed=cfg.trainer.seed, **dict(cfg.data.options))
         loss_fn, _ = get_policy_loss(cfg.loss.name)
         vocab_start, vocab_size = vocab_shard(model)
@@ -132,7 +135,7 @@ class GRPOTrainer:
                 prompt = render_prompt(self.tokenizer, problem.question, self.cfg.data.template)
                 seed = self.cfg.trainer.seed * 1_000_003 + step * 10_007 + first + k
                 parts.append(self.engine.generate([prompt] * group, seed=seed))
-            batch = RolloutBatch.concat(parts, pad_id=self.tokenizer.pad_token_id)
+            batch = concat_rollouts(parts, pad_id=self.tokenizer.pad_token_id)
             answers = [p.answer for p in problems for _ in range(group)]
             rewards = torch.tensor(self.reward(batch.response_texts, answers), dtype=torch.float32)
             rollout = Rollout(batch=batch, rewards=rewards)

@@ -112,9 +112,10 @@ def _collect(procs, results, world_size: int, timeout_s: float) -> list:
         if proc.is_alive():
             proc.kill()
             proc.join()
-    if failures:
-        rank = min(failures)
-        raise RuntimeError(f"rank {rank} of {world_size} failed:\n{failures[rank]}")
+    if failures:  # the first report is the root cause; later ones are usually broken peers
+        rank, first = next(iter(failures.items()))
+        others = sorted(set(failures) - {rank})
+        raise RuntimeError(f"rank {rank} of {world_size} failed (also failed: {others}):\n{first}")
     if len(values) < world_size:
         raise TimeoutError(
             f"distributed run did not finish in {timeout_s:.0f} s (ranks done: {sorted(values)})"
@@ -122,7 +123,7 @@ def _collect(procs, results, world_size: int, timeout_s: float) -> list:
     return [values[rank] for rank in range(world_size)]
 
 
-@pytest.fixture
+@pytest.fixture(scope="session")
 def run_distributed():
     """``run_distributed(fn, world_size, *args, timeout_s=120) -> [fn result of rank 0, 1, ...]``.
 

@@ -6,7 +6,7 @@ zero-length response and a fully masked micro-batch (P11, P12). The single-proce
 checked against a float64 Hugging Face model with the objective written out independently from
 SSPO eq. 9-16 (Python loops over segments).
 
-Three spawns (worlds 1, 2, 4) run all layouts; each writes its results to a file the test reads.
+Three spawns (worlds 1, 2, 4) run all layouts; rank 0 of each returns its results.
 """
 
 from __future__ import annotations
@@ -90,9 +90,7 @@ def _grads_as_hf(ddp_model, hf_config):
     return grads
 
 
-def _run_layouts(rank, world_size, out_dir):
-    import torch.distributed as dist
-
+def _run_layouts(rank, world_size):
     from nemo_sspo.megatron import (build_policy_model, destroy_parallel, get_parallel_groups,
                                     initialize_parallel, load_hf_into_megatron, vocab_shard)
     from nemo_sspo.megatron.step import LossSpec
@@ -121,13 +119,12 @@ def _run_layouts(rank, world_size, out_dir):
             scored = replace(scored, old_logprobs=scored.old_logprobs + local_noise)  # off-policy: ratio != 1
             sums = compute_gradients(ddp, scored, spec, rows // ga)
             metrics = reduce_metric_sums(sums, dp_group=groups.dp_group, pp_group=groups.pp_group,
-                                         last_stage_rank=dist.get_global_rank(groups.pp_group, pp - 1),
+                                         last_stage_rank=groups.pp_last_rank,
                                          is_last_stage=groups.is_last_stage)
             grads = _grads_as_hf(ddp, hf_config)
             results[(tp, pp, dp, ga, name)] = (metrics["loss/policy"], metrics["policy/clipfrac_tokens"], grads)
         destroy_parallel()
-    if rank == 0:
-        torch.save(results, f"{out_dir}/world{world_size}.pt")
+    return results if rank == 0 else None
 
 
 def _float64_reference(name: str):
@@ -178,12 +175,10 @@ def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 @pytest.fixture(scope="module")
-def layout_results(run_distributed, tmp_path_factory):
-    out = tmp_path_factory.mktemp("invariance")
+def layout_results(run_distributed):
     results = {}
     for world in LAYOUTS:
-        run_distributed(_run_layouts, world, str(out))
-        results.update(torch.load(out / f"world{world}.pt"))
+        results.update(run_distributed(_run_layouts, world, timeout_s=900)[0])
     return results
 
 

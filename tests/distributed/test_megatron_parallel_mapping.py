@@ -101,4 +101,5 @@ def _all_layouts(rank: int, world_size: int) -> None:
 
 
 def test_tp_pp_logits_and_export_match_hf(run_distributed):
-    run_distributed(_all_layouts, 4)
+    # 4 spawned ranks each import Megatron + transformers on a shared 2-core host: allow 300 s.
+    run_distributed(_all_layouts, 4, timeout_s=300)

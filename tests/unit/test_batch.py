@@ -32,3 +32,24 @@ def test_pack_rollouts_hand_layout():
     assert b.position_ids.tolist() == [list(range(5))] * 3
     assert torch.equal(b.targets[b.loss_mask], response_ids[response_mask])
     assert b.advantages.tolist() == [1.0, -1.0, 0.0]
+
+
+def test_concat_rollouts_pads_prompts_left_and_responses_right():
+    from nemo_sspo.rollout import RolloutBatch
+    from nemo_sspo.trainer.batch import concat_rollouts
+
+    a = RolloutBatch(prompt_ids=torch.tensor([[5, 6]]), prompt_mask=torch.tensor([[True, True]]),
+                     response_ids=torch.tensor([[7]]), response_mask=torch.tensor([[True]]),
+                     truncated=torch.tensor([True]), response_texts=["x"],
+                     rollout_logprobs=torch.tensor([[-0.5]]))
+    b = RolloutBatch(prompt_ids=torch.tensor([[4, 5, 6]]), prompt_mask=torch.tensor([[True, True, True]]),
+                     response_ids=torch.tensor([[1, 2, 3]]), response_mask=torch.tensor([[True, True, False]]),
+                     truncated=torch.tensor([False]), response_texts=["y"],
+                     rollout_logprobs=torch.tensor([[-1.0, -2.0, 0.0]]))
+    c = concat_rollouts([a, b], pad_id=PAD)
+    assert c.prompt_ids.tolist() == [[PAD, 5, 6], [4, 5, 6]]
+    assert c.prompt_mask.tolist() == [[False, True, True], [True, True, True]]
+    assert c.response_ids.tolist() == [[7, PAD, PAD], [1, 2, 3]]
+    assert c.response_mask.tolist() == [[True, False, False], [True, True, False]]
+    assert c.rollout_logprobs.tolist() == [[-0.5, 0.0, 0.0], [-1.0, -2.0, 0.0]]
+    assert c.truncated.tolist() == [True, False] and c.response_texts == ["x", "y"]

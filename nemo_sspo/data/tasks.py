@@ -1,0 +1,170 @@
+"""Prompt sources: seeded streams of ``Problem(question, answer)`` for GRPO rollouts.
+
+Sources (``build_prompt_source(name, seed=..., **kwargs)``):
+
+- ``"word_problems"`` (default): procedurally generated multi-step arithmetic word problems about
+  everyday items ("Mia has 7 pencils. She buys 3 boxes with 4 pencils each. ..."); one operation per
+  sentence, so a worked solution naturally takes one line per step. Integer answers >= 0.
+- ``"reasoning_gym"``: any reasoning-gym 0.1.25 dataset by name (``dataset="leg_counting"``,
+  ``"chain_sum"``, ...) with its config fields as kwargs; seeded by reasoning-gym itself.
+- ``"jsonl"``: records ``{"problem" | "question": ..., "answer": ...}`` from ``path``, shuffled
+  with the seed and cycled (e.g. ``/work/shared/data/gsm8k_test.jsonl``).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+__all__ = ["PROMPT_SOURCES", "Problem", "PromptSource", "build_prompt_source"]
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One task: the question text and its gold answer (a string math-verify can parse)."""
+
+    question: str
+    answer: str
+
+
+class PromptSource(Protocol):
+    """An endless, seeded stream of problems."""
+
+    def sample(self, n: int) -> list[Problem]:
+        """The next ``n`` problems (same seed -> same sequence)."""
+        ...
+
+
+_NAMES = [("Mia", "she"), ("Tom", "he"), ("Ava", "she"), ("Leo", "he"), ("Zoe", "she"), ("Sam", "he"),
+          ("Lily", "she"), ("Ben", "he"), ("Emma", "she"), ("Noah", "he")]
+_ITEMS = ["apples", "pencils", "stickers", "marbles", "cookies", "books", "coins", "cards", "shells", "stamps"]
+
+
+class WordProblemSource:
+    """Seeded multi-step word problems: a starting amount, then ``steps`` changes to it.
+
+    Each change is one of: buys ``b`` more (+b), gives ``b`` away (-b, never below 0), buys ``k``
+    boxes of ``b`` each (+k*b). Example (2 steps): "Tom has 8 marbles. He gives 3 marbles to a
+    friend. Then he buys 2 boxes with 5 marbles each. How many marbles does Tom have now?" -> "15".
+
+    Args:
+        seed: RNG seed.
+        min_steps, max_steps: number of changes, 1 <= min_steps <= max_steps.
+        max_number: largest number drawn for an amount (>= 2); box counts are 2..4.
+    """
+
+    def __init__(self, *, seed: int, min_steps: int = 2, max_steps: int = 3, max_number: int = 10) -> None:
+        if not 1 <= min_steps <= max_steps:
+            raise ValueError(f"need 1 <= min_steps ({min_steps}) <= max_steps ({max_steps})")
+        if max_number < 2:
+            raise ValueError(f"max_number={max_number} must be >= 2")
+        self._rng = random.Random(seed)
+        self._steps = (min_steps, max_steps)
+        self._max = max_number
+
+    def sample(self, n: int) -> list[Problem]:
+        return [self._one() for _ in range(n)]
+
+    def _one(self) -> Problem:
+        rng = self._rng
+        name, pronoun = rng.choice(_NAMES)
+        item = rng.choice(_ITEMS)
+        total = rng.randint(2, self._max)
+        sentences = [f"{name} has {total} {item}."]
+        for step in range(rng.randint(*self._steps)):
+            predicate, total = self._change(total, item)
+            subject = f"Then {pronoun}" if step else pronoun.capitalize()
+            sentences.append(f"{subject} {predicate}")
+        sentences.append(f"How many {item} does {name} have now?")
+        return Problem(question=" ".join(sentences), answer=str(total))
+
+    def _change(self, total: int, item: str) -> tuple[str, int]:
+        """One change as a verb phrase, and the new total."""
+        rng = self._rng
+        kind = rng.choice(["buy", "give", "boxes"] if total > 1 else ["buy", "boxes"])
+        if kind == "give":
+            b = rng.randint(1, total - 1)
+            return f"gives {b} {item} to a friend.", total - b
+        b = rng.randint(2, self._max)
+        if kind == "buy":
+            return f"buys {b} more {item}.", total + b
+        k = rng.randint(2, 4)
+        return f"buys {k} boxes with {b} {item} each.", total + k * b
+
+
+class ReasoningGymSource:
+    """A reasoning-gym dataset as a stream: items ``0, 1, 2, ...`` of a seeded procedural dataset.
+
+    Args:
+        dataset: reasoning-gym dataset name (e.g. ``"leg_counting"``).
+        seed: dataset seed; item ``i`` depends only on ``(seed, i)``.
+        **config: that dataset's config fields (e.g. ``min_animals=2``).
+    """
+
+    _SIZE = 1_000_000  # virtual size: items are generated on access
+
+    def __init__(self, *, dataset: str, seed: int, **config) -> None:
+        import reasoning_gym
+
+        self._data = reasoning_gym.create_dataset(dataset, seed=seed, size=self._SIZE, **config)
+        self._next = 0
+
+    def sample(self, n: int) -> list[Problem]:
+        items = [self._data[(self._next + i) % self._SIZE] for i in range(n)]
+        self._next += n
+        return [Problem(question=item["question"], answer=str(item["answer"])) for item in items]
+
+
+class JsonlSource:
+    """Problems from a JSONL file (``problem`` or ``question`` key, plus ``answer``), shuffled per epoch.
+
+    Raises:
+        ValueError: a missing file, an empty file, or a record without the needed keys.
+    """
+
+    def __init__(self, *, path: str, seed: int) -> None:
+        file = Path(path)
+        if not file.is_file():
+            raise ValueError(f"path={path!r} is not a file; give a JSONL file of problems")
+        self._problems = [_record_to_problem(json.loads(line), file, i)
+                          for i, line in enumerate(file.read_text().splitlines()) if line.strip()]
+        if not self._problems:
+            raise ValueError(f"path={path!r} holds no records")
+        self._rng = random.Random(seed)
+        self._order: list[int] = []
+
+    def sample(self, n: int) -> list[Problem]:
+        out = []
+        for _ in range(n):
+            if not self._order:
+                self._order = self._rng.sample(range(len(self._problems)), len(self._problems))
+            out.append(self._problems[self._order.pop()])
+        return out
+
+
+def _record_to_problem(record: dict, file: Path, line: int) -> Problem:
+    question = record.get("problem", record.get("question"))
+    if question is None or "answer" not in record:
+        raise ValueError(f"{file}:{line + 1} needs a 'problem' or 'question' key and an 'answer' key")
+    return Problem(question=str(question), answer=str(record["answer"]))
+
+
+PROMPT_SOURCES = {"word_problems": WordProblemSource, "reasoning_gym": ReasoningGymSource, "jsonl": JsonlSource}
+"""Name -> source class for :func:`build_prompt_source`."""
+
+
+def build_prompt_source(name: str, *, seed: int, **kwargs) -> PromptSource:
+    """Construct the prompt source ``name`` (see the module docstring) with ``seed`` and its kwargs.
+
+    Raises:
+        ValueError: unknown ``name`` (lists the valid ones) or bad kwargs for that source.
+    """
+    if name not in PROMPT_SOURCES:
+        raise ValueError(f"prompt source {name!r} is unknown; valid: {', '.join(PROMPT_SOURCES)}")
+    try:
+        return PROMPT_SOURCES[name](seed=seed, **kwargs)
+    except TypeError as err:  # an unexpected or missing keyword
+        raise ValueError(f"bad arguments for prompt source {name!r}: {err}") from err

@@ -1,0 +1,37 @@
+"""Prompt templates: turn a question into the exact text the rollout engine tokenises."""
+
+from __future__ import annotations
+
+__all__ = ["TEMPLATES", "render_prompt"]
+
+QWEN_MATH_INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
+CHAT_BOXED_SYSTEM = (
+    "You are a careful math tutor. Solve the problem step by step, writing each step on its own "
+    "line. Finish with the final answer as a number in \\boxed{}, for example \\boxed{42}."
+)
+TEMPLATES = ("qwen-math", "chat-boxed")
+"""Valid ``template`` names for :func:`render_prompt`."""
+
+
+def render_prompt(tokenizer, question: str, template: str) -> str:
+    """The rendered prompt for ``question``; the rollout engine adds no special tokens to it.
+
+    Templates:
+        ``"qwen-math"``: the paper's Qwen-Math prompt as raw text (for base models, no chat
+        markup): ``"{question}\\nPlease reason step by step, and put your final answer within
+        \\boxed{}."``; ``tokenizer`` is unused.
+        ``"chat-boxed"``: ``tokenizer.apply_chat_template`` with a system message asking for one
+        step per line and the final answer in ``\\boxed{}``, the question as the user message,
+        and the assistant turn opened (for instruct models such as SmolLM2-135M-Instruct).
+
+    Raises:
+        ValueError: unknown ``template``, or ``"chat-boxed"`` with a tokenizer lacking a chat template.
+    """
+    if template == "qwen-math":
+        return f"{question}\n{QWEN_MATH_INSTRUCTION}"
+    if template == "chat-boxed":
+        if not getattr(tokenizer, "chat_template", None):
+            raise ValueError("template='chat-boxed' needs a tokenizer with a chat template; use 'qwen-math'")
+        messages = [{"role": "system", "content": CHAT_BOXED_SYSTEM}, {"role": "user", "content": question}]
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    raise ValueError(f"template={template!r} is unknown; valid templates: {', '.join(TEMPLATES)}")

@@ -1,0 +1,159 @@
+"""Binary math reward: the last ``\\boxed{}`` answer checked against the gold answer by math-verify.
+
+math-verify enforces its timeouts with ``signal.alarm``, which only works in a process's main
+thread (pitfall P16: from a thread, parsing raises and every answer scores 0). Scoring therefore
+runs in a pool of worker processes; each worker disables math-verify's own alarms and bounds the
+whole check with its own float ``signal.setitimer`` deadline instead.
+"""
+
+from __future__ import annotations
+
+import math
+import multiprocessing
+import re
+import signal
+import time
+
+__all__ = ["MathVerifyReward", "extract_last_boxed", "score_response"]
+
+_BOX_OPENING = re.compile(r"\\(?:boxed|fbox)\s*\{")
+_GRACE_S = 5.0  # parent-side slack on top of the workers' own deadlines (process start, pickling)
+
+
+def extract_last_boxed(text: str) -> str | None:
+    """Content of the last complete ``\\boxed{...}`` (or ``\\fbox{...}``) in ``text``, else None.
+
+    Braces are matched by depth counting, so nested groups survive (pitfall P17):
+    ``"\\boxed{\\frac{1}{2}}"`` -> ``"\\frac{1}{2}"``. An opening whose braces never close (a
+    truncated response) is skipped in favour of the previous complete one.
+    """
+    for opening in reversed(list(_BOX_OPENING.finditer(text))):
+        content = _braced_content(text, opening.end() - 1)
+        if content is not None:
+            return content
+    return None
+
+
+def _braced_content(text: str, open_index: int) -> str | None:
+    """Text between ``text[open_index] == '{'`` and its matching ``'}'``; None if unbalanced."""
+    depth = 0
+    for i in range(open_index, len(text)):
+        if text[i] == "{":
+            depth += 1
+        elif text[i] == "}":
+            depth -= 1
+            if depth == 0:
+                return text[open_index + 1:i]
+    return None
+
+
+def score_response(response: str, answer: str) -> float:
+    """1.0 if math-verify finds the last boxed answer of ``response`` equal to ``answer``, else 0.0.
+
+    Runs math-verify with its own timeouts disabled: call it under a deadline (see
+    :class:`MathVerifyReward`), not directly on untrusted text in a latency-critical path.
+    """
+    boxed = extract_last_boxed(response)
+    if boxed is None:
+        return 0.0
+    from math_verify import parse, verify  # imported in the worker processes only
+
+    gold = parse(answer, parsing_timeout=None)
+    pred = parse(f"\\boxed{{{boxed}}}", parsing_timeout=None)
+    return 1.0 if gold and pred and verify(gold, pred, timeout_seconds=None) else 0.0
+
+
+class _Deadline(BaseException):
+    """Raised by the worker's timer; a BaseException so math-verify's ``except Exception`` can't eat it."""
+
+
+def _raise_deadline(signum, frame):
+    raise _Deadline
+
+
+def _score_with_deadline(scorer, response: str, answer: str, timeout_s: float) -> float:
+    """Worker body: ``scorer(response, answer)`` bounded by ``timeout_s`` seconds, 0.0 on timeout."""
+    previous = signal.signal(signal.SIGALRM, _raise_deadline)
+    signal.setitimer(signal.ITIMER_REAL, timeout_s)
+    try:
+        return float(scorer(response, answer))
+    except _Deadline:
+        return 0.0
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+def _warm_up_worker() -> None:
+    import math_verify  # noqa: F401  (pay the ~1 s sympy import while the trainer is busy elsewhere)
+
+
+class MathVerifyReward:
+    """Reward function ``responses, answers -> [0.0 | 1.0, ...]`` scored in a process pool.
+
+    Args:
+        num_workers: worker processes (``spawn`` start method, started at construction and warmed
+            up in the background), >= 1.
+        timeout_s: per-response time budget in seconds, > 0; a response that exceeds it scores
+            0.0. If a worker stops answering altogether, the pool is replaced and the unanswered
+            responses score 0.0.
+
+    Use as a context manager or call :meth:`close`. Scripts that construct it must guard their
+    entry point with ``if __name__ == "__main__":`` (``spawn`` re-imports the main module).
+    """
+
+    _scorer = staticmethod(score_response)
+
+    def __init__(self, num_workers: int = 2, timeout_s: float = 5.0) -> None:
+        if num_workers < 1:
+            raise ValueError(f"num_workers={num_workers} must be >= 1")
+        if not timeout_s > 0:
+            raise ValueError(f"timeout_s={timeout_s} must be > 0 seconds")
+        self.num_workers = num_workers
+        self.timeout_s = float(timeout_s)
+        self._pool = self._start_pool()
+
+    def __call__(self, responses: list[str], answers: list[str]) -> list[float]:
+        """Score ``responses[i]`` against gold ``answers[i]``; returns floats in {0.0, 1.0}.
+
+        Raises:
+            ValueError: ``len(responses) != len(answers)``.
+            RuntimeError: called after :meth:`close`.
+        """
+        if len(responses) != len(answers):
+            raise ValueError(f"len(responses)={len(responses)} != len(answers)={len(answers)}; "
+                             "pass one gold answer per response (repeat it G times per group)")
+        if self._pool is None:
+            raise RuntimeError("MathVerifyReward is closed; create a new one")
+        jobs = [self._pool.apply_async(_score_with_deadline, (self._scorer, r, a, self.timeout_s))
+                for r, a in zip(responses, answers)]
+        rounds = math.ceil(len(jobs) / self.num_workers)
+        deadline = time.monotonic() + rounds * self.timeout_s + _GRACE_S
+        scores, stuck = [], False
+        for job in jobs:
+            try:
+                scores.append(job.get(timeout=max(0.0, deadline - time.monotonic())))
+            except multiprocessing.TimeoutError:
+                scores.append(0.0)
+                stuck = True
+        if stuck:
+            self._pool.terminate()
+            self._pool = self._start_pool()
+        return scores
+
+    def close(self) -> None:
+        """Stop the worker processes (idempotent)."""
+        if self._pool is not None:
+            self._pool.terminate()
+            self._pool.join()
+            self._pool = None
+
+    def __enter__(self) -> MathVerifyReward:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+    def _start_pool(self):
+        context = multiprocessing.get_context("spawn")  # fork would copy the trainer's threads/locks
+        return context.Pool(self.num_workers, initializer=_warm_up_worker)
