@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import warnings
 from pathlib import Path
 
 __all__ = ["main", "load_config", "DEFAULT_CONFIG_DIR"]
@@ -56,9 +57,17 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+def _quiet_known_warnings() -> None:
+    """megatron-core warns at import about optional fused kernels a CPU host never has."""
+    for pattern in (".*Apex is not installed.*", ".*Transformer Engine and Apex are not installed.*",
+                    ".*full scope is deprecated.*"):
+        warnings.filterwarnings("ignore", message=pattern)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``nemo-sspo`` console script; returns the process exit code."""
     args = _parse(sys.argv[1:] if argv is None else argv)
+    _quiet_known_warnings()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     try:

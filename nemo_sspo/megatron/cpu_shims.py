@@ -23,6 +23,10 @@ Shims (measured with megatron-core 0.16.1, torch 2.13 CPU):
    ``sequence_parallel=False`` (the local spec's torch norms refuse it).
 5. ``attention_mask_for()``: the local attention builds its default causal mask with
    ``device="cuda"``; on CPU we pass an explicit boolean causal mask instead.
+6. Gradient clipping: ``clip_grad_by_total_norm_fp32`` asserts ``torch.cuda.FloatTensor`` grads;
+   the optimizer module's reference to it is replaced by :func:`_clip_grads_cpu`, which applies the
+   same coefficient ``max_norm / (total_norm + 1e-6)`` when it is below 1. The total norm itself
+   is still Megatron's (all-reduced over the model-parallel ranks).
 """
 
 from __future__ import annotations
@@ -103,17 +107,30 @@ def _cpu_current_device() -> str:
     return "cpu"
 
 
+def _clip_grads_cpu(parameters, max_norm: float, total_norm: float, use_decoupled_grad: bool = False) -> None:
+    """Shim 6: scales the gradients of ``parameters`` in place so their global norm is <= max_norm."""
+    coeff = max_norm / (total_norm + 1.0e-6)
+    if coeff >= 1.0:
+        return
+    for param in parameters:
+        grad = getattr(param, "decoupled_grad", None) if use_decoupled_grad else param.grad
+        if grad is not None:
+            grad.mul_(coeff)
+
+
 def apply_cpu_shims() -> bool:
-    """Install shims 1 and 2 (idempotent). Returns True when they were needed (no CUDA).
+    """Install shims 1, 2 and 6 (idempotent). Returns True when they were needed (no CUDA).
 
     Must run before ``model_parallel_cuda_manual_seed``: Megatron's ``initialize_rng_tracker``
     keeps an already-initialised tracker, so the CPU tracker installed here is the one it seeds.
     """
     if not needs_cpu_shims():
         return False
+    from megatron.core.optimizer import optimizer as megatron_optimizer
     from megatron.core.tensor_parallel import random as megatron_random
 
     torch.cuda.current_device = _cpu_current_device
+    megatron_optimizer.clip_grad_by_total_norm_fp32 = _clip_grads_cpu
     if not isinstance(megatron_random._CUDA_RNG_STATE_TRACKER, CpuRNGStatesTracker):
         megatron_random._CUDA_RNG_STATE_TRACKER = CpuRNGStatesTracker()
     megatron_random._CUDA_RNG_STATE_TRACKER_INITIALIZED = True

@@ -130,9 +130,11 @@ def _policy_loss_func(batch: PolicyBatch, spec: LossSpec, logits: torch.Tensor):
     )
     metrics = {k: v.detach() for k, v in metrics.items()}
     metrics["loss/policy"] = torch.stack([numerator.detach(), denominator.to(numerator.dtype)])
-    mask = batch.loss_mask
-    gap = (logprobs.detach() - batch.old_logprobs)[mask].abs()
-    metrics["policy/logprob_gap_abs"] = torch.stack([gap.sum(), torch.tensor(float(gap.numel()))])
+    # KL(pi_old || pi_theta) per token, Schulman's k3 estimator r - 1 - log r: 0 on the first,
+    # on-policy mini-batch, growing with each off-policy update.
+    log_ratio = (logprobs.detach() - batch.old_logprobs)[batch.loss_mask]
+    approx_kl = torch.expm1(log_ratio) - log_ratio
+    metrics["policy/approx_kl"] = torch.stack([approx_kl.sum(), torch.tensor(float(approx_kl.numel()))])
     return numerator, denominator.to(torch.int), metrics
 
 

@@ -97,11 +97,16 @@ def build_hf_model(hf_config: PretrainedConfig, state_dict: dict[str, torch.Tens
 
 
 def check_state_dict_keys(model: torch.nn.Module, state_dict: dict[str, torch.Tensor]) -> None:
-    """Raise ``ValueError`` unless ``state_dict`` has exactly the model's keys (tied head excluded)."""
-    expected = set(model.state_dict())
+    """Raise ``ValueError`` unless ``state_dict`` has exactly the model's keys.
+
+    With tied embeddings ``lm_head.weight`` is optional (it aliases ``model.embed_tokens.weight``;
+    checkpoints omit it, ``export_hf_state_dict`` includes it like ``state_dict()`` does).
+    """
+    expected, given = set(model.state_dict()), set(state_dict)
     if getattr(model.config, "tie_word_embeddings", False):
         expected.discard(_TIED_KEY)
-    missing, unexpected = expected - set(state_dict), set(state_dict) - expected
+        given.discard(_TIED_KEY)
+    missing, unexpected = expected - given, given - expected
     if missing or unexpected:
         raise ValueError(
             f"state_dict keys do not match the model: missing {sorted(missing)[:5]}, unexpected "

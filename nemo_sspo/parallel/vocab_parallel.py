@@ -230,25 +230,51 @@ def _chunk_stats(logits, targets, tp_group, vocab_start, n_valid, inv_temp, acc)
     return logprobs, entropy, raw_max, log_sum_exp
 
 
-def _block_grad(block, raw_max, log_sum_exp, entropy, grad_lp, grad_h, inv_temp, acc):
-    """``[rows, n_valid]`` gradient w.r.t. raw logits, without the target one-hot term.
+def _grad_coefficients(grad_logprobs, grad_entropy, entropy, inv_temp, acc):
+    """Per-token ``(c1, c0)`` with ``dL/dlogits_v = p_v (c1 log p_v + c0)`` off the target.
 
-    ``-p * (g_lp + g_H (log p + H)) / tau`` with ``log p = (block - c) / tau - log S0``; the
-    one-hot ``g_lp / tau`` is added by the caller. A missing upstream gradient counts as zero.
+    From ``d logp_t/dz_v = 1[v=t] - p_v`` and ``dH/dz_v = -p_v (log p_v + H)`` times ``1/tau``:
+    ``c1 = -g_H / tau`` (``None`` without an entropy gradient), ``c0 = -(g_lp + g_H H) / tau``.
+    A missing upstream gradient counts as zero.
     """
-    log_p = _upcast_minus(block, raw_max.unsqueeze(-1), acc)
+    # Out of place only: upstream gradients may be shared or expanded (stride-0) tensors.
+    g_lp = torch.zeros_like(entropy) if grad_logprobs is None else grad_logprobs.to(acc)
+    if grad_entropy is None:
+        return None, g_lp * -inv_temp
+    g_h = grad_entropy.to(acc)
+    return g_h * -inv_temp, (g_lp + g_h * entropy) * -inv_temp
+
+
+def _block_grad(block, columns, has_c1, inv_temp, acc):
+    """``[rows, n_valid]`` gradient ``p (c1 log p + c0)`` w.r.t. raw logits (no target term).
+
+    ``columns [rows, 4]`` = ``(c, log S0, c1, c0)`` per token; ``log p = (block - c)/tau - log S0``.
+    """
+    log_p = _upcast_minus(block, columns[:, 0:1], acc)
     if inv_temp != 1.0:
         log_p.mul_(inv_temp)
-    log_p.sub_(log_sum_exp.unsqueeze(-1))
+    log_p.sub_(columns[:, 1:2])
     grad = torch.exp(log_p)
-    offset = torch.zeros_like(entropy) if grad_lp is None else grad_lp.to(acc)
-    if grad_h is None:
-        return grad.mul_((-inv_temp * offset).unsqueeze(-1))
-    grad_h = grad_h.to(acc)
-    # -(g_lp + g_H (log p + H)) / tau = log p * (-g_H / tau) - (g_lp + g_H H) / tau
-    log_p.mul_((-inv_temp * grad_h).unsqueeze(-1))
-    log_p.sub_((inv_temp * (offset + grad_h * entropy)).unsqueeze(-1))
-    return grad.mul_(log_p)
+    if not has_c1:
+        return grad.mul_(columns[:, 3:4])
+    return grad.mul_(log_p.mul_(columns[:, 2:3]).add_(columns[:, 3:4]))
+
+
+def _set_target_entries(grad_logits, logprobs, targets, vocab_start, n_valid, c1, c0, g_lp, inv_temp):
+    """Write the target column ``p_t (c1 log p_t + c0) + g_lp / tau`` in one rounding.
+
+    ``log p_t`` is the saved forward output. A masked gather/scatter (no ``nonzero``) keeps
+    device and host unsynchronised.
+    """
+    local_ids = targets - vocab_start
+    owned = (local_ids >= 0) & (local_ids < n_valid)
+    # (row, column) pairs; rows without their target here rewrite their own current value.
+    # Advanced indexing touches N entries (a CPU scatter_ on [N, V_local] copied the tensor).
+    position = (torch.arange(len(targets), device=targets.device), local_ids.clamp(0, n_valid - 1))
+    slope = logprobs * c1 if c1 is not None else torch.zeros_like(logprobs)
+    value = logprobs.exp() * (slope + c0) + g_lp.to(logprobs.dtype) * inv_temp
+    current = grad_logits[position]
+    grad_logits[position] = torch.where(owned, value.to(current.dtype), current)
 
 
 class _VocabParallelLogprobsEntropy(torch.autograd.Function):
@@ -271,7 +297,7 @@ class _VocabParallelLogprobsEntropy(torch.autograd.Function):
         else:
             logprobs = entropy = raw_max = log_sum_exp = logits.new_zeros(0, dtype=acc)
         # Only per-token statistics are saved; backward recomputes p from the input.
-        ctx.save_for_backward(logits, targets, raw_max, log_sum_exp, entropy)
+        ctx.save_for_backward(logits, targets, raw_max, log_sum_exp, entropy, logprobs)
         ctx.meta = (vocab_start, n_valid, inv_temp, chunk_size, acc)
         ctx.set_materialize_grads(False)
         return logprobs, entropy
@@ -280,31 +306,23 @@ class _VocabParallelLogprobsEntropy(torch.autograd.Function):
     def backward(ctx, grad_logprobs, grad_entropy):
         if grad_logprobs is None and grad_entropy is None:
             return (None,) * 7
-        logits, targets, raw_max, log_sum_exp, entropy = ctx.saved_tensors
+        logits, targets, raw_max, log_sum_exp, entropy, logprobs = ctx.saved_tensors
         vocab_start, n_valid, inv_temp, chunk_size, acc = ctx.meta
+        c1, c0 = _grad_coefficients(grad_logprobs, grad_entropy, entropy, inv_temp, acc)
+        zeros = torch.zeros_like(c0)
+        columns = torch.stack([raw_max, log_sum_exp, zeros if c1 is None else c1, c0], dim=1)
         # Padding columns keep a zero gradient.
         padded = n_valid < logits.shape[1]
         grad_logits = torch.zeros_like(logits) if padded else torch.empty_like(logits)
+        if n_valid == 0:
+            return grad_logits, None, None, None, None, None, None
+        valid = logits[:, :n_valid]
         step = _block_rows(logits, n_valid, chunk_size)
-        for s in range(0, logits.shape[0] if n_valid else 0, step):
-            rows = slice(s, s + step)
-            g_lp = None if grad_logprobs is None else grad_logprobs[rows]
-            g_h = None if grad_entropy is None else grad_entropy[rows]
-            grad = _block_grad(
-                logits[rows, :n_valid], raw_max[rows], log_sum_exp[rows], entropy[rows],
-                g_lp, g_h, inv_temp, acc,
+        for s in range(0, logits.shape[0], step):
+            block_grad = _block_grad(valid[s : s + step], columns[s : s + step], c1 is not None, inv_temp, acc)
+            grad_logits[s : s + step, :n_valid] = block_grad  # one rounding to the input dtype
+        if grad_logprobs is not None:
+            _set_target_entries(
+                grad_logits, logprobs, targets, vocab_start, n_valid, c1, c0, grad_logprobs, inv_temp
             )
-            if g_lp is not None:
-                _add_target_onehot(grad, targets[rows] - vocab_start, g_lp.to(acc) * inv_temp)
-            grad_logits[rows, :n_valid] = grad  # one rounding to the input dtype
         return grad_logits, None, None, None, None, None, None
-
-
-def _add_target_onehot(grad: torch.Tensor, local_ids: torch.Tensor, values: torch.Tensor) -> None:
-    """``grad[i, local_ids[i]] += values[i]`` for rows whose target lies in this shard.
-
-    Uses a masked scatter_add (no ``nonzero``), so it never syncs device and host.
-    """
-    owned = (local_ids >= 0) & (local_ids < grad.shape[1])
-    index = local_ids.clamp(0, grad.shape[1] - 1).unsqueeze(-1)
-    grad.scatter_add_(1, index, torch.where(owned, values, torch.zeros_like(values)).unsqueeze(-1))

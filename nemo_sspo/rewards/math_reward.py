@@ -8,6 +8,7 @@ whole check with its own float ``signal.setitimer`` deadline instead.
 
 from __future__ import annotations
 
+import logging
 import math
 import multiprocessing
 import re
@@ -85,21 +86,25 @@ def _score_with_deadline(scorer, response: str, answer: str, timeout_s: float) -
 
 
 def _warm_up_worker() -> None:
-    import math_verify  # noqa: F401  (pay the ~1 s sympy import while the trainer is busy elsewhere)
+    """Pool initializer: pay the ~1 s sympy import while the trainer is busy elsewhere."""
+    import math_verify  # noqa: F401
+
+    # Its "timeout disabled" warning is expected: the deadline here is _score_with_deadline's.
+    logging.getLogger("math_verify").setLevel(logging.ERROR)
 
 
 class MathVerifyReward:
     """Reward function ``responses, answers -> [0.0 | 1.0, ...]`` scored in a process pool.
 
     Args:
-        num_workers: worker processes (``spawn`` start method, started at construction and warmed
-            up in the background), >= 1.
+        num_workers: worker processes (``forkserver`` start method, started at construction and
+            warmed up in the background), >= 1.
         timeout_s: per-response time budget in seconds, > 0; a response that exceeds it scores
             0.0. If a worker stops answering altogether, the pool is replaced and the unanswered
             responses score 0.0.
 
-    Use as a context manager or call :meth:`close`. Scripts that construct it must guard their
-    entry point with ``if __name__ == "__main__":`` (``spawn`` re-imports the main module).
+    Use as a context manager or call :meth:`close`. Scripts that construct it should guard their
+    entry point with ``if __name__ == "__main__":`` as for any multiprocessing user.
     """
 
     _scorer = staticmethod(score_response)
@@ -155,5 +160,8 @@ class MathVerifyReward:
         self.close()
 
     def _start_pool(self):
-        context = multiprocessing.get_context("spawn")  # fork would copy the trainer's threads/locks
+        # forkserver, not fork: forking the trainer would copy its threads' held locks. The server
+        # preloads math-verify once per process, so each (re)started pool is ready in milliseconds.
+        context = multiprocessing.get_context("forkserver")
+        context.set_forkserver_preload([__name__, "math_verify"])
         return context.Pool(self.num_workers, initializer=_warm_up_worker)

@@ -50,7 +50,7 @@ class ParallelConfig:
 
 @dataclass
 class DataConfig:
-    source: str = "arithmetic"
+    source: str = "word_problems"
     """Prompt source name (``nemo_sspo.data.build_prompt_source``)."""
     template: str = "chat-boxed"
     """Prompt template name (``nemo_sspo.data.render_prompt``)."""

@@ -1,0 +1,91 @@
+"""HF checkpoint sources: the tiny random Llama and the cached, dequantised SmolLM2-135M GGUF.
+
+The SmolLM2 test reads the user cache (``$NEMO_SSPO_CACHE`` or ``~/.cache/nemo_sspo``); the very
+first run builds it from the GGUF file (~30 s), later runs load it in well under a second.
+"""
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from nemo_sspo.models import SOURCES, build_hf_model, load_hf_checkpoint
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return load_hf_checkpoint("tiny-random-llama")
+
+
+def test_tiny_config_fields(tiny):
+    config, state_dict, tokenizer = tiny
+    assert (config.hidden_size, config.num_hidden_layers) == (64, 2)
+    assert (config.num_attention_heads, config.num_key_value_heads) == (4, 2)
+    assert config.vocab_size == len(tokenizer) == 49152
+    assert config.tie_word_embeddings
+    assert "lm_head.weight" not in state_dict  # tied: the head is the embedding
+    # 2 layers x 9 tensors (q, k, v, o, gate, up, down, 2 norms) + embedding + final norm = 20
+    assert len(state_dict) == 20
+    assert state_dict["model.embed_tokens.weight"].shape == (49152, 64)
+    assert all(t.dtype == torch.float32 for t in state_dict.values())
+
+
+def test_tiny_is_seeded_and_leaves_global_rng(tiny):
+    torch.manual_seed(0)
+    expected_next = torch.rand(3)
+    torch.manual_seed(0)
+    _, again, _ = load_hf_checkpoint("tiny-random-llama")
+    assert torch.equal(torch.rand(3), expected_next)
+    assert all(torch.equal(again[k], v) for k, v in tiny[1].items())
+
+
+def test_tokenizer_pad_and_chat_template(tiny):
+    tokenizer = tiny[2]
+    assert tokenizer.pad_token_id is not None
+    assert tokenizer.eos_token == "<|im_end|>"
+    text = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False,
+                                         add_generation_prompt=True)
+    assert text.endswith("<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n")
+
+
+def test_unknown_source_lists_valid():
+    with pytest.raises(ValueError, match="tiny-random-llama"):
+        load_hf_checkpoint("gpt-5")
+    assert set(SOURCES) == {"smollm2-135m-instruct", "tiny-random-llama"}
+
+
+def test_cache_inside_repo_rejected():
+    with pytest.raises(ValueError, match="inside the repository"):
+        load_hf_checkpoint("tiny-random-llama", cache_dir=str(REPO / "cache"))
+
+
+def test_build_rejects_bad_keys(tiny):
+    config, state_dict, _ = tiny
+    broken = {k: v for k, v in state_dict.items() if k != "model.norm.weight"}
+    with pytest.raises(ValueError, match="model.norm.weight"):
+        build_hf_model(config, broken)
+    with pytest.raises(ValueError, match="unexpected"):
+        build_hf_model(config, {**state_dict, "extra.weight": torch.zeros(1)})
+
+
+def test_build_ties_head_to_embedding(tiny):
+    model = build_hf_model(*tiny[:2])
+    assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+    assert not model.training
+
+
+def test_smollm2_shapes_and_forward():
+    config, state_dict, tokenizer = load_hf_checkpoint("smollm2-135m-instruct")
+    assert type(config).__name__ == "LlamaConfig"
+    assert (config.hidden_size, config.num_hidden_layers) == (576, 30)
+    assert (config.num_attention_heads, config.num_key_value_heads, config.vocab_size) == (9, 3, 49152)
+    model = build_hf_model(config, state_dict)
+    ids = tokenizer("The capital of France is", return_tensors="pt")["input_ids"]
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits
+    assert logits.shape == (1, ids.shape[1], 49152)
+    assert torch.isfinite(logits).all()
+    # The dequantised weights are the real model's: it completes the sentence with "Paris".
+    assert tokenizer.decode(logits[0, -1].argmax()).strip() == "Paris"

@@ -1,0 +1,113 @@
+"""Prompt sources and templates: seeding, gold answers (re-derived independently), rendering."""
+
+import json
+import re
+
+import pytest
+
+from nemo_sspo.data import PROMPT_SOURCES, Problem, build_prompt_source, render_prompt
+from nemo_sspo.models import load_hf_checkpoint
+from nemo_sspo.rewards import MathVerifyReward
+
+_START = re.compile(r"has (\d+) ")
+_CHANGES = re.compile(r"buys (\d+) boxes with (\d+) |buys (\d+) more |gives (\d+) ")
+
+
+def _solve(question: str) -> int:
+    """Second algorithm: read the story back with regexes and redo the arithmetic."""
+    total = int(_START.search(question).group(1))
+    for boxes, each, more, given in _CHANGES.findall(question):
+        if boxes:
+            total += int(boxes) * int(each)
+        elif more:
+            total += int(more)
+        else:
+            total -= int(given)
+    return total
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return load_hf_checkpoint("smollm2-135m-instruct")[2]
+
+
+def test_word_problems_seeded():
+    first = build_prompt_source("word_problems", seed=3).sample(20)
+    assert build_prompt_source("word_problems", seed=3).sample(20) == first
+    assert build_prompt_source("word_problems", seed=4).sample(20) != first
+    # A stream: the next draw continues, it does not restart.
+    source = build_prompt_source("word_problems", seed=3)
+    assert source.sample(5) + source.sample(15) == first
+
+
+def test_word_problem_answers_are_right_numbers():
+    problems = build_prompt_source("word_problems", seed=0, min_steps=1, max_steps=4).sample(200)
+    for p in problems:
+        assert int(p.answer) == _solve(p.question) >= 0, p
+        steps = len(_CHANGES.findall(p.question))
+        assert 1 <= steps <= 4
+
+
+def test_word_problem_example_by_hand():
+    # "X has a. ... buys k boxes with b ..." : check the solver itself on a hand-made story.
+    story = "Tom has 8 marbles. He gives 3 marbles to a friend. Then he buys 2 boxes with 5 marbles each."
+    assert _solve(story) == 15  # 8 - 3 + 2 * 5
+
+
+def test_gold_answer_scores_one_when_boxed():
+    problems = build_prompt_source("word_problems", seed=1).sample(6)
+    with MathVerifyReward(num_workers=1) as reward:
+        scores = reward([f"Step by step.\nSo the answer is \\boxed{{{p.answer}}}." for p in problems],
+                        [p.answer for p in problems])
+    assert scores == [1.0] * 6
+
+
+def test_reasoning_gym_source_seeded_numeric():
+    kwargs = dict(dataset="leg_counting", min_animals=2, max_animals=2, max_instances=3)
+    first = build_prompt_source("reasoning_gym", seed=5, **kwargs).sample(8)
+    assert build_prompt_source("reasoning_gym", seed=5, **kwargs).sample(8) == first
+    assert all(int(p.answer) >= 0 and "legs" in p.question for p in first)
+
+
+def test_jsonl_source(tmp_path):
+    path = tmp_path / "p.jsonl"
+    records = [{"problem": "1+1?", "answer": "2"}, {"question": "2+2?", "answer": 4}, {"problem": "3+3?", "answer": "6"}]
+    path.write_text("\n".join(json.dumps(r) for r in records) + "\n")
+    source = build_prompt_source("jsonl", seed=0, path=str(path))
+    epoch = source.sample(3)
+    assert sorted(epoch, key=lambda p: p.question) == [Problem("1+1?", "2"), Problem("2+2?", "4"), Problem("3+3?", "6")]
+    assert len(set(source.sample(3))) == 3  # the next epoch again holds every record once
+    assert build_prompt_source("jsonl", seed=0, path=str(path)).sample(3) == epoch
+
+
+def test_jsonl_bad_record(tmp_path):
+    path = tmp_path / "bad.jsonl"
+    path.write_text(json.dumps({"text": "no keys"}) + "\n")
+    with pytest.raises(ValueError, match="bad.jsonl:1"):
+        build_prompt_source("jsonl", seed=0, path=str(path))
+
+
+def test_build_errors():
+    with pytest.raises(ValueError, match="word_problems"):
+        build_prompt_source("nope", seed=0)
+    with pytest.raises(ValueError, match="bad arguments"):
+        build_prompt_source("word_problems", seed=0, max_stepz=3)
+    with pytest.raises(ValueError, match="min_steps"):
+        build_prompt_source("word_problems", seed=0, min_steps=3, max_steps=2)
+    assert set(PROMPT_SOURCES) == {"word_problems", "reasoning_gym", "jsonl"}
+
+
+def test_qwen_math_template(tokenizer):
+    assert render_prompt(tokenizer, "What is 1+1?", "qwen-math") == (
+        "What is 1+1?\nPlease reason step by step, and put your final answer within \\boxed{}.")
+
+
+def test_chat_boxed_template(tokenizer):
+    text = render_prompt(tokenizer, "What is 1+1?", "chat-boxed")
+    assert text.startswith("<|im_start|>system\n") and "\\boxed{}" in text
+    assert text.endswith("<|im_start|>user\nWhat is 1+1?<|im_end|>\n<|im_start|>assistant\n")
+
+
+def test_unknown_template(tokenizer):
+    with pytest.raises(ValueError, match="chat-boxed"):
+        render_prompt(tokenizer, "q", "alpaca")
