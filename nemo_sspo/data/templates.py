@@ -5,10 +5,8 @@ from __future__ import annotations
 __all__ = ["TEMPLATES", "render_prompt"]
 
 QWEN_MATH_INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
-CHAT_BOXED_SYSTEM = (
-    "You are a careful math tutor. Solve the problem step by step, writing each step on its own "
-    "line. Finish with the final answer as a number in \\boxed{}, for example \\boxed{42}."
-)
+CHAT_BOXED_SYSTEM = "You are a careful math tutor. You solve problems step by step, one step per line."
+CHAT_BOXED_INSTRUCTION = "Solve it step by step, one step per line. Put the final answer in \\boxed{}."
 TEMPLATES = ("qwen-math", "chat-boxed")
 """Valid ``template`` names for :func:`render_prompt`."""
 
@@ -20,9 +18,10 @@ def render_prompt(tokenizer, question: str, template: str) -> str:
         ``"qwen-math"``: the paper's Qwen-Math prompt as raw text (for base models, no chat
         markup): ``"{question}\\nPlease reason step by step, and put your final answer within
         \\boxed{}."``; ``tokenizer`` is unused.
-        ``"chat-boxed"``: ``tokenizer.apply_chat_template`` with a system message asking for one
-        step per line and the final answer in ``\\boxed{}``, the question as the user message,
-        and the assistant turn opened (for instruct models such as SmolLM2-135M-Instruct).
+        ``"chat-boxed"``: ``tokenizer.apply_chat_template`` with a short tutor system message and
+        the user message ``"{question}\\n" + CHAT_BOXED_INSTRUCTION`` (one step per line, final
+        answer in ``\\boxed{}``: a 135M instruct model follows the user turn far more than the
+        system turn), with the assistant turn opened.
 
     Raises:
         ValueError: unknown ``template``, or ``"chat-boxed"`` with a tokenizer lacking a chat template.
@@ -32,6 +31,7 @@ def render_prompt(tokenizer, question: str, template: str) -> str:
     if template == "chat-boxed":
         if not getattr(tokenizer, "chat_template", None):
             raise ValueError("template='chat-boxed' needs a tokenizer with a chat template; use 'qwen-math'")
-        messages = [{"role": "system", "content": CHAT_BOXED_SYSTEM}, {"role": "user", "content": question}]
+        messages = [{"role": "system", "content": CHAT_BOXED_SYSTEM},
+                    {"role": "user", "content": f"{question}\n{CHAT_BOXED_INSTRUCTION}"}]
         return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     raise ValueError(f"template={template!r} is unknown; valid templates: {', '.join(TEMPLATES)}")

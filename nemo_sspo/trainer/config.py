@@ -110,7 +110,9 @@ class TrainerConfig:
     seed: int = 1234
     """Seeds data sampling, generation and model-parallel RNG."""
     output_dir: str = "outputs/sspo_smollm2_cpu"
-    """metrics.jsonl, TensorBoard events and the reward/entropy plot go here."""
+    """metrics.jsonl, TensorBoard events, the reward/entropy plot and checkpoints go here."""
+    save_hf_checkpoint: bool = True
+    """Write the final policy as a Hugging Face checkpoint to ``output_dir/hf_checkpoint`` (also on a crash)."""
 
 
 @dataclass

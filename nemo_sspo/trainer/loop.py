@@ -18,6 +18,7 @@ from __future__ import annotations
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -216,13 +217,34 @@ class GRPOTrainer:
         metrics.update(timer.seconds)
         return metrics
 
+    def save_hf_checkpoint(self, name: str) -> None:
+        """Writes the rollout model (the policy as of the last refit) and tokenizer under ``output_dir/name``.
+
+        Only global rank 0 writes (it is the generator of data-parallel replica 0).
+        """
+        if dist.get_rank() != 0 or not self.cfg.trainer.save_hf_checkpoint:
+            return
+        path = Path(self.cfg.trainer.output_dir) / name
+        self.engine.model.save_pretrained(path)
+        self.tokenizer.save_pretrained(path)
+
     def fit(self) -> list[dict[str, float]]:
-        """Runs ``trainer.max_steps`` steps; returns the per-step metrics (same on every rank)."""
+        """Runs ``trainer.max_steps`` steps; returns the per-step metrics (same on every rank).
+
+        If a step raises, the policy of the last completed step is saved to
+        ``output_dir/hf_checkpoint_interrupted`` before the error propagates (metrics.jsonl already
+        holds every completed step).
+        """
         try:
             for step in range(1, self.cfg.trainer.max_steps + 1):
                 self.logger.log(step, self.train_step(step))
+        except BaseException:
+            if self.logger.history:
+                self.save_hf_checkpoint("hf_checkpoint_interrupted")
+            raise
         finally:
             self.close()
+        self.save_hf_checkpoint("hf_checkpoint")
         return self.logger.history
 
     def close(self) -> None:

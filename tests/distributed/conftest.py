@@ -36,7 +36,7 @@ def _free_port() -> int:
 
 
 def _child(rank, world_size, port, fn, args, results):
-    """Child entry: set up gloo, run ``fn``, report ``(rank, ok, value_or_traceback)``."""
+    """Child entry: set up gloo, run ``fn``, report ``(rank, ok, pickled value or traceback)``."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
     torch.set_num_threads(1)
     try:
@@ -44,15 +44,16 @@ def _child(rank, world_size, port, fn, args, results):
             "gloo", rank=rank, world_size=world_size,
             timeout=datetime.timedelta(seconds=_TIMEOUT_S),
         )
-        try:
-            # Plain pickle copies tensors by value; torch's queue pickler would pass them through
-            # shared memory owned by this process, which is gone once it exits.
-            results.put((rank, True, pickle.dumps(fn(rank, world_size, *args))))
-        finally:
-            dist.destroy_process_group()
+        # Plain pickle copies tensors by value; torch's queue pickler would pass them through
+        # shared memory owned by this process, which is gone once it exits.
+        payload = pickle.dumps(fn(rank, world_size, *args))
     except BaseException:  # noqa: BLE001 - every failure must reach the parent
+        # Report before any teardown: closing our sockets makes blocked peers fail too, and the
+        # parent shows the first report as the root cause.
         results.put((rank, False, traceback.format_exc()))
         sys.exit(1)
+    results.put((rank, True, payload))
+    dist.destroy_process_group()
 
 
 def _import_roots(*functions) -> list[str]:

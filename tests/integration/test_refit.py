@@ -50,3 +50,35 @@ def test_updates_change_weights_and_refit_follows(monkeypatch, tmp_path):
     assert moved > 1e-4
     # step 2 sampled with the refitted weights: rollout and trainer log-probs agree to rounding
     assert step2["rollout/trainer_logprob_gap_abs"] < 1e-4
+
+
+class _NaNOnSecondCallReward(_ParityReward):
+    """A broken reward function: fine on step 1, NaN on step 2."""
+
+    calls = 0
+
+    def __call__(self, responses, answers):
+        type(self).calls += 1
+        return super().__call__(responses, answers) if self.calls == 1 else [float("nan")] * len(responses)
+
+
+def test_nan_reward_fails_clearly_and_keeps_completed_work(monkeypatch, tmp_path):
+    import json
+
+    import pytest
+
+    monkeypatch.setattr(loop, "MathVerifyReward", _NaNOnSecondCallReward)
+    cfg = load_config(overrides=[
+        "model=tiny_random", "trainer.max_steps=3", "rollout.prompts_per_step=2",
+        "rollout.samples_per_prompt=4", "rollout.max_new_tokens=8", "parallel.micro_batch_size=2",
+        f"trainer.output_dir={tmp_path}",
+    ])
+    trainer = loop.GRPOTrainer(cfg)
+    try:
+        with pytest.raises(ValueError, match="finite"):
+            trainer.fit()
+    finally:
+        destroy_parallel()
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1]
+    assert (tmp_path / "hf_checkpoint_interrupted" / "config.json").is_file()

@@ -43,6 +43,7 @@ def test_two_step_run_writes_finite_metrics(tmp_path):
         assert 0.0 <= r["policy/clipfrac_tokens"] <= 1.0
         assert r["response/length_mean"] > 0
     assert (out / "reward_entropy.png").stat().st_size > 0
+    assert (out / "hf_checkpoint" / "config.json").is_file()
     assert any(p.name.startswith("events.out.tfevents") for p in (out / "tensorboard").iterdir())
     assert "step   2" in proc.stdout + proc.stderr
 

@@ -104,8 +104,9 @@ def test_qwen_math_template(tokenizer):
 
 def test_chat_boxed_template(tokenizer):
     text = render_prompt(tokenizer, "What is 1+1?", "chat-boxed")
-    assert text.startswith("<|im_start|>system\n") and "\\boxed{}" in text
-    assert text.endswith("<|im_start|>user\nWhat is 1+1?<|im_end|>\n<|im_start|>assistant\n")
+    assert text.startswith("<|im_start|>system\nYou are a careful math tutor.")
+    assert text.endswith("<|im_start|>user\nWhat is 1+1?\nSolve it step by step, one step per line. "
+                         "Put the final answer in \\boxed{}.<|im_end|>\n<|im_start|>assistant\n")
 
 
 def test_unknown_template(tokenizer):
