@@ -32,6 +32,7 @@ import datetime
 import os
 import socket
 import time
+import warnings
 import weakref
 
 import torch
@@ -58,7 +59,8 @@ class LiveBytes(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        inputs = {t.untyped_storage()._cdata for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+        tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        inputs = {t.untyped_storage()._cdata for t in tensors}
         out = func(*args, **kwargs)
         for tensor in tree_leaves(out):
             if isinstance(tensor, torch.Tensor):
@@ -125,7 +127,8 @@ def _generate(n_tokens, start, end, dtype, seed):
     for block_start in range(start - start % _COLUMN_BLOCK, end, _COLUMN_BLOCK):
         gen = torch.Generator().manual_seed(seed * 1000 + block_start // _COLUMN_BLOCK)
         block = 2.0 * torch.randn(n_tokens, _COLUMN_BLOCK, generator=gen)
-        lo, hi = max(start, block_start) - block_start, min(end, block_start + _COLUMN_BLOCK) - block_start
+        lo = max(start, block_start) - block_start
+        hi = min(end, block_start + _COLUMN_BLOCK) - block_start
         blocks.append(block[:, lo:hi].to(dtype))
         del block
     return torch.cat(blocks, dim=1)
@@ -173,14 +176,27 @@ def _megatron(shard, targets, ctx):
 
 def _autograd_entropy(shard, group):
     """Full-vocabulary entropy from a shard in plain autograd ops (baseline)."""
-    import torch.distributed.nn.functional as dist_nn
-
     z = shard.float()
     z_max = z.detach().amax(dim=-1)
     dist.all_reduce(z_max, op=dist.ReduceOp.MAX, group=group)
     weights = torch.exp(z - z_max.unsqueeze(-1))
-    sums = dist_nn.all_reduce(torch.stack([weights.sum(-1), (weights * z).sum(-1)]), group=group)
+    sums = _AllReduceSum.apply(torch.stack([weights.sum(-1), (weights * z).sum(-1)]), group)
     return sums[0].log() + z_max - sums[1] / sums[0]
+
+
+class _AllReduceSum(torch.autograd.Function):
+    """Sum over the TP group; backward is the identity (the loss is replicated on every rank,
+    as Megatron's reduce-from-tensor-parallel region)."""
+
+    @staticmethod
+    def forward(ctx, tensor, group):
+        total = tensor.clone()
+        dist.all_reduce(total, group=group)
+        return total
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
 
 
 def _log_softmax(shard, targets, ctx):
@@ -209,69 +225,82 @@ def _patch_megatron_groups(group):
 # Measurement
 
 
+def _targets(n_tokens, vocab, seed):
+    return torch.randint(0, vocab, (n_tokens,), generator=torch.Generator().manual_seed(seed))
+
+
 def _peak_bytes(method, n_tokens, dtype, ctx):
     shard = _make_logits(n_tokens, ctx["start"], ctx["end"], dtype, seed=1)
-    targets = torch.randint(0, ctx["vocab"], (n_tokens,), generator=torch.Generator().manual_seed(2))
+    targets = _targets(n_tokens, ctx["vocab"], seed=2)
     with LiveBytes() as tracker:
         result = method(shard, targets, ctx)
         del result
     return tracker.peak
 
 
-def _timed(method, n_tokens, dtype, ctx, repeats):
-    shard = _make_logits(n_tokens, ctx["start"], ctx["end"], dtype, seed=0)
-    targets = torch.randint(0, ctx["vocab"], (n_tokens,), generator=torch.Generator().manual_seed(3))
-    best, calls = float("inf"), 0
-    for _ in range(repeats):
-        shard.grad = None
-        dist.barrier(group=ctx["group"])
-        with CountCollectives() as counter:
-            start = time.perf_counter()
-            del_me = method(shard, targets, ctx)
-            elapsed = time.perf_counter() - start
-        del del_me
-        best, calls = min(best, elapsed), counter.calls
-    slowest = torch.tensor([best], dtype=torch.float64)
-    dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=ctx["group"])
-    return slowest.item(), calls
-
-
-def _measure(name, dtype, ctx, args):
-    method = _METHODS[name]
+def _memory_plan(method, dtype, ctx, args):
+    """Peak extra bytes at ``--tokens`` (linear fit), its fit error, and the tokens to time."""
     peaks = [_peak_bytes(method, n, dtype, ctx) for n in _MEM_TOKENS]
     per_token = (peaks[1] - peaks[0]) / (_MEM_TOKENS[1] - _MEM_TOKENS[0])
     constant = peaks[0] - per_token * _MEM_TOKENS[0]
     check = _peak_bytes(method, _CHECK_TOKENS, dtype, ctx)
     fit_error = abs(constant + per_token * _CHECK_TOKENS - check) / check
-    peak = constant + per_token * args.tokens
     input_bytes = args.tokens * (ctx["end"] - ctx["start"]) * dtype.itemsize
     n_time = args.tokens
-    while n_time > _MEM_TOKENS[1] and ctx["tp"] * (input_bytes * n_time / args.tokens + constant + per_token * n_time) > args.mem_budget_gb * 2**30:
+    while n_time > _MEM_TOKENS[1] and (
+        ctx["tp"] * (input_bytes + constant + per_token * n_time) > args.mem_budget_gb * 2**30
+    ):
         n_time //= 2
-    seconds, calls = _timed(method, n_time, dtype, ctx, args.repeats)
-    return dict(
-        method=name, dtype=dtype, tp=ctx["tp"], ms=1e3 * seconds * args.tokens / n_time,
-        scaled=n_time != args.tokens, n_time=n_time, peak_mb=peak / 2**20, calls=calls,
-        fit_error=fit_error,
-    )
+    return constant + per_token * args.tokens, fit_error, n_time
+
+
+def _time_once(method, shard, targets, ctx):
+    """Seconds of one call (slowest rank) and the number of collectives it issued."""
+    dist.barrier(group=ctx["group"])
+    with CountCollectives() as counter:
+        start = time.perf_counter()
+        result = method(shard, targets, ctx)
+        elapsed = time.perf_counter() - start
+    del result
+    slowest = torch.tensor([elapsed], dtype=torch.float64)
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=ctx["group"])
+    return slowest.item(), counter.calls
+
+
+def _measure_dtype(dtype, ctx, args):
+    """All methods on one dtype; repeats interleave the methods so load spikes hit them alike."""
+    plans = {name: _memory_plan(method, dtype, ctx, args) for name, method in _METHODS.items()}
+    shard = _make_logits(args.tokens, ctx["start"], ctx["end"], dtype, seed=0)
+    targets = _targets(args.tokens, ctx["vocab"], seed=3)
+    best = dict.fromkeys(_METHODS, float("inf"))
+    calls = {}
+    for _ in range(args.repeats):
+        for name, method in _METHODS.items():
+            n_time = plans[name][2]
+            rows = shard[:n_time].detach()
+            seconds, calls[name] = _time_once(method, rows, targets[:n_time], ctx)
+            best[name] = min(best[name], seconds * args.tokens / n_time)
+    return [
+        dict(method=name, dtype=dtype, tp=ctx["tp"], ms=1e3 * best[name], n_time=plans[name][2],
+             scaled=plans[name][2] != args.tokens, peak_mb=plans[name][0] / 2**20,
+             calls=calls[name], fit_error=plans[name][1])
+        for name in _METHODS
+    ]
 
 
 def _worker(rank, world_size, port, args, queue):
+    warnings.filterwarnings("ignore", message="Transformer Engine and Apex are not installed")
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=datetime.timedelta(minutes=30))
-    group = dist.group.WORLD
-    _patch_megatron_groups(group)
+    dist.init_process_group(
+        "gloo", rank=rank, world_size=world_size, timeout=datetime.timedelta(minutes=30)
+    )
+    _patch_megatron_groups(dist.group.WORLD)  # Megatron needs a real group even at TP=1
     start, end = vocab_shard_range(args.vocab, rank, world_size)
-    ctx = dict(group=group if world_size > 1 else None, tp=world_size, start=start, end=end, vocab=args.vocab)
-    rows = []
-    for dtype_name in args.dtypes:
-        for name in _METHODS:
-            if name.startswith("megatron"):
-                ctx_m = dict(ctx, group=group)  # Megatron needs a real group even at TP=1
-                rows.append(_measure(name, _DTYPES[dtype_name], ctx_m, args))
-            else:
-                rows.append(_measure(name, _DTYPES[dtype_name], ctx, args))
+    # TP=1 is the single-process path: tp_group=None, no communication at all.
+    group = dist.group.WORLD if world_size > 1 else None
+    ctx = dict(group=group, tp=world_size, start=start, end=end, vocab=args.vocab)
+    rows = [row for name in args.dtypes for row in _measure_dtype(_DTYPES[name], ctx, args)]
     if rank == 0:
         queue.put(rows)
     dist.barrier()
@@ -313,7 +342,7 @@ def _loss_costs(args):
         fn, config_cls = get_policy_loss(name)
         config = config_cls()
         best = float("inf")
-        for _ in range(max(args.repeats, 3)):
+        for _ in range(5):
             logprobs = logprobs_base.clone().requires_grad_(True)
             start = time.perf_counter()
             loss, _ = fn(logprobs, old_logprobs, advantages, mask, segment_ids, old_entropy, config)
@@ -324,7 +353,8 @@ def _loss_costs(args):
 
 
 def _print_table(rows):
-    print(f"{'TP':>2} {'dtype':>8} {'method':<22} {'time ms':>10} {'peak extra MB':>14} {'collectives':>11}")
+    print(f"{'TP':>2} {'dtype':>8} {'method':<22} {'time ms':>10} {'peak extra MB':>14} "
+          f"{'collectives':>11}")
     for row in rows:
         mark = f"* ({row['n_time']} tok)" if row["scaled"] else ""
         print(
@@ -338,11 +368,17 @@ def _print_table(rows):
 
 def _ratios(rows):
     def pick(tp, dtype, method, key):
-        return next(r[key] for r in rows if (r["tp"], r["dtype"], r["method"]) == (tp, dtype, method))
+        match = (tp, dtype, method)
+        return next(r[key] for r in rows if (r["tp"], r["dtype"], r["method"]) == match)
 
     configs = {(r["tp"], r["dtype"]) for r in rows}
-    time_ratio = max(pick(*c, "fused fwd", "ms") / pick(*c, "log_softmax fwd", "ms") for c in configs)
-    mem_ratio = max(pick(*c, "fused fwd+bwd", "peak_mb") / pick(*c, "gather fwd+bwd", "peak_mb") for c in configs)
+    time_ratio = max(
+        pick(*c, "fused fwd", "ms") / pick(*c, "log_softmax fwd", "ms") for c in configs
+    )
+    mem_ratio = max(
+        pick(*c, "fused fwd+bwd", "peak_mb") / pick(*c, "gather fwd+bwd", "peak_mb")
+        for c in configs
+    )
     return time_ratio, mem_ratio
 
 
@@ -352,8 +388,8 @@ def main():
     parser.add_argument("--vocab", type=int, default=151936, help="vocabulary size V")
     parser.add_argument("--tp", type=int, nargs="+", default=[1, 2], help="TP sizes to run")
     parser.add_argument("--dtypes", nargs="+", default=["bf16", "fp32"], choices=sorted(_DTYPES))
-    parser.add_argument("--repeats", type=int, default=1, help="timed runs per method (best kept)")
-    parser.add_argument("--mem-budget-gb", type=float, default=8.0,
+    parser.add_argument("--repeats", type=int, default=2, help="timed runs per method (best kept)")
+    parser.add_argument("--mem-budget-gb", type=float, default=6.0,
                         help="max predicted footprint over all ranks of one timed run")
     args = parser.parse_args()
     if args.vocab % _COLUMN_BLOCK:
@@ -365,7 +401,10 @@ def main():
     print(f"policy loss fwd+bwd on [8, {args.tokens // 8}]: grpo {costs['grpo']:.2f} ms, "
           f"sspo {costs['sspo']:.2f} ms, sspo/grpo {costs['sspo'] / costs['grpo']:.2f}")
     time_ratio, mem_ratio = _ratios(rows)
-    print(f"fused_vs_logsoftmax_time_ratio={time_ratio:.3f} fused_vs_gather_peak_mem_ratio={mem_ratio:.3f}")
+    print(
+        f"fused_vs_logsoftmax_time_ratio={time_ratio:.3f} "
+        f"fused_vs_gather_peak_mem_ratio={mem_ratio:.3f}"
+    )
 
 
 if __name__ == "__main__":

@@ -54,9 +54,13 @@ class WordProblemSource:
         seed: RNG seed.
         min_steps, max_steps: number of changes, 1 <= min_steps <= max_steps.
         max_number: largest number drawn for an amount (>= 2); box counts are 2..4.
+
+    The defaults (1-2 steps, numbers <= 5) are sized for SmolLM2-135M-Instruct: with the
+    ``chat-boxed`` template at temperature 0.7 it answers ~9% of them right (94% of responses boxed,
+    ~45 tokens, 3-4 lines): if independent, 1 - 0.91^8 = 55% of groups of 8 hold a rewarded sample.
     """
 
-    def __init__(self, *, seed: int, min_steps: int = 2, max_steps: int = 3, max_number: int = 10) -> None:
+    def __init__(self, *, seed: int, min_steps: int = 1, max_steps: int = 2, max_number: int = 5) -> None:
         if not 1 <= min_steps <= max_steps:
             raise ValueError(f"need 1 <= min_steps ({min_steps}) <= max_steps ({max_steps})")
         if max_number < 2:

@@ -7,6 +7,12 @@ __all__ = ["TEMPLATES", "render_prompt"]
 QWEN_MATH_INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
 CHAT_BOXED_SYSTEM = "You are a careful math tutor. You solve problems step by step, one step per line."
 CHAT_BOXED_INSTRUCTION = "Solve it step by step, one step per line. Put the final answer in \\boxed{}."
+# One worked example turn: a 135M instruct model almost never writes \boxed{} from the instruction
+# alone (measured: 6% of responses), so the template shows the format once.
+CHAT_BOXED_EXAMPLE = (
+    "Ann has 4 pens. She buys 2 boxes with 3 pens each. How many pens does Ann have now?",
+    "Ann starts with 4 pens.\nThe boxes hold 2 * 3 = 6 pens.\nNow she has 4 + 6 = 10 pens.\n\\boxed{10}",
+)
 TEMPLATES = ("qwen-math", "chat-boxed")
 """Valid ``template`` names for :func:`render_prompt`."""
 
@@ -18,10 +24,10 @@ def render_prompt(tokenizer, question: str, template: str) -> str:
         ``"qwen-math"``: the paper's Qwen-Math prompt as raw text (for base models, no chat
         markup): ``"{question}\\nPlease reason step by step, and put your final answer within
         \\boxed{}."``; ``tokenizer`` is unused.
-        ``"chat-boxed"``: ``tokenizer.apply_chat_template`` with a short tutor system message and
+        ``"chat-boxed"``: ``tokenizer.apply_chat_template`` over a short tutor system message,
+        one worked example (user question + assistant answer, :data:`CHAT_BOXED_EXAMPLE`), then
         the user message ``"{question}\\n" + CHAT_BOXED_INSTRUCTION`` (one step per line, final
-        answer in ``\\boxed{}``: a 135M instruct model follows the user turn far more than the
-        system turn), with the assistant turn opened.
+        answer in ``\\boxed{}``), with the assistant turn opened.
 
     Raises:
         ValueError: unknown ``template``, or ``"chat-boxed"`` with a tokenizer lacking a chat template.
@@ -31,7 +37,10 @@ def render_prompt(tokenizer, question: str, template: str) -> str:
     if template == "chat-boxed":
         if not getattr(tokenizer, "chat_template", None):
             raise ValueError("template='chat-boxed' needs a tokenizer with a chat template; use 'qwen-math'")
+        example_question, example_answer = CHAT_BOXED_EXAMPLE
         messages = [{"role": "system", "content": CHAT_BOXED_SYSTEM},
+                    {"role": "user", "content": f"{example_question}\n{CHAT_BOXED_INSTRUCTION}"},
+                    {"role": "assistant", "content": example_answer},
                     {"role": "user", "content": f"{question}\n{CHAT_BOXED_INSTRUCTION}"}]
         return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     raise ValueError(f"template={template!r} is unknown; valid templates: {', '.join(TEMPLATES)}")

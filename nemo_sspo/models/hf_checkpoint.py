@@ -23,7 +23,7 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM, PretrainedConfig
 from transformers.initialization import no_init_weights
 
-__all__ = ["SOURCES", "build_hf_model", "default_cache_root", "load_hf_checkpoint"]
+__all__ = ["SOURCES", "build_hf_model", "check_state_dict_keys", "default_cache_root", "load_hf_checkpoint"]
 
 SMOLLM2 = "smollm2-135m-instruct"
 TINY_RANDOM = "tiny-random-llama"

@@ -26,6 +26,11 @@ Every term is local to the shard once the per-token ``log Z`` and ``H`` are know
 backward pass recomputes ``p`` from the saved input and needs no communication. Padding
 columns (global id >= the true vocabulary size) are excluded from every sum: probability 0,
 gradient 0.
+
+Forward per chunk of tokens: each rank sums its shard relative to its own max ``m_r`` (one
+sweep, in cache-sized row blocks on CPU), then one all-reduce MAX gives ``m`` and the partial
+sums are re-based by ``exp(m_r - m)`` before one all-reduce SUM of ``[S0, S1, z_t - m]``.
+Logits must be finite (mark invalid ids through ``vocab_size``, not with ``-inf``).
 """
 
 from __future__ import annotations
@@ -133,7 +138,10 @@ def _check_args(logits, targets, tp_group, vocab_start, vocab_size, temperature,
     if targets.device != logits.device:
         raise ValueError(f"targets on {targets.device} but logits on {logits.device}; move them")
     if vocab_size < 1 or vocab_start < 0:
-        raise ValueError(f"need vocab_size >= 1 and vocab_start >= 0, got {vocab_size}, {vocab_start}")
+        raise ValueError(
+            f"need vocab_size >= 1 and vocab_start >= 0, got vocab_size={vocab_size}, "
+            f"vocab_start={vocab_start}"
+        )
     if tp_group is None and (vocab_start != 0 or logits.shape[1] < vocab_size):
         raise ValueError(
             f"tp_group=None means one process holds the whole vocabulary: need vocab_start=0 "
@@ -194,7 +202,8 @@ def _shard_partials(logits, n_valid, inv_temp, acc):
         return local
     step = _block_rows(logits, n_valid, rows)
     valid = logits[:, :n_valid]
-    return torch.cat([_local_stats(valid[s : s + step], inv_temp, acc) for s in range(0, rows, step)])
+    blocks = [_local_stats(valid[s : s + step], inv_temp, acc) for s in range(0, rows, step)]
+    return torch.cat(blocks)
 
 
 def _chunk_stats(logits, targets, tp_group, vocab_start, n_valid, inv_temp, acc):
@@ -260,12 +269,13 @@ def _block_grad(block, columns, has_c1, inv_temp, acc):
     return grad.mul_(log_p.mul_(columns[:, 2:3]).add_(columns[:, 3:4]))
 
 
-def _set_target_entries(grad_logits, logprobs, targets, vocab_start, n_valid, c1, c0, g_lp, inv_temp):
+def _set_target_entries(grad_logits, logprobs, targets, local_range, c1, c0, g_lp, inv_temp):
     """Write the target column ``p_t (c1 log p_t + c0) + g_lp / tau`` in one rounding.
 
     ``log p_t`` is the saved forward output. A masked gather/scatter (no ``nonzero``) keeps
     device and host unsynchronised.
     """
+    vocab_start, n_valid = local_range
     local_ids = targets - vocab_start
     owned = (local_ids >= 0) & (local_ids < n_valid)
     # (row, column) pairs; rows without their target here rewrite their own current value.
@@ -319,10 +329,12 @@ class _VocabParallelLogprobsEntropy(torch.autograd.Function):
         valid = logits[:, :n_valid]
         step = _block_rows(logits, n_valid, chunk_size)
         for s in range(0, logits.shape[0], step):
-            block_grad = _block_grad(valid[s : s + step], columns[s : s + step], c1 is not None, inv_temp, acc)
-            grad_logits[s : s + step, :n_valid] = block_grad  # one rounding to the input dtype
+            rows = slice(s, s + step)
+            block_grad = _block_grad(valid[rows], columns[rows], c1 is not None, inv_temp, acc)
+            grad_logits[rows, :n_valid] = block_grad  # one rounding to the input dtype
         if grad_logprobs is not None:
             _set_target_entries(
-                grad_logits, logprobs, targets, vocab_start, n_valid, c1, c0, grad_logprobs, inv_temp
+                grad_logits, logprobs, targets, (vocab_start, n_valid), c1, c0, grad_logprobs,
+                inv_temp,
             )
         return grad_logits, None, None, None, None, None, None

@@ -35,14 +35,14 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _child(rank, world_size, port, fn, args, results):
+def _child(rank, world_size, port, timeout_s, fn, args, results):
     """Child entry: set up gloo, run ``fn``, report ``(rank, ok, pickled value or traceback)``."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
     torch.set_num_threads(1)
     try:
         dist.init_process_group(
             "gloo", rank=rank, world_size=world_size,
-            timeout=datetime.timedelta(seconds=_TIMEOUT_S),
+            timeout=datetime.timedelta(seconds=timeout_s),
         )
         # Plain pickle copies tensors by value; torch's queue pickler would pass them through
         # shared memory owned by this process, which is gone once it exits.
@@ -80,7 +80,10 @@ def _run(fn, world_size: int, *args, timeout_s: float = _TIMEOUT_S) -> list:
     sys.path[:0] = _import_roots(fn, _child)
     try:
         procs = [
-            ctx.Process(target=_child, args=(rank, world_size, port, fn, args, results), daemon=True)
+            ctx.Process(
+                target=_child, args=(rank, world_size, port, timeout_s, fn, args, results),
+                daemon=True,
+            )
             for rank in range(world_size)
         ]
         for proc in procs:

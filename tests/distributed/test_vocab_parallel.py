@@ -58,20 +58,25 @@ def _check_against_reference(group, seed):
             shard = full[:, start:end].clone().requires_grad_(True)
             untouched = shard.detach().clone()
             calls = _count_all_reduce()
-            logprobs, entropy = vocab_parallel_logprobs_entropy(
-                shard, targets, tp_group=group, vocab_start=start, vocab_size=vocab_size,
-                temperature=temperature, chunk_size=_CHUNK,
-            )
-            forward_calls = len(calls)
-            ((grads[0].float() * logprobs).sum() + (grads[1].float() * entropy).sum()).backward()
-            _restore_all_reduce()
+            try:
+                logprobs, entropy = vocab_parallel_logprobs_entropy(
+                    shard, targets, tp_group=group, vocab_start=start, vocab_size=vocab_size,
+                    temperature=temperature, chunk_size=_CHUNK,
+                )
+                forward_calls = len(calls)
+                loss = (grads[0].float() * logprobs).sum() + (grads[1].float() * entropy).sum()
+                loss.backward()
+            finally:
+                _restore_all_reduce()
             fwd_tol, bwd_tol = _tolerances(dtype)
             where = f"TP={tp_size} rank={tp_rank} V={vocab_size}/{padded} T={temperature} {dtype}"
             assert logprobs.dtype == entropy.dtype == torch.float32, where
             torch.testing.assert_close(logprobs.double(), ref_lp, **fwd_tol, msg=where)
             torch.testing.assert_close(entropy.double(), ref_h, **fwd_tol, msg=where)
             assert shard.grad.dtype == dtype, where
-            torch.testing.assert_close(shard.grad.double(), ref_grad[:, start:end], **bwd_tol, msg=where)
+            torch.testing.assert_close(
+                shard.grad.double(), ref_grad[:, start:end], **bwd_tol, msg=where
+            )
             assert torch.equal(shard.detach(), untouched), f"input modified (P7): {where}"
             # Two chunks x (MAX + SUM) in forward; backward must not communicate.
             assert forward_calls == 4 and len(calls) == 4, f"all_reduce calls {calls}: {where}"
@@ -140,7 +145,8 @@ def _check_p6(group):
     (-logprobs).sum().backward()
     expected = [[0.25, 0.25]] if tp_rank == 0 else [[0.25, -0.75]]
     torch.testing.assert_close(shard.grad, torch.tensor(expected), rtol=0.0, atol=1e-7)
-    torch.testing.assert_close(logprobs, torch.tensor([-1.3862943611]), rtol=0.0, atol=1e-6)  # log 1/4
+    # log p_3 = log 1/4 = -1.3862944
+    torch.testing.assert_close(logprobs, torch.tensor([-1.3862944]), rtol=0.0, atol=1e-6)
 
 
 def _singleton_groups(world_size):
