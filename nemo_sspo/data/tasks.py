@@ -17,7 +17,7 @@ import json
 import random
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import Protocol, Sequence
 
 __all__ = ["PROMPT_SOURCES", "Problem", "PromptSource", "build_prompt_source"]
 
@@ -54,17 +54,25 @@ class WordProblemSource:
         seed: RNG seed.
         min_steps, max_steps: number of changes, 1 <= min_steps <= max_steps.
         max_number: largest number drawn for an amount (>= 2); box counts are 2..4.
+        operations: the change kinds to draw from, a non-empty subset of ("buy", "give", "boxes");
+            ("buy", "give") gives addition/subtraction chains only.
 
     The defaults (1-2 steps, numbers <= 5) are sized for SmolLM2-135M-Instruct: with the
     ``chat-boxed`` template at temperature 0.7 it answers ~9% of them right (94% of responses boxed,
     ~45 tokens, 3-4 lines): if independent, 1 - 0.91^8 = 55% of groups of 8 hold a rewarded sample.
     """
 
-    def __init__(self, *, seed: int, min_steps: int = 1, max_steps: int = 2, max_number: int = 5) -> None:
+    OPERATIONS = ("buy", "give", "boxes")
+
+    def __init__(self, *, seed: int, min_steps: int = 1, max_steps: int = 2, max_number: int = 5,
+                 operations: Sequence[str] = OPERATIONS) -> None:
         if not 1 <= min_steps <= max_steps:
             raise ValueError(f"need 1 <= min_steps ({min_steps}) <= max_steps ({max_steps})")
         if max_number < 2:
             raise ValueError(f"max_number={max_number} must be >= 2")
+        if not operations or set(operations) - set(self.OPERATIONS):
+            raise ValueError(f"operations={list(operations)} must be a non-empty subset of {self.OPERATIONS}")
+        self._operations = list(operations)
         self._rng = random.Random(seed)
         self._steps = (min_steps, max_steps)
         self._max = max_number
@@ -88,7 +96,8 @@ class WordProblemSource:
     def _change(self, total: int, item: str) -> tuple[str, int]:
         """One change as a verb phrase, and the new total."""
         rng = self._rng
-        kind = rng.choice(["buy", "give", "boxes"] if total > 1 else ["buy", "boxes"])
+        kinds = [k for k in self._operations if k != "give" or total > 1]
+        kind = rng.choice(kinds or ["buy"])  # "give" alone with 1 item left: buy instead
         if kind == "give":
             b = rng.randint(1, total - 1)
             return f"gives {b} {item} to a friend.", total - b

@@ -5,13 +5,14 @@ from __future__ import annotations
 __all__ = ["TEMPLATES", "render_prompt"]
 
 QWEN_MATH_INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
-CHAT_BOXED_SYSTEM = "You are a careful math tutor. You solve problems step by step, one step per line."
+CHAT_BOXED_SYSTEM = "You are a careful math tutor."
 CHAT_BOXED_INSTRUCTION = "Solve it step by step, one step per line. Put the final answer in \\boxed{}."
 # One worked example turn: a 135M instruct model almost never writes \boxed{} from the instruction
-# alone (measured: 6% of responses), so the template shows the format once.
+# alone (measured: 6% of responses), so the template shows the format once. The example uses the
+# same kind of story as the default task (addition and subtraction), since the model imitates it.
 CHAT_BOXED_EXAMPLE = (
-    "Ann has 4 pens. She buys 2 boxes with 3 pens each. How many pens does Ann have now?",
-    "Ann starts with 4 pens.\nThe boxes hold 2 * 3 = 6 pens.\nNow she has 4 + 6 = 10 pens.\n\\boxed{10}",
+    "Ann has 4 pens. She buys 3 more pens. Then she gives 2 pens to a friend. How many pens does Ann have now?",
+    "Ann starts with 4 pens.\nShe buys 3 more: 4 + 3 = 7 pens.\nShe gives 2 away: 7 - 2 = 5 pens.\n\\boxed{5}",
 )
 TEMPLATES = ("qwen-math", "chat-boxed")
 """Valid ``template`` names for :func:`render_prompt`."""

@@ -56,7 +56,7 @@ def test_bad_configs_fail_at_load_with_the_key(overrides, fragment):
 @pytest.mark.parametrize(
     "overrides, world, fragment",
     [
-        (["rollout.samples_per_prompt=3"], 1, "micro_batch_size"),  # 4 x 3 = 12 rows, units of 8
+        (["rollout.samples_per_prompt=3"], 1, "micro_batch_size"),  # 2 x 3 = 6 rows, units of 2 x 4 = 8
         (["parallel=tp3"], 2, "world size 2"),
         (["rollout.temperature=0"], 1, "rollout.temperature"),
     ],

@@ -48,6 +48,17 @@ def test_word_problem_answers_are_right_numbers():
         assert 1 <= steps <= 4
 
 
+def test_word_problem_operations_subset():
+    # The default training task: two +/- changes, numbers <= 5; no multiplication step appears.
+    problems = build_prompt_source("word_problems", seed=2, min_steps=2, max_steps=2, max_number=5,
+                                   operations=["buy", "give"]).sample(100)
+    for p in problems:
+        assert "boxes" not in p.question and len(_CHANGES.findall(p.question)) == 2
+        assert int(p.answer) == _solve(p.question) >= 0, p
+    with pytest.raises(ValueError, match="operations"):
+        build_prompt_source("word_problems", seed=0, operations=["divide"])
+
+
 def test_word_problem_example_by_hand():
     # "X has a. ... buys k boxes with b ..." : check the solver itself on a hand-made story.
     story = "Tom has 8 marbles. He gives 3 marbles to a friend. Then he buys 2 boxes with 5 marbles each."
