@@ -60,7 +60,7 @@ def _parse(argv: list[str]) -> argparse.Namespace:
 def _quiet_known_warnings() -> None:
     """megatron-core warns at import about optional fused kernels a CPU host never has."""
     for pattern in (".*Apex is not installed.*", ".*Transformer Engine and Apex are not installed.*",
-                    ".*full scope is deprecated.*"):
+                    ".*full scope is deprecated.*", ".*CUDA_DEVICE_MAX_CONNECTIONS.*"):
         warnings.filterwarnings("ignore", message=pattern)
 
 

@@ -87,21 +87,11 @@ class GRPOTrainer:
         self.groups = get_parallel_groups()
         hf_config, state_dict, tokenizer = load_hf_checkpoint(cfg.model.source, cache_dir=cfg.model.cache_dir)
         self.hf_config, self.tokenizer = hf_config, tokenizer
-        model = build_policy_model(hf_config)
-        load_hf_into_megatron(model, state_dict, hf_config)
-        opt = cfg.optim
-        self.model, self.optimizer = wrap_for_training(
-            model, lr=opt.lr, weight_decay=opt.weight_decay, adam_beta1=opt.adam_beta1,
-            adam_beta2=opt.adam_beta2, adam_eps=opt.adam_eps, clip_grad=opt.clip_grad,
-        )
+        model = self._build_policy(state_dict)
         self.is_generator = self.groups.mp_rank == 0
         self.engine = self.reward = None
         if self.is_generator:
-            ro = cfg.rollout
-            self.engine = HFRolloutEngine(build_hf_model(hf_config, state_dict), tokenizer,
-                                          max_new_tokens=ro.max_new_tokens, temperature=ro.temperature,
-                                          top_p=ro.top_p)
-            self.reward = MathVerifyReward(num_workers=cfg.reward.num_workers, timeout_s=cfg.reward.timeout_s)
+            self._build_rollout(state_dict)
         del state_dict
         boundary = build_boundary_table(tokenizer)
         # The model's vocabulary can exceed the tokenizer's (e.g. Qwen2.5: 151,936 rows vs 151,665
@@ -118,8 +108,28 @@ class GRPOTrainer:
         self.logger = MetricsLogger(cfg.trainer.output_dir, cfg.trainer.max_steps,
                                     enabled=dist.get_rank() == 0)
 
+    def _build_policy(self, state_dict):
+        """Megatron policy for this rank, loaded from the HF weights, wrapped in DDP with its optimizer."""
+        model = build_policy_model(self.hf_config)
+        load_hf_into_megatron(model, state_dict, self.hf_config)
+        opt = self.cfg.optim
+        self.model, self.optimizer = wrap_for_training(
+            model, lr=opt.lr, weight_decay=opt.weight_decay, adam_beta1=opt.adam_beta1,
+            adam_beta2=opt.adam_beta2, adam_eps=opt.adam_eps, clip_grad=opt.clip_grad,
+        )
+        return model
+
+    def _build_rollout(self, state_dict):
+        """Rollout engine (an HF copy of the policy) and reward pool, on generating ranks only."""
+        ro = self.cfg.rollout
+        self.engine = HFRolloutEngine(build_hf_model(self.hf_config, state_dict), self.tokenizer,
+                                      max_new_tokens=ro.max_new_tokens, temperature=ro.temperature,
+                                      top_p=ro.top_p)
+        self.reward = MathVerifyReward(num_workers=self.cfg.reward.num_workers, timeout_s=self.cfg.reward.timeout_s)
+
     # ---- phases -------------------------------------------------------------------------------
-    def _local_problems(self, step: int):
+    def _local_problems(self):
+        """(index of this rank's first prompt in the step's global list, this rank's problems)."""
         problems = self.prompts.sample(self.cfg.rollout.prompts_per_step)
         per_rank = len(problems) // self.groups.dp_size
         first = self.groups.dp_rank * per_rank
@@ -127,7 +137,7 @@ class GRPOTrainer:
 
     def generate_and_score(self, step: int) -> Rollout:
         """Generates G responses per local prompt and scores them; shared across the replica's TP/PP ranks."""
-        first, problems = self._local_problems(step)
+        first, problems = self._local_problems()
         rollout = None
         if self.is_generator:
             group = self.cfg.rollout.samples_per_prompt
