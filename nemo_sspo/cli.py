@@ -58,7 +58,11 @@ def _parse(argv: list[str]) -> argparse.Namespace:
 
 
 def _quiet_known_warnings() -> None:
-    """megatron-core warns at import about optional fused kernels a CPU host never has."""
+    """On a CPU host, silences megatron-core's warnings about GPU-only kernels and settings."""
+    import torch
+
+    if torch.cuda.is_available():
+        return
     for pattern in (".*Apex is not installed.*", ".*Transformer Engine and Apex are not installed.*",
                     ".*full scope is deprecated.*", ".*CUDA_DEVICE_MAX_CONNECTIONS.*"):
         warnings.filterwarnings("ignore", message=pattern)
