@@ -37,10 +37,9 @@ def load_config(config_name: str = DEFAULT_CONFIG_NAME, overrides: list[str] | N
     try:
         with initialize_config_dir(config_dir=str(Path(config_dir).resolve()), version_base=None):
             raw = compose(config_name=config_name, overrides=list(overrides or []))
-        merged = OmegaConf.merge(OmegaConf.structured(TrainConfig), raw)
+        cfg: TrainConfig = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(TrainConfig), raw))
     except (HydraException, OmegaConfBaseException) as err:
         raise ValueError(f"invalid config {config_name!r}: {err}") from err
-    cfg: TrainConfig = OmegaConf.to_object(merged)
     build_loss_config(cfg.loss)  # unknown loss names/params fail at load time, not at step 1
     return cfg
 

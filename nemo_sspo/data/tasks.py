@@ -135,14 +135,15 @@ class JsonlSource:
     """Problems from a JSONL file (``problem`` or ``question`` key, plus ``answer``), shuffled per epoch.
 
     Raises:
-        ValueError: a missing file, an empty file, or a record without the needed keys.
+        ValueError: a missing file, an empty file, a line that is not a JSON object (names file and
+            line), or a record without the needed keys.
     """
 
     def __init__(self, *, path: str, seed: int) -> None:
         file = Path(path)
         if not file.is_file():
             raise ValueError(f"path={path!r} is not a file; give a JSONL file of problems")
-        self._problems = [_record_to_problem(json.loads(line), file, i)
+        self._problems = [_record_to_problem(line, file, i)
                           for i, line in enumerate(file.read_text().splitlines()) if line.strip()]
         if not self._problems:
             raise ValueError(f"path={path!r} holds no records")
@@ -158,7 +159,13 @@ class JsonlSource:
         return out
 
 
-def _record_to_problem(record: dict, file: Path, line: int) -> Problem:
+def _record_to_problem(text: str, file: Path, line: int) -> Problem:
+    try:
+        record = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{file}:{line + 1} is not valid JSON ({err.msg}); one JSON object per line") from err
+    if not isinstance(record, dict):
+        raise ValueError(f"{file}:{line + 1} holds a {type(record).__name__}; each line must be a JSON object")
     question = record.get("problem", record.get("question"))
     if question is None or "answer" not in record:
         raise ValueError(f"{file}:{line + 1} needs a 'problem' or 'question' key and an 'answer' key")

@@ -14,6 +14,7 @@ from typing import Any
 from hydra.core.config_store import ConfigStore
 
 from nemo_sspo.algorithms.losses import get_policy_loss
+from nemo_sspo.data import PROMPT_SOURCES, TEMPLATES
 
 __all__ = [
     "ModelConfig",
@@ -111,6 +112,8 @@ class TrainerConfig:
     """Seeds data sampling, generation and model-parallel RNG."""
     output_dir: str = "outputs/sspo_smollm2_cpu"
     """metrics.jsonl, TensorBoard events, the reward/entropy plot and checkpoints go here."""
+    overwrite_output_dir: bool = False
+    """Allow a run to replace the metrics and checkpoints of an earlier run in ``output_dir``."""
     save_hf_checkpoint: bool = True
     """Write the final policy as a Hugging Face checkpoint to ``output_dir/hf_checkpoint`` (also on a crash)."""
 
@@ -137,7 +140,10 @@ def build_loss_config(section: LossSection) -> Any:
     try:
         return config_cls(**dict(section.params))
     except TypeError as err:
-        raise ValueError(f"loss.params for loss '{section.name}': {err}") from err
+        raise ValueError(
+            f"loss.params for loss '{section.name}': {err}. To switch losses select the group "
+            f"(`loss={section.name}`), which replaces loss.params, rather than setting loss.name"
+        ) from err
 
 
 def _require(ok: bool, message: str) -> None:
@@ -183,6 +189,10 @@ def validate(cfg: TrainConfig, world_size: int = 1) -> None:
     _require(cfg.optim.lr > 0, "optim.lr must be > 0")
     _require(cfg.optim.clip_grad >= 0, "optim.clip_grad must be >= 0 (0 disables clipping)")
     _require(cfg.reward.num_workers >= 1, "reward.num_workers must be >= 1")
+    _require(cfg.data.source in PROMPT_SOURCES,
+             f"data.source={cfg.data.source!r} is unknown; valid: {', '.join(PROMPT_SOURCES)}")
+    _require(cfg.data.template in TEMPLATES,
+             f"data.template={cfg.data.template!r} is unknown; valid: {', '.join(TEMPLATES)}")
     build_loss_config(cfg.loss)
 
 

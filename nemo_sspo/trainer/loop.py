@@ -70,6 +70,16 @@ class _Timer:
         self.seconds[f"timing/{name}_s"] = time.perf_counter() - start
 
 
+def _check_output_dir(trainer_cfg) -> None:
+    """Refuses to overwrite an earlier run's metrics unless ``trainer.overwrite_output_dir``."""
+    earlier = Path(trainer_cfg.output_dir) / "metrics.jsonl"
+    if earlier.exists() and earlier.stat().st_size > 0 and not trainer_cfg.overwrite_output_dir:
+        raise ValueError(
+            f"trainer.output_dir={trainer_cfg.output_dir!r} holds an earlier run ({earlier}); choose "
+            "another trainer.output_dir or set trainer.overwrite_output_dir=true"
+        )
+
+
 class GRPOTrainer:
     """Builds the policy, rollout engine, reward and logger from a validated :class:`TrainConfig`.
 
@@ -84,7 +94,10 @@ class GRPOTrainer:
         initialize_parallel(tp_size=par.tensor_model_parallel_size,
                             pp_size=par.pipeline_model_parallel_size, seed=cfg.trainer.seed)
         validate(cfg, world_size=dist.get_world_size())
+        _check_output_dir(cfg.trainer)
         self.groups = get_parallel_groups()
+        # Data first: a bad source option fails before the model is loaded.
+        self.prompts = build_prompt_source(cfg.data.source, seed=cfg.trainer.seed, **dict(cfg.data.options))
         hf_config, state_dict, tokenizer = load_hf_checkpoint(cfg.model.source, cache_dir=cfg.model.cache_dir)
         self.hf_config, self.tokenizer = hf_config, tokenizer
         model = self._build_policy(state_dict)
@@ -97,7 +110,6 @@ class GRPOTrainer:
         # The model's vocabulary can exceed the tokenizer's (e.g. Qwen2.5: 151,936 rows vs 151,665
         # ids); ids the tokenizer never decodes close no segment.
         self.boundary = torch.nn.functional.pad(boundary, (0, max(0, hf_config.vocab_size - len(boundary))))
-        self.prompts = build_prompt_source(cfg.data.source, seed=cfg.trainer.seed, **dict(cfg.data.options))
         loss_fn, _ = get_policy_loss(cfg.loss.name)
         vocab_start, vocab_size = vocab_shard(model)
         self.spec = LossSpec(loss_fn=loss_fn, loss_config=build_loss_config(cfg.loss),

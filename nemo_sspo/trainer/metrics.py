@@ -88,6 +88,7 @@ def plot_metrics(history: list[dict[str, float]], path: Path) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     steps = [h["step"] for h in history]
     fig, (ax_r, ax_h) = plt.subplots(1, 2, figsize=(10, 3.8))
@@ -97,6 +98,7 @@ def plot_metrics(history: list[dict[str, float]], path: Path) -> None:
     ax_h.set(xlabel="step", ylabel="nats / token", title="Token entropy (old policy)")
     for ax in (ax_r, ax_h):
         ax.grid(alpha=0.3)
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -52,3 +52,13 @@ def test_bad_override_exits_with_a_clear_message(tmp_path):
     proc = _run(["trainer.max_stpes=2"], tmp_path)
     assert proc.returncode == 2
     assert "max_stpes" in proc.stderr
+
+
+def test_rerun_into_an_earlier_run_is_refused_before_anything_is_written(tmp_path):
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "metrics.jsonl").write_text('{"step": 1}\n')
+    proc = _run(["model=tiny_random", f"trainer.output_dir={out}"], tmp_path)
+    assert proc.returncode == 2
+    assert "trainer.overwrite_output_dir" in proc.stderr
+    assert (out / "metrics.jsonl").read_text() == '{"step": 1}\n'

@@ -27,6 +27,14 @@ def test_every_loss_group_option_loads(loss):
     assert cfg.loss.name == loss  # each file is named after its registry key
 
 
+def test_data_group_switches_the_whole_section():
+    # Selecting data=jsonl replaces the word-problem options instead of merging into them.
+    cfg = load_config(overrides=["data=jsonl", "data.options.path=/tmp/x.jsonl"])
+    assert (cfg.data.source, cfg.data.template, dict(cfg.data.options)) == ("jsonl", "qwen-math", {"path": "/tmp/x.jsonl"})
+    with pytest.raises(ValueError, match="path"):
+        load_config(overrides=["data=jsonl"])  # the path is mandatory
+
+
 @pytest.mark.parametrize("parallel", _group_options("parallel"))
 def test_every_parallel_group_option_validates_at_its_world_size(parallel):
     cfg = load_config(overrides=[f"parallel={parallel}"])
@@ -46,6 +54,7 @@ def test_overrides_reach_the_typed_config():
         (["trainer.max_steps=two"], "max_steps"),  # wrong type
         (["loss.name=ppo_magic"], "ppo_magic"),  # unknown loss name lists the valid ones
         (["+loss.params.not_a_field=1"], "not_a_field"),  # parameter the loss does not have
+        (["loss.name=grpo"], "loss=grpo"),  # SSPO params under GRPO: the hint names the group switch
     ],
 )
 def test_bad_configs_fail_at_load_with_the_key(overrides, fragment):
@@ -59,6 +68,8 @@ def test_bad_configs_fail_at_load_with_the_key(overrides, fragment):
         (["rollout.samples_per_prompt=3"], 1, "micro_batch_size"),  # 2 x 3 = 6 rows, units of 2 x 4 = 8
         (["parallel=tp3"], 2, "world size 2"),
         (["rollout.temperature=0"], 1, "rollout.temperature"),
+        (["data.template=foo"], 1, "data.template"),
+        (["data.source=nope"], 1, "data.source"),
     ],
 )
 def test_cross_field_checks_name_the_key(overrides, world, fragment):

@@ -91,6 +91,15 @@ def test_jsonl_source(tmp_path):
     assert build_prompt_source("jsonl", seed=0, path=str(path)).sample(3) == epoch
 
 
+@pytest.mark.parametrize("line, fragment", [('{"question": "1+1", "answer": 2', "not valid JSON"),
+                                            ("[1, 2]", "holds a list")])
+def test_jsonl_malformed_line_names_file_and_line(tmp_path, line, fragment):
+    path = tmp_path / "m.jsonl"
+    path.write_text('{"question": "2+2", "answer": 4}\n' + line + "\n")
+    with pytest.raises(ValueError, match=f"m.jsonl:2 .*{fragment}|m.jsonl:2 {fragment}"):
+        build_prompt_source("jsonl", seed=0, path=str(path))
+
+
 def test_jsonl_bad_record(tmp_path):
     path = tmp_path / "bad.jsonl"
     path.write_text(json.dumps({"text": "no keys"}) + "\n")
