@@ -21,7 +21,12 @@ def _pad_cat(tensors: list[torch.Tensor], value, *, left: bool) -> torch.Tensor:
 
 
 def concat_rollouts(parts: list[RolloutBatch], *, pad_id: int) -> RolloutBatch:
-    """Stacks rollout batches (e.g. one per prompt group): prompts stay left-, responses right-padded."""
+    """Stacks rollout batches (e.g. one per prompt group) along rows.
+
+    Prompts ``[B_k, P_k]`` are left-padded to ``max P_k`` with ``pad_id`` (mask False), responses
+    ``[B_k, T_k]`` and their float32 rollout log-probs right-padded to ``max T_k`` (pad_id / False /
+    0.0); truncation flags and texts are concatenated in order.
+    """
     return RolloutBatch(
         prompt_ids=_pad_cat([p.prompt_ids for p in parts], pad_id, left=True),
         prompt_mask=_pad_cat([p.prompt_mask for p in parts], False, left=True),
