@@ -100,7 +100,7 @@ class GRPOTrainer:
         self.prompts = build_prompt_source(cfg.data.source, seed=cfg.trainer.seed, **dict(cfg.data.options))
         hf_config, state_dict, tokenizer = load_hf_checkpoint(cfg.model.source, cache_dir=cfg.model.cache_dir)
         self.hf_config, self.tokenizer = hf_config, tokenizer
-        model = self._build_policy(state_dict)
+        self._build_policy(state_dict)
         self.is_generator = self.groups.mp_rank == 0
         self.engine = self.reward = None
         if self.is_generator:
@@ -111,7 +111,7 @@ class GRPOTrainer:
         # ids); ids the tokenizer never decodes close no segment.
         self.boundary = torch.nn.functional.pad(boundary, (0, max(0, hf_config.vocab_size - len(boundary))))
         loss_fn, _ = get_policy_loss(cfg.loss.name)
-        vocab_start, vocab_size = vocab_shard(model)
+        vocab_start, vocab_size = vocab_shard(self.model)
         self.spec = LossSpec(loss_fn=loss_fn, loss_config=build_loss_config(cfg.loss),
                              tp_group=self.groups.tp_group if self.groups.tp_size > 1 else None,
                              vocab_start=vocab_start, vocab_size=vocab_size,
@@ -120,7 +120,7 @@ class GRPOTrainer:
         self.logger = MetricsLogger(cfg.trainer.output_dir, cfg.trainer.max_steps,
                                     enabled=dist.get_rank() == 0)
 
-    def _build_policy(self, state_dict):
+    def _build_policy(self, state_dict) -> None:
         """Megatron policy for this rank, loaded from the HF weights, wrapped in DDP with its optimizer."""
         model = build_policy_model(self.hf_config)
         load_hf_into_megatron(model, state_dict, self.hf_config)
@@ -129,9 +129,8 @@ class GRPOTrainer:
             model, lr=opt.lr, weight_decay=opt.weight_decay, adam_beta1=opt.adam_beta1,
             adam_beta2=opt.adam_beta2, adam_eps=opt.adam_eps, clip_grad=opt.clip_grad,
         )
-        return model
 
-    def _build_rollout(self, state_dict):
+    def _build_rollout(self, state_dict) -> None:
         """Rollout engine (an HF copy of the policy) and reward pool, on generating ranks only."""
         ro = self.cfg.rollout
         self.engine = HFRolloutEngine(build_hf_model(self.hf_config, state_dict), self.tokenizer,
