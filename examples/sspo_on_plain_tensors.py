@@ -9,6 +9,7 @@ policy's log-probs are perturbed so the ratios differ from 1 and the entropy-ada
 import torch
 
 from nemo_sspo.algorithms import aggregate, build_boundary_table, get_policy_loss, group_advantages, newline_segment_ids
+from nemo_sspo.parallel import reduce_metric_sums
 
 
 class _ToyTokenizer:
@@ -44,7 +45,9 @@ def main() -> None:
     print("advantages:", advantages.tolist())
     print(f"loss = {loss.item():.4f}")
     print("d loss / d logprobs:\n", logprobs.grad)
-    print({k: round(float(v[0] / v[1]), 4) for k, v in metrics.items() if v[1] > 0})
+    # One process: no groups; the same call the trainer makes (handles _min/_max pairs, adds _std).
+    summary = reduce_metric_sums(metrics, dp_group=None, pp_group=None, last_stage_rank=0, is_last_stage=True)
+    print({k: round(v, 4) for k, v in summary.items()})
 
 
 if __name__ == "__main__":

@@ -1,12 +1,23 @@
-"""Pure-torch algorithms: segmentation, segment ratios, clip bounds, advantages, aggregation and
-the policy-loss registry. No process groups, no Megatron, no Hydra: usable in any GRPO loop."""
+"""Pure-torch algorithms: segmentation, segment ratios, clip bounds, advantages, aggregation, KL
+estimators, DAPO's group selection and overlong shaping, and the policy-loss registry. No process
+groups, no Megatron, no Hydra: usable in any GRPO loop.
+
+Shape letters: B responses (rows), T response positions, V vocabulary, G responses per prompt.
+"""
 
 from nemo_sspo.algorithms.advantages import group_advantages
 from nemo_sspo.algorithms.aggregation import AGGREGATION_MODES, aggregate
 from nemo_sspo.algorithms.bounds import LOWER_BOUND_RULES, entropy_adaptive_bounds
+from nemo_sspo.algorithms.dynamic_sampling import (
+    GroupSelection,
+    NotEnoughGroupsError,
+    select_nonzero_variance_groups,
+)
+from nemo_sspo.algorithms.kl import KL_ESTIMATORS, kl_estimate
 from nemo_sspo.algorithms.losses import (
     GRPOLossConfig,
     GSPOLossConfig,
+    PolicyLossConfig,
     SSPOFixedClipConfig,
     SSPOLossConfig,
     get_policy_loss,
@@ -14,31 +25,48 @@ from nemo_sspo.algorithms.losses import (
     ratio_clip_loss,
     register_policy_loss,
 )
-from nemo_sspo.algorithms.ratios import segment_mean
+from nemo_sspo.algorithms.ratios import LOG_RATIO_CLAMP, segment_mean
+from nemo_sspo.algorithms.reward_shaping import overlong_reward_shaping
 from nemo_sspo.algorithms.segmentation import (
     SEGMENT_LEVELS,
+    SEGMENTATIONS,
+    SegmentTables,
     build_boundary_table,
+    build_segment_tables,
     newline_segment_ids,
+    segment_ids,
     segment_ids_for_level,
 )
 
 __all__ = [
     "AGGREGATION_MODES",
+    "KL_ESTIMATORS",
+    "LOG_RATIO_CLAMP",
     "LOWER_BOUND_RULES",
+    "SEGMENTATIONS",
     "SEGMENT_LEVELS",
     "GRPOLossConfig",
     "GSPOLossConfig",
+    "GroupSelection",
+    "NotEnoughGroupsError",
+    "PolicyLossConfig",
     "SSPOFixedClipConfig",
     "SSPOLossConfig",
+    "SegmentTables",
     "aggregate",
     "build_boundary_table",
+    "build_segment_tables",
     "entropy_adaptive_bounds",
     "get_policy_loss",
     "group_advantages",
+    "kl_estimate",
     "newline_segment_ids",
+    "overlong_reward_shaping",
     "policy_loss_names",
     "ratio_clip_loss",
     "register_policy_loss",
+    "segment_ids",
     "segment_ids_for_level",
     "segment_mean",
+    "select_nonzero_variance_groups",
 ]

@@ -11,8 +11,9 @@ Modes (L_i = valid tokens of response i, l_it = per-token loss, R = responses wi
 - ``"token-mean"``: sum_it l_it / sum_i L_i  (DAPO).
 - ``"seq-mean-token-mean"``: sum_i (1/L_i) sum_t l_it / R  (GRPO; GSPO; SSPO eq. 16).
 - ``"seq-mean-token-sum"``: sum_i sum_t l_it / R.
-- ``"seq-mean-token-sum-norm"``: sum_i (sum_t l_it / L_max) / R  (Dr. GRPO, arXiv 2503.20783,
-  constant denominator L_max = max_response_length).
+- ``"constant-denominator"``: sum_i (sum_t l_it / L_max) / R  (Dr. GRPO, arXiv 2503.20783
+  section 3.2: the constant L_max = max_response_length replaces each response's length; verl
+  calls this mode "seq-mean-token-sum-norm").
 """
 
 from __future__ import annotations
@@ -23,8 +24,9 @@ AGGREGATION_MODES = (
     "token-mean",
     "seq-mean-token-mean",
     "seq-mean-token-sum",
-    "seq-mean-token-sum-norm",
+    "constant-denominator",
 )
+_RENAMED = {"seq-mean-token-sum-norm": "constant-denominator"}
 
 
 def _check_inputs(
@@ -34,7 +36,9 @@ def _check_inputs(
     max_response_length: int | None,
 ) -> None:
     if mode not in AGGREGATION_MODES:
-        raise ValueError(f"unknown aggregation mode {mode!r}; valid modes: {AGGREGATION_MODES}")
+        hint = f" (here it is called {_RENAMED[mode]!r})" if mode in _RENAMED else ""
+        raise ValueError(f"unknown aggregation mode {mode!r}{hint}; valid modes: "
+                         f"{AGGREGATION_MODES}")
     if per_token_loss.dim() != 2 or per_token_loss.shape != response_mask.shape:
         raise ValueError(
             f"per_token_loss {tuple(per_token_loss.shape)} and response_mask "
@@ -42,11 +46,11 @@ def _check_inputs(
         )
     if response_mask.dtype != torch.bool:
         raise ValueError(f"response_mask must be torch.bool, got {response_mask.dtype}")
-    if mode == "seq-mean-token-sum-norm" and (
+    if mode == "constant-denominator" and (
         max_response_length is None or max_response_length < 1
     ):
         raise ValueError(
-            "mode 'seq-mean-token-sum-norm' needs max_response_length >= 1 (the generation "
+            "mode 'constant-denominator' needs max_response_length >= 1 (the generation "
             f"length cap), got {max_response_length!r}"
         )
 
@@ -65,7 +69,7 @@ def aggregate(
             never read (they may hold anything).
         response_mask: ``[B, T]`` bool, True at valid response tokens.
         mode: one of :data:`AGGREGATION_MODES` (see the module docstring for the formulas).
-        max_response_length: L_max in tokens; required by ``"seq-mean-token-sum-norm"`` and read
+        max_response_length: L_max in tokens; required by ``"constant-denominator"`` and read
             by no other mode.
 
     Returns:

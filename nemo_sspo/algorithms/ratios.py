@@ -9,6 +9,10 @@ from __future__ import annotations
 
 import torch
 
+LOG_RATIO_CLAMP = 20.0
+"""|log-ratio| cap before exp in every loss and metric: exp(20) ~ 4.9e8 stays finite in float32
+and bf16, so a runaway ratio gives finite losses and gradients (pitfall P3)."""
+
 
 def segment_mean(
     values: torch.Tensor, segment_ids: torch.Tensor, mask: torch.Tensor

@@ -112,7 +112,7 @@ def _token_stats(logits: torch.Tensor, batch: PolicyBatch, spec: LossSpec):
 
 
 def _policy_loss_func(batch: PolicyBatch, spec: LossSpec, logits: torch.Tensor):
-    logprobs, _ = _token_stats(logits, batch, spec)
+    logprobs, entropy = _token_stats(logits, batch, spec)
     per_token, metrics = spec.loss_fn(
         logprobs,
         batch.old_logprobs,
@@ -121,6 +121,8 @@ def _policy_loss_func(batch: PolicyBatch, spec: LossSpec, logits: torch.Tensor):
         batch.segment_ids,
         batch.old_entropy,
         spec.loss_config,
+        ref_logprobs=getattr(batch, "ref_logprobs", None),
+        entropy=entropy,
     )
     numerator, denominator = aggregate(
         per_token,

@@ -18,6 +18,7 @@ from megatron.core.utils import get_model_config
 
 from nemo_sspo.megatron.cpu_shims import cpu_device_context
 from nemo_sspo.megatron.step import LossSpec, PolicyBatch, make_forward_step, split_micro_batches
+from nemo_sspo.parallel.metrics import merge_metric_sums
 
 __all__ = ["wrap_for_training", "compute_gradients", "train_on_batch", "compute_old_logprobs"]
 
@@ -102,8 +103,7 @@ def compute_gradients(model, batch: PolicyBatch, spec: LossSpec, micro_batch_siz
     outputs = _run_schedule(model, batch, spec, micro_batch_size, forward_only=False)
     sums: dict[str, torch.Tensor] = {}
     for out in outputs:
-        for key, value in out.items():
-            sums[key] = sums[key] + value if key in sums else value.clone()
+        sums = merge_metric_sums(sums, out)
     return sums
 
 

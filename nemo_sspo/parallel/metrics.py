@@ -1,16 +1,92 @@
 """Global reduction of step metrics so that every rank logs the same values.
 
-A metric travels as a float32 [2] tensor ``(sum, count)``; the global value is
-``sum over micro-batches and data-parallel ranks / count over the same``, never a mean of means
-(pitfall P10). Metrics are produced on the last pipeline stage only and broadcast to the others.
+A metric travels as a float32 [2] tensor. Three kinds, by key suffix:
+
+- default ``(sum, count)``: the global value is ``sum over micro-batches and data-parallel ranks /
+  count over the same``, never a mean of means (pitfall P10).
+- keys ending in ``_min`` / ``_max``: ``(extreme value, count)``; micro-batches combine with
+  :func:`merge_metric_sums` and ranks with an all-reduce MIN / MAX of the value (SUM of the count).
+  A pair with count 0 (nothing valid) takes no part in the extreme; a global count of 0 reports 0.0.
+- derived: for every key ``K_sq`` next to a plain key ``K`` (a mean of squares next to the mean),
+  the result also holds ``K_std = sqrt(max(K_sq - K^2, 0))`` computed from the global means.
+
+Metrics are produced on the last pipeline stage only and broadcast to the others.
 """
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.distributed as dist
 
-__all__ = ["reduce_metric_sums"]
+__all__ = ["merge_metric_sums", "metric_kind", "reduce_metric_sums"]
+
+
+def metric_kind(key: str) -> str:
+    """``"min"``, ``"max"`` or ``"sum"`` from the key's suffix (module docstring)."""
+    if key.endswith("_min"):
+        return "min"
+    if key.endswith("_max"):
+        return "max"
+    return "sum"
+
+
+def _merge_pair(key: str, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    kind = metric_kind(key)
+    if kind == "sum":
+        return a + b
+    both = torch.minimum(a[0], b[0]) if kind == "min" else torch.maximum(a[0], b[0])
+    value = torch.where(a[1] > 0, torch.where(b[1] > 0, both, a[0]), b[0])
+    return torch.stack([value, a[1] + b[1]])
+
+
+def merge_metric_sums(total: dict[str, torch.Tensor],
+                      new: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Combine one micro-batch's metric pairs into running totals; returns a new dict.
+
+    Plain pairs add; ``_min`` / ``_max`` pairs keep the extreme of the non-empty ones and add the
+    counts. Use it wherever pairs of several micro-batches or mini-batches are accumulated (adding
+    min/max pairs would be wrong). Keys missing on one side are copied from the other.
+    """
+    out = dict(total)
+    for key, value in new.items():
+        out[key] = _merge_pair(key, out[key], value) if key in out else value.clone()
+    return out
+
+
+def _all_reduce(keys: list[str], stacked: torch.Tensor, dp_group) -> torch.Tensor:
+    """SUM of counts and plain sums, MIN/MAX of extreme values; ``stacked`` [K, 2] float64."""
+    kinds = [metric_kind(k) for k in keys]
+    is_min = torch.tensor([k == "min" for k in kinds], dtype=torch.bool, device=stacked.device)
+    is_max = torch.tensor([k == "max" for k in kinds], dtype=torch.bool, device=stacked.device)
+    extreme = is_min | is_max
+    empty = stacked[:, 1] <= 0
+    # Max as a min of negated values: one MIN collective for both kinds; empty pairs are neutral.
+    signed = torch.where(is_max, -stacked[:, 0], stacked[:, 0])
+    signed = torch.where(empty, torch.full_like(signed, math.inf), signed)[extreme]
+    summed = stacked.clone()
+    summed[extreme, 0] = 0.0
+    dist.all_reduce(summed, group=dp_group)
+    dist.all_reduce(signed, op=dist.ReduceOp.MIN, group=dp_group)
+    summed[extreme, 0] = torch.where(is_max[extreme], -signed, signed)
+    return summed
+
+
+def _finalise(keys: list[str], stacked: torch.Tensor) -> dict[str, float]:
+    result = {}
+    for key, (value, count) in zip(keys, stacked.tolist()):
+        if count <= 0:
+            result[key] = 0.0
+        elif metric_kind(key) == "sum":
+            result[key] = float(value / count)
+        else:
+            result[key] = float(value)
+    for key in keys:
+        base = key[: -len("_sq")]
+        if key.endswith("_sq") and base in result and metric_kind(base) == "sum":
+            result[f"{base}_std"] = math.sqrt(max(result[key] - result[base] ** 2, 0.0))
+    return result
 
 
 def reduce_metric_sums(
@@ -21,17 +97,19 @@ def reduce_metric_sums(
     last_stage_rank: int,
     is_last_stage: bool,
 ) -> dict[str, float]:
-    """All-reduces ``(sum, count)`` pairs over data parallelism and shares them across pipeline stages.
+    """All-reduces metric pairs over data parallelism and shares them across pipeline stages.
 
     Args:
-        local: name -> float32 [2] (sum, count) of this rank's micro-batches; read on the last stage only.
+        local: name -> float32 [2] pair of this rank's micro-batches (kinds in the module
+            docstring); read on the last stage only.
         dp_group: data-parallel group (None: single process, no communication).
         pp_group: pipeline group (None: single stage).
         last_stage_rank: global rank of this pipeline's last stage (broadcast source).
         is_last_stage: whether this rank holds the metrics.
 
     Returns:
-        name -> sum / count as float; a metric whose global count is 0 reports 0.0 (nothing to average).
+        name -> float: sum / count for plain pairs, the global extreme for ``_min`` / ``_max``,
+        plus the derived ``_std`` keys; a metric whose global count is 0 reports 0.0.
 
     Raises:
         ValueError: a value is not a [2] tensor.
@@ -44,8 +122,8 @@ def reduce_metric_sums(
                 raise ValueError(f"metric {key!r} must be a (sum, count) tensor of shape [2], got {tuple(local[key].shape)}")
         stacked = torch.stack([local[k].to(torch.float64) for k in keys]) if keys else torch.zeros(0, 2, dtype=torch.float64)
         if dp_group is not None and dist.get_world_size(dp_group) > 1:
-            dist.all_reduce(stacked, group=dp_group)
-        result = {k: (float(s / c) if c > 0 else 0.0) for k, (s, c) in zip(keys, stacked.tolist())}
+            stacked = _all_reduce(keys, stacked, dp_group)
+        result = _finalise(keys, stacked)
     if pp_group is not None and dist.get_world_size(pp_group) > 1:
         box = [result]
         dist.broadcast_object_list(box, src=last_stage_rank, group=pp_group)

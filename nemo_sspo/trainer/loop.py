@@ -37,7 +37,7 @@ from nemo_sspo.megatron import (
 from nemo_sspo.megatron.step import LossSpec
 from nemo_sspo.megatron.training import compute_old_logprobs, train_on_batch, wrap_for_training
 from nemo_sspo.models import build_hf_model, load_hf_checkpoint
-from nemo_sspo.parallel.metrics import reduce_metric_sums
+from nemo_sspo.parallel.metrics import merge_metric_sums, reduce_metric_sums
 from nemo_sspo.rewards import MathVerifyReward
 from nemo_sspo.rollout import HFRolloutEngine, RolloutBatch
 from nemo_sspo.trainer.batch import concat_rollouts, pack_rollouts, response_to_target_frame
@@ -191,8 +191,7 @@ class GRPOTrainer:
             mb_sums, grad_norm = train_on_batch(self.model, self.optimizer, batch.select(slice(start, start + size)),
                                                 self.spec, self.cfg.parallel.micro_batch_size)
             norms.append(grad_norm)
-            for k, v in mb_sums.items():
-                sums[k] = sums[k] + v if k in sums else v
+            sums = merge_metric_sums(sums, mb_sums)
         return sums, sum(norms) / len(norms)
 
     def refit(self) -> None:

@@ -19,7 +19,7 @@ def _value(per_token_loss, mask, mode, **kwargs):
 
 def test_modes_tuple():
     assert AGGREGATION_MODES == (
-        "token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"
+        "token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "constant-denominator"
     )
 
 
@@ -27,7 +27,7 @@ def test_modes_tuple():
     ("token-mean", 1.0),               # 6 tokens of loss 1 / 6 tokens
     ("seq-mean-token-mean", 1.0),      # (2/2 + 4/4) / 2 responses
     ("seq-mean-token-sum", 3.0),       # (2 + 4) / 2 responses
-    ("seq-mean-token-sum-norm", 0.75),  # (2/4 + 4/4) / 2 responses (Dr. GRPO, L_max = 4)
+    ("constant-denominator", 0.75),     # (2/4 + 4/4) / 2 responses (Dr. GRPO, L_max = 4)
 ])
 def test_p13_mode_values(mode, expected):
     # P13: lengths [2, 4], every token loss 1, L_max = 4.
@@ -61,7 +61,7 @@ def test_split_invariance(mode):
     ("token-mean", 4.0),               # (3 + 5) / 2 tokens
     ("seq-mean-token-mean", 4.0),      # ((3 + 5) / 2) / 1 response (the empty one does not count)
     ("seq-mean-token-sum", 8.0),       # 8 / 1
-    ("seq-mean-token-sum-norm", 2.0),  # (8 / 4) / 1
+    ("constant-denominator", 2.0),     # (8 / 4) / 1
 ])
 def test_p12_zero_length_response(mode, expected):
     loss = torch.tensor([[3.0, 5.0, math.nan], [math.nan, math.nan, math.nan]],
@@ -95,8 +95,10 @@ def test_bad_input_raises():
     mask = torch.ones(1, 2, dtype=torch.bool)
     with pytest.raises(ValueError, match="valid modes: .*token-mean"):
         aggregate(torch.ones(1, 2), mask, "sum")
-    with pytest.raises(ValueError, match="max_response_length"):
+    with pytest.raises(ValueError, match="called 'constant-denominator'"):
         aggregate(torch.ones(1, 2), mask, "seq-mean-token-sum-norm")
+    with pytest.raises(ValueError, match="max_response_length"):
+        aggregate(torch.ones(1, 2), mask, "constant-denominator")
     with pytest.raises(ValueError, match=r"\(1, 3\).*\(1, 2\)"):
         aggregate(torch.ones(1, 3), mask, "token-mean")
     with pytest.raises(ValueError, match="torch.bool"):

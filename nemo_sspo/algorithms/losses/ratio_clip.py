@@ -1,27 +1,49 @@
-"""Ratio-clip policy losses on one code path: GRPO, GSPO, SSPO and SSPO with a fixed clip.
+"""The shared segment-ratio engine and the losses that differ from SSPO only in segments and bounds.
 
-Objective (SSPO, arXiv 2511.04256, eq. 16; the other losses change only the segments and bounds):
+Objective (SSPO, arXiv 2511.04256, eq. 16; every loss of the engine changes only the pieces below):
 
-    J = (1/G) sum_i (1/|y_i|) sum_j |y_ij| * min( s_ij A_i, clip(s_ij, b_low, b_high) A_i )
+    J = (1/G) sum_i (1/|y_i|) sum_j |y_ij| * psi( s_ij, A_i )
 
-- y_ij: segment j of response i, |y_ij| its token count; A_i the response's advantage (eq. 8).
-- s_ij = exp( mean_{t in y_ij} (log pi_theta(y_t) - log pi_old(y_t)) ) (eq. 9).
-- Segments by loss: ``grpo`` one token each (token ratio), ``gspo`` the whole response (sequence
-  ratio, arXiv 2507.18071), ``sspo`` / ``sspo_fixed_clip`` line-break segments.
-- Bounds: ``sspo`` uses the entropy-adaptive bounds of eqs. 13-15 (H_ij = mean old-policy token
-  entropy of the segment, no gradient); the others use fixed ``[1 - eps_low, 1 + eps_high]``.
-- ``grpo`` with ``dual_clip_c = c``: for A_i < 0 the objective is max(min(...), c A_i)
-  (dual-clip PPO, Ye et al. 2020, arXiv 1912.09729).
+- y_ij: segment j of response i (the config's ``segmentation``), |y_ij| its token count; A_i the
+  response's advantage (eq. 8).
+- s_ij = exp( mean_{t in y_ij} phi(d_t) ) with d_t = log pi_theta(y_t) - log pi_old(y_t) (eq. 9
+  when phi is the identity). ``config.transform_log_ratio`` gives phi: identity here, a log-space
+  clip for GMPO, a soft gate for Soft Sequence PO.
+- psi: ``config.surrogate``. Hard clip (here): psi = min(s A, clip(s, b_low, b_high) A), with
+  ``config.clip_bounds`` giving (b_low, b_high), and for A < 0 the dual clip max(psi, c A)
+  (Ye et al. 2020, arXiv 1912.09729) when ``dual_clip_c`` is set. Unclipped: psi = s A. Soft gate
+  (SAPO): psi = A (1 + g(s - 1)).
+- ``token_gradient`` (GSPO-token, arXiv 2507.18071 section 4.3): the ratio takes the value of s_ij
+  but the gradient of each token's own log-prob, s_ij,t = sg[s_ij] pi(y_t) / sg[pi(y_t)].
 
-The per-token loss is the value TO MINIMISE: ``-min(s A, clip(s) A)`` at every token of the
-segment, 0 at masked positions. Summing a segment's tokens gives |y_ij| times the segment term,
-so ``aggregate(..., "seq-mean-token-mean")`` yields exactly -J, and every token of a segment gets
-the same gradient weight s_ij A_i / |y_i| (eq. 10).
+The per-token loss is the value TO MINIMISE: -psi at every token of the segment, 0 at masked
+positions. A segment's tokens sum to |y_ij| psi, so ``aggregate(..., "seq-mean-token-mean")``
+yields exactly -J and every token of a segment gets the gradient weight s_ij A_i / |y_i| of eq. 10.
 
-A token counts as *clipped* when its clip cuts the gradient: the min picks the clipped term with
-the ratio outside the bounds (A > 0 and s > b_high, or A < 0 and s < b_low), or the dual clip is
-active. The mean log-ratio is clamped to +-20 before exp so that a runaway ratio gives finite
-losses and gradients (pitfall P3); beyond the clamp the gradient is 0.
+Losses on this engine (segment unit / bounds / aggregation):
+
+- ``grpo`` (DeepSeekMath arXiv 2402.03300 eq. 3): token / [1 - eps_low, 1 + eps_high] (+ dual clip)
+  / seq-mean-token-mean.
+- ``dr_grpo`` (arXiv 2503.20783 section 3.2): as grpo with the constant denominator L_max
+  ("constant-denominator") and advantages without std normalisation
+  (``advantage_std_normalisation = False``, read by the trainer).
+- ``dapo`` (arXiv 2503.14476 eq. 8): token / clip-higher [0.8, 1.28] / token-mean. Dynamic
+  sampling and overlong shaping are in ``nemo_sspo.algorithms.dynamic_sampling`` and
+  ``nemo_sspo.algorithms.reward_shaping``.
+- ``gspo`` (arXiv 2507.18071 eqs. 5-7): response / [1 - 3e-4, 1 + 4e-4]; ``gspo_token``: the same
+  with ``token_gradient`` (equal to gspo whenever the advantage is constant over a response, as it
+  is here; the paper states this equivalence).
+- ``sspo_fixed_clip``: SSPO's segments with a fixed clip (the paper's "w/o entropy clip").
+- ``lpo``: segment ratio with a fixed clip and token-mean aggregation, as specified in the
+  project's design notes (DESIGN.md section 2). We could not locate a primary paper defining "LPO";
+  the formula here is that specification, not a reproduction of a published objective.
+- ``sspo`` and ``dcpo`` (entropy- and probability-dependent bounds) are in ``adaptive_bounds``;
+  ``gmpo`` and ``soft_seq_po`` in ``geometric``; ``sapo`` in ``soft_gates``.
+
+A token counts as *clipped* when the clip cuts its gradient: the min picks the clipped term with the
+ratio outside the bounds (A > 0 and s > b_high: ``clip_high``; A < 0 and s < b_low: ``clip_low``),
+or the dual clip is active (``clip_dual``). The mean log-ratio is clamped to +-20 before exp so that
+a runaway ratio gives finite losses and gradients (pitfall P3); beyond the clamp the gradient is 0.
 """
 
 from __future__ import annotations
@@ -31,195 +53,233 @@ from typing import ClassVar
 
 import torch
 
-from nemo_sspo.algorithms.aggregation import AGGREGATION_MODES
-from nemo_sspo.algorithms.bounds import LOWER_BOUND_RULES, entropy_adaptive_bounds
+from nemo_sspo.algorithms.losses.base import (
+    LossTerms,
+    PolicyLossConfig,
+    check_eps,
+    check_loss_inputs,
+    config_error,
+    finish_policy_loss,
+    resolve_segments,
+)
 from nemo_sspo.algorithms.losses.registry import register_policy_loss
-from nemo_sspo.algorithms.ratios import segment_mean
-from nemo_sspo.algorithms.segmentation import segment_ids_for_level
-
-LOG_RATIO_CLAMP = 20.0
-"""|mean log-ratio| cap before exp: exp(20) ~ 4.9e8 stays finite in float32 and bf16."""
+from nemo_sspo.algorithms.ratios import LOG_RATIO_CLAMP, segment_mean
 
 
-class _RatioClipConfig:
-    """Behaviour shared by the configs of this module: segment level, bounds, validation."""
+@dataclass(frozen=True)
+class TokenTransform:
+    """phi(d_t) of the engine, ``[B, T]``: transformed log-ratio (differentiable), tokens whose
+    log-ratio was clipped below / above (bool or None), and the gate's gradient factor (or None)."""
 
-    level: ClassVar[str]
+    log_ratio: torch.Tensor
+    clip_low: torch.Tensor | None = None
+    clip_high: torch.Tensor | None = None
+    gate_weight: torch.Tensor | None = None
+
+
+@dataclass(frozen=True)
+class Surrogate:
+    """psi of the engine, ``[B, T]``: objective (differentiable, to maximise), clip flags, bounds
+    (None when the surrogate has none) and the soft gate's gradient factor (or None)."""
+
+    objective: torch.Tensor
+    clip_low: torch.Tensor
+    clip_high: torch.Tensor
+    clip_dual: torch.Tensor
+    b_low: torch.Tensor | None = None
+    b_high: torch.Tensor | None = None
+    gate_weight: torch.Tensor | None = None
+
+
+@dataclass(frozen=True)
+class BoundsContext:
+    """What bounds may depend on, ``[B, T]``, no gradient: the segment's mean old-policy entropy
+    H_ij (SSPO eq. 13) and the token's old log-prob (DCPO)."""
+
+    segment_entropy: torch.Tensor
+    old_logprobs: torch.Tensor
+
+
+def unclipped_surrogate(ratio: torch.Tensor, adv: torch.Tensor) -> Surrogate:
+    """psi = s A with no clip (GMPO and Soft Sequence PO clip or gate inside phi instead)."""
+    none = torch.zeros(ratio.shape, dtype=torch.bool, device=ratio.device)
+    return Surrogate(ratio * adv, none, none, none)
+
+
+def hard_clip_surrogate(ratio, adv, b_low, b_high, dual_clip_c: float | None) -> Surrogate:
+    """psi = min(s A, clip(s, b_low, b_high) A), then max(psi, c A) for A < 0 if c is set."""
+    objective = torch.minimum(ratio * adv, torch.clamp(ratio, b_low, b_high) * adv)
+    with torch.no_grad():
+        clip_high = (adv > 0) & (ratio > b_high)
+        clip_low = (adv < 0) & (ratio < b_low)
+        dual = torch.zeros_like(clip_low)
+    if dual_clip_c is not None:
+        floor = dual_clip_c * adv
+        dual = (adv < 0) & (objective.detach() < floor)
+        objective = torch.where(dual, floor.expand_as(objective), objective)
+    return Surrogate(objective, clip_low, clip_high, dual, b_low, b_high)
+
+
+class RatioLossConfig(PolicyLossConfig):
+    """Base of every config served by :func:`ratio_clip_loss`: the engine's three hooks.
+
+    Defaults: identity phi, hard clip with fixed bounds ``(1 - eps_low, 1 + eps_high)`` (subclasses
+    define those fields or override :meth:`clip_bounds`), no dual clip, segment-level gradient.
+    """
+
+    token_gradient: ClassVar[bool] = False
     dual_clip_c: ClassVar[float | None] = None
 
-    def clip_bounds(self, segment_entropy: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Fixed bounds ``(1 - eps_low, 1 + eps_high)`` broadcast like ``segment_entropy``."""
-        return (
-            torch.full_like(segment_entropy, 1.0 - self.eps_low),
-            torch.full_like(segment_entropy, 1.0 + self.eps_high),
-        )
+    def transform_log_ratio(self, log_ratio: torch.Tensor, adv: torch.Tensor) -> TokenTransform:
+        """phi(d) per token (``adv`` is ``[B, 1]``); identity by default."""
+        return TokenTransform(log_ratio)
 
-    def _validate_aggregation(self) -> None:
-        if self.aggregation not in AGGREGATION_MODES:
-            raise ValueError(
-                f"{type(self).__name__}.aggregation={self.aggregation!r}; valid modes: "
-                f"{AGGREGATION_MODES}"
-            )
+    def clip_bounds(self, context: BoundsContext) -> tuple[torch.Tensor, torch.Tensor]:
+        """Fixed bounds ``(1 - eps_low, 1 + eps_high)`` broadcast like the context."""
+        shape = context.segment_entropy
+        return (torch.full_like(shape, 1.0 - self.eps_low),
+                torch.full_like(shape, 1.0 + self.eps_high))
 
-    def _validate_eps(self) -> None:
-        if not 0.0 <= self.eps_low < 1.0 or self.eps_high < 0.0:
-            raise ValueError(
-                f"{type(self).__name__} needs 0 <= eps_low < 1 and eps_high >= 0, got "
-                f"eps_low={self.eps_low}, eps_high={self.eps_high}"
-            )
+    def surrogate(self, ratio: torch.Tensor, adv: torch.Tensor, context: BoundsContext) -> Surrogate:
+        """psi per token; hard clip with :meth:`clip_bounds` by default."""
+        b_low, b_high = self.clip_bounds(context)
+        return hard_clip_surrogate(ratio, adv, b_low.to(ratio.dtype), b_high.to(ratio.dtype),
+                                   self.dual_clip_c)
 
 
 @dataclass
-class GRPOLossConfig(_RatioClipConfig):
+class GRPOLossConfig(RatioLossConfig):
     """GRPO (DeepSeekMath, arXiv 2402.03300): token ratio, PPO clip, optional dual clip."""
 
-    level: ClassVar[str] = "token"
+    segmentation: ClassVar[str] = "token"
     eps_low: float = 0.2
     """Lower clip: the ratio is clipped below at 1 - eps_low."""
     eps_high: float = 0.2
     """Upper clip: the ratio is clipped above at 1 + eps_high (DAPO clip-higher: 0.28)."""
     dual_clip_c: float | None = None
     """Dual-clip constant c > 1 bounding the loss of negative-advantage tokens; None disables."""
-    aggregation: str = "seq-mean-token-mean"
-    """Reduction mode passed to ``aggregate`` (one of ``AGGREGATION_MODES``)."""
 
     def __post_init__(self) -> None:
-        self._validate_eps()
-        self._validate_aggregation()
+        super().__post_init__()
+        check_eps(self, "eps_low", "eps_high")
         if self.dual_clip_c is not None and self.dual_clip_c <= 1.0:
-            raise ValueError(f"GRPOLossConfig.dual_clip_c must be > 1, got {self.dual_clip_c}")
+            raise config_error(self, f"dual_clip_c={self.dual_clip_c} must be > 1 (or None)")
 
 
 @dataclass
-class GSPOLossConfig(_RatioClipConfig):
+class DrGRPOLossConfig(GRPOLossConfig):
+    """Dr. GRPO (arXiv 2503.20783): GRPO's clip, constant denominator L_max, advantages r - mean."""
+
+    aggregation: str = "constant-denominator"
+    """Sum of token losses / L_max per response, averaged over responses (section 3.2)."""
+    advantage_std_normalisation: bool = False
+    """Dr. GRPO drops the group-std division of the advantage (A = r - mean_g r)."""
+
+
+@dataclass
+class DAPOLossConfig(GRPOLossConfig):
+    """DAPO (arXiv 2503.14476 eq. 8): decoupled clip-higher bounds, token-level mean."""
+
+    eps_high: float = 0.28
+    """Upper clip 1 + eps_high ("clip-higher", section 3.1); eps_low stays 0.2."""
+    aggregation: str = "token-mean"
+    """Token-level policy-gradient loss (section 3.3)."""
+
+
+@dataclass
+class GSPOLossConfig(RatioLossConfig):
     """GSPO (arXiv 2507.18071): sequence ratio exp(mean_t d_t) with a tight fixed clip."""
 
-    level: ClassVar[str] = "sequence"
+    segmentation: ClassVar[str] = "response"
     eps_low: float = 3e-4
     """Lower clip of the sequence ratio: 1 - eps_low (sequence ratios stay near 1, pitfall P5)."""
     eps_high: float = 4e-4
     """Upper clip of the sequence ratio: 1 + eps_high."""
-    aggregation: str = "seq-mean-token-mean"
-    """Reduction mode passed to ``aggregate`` (one of ``AGGREGATION_MODES``)."""
 
     def __post_init__(self) -> None:
-        self._validate_eps()
-        self._validate_aggregation()
+        super().__post_init__()
+        check_eps(self, "eps_low", "eps_high")
 
 
 @dataclass
-class SSPOLossConfig(_RatioClipConfig):
-    """SSPO (arXiv 2511.04256): subsentence ratio (eq. 9), entropy-adaptive bounds (eqs. 13-15).
+class GSPOTokenLossConfig(GSPOLossConfig):
+    """GSPO-token (arXiv 2507.18071 section 4.3): s_i,t = sg[s_i] pi(y_t) / sg[pi(y_t)]."""
 
-    Paper settings: 1.5B alpha=0, beta=0.8, gamma=1.75; 7B alpha=0.1, beta=0.8, gamma=2.2.
+    token_gradient: ClassVar[bool] = True
+
+
+@dataclass
+class SSPOFixedClipConfig(RatioLossConfig):
+    """SSPO (arXiv 2511.04256) ratio with a fixed clip: the paper's "w/o entropy clip" ablation."""
+
+    segmentation: str = "newline"
+    """Segment unit of the ratio (``nemo_sspo.algorithms.segmentation.SEGMENTATIONS``)."""
+    segment_k: int | None = None
+    """Tokens per segment for segmentation "fixed_k"; None otherwise."""
+    eps_low: float = 0.2
+    """Lower clip of the segment ratio: 1 - eps_low."""
+    eps_high: float = 0.2
+    """Upper clip of the segment ratio: 1 + eps_high."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check_eps(self, "eps_low", "eps_high")
+
+
+@dataclass
+class LPOLossConfig(SSPOFixedClipConfig):
+    """LPO as specified in DESIGN.md: segment (line) ratio, fixed clip, token-mean aggregation.
+
+    No primary paper was found for the name; see the module docstring.
     """
 
-    level: ClassVar[str] = "subsentence"
-    alpha: float = 0.0
-    """Upper-bound headroom: b_high = min(1 + alpha + H, gamma) (eq. 14)."""
-    beta: float = 0.8
-    """Lower-bound cap: b_low = max(0, min(1 - H, beta)) (eq. 15)."""
-    gamma: float = 1.75
-    """Upper-bound cap (eq. 14)."""
-    lower_bound: str = "eq15"
-    """Lower-bound rule: "eq15" or "piecewise" (clip(1.3 - H, 0.3, beta))."""
-    aggregation: str = "seq-mean-token-mean"
-    """Reduction mode passed to ``aggregate``; eq. 16 is "seq-mean-token-mean"."""
-
-    def __post_init__(self) -> None:
-        self._validate_aggregation()
-        if self.lower_bound not in LOWER_BOUND_RULES:
-            raise ValueError(
-                f"SSPOLossConfig.lower_bound={self.lower_bound!r}; valid: {LOWER_BOUND_RULES}"
-            )
-        if self.alpha < 0.0 or not 0.0 <= self.beta <= 1.0 or self.gamma < 1.0:
-            raise ValueError(
-                "SSPOLossConfig needs alpha >= 0, 0 <= beta <= 1 and gamma >= 1 (so that "
-                f"b_low <= 1 <= b_high), got alpha={self.alpha}, beta={self.beta}, "
-                f"gamma={self.gamma}"
-            )
-
-    def clip_bounds(self, segment_entropy: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Entropy-adaptive bounds of eqs. 14-15 from the segment entropy H_ij."""
-        return entropy_adaptive_bounds(
-            segment_entropy,
-            alpha=self.alpha,
-            beta=self.beta,
-            gamma=self.gamma,
-            lower=self.lower_bound,
-        )
+    aggregation: str = "token-mean"
+    """Every token weighs the same across the batch (unlike SSPO's response-level mean)."""
 
 
-@dataclass
-class SSPOFixedClipConfig(_RatioClipConfig):
-    """SSPO ratio with a fixed clip: the paper's "SSPO w/o entropy clip" ablation."""
-
-    level: ClassVar[str] = "subsentence"
-    eps_low: float = 0.2
-    """Lower clip of the subsentence ratio: 1 - eps_low."""
-    eps_high: float = 0.2
-    """Upper clip of the subsentence ratio: 1 + eps_high."""
-    aggregation: str = "seq-mean-token-mean"
-    """Reduction mode passed to ``aggregate`` (one of ``AGGREGATION_MODES``)."""
-
-    def __post_init__(self) -> None:
-        self._validate_eps()
-        self._validate_aggregation()
-
-
-def _check_inputs(logprobs, old_logprobs, advantages, response_mask, segment_ids, old_entropy,
-                  config) -> None:
-    if logprobs.dim() != 2 or not logprobs.is_floating_point():
-        raise ValueError(f"logprobs must be a float [B, T] tensor, got {tuple(logprobs.shape)} "
-                         f"{logprobs.dtype}")
-    named = {"old_logprobs": old_logprobs, "response_mask": response_mask,
-             "segment_ids": segment_ids, "old_entropy": old_entropy}
-    for name, tensor in named.items():
-        if tensor.shape != logprobs.shape:
-            raise ValueError(f"{name} has shape {tuple(tensor.shape)} but logprobs has shape "
-                             f"{tuple(logprobs.shape)}; both must be [B, T]")
-    if advantages.shape != logprobs.shape[:1]:
-        raise ValueError(f"advantages has shape {tuple(advantages.shape)} but logprobs has shape "
-                         f"{tuple(logprobs.shape)}; advantages must be [B]")
-    if response_mask.dtype != torch.bool:
-        raise ValueError(f"response_mask must be torch.bool, got {response_mask.dtype}")
-    if segment_ids.is_floating_point() or segment_ids.dtype == torch.bool:
-        raise ValueError(f"segment_ids must be an integer tensor, got {segment_ids.dtype}")
-    if not isinstance(config, _RatioClipConfig):
-        raise ValueError(f"config must be a ratio-clip loss config (e.g. SSPOLossConfig), got "
-                         f"{type(config).__name__}")
-
-
-def _metrics(response_mask, segment_length, ratio, b_low, b_high, is_clipped, old_entropy):
-    """(sum, count) float32 pairs; the trainer all-reduces them and divides."""
-    f32 = torch.float32
-    valid = response_mask.to(f32)
-    # Weight 1/|segment| per token: a per-segment quantity summed over tokens counts each segment
-    # once, with no extra scatter.
-    per_segment = valid / segment_length.to(f32).clamp(min=1)
-    tokens, segments = valid.sum(), per_segment.sum()
-    responses = response_mask.any(dim=1).sum().to(f32)
-    clipped = is_clipped.to(f32)
-
-    def pair(total: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
-        return torch.stack([total.to(f32), count])
-
-    zero = torch.zeros((), dtype=old_entropy.dtype, device=old_entropy.device)
-    return {
-        "policy/clipfrac_tokens": pair((clipped * valid).sum(), tokens),
-        "policy/clipfrac_segments": pair((clipped * per_segment).sum(), segments),
-        "policy/b_low": pair((b_low.to(f32) * per_segment).sum(), segments),
-        "policy/b_high": pair((b_high.to(f32) * per_segment).sum(), segments),
-        "policy/ratio": pair((ratio.to(f32) * per_segment).sum(), segments),
-        "policy/segments_per_response": pair(segments, responses),
-        "policy/entropy": pair(torch.where(response_mask, old_entropy, zero).sum(), tokens),
-    }
+def ratio_objective(logprobs, old_logprobs, advantages, response_mask, segment_ids, old_entropy,
+                    config: RatioLossConfig) -> LossTerms:
+    """Per-token -psi of the engine (module docstring) and its diagnostics, without extra terms."""
+    segments = resolve_segments(config, response_mask, segment_ids)
+    zero = torch.zeros((), dtype=logprobs.dtype, device=logprobs.device)
+    log_ratio = torch.where(response_mask, logprobs - old_logprobs.detach(), zero)
+    adv = advantages.detach().to(logprobs.dtype).unsqueeze(1)
+    token = config.transform_log_ratio(log_ratio, adv)
+    mean_log_ratio, segment_length = segment_mean(token.log_ratio, segments, response_mask)
+    clamped = mean_log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    beyond_clamp = mean_log_ratio.detach().abs() > LOG_RATIO_CLAMP
+    if config.token_gradient:
+        own = torch.where(response_mask, logprobs - logprobs.detach(), zero)
+        clamped = clamped.detach() + own
+        beyond_clamp = torch.zeros_like(beyond_clamp)
+    ratio = torch.exp(clamped)
+    with torch.no_grad():
+        segment_entropy, _ = segment_mean(old_entropy, segments, response_mask)
+        old_masked = torch.where(response_mask, old_logprobs.detach(), zero)
+        context = BoundsContext(segment_entropy.to(ratio.dtype), old_masked)
+    psi = config.surrogate(ratio, adv, context)
+    clip_low, clip_high = psi.clip_low, psi.clip_high
+    if token.clip_low is not None:
+        clip_low, clip_high = clip_low | token.clip_low, clip_high | token.clip_high
+    grad_zero = clip_low | clip_high | psi.clip_dual | beyond_clamp
+    return LossTerms(
+        per_token_loss=torch.where(response_mask, -psi.objective, zero.to(psi.objective.dtype)),
+        response_mask=response_mask,
+        segments=segments,
+        segment_length=segment_length,
+        segment_entropy=segment_entropy,
+        log_ratio=log_ratio.detach(),
+        ratio=ratio.detach(),
+        clip_low=clip_low & response_mask,
+        clip_high=clip_high & response_mask,
+        clip_dual=psi.clip_dual & response_mask,
+        grad_zero=grad_zero & response_mask,
+        b_low=psi.b_low,
+        b_high=psi.b_high,
+        gate_weight=token.gate_weight if token.gate_weight is not None else psi.gate_weight,
+    )
 
 
-@register_policy_loss("sspo_fixed_clip", SSPOFixedClipConfig)
-@register_policy_loss("sspo", SSPOLossConfig)
-@register_policy_loss("gspo", GSPOLossConfig)
-@register_policy_loss("grpo", GRPOLossConfig)
 def ratio_clip_loss(
     logprobs: torch.Tensor,
     old_logprobs: torch.Tensor,
@@ -227,52 +287,52 @@ def ratio_clip_loss(
     response_mask: torch.Tensor,
     segment_ids: torch.Tensor,
     old_entropy: torch.Tensor,
-    config: _RatioClipConfig,
+    config: RatioLossConfig,
+    *,
+    ref_logprobs: torch.Tensor | None = None,
+    entropy: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Per-token clipped-ratio loss (value to minimise) for GRPO / GSPO / SSPO (module docstring).
+    """Per-token segment-ratio loss (value to minimise) of every engine loss (module docstring).
 
     Args:
-        logprobs: ``[B, T]`` float32, natural-log probs of the sampled tokens under pi_theta
-            (requires grad).
-        old_logprobs: ``[B, T]`` float32, the same under the behaviour policy pi_old (constant).
-        advantages: ``[B]`` float32, A_i per response (eq. 8; constant).
+        logprobs: ``[B, T]`` float32/float64, natural-log probs of the sampled tokens under
+            pi_theta (requires grad).
+        old_logprobs: ``[B, T]``, the same under the behaviour policy pi_old (constant).
+        advantages: ``[B]``, A_i per response (constant).
         response_mask: ``[B, T]`` bool, True at response tokens in the loss.
-        segment_ids: ``[B, T]`` int64 newline segments from ``newline_segment_ids``; read only by
-            the subsentence-level losses (``sspo``, ``sspo_fixed_clip``).
-        old_entropy: ``[B, T]`` float32, old-policy token entropy H_t in nats over the full
-            vocabulary (eq. 12; constant). Sets the SSPO bounds; reported by every loss.
-        config: one of ``GRPOLossConfig``, ``GSPOLossConfig``, ``SSPOLossConfig``,
-            ``SSPOFixedClipConfig``; it selects the segment level and the bounds.
+        segment_ids: ``[B, T]`` int64 segments from ``nemo_sspo.algorithms.segmentation.segment_ids``
+            with the config's ``segmentation``; read only when that is not "token"/"response".
+        old_entropy: ``[B, T]``, old-policy token entropy H_t in nats over the full vocabulary
+            (SSPO eq. 12; constant). Sets SSPO's bounds; reported by every loss.
+        config: a :class:`RatioLossConfig` subclass registered with this function.
+        ref_logprobs: optional ``[B, T]`` log-probs of the reference policy (constant); needed
+            when ``config.kl_coef > 0``, reported as ``policy/kl_ref`` whenever given.
+        entropy: optional ``[B, T]`` current-policy token entropy (with grad); needed when
+            ``config.entropy_coef > 0``, reported as ``policy/entropy_current`` whenever given.
 
     Returns:
-        ``(per_token_loss [B, T], metrics)``: the loss is 0 at masked positions; metrics map
-        ``policy/*`` keys to detached float32 ``[2]`` tensors ``(sum, count)``: clipfrac_tokens,
-        clipfrac_segments, b_low, b_high, ratio (per segment), segments_per_response, entropy.
+        ``(per_token_loss [B, T], metrics)``: the loss is 0 at masked positions; metrics map keys
+        to detached float32 ``[2]`` pairs (``nemo_sspo.algorithms.losses.metrics``).
 
     Raises:
-        ValueError: any shape mismatch (names both shapes), wrong mask/id dtype or config type.
+        ValueError: any shape mismatch (names both shapes), wrong mask/id dtype, wrong config type,
+            or a KL/entropy coefficient > 0 without its tensor.
     """
-    _check_inputs(logprobs, old_logprobs, advantages, response_mask, segment_ids, old_entropy,
-                  config)
-    segments = segment_ids_for_level(config.level, response_mask, segment_ids)
-    zero = torch.zeros((), dtype=logprobs.dtype, device=logprobs.device)
-    log_ratio = torch.where(response_mask, logprobs - old_logprobs.detach(), zero)
-    mean_log_ratio, segment_length = segment_mean(log_ratio, segments, response_mask)
-    ratio = torch.exp(mean_log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
-    with torch.no_grad():
-        segment_entropy, _ = segment_mean(old_entropy, segments, response_mask)
-        b_low, b_high = config.clip_bounds(segment_entropy.to(ratio.dtype))
-    adv = advantages.detach().to(ratio.dtype).unsqueeze(1)
-    objective = torch.minimum(ratio * adv, torch.clamp(ratio, b_low, b_high) * adv)
-    with torch.no_grad():
-        is_clipped = ((adv > 0) & (ratio > b_high)) | ((adv < 0) & (ratio < b_low))
-    if config.dual_clip_c is not None:
-        floor = config.dual_clip_c * adv
-        dual_active = (adv < 0) & (objective < floor)
-        objective = torch.where(dual_active, floor, objective)
-        is_clipped = is_clipped | dual_active
-    per_token_loss = torch.where(response_mask, -objective, zero.to(objective.dtype))
-    with torch.no_grad():
-        metrics = _metrics(response_mask, segment_length, ratio, b_low, b_high,
-                           is_clipped & response_mask, old_entropy.detach())
-    return per_token_loss, metrics
+    check_loss_inputs(logprobs, old_logprobs, advantages, response_mask, segment_ids, old_entropy,
+                      config, RatioLossConfig, ref_logprobs=ref_logprobs, entropy=entropy)
+    terms = ratio_objective(logprobs, old_logprobs, advantages, response_mask, segment_ids,
+                            old_entropy, config)
+    return finish_policy_loss(terms, config, logprobs=logprobs, old_entropy=old_entropy,
+                              ref_logprobs=ref_logprobs, entropy=entropy)
+
+
+for _name, _config_cls in (
+    ("grpo", GRPOLossConfig),
+    ("dr_grpo", DrGRPOLossConfig),
+    ("dapo", DAPOLossConfig),
+    ("gspo", GSPOLossConfig),
+    ("gspo_token", GSPOTokenLossConfig),
+    ("sspo_fixed_clip", SSPOFixedClipConfig),
+    ("lpo", LPOLossConfig),
+):
+    register_policy_loss(_name, _config_cls)(ratio_clip_loss)

@@ -1,9 +1,11 @@
 """Name -> (policy loss function, config dataclass) registry.
 
 Every registered loss has the signature
-``fn(logprobs, old_logprobs, advantages, response_mask, segment_ids, old_entropy, config)
--> (per_token_loss [B, T], metrics: dict[str, Tensor [2]])`` and returns a value to minimise.
-Configs validate the name at load time through :func:`get_policy_loss`.
+``fn(logprobs, old_logprobs, advantages, response_mask, segment_ids, old_entropy, config, *,
+ref_logprobs=None, entropy=None) -> (per_token_loss [B, T], metrics: dict[str, Tensor [2]])`` and
+returns a value to minimise (see ``nemo_sspo.algorithms.losses.base``). Each config class
+subclasses ``PolicyLossConfig``. Configs validate the name at load time through
+:func:`get_policy_loss`.
 """
 
 from __future__ import annotations

@@ -1,0 +1,112 @@
+"""CISPO (Clipped IS-weight Policy Optimization; MiniMax-M1, arXiv 2506.13585, section 3.1).
+
+Instead of clipping the objective (which removes the gradient of clipped tokens), CISPO clips the
+importance-sampling weight and detaches it, so every token keeps a REINFORCE-style gradient:
+
+    J = (1 / sum_i |y_i|) sum_i sum_t sg( clip(r_t, 1 - eps_low_is, 1 + eps_high_is) ) A_i log pi_theta(y_t)
+
+with r_t = pi_theta(y_t) / pi_old(y_t) and sg the stop-gradient. The per-token loss returned is
+-sg(clip(r_t)) A_i log pi_theta(y_t), exactly the paper's term: its gradient is
+-sg(clip(r_t)) A_i grad log pi_theta(y_t). Its *value* includes log pi_theta and therefore does not
+compare with the other losses' values (which are -A on-policy); compare gradients or rewards.
+
+The paper tunes only the upper bound and leaves the lower one effectively open; our defaults
+(eps_low_is = 1, so the lower bound is 0 and never binds; eps_high_is = 1, upper bound 2) are ours,
+not the paper's. ``clipfrac_*`` counts tokens whose weight was clipped; their gradient is kept, so
+``zero_grad_frac_tokens`` is 0. Aggregation: token-mean (the 1 / sum |y_i| above).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from nemo_sspo.algorithms.losses.base import (
+    LossTerms,
+    PolicyLossConfig,
+    check_eps,
+    check_loss_inputs,
+    finish_policy_loss,
+    resolve_segments,
+)
+from nemo_sspo.algorithms.losses.registry import register_policy_loss
+from nemo_sspo.algorithms.ratios import LOG_RATIO_CLAMP
+
+
+@dataclass
+class CISPOLossConfig(PolicyLossConfig):
+    """CISPO (arXiv 2506.13585): detached, clipped IS weight times log pi_theta."""
+
+    segmentation: ClassVar[str] = "token"
+    aggregation: str = "token-mean"
+    """Token-level normalisation, as in the paper's objective."""
+    eps_low_is: float = 1.0
+    """IS weight clipped below at 1 - eps_low_is (1.0: lower bound 0, i.e. open)."""
+    eps_high_is: float = 1.0
+    """IS weight clipped above at 1 + eps_high_is."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check_eps(self, "eps_low_is", "eps_high_is")
+
+
+def cispo_loss(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    segment_ids: torch.Tensor,
+    old_entropy: torch.Tensor,
+    config: CISPOLossConfig,
+    *,
+    ref_logprobs: torch.Tensor | None = None,
+    entropy: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Per-token CISPO loss -sg(clip(r_t)) A_i log pi_theta(y_t) (value to minimise).
+
+    Args:
+        logprobs, old_logprobs, advantages, response_mask, old_entropy, ref_logprobs, entropy:
+            as for ``nemo_sspo.algorithms.losses.ratio_clip.ratio_clip_loss`` (``[B, T]`` /
+            ``[B]``; ``old_entropy`` is only reported).
+        segment_ids: ``[B, T]`` int64; not read (CISPO is token-level), shape-checked only.
+        config: :class:`CISPOLossConfig`.
+
+    Returns:
+        ``(per_token_loss [B, T], metrics)`` as for every registered loss.
+
+    Raises:
+        ValueError: as ``ratio_clip_loss``.
+    """
+    check_loss_inputs(logprobs, old_logprobs, advantages, response_mask, segment_ids, old_entropy,
+                      config, CISPOLossConfig, ref_logprobs=ref_logprobs, entropy=entropy)
+    segments = resolve_segments(config, response_mask, segment_ids)
+    zero = torch.zeros((), dtype=logprobs.dtype, device=logprobs.device)
+    own_logprobs = torch.where(response_mask, logprobs, zero)
+    log_ratio = torch.where(response_mask, logprobs.detach() - old_logprobs, zero)
+    ratio = torch.exp(log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
+    low, high = 1.0 - config.eps_low_is, 1.0 + config.eps_high_is
+    weight = ratio.clamp(low, high)
+    adv = advantages.detach().to(logprobs.dtype).unsqueeze(1)
+    per_token = torch.where(response_mask, -weight * adv * own_logprobs, zero)
+    valid = response_mask.to(logprobs.dtype)
+    never = torch.zeros_like(response_mask)
+    terms = LossTerms(
+        per_token_loss=per_token,
+        response_mask=response_mask,
+        segments=segments,
+        segment_length=valid,
+        segment_entropy=torch.where(response_mask, old_entropy.detach().to(logprobs.dtype), zero),
+        log_ratio=log_ratio,
+        ratio=weight,
+        clip_low=(ratio < low) & response_mask,
+        clip_high=(ratio > high) & response_mask,
+        clip_dual=never,
+        grad_zero=never,
+    )
+    return finish_policy_loss(terms, config, logprobs=logprobs, old_entropy=old_entropy,
+                              ref_logprobs=ref_logprobs, entropy=entropy)
+
+
+register_policy_loss("cispo", CISPOLossConfig)(cispo_loss)

@@ -1,0 +1,108 @@
+"""Geometric-mean sequence weights built from per-token transformed ratios: GMPO and Soft Sequence PO.
+
+Both use the engine with one segment per response and no clip on the sequence weight; they differ
+in the per-token transform phi applied to the log-ratio d_t before the mean:
+
+    J_i = A_i * exp( (1/|y_i|) sum_t phi(d_t) )   (a geometric mean of the transformed token ratios)
+
+GMPO (Geometric-Mean Policy Optimization, arXiv 2507.20673, the objective of section 3 with
+token-level clipping): J_i = sgn(A_i) prod_t | min(rho_t A_i, clip(rho_t, e^-eps_low, e^eps_high)
+A_i) |^(1/|y_i|). For A > 0 the min keeps the upper clip only, for A < 0 the lower one, so in log
+space phi(d) = min(d, eps_high) for A > 0 and max(d, -eps_low) for A < 0, and J_i = A_i exp(mean phi).
+The paper recommends the wide range (e^-0.4, e^0.4). A clipped token gets no gradient; the other
+tokens get A_i s_i / |y_i| each.
+
+Soft Sequence PO (arXiv 2602.19327): soft gates over the token ratios inside a sequence-level
+weight combined by a geometric mean. DEFINED PLAINLY HERE: the paper's exact gate formulas were
+not available to us. We replace GMPO's log-space clip by a soft gate on the log-ratio,
+phi(d) = g(d; tau) with tau = tau_pos for A > 0 and tau_neg otherwise, and g any registered gate
+(``nemo_sspo.algorithms.losses.soft_gates``; families "sigmoid" and "arctan", g(0) = 0, g'(0) = 1).
+Each gated token ratio exp(g(d)) is 1 on-policy and bounded (e.g. within e^(+-2/tau) for the
+sigmoid gate); token t's gradient is A_i w_i g'(d_t) / |y_i| with w_i = exp(mean_t g(d_t)), so
+far-off-policy tokens fade smoothly instead of being cut.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from nemo_sspo.algorithms.losses.base import config_error
+from nemo_sspo.algorithms.losses.ratio_clip import (
+    BoundsContext,
+    RatioLossConfig,
+    Surrogate,
+    TokenTransform,
+    ratio_clip_loss,
+    unclipped_surrogate,
+)
+from nemo_sspo.algorithms.losses.registry import register_policy_loss
+from nemo_sspo.algorithms.losses.soft_gates import SoftGateConfig, get_soft_gate
+
+
+class _SequenceWeightConfig(RatioLossConfig):
+    """One segment per response, psi = s A (the weight is shaped inside phi)."""
+
+    segmentation: ClassVar[str] = "response"
+
+    def surrogate(self, ratio: torch.Tensor, adv: torch.Tensor, context: BoundsContext) -> Surrogate:
+        return unclipped_surrogate(ratio, adv)
+
+
+@dataclass
+class GMPOLossConfig(_SequenceWeightConfig):
+    """GMPO (arXiv 2507.20673): geometric mean of token ratios clipped in log space."""
+
+    log_clip_low: float = 0.4
+    """Token log-ratios of A < 0 responses are clipped below at -log_clip_low (ratio e^-0.4)."""
+    log_clip_high: float = 0.4
+    """Token log-ratios of A > 0 responses are clipped above at log_clip_high (ratio e^0.4)."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.log_clip_low < 0.0 or self.log_clip_high < 0.0:
+            raise config_error(self, f"log_clip_low={self.log_clip_low}, log_clip_high="
+                                     f"{self.log_clip_high}: both must be >= 0")
+
+    def transform_log_ratio(self, log_ratio: torch.Tensor, adv: torch.Tensor) -> TokenTransform:
+        """phi(d) = min(d, log_clip_high) for A > 0, max(d, -log_clip_low) for A < 0."""
+        positive, negative = adv > 0, adv < 0
+        clipped = torch.where(positive, log_ratio.clamp(max=self.log_clip_high),
+                              torch.where(negative, log_ratio.clamp(min=-self.log_clip_low),
+                                          log_ratio))
+        with torch.no_grad():
+            high = positive & (log_ratio > self.log_clip_high)
+            low = negative & (log_ratio < -self.log_clip_low)
+        return TokenTransform(clipped, clip_low=low, clip_high=high)
+
+
+@dataclass
+class SoftSeqPOLossConfig(_SequenceWeightConfig, SoftGateConfig):
+    """Soft Sequence PO (arXiv 2602.19327): geometric mean of soft-gated token ratios.
+
+    The gate is defined plainly (module docstring), not taken from the paper's text.
+    """
+
+    gate: str = "sigmoid"
+    """Gate family applied to each token log-ratio (``soft_gate_names()``)."""
+    tau_pos: float = 1.0
+    """Gate temperature for A > 0 responses."""
+    tau_neg: float = 1.0
+    """Gate temperature for A <= 0 responses."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self._check_gate()
+
+    def transform_log_ratio(self, log_ratio: torch.Tensor, adv: torch.Tensor) -> TokenTransform:
+        """phi(d) = g(d; tau) with the gate's slope g'(d) reported as the gate weight."""
+        gate, tau = get_soft_gate(self.gate), self.temperature(adv)
+        with torch.no_grad():
+            weight = gate.slope(log_ratio, tau)
+        return TokenTransform(gate.value(log_ratio, tau), gate_weight=weight)
+
+
+register_policy_loss("gmpo", GMPOLossConfig)(ratio_clip_loss)
+register_policy_loss("soft_seq_po", SoftSeqPOLossConfig)(ratio_clip_loss)

@@ -1,0 +1,152 @@
+"""Per-step diagnostics of a policy loss as float32 ``[2]`` tensors ``(sum, count)``.
+
+The trainer sums pairs over micro-batches and data-parallel ranks, then divides
+(``nemo_sspo.parallel.metrics.reduce_metric_sums``). Keys ending in ``_min`` / ``_max`` carry
+``(extreme value, count)`` instead and are reduced with MIN / MAX (a pair whose count is 0 carries
+value 0 and is ignored by the reduction). A key ``K_sq`` next to ``K`` is the mean of squares;
+``reduce_metric_sums`` derives ``K_std = sqrt(K_sq - K^2)``.
+
+Weightings: ``_tokens`` counts every valid token once; ``_segments`` every segment of the loss's
+ratio once (a token weighs 1/|segment|); ``_responses`` every non-empty response once (a token
+weighs 1/|response|).
+
+Keys (every loss): ``policy/clipfrac_{tokens,segments,responses}`` (any clip) and
+``policy/clipfrac_{low,high,dual}_{tokens,segments,responses}``; ``policy/zero_grad_frac_tokens``;
+``policy/ratio`` (the ratio the loss applies, per segment) and the raw ratios
+``policy/ratio_{token,segment,response}`` with ``_sq``, ``_min``, ``_max`` (exp of the mean token
+log-ratio over the token / the loss's segment / the whole response); ``policy/approx_kl_k1`` and
+``policy/approx_kl_k3`` (KL(pi_old || pi_theta) per token); ``policy/entropy`` (old-policy token
+entropy); ``policy/segments_per_response``; the share of segments per entropy band
+(:data:`ENTROPY_BAND_KEYS`). Loss-dependent: ``policy/b_low``, ``policy/b_high`` (mean bounds per
+segment), ``policy/gate_weight`` (soft gates), plus each loss's extra keys.
+
+Entropy bands (segment entropy H_ij, eq. 13, in nats) follow the regions of SSPO eqs. 14-15 at the
+paper's 1.5B setting (alpha 0, beta 0.8, gamma 1.75): H < 0.2 (b_low held at beta), 0.2 <= H < 0.75
+(both bounds move with H), 0.75 <= H < 1 (b_high saturated at gamma), H >= 1 (b_low = 0: no lower
+clip). The edges are fixed for every loss so that runs compare.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from nemo_sspo.algorithms.kl import kl_estimate
+from nemo_sspo.algorithms.ratios import LOG_RATIO_CLAMP, segment_mean
+from nemo_sspo.algorithms.segmentation import segment_ids_for_level
+
+ENTROPY_BAND_EDGES = (0.2, 0.75, 1.0)
+ENTROPY_BAND_KEYS = (
+    "policy/segment_entropy_share/lt_0.20",
+    "policy/segment_entropy_share/0.20_0.75",
+    "policy/segment_entropy_share/0.75_1.00",
+    "policy/segment_entropy_share/ge_1.00",
+)
+
+_F32 = torch.float32
+_WEIGHTING = {"token": "tokens", "segment": "segments", "response": "responses"}
+
+
+def pair(total: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
+    """``torch.stack([total, count])`` as float32 ``[2]``."""
+    return torch.stack([total.to(_F32), count.to(_F32)])
+
+
+def extreme_pair(values: torch.Tensor, mask: torch.Tensor, count: torch.Tensor,
+                 *, largest: bool) -> torch.Tensor:
+    """``(max or min of values[mask], count)``; value 0 when nothing is valid."""
+    fill = -torch.inf if largest else torch.inf
+    masked = torch.where(mask, values.to(_F32), torch.full((), fill, dtype=_F32,
+                                                          device=values.device))
+    extreme = masked.amax() if largest else masked.amin()
+    extreme = torch.where(count > 0, extreme, torch.zeros_like(extreme))
+    return pair(extreme, count)
+
+
+class _Weights:
+    """Per-token weights that count tokens, segments or responses once each."""
+
+    def __init__(self, mask: torch.Tensor, segment_length: torch.Tensor) -> None:
+        self.mask = mask
+        valid = mask.to(_F32)
+        lengths = valid.sum(dim=1, keepdim=True)
+        self.by = {
+            "tokens": valid,
+            "segments": valid / segment_length.to(_F32).clamp(min=1),
+            "responses": valid / lengths.clamp(min=1),
+        }
+        self.count = {name: w.sum() for name, w in self.by.items()}
+        self.count["responses"] = (lengths > 0).sum().to(_F32)
+
+    def _masked(self, values: torch.Tensor) -> torch.Tensor:
+        # where, not multiply: inf/NaN at masked positions must not reach a sum.
+        return torch.where(self.mask, values.to(_F32), torch.zeros((), dtype=_F32,
+                                                                   device=values.device))
+
+    def mean(self, values: torch.Tensor, level: str) -> torch.Tensor:
+        return pair((self._masked(values) * self.by[level]).sum(), self.count[level])
+
+    def spread(self, key: str, values: torch.Tensor, level: str) -> dict[str, torch.Tensor]:
+        """Mean, mean of squares, min and max of a per-token quantity at one weighting."""
+        values = self._masked(values)
+        count = self.count[level]
+        return {
+            key: self.mean(values, level),
+            f"{key}_sq": self.mean(values.square(), level),
+            f"{key}_min": extreme_pair(values, self.mask, count, largest=False),
+            f"{key}_max": extreme_pair(values, self.mask, count, largest=True),
+        }
+
+
+def _raw_ratios(terms) -> dict[str, torch.Tensor]:
+    """exp of the mean token log-ratio over each token, loss segment and response."""
+    mask, log_ratio = terms.response_mask, terms.log_ratio
+    whole = segment_ids_for_level("sequence", mask)
+    segment_log, _ = segment_mean(log_ratio, terms.segments, mask)
+    response_log, _ = segment_mean(log_ratio, whole, mask)
+    return {
+        level: torch.exp(value.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
+        for level, value in (("token", log_ratio), ("segment", segment_log),
+                             ("response", response_log))
+    }
+
+
+def _entropy_bands(weights: _Weights, segment_entropy: torch.Tensor) -> dict[str, torch.Tensor]:
+    edges = (-torch.inf, *ENTROPY_BAND_EDGES, torch.inf)
+    out = {}
+    for key, low, high in zip(ENTROPY_BAND_KEYS, edges[:-1], edges[1:]):
+        inside = (segment_entropy >= low) & (segment_entropy < high)
+        out[key] = weights.mean(inside, "segments")
+    return out
+
+
+@torch.no_grad()
+def policy_metrics(terms, old_entropy: torch.Tensor) -> dict[str, torch.Tensor]:
+    """All keys of the module docstring from a loss's ``LossTerms``; detached float32 ``[2]``."""
+    mask = terms.response_mask
+    weights = _Weights(mask, terms.segment_length)
+    flags = {"low": terms.clip_low, "high": terms.clip_high, "dual": terms.clip_dual}
+    clipped = (terms.clip_low | terms.clip_high | terms.clip_dual) & mask
+    metrics: dict[str, torch.Tensor] = {}
+    for level in ("tokens", "segments", "responses"):
+        metrics[f"policy/clipfrac_{level}"] = weights.mean(clipped, level)
+        for side, flag in flags.items():
+            metrics[f"policy/clipfrac_{side}_{level}"] = weights.mean(flag & mask, level)
+    metrics["policy/zero_grad_frac_tokens"] = weights.mean(terms.grad_zero & mask, "tokens")
+    metrics["policy/ratio"] = weights.mean(terms.ratio, "segments")
+    for level, ratio in _raw_ratios(terms).items():
+        metrics.update(weights.spread(f"policy/ratio_{level}", ratio, _WEIGHTING[level]))
+    for estimator in ("k1", "k3"):
+        kl = kl_estimate(terms.log_ratio, estimator)  # KL(pi_old || pi_theta), samples of pi_old
+        metrics[f"policy/approx_kl_{estimator}"] = weights.mean(kl, "tokens")
+    metrics["policy/entropy"] = weights.mean(old_entropy, "tokens")
+    metrics["policy/segments_per_response"] = pair(weights.count["segments"],
+                                                   weights.count["responses"])
+    metrics.update(_entropy_bands(weights, terms.segment_entropy))
+    if terms.b_low is not None:
+        metrics["policy/b_low"] = weights.mean(terms.b_low, "segments")
+        metrics["policy/b_high"] = weights.mean(terms.b_high, "segments")
+    if terms.gate_weight is not None:
+        metrics["policy/gate_weight"] = weights.mean(terms.gate_weight, "tokens")
+    metrics.update(terms.extra_metrics)
+    return metrics
+

@@ -1,0 +1,50 @@
+"""reduce_metric_sums on real gloo groups: (sum, count) means, _min/_max extremes (an empty rank
+takes no part), derived _std, and the broadcast from the last pipeline stage.
+
+One spawn of 4 ranks laid out as 2 pipeline stages x 2 data-parallel replicas: ranks 0 and 1 are
+the first stage (no metrics), ranks 2 and 3 the last stage (data-parallel group {2, 3}); the
+pipeline groups are {0, 2} and {1, 3}. Expected values are worked by hand below.
+"""
+
+import pytest
+import torch
+import torch.distributed as dist
+
+
+def _local(rank):
+    t = lambda *v: torch.tensor(v, dtype=torch.float32)  # noqa: E731
+    if rank == 2:
+        # ratio values {1, 2}: sum 3, squares 5; min 1, max 2. e_min: this rank has none.
+        return {"r": t(3, 2), "r_sq": t(5, 2), "r_min": t(1, 2), "r_max": t(2, 2),
+                "e_min": t(0, 0), "e_max": t(0, 0), "z_min": t(0, 0)}
+    # rank 3, ratio values {0.5, 4.5}: sum 5, squares 20.5; e values {-3}.
+    return {"r": t(5, 2), "r_sq": t(20.5, 2), "r_min": t(0.5, 2), "r_max": t(4.5, 2),
+            "e_min": t(-3, 1), "e_max": t(-3, 1), "z_min": t(0, 0)}
+
+
+def _reduce(rank, world_size):
+    from nemo_sspo.parallel.metrics import reduce_metric_sums
+
+    dp_groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    pp_groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+    last_stage = rank >= 2
+    return reduce_metric_sums(
+        _local(rank) if last_stage else {},
+        dp_group=dp_groups[rank // 2],
+        pp_group=pp_groups[rank % 2],
+        last_stage_rank=2 + rank % 2,
+        is_last_stage=last_stage,
+    )
+
+
+def test_min_max_mean_std_over_dp_and_pp(run_distributed):
+    results = run_distributed(_reduce, 4)
+    # Values {1, 2, 0.5, 4.5}: mean 8 / 4 = 2; mean of squares 25.5 / 4 = 6.375;
+    # std sqrt(6.375 - 4) = sqrt(2.375); min 0.5; max 4.5. e: only rank 3 has one value, -3
+    # (a MIN/MAX that let rank 2's empty 0 take part would give -3 / 0). z: empty everywhere -> 0.
+    expected = {"r": 2.0, "r_sq": 6.375, "r_std": 2.375 ** 0.5, "r_min": 0.5, "r_max": 4.5,
+                "e_min": -3.0, "e_max": -3.0, "z_min": 0.0}
+    for rank, result in enumerate(results):
+        assert result.keys() == expected.keys(), rank
+        for key, value in expected.items():
+            assert result[key] == pytest.approx(value, abs=1e-6), (rank, key)

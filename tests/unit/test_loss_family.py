@@ -1,0 +1,544 @@
+"""The comparison family of policy losses: hand-worked values, float64 references written from each
+paper's formula (Python loops, never the code under test), identities between losses, and the
+pitfalls of ../shared/cases/pitfalls.md that concern losses (P1, P3, P12) for every registered name.
+
+Helpers: `_loss` calls a registered loss with old log-probs `old` (default 0, so logprobs are the
+token log-ratios) and returns (per-token loss, numerator, denominator, d(num/den)/d logprobs,
+metrics) under the config's own aggregation mode.
+"""
+
+import math
+
+import pytest
+import torch
+
+from nemo_sspo.algorithms.aggregation import aggregate
+from nemo_sspo.algorithms.losses import get_policy_loss, policy_loss_names
+
+LN3 = math.log(3.0)
+
+
+def _loss(name, logprobs, adv, mask, *, old=None, segments=None, old_entropy=None, l_max=None,
+          **params):
+    fn, config_cls = get_policy_loss(name)
+    config = config_cls(**params)
+    logprobs = logprobs.clone().requires_grad_(True)
+    old = torch.zeros_like(logprobs) if old is None else old
+    segments = torch.where(mask, 0, -1) if segments is None else segments
+    old_entropy = torch.zeros_like(logprobs) if old_entropy is None else old_entropy
+    loss, metrics = fn(logprobs, old, adv.to(logprobs.dtype), mask, segments, old_entropy, config)
+    num, den = aggregate(loss, mask, config.aggregation,
+                         max_response_length=l_max or logprobs.shape[1])
+    (num / den.clamp(min=1)).backward()  # clamp: a fully masked batch has 0 / 0
+    return loss.detach(), num.detach(), den, logprobs.grad, metrics
+
+
+def _frac(pair):
+    return (pair[0] / pair[1]).item()
+
+
+# ----------------------------------------------------------------------------- hand-worked values
+
+TWO_ROWS_MASK = torch.tensor([[1, 1, 0, 0], [1, 1, 1, 1]], dtype=torch.bool)
+# Row 0 (A = +1) token ratios [1.1, 1.5]; row 1 (A = -1) token ratios [0.5, 1.5, 1, 1].
+TWO_ROWS_LOG_RATIO = torch.log(torch.tensor([[1.1, 1.5, 1.0, 1.0], [0.5, 1.5, 1.0, 1.0]]))
+TWO_ROWS_ADV = torch.tensor([1.0, -1.0])
+
+
+def test_dr_grpo_constant_denominator_hand_values():
+    # Clip [0.8, 1.2]. Row 0: 1.1 inside -> -1.1; 1.5 > 1.2 with A > 0 -> -1.2 (clipped).
+    # Row 1: 0.5 < 0.8 with A < 0 -> min(-0.5, -0.8) = -0.8 -> loss 0.8 (clipped); 1.5 -> 1.5;
+    # 1 -> 1; 1 -> 1. L_max = 5: ((-1.1 - 1.2) / 5 + (0.8 + 1.5 + 1 + 1) / 5) / 2 = 0.2.
+    loss, num, den, grad, metrics = _loss("dr_grpo", TWO_ROWS_LOG_RATIO, TWO_ROWS_ADV,
+                                          TWO_ROWS_MASK, l_max=5)
+    assert torch.allclose(loss, torch.tensor([[-1.1, -1.2, 0, 0], [0.8, 1.5, 1, 1]]), atol=1e-6)
+    assert (num / den).item() == pytest.approx(0.2, abs=1e-6)
+    # d loss_t / d logprob_t = -r A for unclipped tokens, divided by L_max * responses = 10.
+    expected = torch.tensor([[-0.11, 0.0, 0, 0], [0.0, 0.15, 0.1, 0.1]])
+    assert torch.allclose(grad, expected, atol=1e-6)
+    assert get_policy_loss("dr_grpo")[1]().advantage_std_normalisation is False
+    assert metrics["policy/clipfrac_tokens"].tolist() == [2.0, 6.0]
+
+
+def test_dapo_clip_higher_token_mean_hand_values():
+    # Clip [0.8, 1.28]: row 0 1.5 -> 1.28. Token mean over 6 tokens:
+    # (-1.1 - 1.28 + 0.8 + 1.5 + 1 + 1) / 6 = 1.92 / 6 = 0.32.
+    loss, num, den, grad, _ = _loss("dapo", TWO_ROWS_LOG_RATIO, TWO_ROWS_ADV, TWO_ROWS_MASK)
+    assert den.item() == 6.0
+    assert (num / den).item() == pytest.approx(0.32, abs=1e-6)
+    assert torch.allclose(grad, torch.tensor([[-1.1, 0, 0, 0], [0, 1.5, 1, 1]]) / 6, atol=1e-6)
+
+
+def test_dcpo_bounds_hand_values():
+    # eps_low 0.16, eps_high 0.2; b_high = 0.5 + 0.5 sqrt(1 + 0.8 / q) capped at 10,
+    # b_low = 0.5 + 0.5 sqrt(max(1 - 0.64 / q, 0)):
+    # q = 1: 0.5 + 0.5 sqrt(1.8) = 1.170820, 0.5 + 0.5 * 0.6 = 0.8
+    # q = 0.8: sqrt(2) -> 1.207107, sqrt(0.2) -> 0.723607
+    # q = 0.1: sqrt(9) -> 2.0, 0.5 (1 - 6.4 < 0); q = 0.01: sqrt(81) -> 5.0; q = 1e-3 -> 10 (cap)
+    q = torch.tensor([[1.0, 0.8, 0.1, 0.01, 1e-3]], dtype=torch.float64)
+    mask = torch.ones(1, 5, dtype=torch.bool)
+    # Ratios far above every bound with A > 0: each token's objective is its upper bound.
+    loss, _, _, grad, metrics = _loss("dcpo", torch.log(q) + 5.0, torch.tensor([1.0]), mask,
+                                      old=torch.log(q))
+    b_high = torch.tensor([[1.170820, 1.207107, 2.0, 5.0, 10.0]], dtype=torch.float64)
+    assert torch.allclose(-loss, b_high, atol=1e-6)
+    assert grad.abs().sum() == 0
+    # Ratios far below with A < 0: objective -b_low, loss b_low.
+    loss, _, _, _, _ = _loss("dcpo", torch.log(q) - 5.0, torch.tensor([-1.0]), mask,
+                             old=torch.log(q))
+    assert torch.allclose(loss, torch.tensor([[0.8, 0.723607, 0.5, 0.5, 0.5]],
+                                             dtype=torch.float64), atol=1e-6)
+    assert metrics["policy/b_high"][0].item() == pytest.approx(b_high.sum().item(), abs=1e-5)
+
+
+def test_gmpo_hand_values():
+    # Row 0 A = +1, d = [0.6, -0.2]: log clip 0.4 above -> [0.4, -0.2], mean 0.1, J = e^0.1.
+    # Row 1 A = -1, d = [-0.6, 0.2]: clip below at -0.4 -> [-0.4, 0.2], mean -0.1, J = -e^-0.1.
+    # Gradient (seq-mean-token-mean over 2 responses): clipped tokens 0, others -A s / (2 * 2).
+    log_ratio = torch.tensor([[0.6, -0.2], [-0.6, 0.2]])
+    mask = torch.ones(2, 2, dtype=torch.bool)
+    loss, num, den, grad, metrics = _loss("gmpo", log_ratio, torch.tensor([1.0, -1.0]), mask)
+    e1, em1 = math.exp(0.1), math.exp(-0.1)
+    assert torch.allclose(loss, torch.tensor([[-e1, -e1], [em1, em1]]), atol=1e-6)
+    assert (num / den).item() == pytest.approx((-e1 + em1) / 2, abs=1e-6)
+    assert torch.allclose(grad, torch.tensor([[0.0, -e1 / 4], [0.0, em1 / 4]]), atol=1e-6)
+    assert metrics["policy/clipfrac_high_tokens"].tolist() == [1.0, 4.0]
+    assert metrics["policy/clipfrac_low_tokens"].tolist() == [1.0, 4.0]
+    assert metrics["policy/zero_grad_frac_tokens"].tolist() == [2.0, 4.0]
+
+
+def test_sapo_hand_values():
+    # tau_pos = 1, token ratio r = 1 + ln 3 (A = +1): g = 2 tanh(ln3 / 2) = 2 * 0.5 = 1, psi = 2
+    # (the paper's f = 4 sigmoid(ln 3) = 3, minus the constant 2/tau - 1 = 1). Gate weight
+    # 4 * 3/4 * 1/4 = 3/4; d loss / d logprob = -A * 3/4 * r.
+    # tau_neg = 2, r = 1 - ln(3)/2 (A = -1): g = tanh(-ln3 / 2) = -0.5, psi = -(1 - 0.5) = -0.5,
+    # loss 0.5; weight 3/4; d loss / d logprob = +3/4 * r.
+    r_pos, r_neg = 1 + LN3, 1 - LN3 / 2
+    log_ratio = torch.log(torch.tensor([[r_pos], [r_neg]], dtype=torch.float64))
+    mask = torch.ones(2, 1, dtype=torch.bool)
+    loss, _, _, grad, metrics = _loss("sapo", log_ratio, torch.tensor([1.0, -1.0]), mask,
+                                      tau_pos=1.0, tau_neg=2.0)
+    assert torch.allclose(loss, torch.tensor([[-2.0], [0.5]], dtype=torch.float64), atol=1e-12)
+    expected = torch.tensor([[-0.75 * r_pos], [0.75 * r_neg]], dtype=torch.float64) / 2
+    assert torch.allclose(grad, expected, atol=1e-12)
+    assert _frac(metrics["policy/gate_weight"]) == pytest.approx(0.75, abs=1e-6)
+
+
+def test_soft_seq_po_hand_values():
+    # tau 1, sigmoid gate g(d) = 2 tanh(d / 2): g(ln 3) = 1, g(0) = 0 -> mean 0.5, w = e^0.5.
+    # A = +1: per-token loss -e^0.5; gradient -A w g'(d_t) / |y| (/1 response):
+    # g'(ln 3) = 3/4, g'(0) = 1 -> [-e^0.5 * 3/8, -e^0.5 / 2]. Gate weight mean 7/8.
+    log_ratio = torch.tensor([[LN3, 0.0]], dtype=torch.float64)
+    mask = torch.ones(1, 2, dtype=torch.bool)
+    loss, _, _, grad, metrics = _loss("soft_seq_po", log_ratio, torch.tensor([1.0]), mask)
+    w = math.exp(0.5)
+    assert torch.allclose(loss, torch.full((1, 2), -w, dtype=torch.float64), atol=1e-12)
+    assert torch.allclose(grad, torch.tensor([[-w * 3 / 8, -w / 2]], dtype=torch.float64),
+                          atol=1e-12)
+    assert _frac(metrics["policy/gate_weight"]) == pytest.approx(7 / 8, abs=1e-6)
+    # arctan gate: g(d) = atan(d); d = [1, -1] -> mean 0 -> w = 1; g'(+-1) = 1/2.
+    loss, _, _, grad, _ = _loss("soft_seq_po", torch.tensor([[1.0, -1.0]], dtype=torch.float64),
+                                torch.tensor([2.0]), mask, gate="arctan")
+    assert torch.allclose(loss, torch.full((1, 2), -2.0, dtype=torch.float64), atol=1e-12)
+    assert torch.allclose(grad, torch.full((1, 2), -0.5, dtype=torch.float64), atol=1e-12)
+
+
+def test_cispo_hand_values():
+    # old prob 0.5 everywhere; eps_low_is = eps_high_is = 0.2 -> weight clip [0.8, 1.2].
+    # Row 0 (A = 1): p = 0.75 -> r = 1.5 -> weight 1.2 (clipped high), loss -1.2 ln 0.75;
+    #                p = 0.45 -> r = 0.9 -> weight 0.9, loss -0.9 ln 0.45.
+    # Row 1 (A = -2): p = 0.25 -> r = 0.5 -> weight 0.8 (clipped low), loss +1.6 ln 0.25.
+    # Gradients (token mean over 3): -weight * A / 3 = [-0.4, -0.3 | 0.5333], never zeroed.
+    probs = torch.tensor([[0.75, 0.45], [0.25, 1.0]], dtype=torch.float64)
+    mask = torch.tensor([[1, 1], [1, 0]], dtype=torch.bool)
+    loss, num, den, grad, metrics = _loss(
+        "cispo", torch.log(probs), torch.tensor([1.0, -2.0]), mask,
+        old=torch.full((2, 2), math.log(0.5), dtype=torch.float64), eps_low_is=0.2,
+        eps_high_is=0.2)
+    expected = torch.tensor([[-1.2 * math.log(0.75), -0.9 * math.log(0.45)],
+                             [1.6 * math.log(0.25), 0.0]], dtype=torch.float64)
+    assert torch.allclose(loss, expected, atol=1e-12)
+    assert torch.allclose(grad, torch.tensor([[-0.4, -0.3], [1.6 / 3, 0.0]],
+                                             dtype=torch.float64), atol=1e-12)
+    assert metrics["policy/clipfrac_high_tokens"].tolist() == [1.0, 3.0]
+    assert metrics["policy/clipfrac_low_tokens"].tolist() == [1.0, 3.0]
+    assert metrics["policy/zero_grad_frac_tokens"].tolist() == [0.0, 3.0]
+
+
+# Covariance case: 4 one-token responses, logprobs [-1, -2, -3, -5] (mean -2.75), A [2, 1, -1, -2]
+# (mean 0): Cov = [1.75*2, 0.75*1, -0.25*-1, -2.25*-2] = [3.5, 0.75, 0.25, 4.5].
+# Token log-ratios d = [0.1, -0.1, 0.05, -0.05]: every ratio within [0.8, 1.2], nothing clipped.
+COV_LOGPROBS = torch.tensor([[-1.0], [-2.0], [-3.0], [-5.0]], dtype=torch.float64)
+COV_D = torch.tensor([[0.1], [-0.1], [0.05], [-0.05]], dtype=torch.float64)
+COV_ADV = torch.tensor([2.0, 1.0, -1.0, -2.0])
+COV_MASK = torch.ones(4, 1, dtype=torch.bool)
+
+
+def test_covariance_selection_hand_values():
+    from nemo_sspo.algorithms.losses import select_high_covariance_tokens
+
+    sel, cov = select_high_covariance_tokens(COV_LOGPROBS, COV_ADV, COV_MASK, 0.5)
+    assert torch.allclose(cov[:, 0], torch.tensor([3.5, 0.75, 0.25, 4.5], dtype=torch.float64))
+    assert sel[:, 0].tolist() == [True, False, False, True]  # floor(0.5 * 4) = 2 highest
+    sel, _ = select_high_covariance_tokens(COV_LOGPROBS, COV_ADV, COV_MASK, 0.25)
+    assert sel[:, 0].tolist() == [False, False, False, True]
+    sel, _ = select_high_covariance_tokens(COV_LOGPROBS, COV_ADV, COV_MASK, 0.5, cov_min=1.0,
+                                           cov_max=4.0)
+    assert sel[:, 0].tolist() == [True, False, False, False]  # only 3.5 in the band
+    sel, _ = select_high_covariance_tokens(COV_LOGPROBS, COV_ADV, COV_MASK, 0.2)
+    assert not sel.any()  # floor(0.2 * 4) = 0
+
+
+def test_clip_cov_detaches_selected_tokens():
+    # Band [1, 5], fraction 0.5: tokens 0 and 3 selected. Values unchanged (-r A); gradient of
+    # the selected tokens 0, the others -r A / 4 (token mean over 4 tokens).
+    loss, _, _, grad, metrics = _loss("clip_cov", COV_LOGPROBS, COV_ADV, COV_MASK,
+                                      old=COV_LOGPROBS - COV_D, select_fraction=0.5)
+    r = torch.exp(COV_D)[:, 0]
+    adv = COV_ADV.double()
+    assert torch.allclose(loss[:, 0], -r * adv, atol=1e-12)
+    expected = torch.tensor([0.0, -r[1] * 1.0 / 4, r[2] / 4, 0.0], dtype=torch.float64)
+    assert torch.allclose(grad[:, 0], expected, atol=1e-12)
+    assert metrics["policy/cov_selected_frac"].tolist() == [2.0, 4.0]
+    assert metrics["policy/zero_grad_frac_tokens"].tolist() == [2.0, 4.0]
+
+
+def test_kl_cov_penalises_selected_tokens():
+    # Fraction 0.5, no band: tokens 3 (4.5) and 0 (3.5). Loss -r A + beta |d| there (beta 2);
+    # gradient -r A + beta sign(d), all over 4 tokens.
+    loss, _, _, grad, metrics = _loss("kl_cov", COV_LOGPROBS, COV_ADV, COV_MASK,
+                                      old=COV_LOGPROBS - COV_D, select_fraction=0.5,
+                                      cov_kl_coef=2.0)
+    r, adv = torch.exp(COV_D)[:, 0], COV_ADV.double()
+    penalty = torch.tensor([2 * 0.1, 0.0, 0.0, 2 * 0.05], dtype=torch.float64)
+    assert torch.allclose(loss[:, 0], -r * adv + penalty, atol=1e-12)
+    sign = torch.tensor([2.0, 0.0, 0.0, -2.0], dtype=torch.float64)
+    assert torch.allclose(grad[:, 0], (-r * adv + sign) / 4, atol=1e-12)
+    assert metrics["policy/cov_selected_frac"].tolist() == [2.0, 4.0]
+
+
+# ----------------------------------------------------------------------------- float64 references
+
+def _rows(mask):
+    return [[t for t in range(mask.shape[1]) if mask[i, t]] for i in range(mask.shape[0])]
+
+
+def _aggregate_ref(per_row, mode, l_max):
+    """per_row: {row: [objective per token]} of non-empty rows -> scalar J (to maximise)."""
+    rows = list(per_row.values())
+    if mode == "token-mean":
+        return sum(sum(r) for r in rows) / sum(len(r) for r in rows)
+    if mode == "seq-mean-token-mean":
+        return sum(sum(r) / len(r) for r in rows) / len(rows)
+    assert mode == "constant-denominator"
+    return sum(sum(r) / l_max for r in rows) / len(rows)
+
+
+def _clip_term(s, a, low, high, dual=None):
+    term = torch.minimum(s * a, torch.clamp(s, low, high) * a)
+    if dual is not None and a < 0:
+        term = torch.maximum(term, dual * a)
+    return term
+
+
+def _ref_token_clip(lp, old, adv, mask, seg, cfg):
+    return {i: [_clip_term(torch.exp(lp[i, t] - old[i, t]), adv[i], 1 - cfg.eps_low,
+                           1 + cfg.eps_high, cfg.dual_clip_c) for t in ts]
+            for i, ts in enumerate(_rows(mask)) if ts}
+
+
+def _ref_segment_clip(lp, old, adv, mask, seg, cfg):
+    """SSPO eq. 9 segments (by id) with fixed bounds; one segment per row for GSPO."""
+    out = {}
+    for i, ts in enumerate(_rows(mask)):
+        if not ts:
+            continue
+        groups = {}
+        for t in ts:
+            groups.setdefault(0 if cfg.segmentation == "response" else int(seg[i, t]), []).append(t)
+        term_of = {}
+        for members in groups.values():
+            s = torch.exp(sum(lp[i, t] - old[i, t] for t in members) / len(members))
+            for t in members:
+                term_of[t] = _clip_term(s, adv[i], 1 - cfg.eps_low, 1 + cfg.eps_high)
+        out[i] = [term_of[t] for t in ts]
+    return out
+
+
+def _ref_gspo_token(lp, old, adv, mask, seg, cfg):
+    # s_i,t = sg[s_i] * pi(y_t) / sg[pi(y_t)] (GSPO sec. 4.3), clipped like GSPO.
+    out = {}
+    for i, ts in enumerate(_rows(mask)):
+        if ts:
+            s = torch.exp(sum(lp[i, t] - old[i, t] for t in ts) / len(ts)).detach()
+            out[i] = [_clip_term(s * torch.exp(lp[i, t] - lp[i, t].detach()), adv[i],
+                                 1 - cfg.eps_low, 1 + cfg.eps_high) for t in ts]
+    return out
+
+
+def _ref_dcpo(lp, old, adv, mask, seg, cfg):
+    out = {}
+    for i, ts in enumerate(_rows(mask)):
+        terms = []
+        for t in ts:
+            q = math.exp(float(old[i, t]))
+            # Roots of r^2 - r - eps_high/q = 0 and r^2 - r + eps_low/q = 0 nearest 1.
+            high = min((1 + math.sqrt(1 + 4 * cfg.eps_high / q)) / 2, cfg.ratio_max)
+            low = (1 + math.sqrt(max(1 - 4 * cfg.eps_low / q, 0.0))) / 2
+            terms.append(_clip_term(torch.exp(lp[i, t] - old[i, t]), adv[i], low, high))
+        if ts:
+            out[i] = terms
+    return out
+
+
+def _ref_gmpo(lp, old, adv, mask, seg, cfg):
+    # J_i = sgn(A) prod_t |min(rho A, clip(rho, e^-eps_low, e^eps_high) A)|^(1/|y_i|) (GMPO).
+    out = {}
+    for i, ts in enumerate(_rows(mask)):
+        if ts:
+            a = adv[i]
+            product = 1.0
+            for t in ts:
+                rho = torch.exp(lp[i, t] - old[i, t])
+                clipped = torch.clamp(rho, math.exp(-cfg.log_clip_low), math.exp(cfg.log_clip_high))
+                product = product * torch.abs(torch.minimum(rho * a, clipped * a)) ** (1 / len(ts))
+            out[i] = [torch.sign(a) * product] * len(ts)
+    return out
+
+
+def _ref_sapo(lp, old, adv, mask, seg, cfg):
+    # Paper: f(r) A with f(r) = (4/tau) sigmoid(tau (r - 1)); ours adds the constant -(2/tau - 1) A.
+    out = {}
+    for i, ts in enumerate(_rows(mask)):
+        tau = cfg.tau_pos if adv[i] > 0 else cfg.tau_neg
+        terms = []
+        for t in ts:
+            r = torch.exp(lp[i, t] - old[i, t])
+            terms.append(adv[i] * (4 / tau) * torch.sigmoid(tau * (r - 1))
+                         - (2 / tau - 1) * adv[i])
+        if ts:
+            out[i] = terms
+    return out
+
+
+def _ref_soft_seq_po(lp, old, adv, mask, seg, cfg):
+    # Our plain definition: J_i = A_i (prod_t exp(g(d_t)))^(1/|y_i|), g(x) = (4/tau)(sigmoid(tau x) - 1/2).
+    out = {}
+    for i, ts in enumerate(_rows(mask)):
+        if ts:
+            tau = cfg.tau_pos if adv[i] > 0 else cfg.tau_neg
+            product = 1.0
+            for t in ts:
+                gated = (4 / tau) * (torch.sigmoid(tau * (lp[i, t] - old[i, t])) - 0.5)
+                product = product * torch.exp(gated) ** (1 / len(ts))
+            out[i] = [adv[i] * product] * len(ts)
+    return out
+
+
+def _ref_cispo(lp, old, adv, mask, seg, cfg):
+    out = {}
+    for i, ts in enumerate(_rows(mask)):
+        if ts:
+            out[i] = [torch.clamp(torch.exp(lp[i, t] - old[i, t]), 1 - cfg.eps_low_is,
+                                  1 + cfg.eps_high_is).detach() * adv[i] * lp[i, t] for t in ts]
+    return out
+
+
+def _ref_selected(lp, adv, mask, fraction, low, high):
+    """Positions of the floor(fraction N) highest Cov_t within [low, high] (Python sort)."""
+    cells = [(i, t) for i, ts in enumerate(_rows(mask)) for t in ts]
+    mean_lp = sum(float(lp[c]) for c in cells) / len(cells)
+    mean_a = sum(float(adv[i]) for i, _ in cells) / len(cells)
+    cov = {c: (float(lp[c]) - mean_lp) * (float(adv[c[0]]) - mean_a) for c in cells}
+    eligible = sorted((c for c in cells if low <= cov[c] <= high), key=lambda c: -cov[c])
+    return set(eligible[: math.floor(fraction * len(cells))])
+
+
+def _ref_clip_cov(lp, old, adv, mask, seg, cfg):
+    chosen = _ref_selected(lp, adv, mask, cfg.select_fraction, cfg.cov_min, cfg.cov_max)
+    base = _ref_token_clip(lp, old, adv, mask, seg, cfg)
+    return {i: [v.detach() if (i, t) in chosen else v for t, v in zip(_rows(mask)[i], terms)]
+            for i, terms in base.items()}
+
+
+def _ref_kl_cov(lp, old, adv, mask, seg, cfg):
+    chosen = _ref_selected(lp, adv, mask, cfg.select_fraction, -math.inf, math.inf)
+    out = {}
+    for i, ts in enumerate(_rows(mask)):
+        if ts:
+            out[i] = [torch.exp(lp[i, t] - old[i, t]) * adv[i]
+                      - (cfg.cov_kl_coef * torch.abs(lp[i, t] - old[i, t]) if (i, t) in chosen
+                         else 0.0) for t in ts]
+    return out
+
+
+REFERENCE_CASES = [
+    ("grpo", dict(eps_low=0.1, eps_high=0.15, dual_clip_c=1.5), _ref_token_clip),
+    ("dr_grpo", dict(), _ref_token_clip),
+    ("dapo", dict(), _ref_token_clip),
+    ("gspo", dict(eps_low=0.05, eps_high=0.08), _ref_segment_clip),
+    ("gspo_token", dict(eps_low=0.05, eps_high=0.08), _ref_gspo_token),
+    ("lpo", dict(eps_low=0.1, eps_high=0.1), _ref_segment_clip),
+    ("dcpo", dict(), _ref_dcpo),
+    ("gmpo", dict(log_clip_low=0.3, log_clip_high=0.3), _ref_gmpo),
+    ("sapo", dict(tau_pos=1.0, tau_neg=1.05), _ref_sapo),
+    ("soft_seq_po", dict(tau_pos=1.5, tau_neg=0.7), _ref_soft_seq_po),
+    ("cispo", dict(eps_low_is=0.2, eps_high_is=0.3), _ref_cispo),
+    ("clip_cov", dict(select_fraction=0.2, cov_min=0.05, cov_max=0.6), _ref_clip_cov),
+    ("kl_cov", dict(select_fraction=0.15, cov_kl_coef=0.5), _ref_kl_cov),
+]
+
+
+def _random_batch(seed):
+    gen = torch.Generator().manual_seed(seed)
+    rows, width = 5, 9
+    old = -torch.rand(rows, width, generator=gen, dtype=torch.float64) * 3
+    logprobs = old + 0.5 * torch.randn(rows, width, generator=gen, dtype=torch.float64)
+    mask = torch.arange(width).unsqueeze(0) < torch.tensor([9, 6, 1, 0, 4]).unsqueeze(1)
+    closes = torch.rand(rows, width, generator=gen) < 0.35
+    segments = torch.where(mask, torch.cumsum(closes.long(), 1) - closes.long(), -1)
+    adv = torch.tensor([-1.3, 0.7, 0.9, 0.5, -0.4], dtype=torch.float64)
+    entropy = torch.rand(rows, width, generator=gen, dtype=torch.float64)
+    return logprobs, old, adv, mask, segments, entropy
+
+
+@pytest.mark.parametrize("seed", [0, 3])
+@pytest.mark.parametrize(("name", "params", "reference"), REFERENCE_CASES,
+                         ids=[c[0] for c in REFERENCE_CASES])
+def test_matches_float64_reference(name, params, reference, seed):
+    logprobs, old, adv, mask, segments, entropy = _random_batch(seed)
+    _, num, den, grad, metrics = _loss(name, logprobs, adv, mask, old=old, segments=segments,
+                                       old_entropy=entropy, **params)
+    config = get_policy_loss(name)[1](**params)
+    lp = logprobs.clone().requires_grad_(True)
+    objective = _aggregate_ref(reference(lp, old, adv, mask, segments, config), config.aggregation,
+                               mask.shape[1])
+    (ref_grad,) = torch.autograd.grad(-objective, lp)
+    assert (num / den).item() == pytest.approx(-objective.item(), abs=1e-12)
+    assert torch.allclose(grad, ref_grad, atol=1e-12, rtol=0)
+    # Not degenerate: clip losses clip some tokens but not all; cov losses select some.
+    if name in ("grpo", "dr_grpo", "dapo", "gspo", "gspo_token", "lpo", "dcpo", "gmpo", "cispo"):
+        assert 0 < _frac(metrics["policy/clipfrac_tokens"]) < 1
+    if name in ("clip_cov", "kl_cov"):
+        assert metrics["policy/cov_selected_frac"][0] >= 1
+
+
+# ----------------------------------------------------------------------------- identities
+
+def _same(a, b, atol=1e-12):
+    for x, y in zip(a[:4], b[:4]):
+        assert torch.allclose(torch.as_tensor(x, dtype=torch.float64),
+                              torch.as_tensor(y, dtype=torch.float64), atol=atol, rtol=0)
+
+
+def test_gspo_token_equals_gspo_with_response_advantages():
+    logprobs, old, adv, mask, segments, entropy = _random_batch(1)
+    args = (logprobs, adv, mask)
+    kw = dict(old=old, segments=segments, old_entropy=entropy, eps_low=0.02, eps_high=0.03)
+    _same(_loss("gspo_token", *args, **kw), _loss("gspo", *args, **kw))
+
+
+def test_gmpo_without_clip_equals_unclipped_gspo():
+    # Huge log clip and huge eps: both reduce to psi = s A with s the sequence ratio.
+    logprobs, old, adv, mask, segments, entropy = _random_batch(2)
+    kw = dict(old=old, segments=segments, old_entropy=entropy)
+    _same(_loss("gmpo", logprobs, adv, mask, log_clip_low=50.0, log_clip_high=50.0, **kw),
+          _loss("gspo", logprobs, adv, mask, eps_low=1.0, eps_high=1e9, **kw))
+
+
+def test_soft_seq_po_small_temperature_tends_to_unclipped_gspo():
+    # g(x) = (2/tau) tanh(tau x / 2) = x - tau^2 x^3 / 12 + ...: at tau = 1e-4 and |x| < 3 the
+    # gated log-ratio differs by < 1e-7, so values and gradients agree to ~1e-6.
+    logprobs, old, adv, mask, segments, entropy = _random_batch(2)
+    kw = dict(old=old, segments=segments, old_entropy=entropy)
+    _same(_loss("soft_seq_po", logprobs, adv, mask, tau_pos=1e-4, tau_neg=1e-4, **kw),
+          _loss("gspo", logprobs, adv, mask, eps_low=1.0, eps_high=1e9, **kw), atol=1e-6)
+
+
+def test_lpo_is_sspo_fixed_clip_under_token_mean():
+    logprobs, old, adv, mask, segments, entropy = _random_batch(4)
+    kw = dict(old=old, segments=segments, old_entropy=entropy, eps_low=0.1, eps_high=0.12)
+    _same(_loss("lpo", logprobs, adv, mask, **kw),
+          _loss("sspo_fixed_clip", logprobs, adv, mask, aggregation="token-mean", **kw))
+
+
+def test_grpo_variants_share_per_token_loss():
+    # dr_grpo and dapo differ from grpo only in aggregation (and dapo's eps_high).
+    logprobs, old, adv, mask, segments, entropy = _random_batch(5)
+    kw = dict(old=old, segments=segments, old_entropy=entropy)
+    grpo = _loss("grpo", logprobs, adv, mask, **kw)[0]
+    assert torch.equal(_loss("dr_grpo", logprobs, adv, mask, **kw)[0], grpo)
+    assert torch.equal(_loss("dapo", logprobs, adv, mask, eps_high=0.2, **kw)[0], grpo)
+
+
+def test_clip_cov_with_nothing_selected_is_grpo():
+    logprobs, old, adv, mask, segments, entropy = _random_batch(6)
+    kw = dict(old=old, segments=segments, old_entropy=entropy, aggregation="token-mean")
+    _same(_loss("clip_cov", logprobs, adv, mask, select_fraction=0.0, **kw),
+          _loss("grpo", logprobs, adv, mask, **kw))
+
+
+def test_sspo_segmentation_response_equals_gspo_bounds_aside():
+    # sspo_fixed_clip with segmentation "response" ignores the passed ids: it is GSPO's ratio.
+    logprobs, old, adv, mask, segments, entropy = _random_batch(7)
+    kw = dict(old=old, segments=segments, old_entropy=entropy, eps_low=0.05, eps_high=0.05)
+    _same(_loss("sspo_fixed_clip", logprobs, adv, mask, segmentation="response", **kw),
+          _loss("gspo", logprobs, adv, mask, **kw))
+
+
+# ----------------------------------------------------------------------------- pitfalls
+
+ON_POLICY_NAMES = [n for n in policy_loss_names() if n != "cispo"]  # CISPO's value holds log pi
+
+
+@pytest.mark.parametrize("name", ON_POLICY_NAMES)
+def test_ratio_one_gives_minus_advantage(name):
+    # P1 / STYLE: on-policy (ratio 1) every per-token loss is -A. Under seq-mean-token-mean the
+    # P1 batch (lengths [2, 4], A [+1, -1]) has loss 0, under token-mean (-2 + 4) / 6 = 1/3.
+    mask = torch.tensor([[1, 1, 0, 0], [1, 1, 1, 1]], dtype=torch.bool)
+    logprobs = torch.full((2, 4), -1.0)
+    loss, num, den, _, _ = _loss(name, logprobs, torch.tensor([1.0, -1.0]), mask,
+                                 old=logprobs.clone(), l_max=4)
+    assert torch.allclose(loss, torch.where(mask, torch.tensor([[-1.0], [1.0]]), 0.0), atol=1e-6)
+    mode = get_policy_loss(name)[1]().aggregation
+    expected = {"seq-mean-token-mean": 0.0, "token-mean": 1 / 3,
+                "constant-denominator": (-2 / 4 + 4 / 4) / 2}[mode]
+    assert (num / den).item() == pytest.approx(expected, abs=1e-6)
+
+
+@pytest.mark.parametrize("name", policy_loss_names())
+@pytest.mark.parametrize("advantage", [0.0, 1.0, -1.0])
+def test_p3_huge_log_ratio_is_finite(name, advantage):
+    mask = torch.ones(2, 3, dtype=torch.bool)
+    old = torch.full((2, 3), -120.0)
+    loss, num, _, grad, metrics = _loss(name, old + 100.0, torch.full((2,), advantage), mask,
+                                        old=old, segments=torch.zeros(2, 3, dtype=torch.long),
+                                        old_entropy=torch.ones(2, 3))
+    assert torch.isfinite(loss).all() and torch.isfinite(grad).all() and torch.isfinite(num)
+    assert all(torch.isfinite(v).all() for v in metrics.values())
+
+
+@pytest.mark.parametrize("name", policy_loss_names())
+def test_p12_empty_response_and_nan_padding(name):
+    # Row 1 is empty and all padding is NaN: loss and gradient 0 there, no NaN anywhere.
+    mask = torch.tensor([[1, 1, 0], [0, 0, 0]], dtype=torch.bool)
+    nan = math.nan
+    logprobs = torch.tensor([[-1.0, -2.0, nan], [nan, nan, nan]])
+    old = torch.tensor([[-1.1, -1.9, nan], [nan, nan, nan]])
+    entropy = torch.tensor([[0.5, 0.5, nan], [nan, nan, nan]])
+    loss, num, den, grad, metrics = _loss(name, logprobs, torch.tensor([1.0, 3.0]), mask, old=old,
+                                          segments=torch.where(mask, 0, -1), old_entropy=entropy)
+    assert torch.isfinite(loss).all() and loss[1].abs().sum() == 0 and loss[0, 2] == 0
+    assert torch.isfinite(grad).all() and grad[1].abs().sum() == 0 and grad[0, 2] == 0
+    assert all(torch.isfinite(v).all() for v in metrics.values())
+    assert den.item() == (2.0 if get_policy_loss(name)[1]().aggregation == "token-mean" else 1.0)
+
+
+@pytest.mark.parametrize("name", policy_loss_names())
+def test_fully_masked_batch(name):
+    mask = torch.zeros(2, 3, dtype=torch.bool)
+    loss, num, den, grad, metrics = _loss(name, torch.zeros(2, 3), torch.ones(2), mask,
+                                          segments=torch.full((2, 3), -1))
+    assert loss.abs().sum() == 0 and num.item() == 0.0 and den.item() == 0.0
+    assert grad is None or grad.abs().sum() == 0
+    assert all(v.tolist() == [0.0, 0.0] for v in metrics.values())

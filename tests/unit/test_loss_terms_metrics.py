@@ -1,0 +1,269 @@
+"""Shared parts of the loss family: reference-KL and entropy terms, the metric pairs (hand-worked on
+one batch), config validation of every loss, the registry, and the single-process metric
+reduction (min/max/std kinds)."""
+
+import math
+
+import pytest
+import torch
+
+from nemo_sspo.algorithms.aggregation import aggregate
+from nemo_sspo.algorithms.kl import kl_estimate
+from nemo_sspo.algorithms.losses import (
+    CISPOLossConfig,
+    ClipCovLossConfig,
+    DCPOLossConfig,
+    GMPOLossConfig,
+    GRPOLossConfig,
+    KLCovLossConfig,
+    SAPOLossConfig,
+    SoftGate,
+    SoftSeqPOLossConfig,
+    SSPOFixedClipConfig,
+    SSPOLossConfig,
+    get_policy_loss,
+    policy_loss_names,
+    register_soft_gate,
+)
+from nemo_sspo.algorithms.losses.metrics import ENTROPY_BAND_KEYS
+from nemo_sspo.parallel.metrics import merge_metric_sums, reduce_metric_sums
+
+ALL_NAMES = ["cispo", "clip_cov", "dapo", "dcpo", "dr_grpo", "gmpo", "grpo", "gspo", "gspo_token",
+             "kl_cov", "lpo", "sapo", "soft_seq_po", "sspo", "sspo_fixed_clip"]
+
+
+def test_registry_holds_the_family():
+    assert policy_loss_names() == ALL_NAMES
+    for name in ALL_NAMES:
+        fn, config_cls = get_policy_loss(name)
+        config = config_cls()
+        assert isinstance(config.segmentation, str) and config.advantage_std_normalisation in (
+            True, False)
+        # Each config names its paper (LPO: the design notes, no paper found).
+        assert ("arXiv" in config_cls.__doc__) == (name != "lpo"), name
+        assert fn.__doc__ and "minimise" in fn.__doc__
+
+
+# ----------------------------------------------------------------------------- additive terms
+
+@pytest.mark.parametrize(("estimator", "value", "slope"), [
+    # logpi = ln 0.5, log ref = ln 0.25 -> l = ref - logpi = ln 0.5 = -0.693147.
+    ("k1", math.log(2.0), 1.0),                       # -l; d/dlogpi = +1
+    ("k2", 0.5 * math.log(2.0) ** 2, math.log(2.0)),  # l^2/2; d/dlogpi = -l
+    ("k3", 0.5 - 1 + math.log(2.0), 0.5),             # e^l - 1 - l; d/dlogpi = 1 - e^l
+])
+def test_reference_kl_term(estimator, value, slope):
+    # On-policy (ratio 1) with A = 0: only the KL term is left. kl_coef 0.1, 2 tokens.
+    fn, config_cls = get_policy_loss("grpo")
+    logprobs = torch.full((1, 2), math.log(0.5), dtype=torch.float64, requires_grad=True)
+    ref = torch.full((1, 2), math.log(0.25), dtype=torch.float64)
+    mask = torch.ones(1, 2, dtype=torch.bool)
+    config = config_cls(kl_coef=0.1, kl_estimator=estimator)
+    loss, metrics = fn(logprobs, logprobs.detach(), torch.zeros(1, dtype=torch.float64), mask,
+                       torch.zeros(1, 2, dtype=torch.long), torch.zeros(1, 2), config,
+                       ref_logprobs=ref)
+    assert torch.allclose(loss, torch.full((1, 2), 0.1 * value, dtype=torch.float64), atol=1e-12)
+    num, den = aggregate(loss, mask, config.aggregation)
+    (num / den).backward()
+    assert torch.allclose(logprobs.grad, torch.full((1, 2), 0.1 * slope / 2, dtype=torch.float64),
+                          atol=1e-12)
+    assert metrics["policy/kl_ref"][0].item() == pytest.approx(2 * value, abs=1e-6)
+
+
+def test_entropy_bonus_and_reporting():
+    fn, config_cls = get_policy_loss("sspo")
+    logprobs = torch.zeros(1, 3, requires_grad=True)
+    entropy = torch.tensor([[0.5, 1.0, 9.0]], requires_grad=True)  # last position masked
+    mask = torch.tensor([[1, 1, 0]], dtype=torch.bool)
+    args = (logprobs, logprobs.detach(), torch.tensor([1.0]), mask, torch.zeros(1, 3, dtype=torch.long),
+            torch.zeros(1, 3))
+    loss, metrics = fn(*args, config_cls(entropy_coef=0.2), entropy=entropy)
+    # -A (ratio 1) - 0.2 H per token: [-1.1, -1.2, 0].
+    assert torch.allclose(loss, torch.tensor([[-1.1, -1.2, 0.0]]), atol=1e-6)
+    loss.sum().backward()
+    assert torch.allclose(entropy.grad, torch.tensor([[-0.2, -0.2, 0.0]]))
+    assert metrics["policy/entropy_current"].tolist() == [1.5, 2.0]
+    # With coefficient 0 the entropy is only reported.
+    loss, metrics = fn(*args, config_cls(), entropy=entropy)
+    assert torch.allclose(loss, torch.tensor([[-1.0, -1.0, 0.0]]))
+    assert "policy/entropy_current" in metrics and "policy/kl_ref" not in metrics
+
+
+@pytest.mark.parametrize(("params", "kwargs", "pattern"), [
+    (dict(kl_coef=0.1), {}, r"kl_coef=0.1 needs ref_logprobs"),
+    (dict(entropy_coef=0.1), {}, r"entropy_coef=0.1 needs entropy"),
+    ({}, dict(ref_logprobs=torch.zeros(1, 3)), r"ref_logprobs has shape \(1, 3\)"),
+    ({}, dict(entropy=torch.zeros(2, 2)), r"entropy has shape \(2, 2\)"),
+])
+def test_additive_term_errors(params, kwargs, pattern):
+    fn, config_cls = get_policy_loss("gmpo")
+    with pytest.raises(ValueError, match=pattern):
+        fn(torch.zeros(1, 2), torch.zeros(1, 2), torch.zeros(1), torch.ones(1, 2, dtype=torch.bool),
+           torch.zeros(1, 2, dtype=torch.long), torch.zeros(1, 2), config_cls(**params), **kwargs)
+
+
+def test_kl_estimators_by_hand():
+    l = torch.tensor([0.0, math.log(2.0)])
+    assert kl_estimate(l, "k1").tolist() == pytest.approx([0.0, -math.log(2.0)])
+    assert kl_estimate(l, "k3").tolist() == pytest.approx([0.0, 2 - 1 - math.log(2.0)])
+    with pytest.raises(ValueError, match="k1"):
+        kl_estimate(l, "k4")
+
+
+# ----------------------------------------------------------------------------- metrics by hand
+
+def test_metrics_hand_worked():
+    # sspo_fixed_clip, bounds [0.8, 1.2].
+    # Row 0 (A = +1): segments [t0 t1 | t2 t3], d = [.4, 0 | -.2, -.2]
+    #   seg0 s = e^0.2 = 1.2214 > 1.2 -> clipped high; seg1 s = e^-0.2 inside.
+    # Row 1 (A = -1): segments [t0 | t1 t2], d = [-.5 | .1, .1], t3 masked
+    #   seg0 s = e^-0.5 < 0.8 -> clipped low; seg1 s = e^0.1 inside.
+    fn, config_cls = get_policy_loss("sspo_fixed_clip")
+    d = torch.tensor([[0.4, 0.0, -0.2, -0.2], [-0.5, 0.1, 0.1, 7.0]], dtype=torch.float64)
+    mask = torch.tensor([[1, 1, 1, 1], [1, 1, 1, 0]], dtype=torch.bool)
+    segments = torch.tensor([[0, 0, 1, 1], [0, 1, 1, -1]])
+    # Segment entropies 0.1 | 0.4 | 0.9 | 1.3: one segment in each band.
+    entropy = torch.tensor([[0.1, 0.1, 0.3, 0.5], [0.9, 1.2, 1.4, 5.0]], dtype=torch.float64)
+    _, m = fn(d, torch.zeros_like(d), torch.tensor([1.0, -1.0], dtype=torch.float64), mask,
+              segments, entropy, config_cls())
+
+    def value(key):
+        return (m[key][0] / m[key][1]).item()
+
+    assert value("policy/clipfrac_tokens") == pytest.approx(3 / 7)
+    assert value("policy/clipfrac_high_tokens") == pytest.approx(2 / 7)
+    assert value("policy/clipfrac_low_tokens") == pytest.approx(1 / 7)
+    assert m["policy/clipfrac_dual_tokens"].tolist() == [0.0, 7.0]
+    assert value("policy/clipfrac_segments") == pytest.approx(2 / 4)
+    assert value("policy/clipfrac_high_segments") == pytest.approx(1 / 4)
+    # Responses: row 0 has 2 of 4 tokens clipped, row 1 1 of 3 -> (1/2 + 1/3) / 2 = 5/12.
+    assert value("policy/clipfrac_responses") == pytest.approx(5 / 12)
+    assert value("policy/clipfrac_high_responses") == pytest.approx(1 / 4)
+    assert value("policy/clipfrac_low_responses") == pytest.approx(1 / 6)
+    assert value("policy/zero_grad_frac_tokens") == pytest.approx(3 / 7)
+    e = math.exp
+    tokens = [0.4, 0.0, -0.2, -0.2, -0.5, 0.1, 0.1]
+    assert value("policy/ratio_token") == pytest.approx(sum(e(x) for x in tokens) / 7, rel=1e-6)
+    assert value("policy/ratio_token_sq") == pytest.approx(sum(e(2 * x) for x in tokens) / 7,
+                                                           rel=1e-6)
+    assert m["policy/ratio_token_min"].tolist() == pytest.approx([e(-0.5), 7.0], rel=1e-6)
+    assert m["policy/ratio_token_max"].tolist() == pytest.approx([e(0.4), 7.0], rel=1e-6)
+    seg = [e(0.2), e(-0.2), e(-0.5), e(0.1)]
+    assert value("policy/ratio_segment") == pytest.approx(sum(seg) / 4, rel=1e-6)
+    assert value("policy/ratio") == pytest.approx(sum(seg) / 4, rel=1e-6)
+    assert m["policy/ratio_segment_max"][0].item() == pytest.approx(e(0.2), rel=1e-6)
+    # Responses: mean d row 0 = 0 -> 1; row 1 = -0.1 -> e^-0.1.
+    assert value("policy/ratio_response") == pytest.approx((1 + e(-0.1)) / 2, rel=1e-6)
+    assert m["policy/ratio_response_min"].tolist() == pytest.approx([e(-0.1), 2.0], rel=1e-6)
+    assert value("policy/approx_kl_k1") == pytest.approx(0.3 / 7, rel=1e-6)
+    assert value("policy/approx_kl_k3") == pytest.approx(
+        sum(e(x) - 1 - x for x in tokens) / 7, rel=1e-6)
+    assert value("policy/entropy") == pytest.approx(4.5 / 7)
+    for key in ENTROPY_BAND_KEYS:
+        assert value(key) == pytest.approx(0.25)
+    assert (value("policy/b_low"), value("policy/b_high")) == pytest.approx((0.8, 1.2))
+    assert m["policy/segments_per_response"].tolist() == pytest.approx([4.0, 2.0])
+
+
+def test_entropy_band_edges_are_left_closed():
+    # Segment entropies exactly 0.2, 0.75 and 1.0 fall in the band that starts there.
+    fn, config_cls = get_policy_loss("grpo")
+    entropy = torch.tensor([[0.2, 0.75, 1.0, 0.0]])
+    _, m = fn(torch.zeros(1, 4), torch.zeros(1, 4), torch.ones(1), torch.ones(1, 4, dtype=torch.bool),
+              torch.zeros(1, 4, dtype=torch.long), entropy, config_cls())
+    assert [m[k][0].item() for k in ENTROPY_BAND_KEYS] == [1.0, 1.0, 1.0, 1.0]
+
+
+# ----------------------------------------------------------------------------- config validation
+
+@pytest.mark.parametrize(("make", "pattern"), [
+    (lambda: GRPOLossConfig(aggregation="mean"), r"GRPOLossConfig\.aggregation='mean'; valid"),
+    (lambda: GRPOLossConfig(kl_estimator="k4"), r"kl_estimator='k4'"),
+    (lambda: GRPOLossConfig(kl_coef=-1.0), r"kl_coef=-1.0"),
+    (lambda: GRPOLossConfig(entropy_coef=-0.1), r"entropy_coef=-0.1"),
+    (lambda: GRPOLossConfig(advantage_std_normalisation="yes"), "advantage_std_normalisation"),
+    (lambda: SSPOLossConfig(segmentation="paragraph"), r"segmentation='paragraph'; valid"),
+    (lambda: SSPOLossConfig(segmentation="fixed_k"), r"segment_k=None: segmentation 'fixed_k'"),
+    (lambda: SSPOFixedClipConfig(segment_k=4), r"segment_k=4 is only read"),
+    (lambda: DCPOLossConfig(ratio_max=0.5), r"ratio_max=0.5"),
+    (lambda: DCPOLossConfig(eps_low=1.5), r"eps_low=1.5"),
+    (lambda: GMPOLossConfig(log_clip_high=-0.1), r"log_clip_high=-0.1"),
+    (lambda: SAPOLossConfig(tau_neg=0.0), r"tau_neg=0.0"),
+    (lambda: SAPOLossConfig(gate="relu"), r"gate='relu'; registered: .*arctan"),
+    (lambda: SoftSeqPOLossConfig(gate="relu"), r"gate='relu'"),
+    (lambda: CISPOLossConfig(eps_high_is=-1.0), r"eps_high_is=-1.0"),
+    (lambda: ClipCovLossConfig(select_fraction=2.0), r"select_fraction=2.0"),
+    (lambda: ClipCovLossConfig(cov_min=3.0, cov_max=1.0), r"cov_min=3.0 > cov_max=1.0"),
+    (lambda: KLCovLossConfig(cov_kl_coef=-1.0), r"cov_kl_coef=-1.0"),
+])
+def test_config_validation_names_the_field(make, pattern):
+    with pytest.raises(ValueError, match=pattern):
+        make()
+
+
+def test_fixed_unit_losses_reject_segmentation_override():
+    with pytest.raises(TypeError):
+        GRPOLossConfig(segmentation="newline")
+    assert SSPOLossConfig(segmentation="fixed_k", segment_k=8).segment_k == 8
+    assert GRPOLossConfig().segmentation == "token" and GMPOLossConfig().segmentation == "response"
+
+
+def test_wrong_config_type_names_expected_class():
+    fn, _ = get_policy_loss("cispo")
+    with pytest.raises(ValueError, match="CISPOLossConfig"):
+        fn(torch.zeros(1, 2), torch.zeros(1, 2), torch.zeros(1), torch.ones(1, 2, dtype=torch.bool),
+           torch.zeros(1, 2, dtype=torch.long), torch.zeros(1, 2), GRPOLossConfig())
+
+
+def test_custom_gate_plugs_in():
+    # softsign gate g(x) = x / (1 + tau |x|), g'(x) = 1 / (1 + tau |x|)^2.
+    gate = SoftGate(lambda x, tau: x / (1 + tau * x.abs()), lambda x, tau: 1 / (1 + tau * x.abs()) ** 2)
+    register_soft_gate("test_softsign", gate)
+    with pytest.raises(ValueError, match="already registered"):
+        register_soft_gate("test_softsign", gate)
+    fn, config_cls = get_policy_loss("soft_seq_po")
+    # d = [1, 1], tau 1: g = 0.5 each -> w = e^0.5; A = 1.
+    loss, m = fn(torch.ones(1, 2), torch.zeros(1, 2), torch.ones(1), torch.ones(1, 2, dtype=torch.bool),
+                 torch.zeros(1, 2, dtype=torch.long), torch.zeros(1, 2),
+                 config_cls(gate="test_softsign"))
+    assert torch.allclose(loss, torch.full((1, 2), -math.exp(0.5)))
+    assert (m["policy/gate_weight"][0] / m["policy/gate_weight"][1]).item() == pytest.approx(0.25)
+
+
+def test_builtin_gate_slopes_match_autograd():
+    from nemo_sspo.algorithms.losses import get_soft_gate
+
+    x = torch.linspace(-4, 4, 17, dtype=torch.float64, requires_grad=True)
+    tau = torch.tensor(1.3, dtype=torch.float64)
+    for name in ("sigmoid", "arctan"):
+        gate = get_soft_gate(name)
+        (grad,) = torch.autograd.grad(gate.value(x, tau).sum(), x)
+        assert torch.allclose(grad, gate.slope(x.detach(), tau), atol=1e-12)
+        assert gate.value(torch.zeros(1, dtype=torch.float64), tau).item() == 0.0
+        assert gate.slope(torch.zeros(1, dtype=torch.float64), tau).item() == 1.0
+
+
+# ----------------------------------------------------------------------------- reduction kinds
+
+def _t(*values):
+    return torch.tensor(values, dtype=torch.float32)
+
+
+def test_merge_metric_sums_kinds():
+    a = {"x": _t(3, 2), "r_min": _t(0.5, 2), "r_max": _t(2, 2), "e_min": _t(0, 0)}
+    b = {"x": _t(1, 1), "r_min": _t(0.25, 1), "r_max": _t(1, 1), "e_min": _t(7, 1), "y": _t(1, 1)}
+    merged = merge_metric_sums(a, b)
+    assert merged["x"].tolist() == [4, 3]
+    assert merged["r_min"].tolist() == [0.25, 3] and merged["r_max"].tolist() == [2, 3]
+    assert merged["e_min"].tolist() == [7, 1]  # the empty side takes no part
+    assert merged["y"].tolist() == [1, 1] and a["x"].tolist() == [3, 2]  # inputs untouched
+
+
+def test_single_process_reduction_min_max_std():
+    local = {"r": _t(6, 4), "r_sq": _t(10, 4), "r_min": _t(0.5, 4), "r_max": _t(2.5, 4),
+             "e_max": _t(0, 0), "n": _t(0, 0)}
+    out = reduce_metric_sums(local, dp_group=None, pp_group=None, last_stage_rank=0,
+                             is_last_stage=True)
+    # mean 1.5, mean of squares 2.5 -> std sqrt(2.5 - 2.25) = 0.5.
+    assert out["r"] == 1.5 and out["r_sq"] == 2.5 and out["r_std"] == pytest.approx(0.5)
+    assert (out["r_min"], out["r_max"], out["e_max"], out["n"]) == (0.5, 2.5, 0.0, 0.0)
