@@ -1,4 +1,8 @@
-"""Command line: ``nemo-sspo train [--config-name NAME] [--config-dir DIR] [key=value ...]``.
+"""Command line: ``nemo-sspo train|eval [--config-name NAME] [--config-dir DIR] [key=value ...]``.
+
+``train`` runs GRPO-family training; ``eval`` scores ``model.source`` by greedy Avg@1 on
+``eval.benchmarks`` (e.g. ``nemo-sspo eval model=smollm2_135m data.template=qwen-math
+eval.limit_per_benchmark=8 eval.data_dir=/path/to/data``).
 
 Configs are Hydra YAML files under ``conf/`` (default ``sspo_smollm2_cpu``) composed over the
 structured schema of :mod:`nemo_sspo.trainer.config`; overrides use Hydra syntax
@@ -48,12 +52,34 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="nemo-sspo", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
-    train = sub.add_parser("train", help="run GRPO-family training (SSPO by default)")
-    train.add_argument("--config-name", default=DEFAULT_CONFIG_NAME)
-    train.add_argument("--config-dir", default=str(DEFAULT_CONFIG_DIR))
-    train.add_argument("--print-config", action="store_true", help="print the composed config and exit")
-    train.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. trainer.max_steps=2")
+    commands = {"train": "run GRPO-family training (SSPO by default)",
+                "eval": "greedy Avg@1 of model.source on eval.benchmarks (math-verify)"}
+    for name, help_text in commands.items():
+        command = sub.add_parser(name, help=help_text)
+        command.add_argument("--config-name", default=DEFAULT_CONFIG_NAME)
+        command.add_argument("--config-dir", default=str(DEFAULT_CONFIG_DIR))
+        command.add_argument("--print-config", action="store_true", help="print the composed config and exit")
+        command.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. trainer.max_steps=2")
     return parser.parse_args(argv)
+
+
+def _evaluate(cfg) -> int:
+    """``nemo-sspo eval``: one process, no model parallelism (vLLM brings its own)."""
+    import logging
+
+    from nemo_sspo.evaluation.run import run_eval
+
+    progress = logging.getLogger("nemo_sspo.evaluation")  # one line per finished benchmark
+    progress.setLevel(logging.INFO)
+    progress.addHandler(logging.StreamHandler(sys.stdout))
+
+    try:
+        run_eval(cfg)
+    except ValueError as err:
+        print(f"nemo-sspo: {err}", file=sys.stderr)
+        return 2
+    print(f"results in {cfg.eval.output_dir}/results.json")
+    return 0
 
 
 def _quiet_known_warnings() -> None:
@@ -83,6 +109,8 @@ def main(argv: list[str] | None = None) -> int:
 
         print(OmegaConf.to_yaml(OmegaConf.structured(cfg)))
         return 0
+    if args.command == "eval":
+        return _evaluate(cfg)
     from nemo_sspo.megatron import destroy_parallel
     from nemo_sspo.trainer.loop import GRPOTrainer
 

@@ -9,6 +9,9 @@ Sources (``build_prompt_source(name, seed=..., **kwargs)``):
   ``"chain_sum"``, ...) with its config fields as kwargs; seeded by reasoning-gym itself.
 - ``"jsonl"``: records ``{"problem" | "question": ..., "answer": ...}`` from ``path``, shuffled
   with the seed and cycled (e.g. ``/work/shared/data/gsm8k_test.jsonl``).
+- ``"math"``: one of the paper's datasets by name (``dataset="math_train"`` for the MATH level 3-5
+  training set, ``"math500"``, ...; :data:`nemo_sspo.data.math_datasets.MATH_DATASETS`) from
+  ``data_dir`` (or ``$NEMO_SSPO_DATA_DIR``), shuffled with the seed and cycled.
 """
 
 from __future__ import annotations
@@ -18,6 +21,8 @@ import random
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol, Sequence
+
+from nemo_sspo.data.math_datasets import load_math_dataset
 
 __all__ = ["PROMPT_SOURCES", "Problem", "PromptSource", "build_prompt_source"]
 
@@ -56,6 +61,9 @@ class WordProblemSource:
         max_number: largest number drawn for an amount (>= 2); box counts are 2..4.
         operations: the change kinds to draw from, a non-empty subset of ("buy", "give", "boxes");
             ("buy", "give") gives addition/subtraction chains only.
+        pool_size: None draws a fresh problem every time; N >= 1 generates N problems once and
+            serves them in epochs (reshuffled each epoch), so a short run revisits the same
+            problems and its reward curve compares like with like.
 
     The defaults (1-2 steps, numbers <= 5) are sized for SmolLM2-135M-Instruct: with the
     ``chat-boxed`` template at temperature 0.7 it answers ~9% of them right (94% of responses boxed,
@@ -65,7 +73,7 @@ class WordProblemSource:
     OPERATIONS = ("buy", "give", "boxes")
 
     def __init__(self, *, seed: int, min_steps: int = 1, max_steps: int = 2, max_number: int = 5,
-                 operations: Sequence[str] = OPERATIONS) -> None:
+                 operations: Sequence[str] = OPERATIONS, pool_size: int | None = None) -> None:
         if not 1 <= min_steps <= max_steps:
             raise ValueError(f"need 1 <= min_steps ({min_steps}) <= max_steps ({max_steps})")
         if max_number < 2:
@@ -76,8 +84,15 @@ class WordProblemSource:
         self._rng = random.Random(seed)
         self._steps = (min_steps, max_steps)
         self._max = max_number
+        self._pool = None
+        if pool_size is not None:
+            if pool_size < 1:
+                raise ValueError(f"pool_size={pool_size} must be >= 1 (or None for fresh problems)")
+            self._pool = _ShuffledSource([self._one() for _ in range(pool_size)], seed)
 
     def sample(self, n: int) -> list[Problem]:
+        if self._pool is not None:
+            return self._pool.sample(n)
         return [self._one() for _ in range(n)]
 
     def _one(self) -> Problem:
@@ -131,7 +146,24 @@ class ReasoningGymSource:
         return [Problem(question=item["question"], answer=str(item["answer"])) for item in items]
 
 
-class JsonlSource:
+class _ShuffledSource:
+    """A fixed list of problems drawn without replacement, reshuffled (seeded) every epoch."""
+
+    def __init__(self, problems: list[Problem], seed: int) -> None:
+        self._problems = problems
+        self._rng = random.Random(seed)
+        self._order: list[int] = []
+
+    def sample(self, n: int) -> list[Problem]:
+        out = []
+        for _ in range(n):
+            if not self._order:
+                self._order = self._rng.sample(range(len(self._problems)), len(self._problems))
+            out.append(self._problems[self._order.pop()])
+        return out
+
+
+class JsonlSource(_ShuffledSource):
     """Problems from a JSONL file (``problem`` or ``question`` key, plus ``answer``), shuffled per epoch.
 
     Raises:
@@ -143,20 +175,28 @@ class JsonlSource:
         file = Path(path)
         if not file.is_file():
             raise ValueError(f"path={path!r} is not a file; give a JSONL file of problems")
-        self._problems = [_record_to_problem(line, file, i)
-                          for i, line in enumerate(file.read_text().splitlines()) if line.strip()]
-        if not self._problems:
+        problems = [_record_to_problem(line, file, i)
+                    for i, line in enumerate(file.read_text().splitlines()) if line.strip()]
+        if not problems:
             raise ValueError(f"path={path!r} holds no records")
-        self._rng = random.Random(seed)
-        self._order: list[int] = []
+        super().__init__(problems, seed)
 
-    def sample(self, n: int) -> list[Problem]:
-        out = []
-        for _ in range(n):
-            if not self._order:
-                self._order = self._rng.sample(range(len(self._problems)), len(self._problems))
-            out.append(self._problems[self._order.pop()])
-        return out
+
+class MathDatasetSource(_ShuffledSource):
+    """A named math dataset (e.g. ``"math_train"``, 8,521 problems with a gold answer), shuffled per epoch.
+
+    Args:
+        dataset: a name of :data:`nemo_sspo.data.math_datasets.MATH_DATASETS`.
+        seed: shuffling seed.
+        data_dir: folder of the JSONL files; None reads ``$NEMO_SSPO_DATA_DIR``.
+
+    Raises:
+        ValueError: unknown dataset or missing data directory/file (naming ``data.options.data_dir``).
+    """
+
+    def __init__(self, *, dataset: str, seed: int, data_dir: str | None = None) -> None:
+        records = load_math_dataset(dataset, data_dir, key="data.options.data_dir")
+        super().__init__([Problem(question=r.problem, answer=r.answer) for r in records], seed)
 
 
 def _record_to_problem(text: str, file: Path, line: int) -> Problem:
@@ -172,7 +212,8 @@ def _record_to_problem(text: str, file: Path, line: int) -> Problem:
     return Problem(question=str(question), answer=str(record["answer"]))
 
 
-PROMPT_SOURCES = {"word_problems": WordProblemSource, "reasoning_gym": ReasoningGymSource, "jsonl": JsonlSource}
+PROMPT_SOURCES = {"word_problems": WordProblemSource, "reasoning_gym": ReasoningGymSource, "jsonl": JsonlSource,
+                  "math": MathDatasetSource}
 """Name -> source class for :func:`build_prompt_source`."""
 
 

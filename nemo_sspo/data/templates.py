@@ -2,9 +2,17 @@
 
 from __future__ import annotations
 
-__all__ = ["TEMPLATES", "render_prompt"]
+__all__ = ["QWEN_MATH_TEMPLATE", "TEMPLATES", "render_prompt"]
 
 QWEN_MATH_INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
+# Qwen2.5-Math's chain-of-thought prompt (its evaluation harness calls it "qwen25-math-cot"; the
+# Dr. GRPO / SimpleRL-style RL recipes on Qwen2.5-Math train with it): ChatML with the instruction as
+# the system message. Written out literally, so a base model's tokenizer needs no chat template.
+QWEN_MATH_TEMPLATE = (
+    "<|im_start|>system\n" + QWEN_MATH_INSTRUCTION + "<|im_end|>\n"
+    "<|im_start|>user\n{question}<|im_end|>\n"
+    "<|im_start|>assistant\n"
+)
 CHAT_BOXED_SYSTEM = "You are a careful math tutor."
 CHAT_BOXED_INSTRUCTION = "Solve it step by step, one step per line. Put the final answer in \\boxed{}."
 # One worked example turn: a 135M instruct model almost never writes \boxed{} from the instruction
@@ -22,9 +30,11 @@ def render_prompt(tokenizer, question: str, template: str) -> str:
     """The rendered prompt for ``question``; the rollout engine adds no special tokens to it.
 
     Templates:
-        ``"qwen-math"``: the paper's Qwen-Math prompt as raw text (for base models, no chat
-        markup): ``"{question}\\nPlease reason step by step, and put your final answer within
-        \\boxed{}."``; ``tokenizer`` is unused.
+        ``"qwen-math"``: the paper's Qwen-Math prompt (:data:`QWEN_MATH_TEMPLATE`):
+        ``"<|im_start|>system\\nPlease reason step by step, and put your final answer within
+        \\boxed{}.<|im_end|>\\n<|im_start|>user\\n{question}<|im_end|>\\n<|im_start|>assistant\\n"``.
+        The ChatML markers are special tokens of the Qwen2.5 (and SmolLM2) tokenizers; the text
+        is the same for base and instruct models and ``tokenizer`` is unused.
         ``"chat-boxed"``: ``tokenizer.apply_chat_template`` over a short tutor system message,
         one worked example (user question + assistant answer, :data:`CHAT_BOXED_EXAMPLE`), then
         the user message ``"{question}\\n" + CHAT_BOXED_INSTRUCTION`` (one step per line, final
@@ -34,7 +44,7 @@ def render_prompt(tokenizer, question: str, template: str) -> str:
         ValueError: unknown ``template``, or ``"chat-boxed"`` with a tokenizer lacking a chat template.
     """
     if template == "qwen-math":
-        return f"{question}\n{QWEN_MATH_INSTRUCTION}"
+        return QWEN_MATH_TEMPLATE.replace("{question}", question, 1)  # not .format: \boxed{} has braces
     if template == "chat-boxed":
         if not getattr(tokenizer, "chat_template", None):
             raise ValueError("template='chat-boxed' needs a tokenizer with a chat template; use 'qwen-math'")

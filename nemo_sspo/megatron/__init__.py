@@ -1,4 +1,5 @@
-"""Megatron-Core adapter: parallel setup, GPTModel from HF Llama configs, HF<->Megatron weights.
+"""Megatron-Core adapter: parallel setup, GPTModel from HF Llama / Qwen2 configs (local spec on CPU,
+TransformerEngine spec on GPU), HF<->Megatron weights.
 
 Only this package (and the trainer) reads Megatron's global ``parallel_state``; functions in
 ``nemo_sspo.parallel`` get explicit groups from ``get_parallel_groups()``. All CPU-only
@@ -12,6 +13,7 @@ from nemo_sspo.megatron.model import (
     build_policy_model,
     forward_logits,
     padded_vocab_size,
+    resolve_transformer_impl,
     transformer_config_from_hf,
     unwrap_model,
     vocab_shard,
@@ -36,6 +38,7 @@ __all__ = [
     "load_hf_into_megatron",
     "needs_cpu_shims",
     "padded_vocab_size",
+    "resolve_transformer_impl",
     "transformer_config_from_hf",
     "unwrap_model",
     "vocab_shard",

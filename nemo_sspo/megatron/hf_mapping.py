@@ -1,4 +1,4 @@
-"""HF Llama <-> Megatron-Core GPTModel weight mapping under tensor and pipeline parallelism.
+"""HF Llama / Qwen2 <-> Megatron-Core GPTModel weight mapping under tensor and pipeline parallelism.
 
 Megatron layouts (per decoder layer; H = hidden, d = head_dim, G = num_key_value_heads,
 Q = num_attention_heads / G query heads per group, F = intermediate_size):
@@ -6,6 +6,8 @@ Q = num_attention_heads / G query heads per group, F = intermediate_size):
 - ``self_attention.linear_qkv.weight`` [G*(Q+2)*d, H]: per KV group g the rows are
   [q heads of g (Q*d), k_g (d), v_g (d)]; column-parallel, so TP rank r holds groups
   [r*G/tp, (r+1)*G/tp). HF q head h belongs to group h // Q (as ``repeat_kv``).
+- ``self_attention.linear_qkv.bias`` [G*(Q+2)*d] (Qwen2 only): HF q/k/v biases in the same grouped
+  order and the same TP slicing as the weight rows. Qwen2 has no o_proj or MLP biases.
 - ``self_attention.linear_proj.weight`` [H, heads*d]: row-parallel, sliced on dim 1.
 - ``mlp.linear_fc1.weight`` [2F, H]: each TP rank holds [gate shard; up shard] (the gated MLP
   chunks its local output in two), i.e. each half is sliced separately.
@@ -23,7 +25,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from nemo_sspo.megatron.model import padded_vocab_size, unwrap_model
+from nemo_sspo.megatron.model import has_qkv_bias, padded_vocab_size, unwrap_model
 from nemo_sspo.megatron.parallel_setup import ParallelGroups, get_parallel_groups
 
 __all__ = ["export_hf_state_dict", "expected_hf_keys", "load_hf_into_megatron"]
@@ -31,8 +33,11 @@ __all__ = ["export_hf_state_dict", "expected_hf_keys", "load_hf_into_megatron"]
 _EMBED, _NORM, _LM_HEAD = "model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"
 _HF_LAYER = {
     "q": "self_attn.q_proj.weight",
+    "q_bias": "self_attn.q_proj.bias",
     "k": "self_attn.k_proj.weight",
+    "k_bias": "self_attn.k_proj.bias",
     "v": "self_attn.v_proj.weight",
+    "v_bias": "self_attn.v_proj.bias",
     "o": "self_attn.o_proj.weight",
     "gate": "mlp.gate_proj.weight",
     "up": "mlp.up_proj.weight",
@@ -43,6 +48,7 @@ _HF_LAYER = {
 # Megatron parameter names per decoder layer; norms have a local-spec and a TE-spec name.
 _MEG_LAYER = {
     "qkv": ("self_attention.linear_qkv.weight",),
+    "qkv_bias": ("self_attention.linear_qkv.bias",),
     "proj": ("self_attention.linear_proj.weight",),
     "fc1": ("mlp.linear_fc1.weight",),
     "fc2": ("mlp.linear_fc2.weight",),
@@ -51,12 +57,22 @@ _MEG_LAYER = {
 }
 
 
+_BIAS_KEYS = ("q_bias", "k_bias", "v_bias")
+
+
+def _layer_keys(hf_config: Any) -> list[str]:
+    """Short names of one HF decoder layer's parameters, in HF order (q/k/v biases for Qwen2)."""
+    bias = has_qkv_bias(hf_config)
+    return [key for key in _HF_LAYER if bias or key not in _BIAS_KEYS]
+
+
 def expected_hf_keys(hf_config: Any) -> list[str]:
-    """HF parameter names of a Llama model, in HF order (``lm_head`` also when tied, as
+    """HF parameter names of a Llama or Qwen2 model, in HF order (``lm_head`` also when tied, as
     transformers 5 ``state_dict()`` lists it)."""
     keys = [_EMBED]
+    names = [_HF_LAYER[key] for key in _layer_keys(hf_config)]
     for layer in range(hf_config.num_hidden_layers):
-        keys += [f"model.layers.{layer}.{name}" for name in _HF_LAYER.values()]
+        keys += [f"model.layers.{layer}.{name}" for name in names]
     return keys + [_NORM, _LM_HEAD]
 
 
@@ -96,21 +112,23 @@ def _pad_rows(weight: torch.Tensor, rows: int) -> torch.Tensor:
 
 
 def _fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, hf_config: Any) -> torch.Tensor:
-    """HF q [heads*d, H], k / v [G*d, H] -> Megatron's grouped [G*(Q+2)*d, H]."""
-    groups, hidden = hf_config.num_key_value_heads, q.shape[1]
-    q_grouped = q.reshape(groups, -1, hidden)
-    k_grouped, v_grouped = k.reshape(groups, -1, hidden), v.reshape(groups, -1, hidden)
-    return torch.cat([q_grouped, k_grouped, v_grouped], dim=1).reshape(-1, hidden)
+    """HF q [heads*d, ...], k / v [G*d, ...] -> Megatron's grouped [G*(Q+2)*d, ...].
+
+    ``...`` is ``H`` for the weights and empty for the (Qwen2) biases.
+    """
+    groups, rest = hf_config.num_key_value_heads, q.shape[1:]
+    grouped = [t.reshape(groups, -1, *rest) for t in (q, k, v)]
+    return torch.cat(grouped, dim=1).reshape(-1, *rest)
 
 
 def _split_qkv(qkv: torch.Tensor, hf_config: Any) -> tuple[torch.Tensor, ...]:
-    """Inverse of ``_fuse_qkv`` on the full (TP-gathered) fused weight."""
-    groups, hidden = hf_config.num_key_value_heads, qkv.shape[1]
+    """Inverse of ``_fuse_qkv`` on the full (TP-gathered) fused weight or bias."""
+    groups, rest = hf_config.num_key_value_heads, qkv.shape[1:]
     head_dim = qkv.shape[0] // (hf_config.num_attention_heads + 2 * groups)
     q_rows = hf_config.num_attention_heads // groups * head_dim
-    grouped = qkv.reshape(groups, -1, hidden)
+    grouped = qkv.reshape(groups, -1, *rest)
     q, k, v = grouped.split([q_rows, head_dim, head_dim], dim=1)
-    return q.reshape(-1, hidden), k.reshape(-1, hidden), v.reshape(-1, hidden)
+    return q.reshape(-1, *rest), k.reshape(-1, *rest), v.reshape(-1, *rest)
 
 
 def _layer_targets(hf: dict, hf_layer: int, prefix: str, params: dict, hf_config, groups) -> dict:
@@ -119,7 +137,11 @@ def _layer_targets(hf: dict, hf_layer: int, prefix: str, params: dict, hf_config
 
     qkv = _fuse_qkv(get("q"), get("k"), get("v"), hf_config)
     fc1 = torch.cat([_shard(get("gate"), 0, groups), _shard(get("up"), 0, groups)], dim=0)
-    return {
+    targets = {}
+    if has_qkv_bias(hf_config):
+        qkv_bias = _fuse_qkv(get("q_bias"), get("k_bias"), get("v_bias"), hf_config)
+        targets[_resolve(params, prefix, _MEG_LAYER["qkv_bias"])] = _shard(qkv_bias, 0, groups)
+    return targets | {
         _resolve(params, prefix, _MEG_LAYER["qkv"]): _shard(qkv, 0, groups),
         _resolve(params, prefix, _MEG_LAYER["proj"]): _shard(get("o"), 1, groups),
         _resolve(params, prefix, _MEG_LAYER["fc1"]): fc1,
@@ -150,7 +172,7 @@ def _megatron_targets(gpt, hf: dict, hf_config: Any, params: dict, groups: Paral
 def load_hf_into_megatron(
     model: torch.nn.Module, hf_state_dict: dict[str, torch.Tensor], hf_config: Any
 ) -> None:
-    """Copy a full HF Llama state dict into this rank's (TP shard, PP stage) Megatron model.
+    """Copy a full HF Llama / Qwen2 state dict into this rank's (TP shard, PP stage) Megatron model.
 
     Every rank passes the full HF dict; each copies only its slices (see module docstring), cast
     to the parameter's dtype and device. No communication.
@@ -205,6 +227,9 @@ def _export_layer(params: dict, prefix: str, hf_prefix: str, hf_config, groups) 
         "ln1": get("ln1").clone(),
         "ln2": get("ln2").clone(),
     }
+    if has_qkv_bias(hf_config):
+        q_bias, k_bias, v_bias = _split_qkv(_gather_tp(get("qkv_bias"), 0, groups), hf_config)
+        values.update(q_bias=q_bias, k_bias=k_bias, v_bias=v_bias)
     return {hf_prefix + _HF_LAYER[key]: value for key, value in values.items()}
 
 
@@ -246,7 +271,7 @@ def _broadcast_stages(stage: dict[str, torch.Tensor], groups: ParallelGroups, de
 
 
 def export_hf_state_dict(model: torch.nn.Module, hf_config: Any) -> dict[str, torch.Tensor]:
-    """Inverse of ``load_hf_into_megatron``: the full HF Llama state dict, on EVERY rank.
+    """Inverse of ``load_hf_into_megatron``: the full HF Llama / Qwen2 state dict, on EVERY rank.
 
     Collective: all ranks of the model-parallel group must call it. Gathers TP shards (all_gather
     over tp_group) and pipeline stages (broadcast over pp_group); vocabulary padding is dropped.

@@ -1,4 +1,9 @@
-"""Megatron-Core ``GPTModel`` built from a Hugging Face Llama-architecture config.
+"""Megatron-Core ``GPTModel`` built from a Hugging Face Llama or Qwen2 config.
+
+Layer implementation by environment (``resolve_transformer_impl``): the TransformerEngine spec
+(BF16, optional FP8 with a recipe from the config) when a CUDA device and the ``transformer-engine``
+package are present, the local Megatron-Core spec otherwise (always on CPU). TransformerEngine is
+imported only when its spec is built.
 
 Vocabulary padding follows Megatron-LM's rule (``_vocab_size_with_padding``): the vocabulary is
 padded up to a multiple of ``MAKE_VOCAB_SIZE_DIVISIBLE_BY * tp_size`` (128 * tp), so every TP
@@ -9,7 +14,9 @@ shard has ``V_local = V_padded / tp`` rows. Padded rows of the embedding and out
 
 from __future__ import annotations
 
+import importlib.util
 import math
+import warnings
 from typing import Any
 
 import torch
@@ -19,21 +26,38 @@ from nemo_sspo.megatron.cpu_shims import (
     attention_mask_for,
     cpu_config_overrides,
     cpu_device_context,
-    needs_cpu_shims,
 )
 from nemo_sspo.megatron.parallel_setup import get_parallel_groups
 
 __all__ = [
+    "FP8_FORMATS",
+    "FP8_RECIPES",
     "MAKE_VOCAB_SIZE_DIVISIBLE_BY",
+    "PRECISIONS",
+    "SUPPORTED_MODEL_TYPES",
+    "TRANSFORMER_IMPLS",
     "build_policy_model",
     "forward_logits",
+    "has_qkv_bias",
+    "model_type",
     "padded_vocab_size",
+    "resolve_transformer_impl",
     "transformer_config_from_hf",
     "unwrap_model",
     "vocab_shard",
 ]
 
 MAKE_VOCAB_SIZE_DIVISIBLE_BY = 128
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2")
+"""HF ``model_type`` values the config translation and weight mapping cover."""
+PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16}
+"""``model.precision`` name -> parameter dtype."""
+FP8_FORMATS = ("e4m3", "hybrid")
+"""``model.fp8`` values (Megatron ``TransformerConfig.fp8``); None disables FP8."""
+FP8_RECIPES = ("delayed", "tensorwise", "mxfp8", "blockwise")
+"""``model.fp8_recipe`` values (Megatron ``Fp8Recipe``; ``custom`` is not exposed)."""
+TRANSFORMER_IMPLS = ("auto", "local", "transformer_engine")
+"""``model.transformer_impl`` values; see :func:`resolve_transformer_impl`."""
 
 
 def padded_vocab_size(vocab_size: int, tp_size: int) -> int:
@@ -62,14 +86,42 @@ def _head_dim(hf_config: Any) -> int:
     return int(head_dim) if head_dim else hf_config.hidden_size // hf_config.num_attention_heads
 
 
-def _validate_llama(hf_config: Any, tp_size: int, pp_size: int) -> None:
+def model_type(hf_config: Any) -> str:
+    """``hf_config.model_type`` (one of :data:`SUPPORTED_MODEL_TYPES`); configs without one are Llama.
+
+    Raises:
+        ValueError: an architecture the mapping does not cover, naming the supported ones.
+    """
+    kind = getattr(hf_config, "model_type", None) or "llama"
+    if kind not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(
+            f"hf_config.model_type={kind!r} is not supported; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
+        )
+    return kind
+
+
+def has_qkv_bias(hf_config: Any) -> bool:
+    """True for Qwen2 (biases on q/k/v, none on o_proj or the MLP); False for Llama."""
+    return model_type(hf_config) == "qwen2"
+
+
+def _validate_architecture(hf_config: Any, tp_size: int, pp_size: int) -> None:
+    kind = model_type(hf_config)
     if getattr(hf_config, "hidden_act", "silu") != "silu":
         raise ValueError(
             f"hf_config.hidden_act={hf_config.hidden_act!r}: only 'silu' (SwiGLU) is supported"
         )
-    for flag in ("attention_bias", "mlp_bias"):
-        if getattr(hf_config, flag, False):
-            raise ValueError(f"hf_config.{flag}=True is not supported: Llama mapping has no biases")
+    if kind == "llama":
+        for flag in ("attention_bias", "mlp_bias"):
+            if getattr(hf_config, flag, False):
+                raise ValueError(f"hf_config.{flag}=True is not supported: Llama mapping has no biases")
+    else:  # qwen2: every layer must use full causal attention
+        layer_types = set(getattr(hf_config, "layer_types", None) or ["full_attention"])
+        if getattr(hf_config, "use_sliding_window", False) or layer_types != {"full_attention"}:
+            raise ValueError(
+                "hf_config.use_sliding_window=True (sliding-window layers) is not supported: Megatron's "
+                "GPTModel here uses full causal attention in every layer"
+            )
     heads, kv_heads = hf_config.num_attention_heads, hf_config.num_key_value_heads
     for field, count in (("num_attention_heads", heads), ("num_key_value_heads", kv_heads)):
         if count % tp_size:
@@ -84,24 +136,62 @@ def _validate_llama(hf_config: Any, tp_size: int, pp_size: int) -> None:
         )
 
 
+def _check_precision(precision: str, fp8: str | None, fp8_recipe: str) -> torch.dtype:
+    if precision not in PRECISIONS:
+        raise ValueError(
+            f"model.precision={precision!r} is unknown; valid: {', '.join(PRECISIONS)}"
+        )
+    if fp8 is not None and fp8 not in FP8_FORMATS:
+        raise ValueError(
+            f"model.fp8={fp8!r} is unknown; valid: {', '.join(FP8_FORMATS)} (or null to disable FP8)"
+        )
+    if fp8_recipe not in FP8_RECIPES:
+        raise ValueError(
+            f"model.fp8_recipe={fp8_recipe!r} is unknown; valid: {', '.join(FP8_RECIPES)}"
+        )
+    if fp8 is not None and precision != "bf16":
+        raise ValueError(
+            f"model.fp8={fp8!r} needs model.precision='bf16' (FP8 GEMMs run inside a BF16 model), "
+            f"got model.precision={precision!r}"
+        )
+    return PRECISIONS[precision]
+
+
 def transformer_config_from_hf(
-    hf_config: Any, *, tp_size: int, pp_size: int, params_dtype: torch.dtype = torch.float32
+    hf_config: Any,
+    *,
+    tp_size: int,
+    pp_size: int,
+    precision: str = "fp32",
+    fp8: str | None = None,
+    fp8_recipe: str = "delayed",
 ):
-    """Megatron ``TransformerConfig`` equivalent to a HF Llama-architecture config.
+    """Megatron ``TransformerConfig`` equivalent to a HF Llama or Qwen2 config.
 
     Maps GQA (num_query_groups = num_key_value_heads), SwiGLU (gated_linear_unit + silu), RMSNorm
-    (eps = rms_norm_eps), no biases, kv_channels = head_dim, dropout 0; CPU shims add their
-    overrides (fp32 pipeline p2p, no fused kernels) when no GPU is present. The rotary base is not
-    a TransformerConfig field: ``build_policy_model`` passes it to ``GPTModel``.
+    (eps = rms_norm_eps), biases (Qwen2: ``add_qkv_bias=True``; no other linear has a bias),
+    kv_channels = head_dim, dropout 0; CPU shims add their overrides (fp32 pipeline p2p, no fused
+    kernels) when no GPU is present. The rotary base is not a TransformerConfig field:
+    ``build_policy_model`` passes it to ``GPTModel``.
+
+    Args:
+        precision: ``"fp32"`` or ``"bf16"`` (``params_dtype``, ``pipeline_dtype`` and the ``bf16``
+            flag; config key ``model.precision``).
+        fp8: None (off), ``"e4m3"`` or ``"hybrid"`` (e4m3 forward, e5m2 gradients): Megatron's
+            ``fp8`` field, used by TransformerEngine layers only (config key ``model.fp8``).
+        fp8_recipe: Megatron's ``fp8_recipe``: ``"delayed"``, ``"tensorwise"``, ``"mxfp8"``
+            (Blackwell only) or ``"blockwise"`` (config key ``model.fp8_recipe``).
 
     Raises:
         ValueError: naming the field, when num_attention_heads or num_key_value_heads is not
-            divisible by tp_size, num_hidden_layers not divisible by pp_size, or the config uses
-            biases, a non-silu activation or scaled RoPE.
+            divisible by tp_size, num_hidden_layers not divisible by pp_size, the config uses an
+            unsupported architecture, Llama biases, a non-silu activation, sliding-window attention
+            or scaled RoPE; or naming the ``model.*`` key of a bad precision setting.
     """
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    _validate_llama(hf_config, tp_size, pp_size)
+    dtype = _check_precision(precision, fp8, fp8_recipe)
+    _validate_architecture(hf_config, tp_size, pp_size)
     _rope_theta(hf_config)
     kwargs = dict(
         num_layers=hf_config.num_hidden_layers,
@@ -115,32 +205,92 @@ def transformer_config_from_hf(
         normalization="RMSNorm",
         layernorm_epsilon=hf_config.rms_norm_eps,
         add_bias_linear=False,
-        add_qkv_bias=False,
+        add_qkv_bias=has_qkv_bias(hf_config),
         hidden_dropout=0.0,
         attention_dropout=0.0,
         tensor_model_parallel_size=tp_size,
         pipeline_model_parallel_size=pp_size,
-        params_dtype=params_dtype,
-        pipeline_dtype=params_dtype,
-        bf16=params_dtype == torch.bfloat16,
-        fp16=params_dtype == torch.float16,
+        params_dtype=dtype,
+        pipeline_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
+        fp8=fp8,
+        fp8_recipe=fp8_recipe,
     )
     kwargs.update(cpu_config_overrides())
     return TransformerConfig(**kwargs)
 
 
-def _layer_spec(config):
-    """Local (pure Megatron) layer spec on CPU; TransformerEngine spec on GPU, imported lazily."""
-    if needs_cpu_shims():
-        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-
-        return get_gpt_layer_local_spec(normalization=config.normalization)
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
-
-    return get_gpt_layer_with_transformer_engine_spec()
+def _transformer_engine_installed() -> bool:
+    # find_spec only: importing a broken/empty transformer-engine would fail here, not later.
+    return importlib.util.find_spec("transformer_engine") is not None
 
 
-def build_policy_model(hf_config: Any, *, params_dtype: torch.dtype = torch.float32):
+def resolve_transformer_impl(transformer_impl: str = "auto", fp8: str | None = None) -> str:
+    """The layer implementation to build: ``"transformer_engine"`` or ``"local"``.
+
+    ``"auto"`` picks TransformerEngine when a CUDA device is present and the package
+    ``transformer-engine`` is installed, the local (pure Megatron-Core) spec otherwise. FP8 needs
+    TransformerEngine layers, so ``fp8`` set with ``"auto"`` never falls back to the local spec.
+
+    Raises:
+        ValueError: naming ``model.transformer_impl`` / ``model.fp8`` and the fix, when the value
+            is unknown, TransformerEngine is requested (or needed for FP8) but no CUDA device or
+            no ``transformer-engine`` package is present, or FP8 is combined with the local spec.
+    """
+    if transformer_impl not in TRANSFORMER_IMPLS:
+        raise ValueError(
+            f"model.transformer_impl={transformer_impl!r} is unknown; valid: {', '.join(TRANSFORMER_IMPLS)}"
+        )
+    wants_te = transformer_impl == "transformer_engine" or (transformer_impl == "auto" and fp8)
+    key = "model.transformer_impl='transformer_engine'" if transformer_impl != "auto" else f"model.fp8={fp8!r}"
+    if transformer_impl == "local":
+        if fp8 is not None:
+            raise ValueError(
+                f"model.fp8={fp8!r} needs TransformerEngine layers, but model.transformer_impl='local'; "
+                "set model.transformer_impl=auto (or transformer_engine) or model.fp8=null"
+            )
+        return "local"
+    if not torch.cuda.is_available():
+        if wants_te:
+            raise ValueError(
+                f"{key} needs a CUDA device (TransformerEngine is GPU-only) and none is visible; "
+                "on CPU set model.transformer_impl=auto (or local) and model.fp8=null"
+            )
+        return "local"
+    if not _transformer_engine_installed():
+        if wants_te:
+            raise ValueError(
+                f"{key} needs the package transformer-engine (import name transformer_engine), which "
+                "is not installed: use an NGC PyTorch container (it ships TransformerEngine) or "
+                "install transformer-engine[pytorch]; or set model.transformer_impl=local and "
+                "model.fp8=null"
+            )
+        warnings.warn(
+            "model.transformer_impl=auto: CUDA is present but transformer-engine is not installed; "
+            "building the local (pure Megatron-Core) layer spec",
+            stacklevel=2,
+        )
+        return "local"
+    return "transformer_engine"
+
+
+def _layer_spec(config, impl: str):
+    """Local (pure Megatron) layer spec, or the TransformerEngine spec (imported lazily)."""
+    from megatron.core.models.gpt import gpt_layer_specs
+
+    if impl == "local":
+        return gpt_layer_specs.get_gpt_layer_local_spec(normalization=config.normalization)
+    return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec()
+
+
+def build_policy_model(
+    hf_config: Any,
+    *,
+    precision: str = "fp32",
+    fp8: str | None = None,
+    fp8_recipe: str = "delayed",
+    transformer_impl: str = "auto",
+):
     """This rank's ``GPTModel`` stage for ``hf_config`` under the current parallel state.
 
     pre_process / post_process follow this rank's pipeline stage; embeddings and output layer are
@@ -148,22 +298,33 @@ def build_policy_model(hf_config: Any, *, params_dtype: torch.dtype = torch.floa
     a multiple of 128 * tp_size; ``max_sequence_length = max_position_embeddings``. Callers choose
     train/eval mode. Weights are random until
     ``hf_mapping.load_hf_into_megatron``. The true vocabulary size is kept on the model as
-    ``model.true_vocab_size`` for ``vocab_shard``.
+    ``model.true_vocab_size`` for ``vocab_shard``, the layer implementation as
+    ``model.transformer_impl``.
+
+    Args:
+        precision, fp8, fp8_recipe: as :func:`transformer_config_from_hf` (keys ``model.precision``,
+            ``model.fp8``, ``model.fp8_recipe``). A BF16 model still needs Megatron's
+            ``Float16Module`` / mixed-precision optimizer around it for training.
+        transformer_impl: ``"auto"``, ``"local"`` or ``"transformer_engine"``; see
+            :func:`resolve_transformer_impl` (key ``model.transformer_impl``).
 
     Raises:
-        ValueError: as ``transformer_config_from_hf``, or if parallel state is not initialised.
+        ValueError: as ``transformer_config_from_hf`` and ``resolve_transformer_impl``, or if
+            parallel state is not initialised.
     """
     from megatron.core.models.gpt import GPTModel
 
     groups = get_parallel_groups()
     config = transformer_config_from_hf(
-        hf_config, tp_size=groups.tp_size, pp_size=groups.pp_size, params_dtype=params_dtype
+        hf_config, tp_size=groups.tp_size, pp_size=groups.pp_size, precision=precision, fp8=fp8,
+        fp8_recipe=fp8_recipe,
     )
+    impl = resolve_transformer_impl(transformer_impl, fp8)
     # Tied embeddings across pipeline stages move the weight with .cuda() for an all-reduce.
     with cpu_device_context():
         model = GPTModel(
             config=config,
-            transformer_layer_spec=_layer_spec(config),
+            transformer_layer_spec=_layer_spec(config, impl),
             vocab_size=padded_vocab_size(hf_config.vocab_size, groups.tp_size),
             max_sequence_length=hf_config.max_position_embeddings,
             pre_process=groups.is_first_stage,
@@ -174,6 +335,7 @@ def build_policy_model(hf_config: Any, *, params_dtype: torch.dtype = torch.floa
             rotary_base=_rope_theta(hf_config),
         )
     model.true_vocab_size = int(hf_config.vocab_size)
+    model.transformer_impl = impl
     return model
 
 

@@ -39,11 +39,14 @@ class PolicyBatch:
         position_ids: [B, S] int64, 0..S-1 (right padding keeps valid positions causal-correct).
         targets: [B, S] int64, ``input_ids`` shifted left by one (last column padding).
         loss_mask: [B, S] bool, True where ``targets`` is a response token.
-        segment_ids: [B, S] int64, newline-segment index of the target token within its response,
-            -1 where ``loss_mask`` is False.
+        segment_ids: [B, S] int64, index of the target token's segment within its response under
+            the loss config's ``segmentation`` (newline by default), -1 where ``loss_mask`` is False.
         old_logprobs: [B, S] float32, log pi_old of the target tokens (0 outside the mask).
         old_entropy: [B, S] float32, entropy of pi_old at each position, nats (0 outside the mask).
         advantages: [B] float32, one advantage per response.
+        ref_logprobs: [B, S] float32, log pi_ref of the target tokens under the frozen reference
+            policy (0 outside the mask), or None when the loss has no reference-KL term
+            (``kl_coef == 0``).
     """
 
     input_ids: torch.Tensor
@@ -54,14 +57,19 @@ class PolicyBatch:
     old_logprobs: torch.Tensor
     old_entropy: torch.Tensor
     advantages: torch.Tensor
+    ref_logprobs: torch.Tensor | None = None
 
     def select(self, rows: slice) -> "PolicyBatch":
-        """Rows ``rows`` of every field, as a new batch (views, no copy)."""
-        return PolicyBatch(**{f.name: getattr(self, f.name)[rows] for f in fields(self)})
+        """Rows ``rows`` of every tensor field, as a new batch (views, no copy; None stays None)."""
+        return PolicyBatch(**{f.name: None if getattr(self, f.name) is None else getattr(self, f.name)[rows]
+                              for f in fields(self)})
 
 
-def split_micro_batches(batch: PolicyBatch, micro_batch_size: int) -> list[PolicyBatch]:
+def split_micro_batches(batch, micro_batch_size: int) -> list:
     """Splits a batch into consecutive micro-batches of ``micro_batch_size`` rows.
+
+    ``batch`` is a :class:`PolicyBatch` or any batch with ``input_ids [B, S]`` and ``select(rows)``
+    (e.g. the critic's).
 
     Raises:
         ValueError: the batch size is not a multiple of ``micro_batch_size``.
@@ -121,7 +129,7 @@ def _policy_loss_func(batch: PolicyBatch, spec: LossSpec, logits: torch.Tensor):
         batch.segment_ids,
         batch.old_entropy,
         spec.loss_config,
-        ref_logprobs=getattr(batch, "ref_logprobs", None),
+        ref_logprobs=batch.ref_logprobs,
         entropy=entropy,
     )
     numerator, denominator = aggregate(

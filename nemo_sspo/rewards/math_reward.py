@@ -15,9 +15,10 @@ import re
 import signal
 import time
 
-__all__ = ["MathVerifyReward", "extract_last_boxed", "score_response"]
+__all__ = ["MathVerifyReward", "extract_last_boxed", "parse_gold", "score_response"]
 
 _BOX_OPENING = re.compile(r"\\(?:boxed|fbox)\s*\{")
+_SCIENTIFIC = re.compile(r"^([+-]?(?:\d+\.?\d*|\.\d+))[eE]([+-]?\d+)$")  # 3.83e35 (Minerva's gold style)
 _GRACE_S = 5.0  # parent-side slack on top of the workers' own deadlines (process start, pickling)
 
 
@@ -48,19 +49,66 @@ def _braced_content(text: str, open_index: int) -> str | None:
     return None
 
 
+def parse_gold(answer: str) -> list:
+    """math-verify's parse of a gold answer written as bare LaTeX (``"2\\sqrt{2}"``, ``"(3,-1)"``).
+
+    Gold answers in the math datasets carry no ``$`` or ``\\boxed`` delimiters, and math-verify's
+    default extraction misreads many of them when parsed bare (``"2\\sqrt{2}"`` -> 2,
+    ``"1,2"`` -> 1.2, ``"(3,-1)"`` -> nothing). The answer is therefore parsed as the content of a
+    ``\\boxed{}``, like the prediction; only when that yields no mathematical object (just the
+    string itself, e.g. ``"-1./3"``) is the bare parse used instead. Surrounding ``$`` are dropped
+    first. Call under a deadline (math-verify's own timeouts are disabled here).
+    """
+    from math_verify import parse
+
+    text = answer.strip()
+    while len(text) >= 2 and text.startswith("$") and text.endswith("$"):
+        text = text[1:-1].strip()
+    boxed = _parse_boxed(text)
+    if _has_math(boxed):
+        return boxed
+    return parse(text, parsing_timeout=None) or boxed
+
+
+def _has_math(parsed: list) -> bool:
+    """True when math-verify's result holds a mathematical object, not only its input string."""
+    return any(not isinstance(item, str) for item in parsed)
+
+
+def _parse_boxed(content: str) -> list:
+    """math-verify's parse of ``\\boxed{content}``; a percentage is read as its number.
+
+    math-verify returns only the raw string for ``"17.5\\%"``, which then never equals anything,
+    so when the first parse finds no mathematical object the ``%`` / ``\\%`` signs are dropped
+    (the same rule for gold and prediction: ``"8 \\%"`` == ``"8"``). A bare scientific literal
+    (``"3.83e35"``, which LaTeX parsing reads as 3.83 * e * 35) becomes ``3.83\\times10^{35}``.
+    """
+    from math_verify import parse
+
+    scientific = _SCIENTIFIC.match(content.strip())
+    if scientific:
+        content = f"{scientific.group(1)}\\times10^{{{scientific.group(2)}}}"
+    parsed = parse(f"\\boxed{{{content}}}", parsing_timeout=None)
+    if _has_math(parsed) or "%" not in content:
+        return parsed
+    number = content.replace("\\%", "").replace("%", "").strip()
+    return parse(f"\\boxed{{{number}}}", parsing_timeout=None) or parsed
+
+
 def score_response(response: str, answer: str) -> float:
     """1.0 if math-verify finds the last boxed answer of ``response`` equal to ``answer``, else 0.0.
 
-    Runs math-verify with its own timeouts disabled: call it under a deadline (see
-    :class:`MathVerifyReward`), not directly on untrusted text in a latency-critical path.
+    The gold ``answer`` is parsed by :func:`parse_gold`. Runs math-verify with its own timeouts
+    disabled: call it under a deadline (see :class:`MathVerifyReward`), not directly on untrusted
+    text in a latency-critical path.
     """
     boxed = extract_last_boxed(response)
     if boxed is None:
         return 0.0
-    from math_verify import parse, verify  # imported in the worker processes only
+    from math_verify import verify  # imported in the worker processes only
 
-    gold = parse(answer, parsing_timeout=None)
-    pred = parse(f"\\boxed{{{boxed}}}", parsing_timeout=None)
+    gold = parse_gold(answer)
+    pred = _parse_boxed(boxed)
     return 1.0 if gold and pred and verify(gold, pred, timeout_seconds=None) else 0.0
 
 

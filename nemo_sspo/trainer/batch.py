@@ -7,7 +7,7 @@ import torch
 from nemo_sspo.megatron.step import PolicyBatch
 from nemo_sspo.rollout import RolloutBatch
 
-__all__ = ["concat_rollouts", "pack_rollouts", "response_to_target_frame"]
+__all__ = ["concat_rollouts", "pack_rollouts", "pack_tokens", "response_to_target_frame"]
 
 
 def _pad_cat(tensors: list[torch.Tensor], value, *, left: bool) -> torch.Tensor:
@@ -58,6 +58,22 @@ def response_to_target_frame(values: torch.Tensor, prompt_mask: torch.Tensor, se
     return out
 
 
+def pack_tokens(parts: list[tuple[torch.Tensor, torch.Tensor]], *, pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Concatenates, row by row, the valid tokens of several ``(ids [B, L_k] int64, mask [B, L_k] bool)``
+    parts (any padding side) and right-pads the rows with ``pad_id``.
+
+    Returns:
+        ``(input_ids [B, S] int64, lengths [B] int64)`` with ``S = max(lengths)``; row ``b`` holds its
+        ``lengths[b]`` valid tokens at positions ``0 .. lengths[b] - 1``.
+    """
+    counts = torch.stack([mask.sum(dim=1) for _, mask in parts], dim=1)  # [B, K]
+    lengths = counts.sum(dim=1)
+    input_ids = torch.full((counts.shape[0], int(lengths.max())), pad_id, dtype=torch.long)
+    for b in range(counts.shape[0]):
+        input_ids[b, : int(lengths[b])] = torch.cat([ids[b][mask[b]] for ids, mask in parts])
+    return input_ids, lengths
+
+
 def pack_rollouts(
     prompt_ids: torch.Tensor,
     prompt_mask: torch.Tensor,
@@ -73,7 +89,8 @@ def pack_rollouts(
     Args:
         prompt_ids: [B, P] int64, LEFT-padded prompts; prompt_mask: [B, P] bool.
         response_ids: [B, T] int64, RIGHT-padded responses; response_mask: [B, T] bool.
-        segment_ids: [B, T] int64 newline-segment ids in the response frame (-1 at padding).
+        segment_ids: [B, T] int64 segment ids of the loss's segmentation in the response frame
+            (-1 at padding).
         advantages: [B] float32.
         pad_id: token id written at padding positions.
 
@@ -89,14 +106,8 @@ def pack_rollouts(
                     ("advantages", advantages)):
         if t.shape[0] != rows:
             raise ValueError(f"{name} has {t.shape[0]} rows, prompt_ids has {rows}")
-    prompt_len = prompt_mask.sum(dim=1)
-    resp_len = response_mask.sum(dim=1)
-    seq_len = int((prompt_len + resp_len).max())
-    input_ids = torch.full((rows, seq_len), pad_id, dtype=torch.long)
-    for b in range(rows):
-        p, t = int(prompt_len[b]), int(resp_len[b])
-        input_ids[b, :p] = prompt_ids[b][prompt_mask[b]]
-        input_ids[b, p : p + t] = response_ids[b][response_mask[b]]
+    input_ids, _ = pack_tokens([(prompt_ids, prompt_mask), (response_ids, response_mask)], pad_id=pad_id)
+    seq_len = input_ids.shape[1]
     targets = torch.cat([input_ids[:, 1:], torch.full((rows, 1), pad_id, dtype=torch.long)], dim=1)
     loss_mask = response_to_target_frame(response_mask, prompt_mask, seq_len, fill=False)
     zeros = torch.zeros(rows, seq_len, dtype=torch.float32)

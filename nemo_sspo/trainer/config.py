@@ -14,16 +14,20 @@ from typing import Any
 from hydra.core.config_store import ConfigStore
 
 from nemo_sspo.algorithms.losses import get_policy_loss
-from nemo_sspo.data import PROMPT_SOURCES, TEMPLATES
+from nemo_sspo.data import MATH_DATASETS, PAPER_BENCHMARKS, PROMPT_SOURCES, TEMPLATES
+from nemo_sspo.megatron.model import FP8_FORMATS, FP8_RECIPES, PRECISIONS, TRANSFORMER_IMPLS
 
 __all__ = [
     "ModelConfig",
     "ParallelConfig",
     "DataConfig",
     "RolloutConfig",
+    "VLLMConfig",
+    "EvalConfig",
     "RewardConfig",
     "OptimConfig",
     "LossSection",
+    "CriticConfig",
     "TrainerConfig",
     "TrainConfig",
     "validate",
@@ -34,9 +38,19 @@ __all__ = [
 @dataclass
 class ModelConfig:
     source: str = "smollm2-135m-instruct"
-    """Checkpoint to start from: see ``nemo_sspo.models.load_hf_checkpoint`` for the names."""
+    """Checkpoint to start from: a built-in name (``nemo_sspo.models.SOURCES``), a local Hugging Face
+    model directory, or a hub id (``Qwen/Qwen2.5-Math-1.5B``) found in the local HF cache."""
     cache_dir: str | None = None
     """Where dequantised weights are cached; None = ``$NEMO_SSPO_CACHE`` or ``~/.cache/nemo_sspo``."""
+    precision: str = "fp32"
+    """Policy parameter dtype: ``fp32`` (CPU, exact tests) or ``bf16`` (GPU training)."""
+    fp8: str | None = None
+    """FP8 GEMMs through TransformerEngine: null (off), ``hybrid`` or ``e4m3``; needs precision=bf16."""
+    fp8_recipe: str = "delayed"
+    """FP8 scaling recipe when ``fp8`` is set: delayed, tensorwise, mxfp8 (Blackwell), blockwise."""
+    transformer_impl: str = "auto"
+    """Layer implementation: ``auto`` (TransformerEngine when CUDA and transformer-engine are present,
+    else local), ``local`` or ``transformer_engine`` (fails clearly when unavailable)."""
 
 
 @dataclass
@@ -60,6 +74,20 @@ class DataConfig:
 
 
 @dataclass
+class VLLMConfig:
+    tensor_parallel_size: int = 1
+    """GPUs per vLLM engine (vLLM's own tensor parallelism, independent of the trainer's)."""
+    gpu_memory_utilization: float = 0.5
+    """Fraction of each GPU's memory vLLM may take (weights + KV cache); leave room for the trainer."""
+    dtype: str = "bfloat16"
+    """vLLM model dtype."""
+    max_model_len: int | None = None
+    """Prompt + response token limit of the engine; None = the model's ``max_position_embeddings``."""
+    enforce_eager: bool = False
+    """Disable CUDA graphs (slower, less memory, faster start)."""
+
+
+@dataclass
 class RolloutConfig:
     prompts_per_step: int = 4
     """Distinct prompts sampled per training step."""
@@ -71,6 +99,18 @@ class RolloutConfig:
     """Sampling temperature; the trainer's log-probs use the same temperature."""
     top_p: float = 1.0
     """Nucleus sampling mass. Keep 1.0 for training: top_p < 1 makes rollout and trainer log-probs differ."""
+    backend: str = "hf"
+    """Generation engine: ``hf`` (transformers ``generate``, CPU) or ``vllm`` (GPU; options in ``rollout.vllm``).
+    ``nemo-sspo eval`` uses the same backend."""
+    vllm: VLLMConfig = field(default_factory=VLLMConfig)
+    """vLLM engine settings, read only when ``backend`` is ``vllm``."""
+    dynamic_sampling: bool = False
+    """DAPO dynamic sampling (arXiv 2503.14476 sec. 3.2): refill every prompt group whose rewards are all
+    equal with a fresh prompt until each of the step's groups has reward variance or
+    ``max_sampling_rounds`` rounds have run (see ``nemo_sspo.trainer.sampling``). ``loss=dapo`` turns it on."""
+    max_sampling_rounds: int = 8
+    """Generation rounds per step with ``dynamic_sampling`` (the first included). At the limit the step
+    trains on the full batch, the groups still without variance taking advantage 0, and says so."""
 
 
 @dataclass
@@ -79,6 +119,12 @@ class RewardConfig:
     """Processes scoring answers with math-verify (its timeouts need each worker's main thread)."""
     timeout_s: float = 5.0
     """Per-answer verification limit in seconds; a timeout scores 0."""
+    overlong_buffer_len: int = 0
+    """DAPO overlong reward shaping (arXiv 2503.14476 eq. 13): responses longer than
+    ``rollout.max_new_tokens - overlong_buffer_len`` tokens get a penalty growing linearly to
+    ``overlong_penalty`` at ``rollout.max_new_tokens``, added to the task reward. 0 disables it."""
+    overlong_penalty: float = 1.0
+    """Largest overlong penalty (the paper's 1.0), read when ``overlong_buffer_len > 0``."""
 
 
 @dataclass
@@ -97,9 +143,28 @@ class OptimConfig:
 @dataclass
 class LossSection:
     name: str = "sspo"
-    """Registered policy-loss name: grpo, gspo, sspo, sspo_fixed_clip."""
+    """Registered policy-loss name (``nemo_sspo.algorithms.losses.policy_loss_names()``): sspo (default),
+    sspo_fixed_clip, grpo, dr_grpo, dapo, gspo, gspo_token, lpo, dcpo, gmpo, sapo, soft_seq_po, cispo,
+    clip_cov, kl_cov, sppo (sequence-level PPO with a critic, see ``critic``). Select it as a group
+    (``loss=grpo``) so that ``params`` come from ``conf/loss/<name>.yaml``."""
     params: dict[str, Any] = field(default_factory=dict)
-    """Overrides of that loss's own config dataclass (e.g. ``gamma``, ``aggregation``)."""
+    """Overrides of that loss's own config dataclass (e.g. ``gamma``, ``aggregation``,
+    ``segmentation``, ``kl_coef``). The trainer also reads ``segmentation`` / ``segment_k`` (segment
+    ids), ``advantage_std_normalisation`` (group advantages), ``kl_coef`` (> 0 keeps a frozen
+    reference policy) and the loss's ``advantage_source`` (``critic`` trains the SPPO critic)."""
+
+
+@dataclass
+class CriticConfig:
+    source: str | None = None
+    """Checkpoint of the SPPO critic's trunk (as ``model.source``; same tokenizer as the policy); null =
+    ``model.source``. Read only by losses whose ``advantage_source`` is ``critic`` (``loss=sppo``)."""
+    num_layers: int | None = None
+    """Keep only the first N decoder layers of ``source`` (a smaller critic); null = all of them."""
+    micro_batch_size: int = 4
+    """Prompts per critic forward/backward pass; must divide the prompts per data-parallel rank."""
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    """The critic's own Adam optimizer (one step per training step, on that step's prompts)."""
 
 
 @dataclass
@@ -119,6 +184,24 @@ class TrainerConfig:
 
 
 @dataclass
+class EvalConfig:
+    benchmarks: list[str] = field(default_factory=lambda: list(PAPER_BENCHMARKS))
+    """Datasets scored by greedy Avg@1 (names of ``nemo_sspo.data.MATH_DATASETS``); the paper's five by default."""
+    data_dir: str | None = None
+    """Folder of the benchmark JSONL files; null = ``$NEMO_SSPO_DATA_DIR`` (docs/data.md)."""
+    limit_per_benchmark: int | None = None
+    """Score only the first N problems of each benchmark (CPU smoke runs); null = all."""
+    max_new_tokens: int = 3000
+    """Greedy response length cap in tokens (the paper's 3,000)."""
+    batch_size: int = 8
+    """Prompts per ``generate`` call with the transformers backend."""
+    every_n_steps: int = 0
+    """Trainer: evaluate every N steps and keep the best step (the paper uses 10); 0 = never."""
+    output_dir: str = "outputs/eval"
+    """``nemo-sspo eval`` writes results.json and samples.jsonl here."""
+
+
+@dataclass
 class TrainConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
@@ -128,6 +211,8 @@ class TrainConfig:
     optim: OptimConfig = field(default_factory=OptimConfig)
     loss: LossSection = field(default_factory=LossSection)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    critic: CriticConfig = field(default_factory=CriticConfig)
 
 
 def build_loss_config(section: LossSection) -> Any:
@@ -193,7 +278,62 @@ def validate(cfg: TrainConfig, world_size: int = 1) -> None:
              f"data.source={cfg.data.source!r} is unknown; valid: {', '.join(PROMPT_SOURCES)}")
     _require(cfg.data.template in TEMPLATES,
              f"data.template={cfg.data.template!r} is unknown; valid: {', '.join(TEMPLATES)}")
-    build_loss_config(cfg.loss)
+    _validate_sampling_and_critic(cfg, dp, build_loss_config(cfg.loss))
+    _validate_model_rollout_eval(cfg)
+
+
+def _validate_sampling_and_critic(cfg: TrainConfig, dp: int, loss_config: Any) -> None:
+    """Dynamic sampling, overlong shaping and the SPPO critic, against the loss's advantage source."""
+    ro, rw, cr = cfg.rollout, cfg.reward, cfg.critic
+    _require(ro.max_sampling_rounds >= 1, "rollout.max_sampling_rounds must be >= 1")
+    _require(not ro.dynamic_sampling or ro.samples_per_prompt >= 2,
+             "rollout.dynamic_sampling=true needs rollout.samples_per_prompt >= 2: a group of one "
+             "response never has reward variance")
+    _require(0 <= rw.overlong_buffer_len <= ro.max_new_tokens,
+             f"reward.overlong_buffer_len={rw.overlong_buffer_len} must be in [0, rollout.max_new_tokens="
+             f"{ro.max_new_tokens}] (0 disables overlong shaping)")
+    _require(rw.overlong_penalty >= 0, "reward.overlong_penalty must be >= 0")
+    if loss_config.advantage_source != "critic":
+        _require(ro.samples_per_prompt >= 2,
+                 f"rollout.samples_per_prompt=1 gives every response advantage 0 with the group-relative "
+                 f"advantages of loss '{cfg.loss.name}'; use >= 2, or loss=sppo (its critic is the baseline)")
+        return
+    prompts_per_rank = ro.prompts_per_step // dp
+    _require(rw.overlong_buffer_len == 0,
+             f"reward.overlong_buffer_len must be 0 with loss '{cfg.loss.name}': its critic predicts the "
+             "0/1 task reward, so the reward must stay in [0, 1]")
+    _require(cr.num_layers is None or cr.num_layers >= 1, "critic.num_layers must be >= 1, or null for all")
+    _require(cr.num_layers is None or cr.num_layers % cfg.parallel.pipeline_model_parallel_size == 0,
+             f"critic.num_layers={cr.num_layers} must be divisible by parallel.pipeline_model_parallel_size="
+             f"{cfg.parallel.pipeline_model_parallel_size} (the critic uses the policy's layout)")
+    _require(cr.micro_batch_size >= 1 and prompts_per_rank % cr.micro_batch_size == 0,
+             f"critic.micro_batch_size={cr.micro_batch_size} must divide the {prompts_per_rank} prompts per "
+             f"data-parallel rank (rollout.prompts_per_step / data-parallel size {dp})")
+    _require(cr.optim.lr > 0, "critic.optim.lr must be > 0")
+    _require(cr.optim.clip_grad >= 0, "critic.optim.clip_grad must be >= 0 (0 disables clipping)")
+
+
+def _validate_model_rollout_eval(cfg: TrainConfig) -> None:
+    """Names and ranges of the model precision, rollout backend and evaluation settings."""
+    m, ev, vl = cfg.model, cfg.eval, cfg.rollout.vllm
+    _require(m.precision in PRECISIONS, f"model.precision={m.precision!r} is unknown; valid: {', '.join(PRECISIONS)}")
+    _require(m.fp8 is None or m.fp8 in FP8_FORMATS,
+             f"model.fp8={m.fp8!r} is unknown; valid: {', '.join(FP8_FORMATS)} or null")
+    _require(m.fp8 is None or m.precision == "bf16", "model.fp8 needs model.precision=bf16")
+    _require(m.fp8_recipe in FP8_RECIPES, f"model.fp8_recipe={m.fp8_recipe!r} is unknown; valid: {', '.join(FP8_RECIPES)}")
+    _require(m.transformer_impl in TRANSFORMER_IMPLS,
+             f"model.transformer_impl={m.transformer_impl!r} is unknown; valid: {', '.join(TRANSFORMER_IMPLS)}")
+    _require(cfg.rollout.backend in ("hf", "vllm"), f"rollout.backend={cfg.rollout.backend!r} is unknown; valid: hf, vllm")
+    _require(vl.tensor_parallel_size >= 1, "rollout.vllm.tensor_parallel_size must be >= 1")
+    _require(0 < vl.gpu_memory_utilization <= 1, "rollout.vllm.gpu_memory_utilization must be in (0, 1]")
+    unknown = [name for name in ev.benchmarks if name not in MATH_DATASETS]
+    _require(ev.benchmarks and not unknown,
+             f"eval.benchmarks has unknown names {unknown} (or is empty); valid: {', '.join(MATH_DATASETS)}")
+    _require(ev.limit_per_benchmark is None or ev.limit_per_benchmark >= 1,
+             "eval.limit_per_benchmark must be >= 1, or null for every problem")
+    _require(ev.max_new_tokens >= 1, "eval.max_new_tokens must be >= 1")
+    _require(ev.batch_size >= 1, "eval.batch_size must be >= 1")
+    _require(ev.every_n_steps >= 0, "eval.every_n_steps must be >= 0 (0 disables evaluation during training)")
 
 
 def _register() -> None:

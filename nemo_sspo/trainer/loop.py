@@ -3,29 +3,37 @@
 One step reads top to bottom as named phases::
 
     sample prompts -> generate (rollout engine, current weights) -> score (math-verify)
-    -> advantages -> old log-probs/entropy (Megatron, forward only) -> mini-batch updates
+    [-> refill zero-variance groups: DAPO dynamic sampling] -> advantages (group-relative, or
+    r - sigmoid(V) from the SPPO critic) -> segment ids (the loss's segmentation) -> old (and
+    reference) log-probs/entropy (Megatron, forward only) -> mini-batch updates -> critic update
     -> refit (Megatron -> rollout engine) -> metrics
 
-Rollouts are generated one prompt group per ``generate`` call, seeded by (seed, step, global prompt
-index), so the samples do not depend on how prompts are split over data-parallel ranks: the same
-seed and config give the same first step for any TP x PP x DP layout. Within a data-parallel
-replica only the first model-parallel rank generates and scores; it broadcasts the rollout to the
-replica's other TP/PP ranks.
+Rollouts are generated one prompt group per ``generate`` call, seeded by (seed, step, sampling
+round, global prompt index) (:mod:`nemo_sspo.trainer.sampling`), so the samples do not depend on how
+prompts are split over data-parallel ranks: the same seed and config give the same first step for
+any TP x PP x DP layout. Within a data-parallel replica only the first model-parallel rank generates
+and scores; it broadcasts the rollout to the replica's other TP/PP ranks.
+
+What the loss config asks of the trainer (:class:`nemo_sspo.algorithms.losses.PolicyLossConfig`):
+``segmentation`` / ``segment_k`` pick the segment ids; ``advantage_std_normalisation`` the group
+advantage; ``kl_coef > 0`` keeps a frozen Megatron copy of the initial policy and adds its
+``ref_logprobs`` to the batch (nothing is built when it is 0); ``advantage_source == "critic"``
+trains the SPPO critic (:mod:`nemo_sspo.trainer.critic`).
 """
 
 from __future__ import annotations
 
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from nemo_sspo.algorithms import build_boundary_table, group_advantages, newline_segment_ids
+from nemo_sspo.algorithms import group_advantages, segment_ids, select_nonzero_variance_groups
 from nemo_sspo.algorithms.losses import get_policy_loss
-from nemo_sspo.data import build_prompt_source, render_prompt
+from nemo_sspo.algorithms.segmentation import TABLE_FREE_SEGMENTATIONS, build_segment_tables
+from nemo_sspo.data import build_prompt_source
 from nemo_sspo.megatron import (
     build_policy_model,
     export_hf_state_dict,
@@ -35,24 +43,23 @@ from nemo_sspo.megatron import (
     vocab_shard,
 )
 from nemo_sspo.megatron.step import LossSpec
-from nemo_sspo.megatron.training import compute_old_logprobs, train_on_batch, wrap_for_training
+from nemo_sspo.megatron.training import (
+    compute_old_logprobs,
+    compute_ref_logprobs,
+    train_on_batch,
+    wrap_for_training,
+)
 from nemo_sspo.models import build_hf_model, load_hf_checkpoint
 from nemo_sspo.parallel.metrics import merge_metric_sums, reduce_metric_sums
 from nemo_sspo.rewards import MathVerifyReward
-from nemo_sspo.rollout import HFRolloutEngine, RolloutBatch
-from nemo_sspo.trainer.batch import concat_rollouts, pack_rollouts, response_to_target_frame
+from nemo_sspo.rollout import HFRolloutEngine
+from nemo_sspo.trainer.batch import pack_rollouts, response_to_target_frame
 from nemo_sspo.trainer.config import TrainConfig, build_loss_config, validate
+from nemo_sspo.trainer.critic import Critic, build_value_model, critic_advantages, pack_critic_batch
 from nemo_sspo.trainer.metrics import MetricsLogger
+from nemo_sspo.trainer.sampling import Rollout, RolloutSampler
 
 __all__ = ["GRPOTrainer", "Rollout"]
-
-
-@dataclass
-class Rollout:
-    """A data-parallel replica's scored rollouts (identical on all its TP/PP ranks)."""
-
-    batch: RolloutBatch
-    rewards: torch.Tensor  # [B] float32
 
 
 def _pair(total: float, count: float) -> torch.Tensor:
@@ -80,15 +87,30 @@ def _check_output_dir(trainer_cfg) -> None:
         )
 
 
+def _wrap(model, optim_cfg):
+    """Megatron DDP + Adam from an ``OptimConfig`` section."""
+    return wrap_for_training(model, lr=optim_cfg.lr, weight_decay=optim_cfg.weight_decay,
+                             adam_beta1=optim_cfg.adam_beta1, adam_beta2=optim_cfg.adam_beta2,
+                             adam_eps=optim_cfg.adam_eps, clip_grad=optim_cfg.clip_grad)
+
+
 class GRPOTrainer:
-    """Builds the policy, rollout engine, reward and logger from a validated :class:`TrainConfig`.
+    """Builds the policy (and, as the loss asks, its frozen reference and the SPPO critic), the
+    rollout engine, reward and logger from a validated :class:`TrainConfig`.
+
+    Args:
+        cfg: the run's config.
+        checkpoint: ``(hf_config, state_dict, tokenizer)`` of ``cfg.model.source`` as returned by
+            ``load_hf_checkpoint`` (several trainers in one process can share one load; the state
+            dict is copied, never modified); None loads it.
 
     Raises:
-        ValueError: invalid config (see :func:`nemo_sspo.trainer.config.validate`) or a parallel
-            layout the model's head/layer counts do not allow.
+        ValueError: invalid config (see :func:`nemo_sspo.trainer.config.validate`), a parallel
+            layout the model's head/layer counts do not allow, or a critic checkpoint whose
+            tokenizer differs from the policy's.
     """
 
-    def __init__(self, cfg: TrainConfig) -> None:
+    def __init__(self, cfg: TrainConfig, checkpoint=None) -> None:
         self.cfg = cfg
         par = cfg.parallel
         initialize_parallel(tp_size=par.tensor_model_parallel_size,
@@ -96,23 +118,27 @@ class GRPOTrainer:
         validate(cfg, world_size=dist.get_world_size())
         _check_output_dir(cfg.trainer)
         self.groups = get_parallel_groups()
+        self.loss_config = build_loss_config(cfg.loss)
         # Data first: a bad source option fails before the model is loaded.
-        self.prompts = build_prompt_source(cfg.data.source, seed=cfg.trainer.seed, **dict(cfg.data.options))
-        hf_config, state_dict, tokenizer = load_hf_checkpoint(cfg.model.source, cache_dir=cfg.model.cache_dir)
+        prompts = build_prompt_source(cfg.data.source, seed=cfg.trainer.seed, **dict(cfg.data.options))
+        if checkpoint is None:
+            checkpoint = load_hf_checkpoint(cfg.model.source, cache_dir=cfg.model.cache_dir)
+        hf_config, state_dict, tokenizer = checkpoint
         self.hf_config, self.tokenizer = hf_config, tokenizer
-        self._build_policy(state_dict)
+        self.model, self.optimizer = _wrap(self._megatron_policy(state_dict), cfg.optim)
+        self.ref_model = self._build_reference(state_dict) if self.loss_config.kl_coef > 0 else None
+        self.critic = self._build_critic(state_dict) if self.loss_config.advantage_source == "critic" else None
         self.is_generator = self.groups.mp_rank == 0
-        self.engine = self.reward = None
+        self.engine = self.reward = self.sampler = None
         if self.is_generator:
-            self._build_rollout(state_dict)
-        del state_dict
-        boundary = build_boundary_table(tokenizer)
-        # The model's vocabulary can exceed the tokenizer's (e.g. Qwen2.5: 151,936 rows vs 151,665
-        # ids); ids the tokenizer never decodes close no segment.
-        self.boundary = torch.nn.functional.pad(boundary, (0, max(0, hf_config.vocab_size - len(boundary))))
-        loss_fn, _ = get_policy_loss(cfg.loss.name)
+            self._build_rollout(state_dict, prompts)
+        self.tables = None
+        if self.loss_config.segmentation not in TABLE_FREE_SEGMENTATIONS:
+            # The model's vocabulary can exceed the tokenizer's (e.g. Qwen2.5: 151,936 rows vs
+            # 151,665 ids); ids the tokenizer never decodes close no segment.
+            self.tables = build_segment_tables(tokenizer).padded(hf_config.vocab_size)
         vocab_start, vocab_size = vocab_shard(self.model)
-        self.spec = LossSpec(loss_fn=loss_fn, loss_config=build_loss_config(cfg.loss),
+        self.spec = LossSpec(loss_fn=get_policy_loss(cfg.loss.name)[0], loss_config=self.loss_config,
                              tp_group=self.groups.tp_group if self.groups.tp_size > 1 else None,
                              vocab_start=vocab_start, vocab_size=vocab_size,
                              temperature=cfg.rollout.temperature,
@@ -120,50 +146,45 @@ class GRPOTrainer:
         self.logger = MetricsLogger(cfg.trainer.output_dir, cfg.trainer.max_steps,
                                     enabled=dist.get_rank() == 0)
 
-    def _build_policy(self, state_dict) -> None:
-        """Megatron policy for this rank, loaded from the HF weights, wrapped in DDP with its optimizer."""
+    def _megatron_policy(self, state_dict):
+        """This rank's Megatron policy stage holding the HF weights (not wrapped)."""
         model = build_policy_model(self.hf_config)
         load_hf_into_megatron(model, state_dict, self.hf_config)
-        opt = self.cfg.optim
-        self.model, self.optimizer = wrap_for_training(
-            model, lr=opt.lr, weight_decay=opt.weight_decay, adam_beta1=opt.adam_beta1,
-            adam_beta2=opt.adam_beta2, adam_eps=opt.adam_eps, clip_grad=opt.clip_grad,
-        )
+        return model
 
-    def _build_rollout(self, state_dict) -> None:
-        """Rollout engine (an HF copy of the policy) and reward pool, on generating ranks only."""
+    def _build_reference(self, state_dict):
+        """Frozen copy of the initial policy (same layout) for the reference-KL term."""
+        model = self._megatron_policy(state_dict).eval()
+        model.requires_grad_(False)
+        return model
+
+    def _build_critic(self, state_dict) -> Critic:
+        """The SPPO critic from ``critic.source`` (default: the policy's checkpoint)."""
+        cr = self.cfg.critic
+        hf_config = self.hf_config
+        if cr.source is not None:
+            hf_config, state_dict, tokenizer = load_hf_checkpoint(cr.source, cache_dir=self.cfg.model.cache_dir)
+            if tokenizer.get_vocab() != self.tokenizer.get_vocab():
+                raise ValueError(f"critic.source={cr.source!r} has another tokenizer than model.source="
+                                 f"{self.cfg.model.source!r}; the critic reads the policy's prompt tokens")
+        model = build_value_model(hf_config, state_dict, num_layers=cr.num_layers)
+        return Critic(*_wrap(model, cr.optim), cr.micro_batch_size)
+
+    def _build_rollout(self, state_dict, prompts) -> None:
+        """Rollout engine (an HF copy of the policy), reward pool and sampler, on generating ranks only."""
         ro = self.cfg.rollout
         self.engine = HFRolloutEngine(build_hf_model(self.hf_config, state_dict), self.tokenizer,
                                       max_new_tokens=ro.max_new_tokens, temperature=ro.temperature,
                                       top_p=ro.top_p)
         self.reward = MathVerifyReward(num_workers=self.cfg.reward.num_workers, timeout_s=self.cfg.reward.timeout_s)
+        self.sampler = RolloutSampler(engine=self.engine, reward=self.reward, prompts=prompts,
+                                      tokenizer=self.tokenizer, cfg=self.cfg, groups=self.groups)
 
     # ---- phases -------------------------------------------------------------------------------
-    def _local_problems(self):
-        """(index of this rank's first prompt in the step's global list, this rank's problems)."""
-        problems = self.prompts.sample(self.cfg.rollout.prompts_per_step)
-        per_rank = len(problems) // self.groups.dp_size
-        first = self.groups.dp_rank * per_rank
-        return first, problems[first : first + per_rank]
-
     def generate_and_score(self, step: int) -> Rollout:
-        """Generates G responses per local prompt and scores them; shared across the replica's TP/PP ranks."""
-        first, problems = self._local_problems()
-        rollout = None
-        if self.is_generator:
-            group = self.cfg.rollout.samples_per_prompt
-            parts = []
-            for k, problem in enumerate(problems):
-                prompt = render_prompt(self.tokenizer, problem.question, self.cfg.data.template)
-                seed = self.cfg.trainer.seed * 1_000_003 + step * 10_007 + first + k
-                parts.append(self.engine.generate([prompt] * group, seed=seed))
-            batch = concat_rollouts(parts, pad_id=self.tokenizer.pad_token_id)
-            answers = [p.answer for p in problems for _ in range(group)]
-            rewards = torch.tensor(self.reward(batch.response_texts, answers), dtype=torch.float32)
-            rollout = Rollout(batch=batch, rewards=rewards)
-        return self._broadcast_in_replica(rollout)
-
-    def _broadcast_in_replica(self, rollout: Rollout | None) -> Rollout:
+        """This rank's prompt groups, generated and scored (with dynamic sampling if configured);
+        shared across the replica's TP/PP ranks."""
+        rollout = self.sampler.collect(step) if self.is_generator else None
         g = self.groups
         if g.mp_size == 1:
             return rollout
@@ -171,15 +192,48 @@ class GRPOTrainer:
         dist.broadcast_object_list(box, src=g.mp_src_rank, group=g.mp_group)
         return box[0]
 
-    def prepare_batch(self, rollout: Rollout):
-        """Advantages, newline segments and packing; then pi_old log-probs/entropy from Megatron."""
+    def compute_advantages(self, rollout: Rollout) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """``[B]`` float32 advantages and their metric pairs.
+
+        Group-relative (``group_advantages``, std normalisation per the loss config), or for a
+        critic loss A = r - sigmoid(V(prompt)) with the critic before its update (collective over
+        the critic's layout; ranks off the last pipeline stage, which never read advantages, get 0).
+        """
+        group = self.cfg.rollout.samples_per_prompt
+        if self.critic is None:
+            advantages, stats = group_advantages(rollout.rewards, group,
+                                                 normalize_std=self.loss_config.advantage_std_normalisation)
+            groups = rollout.rewards.numel() / group
+            frac = stats["advantages/zero_variance_group_frac"]
+            return advantages, {"advantages/zero_variance_group_frac": _pair(frac * groups, groups)}
+        value_logits = self.critic.predict(self._critic_batch(rollout))
+        if value_logits is None:
+            return torch.zeros_like(rollout.rewards), {}
+        return critic_advantages(rollout.rewards, value_logits, group), {}
+
+    def _critic_batch(self, rollout: Rollout):
+        """The critic's prompts and BCE targets (the 0/1 task rewards)."""
         rb = rollout.batch
-        advantages, adv_stats = group_advantages(rollout.rewards, self.cfg.rollout.samples_per_prompt)
-        segments = newline_segment_ids(rb.response_ids, rb.response_mask, self.boundary)
+        return pack_critic_batch(rb.prompt_ids, rb.prompt_mask, rollout.task_rewards,
+                                 self.cfg.rollout.samples_per_prompt, pad_id=self.tokenizer.pad_token_id)
+
+    def prepare_batch(self, rollout: Rollout):
+        """Advantages, segment ids and packing; then pi_old (and pi_ref) log-probs from Megatron.
+
+        Returns:
+            ``(PolicyBatch, advantage metric pairs)``.
+        """
+        rb = rollout.batch
+        advantages, adv_sums = self.compute_advantages(rollout)
+        lc = self.loss_config
+        segments = segment_ids(lc.segmentation, rb.response_ids, rb.response_mask, self.tables, k=lc.segment_k)
         batch = pack_rollouts(rb.prompt_ids, rb.prompt_mask, rb.response_ids, rb.response_mask,
                               segments, advantages, pad_id=self.tokenizer.pad_token_id)
-        batch = compute_old_logprobs(self.model, batch, self.spec, self.cfg.parallel.micro_batch_size)
-        return batch, adv_stats
+        micro = self.cfg.parallel.micro_batch_size
+        batch = compute_old_logprobs(self.model, batch, self.spec, micro)
+        if self.ref_model is not None:
+            batch = compute_ref_logprobs(self.ref_model, batch, self.spec, micro)
+        return batch, adv_sums
 
     def update(self, batch) -> tuple[dict[str, torch.Tensor], float]:
         """minibatches_per_step optimizer steps over consecutive row blocks of ``batch``."""
@@ -201,18 +255,22 @@ class GRPOTrainer:
             self.engine.load_weights(state)
 
     # ---- metrics ------------------------------------------------------------------------------
-    def _rollout_metric_sums(self, rollout: Rollout, batch, adv_stats) -> dict[str, torch.Tensor]:
-        rb, rewards = rollout.batch, rollout.rewards
-        n = float(rewards.numel())
+    def _rollout_metric_sums(self, rollout: Rollout, batch) -> dict[str, torch.Tensor]:
+        rb, task = rollout.batch, rollout.task_rewards
+        n = float(task.numel())
         lengths = rb.response_mask.sum(dim=1).float()
-        groups = n / self.cfg.rollout.samples_per_prompt
+        varied = select_nonzero_variance_groups(task, self.cfg.rollout.samples_per_prompt).num_nonzero_variance
         sums = {
-            "reward/mean": _pair(float(rewards.sum()), n),
-            "reward/accuracy": _pair(float((rewards >= 1.0).sum()), n),
+            "reward/mean": _pair(float(task.sum()), n),
+            "reward/accuracy": _pair(float((task >= 1.0).sum()), n),
             "response/length_mean": _pair(float(lengths.sum()), n),
             "response/truncated_frac": _pair(float(rb.truncated.float().sum()), n),
-            "advantages/zero_variance_group_frac": _pair(adv_stats["advantages/zero_variance_group_frac"] * groups, groups),
+            # Each data-parallel rank reports the (common) round count once.
+            "rollout/sampling_rounds": _pair(float(rollout.rounds), 1.0),
+            "rollout/kept_group_frac": _pair(float(varied), float(rollout.generated_groups)),
         }
+        if self.cfg.reward.overlong_buffer_len > 0:
+            sums["reward/shaped_mean"] = _pair(float(rollout.rewards.sum()), n)
         mask = batch.loss_mask
         if mask.any():
             rollout_lp = response_to_target_frame(rb.rollout_logprobs, rb.prompt_mask, mask.shape[1])
@@ -225,15 +283,21 @@ class GRPOTrainer:
         with timer.time("generation"):
             rollout = self.generate_and_score(step)
         with timer.time("train"):
-            batch, adv_stats = self.prepare_batch(rollout)
+            batch, adv_sums = self.prepare_batch(rollout)
             sums, grad_norm = self.update(batch)
+        extra = {"optim/grad_norm": grad_norm}
+        if self.critic is not None:
+            with timer.time("critic"):
+                critic_sums, extra["critic/grad_norm"] = self.critic.update(self._critic_batch(rollout))
+            sums.update(critic_sums)
         with timer.time("refit"):
             self.refit()
         if self.groups.is_last_stage:
-            sums.update(self._rollout_metric_sums(rollout, batch, adv_stats))
+            sums.update(adv_sums)
+            sums.update(self._rollout_metric_sums(rollout, batch))
         metrics = reduce_metric_sums(sums, dp_group=self.groups.dp_group, pp_group=self.groups.pp_group,
                                      last_stage_rank=self.groups.pp_last_rank, is_last_stage=self.groups.is_last_stage)
-        metrics["optim/grad_norm"] = grad_norm
+        metrics.update(extra)
         metrics.update(timer.seconds)
         return metrics
 

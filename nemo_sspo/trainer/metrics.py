@@ -23,6 +23,8 @@ SUMMARY_KEYS = (
     ("policy/b_high", "b_high", "{:.3f}"),
     ("policy/segments_per_response", "seg/resp", "{:.2f}"),
     ("optim/grad_norm", "gnorm", "{:.3f}"),
+    ("rollout/sampling_rounds", "rounds", "{:.0f}"),
+    ("critic/value_mean", "V", "{:.3f}"),
     ("timing/generation_s", "gen_s", "{:.1f}"),
     ("timing/train_s", "train_s", "{:.1f}"),
 )

@@ -10,19 +10,7 @@ from nemo_sspo.cli import load_config
 from nemo_sspo.megatron import destroy_parallel, export_hf_state_dict
 from nemo_sspo.models import load_hf_checkpoint
 from nemo_sspo.trainer import loop
-
-
-class _ParityReward:
-    """1 for responses with an even character count, else 0: varied rewards from a random model."""
-
-    def __init__(self, **_):
-        pass
-
-    def __call__(self, responses, answers):
-        return [float(len(r) % 2 == 0) for r in responses]
-
-    def close(self):
-        pass
+from tests.integration._loop_runs import ParityReward as _ParityReward
 
 
 def test_updates_change_weights_and_refit_follows(monkeypatch, tmp_path):

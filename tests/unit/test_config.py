@@ -62,6 +62,15 @@ def test_bad_configs_fail_at_load_with_the_key(overrides, fragment):
         load_config(overrides=overrides)
 
 
+SPPO = ["loss=sppo", "rollout.samples_per_prompt=1", "rollout.prompts_per_step=8"]
+
+
+def test_sppo_allows_one_sample_per_prompt_and_dapo_turns_on_dynamic_sampling():
+    validate(load_config(overrides=SPPO), world_size=1)
+    assert load_config(overrides=["loss=dapo"]).rollout.dynamic_sampling
+    assert not load_config(overrides=["loss=grpo"]).rollout.dynamic_sampling
+
+
 @pytest.mark.parametrize(
     "overrides, world, fragment",
     [
@@ -70,6 +79,14 @@ def test_bad_configs_fail_at_load_with_the_key(overrides, fragment):
         (["rollout.temperature=0"], 1, "rollout.temperature"),
         (["data.template=foo"], 1, "data.template"),
         (["data.source=nope"], 1, "data.source"),
+        (["rollout.samples_per_prompt=1", "rollout.prompts_per_step=8"], 1, "loss=sppo"),  # group advantage 0
+        (["rollout.dynamic_sampling=true", "rollout.samples_per_prompt=1", "rollout.prompts_per_step=8"], 1,
+         "rollout.dynamic_sampling"),
+        (["rollout.max_sampling_rounds=0"], 1, "rollout.max_sampling_rounds"),
+        (["reward.overlong_buffer_len=65"], 1, r"reward.overlong_buffer_len=65 must be in \[0, rollout.max_new_tokens=64\]"),
+        ([*SPPO, "critic.micro_batch_size=3"], 1, "critic.micro_batch_size=3 must divide the 8 prompts"),
+        ([*SPPO, "reward.overlong_buffer_len=8"], 1, "reward.overlong_buffer_len must be 0 with loss 'sppo'"),
+        ([*SPPO, "parallel=pp2", "critic.num_layers=3"], 2, "critic.num_layers=3"),
     ],
 )
 def test_cross_field_checks_name_the_key(overrides, world, fragment):

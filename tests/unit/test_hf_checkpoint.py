@@ -53,7 +53,7 @@ def test_tokenizer_pad_and_chat_template(tiny):
 def test_unknown_source_lists_valid():
     with pytest.raises(ValueError, match="tiny-random-llama"):
         load_hf_checkpoint("gpt-5")
-    assert set(SOURCES) == {"smollm2-135m-instruct", "tiny-random-llama"}
+    assert set(SOURCES) == {"smollm2-135m-instruct", "tiny-random-llama", "tiny-random-qwen2"}
 
 
 def test_cache_inside_repo_rejected():
@@ -89,3 +89,25 @@ def test_smollm2_shapes_and_forward():
     assert torch.isfinite(logits).all()
     # The dequantised weights are the real model's: it completes the sentence with "Paris".
     assert tokenizer.decode(logits[0, -1].argmax()).strip() == "Paris"
+
+
+def test_local_directory_source_round_trips(tmp_path, tiny):
+    # A saved HF directory is a model source: same config, weights and tokenizer back.
+    config, state_dict, tokenizer = tiny
+    build_hf_model(config, state_dict).save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    loaded_config, loaded, loaded_tokenizer = load_hf_checkpoint(str(tmp_path))
+    assert loaded_config.model_type == "llama" and set(loaded) == set(state_dict)
+    assert all(torch.equal(loaded[k], v) for k, v in state_dict.items())
+    assert loaded_tokenizer.eos_token == tokenizer.eos_token
+
+
+def test_bad_directory_and_hub_id_messages(tmp_path, monkeypatch):
+    with pytest.raises(ValueError, match="no config.json"):
+        load_hf_checkpoint(str(tmp_path))
+    with pytest.raises(ValueError, match="hub id"):
+        load_hf_checkpoint("not a source")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    with pytest.raises(FileNotFoundError, match="local Hugging Face cache"):
+        load_hf_checkpoint("Qwen/Qwen2.5-Math-1.5B")

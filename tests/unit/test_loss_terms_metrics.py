@@ -29,7 +29,7 @@ from nemo_sspo.algorithms.losses.metrics import ENTROPY_BAND_KEYS
 from nemo_sspo.parallel.metrics import merge_metric_sums, reduce_metric_sums
 
 ALL_NAMES = ["cispo", "clip_cov", "dapo", "dcpo", "dr_grpo", "gmpo", "grpo", "gspo", "gspo_token",
-             "kl_cov", "lpo", "sapo", "soft_seq_po", "sspo", "sspo_fixed_clip"]
+             "kl_cov", "lpo", "sapo", "soft_seq_po", "sppo", "sspo", "sspo_fixed_clip"]
 
 
 def test_registry_holds_the_family():

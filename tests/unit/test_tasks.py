@@ -114,12 +114,14 @@ def test_build_errors():
         build_prompt_source("word_problems", seed=0, max_stepz=3)
     with pytest.raises(ValueError, match="min_steps"):
         build_prompt_source("word_problems", seed=0, min_steps=3, max_steps=2)
-    assert set(PROMPT_SOURCES) == {"word_problems", "reasoning_gym", "jsonl"}
+    assert set(PROMPT_SOURCES) == {"word_problems", "reasoning_gym", "jsonl", "math"}
 
 
 def test_qwen_math_template(tokenizer):
-    assert render_prompt(tokenizer, "What is 1+1?", "qwen-math") == (
-        "What is 1+1?\nPlease reason step by step, and put your final answer within \\boxed{}.")
+    # Qwen2.5-Math's "qwen25-math-cot" prompt: the instruction is the system message (ChatML).
+    assert render_prompt(tokenizer, "What is {x}+1?", "qwen-math") == (
+        "<|im_start|>system\nPlease reason step by step, and put your final answer within \\boxed{}."
+        "<|im_end|>\n<|im_start|>user\nWhat is {x}+1?<|im_end|>\n<|im_start|>assistant\n")
 
 
 def test_chat_boxed_template(tokenizer):

@@ -1,7 +1,7 @@
 """Policy-loss registry and the registered losses (importing this package registers them).
 
-Registered names: grpo, dr_grpo, dapo, gspo, gspo_token, sspo, sspo_fixed_clip, lpo, dcpo, gmpo,
-sapo, soft_seq_po (all on the shared segment-ratio engine :func:`ratio_clip_loss`), cispo
+Registered names: grpo, dr_grpo, dapo, gspo, gspo_token, sspo, sspo_fixed_clip, lpo, sppo, dcpo,
+gmpo, sapo, soft_seq_po (all on the shared segment-ratio engine :func:`ratio_clip_loss`), cispo
 (:func:`cispo_loss`), clip_cov and kl_cov (:func:`covariance_policy_loss`).
 """
 
@@ -23,6 +23,7 @@ from nemo_sspo.algorithms.losses.ratio_clip import (
     GSPOTokenLossConfig,
     LPOLossConfig,
     RatioLossConfig,
+    SequencePPOLossConfig,
     SSPOFixedClipConfig,
     ratio_clip_loss,
 )
@@ -59,6 +60,7 @@ __all__ = [
     "SAPOLossConfig",
     "SSPOFixedClipConfig",
     "SSPOLossConfig",
+    "SequencePPOLossConfig",
     "SoftGate",
     "SoftSeqPOLossConfig",
     "cispo_loss",

@@ -54,11 +54,14 @@ class PolicyLossConfig:
     :data:`nemo_sspo.algorithms.segmentation.SEGMENTATIONS`; "token" and "response" are computed
     from the mask, the others are read from the ``segment_ids`` argument, which the trainer builds
     with :func:`nemo_sspo.algorithms.segmentation.segment_ids` using ``segmentation`` and
-    ``segment_k``).
+    ``segment_k``). ``advantage_source`` tells the trainer where the per-response advantages come
+    from: ``"group"`` (group-relative, ``group_advantages``) or ``"critic"`` (SPPO:
+    ``r - sigmoid(V(prompt))`` from a learned prompt-value critic).
     """
 
     segmentation: ClassVar[str] = "token"
     segment_k: ClassVar[int | None] = None
+    advantage_source: ClassVar[str] = "group"
 
     aggregation: str = "seq-mean-token-mean"
     """Reduction mode passed to ``aggregate`` (one of ``AGGREGATION_MODES``)."""

@@ -34,6 +34,8 @@ Losses on this engine (segment unit / bounds / aggregation):
   with ``token_gradient`` (equal to gspo whenever the advantage is constant over a response, as it
   is here; the paper states this equivalence).
 - ``sspo_fixed_clip``: SSPO's segments with a fixed clip (the paper's "w/o entropy clip").
+- ``sppo`` (sequence-level PPO, arXiv 2604.08865): token (or response) ratio with a fixed clip; its
+  advantage r - sigmoid(V(prompt)) comes from the trainer's critic (``advantage_source``).
 - ``lpo``: segment ratio with a fixed clip and token-mean aggregation, as specified in the
   project's design notes (DESIGN.md section 2). We could not locate a primary paper defining "LPO";
   the formula here is that specification, not a reproduction of a published objective.
@@ -237,6 +239,24 @@ class LPOLossConfig(SSPOFixedClipConfig):
     """Every token weighs the same across the batch (unlike SSPO's response-level mean)."""
 
 
+@dataclass
+class SequencePPOLossConfig(SSPOFixedClipConfig):
+    """SPPO, sequence-level PPO (arXiv 2604.08865): PPO's clipped ratio objective whose advantage is
+    one scalar per response, A_i = r_i - sigmoid(V(x_i)), with V a learned value of the prompt alone
+    (a critic trained by binary cross-entropy on the 0/1 reward; the trainer computes A_i because
+    ``advantage_source = "critic"``). The critic is the baseline, so one sample per prompt is enough.
+
+    The ratio unit is the config's ``segmentation``: "token" (default, PPO's token ratio with the
+    fixed clip 1 -/+ 0.2) or "response" (one sequence ratio per response; then use GSPO-sized eps,
+    pitfall P5). The paper text available to us does not state which ratio its update clips; token
+    is our default.
+    """
+
+    advantage_source: ClassVar[str] = "critic"
+    segmentation: str = "token"
+    """Ratio unit (``nemo_sspo.algorithms.segmentation.SEGMENTATIONS``): "token" (PPO) or "response"."""
+
+
 def ratio_objective(logprobs, old_logprobs, advantages, response_mask, segment_ids, old_entropy,
                     config: RatioLossConfig) -> LossTerms:
     """Per-token -psi of the engine (module docstring) and its diagnostics, without extra terms."""
@@ -334,5 +354,6 @@ for _name, _config_cls in (
     ("gspo_token", GSPOTokenLossConfig),
     ("sspo_fixed_clip", SSPOFixedClipConfig),
     ("lpo", LPOLossConfig),
+    ("sppo", SequencePPOLossConfig),
 ):
     register_policy_loss(_name, _config_cls)(ratio_clip_loss)

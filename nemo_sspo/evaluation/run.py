@@ -1,0 +1,79 @@
+"""``nemo-sspo eval``: score one checkpoint on the configured benchmarks and write the results."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+from nemo_sspo.data import load_math_dataset
+from nemo_sspo.evaluation.benchmark import MEAN_KEY, evaluate, metric_key
+from nemo_sspo.evaluation.engines import EvalEngine, TransformersEvalEngine, VLLMEvalEngine
+from nemo_sspo.rewards import MathVerifyReward
+
+__all__ = ["build_eval_engine", "format_results", "run_eval"]
+
+
+def build_eval_engine(cfg) -> tuple[EvalEngine, Any]:
+    """``(engine, tokenizer)`` for ``cfg.model.source`` on the ``cfg.rollout.backend`` backend.
+
+    ``hf``: the checkpoint is loaded on CPU (fp32) into a transformers model. ``vllm``: vLLM loads
+    the model directory itself (``cfg.rollout.vllm`` settings); only the tokenizer is read here.
+
+    Raises:
+        ValueError: ``vllm`` with a built-in (CPU test) source, or as ``load_hf_checkpoint``.
+    """
+    from nemo_sspo.models import SOURCES, build_hf_model, load_hf_checkpoint
+    from nemo_sspo.models.hf_checkpoint import load_tokenizer, resolve_model_dir
+
+    if cfg.rollout.backend == "vllm":
+        if cfg.model.source in SOURCES:
+            raise ValueError(f"rollout.backend='vllm' needs model.source to be a model directory or hub id; "
+                             f"{cfg.model.source!r} is a built-in CPU test source (use rollout.backend=hf)")
+        model_dir = resolve_model_dir(cfg.model.source)
+        engine = VLLMEvalEngine(str(model_dir), seed=cfg.trainer.seed, **dataclasses.asdict(cfg.rollout.vllm))
+        return engine, load_tokenizer(model_dir)
+    hf_config, state_dict, tokenizer = load_hf_checkpoint(cfg.model.source, cache_dir=cfg.model.cache_dir)
+    model = build_hf_model(hf_config, state_dict)
+    return TransformersEvalEngine(model, tokenizer, batch_size=cfg.eval.batch_size), tokenizer
+
+
+def format_results(results: dict[str, float], counts: dict[str, int]) -> str:
+    """A plain-text table: benchmark, problems scored, Avg@1 in percent, and the mean row."""
+    lines = [f"{'benchmark':<16}{'problems':>9}{'Avg@1 %':>10}"]
+    for name, count in counts.items():
+        lines.append(f"{name:<16}{count:>9}{100 * results[metric_key(name)]:>10.2f}")
+    lines.append(f"{'mean':<16}{'':>9}{100 * results[MEAN_KEY]:>10.2f}")
+    return "\n".join(lines)
+
+
+def run_eval(cfg) -> dict[str, float]:
+    """Evaluate ``cfg.model.source`` on ``cfg.eval.benchmarks``; writes ``results.json`` and
+    ``samples.jsonl`` under ``cfg.eval.output_dir`` and returns :func:`evaluate`'s dict.
+
+    The prompt template is ``cfg.data.template`` (the one the model was trained with).
+
+    Raises:
+        ValueError: an invalid config (``nemo_sspo.trainer.config.validate``), a missing data
+            directory or benchmark file (both checked before the model is loaded), or as
+            :func:`build_eval_engine` and :func:`evaluate`.
+    """
+    from nemo_sspo.trainer.config import validate
+
+    validate(cfg, world_size=cfg.parallel.tensor_model_parallel_size * cfg.parallel.pipeline_model_parallel_size)
+    ev = cfg.eval
+    counts = {name: len(load_math_dataset(name, ev.data_dir, key="eval.data_dir")[:ev.limit_per_benchmark])
+              for name in ev.benchmarks}
+    engine, tokenizer = build_eval_engine(cfg)
+    out = Path(ev.output_dir)
+    with MathVerifyReward(num_workers=cfg.reward.num_workers, timeout_s=cfg.reward.timeout_s) as reward:
+        results = evaluate(engine, tokenizer, ev.benchmarks, data_dir=ev.data_dir, limit=ev.limit_per_benchmark,
+                           max_new_tokens=ev.max_new_tokens, template=cfg.data.template, reward=reward,
+                           samples_path=out / "samples.jsonl")
+    summary = {"results": results, "problems": counts, "model_source": cfg.model.source,
+               "template": cfg.data.template, "max_new_tokens": ev.max_new_tokens,
+               "backend": cfg.rollout.backend, "decoding": "greedy"}
+    (out / "results.json").write_text(json.dumps(summary, indent=2) + "\n")
+    print(format_results(results, counts))
+    return results

@@ -1,0 +1,161 @@
+"""One step's rollouts on a generator rank: prompts -> groups of G responses -> rewards, with DAPO
+dynamic sampling and overlong reward shaping.
+
+Slots. A step trains on ``rollout.prompts_per_step`` prompt groups, the *slots* 0..P-1 (global
+prompt indices); data-parallel rank d owns slots ``[d P/dp, (d+1) P/dp)``. The group of slot k in
+round r is sampled with the seed :func:`generation_seed` ``(trainer.seed, step, r, k)``.
+
+Dynamic sampling (``rollout.dynamic_sampling``; DAPO, arXiv 2503.14476 section 3.2, eq. 11): a slot
+whose G task rewards are all equal carries no learning signal (advantage 0); it stays *open* and is
+refilled with a fresh prompt in the next round, until no slot is open or
+``rollout.max_sampling_rounds`` rounds have run. In each round every generator rank draws the same
+U prompts from its identically seeded prompt stream (U = open slots over all ranks, known from one
+all-reduce of the open flags over the generators' data-parallel group) and gives the j-th to the
+j-th open slot. Whether a slot is open depends only on its own candidates, so the kept groups and
+every response are the same for any data-parallel split, and every rank ends with exactly P/dp
+groups (the same rows per update on every rank). The filter reads the task reward (DAPO filters on
+accuracy), not the shaped one.
+
+At the round limit the step still trains on the full batch: each still-open slot keeps its last
+(zero-variance) group, whose advantage is 0; rank 0 logs a warning with the counts, and the metrics
+``rollout/sampling_rounds`` and ``rollout/kept_group_frac`` (groups with reward variance / groups
+generated) show it. Refilling slot by slot generates only the missing groups (no surplus to throw
+away) but may need more, smaller rounds than over-sampling whole batches.
+
+Overlong shaping (``reward.overlong_buffer_len`` > 0; DAPO eq. 13) adds
+``overlong_reward_shaping(length, rollout.max_new_tokens, overlong_buffer_len, overlong_penalty)``
+to the task reward of every response.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from nemo_sspo.algorithms import overlong_reward_shaping, select_nonzero_variance_groups
+from nemo_sspo.data import render_prompt
+from nemo_sspo.rollout import RolloutBatch
+from nemo_sspo.trainer.batch import concat_rollouts
+
+__all__ = ["Rollout", "RolloutSampler", "generation_seed"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Rollout:
+    """A data-parallel rank's scored rollouts (identical on all TP/PP ranks of its replica).
+
+    Attributes:
+        batch: the ``P/dp * G`` responses, grouped by slot in slot order.
+        task_rewards: ``[B]`` float32, the reward function's scores.
+        rewards: ``[B]`` float32, ``task_rewards`` plus overlong shaping (what advantages use).
+        rounds: generation rounds of this step (the same on every rank).
+        generated_groups: groups this rank generated this step (>= P/dp with dynamic sampling).
+    """
+
+    batch: RolloutBatch
+    task_rewards: torch.Tensor
+    rewards: torch.Tensor
+    rounds: int
+    generated_groups: int
+
+
+def generation_seed(seed: int, step: int, round_: int, slot: int) -> int:
+    """Sampling seed of slot ``slot``'s group in round ``round_`` of ``step``: a 63-bit hash of the
+    four numbers only (never of the data-parallel split)."""
+    digest = hashlib.blake2b(f"{seed}/{step}/{round_}/{slot}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & (2**63 - 1)
+
+
+def _collective_device(group) -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else torch.device("cpu")
+
+
+class RolloutSampler:
+    """Generates and scores one step's groups on a generator rank (module docstring).
+
+    Args:
+        engine: rollout engine with ``generate(prompts, *, seed) -> RolloutBatch``.
+        reward: callable ``(response_texts, answers) -> list[float]``.
+        prompts: prompt source (``sample(n)``), seeded identically on every generator rank.
+        tokenizer: for the prompt template and padding.
+        cfg: the run's ``TrainConfig`` (reads ``rollout``, ``reward``, ``data.template``, ``trainer.seed``).
+        groups: this rank's ``ParallelGroups`` (data-parallel rank, size and group).
+    """
+
+    def __init__(self, *, engine, reward, prompts, tokenizer, cfg, groups) -> None:
+        self.engine, self.reward, self.prompts, self.tokenizer = engine, reward, prompts, tokenizer
+        self.cfg, self.groups = cfg, groups
+        self.slots_per_rank = cfg.rollout.prompts_per_step // groups.dp_size
+        self.first_slot = groups.dp_rank * self.slots_per_rank
+
+    def collect(self, step: int) -> Rollout:
+        """The step's rollout for this rank's slots (collective over the generators when dynamic
+        sampling is on)."""
+        ro = self.cfg.rollout
+        max_rounds = ro.max_sampling_rounds if ro.dynamic_sampling else 1
+        slots: list[tuple[RolloutBatch, torch.Tensor, bool] | None] = [None] * self.slots_per_rank
+        open_slots = list(range(ro.prompts_per_step))
+        rounds = generated = 0
+        while open_slots and rounds < max_rounds:
+            problems = self.prompts.sample(len(open_slots))
+            mine = [(slot, problem) for slot, problem in zip(open_slots, problems)
+                    if self.first_slot <= slot < self.first_slot + self.slots_per_rank]
+            for slot, group in zip((slot for slot, _ in mine), self._generate(step, rounds, mine)):
+                slots[slot - self.first_slot] = group
+            generated += len(mine)
+            rounds += 1
+            open_slots = self._open_slots(slots) if ro.dynamic_sampling else []
+        if open_slots and self.groups.dp_rank == 0:
+            logger.warning(
+                "step %d: dynamic sampling found %d of %d prompt groups with reward variance after %d rounds "
+                "(rollout.max_sampling_rounds=%d); training on the full batch, the other %d groups have "
+                "advantage 0. Raise rollout.max_sampling_rounds or use easier/harder prompts.",
+                step, ro.prompts_per_step - len(open_slots), ro.prompts_per_step, rounds,
+                ro.max_sampling_rounds, len(open_slots))
+        batch = concat_rollouts([part for part, _, _ in slots], pad_id=self.tokenizer.pad_token_id)
+        task_rewards = torch.cat([rewards for _, rewards, _ in slots])
+        return Rollout(batch=batch, task_rewards=task_rewards, rewards=task_rewards + self._shaping(batch),
+                       rounds=rounds, generated_groups=generated)
+
+    def _generate(self, step: int, round_: int, work: list) -> list[tuple[RolloutBatch, torch.Tensor, bool]]:
+        """``(responses, task rewards [G] float32, has reward variance)`` per ``(slot, problem)``;
+        one reward call for the whole round."""
+        group = self.cfg.rollout.samples_per_prompt
+        parts = []
+        for slot, problem in work:
+            prompt = render_prompt(self.tokenizer, problem.question, self.cfg.data.template)
+            seed = generation_seed(self.cfg.trainer.seed, step, round_, slot)
+            parts.append(self.engine.generate([prompt] * group, seed=seed))
+        if not parts:
+            return []
+        texts = [text for part in parts for text in part.response_texts]
+        answers = [problem.answer for _, problem in work for _ in range(group)]
+        rewards = torch.tensor(self.reward(texts, answers), dtype=torch.float32)
+        varied = set(select_nonzero_variance_groups(rewards, group).indices.tolist())
+        return [(part, r, k in varied) for k, (part, r) in enumerate(zip(parts, rewards.split(group)))]
+
+    def _open_slots(self, slots) -> list[int]:
+        """Global indices of the slots whose group has no reward variance, over all generators."""
+        flags = torch.zeros(self.cfg.rollout.prompts_per_step, dtype=torch.int64)
+        for k, (_, _, varied) in enumerate(slots):
+            flags[self.first_slot + k] = int(not varied)
+        if self.groups.dp_size > 1:
+            on_device = flags.to(_collective_device(self.groups.dp_group))
+            dist.all_reduce(on_device, group=self.groups.dp_group)
+            flags = on_device.cpu()
+        return torch.nonzero(flags).flatten().tolist()
+
+    def _shaping(self, batch: RolloutBatch) -> torch.Tensor:
+        """``[B]`` float32 overlong penalty (0 when ``reward.overlong_buffer_len`` is 0)."""
+        rw = self.cfg.reward
+        lengths = batch.response_mask.sum(dim=1)
+        if rw.overlong_buffer_len == 0:
+            return torch.zeros(lengths.shape, dtype=torch.float32)
+        return overlong_reward_shaping(lengths, self.cfg.rollout.max_new_tokens, rw.overlong_buffer_len,
+                                       rw.overlong_penalty)

@@ -1,0 +1,65 @@
+"""In-process training runs on the tiny random Llama, shared by the loop tests.
+
+Sized for 2 CPU cores: the Qwen-Math template (~60 prompt tokens instead of ~185 for chat-boxed),
+8-token responses, 2 x 2 responses per step, one checkpoint load per test module, no HF checkpoint.
+The math-verify reward pool is replaced by a stub (``loop.MathVerifyReward`` is monkeypatched).
+"""
+
+from __future__ import annotations
+
+from nemo_sspo.cli import load_config
+from nemo_sspo.megatron import destroy_parallel
+from nemo_sspo.trainer import loop
+
+TINY = [
+    "model=tiny_random", "data.template=qwen-math", "trainer.max_steps=2", "rollout.prompts_per_step=2",
+    "rollout.samples_per_prompt=2", "rollout.max_new_tokens=8", "parallel.micro_batch_size=2",
+    "trainer.minibatches_per_step=2", "trainer.save_hf_checkpoint=false", "trainer.overwrite_output_dir=true",
+]
+
+
+class ParityReward:
+    """1 for responses with an even character count, else 0: varied rewards from a random model."""
+
+    def __init__(self, **_):
+        pass
+
+    def __call__(self, responses, answers):
+        return [float(len(r) % 2 == 0) for r in responses]
+
+    def close(self):
+        pass
+
+
+class OddAnswerReward(ParityReward):
+    """Rewards vary (1, 0, 1, 0, ... within a group) only for problems with an odd answer; a problem
+    with an even answer gets 0 for every response (a zero-variance group)."""
+
+    def __call__(self, responses, answers):
+        return [float(int(a) % 2 == 1 and i % 2 == 0) for i, a in enumerate(answers)]
+
+
+class ZeroReward(ParityReward):
+    """0 for everything: no group ever has reward variance."""
+
+    def __call__(self, responses, answers):
+        return [0.0] * len(responses)
+
+
+def make_trainer(monkeypatch, tmp_path, overrides, *, checkpoint=None, reward=ParityReward):
+    """A :class:`loop.GRPOTrainer` on ``TINY + overrides`` writing to ``tmp_path``; call
+    ``destroy_parallel()`` when done (``run`` does)."""
+    monkeypatch.setattr(loop, "MathVerifyReward", reward)
+    cfg = load_config(overrides=[*TINY, f"trainer.output_dir={tmp_path}", *overrides])
+    return loop.GRPOTrainer(cfg, checkpoint=checkpoint)
+
+
+def run(monkeypatch, tmp_path, overrides, *, checkpoint=None, reward=ParityReward, capture=None):
+    """``trainer.fit()`` history; ``capture(trainer)`` may wrap trainer methods before the run."""
+    trainer = make_trainer(monkeypatch, tmp_path, overrides, checkpoint=checkpoint, reward=reward)
+    try:
+        if capture is not None:
+            capture(trainer)
+        return trainer.fit()
+    finally:
+        destroy_parallel()

@@ -1,0 +1,118 @@
+"""DAPO in the loop: dynamic sampling never trains on a zero-variance group while enough exist, says
+clearly (warning + metrics) when the round limit is hit, and keeps the same groups for DP=2 as for
+one process; overlong reward shaping (tiny random Llama, stub rewards)."""
+
+import logging
+import math
+
+import pytest
+import torch
+
+from nemo_sspo.megatron import destroy_parallel
+from nemo_sspo.models import load_hf_checkpoint
+from nemo_sspo.trainer.sampling import generation_seed
+from tests.integration._loop_runs import OddAnswerReward, ZeroReward, make_trainer, run
+
+DYNAMIC = ["loss=dapo", "rollout.prompts_per_step=4", "trainer.minibatches_per_step=1",
+           "rollout.max_sampling_rounds=6"]
+
+
+@pytest.fixture(scope="module")
+def checkpoint():
+    return load_hf_checkpoint("tiny-random-llama")
+
+
+def _record_rollouts(store):
+    def capture(trainer):
+        inner = trainer.generate_and_score
+
+        def wrapped(step):
+            rollout = inner(step)
+            store.append(rollout)
+            return rollout
+
+        trainer.generate_and_score = wrapped
+
+    return capture
+
+
+def test_batch_never_holds_a_zero_variance_group_when_enough_exist(checkpoint, monkeypatch, tmp_path):
+    # Problems with an even answer score 0 for every response; the sampler must replace them.
+    rollouts = []
+    history = run(monkeypatch, tmp_path, DYNAMIC, checkpoint=checkpoint, reward=OddAnswerReward,
+                  capture=_record_rollouts(rollouts))
+    refilled = 0
+    for rollout, record in zip(rollouts, history):
+        groups = rollout.task_rewards.reshape(-1, 2)
+        assert groups.shape[0] == 4 and bool((groups.amax(1) != groups.amin(1)).all())
+        assert record["advantages/zero_variance_group_frac"] == 0.0
+        # kept / generated: every generated group with variance is kept, the others were refilled
+        assert record["rollout/kept_group_frac"] == pytest.approx(4 / rollout.generated_groups)
+        refilled += rollout.generated_groups - 4
+        assert math.isfinite(record["loss/policy"])
+    assert refilled > 0  # the stream did hold even answers: the refill path ran
+    assert max(r["rollout/sampling_rounds"] for r in history) > 1
+
+
+def test_round_limit_warns_and_trains_on_the_full_batch(checkpoint, monkeypatch, tmp_path, caplog):
+    rollouts = []
+    with caplog.at_level(logging.WARNING, logger="nemo_sspo.trainer.sampling"):
+        history = run(monkeypatch, tmp_path, [*DYNAMIC, "rollout.max_sampling_rounds=2"], checkpoint=checkpoint,
+                      reward=ZeroReward, capture=_record_rollouts(rollouts))
+    messages = [r.getMessage() for r in caplog.records]
+    assert any("found 0 of 4 prompt groups with reward variance after 2 rounds "
+               "(rollout.max_sampling_rounds=2); training on the full batch" in m for m in messages), messages
+    for rollout, record in zip(rollouts, history):
+        assert rollout.batch.response_ids.shape[0] == 8  # every rank keeps P/dp x G rows
+        assert rollout.generated_groups == 8  # 4 slots x 2 rounds
+        assert record["rollout/sampling_rounds"] == 2.0 and record["rollout/kept_group_frac"] == 0.0
+        assert record["advantages/zero_variance_group_frac"] == 1.0
+        assert all(math.isfinite(v) for v in record.values())
+
+
+def test_overlong_shaping_penalises_responses_at_the_cap(checkpoint, monkeypatch, tmp_path):
+    # The tiny random model never stops early: every response has L_max = 8 tokens, so DAPO eq. 13
+    # with L_cache = 4 gives the full penalty, ((8 - 4) - 8) / 4 = -1, times overlong_penalty 0.5.
+    rollouts = []
+    (record,) = run(monkeypatch, tmp_path, ["trainer.max_steps=1", "reward.overlong_buffer_len=4",
+                                            "reward.overlong_penalty=0.5"], checkpoint=checkpoint,
+                    capture=_record_rollouts(rollouts))
+    (rollout,) = rollouts
+    assert bool((rollout.batch.response_mask.sum(1) == 8).all())
+    assert torch.equal(rollout.rewards, rollout.task_rewards - 0.5)
+    assert record["reward/shaped_mean"] == pytest.approx(record["reward/mean"] - 0.5)
+
+
+def test_generation_seed_depends_on_step_round_and_slot_only():
+    seeds = {generation_seed(1234, step, r, k) for step in (1, 2) for r in range(3) for k in range(4)}
+    assert len(seeds) == 24 and all(0 <= s < 2**63 for s in seeds)
+    assert generation_seed(1234, 1, 0, 3) == generation_seed(1234, 1, 0, 3)
+
+
+def _dp_rollouts(rank, world_size, tmp_dir):
+    """Runs in a spawned gloo process: the first two steps' rollouts of this rank."""
+    import pytest as _pytest
+
+    monkeypatch = _pytest.MonkeyPatch()
+    trainer = make_trainer(monkeypatch, f"{tmp_dir}/w{world_size}", DYNAMIC, reward=OddAnswerReward)
+    try:
+        out = []
+        for step in (1, 2):
+            rollout = trainer.generate_and_score(step)
+            out.append((rollout.batch.response_texts, rollout.task_rewards, rollout.rounds))
+        return out
+    finally:
+        trainer.close()
+        destroy_parallel()
+
+
+@pytest.mark.slow
+def test_data_parallel_split_keeps_the_same_groups(run_distributed, tmp_path):
+    single = run_distributed(_dp_rollouts, 1, str(tmp_path))[0]
+    split = run_distributed(_dp_rollouts, 2, str(tmp_path))
+    assert max(single[step][2] for step in range(2)) > 1  # slots were refilled
+    for step in range(2):
+        texts = split[0][step][0] + split[1][step][0]
+        assert texts == single[step][0]
+        assert torch.equal(torch.cat([split[0][step][1], split[1][step][1]]), single[step][1])
+        assert split[0][step][2] == split[1][step][2] == single[step][2]  # same number of rounds

@@ -1,0 +1,66 @@
+"""Every registered loss trains 2 steps in the CPU loop (tiny random Llama, in-process, one shared
+checkpoint load) and reports finite values for every metric it should.
+
+Expected keys: the trainer's own (rollout, reward, timing, optimiser, advantages or critic) plus
+every key the loss itself emits on a plain-tensor call (and the ``_std`` derived from its ``_sq``
+keys), so a loss whose metrics get lost between the loss and metrics.jsonl fails here.
+"""
+
+import math
+
+import pytest
+import torch
+
+from nemo_sspo.algorithms.losses import get_policy_loss, policy_loss_names
+from nemo_sspo.models import load_hf_checkpoint
+from tests.integration._loop_runs import run
+
+TRAINER_KEYS = {
+    "reward/mean", "reward/accuracy", "response/length_mean", "response/truncated_frac",
+    "rollout/sampling_rounds", "rollout/kept_group_frac", "rollout/trainer_logprob_gap_abs",
+    "loss/policy", "policy/approx_kl", "optim/grad_norm", "timing/generation_s", "timing/train_s",
+    "timing/refit_s",
+}
+GROUP_KEYS = {"advantages/zero_variance_group_frac"}
+CRITIC_KEYS = {"critic/loss", "critic/value_mean", "critic/reward_mean", "critic/abs_error",
+               "critic/grad_norm", "timing/critic_s"}
+# SPPO's setting: one response per prompt (its critic is the baseline).
+OVERRIDES = {"sppo": ["rollout.samples_per_prompt=1", "rollout.prompts_per_step=4", "critic.micro_batch_size=2"]}
+
+
+@pytest.fixture(scope="module")
+def checkpoint():
+    return load_hf_checkpoint("tiny-random-llama")
+
+
+def _loss_keys(name: str) -> set[str]:
+    """Metric keys the loss emits (with the current-policy entropy the trainer passes)."""
+    fn, config_cls = get_policy_loss(name)
+    mask = torch.ones(2, 3, dtype=torch.bool)
+    lp = torch.full((2, 3), -1.0)
+    _, metrics = fn(lp, lp, torch.tensor([1.0, -1.0]), mask, torch.zeros(2, 3, dtype=torch.long),
+                    torch.ones(2, 3), config_cls(), entropy=torch.ones(2, 3))
+    return set(metrics) | {k[: -len("_sq")] + "_std" for k in metrics if k.endswith("_sq")}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", policy_loss_names())
+def test_two_steps_of_every_loss(name, checkpoint, monkeypatch, tmp_path):
+    history = run(monkeypatch, tmp_path, [f"loss={name}", *OVERRIDES.get(name, [])], checkpoint=checkpoint)
+    expected = TRAINER_KEYS | _loss_keys(name)
+    expected |= CRITIC_KEYS if get_policy_loss(name)[1].advantage_source == "critic" else GROUP_KEYS
+    assert [r["step"] for r in history] == [1, 2]
+    for record in history:
+        assert expected <= set(record), sorted(expected - set(record))
+        assert all(math.isfinite(v) for v in record.values()), {k: v for k, v in record.items() if not math.isfinite(v)}
+        assert record["optim/grad_norm"] > 0
+        # Same weights, fp32: rollout and trainer log-probs differ by rounding only.
+        assert record["rollout/trainer_logprob_gap_abs"] < 1e-3
+    step1 = history[0]
+    # The first of the two mini-batches is on-policy (ratio exactly 1), the second is not: the
+    # step's smallest token ratio is at most 1 and the largest at least 1.
+    assert step1["policy/ratio_token_min"] <= 1.0 <= step1["policy/ratio_token_max"]
+    if name == "dapo":  # loss=dapo turns on dynamic sampling: no zero-variance group is trained on
+        assert all(r["advantages/zero_variance_group_frac"] == 0.0 for r in history)
+    else:
+        assert all(r["rollout/sampling_rounds"] == 1.0 for r in history)

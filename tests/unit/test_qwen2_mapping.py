@@ -1,0 +1,163 @@
+"""Qwen2 in the HF <-> Megatron mapping (single process), and the layer-spec choice by environment.
+
+Reference: transformers' Qwen2ForCausalLM on the same weights (fp32). Qwen2 differs from Llama by
+q/k/v biases (fused into ``linear_qkv.bias`` in Megatron's grouped order); the 7B model also has an
+untied output layer. Biases are redrawn non-zero (transformers initialises them to 0), so a
+dropped or permuted bias changes the logits by ~0.1, far above the 1e-5 tolerance.
+"""
+
+import pytest
+import torch
+from transformers import Qwen2Config, Qwen2ForCausalLM
+
+from nemo_sspo.megatron import (
+    build_policy_model,
+    destroy_parallel,
+    export_hf_state_dict,
+    forward_logits,
+    initialize_parallel,
+    load_hf_into_megatron,
+    transformer_config_from_hf,
+)
+from nemo_sspo.megatron import model as model_module
+from nemo_sspo.megatron.hf_mapping import expected_hf_keys
+from nemo_sspo.models import build_hf_model, load_hf_checkpoint
+
+VOCAB, SEQ = 100, 7
+
+
+def _qwen2_config(tied: bool = False, **overrides) -> Qwen2Config:
+    fields = dict(
+        hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=VOCAB, tie_word_embeddings=tied, max_position_embeddings=32,
+        rms_norm_eps=1e-6, rope_parameters={"rope_type": "default", "rope_theta": 5000.0},
+    )
+    fields.update(overrides)
+    return Qwen2Config(**fields)
+
+
+def _hf_model(config: Qwen2Config) -> Qwen2ForCausalLM:
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(config).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith(".bias"):
+                param.normal_(0.0, 0.5)
+    return model
+
+
+@pytest.fixture(scope="module")
+def parallel_1():
+    initialize_parallel(tp_size=1, pp_size=1, seed=3)
+    yield
+    destroy_parallel()
+
+
+def _inputs(vocab: int = VOCAB):
+    ids = torch.randint(0, vocab, (2, SEQ), generator=torch.Generator().manual_seed(5))
+    return ids, torch.arange(SEQ).expand(2, SEQ)
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_qwen2_logits_match_transformers_and_export_round_trips(parallel_1, tied):
+    config = _qwen2_config(tied)
+    hf_model = _hf_model(config)
+    model = build_policy_model(config).eval()
+    assert model.config.add_qkv_bias and not model.config.add_bias_linear
+    load_hf_into_megatron(model, hf_model.state_dict(), config)
+    ids, positions = _inputs()
+    with torch.no_grad():
+        logits = forward_logits(model, ids, positions)[..., :VOCAB]
+        torch.testing.assert_close(logits, hf_model(ids).logits, atol=1e-5, rtol=1e-5)
+    exported = export_hf_state_dict(model, config)
+    assert list(exported) == list(hf_model.state_dict())  # HF order, biases included
+    for name, tensor in hf_model.state_dict().items():
+        assert torch.equal(exported[name], tensor), name
+
+
+def test_qwen2_keys_include_qkv_biases():
+    keys = expected_hf_keys(_qwen2_config(num_hidden_layers=1))
+    # embed + 12 per layer (q/k/v weight+bias, o, gate, up, down, 2 norms) + norm + lm_head = 15
+    assert len(keys) == 15
+    assert keys[1:4] == ["model.layers.0.self_attn.q_proj.weight", "model.layers.0.self_attn.q_proj.bias",
+                         "model.layers.0.self_attn.k_proj.weight"]
+    assert "model.layers.0.self_attn.o_proj.bias" not in keys  # Qwen2's o_proj has no bias
+
+
+def test_load_rejects_state_dict_without_biases(parallel_1):
+    config = _qwen2_config()
+    state = {k: v for k, v in _hf_model(config).state_dict().items() if not k.endswith("v_proj.bias")}
+    with pytest.raises(ValueError, match=r"missing=\['model.layers.0.self_attn.v_proj.bias'"):
+        load_hf_into_megatron(build_policy_model(config), state, config)
+
+
+def test_tiny_random_qwen2_source_matches_megatron(parallel_1):
+    config, state_dict, tokenizer = load_hf_checkpoint("tiny-random-qwen2")
+    assert (config.model_type, config.tie_word_embeddings, config.vocab_size) == ("qwen2", False, 151936)
+    assert len(tokenizer) <= config.vocab_size  # Qwen2.5: 151,936 rows for ~151.7k token ids
+    assert state_dict["model.layers.0.self_attn.k_proj.bias"].abs().max() > 0  # non-zero biases
+    hf_model = build_hf_model(config, state_dict)
+    model = build_policy_model(config).eval()
+    load_hf_into_megatron(model, state_dict, config)
+    ids = tokenizer(["Let x = 2.\n\nThen 2x = 4."], return_tensors="pt")["input_ids"]
+    positions = torch.arange(ids.shape[1]).expand_as(ids)
+    with torch.no_grad():
+        logits = forward_logits(model, ids, positions)[..., : config.vocab_size]
+        torch.testing.assert_close(logits, hf_model(ids).logits, atol=1e-5, rtol=1e-5)
+
+
+def test_sliding_window_is_refused():
+    with pytest.raises(ValueError, match="use_sliding_window"):
+        transformer_config_from_hf(_qwen2_config(use_sliding_window=True, max_window_layers=1),
+                                   tp_size=1, pp_size=1)
+
+
+@pytest.mark.parametrize(
+    "kwargs, fragment",
+    [
+        (dict(precision="fp16"), "model.precision='fp16'"),
+        (dict(precision="bf16", fp8="e5m2"), "model.fp8='e5m2'"),
+        (dict(precision="fp32", fp8="hybrid"), "needs model.precision='bf16'"),
+        (dict(precision="bf16", fp8="hybrid", fp8_recipe="fancy"), "model.fp8_recipe='fancy'"),
+    ],
+)
+def test_precision_settings_are_checked_with_their_key(kwargs, fragment):
+    with pytest.raises(ValueError, match=fragment):
+        transformer_config_from_hf(_qwen2_config(), tp_size=1, pp_size=1, **kwargs)
+
+
+def test_bf16_fp8_reach_the_transformer_config():
+    config = transformer_config_from_hf(_qwen2_config(), tp_size=1, pp_size=1, precision="bf16",
+                                        fp8="hybrid", fp8_recipe="tensorwise")
+    assert (config.params_dtype, config.bf16, config.fp8, config.fp8_recipe) == (
+        torch.bfloat16, True, "hybrid", "tensorwise")
+
+
+def _fake_env(monkeypatch, *, cuda: bool, te: bool) -> None:
+    monkeypatch.setattr(model_module.torch.cuda, "is_available", lambda: cuda)
+    monkeypatch.setattr(model_module, "_transformer_engine_installed", lambda: te)
+
+
+def test_layer_impl_by_environment(monkeypatch):
+    resolve = model_module.resolve_transformer_impl
+    _fake_env(monkeypatch, cuda=False, te=False)
+    assert resolve("auto") == "local"  # CPU: always the local spec
+    with pytest.raises(ValueError, match="needs a CUDA device"):
+        resolve("transformer_engine")
+    with pytest.raises(ValueError, match=r"model.fp8='hybrid' needs a CUDA device"):
+        resolve("auto", fp8="hybrid")
+    _fake_env(monkeypatch, cuda=True, te=True)
+    assert resolve("auto") == "transformer_engine"
+    assert resolve("local") == "local"
+    with pytest.raises(ValueError, match="model.transformer_impl='local'"):
+        resolve("local", fp8="hybrid")
+    _fake_env(monkeypatch, cuda=True, te=False)
+    with pytest.warns(UserWarning, match="transformer-engine is not installed"):
+        assert resolve("auto") == "local"
+    # A missing GPU package names the package and the config key that asked for it.
+    with pytest.raises(ValueError, match=r"model.fp8='e4m3' needs the package transformer-engine"):
+        resolve("auto", fp8="e4m3")
+    with pytest.raises(ValueError, match=r"model.transformer_impl='transformer_engine' needs the package"):
+        resolve("transformer_engine")
+    with pytest.raises(ValueError, match="model.transformer_impl='te'"):
+        resolve("te")
