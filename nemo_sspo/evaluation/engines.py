@@ -64,7 +64,8 @@ class TransformersEvalEngine:
             chunk = list(prompts[start:start + self.batch_size])
             enc = self.tokenizer(chunk, return_tensors="pt", padding=True, padding_side="left",
                                  add_special_tokens=False)
-            out = self.model.generate(input_ids=enc["input_ids"], attention_mask=enc["attention_mask"],
+            out = self.model.generate(input_ids=enc["input_ids"].to(self.model.device),
+                                      attention_mask=enc["attention_mask"].to(self.model.device),
                                       generation_config=config)
             texts += self.tokenizer.batch_decode(out[:, enc["input_ids"].shape[1]:], skip_special_tokens=True)
         return texts

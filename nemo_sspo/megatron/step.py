@@ -17,7 +17,7 @@ prediction of token ``j + 1`` of ``input_ids`` (Megatron returns logits at every
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from functools import partial
 from typing import Any, Callable
 
@@ -27,7 +27,7 @@ from nemo_sspo.algorithms import aggregate
 from nemo_sspo.megatron.model import forward_logits
 from nemo_sspo.parallel import vocab_parallel_logprobs_entropy
 
-__all__ = ["PolicyBatch", "LossSpec", "make_forward_step", "split_micro_batches"]
+__all__ = ["PolicyBatch", "LossSpec", "make_forward_step", "model_device", "split_micro_batches", "to_device"]
 
 
 @dataclass
@@ -47,6 +47,9 @@ class PolicyBatch:
         ref_logprobs: [B, S] float32, log pi_ref of the target tokens under the frozen reference
             policy (0 outside the mask), or None when the loss has no reference-KL term
             (``kl_coef == 0``).
+        tis_weights: [B, S] float32 truncated importance-sampling weights
+            (``nemo_sspo.rollout.tis``; 1 outside the mask) multiplying each token's loss, or None
+            (``rollout.tis_cap`` unset).
     """
 
     input_ids: torch.Tensor
@@ -58,6 +61,7 @@ class PolicyBatch:
     old_entropy: torch.Tensor
     advantages: torch.Tensor
     ref_logprobs: torch.Tensor | None = None
+    tis_weights: torch.Tensor | None = None
 
     def select(self, rows: slice) -> "PolicyBatch":
         """Rows ``rows`` of every tensor field, as a new batch (views, no copy; None stays None)."""
@@ -78,6 +82,22 @@ def split_micro_batches(batch, micro_batch_size: int) -> list:
     if rows % micro_batch_size:
         raise ValueError(f"batch of {rows} rows does not split into micro-batches of {micro_batch_size}")
     return [batch.select(slice(i, i + micro_batch_size)) for i in range(0, rows, micro_batch_size)]
+
+
+def to_device(batch, device: torch.device):
+    """``batch`` (a dataclass of tensors, e.g. :class:`PolicyBatch`) with every tensor field on ``device``.
+
+    The trainer keeps whole batches on the host and moves one micro-batch at a time inside the
+    forward step; on CPU this is a no-op copy of the field references.
+    """
+    moved = {f.name: value.to(device) for f in fields(batch)
+             if isinstance(value := getattr(batch, f.name), torch.Tensor)}
+    return replace(batch, **moved)
+
+
+def model_device(model: torch.nn.Module) -> torch.device:
+    """Device of the model's (first) parameter: CUDA on GPU hosts, CPU otherwise."""
+    return next(model.parameters()).device
 
 
 @dataclass(frozen=True)
@@ -132,6 +152,8 @@ def _policy_loss_func(batch: PolicyBatch, spec: LossSpec, logits: torch.Tensor):
         ref_logprobs=batch.ref_logprobs,
         entropy=entropy,
     )
+    if batch.tis_weights is not None:
+        per_token = per_token * batch.tis_weights
     numerator, denominator = aggregate(
         per_token,
         batch.loss_mask,
@@ -144,7 +166,7 @@ def _policy_loss_func(batch: PolicyBatch, spec: LossSpec, logits: torch.Tensor):
     # on-policy mini-batch, growing with each off-policy update.
     log_ratio = (logprobs.detach() - batch.old_logprobs)[batch.loss_mask]
     approx_kl = torch.expm1(log_ratio) - log_ratio
-    metrics["policy/approx_kl"] = torch.stack([approx_kl.sum(), torch.tensor(float(approx_kl.numel()))])
+    metrics["policy/approx_kl"] = torch.stack([approx_kl.sum(), approx_kl.new_tensor(float(approx_kl.numel()))])
     return numerator, denominator.to(torch.int), metrics
 
 
@@ -169,7 +191,7 @@ def make_forward_step(spec: LossSpec, *, compute_loss: bool) -> Callable:
     loss_func = _policy_loss_func if compute_loss else _logprob_loss_func
 
     def forward_step(data_iterator: Iterator[PolicyBatch], model: torch.nn.Module):
-        batch = next(data_iterator)
+        batch = to_device(next(data_iterator), model_device(model))
         output = forward_logits(model, batch.input_ids, batch.position_ids)
         return output, partial(loss_func, batch, spec)
 

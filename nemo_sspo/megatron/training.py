@@ -42,12 +42,19 @@ def wrap_for_training(model: torch.nn.Module, *, lr: float, weight_decay: float,
 
     Sets ``calculate_per_token_loss`` (the normalisation contract of
     :mod:`nemo_sspo.megatron.step`) and ``finalize_model_grads`` on the model's config before
-    wrapping, because DDP reads them to decide its gradient scaling.
+    wrapping, because DDP reads them to decide its gradient scaling. A BF16 model
+    (``config.bf16``, ``model.precision=bf16``) is first wrapped in Megatron's ``Float16Module``
+    (BF16 compute, FP32 logits on the last stage), and its optimizer keeps FP32 main weights
+    (Megatron's mixed-precision optimizer), as Megatron-LM's ``get_model`` does.
 
     Returns:
-        ``(ddp_model, optimizer)``.
+        ``(ddp_model, optimizer)``: ``ddp_model.module`` is the model (or its ``Float16Module``).
     """
     config = get_model_config(model)
+    if config.bf16 or config.fp16:
+        from megatron.core.transformer.module import Float16Module
+
+        model = Float16Module(config, model)
     config.calculate_per_token_loss = True
     config.finalize_model_grads_func = finalize_model_grads
     ddp_config = DistributedDataParallelConfig(
@@ -101,7 +108,8 @@ def forward_logprobs(model, batch: PolicyBatch, spec: LossSpec, micro_batch_size
 
     Returns:
         ``(logprobs, entropy)``, each [B, S] float32 in the target frame (0 outside the mask), on
-        the last pipeline stage; None on other stages.
+        the host (CPU, where the trainer keeps whole batches), on the last pipeline stage; None on
+        other stages.
     """
     was_training = model.training
     model.eval()
@@ -111,7 +119,8 @@ def forward_logprobs(model, batch: PolicyBatch, spec: LossSpec, micro_batch_size
     model.train(was_training)
     if not outputs:
         return None
-    return torch.cat([o["logprobs"] for o in outputs]), torch.cat([o["entropy"] for o in outputs])
+    return (torch.cat([o["logprobs"] for o in outputs]).cpu(),
+            torch.cat([o["entropy"] for o in outputs]).cpu())
 
 
 def compute_old_logprobs(model, batch: PolicyBatch, spec: LossSpec, micro_batch_size: int) -> PolicyBatch:

@@ -20,7 +20,15 @@ import math
 import torch
 import torch.distributed as dist
 
-__all__ = ["merge_metric_sums", "metric_kind", "reduce_metric_sums"]
+__all__ = ["collective_device", "merge_metric_sums", "metric_kind", "reduce_metric_sums"]
+
+
+def collective_device(group) -> torch.device:
+    """Where tensors for a collective over ``group`` must live: the current CUDA device for NCCL,
+    the CPU otherwise (gloo)."""
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 def metric_kind(key: str) -> str:
@@ -67,8 +75,11 @@ def _all_reduce(keys: list[str], stacked: torch.Tensor, dp_group) -> torch.Tenso
     signed = torch.where(empty, torch.full_like(signed, math.inf), signed)[extreme]
     summed = stacked.clone()
     summed[extreme, 0] = 0.0
+    device = collective_device(dp_group)
+    summed, signed = summed.to(device), signed.to(device)
     dist.all_reduce(summed, group=dp_group)
     dist.all_reduce(signed, op=dist.ReduceOp.MIN, group=dp_group)
+    summed, signed = summed.cpu(), signed.cpu()
     summed[extreme, 0] = torch.where(is_max[extreme], -signed, signed)
     return summed
 
@@ -120,7 +131,9 @@ def reduce_metric_sums(
         for key in keys:
             if local[key].shape != (2,):
                 raise ValueError(f"metric {key!r} must be a (sum, count) tensor of shape [2], got {tuple(local[key].shape)}")
-        stacked = torch.stack([local[k].to(torch.float64) for k in keys]) if keys else torch.zeros(0, 2, dtype=torch.float64)
+        # On the host: pairs may come from the model's device (loss metrics) and the CPU (rollout metrics).
+        stacked = (torch.stack([local[k].detach().to("cpu", torch.float64) for k in keys]) if keys
+                   else torch.zeros(0, 2, dtype=torch.float64))
         if dp_group is not None and dist.get_world_size(dp_group) > 1:
             stacked = _all_reduce(keys, stacked, dp_group)
         result = _finalise(keys, stacked)

@@ -9,7 +9,7 @@ from transformers import GenerationConfig
 
 from nemo_sspo.models.hf_checkpoint import check_state_dict_keys
 
-__all__ = ["HFRolloutEngine", "RolloutBatch"]
+__all__ = ["HFRolloutEngine", "RolloutBatch", "check_sampling_settings", "encode_prompts", "finish_rollout_batch"]
 
 
 @dataclass
@@ -37,6 +37,48 @@ class RolloutBatch:
     rollout_logprobs: torch.Tensor
 
 
+def check_sampling_settings(*, max_new_tokens: int, temperature: float, top_p: float, top_k: int) -> None:
+    """Range checks shared by the rollout engines.
+
+    Raises:
+        ValueError: ``max_new_tokens <= 0``, ``temperature <= 0``, ``top_p`` outside (0, 1] or ``top_k < 0``.
+    """
+    if max_new_tokens <= 0:
+        raise ValueError(f"max_new_tokens={max_new_tokens} must be > 0")
+    if temperature <= 0:
+        raise ValueError(f"temperature={temperature} must be > 0 (sampling only; no greedy mode here)")
+    if not 0.0 < top_p <= 1.0:
+        raise ValueError(f"top_p={top_p} must be in (0, 1]; use 1.0 for training (P14)")
+    if top_k < 0:
+        raise ValueError(f"top_k={top_k} must be >= 0 (0 disables it)")
+
+
+def encode_prompts(tokenizer, prompts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(prompt_ids [B, P] int64 LEFT-padded, prompt_mask [B, P] bool)``; no special tokens added.
+
+    Raises:
+        ValueError: ``prompts`` is empty.
+    """
+    if not prompts:
+        raise ValueError("prompts is empty; pass at least one rendered prompt")
+    enc = tokenizer(prompts, return_tensors="pt", padding=True, padding_side="left", add_special_tokens=False)
+    return enc["input_ids"], enc["attention_mask"].bool()
+
+
+def finish_rollout_batch(tokenizer, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, response_ids: torch.Tensor,
+                         response_mask: torch.Tensor, truncated: torch.Tensor,
+                         logprobs: torch.Tensor) -> RolloutBatch:
+    """A :class:`RolloutBatch` from CPU tensors: writes the pad id and log-prob 0 outside
+    ``response_mask`` (``response_ids`` is modified in place) and decodes the texts."""
+    response_ids[~response_mask] = tokenizer.pad_token_id
+    # where, not multiply: a filtered (top-k/top-p) pad position has log-prob -inf and -inf * 0 = NaN.
+    logprobs = torch.where(response_mask, logprobs.float(), 0.0)
+    texts = tokenizer.batch_decode(response_ids, skip_special_tokens=True)
+    return RolloutBatch(prompt_ids=prompt_ids, prompt_mask=prompt_mask, response_ids=response_ids,
+                        response_mask=response_mask, truncated=truncated, response_texts=texts,
+                        rollout_logprobs=logprobs)
+
+
 class HFRolloutEngine:
     """Batched sampling from a ``transformers`` causal LM, with weight refit from the trainer.
 
@@ -49,6 +91,8 @@ class HFRolloutEngine:
             rollout log-probs are renormalised over the kept support, so the gap between rollout and
             trainer (full-vocabulary) log-probs grows and the first-step ratio is no longer 1.
         top_k: keep the ``top_k`` most likely tokens, 0 = off; same P14 caveat as ``top_p``.
+        device: where to generate (the model is moved there; e.g. the trainer's CUDA device); None
+            keeps the model where it is. Returned tensors are always on the CPU.
 
     Memory: ``generate`` keeps the processed scores of every step, ``B * T * V`` fp32 values
     (32 x 160 x 49152 x 4 B = 1.0 GB for SmolLM2), until :meth:`generate` returns.
@@ -58,18 +102,11 @@ class HFRolloutEngine:
     """
 
     def __init__(self, model, tokenizer, *, max_new_tokens: int, temperature: float, top_p: float = 1.0,
-                 top_k: int = 0) -> None:
-        if max_new_tokens <= 0:
-            raise ValueError(f"max_new_tokens={max_new_tokens} must be > 0")
-        if temperature <= 0:
-            raise ValueError(f"temperature={temperature} must be > 0 (sampling only; no greedy mode here)")
-        if not 0.0 < top_p <= 1.0:
-            raise ValueError(f"top_p={top_p} must be in (0, 1]; use 1.0 for training (P14)")
-        if top_k < 0:
-            raise ValueError(f"top_k={top_k} must be >= 0 (0 disables it)")
+                 top_k: int = 0, device: torch.device | str | None = None) -> None:
+        check_sampling_settings(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k)
         if tokenizer.pad_token_id is None or tokenizer.eos_token_id is None:
             raise ValueError("tokenizer needs pad_token_id and eos_token_id; set pad_token = eos_token")
-        self.model = model.eval()
+        self.model = (model if device is None else model.to(device)).eval()
         self.tokenizer = tokenizer
         self.max_new_tokens = max_new_tokens
         # A complete config, so nothing is inherited from the checkpoint's generation defaults.
@@ -97,24 +134,19 @@ class HFRolloutEngine:
         Returns:
             a :class:`RolloutBatch` with ``B = len(prompts)``.
         """
-        if not prompts:
-            raise ValueError("prompts is empty; pass at least one rendered prompt")
-        enc = self.tokenizer(prompts, return_tensors="pt", padding=True, padding_side="left",
-                             add_special_tokens=False)
-        prompt_ids, prompt_mask = enc["input_ids"], enc["attention_mask"].bool()
-        with torch.random.fork_rng(devices=[]):
+        prompt_ids, prompt_mask = encode_prompts(self.tokenizer, prompts)
+        device = self.model.device
+        # Fork (and so restore) the generator that sampling draws from: the CPU's, or the device's.
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
             torch.manual_seed(seed)
-            out = self.model.generate(input_ids=prompt_ids, attention_mask=prompt_mask.long(),
+            out = self.model.generate(input_ids=prompt_ids.to(device), attention_mask=prompt_mask.long().to(device),
                                       generation_config=self._generation_config)
-        response_ids = out.sequences[:, prompt_ids.shape[1]:].clone()
+        response_ids = out.sequences[:, prompt_ids.shape[1]:]
+        logprobs = self._sampled_logprobs(out.scores, response_ids).cpu()
+        response_ids = response_ids.cpu().clone()
         response_mask, truncated = self._response_mask(response_ids)
-        # where, not multiply: a filtered (top-k/top-p) pad position has log-prob -inf and -inf * 0 = NaN.
-        logprobs = torch.where(response_mask, self._sampled_logprobs(out.scores, response_ids), 0.0)
-        response_ids[~response_mask] = self.tokenizer.pad_token_id
-        texts = self.tokenizer.batch_decode(response_ids, skip_special_tokens=True)
-        return RolloutBatch(prompt_ids=prompt_ids, prompt_mask=prompt_mask, response_ids=response_ids,
-                            response_mask=response_mask, truncated=truncated, response_texts=texts,
-                            rollout_logprobs=logprobs)
+        return finish_rollout_batch(self.tokenizer, prompt_ids, prompt_mask, response_ids, response_mask, truncated,
+                                    logprobs)
 
     @torch.no_grad()
     def load_weights(self, hf_state_dict: dict[str, torch.Tensor]) -> None:

@@ -104,6 +104,11 @@ class RolloutConfig:
     ``nemo-sspo eval`` uses the same backend."""
     vllm: VLLMConfig = field(default_factory=VLLMConfig)
     """vLLM engine settings, read only when ``backend`` is ``vllm``."""
+    tis_cap: float | None = None
+    """Truncated importance sampling (``nemo_sspo.rollout.tis``): multiply each token's policy loss by
+    ``min(pi_old(y_t) / pi_rollout(y_t), tis_cap)`` (trainer over rollout-engine probability, a
+    constant), correcting the gap between the engine's and the trainer's log-probs (bf16 vLLM
+    kernels, or ``top_p < 1``). Must be >= 1 (e.g. 2.0); null = off."""
     dynamic_sampling: bool = False
     """DAPO dynamic sampling (arXiv 2503.14476 sec. 3.2): refill every prompt group whose rewards are all
     equal with a fresh prompt until each of the step's groups has reward variance or
@@ -181,6 +186,16 @@ class TrainerConfig:
     """Allow a run to replace the metrics and checkpoints of an earlier run in ``output_dir``."""
     save_hf_checkpoint: bool = True
     """Write the final policy as a Hugging Face checkpoint to ``output_dir/hf_checkpoint`` (also on a crash)."""
+    checkpoint_interval: int = 0
+    """Save a resumable checkpoint (policy, optimizer, SPPO critic, data position, RNG states) every N
+    steps and at the last step, to ``output_dir/checkpoints/step_<N>`` (``nemo_sspo.trainer.checkpoint``);
+    0 = never."""
+    keep_checkpoints: int = 2
+    """Resumable checkpoints kept on disk (the newest); older ones are deleted after a save. 0 = keep all."""
+    resume: str | None = None
+    """Resume from a checkpoint: a ``step_<N>`` folder, a ``checkpoints`` folder (its ``latest``), or
+    ``auto`` (``output_dir/checkpoints/latest`` if it exists, else start fresh); null = start fresh.
+    The config must match the checkpoint's (model, layout, data, seed)."""
 
 
 @dataclass
@@ -260,6 +275,14 @@ def validate(cfg: TrainConfig, world_size: int = 1) -> None:
     _require(ro.max_new_tokens >= 1, "rollout.max_new_tokens must be >= 1")
     _require(ro.temperature > 0, "rollout.temperature must be > 0 (use a small value for near-greedy)")
     _require(0 < ro.top_p <= 1, "rollout.top_p must be in (0, 1]")
+    _require(ro.tis_cap is None or ro.tis_cap >= 1,
+             f"rollout.tis_cap={ro.tis_cap} must be >= 1 (a cap below 1 shrinks on-policy tokens too), or null for off")
+    _require(ro.top_p == 1 or ro.tis_cap is not None,
+             f"rollout.top_p={ro.top_p} samples from a renormalised nucleus, not from the policy the trainer "
+             "scores (pitfall P14): the update would be silently off-policy. Set rollout.top_p=1.0, or set "
+             "rollout.tis_cap (e.g. 2.0) to reweight every token by pi_old / pi_rollout")
+    _require(tr.checkpoint_interval >= 0, "trainer.checkpoint_interval must be >= 0 (0 disables checkpoints)")
+    _require(tr.keep_checkpoints >= 0, "trainer.keep_checkpoints must be >= 0 (0 keeps every checkpoint)")
     _require(tr.max_steps >= 1, "trainer.max_steps must be >= 1")
     _require(tr.minibatches_per_step >= 1, "trainer.minibatches_per_step must be >= 1")
     _require(par.micro_batch_size >= 1, "parallel.micro_batch_size must be >= 1")

@@ -32,7 +32,7 @@ import torch.nn.functional as F
 
 from nemo_sspo.algorithms.losses.metrics import pair
 from nemo_sspo.megatron import build_policy_model, forward_logits, load_hf_into_megatron
-from nemo_sspo.megatron.step import split_micro_batches
+from nemo_sspo.megatron.step import model_device, split_micro_batches, to_device
 from nemo_sspo.megatron.training import accumulate_gradients, apply_optimizer_step, run_schedule
 from nemo_sspo.trainer.batch import pack_tokens
 
@@ -177,6 +177,18 @@ class ValueModel(torch.nn.Module):
             torch.nn.init.zeros_(self.value_head.weight)
             torch.nn.init.zeros_(self.value_head.bias)
 
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None):
+        """Megatron distributed-checkpoint state (``nemo_sspo.trainer.checkpoint``): the GPTModel's
+        own sharded state under ``module.``, and the value head (replicated over TP) under ``value_head.``."""
+        from megatron.core.transformer.utils import sharded_state_dict_default
+
+        state = self.module.sharded_state_dict(prefix=f"{prefix}module.", sharded_offsets=sharded_offsets,
+                                               metadata=metadata)
+        if self.value_head is not None:
+            state.update(sharded_state_dict_default(self.value_head, f"{prefix}value_head.", sharded_offsets,
+                                                    metadata))
+        return state
+
     def forward(self, input_ids, position_ids, attention_mask):
         hidden = self.module(input_ids, position_ids, attention_mask)
         if self.value_head is None:
@@ -184,16 +196,19 @@ class ValueModel(torch.nn.Module):
         return self.value_head(hidden).squeeze(-1).transpose(0, 1)
 
 
-def build_value_model(hf_config, state_dict: dict[str, torch.Tensor], *, num_layers: int | None = None) -> ValueModel:
+def build_value_model(hf_config, state_dict: dict[str, torch.Tensor], *, num_layers: int | None = None,
+                      **model_options) -> ValueModel:
     """This rank's critic stage (current parallel state), loaded from HF weights.
 
     Args:
         hf_config, state_dict: a Llama / Qwen2 checkpoint (``load_hf_checkpoint``).
         num_layers: keep the first N decoder layers (:func:`truncate_layers`); None keeps all.
+        **model_options: ``precision``, ``fp8``, ``fp8_recipe``, ``transformer_impl`` of
+            ``build_policy_model`` (the policy's ``model.*`` settings).
     """
     if num_layers is not None:
         hf_config, state_dict = truncate_layers(hf_config, state_dict, num_layers)
-    gpt = build_policy_model(hf_config)
+    gpt = build_policy_model(hf_config, **model_options)
     load_hf_into_megatron(gpt, state_dict, hf_config)
     return ValueModel(gpt)
 
@@ -216,7 +231,7 @@ def _bce_loss_func(batch: CriticBatch, values: torch.Tensor):
         "critic/reward_mean": pair(targets.sum(), count),
         "critic/abs_error": pair((prob - targets).abs().sum(), count),
     }
-    return bce.sum(), torch.tensor(logits.numel(), dtype=torch.int), metrics
+    return bce.sum(), torch.tensor(logits.numel(), dtype=torch.int, device=logits.device), metrics
 
 
 def _predict_loss_func(batch: CriticBatch, values: torch.Tensor):
@@ -226,7 +241,7 @@ def _predict_loss_func(batch: CriticBatch, values: torch.Tensor):
 
 def _forward_step(loss_func):
     def forward_step(data_iterator, model):
-        batch = next(data_iterator)
+        batch = to_device(next(data_iterator), model_device(model))
         return forward_logits(model, batch.input_ids, batch.position_ids), partial(loss_func, batch)
 
     return forward_step

@@ -19,12 +19,22 @@ What the loss config asks of the trainer (:class:`nemo_sspo.algorithms.losses.Po
 advantage; ``kl_coef > 0`` keeps a frozen Megatron copy of the initial policy and adds its
 ``ref_logprobs`` to the batch (nothing is built when it is 0); ``advantage_source == "critic"``
 trains the SPPO critic (:mod:`nemo_sspo.trainer.critic`).
+
+Around the steps: ``rollout.tis_cap`` multiplies each token's loss by a truncated importance weight
+pi_old / pi_rollout (:mod:`nemo_sspo.rollout.tis`); ``eval.every_n_steps`` evaluates the rollout
+engine's weights and keeps the best step (:mod:`nemo_sspo.trainer.periodic_eval`);
+``trainer.checkpoint_interval`` / ``trainer.resume`` save and restore the whole training state
+(:mod:`nemo_sspo.trainer.checkpoint`). On a CUDA host the policy lives on the GPU and each
+micro-batch is moved there in the forward step; whole batches stay on the host
+(:mod:`nemo_sspo.trainer.device`).
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from contextlib import contextmanager
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -49,17 +59,31 @@ from nemo_sspo.megatron.training import (
     train_on_batch,
     wrap_for_training,
 )
+from nemo_sspo.evaluation import MEAN_KEY
 from nemo_sspo.models import build_hf_model, load_hf_checkpoint
+from nemo_sspo.models.hf_checkpoint import resolve_model_dir
 from nemo_sspo.parallel.metrics import merge_metric_sums, reduce_metric_sums
 from nemo_sspo.rewards import MathVerifyReward
-from nemo_sspo.rollout import HFRolloutEngine
+from nemo_sspo.rollout import HFRolloutEngine, VLLMRolloutEngine, truncated_is_weights
 from nemo_sspo.trainer.batch import pack_rollouts, response_to_target_frame
+from nemo_sspo.trainer.checkpoint import (
+    CHECKPOINTS_DIR,
+    TrainerState,
+    load_checkpoint,
+    resolve_resume,
+    save_checkpoint,
+    write_hf_checkpoint,
+)
 from nemo_sspo.trainer.config import TrainConfig, build_loss_config, validate
 from nemo_sspo.trainer.critic import Critic, build_value_model, critic_advantages, pack_critic_batch
+from nemo_sspo.trainer.device import check_host, training_device
 from nemo_sspo.trainer.metrics import MetricsLogger
+from nemo_sspo.trainer.periodic_eval import BEST_DIR, BestEval, evaluate_engine
 from nemo_sspo.trainer.sampling import Rollout, RolloutSampler
 
 __all__ = ["GRPOTrainer", "Rollout"]
+
+logger = logging.getLogger(__name__)
 
 
 def _pair(total: float, count: float) -> torch.Tensor:
@@ -87,6 +111,12 @@ def _check_output_dir(trainer_cfg) -> None:
         )
 
 
+def _model_options(model_cfg) -> dict:
+    """``build_policy_model`` keyword arguments from the ``model`` section."""
+    return dict(precision=model_cfg.precision, fp8=model_cfg.fp8, fp8_recipe=model_cfg.fp8_recipe,
+                transformer_impl=model_cfg.transformer_impl)
+
+
 def _wrap(model, optim_cfg):
     """Megatron DDP + Adam from an ``OptimConfig`` section."""
     return wrap_for_training(model, lr=optim_cfg.lr, weight_decay=optim_cfg.weight_decay,
@@ -105,9 +135,10 @@ class GRPOTrainer:
             dict is copied, never modified); None loads it.
 
     Raises:
-        ValueError: invalid config (see :func:`nemo_sspo.trainer.config.validate`), a parallel
-            layout the model's head/layer counts do not allow, or a critic checkpoint whose
-            tokenizer differs from the policy's.
+        ValueError: invalid config (see :func:`nemo_sspo.trainer.config.validate`), a GPU-only
+            setting on a CPU host (:func:`nemo_sspo.trainer.device.check_host`), a parallel
+            layout the model's head/layer counts do not allow, a critic checkpoint whose
+            tokenizer differs from the policy's, or a ``trainer.resume`` checkpoint that does not fit.
     """
 
     def __init__(self, cfg: TrainConfig, checkpoint=None) -> None:
@@ -116,7 +147,10 @@ class GRPOTrainer:
         initialize_parallel(tp_size=par.tensor_model_parallel_size,
                             pp_size=par.pipeline_model_parallel_size, seed=cfg.trainer.seed)
         validate(cfg, world_size=dist.get_world_size())
-        _check_output_dir(cfg.trainer)
+        check_host(cfg)
+        resume_path = resolve_resume(cfg.trainer.resume, cfg.trainer.output_dir)
+        if resume_path is None:
+            _check_output_dir(cfg.trainer)
         self.groups = get_parallel_groups()
         self.loss_config = build_loss_config(cfg.loss)
         # Data first: a bad source option fails before the model is loaded.
@@ -143,12 +177,15 @@ class GRPOTrainer:
                              vocab_start=vocab_start, vocab_size=vocab_size,
                              temperature=cfg.rollout.temperature,
                              max_response_length=cfg.rollout.max_new_tokens)
-        self.logger = MetricsLogger(cfg.trainer.output_dir, cfg.trainer.max_steps,
-                                    enabled=dist.get_rank() == 0)
+        self.completed_steps, self.best = 0, BestEval()
+        if resume_path is not None:
+            self._resume(resume_path)
+        self.logger = MetricsLogger(cfg.trainer.output_dir, cfg.trainer.max_steps, enabled=dist.get_rank() == 0,
+                                    resume_step=self.completed_steps if resume_path is not None else None)
 
     def _megatron_policy(self, state_dict):
         """This rank's Megatron policy stage holding the HF weights (not wrapped)."""
-        model = build_policy_model(self.hf_config)
+        model = build_policy_model(self.hf_config, **_model_options(self.cfg.model))
         load_hf_into_megatron(model, state_dict, self.hf_config)
         return model
 
@@ -167,15 +204,24 @@ class GRPOTrainer:
             if tokenizer.get_vocab() != self.tokenizer.get_vocab():
                 raise ValueError(f"critic.source={cr.source!r} has another tokenizer than model.source="
                                  f"{self.cfg.model.source!r}; the critic reads the policy's prompt tokens")
-        model = build_value_model(hf_config, state_dict, num_layers=cr.num_layers)
+        model = build_value_model(hf_config, state_dict, num_layers=cr.num_layers, **_model_options(self.cfg.model))
         return Critic(*_wrap(model, cr.optim), cr.micro_batch_size)
 
     def _build_rollout(self, state_dict, prompts) -> None:
-        """Rollout engine (an HF copy of the policy), reward pool and sampler, on generating ranks only."""
+        """Rollout engine, reward pool and sampler, on generating ranks only.
+
+        ``rollout.backend=hf``: an HF copy of the policy on the training device. ``vllm``: an engine
+        loading ``model.source`` (a directory or hub id) itself; both are refitted after every step.
+        """
         ro = self.cfg.rollout
-        self.engine = HFRolloutEngine(build_hf_model(self.hf_config, state_dict), self.tokenizer,
-                                      max_new_tokens=ro.max_new_tokens, temperature=ro.temperature,
-                                      top_p=ro.top_p)
+        sampling = dict(max_new_tokens=ro.max_new_tokens, temperature=ro.temperature, top_p=ro.top_p)
+        if ro.backend == "vllm":
+            self.engine = VLLMRolloutEngine.build(
+                str(resolve_model_dir(self.cfg.model.source)), self.tokenizer, vllm_config=ro.vllm,
+                seed=self.cfg.trainer.seed, truncation_corrected=ro.tis_cap is not None, **sampling)
+        else:
+            self.engine = HFRolloutEngine(build_hf_model(self.hf_config, state_dict), self.tokenizer,
+                                          device=training_device(), **sampling)
         self.reward = MathVerifyReward(num_workers=self.cfg.reward.num_workers, timeout_s=self.cfg.reward.timeout_s)
         self.sampler = RolloutSampler(engine=self.engine, reward=self.reward, prompts=prompts,
                                       tokenizer=self.tokenizer, cfg=self.cfg, groups=self.groups)
@@ -218,13 +264,14 @@ class GRPOTrainer:
                                  self.cfg.rollout.samples_per_prompt, pad_id=self.tokenizer.pad_token_id)
 
     def prepare_batch(self, rollout: Rollout):
-        """Advantages, segment ids and packing; then pi_old (and pi_ref) log-probs from Megatron.
+        """Advantages, segment ids and packing; then pi_old (and pi_ref) log-probs from Megatron, and
+        the TIS weights when ``rollout.tis_cap`` is set (last pipeline stage).
 
         Returns:
-            ``(PolicyBatch, advantage metric pairs)``.
+            ``(PolicyBatch, advantage and TIS metric pairs)``.
         """
         rb = rollout.batch
-        advantages, adv_sums = self.compute_advantages(rollout)
+        advantages, sums = self.compute_advantages(rollout)
         lc = self.loss_config
         segments = segment_ids(lc.segmentation, rb.response_ids, rb.response_mask, self.tables, k=lc.segment_k)
         batch = pack_rollouts(rb.prompt_ids, rb.prompt_mask, rb.response_ids, rb.response_mask,
@@ -233,7 +280,13 @@ class GRPOTrainer:
         batch = compute_old_logprobs(self.model, batch, self.spec, micro)
         if self.ref_model is not None:
             batch = compute_ref_logprobs(self.ref_model, batch, self.spec, micro)
-        return batch, adv_sums
+        cap = self.cfg.rollout.tis_cap
+        if cap is not None and self.groups.is_last_stage:
+            weights, tis_sums = truncated_is_weights(batch.old_logprobs, _rollout_logprobs(rollout, batch),
+                                                     batch.loss_mask, cap)
+            batch = replace(batch, tis_weights=weights)
+            sums.update(tis_sums)
+        return batch, sums
 
     def update(self, batch) -> tuple[dict[str, torch.Tensor], float]:
         """minibatches_per_step optimizer steps over consecutive row blocks of ``batch``."""
@@ -273,17 +326,17 @@ class GRPOTrainer:
             sums["reward/shaped_mean"] = _pair(float(rollout.rewards.sum()), n)
         mask = batch.loss_mask
         if mask.any():
-            rollout_lp = response_to_target_frame(rb.rollout_logprobs, rb.prompt_mask, mask.shape[1])
-            gap = (rollout_lp - batch.old_logprobs)[mask].abs()
+            gap = (_rollout_logprobs(rollout, batch) - batch.old_logprobs)[mask].abs()
             sums["rollout/trainer_logprob_gap_abs"] = _pair(float(gap.sum()), float(gap.numel()))
         return sums
 
     def train_step(self, step: int) -> dict[str, float]:
+        """One step (module docstring); returns its metrics, the same on every rank."""
         timer = _Timer()
         with timer.time("generation"):
             rollout = self.generate_and_score(step)
         with timer.time("train"):
-            batch, adv_sums = self.prepare_batch(rollout)
+            batch, batch_sums = self.prepare_batch(rollout)
             sums, grad_norm = self.update(batch)
         extra = {"optim/grad_norm": grad_norm}
         if self.critic is not None:
@@ -293,7 +346,7 @@ class GRPOTrainer:
         with timer.time("refit"):
             self.refit()
         if self.groups.is_last_stage:
-            sums.update(adv_sums)
+            sums.update(batch_sums)
             sums.update(self._rollout_metric_sums(rollout, batch))
         metrics = reduce_metric_sums(sums, dp_group=self.groups.dp_group, pp_group=self.groups.pp_group,
                                      last_stage_rank=self.groups.pp_last_rank, is_last_stage=self.groups.is_last_stage)
@@ -301,37 +354,103 @@ class GRPOTrainer:
         metrics.update(timer.seconds)
         return metrics
 
-    def save_hf_checkpoint(self, name: str) -> None:
-        """Writes the rollout model (the policy as of the last refit) and tokenizer under ``output_dir/name``.
+    # ---- evaluation and checkpoints ----------------------------------------------------------------
+    def maybe_evaluate(self, step: int) -> dict[str, float]:
+        """Every ``eval.every_n_steps`` steps: the benchmarks on the engine's current weights, and a
+        new ``best/`` when ``eval/mean`` improves (collective). Returns the eval metrics ({} otherwise)."""
+        every = self.cfg.eval.every_n_steps
+        if every == 0 or step % every:
+            return {}
+        start = time.perf_counter()
+        results = evaluate_engine(self.engine, self.tokenizer, self.cfg, self.reward, step)
+        if self.best.improved_by(results[MEAN_KEY]):
+            self.best = BestEval(results[MEAN_KEY], step)
+            self._save_hf(BEST_DIR, extra={"best": {"step": step, **results}})
+        return {**results, "eval/best_mean": self.best.mean, "timing/eval_s": time.perf_counter() - start}
 
-        Only global rank 0 writes (it is the generator of data-parallel replica 0).
-        """
+    def _checkpointed_models(self) -> dict:
+        """The trained models and their optimizers (the frozen reference is rebuilt from ``model.source``)."""
+        models = {"policy": (self.model, self.optimizer)}
+        if self.critic is not None:
+            models["critic"] = (self.critic.model, self.critic.optimizer)
+        return models
+
+    def maybe_checkpoint(self, step: int) -> None:
+        """Saves a resumable checkpoint every ``trainer.checkpoint_interval`` steps and at the last (collective)."""
+        tr = self.cfg.trainer
+        if tr.checkpoint_interval == 0 or (step % tr.checkpoint_interval and step != tr.max_steps):
+            return
+        drawn = self.sampler.problems_drawn if self.sampler is not None else 0
+        box = [drawn]  # rank 0 is a generator; other model-parallel ranks draw nothing
+        dist.broadcast_object_list(box, src=0)
+        state = TrainerState(step=step, problems_drawn=box[0], seed=tr.seed, world_size=dist.get_world_size(),
+                             best_eval_mean=self.best.mean, best_eval_step=self.best.step)
+        save_checkpoint(Path(tr.output_dir) / CHECKPOINTS_DIR, state, self._checkpointed_models(),
+                        keep=tr.keep_checkpoints)
+
+    def _resume(self, path: Path) -> None:
+        """Restores a checkpoint (module docstring of :mod:`nemo_sspo.trainer.checkpoint`) and refits
+        the rollout engine with the restored policy."""
+        state = load_checkpoint(path, self._checkpointed_models(), seed=self.cfg.trainer.seed)
+        if self.sampler is not None:
+            self.sampler.fast_forward(state.problems_drawn)
+        self.completed_steps = state.step
+        self.best = BestEval(state.best_eval_mean, state.best_eval_step)
+        self.refit()
+        if dist.get_rank() == 0:
+            logger.warning("resumed from %s after step %d", path, state.step)
+
+    def _save_hf(self, name: str, extra: dict | None = None) -> None:
+        """The current policy as a Hugging Face folder ``output_dir/name`` (collective export, rank 0 writes)."""
+        state = export_hf_state_dict(self.model.module, self.hf_config)
+        if dist.get_rank() == 0:
+            write_hf_checkpoint(Path(self.cfg.trainer.output_dir) / name, self.hf_config, state, self.tokenizer, extra)
+
+    def _save_interrupted(self) -> None:
+        """After a failed step: rank 0 writes the rollout model (the last completed step's policy) to
+        ``output_dir/hf_checkpoint_interrupted`` without collectives (other ranks may be gone). The
+        vLLM engine's weights cannot be read back: resume from the last checkpoint instead."""
         if dist.get_rank() != 0 or not self.cfg.trainer.save_hf_checkpoint:
             return
-        path = Path(self.cfg.trainer.output_dir) / name
-        self.engine.model.save_pretrained(path)
-        self.tokenizer.save_pretrained(path)
+        if not isinstance(self.engine, HFRolloutEngine):
+            logger.warning("no hf_checkpoint_interrupted with rollout.backend=%s; resume from the last checkpoint "
+                           "(trainer.checkpoint_interval)", self.cfg.rollout.backend)
+            return
+        write_hf_checkpoint(Path(self.cfg.trainer.output_dir) / "hf_checkpoint_interrupted", self.hf_config,
+                            self.engine.model.state_dict(), self.tokenizer)
 
     def fit(self) -> list[dict[str, float]]:
-        """Runs ``trainer.max_steps`` steps; returns the per-step metrics (same on every rank).
+        """Runs steps ``completed_steps + 1 .. trainer.max_steps``; returns the per-step metrics (same on
+        every rank; with a resumed run, rank 0's list starts with the restored records).
 
         If a step raises, the policy of the last completed step is saved to
         ``output_dir/hf_checkpoint_interrupted`` before the error propagates (metrics.jsonl already
-        holds every completed step).
+        holds every completed step). At the end the policy goes to ``output_dir/hf_checkpoint``.
         """
         try:
-            for step in range(1, self.cfg.trainer.max_steps + 1):
-                self.logger.log(step, self.train_step(step))
+            for step in range(self.completed_steps + 1, self.cfg.trainer.max_steps + 1):
+                metrics = self.train_step(step)
+                metrics.update(self.maybe_evaluate(step))
+                self.logger.log(step, metrics)
+                self.maybe_checkpoint(step)
+                self.completed_steps = step
         except BaseException:
             if self.logger.history:
-                self.save_hf_checkpoint("hf_checkpoint_interrupted")
+                self._save_interrupted()
             raise
         finally:
             self.close()
-        self.save_hf_checkpoint("hf_checkpoint")
+        if self.cfg.trainer.save_hf_checkpoint:
+            self._save_hf("hf_checkpoint")
         return self.logger.history
 
     def close(self) -> None:
         self.logger.close()
         if self.reward is not None:
             self.reward.close()
+
+
+def _rollout_logprobs(rollout: Rollout, batch) -> torch.Tensor:
+    """The engine's log-probs of the sampled tokens in the batch's target frame, ``[B, S]`` float32."""
+    rb = rollout.batch
+    return response_to_target_frame(rb.rollout_logprobs, rb.prompt_mask, batch.loss_mask.shape[1])

@@ -45,9 +45,14 @@ class MetricsLogger:
         output_dir: folder for ``metrics.jsonl``, ``tensorboard/`` and ``reward_entropy.png``.
         total_steps: length of the progress bar.
         enabled: False on every rank but the logging one (nothing is written or shown).
+        resume_step: continue a run resumed after this step: the records of steps up to it are kept
+            (in ``history`` too, for the plot), later ones (written after the checkpoint by the
+            interrupted run) are dropped, from ``metrics.jsonl`` and, via ``purge_step``, from
+            TensorBoard. None starts a new ``metrics.jsonl``.
     """
 
-    def __init__(self, output_dir: str | Path, total_steps: int, *, enabled: bool) -> None:
+    def __init__(self, output_dir: str | Path, total_steps: int, *, enabled: bool,
+                 resume_step: int | None = None) -> None:
         self.enabled = enabled
         self.output_dir = Path(output_dir)
         self.history: list[dict[str, float]] = []
@@ -56,9 +61,15 @@ class MetricsLogger:
         from torch.utils.tensorboard import SummaryWriter
 
         self.output_dir.mkdir(parents=True, exist_ok=True)
-        self._jsonl = open(self.output_dir / "metrics.jsonl", "w", encoding="utf-8")
-        self._tb = SummaryWriter(log_dir=str(self.output_dir / "tensorboard"))
-        self._bar = tqdm(total=total_steps, desc="train", unit="step", dynamic_ncols=True)
+        path = self.output_dir / "metrics.jsonl"
+        if resume_step is not None:
+            self.history = _records_up_to(path, resume_step)
+        self._jsonl = open(path, "w", encoding="utf-8")
+        for record in self.history:
+            self._jsonl.write(json.dumps(record) + "\n")
+        purge = None if resume_step is None else resume_step + 1
+        self._tb = SummaryWriter(log_dir=str(self.output_dir / "tensorboard"), purge_step=purge)
+        self._bar = tqdm(total=total_steps, initial=resume_step or 0, desc="train", unit="step", dynamic_ncols=True)
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         """Records ``metrics`` (flat name -> float) for ``step`` (1-based)."""
@@ -82,6 +93,14 @@ class MetricsLogger:
         self._jsonl.close()
         if self.history:
             plot_metrics(self.history, self.output_dir / "reward_entropy.png")
+
+
+def _records_up_to(path: Path, step: int) -> list[dict[str, float]]:
+    """The records of ``path`` (metrics.jsonl) with ``step <= step``; none if the file is missing."""
+    if not path.is_file():
+        return []
+    records = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    return [r for r in records if r["step"] <= step]
 
 
 def plot_metrics(history: list[dict[str, float]], path: Path) -> None:

@@ -38,6 +38,7 @@ import torch.distributed as dist
 
 from nemo_sspo.algorithms import overlong_reward_shaping, select_nonzero_variance_groups
 from nemo_sspo.data import render_prompt
+from nemo_sspo.parallel.metrics import collective_device
 from nemo_sspo.rollout import RolloutBatch
 from nemo_sspo.trainer.batch import concat_rollouts
 
@@ -72,10 +73,6 @@ def generation_seed(seed: int, step: int, round_: int, slot: int) -> int:
     return int.from_bytes(digest, "little") & (2**63 - 1)
 
 
-def _collective_device(group) -> torch.device:
-    return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else torch.device("cpu")
-
-
 class RolloutSampler:
     """Generates and scores one step's groups on a generator rank (module docstring).
 
@@ -93,6 +90,20 @@ class RolloutSampler:
         self.cfg, self.groups = cfg, groups
         self.slots_per_rank = cfg.rollout.prompts_per_step // groups.dp_size
         self.first_slot = groups.dp_rank * self.slots_per_rank
+        self.problems_drawn = 0
+        """Problems drawn from ``prompts`` so far: the data position saved in checkpoints."""
+
+    def fast_forward(self, problems_drawn: int) -> None:
+        """Replays ``problems_drawn`` draws of the (seeded) prompt source, to resume a run's data position.
+
+        Raises:
+            ValueError: problems were already drawn by this sampler.
+        """
+        if self.problems_drawn:
+            raise ValueError("fast_forward must run before the first step (problems were already drawn)")
+        if problems_drawn:
+            self.prompts.sample(problems_drawn)
+        self.problems_drawn = problems_drawn
 
     def collect(self, step: int) -> Rollout:
         """The step's rollout for this rank's slots (collective over the generators when dynamic
@@ -104,6 +115,7 @@ class RolloutSampler:
         rounds = generated = 0
         while open_slots and rounds < max_rounds:
             problems = self.prompts.sample(len(open_slots))
+            self.problems_drawn += len(problems)
             mine = [(slot, problem) for slot, problem in zip(open_slots, problems)
                     if self.first_slot <= slot < self.first_slot + self.slots_per_rank]
             for slot, group in zip((slot for slot, _ in mine), self._generate(step, rounds, mine)):
@@ -146,7 +158,7 @@ class RolloutSampler:
         for k, (_, _, varied) in enumerate(slots):
             flags[self.first_slot + k] = int(not varied)
         if self.groups.dp_size > 1:
-            on_device = flags.to(_collective_device(self.groups.dp_group))
+            on_device = flags.to(collective_device(self.groups.dp_group))
             dist.all_reduce(on_device, group=self.groups.dp_group)
             flags = on_device.cpu()
         return torch.nonzero(flags).flatten().tolist()

@@ -1,0 +1,324 @@
+"""Resumable training checkpoints: Megatron distributed checkpoints of the policy (and the SPPO
+critic) with their optimizers, plus the data position, the RNG states and the step counter.
+
+Layout under ``<output_dir>/checkpoints``::
+
+    step_000004/
+        policy/                 megatron.core.dist_checkpointing (torch_dist): model + optimizer
+        critic/                 the same for the SPPO critic (loss=sppo only)
+        rng/rank_00000.pt       per-rank RNG states (python, numpy, torch CPU and CUDA, Megatron tracker)
+        trainer_state.json      :class:`TrainerState`, written last
+    latest                      the name of the newest complete checkpoint ("step_000004")
+
+Model and optimizer go through Megatron's distributed checkpointing (``sharded_state_dict`` of the
+model and ``optimizer.sharded_state_dict(model_sharded_state_dict)``): every tensor is saved once
+(its main replica) with its global offsets, so a checkpoint can be loaded under another TP/PP layout.
+Measured with megatron-core 0.16.1 on CPU/gloo: it works, with two properties of its writer
+(``FileSystemWriterAsync``): the first save of a process starts a multiprocessing Manager (a spawned
+helper process, ~1-5 s on 2 cores), and each save forks writer processes, so the training processes
+must not be daemonic (torchrun and ``mp.spawn`` workers are fine; ``multiprocessing`` daemons, as in
+``tests/distributed/conftest.py``, are not).
+
+Atomicity: every rank writes into ``.step_000004.tmp``; after a barrier rank 0 writes
+``trainer_state.json`` into it, renames it to ``step_000004`` and only then replaces ``latest``
+(write a temporary file, fsync, ``os.replace``). A save killed at any point therefore leaves
+``latest`` naming the previous complete checkpoint; a stale ``.tmp`` folder is removed by the next
+save. (Assumes a shared filesystem with atomic rename, as dist_checkpointing does.)
+
+Data position: prompt sources are seeded streams whose state depends only on the number of
+problems drawn so far (``RolloutSampler.problems_drawn``); resuming replays that many draws. Sampling
+seeds derive from ``(trainer.seed, step, round, slot)`` (:mod:`nemo_sspo.trainer.sampling`), so with
+the step counter restored the rollouts continue exactly.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import random
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from nemo_sspo.megatron.cpu_shims import cpu_device_context
+
+__all__ = [
+    "CHECKPOINTS_DIR",
+    "LATEST_FILE",
+    "STATE_FILE",
+    "TrainerState",
+    "checkpoint_name",
+    "load_checkpoint",
+    "resolve_resume",
+    "save_checkpoint",
+    "write_hf_checkpoint",
+]
+
+logger = logging.getLogger(__name__)
+
+CHECKPOINTS_DIR = "checkpoints"
+"""Sub-folder of ``trainer.output_dir`` holding the checkpoints and ``latest``."""
+LATEST_FILE = "latest"
+STATE_FILE = "trainer_state.json"
+_RNG_DIR = "rng"
+
+
+@dataclass
+class TrainerState:
+    """What the loop needs besides the weights to continue a run.
+
+    Attributes:
+        step: the last completed step (the resumed run starts at ``step + 1``).
+        problems_drawn: prompts drawn from the prompt source so far (the data position).
+        seed: ``trainer.seed`` of the run (a resumed run must use the same).
+        world_size: processes that wrote the RNG files.
+        best_eval_mean: best ``eval/mean`` so far (None before the first evaluation).
+        best_eval_step: the step that reached it.
+    """
+
+    step: int
+    problems_drawn: int
+    seed: int
+    world_size: int
+    best_eval_mean: float | None = None
+    best_eval_step: int | None = None
+
+
+def checkpoint_name(step: int) -> str:
+    """``step_000004`` for step 4."""
+    return f"step_{step:06d}"
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+# ---- model / optimizer through dist_checkpointing ------------------------------------------------
+def _sharded_state(model, optimizer, *, is_loading: bool) -> dict[str, Any]:
+    """``{"model": ..., "optimizer": ...}`` sharded state dicts of a DDP-wrapped model chunk."""
+    model_state = model.module.sharded_state_dict(prefix="")
+    return {"model": model_state,
+            "optimizer": optimizer.sharded_state_dict(model_state, is_loading=is_loading)}
+
+
+def _save_sharded(directory: Path, model, optimizer) -> None:
+    from megatron.core import dist_checkpointing
+
+    with cpu_device_context():
+        dist_checkpointing.save(_sharded_state(model, optimizer, is_loading=False), str(directory))
+
+
+def _load_sharded(directory: Path, model, optimizer) -> None:
+    from megatron.core import dist_checkpointing
+
+    with cpu_device_context():
+        loaded = dist_checkpointing.load(_sharded_state(model, optimizer, is_loading=True), str(directory))
+        model.module.load_state_dict(loaded["model"], strict=True)
+        optimizer.load_state_dict(loaded["optimizer"])
+
+
+# ---- RNG ------------------------------------------------------------------------------------------
+def _rng_state() -> dict[str, Any]:
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
+             "megatron_tracker": get_cuda_rng_tracker().get_states()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    get_cuda_rng_tracker().set_states(state["megatron_tracker"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def _rng_file(directory: Path, rank: int) -> Path:
+    return directory / _RNG_DIR / f"rank_{rank:05d}.pt"
+
+
+# ---- publishing -----------------------------------------------------------------------------------
+def _write_text_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "w", encoding="utf-8") as handle:
+        handle.write(text)
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(tmp, path)
+
+
+def _publish(tmp: Path, final: Path) -> None:
+    """Renames the complete ``tmp`` folder to ``final`` (replacing an older folder of that name)."""
+    if final.exists():
+        stale = final.with_name(f".{final.name}.old")
+        shutil.rmtree(stale, ignore_errors=True)
+        final.rename(stale)
+        tmp.rename(final)
+        shutil.rmtree(stale, ignore_errors=True)
+    else:
+        tmp.rename(final)
+
+
+def _prune(root: Path, keep: int, latest: str) -> None:
+    """Keeps ``latest`` and the ``keep - 1`` newest checkpoints before it; keep 0 deletes nothing.
+
+    Folders of later steps (left by a killed run that had not yet moved ``latest``) are not touched:
+    the resumed run replaces them when it reaches those steps.
+    """
+    if keep <= 0:
+        return
+    older = sorted(p for p in root.glob("step_*") if p.is_dir() and p.name < latest)
+    for old in older[: max(len(older) - (keep - 1), 0)]:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def write_hf_checkpoint(path: str | Path, hf_config, state_dict: dict[str, torch.Tensor], tokenizer,
+                        extra: dict[str, Any] | None = None) -> Path:
+    """Writes a Hugging Face model folder atomically (a temporary sibling folder, then a rename that
+    replaces an older ``path``): ``config.json``, ``model.safetensors``, the tokenizer files, and
+    ``extra`` as ``<key>.json`` files. Not collective: call it on one rank.
+
+    Args:
+        state_dict: HF names (as ``export_hf_state_dict``); ``lm_head.weight`` is dropped when the
+            embeddings are tied (the convention of ``nemo_sspo.models``). Tensors may live on any device.
+
+    Returns:
+        ``path``, loadable by ``nemo_sspo.models.load_hf_checkpoint`` and ``transformers``.
+    """
+    from safetensors.torch import save_file
+
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    tied = bool(getattr(hf_config, "tie_word_embeddings", False))
+    tensors = {name: value.detach().cpu().contiguous() for name, value in state_dict.items()
+               if not (tied and name == "lm_head.weight")}
+    save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    hf_config.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    for key, value in (extra or {}).items():
+        (tmp / f"{key}.json").write_text(json.dumps(value, indent=1), encoding="utf-8")
+    _publish(tmp, path)
+    return path
+
+
+def save_checkpoint(root: str | Path, state: TrainerState, models: dict[str, tuple[Any, Any]], *,
+                    keep: int = 0) -> Path:
+    """Writes a checkpoint of step ``state.step`` atomically (module docstring). Collective: every
+    rank calls it with its own model chunks.
+
+    Args:
+        root: the checkpoints folder (``<output_dir>/checkpoints``).
+        state: the trainer state (written by rank 0, last).
+        models: name -> ``(DDP-wrapped model chunk, Megatron optimizer)``, e.g. ``{"policy": ...,
+            "critic": ...}``; each gets its own dist_checkpointing sub-folder.
+        keep: number of newest checkpoints kept after this one is published (0 = all).
+
+    Returns:
+        The published folder ``root/step_<N>``.
+    """
+    root = Path(root)
+    name = checkpoint_name(state.step)
+    tmp = root / f".{name}.tmp"
+    if _rank() == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        (tmp / _RNG_DIR).mkdir(parents=True)
+        for key in models:
+            (tmp / key).mkdir()
+    _barrier()
+    for key, (model, optimizer) in models.items():
+        _save_sharded(tmp / key, model, optimizer)
+    torch.save(_rng_state(), _rng_file(tmp, _rank()))
+    _barrier()
+    if _rank() == 0:
+        _write_text_atomic(tmp / STATE_FILE, json.dumps(dataclasses.asdict(state), indent=1))
+        _publish(tmp, root / name)
+        _write_text_atomic(root / LATEST_FILE, name)
+        _prune(root, keep, name)
+    _barrier()
+    return root / name
+
+
+def resolve_resume(resume: str | None, output_dir: str | Path) -> Path | None:
+    """The checkpoint folder ``trainer.resume`` names, or None to start fresh.
+
+    ``None`` -> None; ``"auto"`` -> ``<output_dir>/checkpoints/<latest>`` if ``latest`` exists, else
+    None; a ``step_<N>`` folder (holding ``trainer_state.json``) -> itself; a checkpoints folder (holding
+    ``latest``) -> the checkpoint it names.
+
+    Raises:
+        ValueError: a path that is neither, or a ``latest`` naming a missing folder.
+    """
+    if resume is None:
+        return None
+    if resume == "auto":
+        root = Path(output_dir) / CHECKPOINTS_DIR
+        if not (root / LATEST_FILE).is_file():
+            return None
+    else:
+        root = Path(resume).expanduser()
+        if (root / STATE_FILE).is_file():
+            return root
+        if not (root / LATEST_FILE).is_file():
+            raise ValueError(f"trainer.resume={resume!r} is neither a checkpoint folder (with {STATE_FILE}) nor a "
+                             f"checkpoints folder (with {LATEST_FILE}); use a path under <output_dir>/"
+                             f"{CHECKPOINTS_DIR}, 'auto', or null")
+    path = root / (root / LATEST_FILE).read_text(encoding="utf-8").strip()
+    if not (path / STATE_FILE).is_file():
+        raise ValueError(f"trainer.resume={resume!r}: {root / LATEST_FILE} names {path.name}, which is not a "
+                         "complete checkpoint; pass an older step_<N> folder explicitly")
+    return path
+
+
+def load_checkpoint(path: str | Path, models: dict[str, tuple[Any, Any]], *, seed: int) -> TrainerState:
+    """Restores the models, optimizers and this rank's RNG states from ``path``. Collective.
+
+    Args:
+        path: a complete checkpoint folder (:func:`resolve_resume`).
+        models: as for :func:`save_checkpoint`, built with the checkpoint's architecture (TP/PP may
+            differ: dist_checkpointing reshards).
+        seed: this run's ``trainer.seed``.
+
+    Returns:
+        The saved :class:`TrainerState`.
+
+    Raises:
+        ValueError: ``seed`` differs from the checkpoint's, or a model has no folder in it (e.g. a
+            critic loss resumed from a run without one).
+    """
+    path = Path(path)
+    state = TrainerState(**json.loads((path / STATE_FILE).read_text(encoding="utf-8")))
+    if state.seed != seed:
+        raise ValueError(f"trainer.seed={seed} differs from the checkpoint's ({state.seed}, {path}); resume "
+                         "with the seed the run started with")
+    for key, (model, optimizer) in models.items():
+        if not (path / key).is_dir():
+            raise ValueError(f"checkpoint {path} has no {key!r} state; was it written with another loss config?")
+        _load_sharded(path / key, model, optimizer)
+    rng_file = _rng_file(path, _rank())
+    world_size = dist.get_world_size() if dist.is_initialized() else 1
+    if world_size == state.world_size and rng_file.is_file():
+        _set_rng_state(torch.load(rng_file, weights_only=False))
+    elif _rank() == 0:
+        logger.warning("resuming %d processes from a checkpoint of %d: RNG states are not restored (sampling "
+                       "seeds still derive from trainer.seed and the step)", world_size, state.world_size)
+    return state

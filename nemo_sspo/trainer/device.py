@@ -1,0 +1,56 @@
+"""Where the trainer runs, and the startup check that a config's GPU-only settings have a GPU.
+
+The device is not a config key: with a visible CUDA device Megatron builds the policy on it (NCCL
+process groups, no CPU shims) and the trainer moves each micro-batch there; without one everything
+runs on the CPU with gloo. Settings that only exist on GPU fail at startup, naming the key, rather
+than being ignored or failing deep inside Megatron.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import torch
+
+from nemo_sspo.megatron.model import resolve_transformer_impl
+from nemo_sspo.models import SOURCES
+
+__all__ = ["check_host", "training_device"]
+
+
+def training_device() -> torch.device:
+    """The current CUDA device when one is visible, else the CPU."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def check_host(cfg) -> None:
+    """Refuses settings this host cannot run (before any model or data is loaded).
+
+    Args:
+        cfg: a validated ``TrainConfig``.
+
+    Raises:
+        ValueError: naming the key and the fix: ``model.fp8`` or
+            ``model.transformer_impl=transformer_engine`` without CUDA or transformer-engine
+            (:func:`nemo_sspo.megatron.model.resolve_transformer_impl`); ``model.precision=bf16``
+            without CUDA (the CPU path is FP32 only: its shims run the pipeline in FP32);
+            ``rollout.backend=vllm`` without CUDA, without the package ``vllm``, or with a built-in
+            ``model.source`` (vLLM loads a model directory itself).
+    """
+    resolve_transformer_impl(cfg.model.transformer_impl, cfg.model.fp8)
+    cuda = torch.cuda.is_available()
+    if cfg.model.precision != "fp32" and not cuda:
+        raise ValueError(f"model.precision={cfg.model.precision!r} needs a CUDA device and none is visible; "
+                         "on CPU set model.precision=fp32")
+    if cfg.rollout.backend == "vllm":
+        if not cuda:
+            raise ValueError("rollout.backend='vllm' needs a CUDA device and none is visible; on CPU set "
+                             "rollout.backend=hf")
+        if importlib.util.find_spec("vllm") is None:
+            raise ValueError("rollout.backend='vllm' needs the package vllm, which is not installed: pip install "
+                             "vllm (a version matching this torch), or set rollout.backend=hf")
+        if cfg.model.source in SOURCES:
+            raise ValueError(f"rollout.backend='vllm' loads model.source itself and needs a model directory or hub "
+                             f"id; {cfg.model.source!r} is a built-in CPU test source (use rollout.backend=hf)")

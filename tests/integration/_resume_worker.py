@@ -1,0 +1,41 @@
+"""Worker of ``test_resume_distributed.py``, started by torchrun with 2 processes (TP=2).
+
+Runs 3 steps saving a checkpoint at step 2, then resumes a second trainer from that checkpoint into
+another output folder and runs step 3 again. Rank 0 writes both runs' step-3 metrics to
+``<out>/result.json``. Usage: ``torchrun --nproc-per-node 2 -m tests.integration._resume_worker OUT``.
+"""
+
+import json
+import sys
+import warnings
+from pathlib import Path
+
+from nemo_sspo.cli import load_config
+from nemo_sspo.megatron import destroy_parallel
+from nemo_sspo.models import load_hf_checkpoint
+from nemo_sspo.trainer import loop
+from tests.integration._loop_runs import TINY, ParityReward
+
+
+def _fit(overrides, checkpoint):
+    trainer = loop.GRPOTrainer(load_config(overrides=[*TINY, *overrides]), checkpoint=checkpoint)
+    try:
+        return trainer.fit()
+    finally:
+        destroy_parallel()
+
+
+def main(out: Path) -> None:
+    warnings.filterwarnings("ignore")
+    loop.MathVerifyReward = ParityReward
+    tiny = load_hf_checkpoint("tiny-random-llama")
+    common = ["parallel.tensor_model_parallel_size=2", "trainer.max_steps=3", "trainer.checkpoint_interval=2"]
+    straight = _fit([*common, f"trainer.output_dir={out / 'straight'}"], tiny)
+    step2 = out / "straight" / "checkpoints" / "step_000002"
+    resumed = _fit([*common, f"trainer.output_dir={out / 'resumed'}", f"trainer.resume={step2}"], tiny)
+    if straight:  # rank 0 logs; its history holds every step
+        (out / "result.json").write_text(json.dumps({"straight": straight[-1], "resumed": resumed[-1]}))
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]))

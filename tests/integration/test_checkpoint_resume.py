@@ -1,0 +1,82 @@
+"""Checkpoint/resume on the tiny random Llama, with in-loop evaluation and TIS switched on.
+
+One 4-step run saves checkpoints at steps 2 and 4 (``trainer.checkpoint_interval=2``) and evaluates a
+2-problem stub benchmark at steps 2 and 4. A second trainer resumes from the step-2 checkpoint and
+runs steps 3-4: its metrics must equal the uninterrupted run's exactly (every key but timings; the
+same fp32 CPU kernels run in the same order on restored bit-identical weights, optimizer moments
+and Adam step counts, data position and sampling seeds, so exact equality is the expected result,
+not a tolerance). Its step-4 save is made to fail after the temporary folder is written: the
+previous ``latest`` (the first run's step 4) must survive intact.
+"""
+
+import json
+
+import pytest
+
+from nemo_sspo.models import load_hf_checkpoint
+from nemo_sspo.trainer import checkpoint
+from nemo_sspo.trainer.checkpoint import STATE_FILE, resolve_resume
+from tests.integration._loop_runs import run
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return load_hf_checkpoint("tiny-random-llama")
+
+
+def _stub_benchmark(folder):
+    """A 3-problem ``math500.jsonl`` (the loader warns that it is not the published file)."""
+    folder.mkdir()
+    rows = [{"id": str(i), "problem": f"What is {i} + 1?", "answer": str(i + 1), "source": "stub"} for i in range(3)]
+    (folder / "math500.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return folder
+
+
+def _records(path):
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def _without_timings(record):
+    return {k: v for k, v in record.items() if not k.startswith("timing/")}
+
+
+def _killed_publish(tmp, final):
+    raise RuntimeError(f"killed while publishing {tmp.name}")
+
+
+@pytest.mark.filterwarnings("ignore:.*differs from the published.*")
+def test_resume_matches_uninterrupted_run_and_failed_save_keeps_latest(monkeypatch, tmp_path, tiny):
+    out = tmp_path / "run"
+    overrides = [
+        "trainer.max_steps=4", "trainer.checkpoint_interval=2", "trainer.keep_checkpoints=2",
+        "rollout.tis_cap=1.0", "eval.every_n_steps=2", "eval.benchmarks=[math500]", "eval.limit_per_benchmark=2",
+        "eval.max_new_tokens=8", f"eval.data_dir={_stub_benchmark(tmp_path / 'data')}",
+    ]
+    straight = run(monkeypatch, out, overrides, checkpoint=tiny)
+    ckpts = out / "checkpoints"
+    assert (ckpts / "latest").read_text() == "step_000004"
+    assert sorted(p.name for p in ckpts.glob("step_*")) == ["step_000002", "step_000004"]
+
+    # TIS and evaluation were active in the run being compared.
+    assert all(r["rollout/tis_weight_mean"] <= 1.0 for r in straight)  # cap 1: weights never exceed it
+    assert any(r["rollout/tis_clipped_frac"] > 0 for r in straight)  # HF and Megatron log-probs differ by rounding
+    assert [r["step"] for r in straight if "eval/mean" in r] == [2, 4]
+    best = json.loads((out / "best" / "best.json").read_text())
+    assert best["step"] == 2 and best["eval/mean"] == straight[1]["eval/mean"]
+    assert (out / "best" / "model.safetensors").is_file()
+
+    monkeypatch.setattr(checkpoint, "_publish", _killed_publish)
+    with pytest.raises(RuntimeError, match="killed while publishing .step_000004.tmp"):
+        run(monkeypatch, out, [*overrides, f"trainer.resume={ckpts / 'step_000002'}"], checkpoint=tiny)
+
+    resumed = _records(out / "metrics.jsonl")  # rows 1-2 kept from the first run, 3-4 from the resumed one
+    assert [r["step"] for r in resumed] == [1, 2, 3, 4]
+    for mine, reference in zip(resumed, straight):
+        assert _without_timings(mine) == _without_timings(reference), mine["step"]
+
+    # The failed save left its temporary folder; `latest` and the step-4 checkpoint it names are untouched.
+    assert (ckpts / ".step_000004.tmp" / STATE_FILE).is_file()
+    assert (ckpts / "latest").read_text() == "step_000004"
+    latest = resolve_resume("auto", out)
+    assert latest == ckpts / "step_000004"
+    assert json.loads((latest / STATE_FILE).read_text())["step"] == 4

@@ -1,0 +1,31 @@
+"""Resume under tensor parallelism: TP=2 on 2 gloo processes launched by torchrun (the training
+launcher; Megatron's checkpoint writer forks, which the daemonic workers of ``run_distributed``
+may not). The step after a resume from the step-2 checkpoint equals the uninterrupted run's step 3."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_tp2_resume_continues_with_identical_metrics(tmp_path):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO)}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(_free_port()),
+           "-m", "tests.integration._resume_worker", str(tmp_path)]
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    result = json.loads((tmp_path / "result.json").read_text())
+    straight, resumed = ({k: v for k, v in r.items() if not k.startswith("timing/")} for r in result.values())
+    assert straight["step"] == resumed["step"] == 3
+    assert resumed == straight
+    assert (tmp_path / "straight" / "checkpoints" / "step_000002" / "rng" / "rank_00001.pt").is_file()
