@@ -62,3 +62,12 @@ def test_recipe_accepts_a_local_model_directory_and_tiny_model():
     assert cfg.model.source == "/models/Qwen2.5-Math-7B" and cfg.parallel.tensor_model_parallel_size == 2
     tiny = load_config("sspo_qwen2.5_math_7b", ["model=tiny_random_qwen2", "rollout.backend=hf"])
     assert tiny.model.source == "tiny-random-qwen2" and tiny.loss.params["gamma"] == 2.2
+
+
+@pytest.mark.parametrize("size", ["1.5b", "7b"])
+@pytest.mark.parametrize("loss", ["grpo", "dapo", "sspo_fixed_clip"])
+def test_sspo_recipe_switches_loss_on_the_command_line(size, loss):
+    """`loss=<name>` replaces the whole loss group: no SSPO bound is left behind for another loss."""
+    cfg = load_config(f"sspo_qwen2.5_math_{size}", [f"loss={loss}"])
+    assert cfg.loss.name == loss and "gamma" not in cfg.loss.params
+    validate(cfg, world_size=8)
