@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Mapping
-from dataclasses import fields, is_dataclass
+from dataclasses import fields
 from types import ModuleType
 from typing import Any
 
 import torch
 
-from nemo_sspo.algorithms.losses import get_policy_loss
+from nemo_sspo.algorithms.losses import build_policy_loss_config, get_policy_loss
 from nemo_sspo.algorithms.segmentation import (
     TABLE_FREE_SEGMENTATIONS,
     SegmentTables,
@@ -99,8 +99,11 @@ def last_token_advantages(advantages: torch.Tensor, response_mask: torch.Tensor)
     is_last = positions[None, :] == last[:, None]
     if bool((response_mask & ~is_last & (values != 0)).any()):
         raise ValueError("advantages are non-zero before the last token of a response: this is not "
-                         "the last-token layout (per-token rewards such as a KL penalty in the "
-                         "reward are not supported; use the loss config's kl_coef)")
+                         "the last-token layout. Per-token rewards, such as a KL penalty folded "
+                         "into the reward, are not supported: set the host's reward KL penalty "
+                         "to 0 (NeMo-Aligner: ppo.initial_policy_kl_penalty=0); a reference-KL "
+                         "penalty is not available through these adapters. If A_i is broadcast "
+                         "to every response token, use advantage_layout='tokens'")
     zero = torch.zeros((), dtype=acc, device=values.device)
     return torch.where(response_mask & is_last, values, zero).sum(dim=1)
 
@@ -134,6 +137,46 @@ def response_segment_ids(config: Any, response_ids: torch.Tensor, response_mask:
     return segment_ids(strategy, response_ids, response_mask, tables, k=k)
 
 
+def check_host_config(config: Any, *, host: str, kl_hint: str, entropy_hint: str,
+                      max_response_length: int | None = None, check_length: bool = True,
+                      tables: SegmentTables | None = None, check_tables: bool = True) -> None:
+    """Reject, at adapter construction, a loss config the host adapter cannot run.
+
+    Host adapters pass neither reference log-probs nor a differentiable current entropy to the
+    loss, so ``kl_coef > 0`` / ``entropy_coef > 0`` would otherwise fail only at the first loss
+    call inside the host. Also checked (each when enabled): "constant-denominator" aggregation
+    without ``max_response_length >= 1``, and a segmentation that reads token texts without
+    ``tables``.
+
+    Args:
+        config: the loss's config instance.
+        host: the host's name, for the messages.
+        kl_hint / entropy_hint: where the host's own KL / entropy settings are (or why none apply).
+        max_response_length, check_length: L_max given to the adapter; check it when True.
+        tables, check_tables: segment tables given to the adapter; check them when True.
+
+    Raises:
+        ValueError: naming the config field, the host and the fix.
+    """
+    name = type(config).__name__
+    if config.kl_coef > 0:
+        raise ValueError(f"{name}.kl_coef={config.kl_coef}: the {host} adapter passes no reference "
+                         f"log-probs to the loss, so set kl_coef=0 here. {kl_hint}")
+    if config.entropy_coef > 0:
+        raise ValueError(f"{name}.entropy_coef={config.entropy_coef}: the {host} adapter passes no "
+                         f"current-policy entropy to the loss, so set entropy_coef=0 here. "
+                         f"{entropy_hint}")
+    if check_length and config.aggregation == "constant-denominator" and (
+            not isinstance(max_response_length, int) or max_response_length < 1):
+        raise ValueError(f"{name}.aggregation='constant-denominator' divides by L_max: pass "
+                         f"max_response_length= (the generation length cap, an int >= 1) to the "
+                         f"{host} adapter, got {max_response_length!r}")
+    if check_tables and config.segmentation not in TABLE_FREE_SEGMENTATIONS and tables is None:
+        raise ValueError(f"{name} uses segmentation {config.segmentation!r}, which reads token "
+                         f"texts: pass tables=nemo_sspo.algorithms.segmentation."
+                         f"build_segment_tables(tokenizer) to the {host} adapter")
+
+
 def build_loss_config(loss_name: str, loss_config: Any | None) -> tuple[Any, Any]:
     """``(loss_fn, config)`` of a registered loss.
 
@@ -159,16 +202,11 @@ def config_from_args(loss_name: str, args: Mapping[str, Any]) -> Any:
     """Instantiate the registered config of ``loss_name`` from keyword ``args``.
 
     Raises:
-        ValueError: unknown loss, a key that is not a field (lists the fields), or the config's
-            own validation.
+        ValueError: unknown loss, a key that is not a field (lists the fields, suggests a close
+            match), or the config's own validation
+            (:func:`nemo_sspo.algorithms.losses.build_policy_loss_config`).
     """
-    _, config_cls = get_policy_loss(loss_name)
-    names = {f.name for f in fields(config_cls)} if is_dataclass(config_cls) else set()
-    unknown = sorted(set(args) - names)
-    if unknown:
-        raise ValueError(f"{config_cls.__name__} (loss {loss_name!r}) has no field(s) {unknown}; "
-                         f"fields: {sorted(names)}")
-    return config_cls(**args)
+    return build_policy_loss_config(loss_name, args, where="loss_config")
 
 
 def shifted_logprobs_entropy(

@@ -41,6 +41,7 @@ from nemo_sspo.algorithms.aggregation import aggregate
 from nemo_sspo.algorithms.segmentation import SegmentTables
 from nemo_sspo.integrations._common import (
     build_loss_config,
+    check_host_config,
     last_token_advantages,
     per_response_advantages,
     response_segment_ids,
@@ -139,7 +140,10 @@ def make_actor_loss_func(
 
     Raises:
         ValueError: a required batch key is missing, bad ``old_entropy_source`` or
-            ``advantage_layout``, unknown loss or wrong config type (all at once, here), or the
+            ``advantage_layout``, unknown loss or wrong config type, a config this adapter cannot
+            run (``kl_coef`` or ``entropy_coef`` > 0, "constant-denominator" without
+            ``max_response_length``, a text-reading segmentation without ``tables``) (all at
+            once, here), or the
             advantage layout's and the loss's own checks (inside ``loss_func``).
     """
     if advantage_layout not in _ADVANTAGE_LAYOUTS:
@@ -157,6 +161,13 @@ def make_actor_loss_func(
                          "logprobs_and_entropy() in the log-prob pass, or pass "
                          "old_entropy_source='current'")
     loss_fn, config = build_loss_config(loss_name, loss_config)
+    check_host_config(
+        config, host="NeMo-Aligner", max_response_length=max_response_length, tables=tables,
+        kl_hint="NeMo-Aligner's KL penalty (ppo.initial_policy_kl_penalty) is folded into "
+                "per-token rewards, which these per-response losses cannot read either: a "
+                "reference-KL penalty is not supported with this adapter.",
+        entropy_hint="The host's actor entropy bonus is not applied by this loss_func; an "
+                     "entropy bonus is not supported with this adapter.")
 
     def loss_func(parallel_logits: torch.Tensor):
         tokens = batch["response_tokens"]

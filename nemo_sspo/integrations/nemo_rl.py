@@ -45,6 +45,7 @@ from nemo_sspo.algorithms.segmentation import SegmentTables
 from nemo_sspo.algorithms.segmentation import build_segment_tables
 from nemo_sspo.integrations._common import (
     build_loss_config,
+    check_host_config,
     metric_pairs,
     per_response_advantages,
     response_segment_ids,
@@ -143,7 +144,9 @@ class NeMoRLPolicyLoss:
 
     Raises:
         ImportError: NeMo-RL is not installed (says how to install it).
-        ValueError: unknown loss, wrong config type, bad ``old_entropy_source``.
+        ValueError: unknown loss, wrong config type, bad ``old_entropy_source``; a config this
+            adapter cannot run (``kl_coef`` or ``entropy_coef`` > 0, "constant-denominator"
+            without ``max_response_length``, a text-reading segmentation without ``tables``).
     """
 
     def __init__(self, loss_name: str = "sspo", loss_config: Any | None = None, *,
@@ -155,6 +158,13 @@ class NeMoRLPolicyLoss:
         if old_entropy_source not in _OLD_ENTROPY_SOURCES:
             raise ValueError(f"old_entropy_source={old_entropy_source!r}; valid: "
                              f"{_OLD_ENTROPY_SOURCES}")
+        check_host_config(
+            self.loss_config, host="NeMo-RL", max_response_length=max_response_length,
+            tables=tables,
+            kl_hint="NeMo-RL's own reference-KL penalty (loss_fn.reference_policy_kl_penalty) "
+                    "lives in ClippedPGLossFn, which this adapter replaces: a reference-KL "
+                    "penalty is not supported with NeMoRLPolicyLoss.",
+            entropy_hint="An entropy bonus is not supported with NeMoRLPolicyLoss.")
         self.loss_name = loss_name
         self.per_token_normaliser = self.loss_config.aggregation == "token-mean"
         self.loss_type = loss_type.TOKEN_LEVEL if self.per_token_normaliser else (
@@ -211,6 +221,10 @@ class NeMoRLPolicyLoss:
                 supported: the sequence would be split across ranks).
             next_token_logprobs: ``[B, S - 1]`` log-probs from the host (2026 protocol).
 
+        Returns:
+            ``(loss, metrics)``: ``loss`` is 0 with a zero gradient when the global normaliser is
+            0 (no valid token or response anywhere), not NaN.
+
         Raises:
             ValueError: both or neither of logits / log-probs, missing batch keys or normaliser,
                 ``old_entropy_source="current"`` without logits, or the loss's own checks.
@@ -243,7 +257,10 @@ class NeMoRLPolicyLoss:
         )
         numerator, _ = aggregate(per_token, mask, self.loss_config.aggregation,
                                  max_response_length=self.max_response_length)
-        loss = numerator / torch.as_tensor(normaliser, device=numerator.device).to(numerator.dtype)
+        denominator = torch.as_tensor(normaliser, device=numerator.device).to(numerator.dtype)
+        # No valid token in the global batch (pitfall P12): 0 with a zero gradient, not 0/0.
+        loss = torch.where(denominator > 0, numerator / denominator.clamp(min=1e-30),
+                           numerator * 0)
         out = {"loss": float(loss.detach()), "num_valid_samples": float(data["sample_mask"].sum())}
         out.update(metric_pairs(metrics))
         return loss, out

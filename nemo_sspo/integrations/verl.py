@@ -18,8 +18,13 @@ defaults, overridden by ``loss_args`` (``register(loss_args={"sspo": {"gamma": 2
 JSON environment variable ``NEMO_SSPO_VERL_LOSS_ARGS``, which
 :mod:`nemo_sspo.integrations.verl_plugin` reads with :func:`loss_args_from_env`). verl's
 ``clip_ratio*``, ``clip_ratio_c`` and ``tau_*`` are not read (their meaning differs between our
-losses, e.g. DCPO's eps are probability budgets), nor is the config's ``aggregation``: verl's
-``loss_agg_mode`` reduces. verl's
+losses, e.g. DCPO's eps are probability budgets). verl decides the reduction
+(``loss_agg_mode``) and the advantages (``algorithm.norm_adv_by_std_in_grpo``), so
+:func:`register` rejects ``aggregation`` and ``advantage_std_normalisation`` in ``loss_args``; for
+``nemo_sspo_dr_grpo`` set ``loss_agg_mode=seq-mean-token-sum-norm`` and
+``algorithm.norm_adv_by_std_in_grpo=false`` in verl. Reference KL and entropy bonus are verl's
+(``use_kl_loss``/``kl_loss_coef``, ``entropy_coeff``): ``kl_coef``/``entropy_coef`` > 0 are
+rejected. verl's
 ``global_batch_info`` and ``rollout_is_weights`` are applied as in verl's own losses.
 
 What verl's signature lacks. The losses also need, per micro-batch, segment ids of the response
@@ -58,6 +63,7 @@ import torch
 from nemo_sspo.algorithms.losses import get_policy_loss, policy_loss_names
 from nemo_sspo.algorithms.segmentation import build_segment_tables
 from nemo_sspo.integrations._common import (
+    check_host_config,
     config_from_args,
     import_host,
     per_response_advantages,
@@ -101,6 +107,15 @@ class _ExtraInputs:
     segment_ids: torch.Tensor
     old_entropy: torch.Tensor
 
+
+_VERL_OWNED_FIELDS = {
+    "aggregation": "verl reduces every policy loss with its own "
+                   "actor_rollout_ref.actor.loss_agg_mode (e.g. 'seq-mean-token-sum-norm' for "
+                   "Dr. GRPO's constant denominator), so a loss's aggregation is never read",
+    "advantage_std_normalisation": "verl computes advantages before the loss "
+                                   "(algorithm.norm_adv_by_std_in_grpo)",
+}
+"""Config fields verl decides itself; :func:`register` rejects them in ``loss_args``."""
 
 _EXTRA: ContextVar[_ExtraInputs | None] = ContextVar("nemo_sspo_verl_inputs", default=None)
 _CONFIGS: dict[str, Any] = {}  # our loss name -> config, built by register()
@@ -155,6 +170,19 @@ def _extra_inputs(name: str, shape: torch.Size) -> _ExtraInputs:
     return extra
 
 
+def _integer_segment_ids(segment_ids: torch.Tensor) -> torch.Tensor:
+    """``segment_ids`` as int64; float ids must hold whole numbers (``.long()`` would truncate)."""
+    if segment_ids.dtype == torch.bool:
+        raise ValueError("loss_inputs segment_ids must be an integer tensor, got torch.bool")
+    if segment_ids.is_floating_point() or segment_ids.is_complex():
+        if not bool(torch.isfinite(segment_ids).all()) or bool(
+                (segment_ids != torch.round(segment_ids)).any()):
+            raise ValueError(f"loss_inputs segment_ids ({segment_ids.dtype}) hold non-integer "
+                             "values; pass int64 segment ids (nemo_sspo.algorithms.segmentation."
+                             "segment_ids)")
+    return segment_ids.long()
+
+
 def _verl_metrics(metrics: dict[str, torch.Tensor], log_prob, old_log_prob, mask) -> dict:
     """Python floats (verl averages them over micro-batches): ours plus verl's usual keys."""
     values = reduce_metric_sums(metrics, dp_group=None, pp_group=None, last_stage_rank=0,
@@ -181,7 +209,8 @@ def _make_verl_loss(name: str):
         extra = _extra_inputs(name, log_prob.shape)
         per_token, metrics = loss_fn(
             log_prob, old_log_prob, per_response_advantages(advantages, mask), mask,
-            extra.segment_ids.long(), extra.old_entropy.to(log_prob.dtype), loss_config,
+            _integer_segment_ids(extra.segment_ids), extra.old_entropy.to(log_prob.dtype),
+            loss_config,
         )
         if rollout_is_weights is not None:  # verl's rollout correction, applied as in its losses
             per_token = per_token * rollout_is_weights
@@ -211,15 +240,33 @@ def register(loss_args: Mapping[str, Mapping[str, Any]] | None = None) -> list[s
     Raises:
         ImportError: verl is not installed (says how to install it).
         ValueError: unknown loss name, unknown field or invalid value (each config is built
-            once here so errors show at start-up), or a name clash with a loss verl registered.
+            once here so errors show at start-up); a field verl decides itself (``aggregation``:
+            verl's ``loss_agg_mode``; ``advantage_std_normalisation``: verl's
+            ``algorithm.norm_adv_by_std_in_grpo``); ``kl_coef`` / ``entropy_coef`` > 0 (verl
+            passes neither reference log-probs nor entropy to a policy loss: use verl's
+            ``use_kl_loss`` / ``kl_loss_coef`` and ``entropy_coeff``); or a name clash with a loss
+            verl registered.
     """
     core = _core_algos()
     loss_args = {name: dict(args) for name, args in (loss_args or {}).items()}
     unknown = sorted(set(loss_args) - set(policy_loss_names()))
     if unknown:
         raise ValueError(f"loss_args names unknown loss(es) {unknown}; ours: {policy_loss_names()}")
+    for name, args in loss_args.items():
+        ignored = sorted(set(args) & set(_VERL_OWNED_FIELDS))
+        if ignored:
+            raise ValueError(
+                f"loss_args[{name!r}] sets {ignored}, which verl does not let a policy loss "
+                f"choose: {'; '.join(_VERL_OWNED_FIELDS[key] for key in ignored)}. Remove them "
+                "from loss_args")
     configs = {name: config_from_args(name, loss_args.get(name, {}))
                for name in policy_loss_names()}
+    for config in configs.values():
+        check_host_config(
+            config, host="verl", check_length=False, check_tables=False,
+            kl_hint="Use verl's own reference-KL loss: actor_rollout_ref.actor.use_kl_loss=true "
+                    "with kl_loss_coef and kl_loss_type (or algorithm.use_kl_in_reward).",
+            entropy_hint="Use verl's own entropy bonus: actor_rollout_ref.actor.entropy_coeff.")
     names = []
     for name in policy_loss_names():
         verl_name = PREFIX + name

@@ -233,17 +233,18 @@ class TrainConfig:
 def build_loss_config(section: LossSection) -> Any:
     """Instantiates the loss's own config dataclass from ``loss.params``.
 
+    Delegates to :func:`nemo_sspo.algorithms.losses.build_policy_loss_config`.
+
     Raises:
-        ValueError: unknown loss name (lists the registered ones) or an unknown/invalid parameter.
+        ValueError: unknown loss name (lists the registered ones); an unknown parameter (names it,
+            lists the config's fields with a close-match suggestion, and says to select the loss
+            group when the key belongs to another loss); ``segmentation`` on a loss with a fixed
+            unit (names the losses where it is configurable); or an invalid value (names the
+            field).
     """
-    _, config_cls = get_policy_loss(section.name)
-    try:
-        return config_cls(**dict(section.params))
-    except TypeError as err:
-        raise ValueError(
-            f"loss.params for loss '{section.name}': {err}. To switch losses select the group "
-            f"(`loss={section.name}`), which replaces loss.params, rather than setting loss.name"
-        ) from err
+    from nemo_sspo.algorithms.losses import build_policy_loss_config
+
+    return build_policy_loss_config(section.name, dict(section.params), where="loss.params")
 
 
 def _require(ok: bool, message: str) -> None:

@@ -51,6 +51,11 @@ __all__ = [
 _LAYER_KEY = re.compile(r"^model\.layers\.(\d+)\.")
 
 
+def _check_group_size(group_size: int) -> None:
+    if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
+        raise ValueError(f"group_size={group_size!r} must be an int >= 1 (responses per prompt)")
+
+
 def critic_targets(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
     """BCE target per prompt: the mean reward of its ``group_size`` consecutive responses.
 
@@ -62,11 +67,13 @@ def critic_targets(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
         ``[B / G]`` float32.
 
     Raises:
-        ValueError: ``B % G != 0`` or a reward outside [0, 1] (BCE needs a probability target).
+        ValueError: ``group_size < 1``, ``B % G != 0``, or a reward outside [0, 1] or NaN (BCE
+            needs a probability target).
     """
+    _check_group_size(group_size)
     if rewards.dim() != 1 or rewards.numel() % group_size:
         raise ValueError(f"rewards {tuple(rewards.shape)} must be [B] with B divisible by group_size={group_size}")
-    if bool(((rewards < 0) | (rewards > 1)).any()):
+    if bool((~((rewards >= 0) & (rewards <= 1))).any()):  # NaN fails both comparisons
         raise ValueError("the SPPO critic's BCE target needs rewards in [0, 1] (a 0/1 correctness reward); "
                          f"got values in [{float(rewards.min())}, {float(rewards.max())}]")
     return rewards.to(torch.float32).reshape(-1, group_size).mean(dim=1)
@@ -92,7 +99,20 @@ def critic_advantages(rewards: torch.Tensor, value_logits: torch.Tensor, group_s
 
     Returns:
         ``[B]`` float32.
+
+    Raises:
+        ValueError: ``group_size < 1``, ``rewards`` not ``[B]``, or ``value_logits`` not
+            ``[B / G]`` (one logit per group of G consecutive responses; no broadcasting).
     """
+    _check_group_size(group_size)
+    if rewards.dim() != 1 or rewards.numel() % group_size:
+        raise ValueError(f"rewards {tuple(rewards.shape)} must be [B] with B divisible by "
+                         f"group_size={group_size}")
+    groups = rewards.numel() // group_size
+    if tuple(value_logits.shape) != (groups,):
+        raise ValueError(f"value_logits has shape {tuple(value_logits.shape)} but must be [B / G] = "
+                         f"[{groups}] (one critic logit per prompt for rewards "
+                         f"{tuple(rewards.shape)}, group_size={group_size})")
     baseline = torch.sigmoid(value_logits.detach().float()).repeat_interleave(group_size)
     return rewards.to(torch.float32) - baseline.to(rewards.device)
 

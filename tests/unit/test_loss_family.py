@@ -186,7 +186,9 @@ def test_covariance_selection_hand_values():
                                            cov_max=4.0)
     assert sel[:, 0].tolist() == [True, False, False, False]  # only 3.5 in the band
     sel, _ = select_high_covariance_tokens(COV_LOGPROBS, COV_ADV, COV_MASK, 0.2)
-    assert not sel.any()  # floor(0.2 * 4) = 0
+    assert sel[:, 0].tolist() == [False, False, False, True]  # max(1, floor(0.2 * 4)) = 1: 4.5
+    sel, _ = select_high_covariance_tokens(COV_LOGPROBS, COV_ADV, COV_MASK, 0.0)
+    assert not sel.any()  # fraction 0 selects nothing
 
 
 def test_clip_cov_detaches_selected_tokens():

@@ -28,6 +28,7 @@ from nemo_sspo.algorithms.losses.ratio_clip import (
     ratio_clip_loss,
 )
 from nemo_sspo.algorithms.losses.registry import (
+    build_policy_loss_config,
     get_policy_loss,
     policy_loss_names,
     register_policy_loss,
@@ -63,6 +64,7 @@ __all__ = [
     "SequencePPOLossConfig",
     "SoftGate",
     "SoftSeqPOLossConfig",
+    "build_policy_loss_config",
     "cispo_loss",
     "covariance_policy_loss",
     "get_policy_loss",

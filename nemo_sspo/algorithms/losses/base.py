@@ -19,11 +19,13 @@ mode like the policy term.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import math
+from dataclasses import dataclass, field, fields
 from typing import ClassVar
 
 import torch
 
+from nemo_sspo.algorithms.aggregation import _RENAMED as RENAMED_AGGREGATIONS
 from nemo_sspo.algorithms.aggregation import AGGREGATION_MODES
 from nemo_sspo.algorithms.kl import KL_ESTIMATORS, kl_estimate
 from nemo_sspo.algorithms.losses.metrics import pair, policy_metrics
@@ -33,6 +35,45 @@ from nemo_sspo.algorithms.segmentation import SEGMENTATIONS, segment_ids_for_lev
 def config_error(config, message: str) -> ValueError:
     """``ValueError`` whose message starts with the config class name (``GRPOLossConfig.x=...``)."""
     return ValueError(f"{type(config).__name__}.{message}")
+
+
+def check_numeric_fields(config) -> None:
+    """Check every ``float`` / ``int`` dataclass field of ``config`` holds a real number.
+
+    A ``float`` field must be a finite ``int``/``float`` (not ``bool``: ``true`` would silently
+    become 1.0; not NaN: every comparison with NaN is False, so range checks pass and the term is
+    silently disabled or poisons the loss; not +-inf). An ``int`` field must be an ``int`` (not
+    ``bool``). Fields annotated ``... | None`` may be None. Called by
+    :meth:`PolicyLossConfig.__post_init__`, so every subclass that calls ``super().__post_init__()``
+    gets it for all of its own fields too.
+
+    Raises:
+        ValueError: ``<ConfigClass>.<field>=<value>`` and what to set instead.
+    """
+    for f in fields(config):
+        kind = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
+        parts = {part.strip() for part in str(kind).split("|")}
+        if "float" in parts:
+            expected = "float"
+        elif "int" in parts:
+            expected = "int"
+        else:
+            continue
+        value = getattr(config, f.name)
+        if value is None and "None" in parts:
+            continue
+        if expected == "float":
+            ok = (isinstance(value, (int, float)) and not isinstance(value, bool)
+                  and math.isfinite(value))
+            need = "a finite real number (not NaN/inf, not a bool)"
+        else:
+            ok = isinstance(value, int) and not isinstance(value, bool)
+            need = "an integer (not a bool)"
+        if not ok:
+            optional = " or None" if "None" in parts else ""
+            raise config_error(config, f"{f.name}={value!r} ({type(value).__name__}) must be "
+                                       f"{need}{optional}; set {f.name} to a number in its "
+                                       "documented range")
 
 
 def check_eps(config, low_name: str, high_name: str) -> None:
@@ -76,8 +117,17 @@ class PolicyLossConfig:
     """Weight of the per-token entropy bonus (subtracted from the loss); > 0 needs ``entropy``."""
 
     def __post_init__(self) -> None:
+        """Validate the shared fields; subclasses must call ``super().__post_init__()`` first.
+
+        Every ``float`` field (this class's and the subclass's) must be a finite real number and
+        every ``int`` field an integer, neither a bool (:func:`check_numeric_fields`).
+        """
+        check_numeric_fields(self)
         if self.aggregation not in AGGREGATION_MODES:
-            raise config_error(self, f"aggregation={self.aggregation!r}; valid modes: "
+            renamed = RENAMED_AGGREGATIONS.get(self.aggregation)
+            hint = (f" (this mode is called {renamed!r} here; set aggregation={renamed})"
+                    if renamed else "")
+            raise config_error(self, f"aggregation={self.aggregation!r}{hint}; valid modes: "
                                      f"{AGGREGATION_MODES}")
         if not isinstance(self.advantage_std_normalisation, bool):
             raise config_error(self, f"advantage_std_normalisation="
@@ -110,9 +160,34 @@ def resolve_segments(config: PolicyLossConfig, response_mask, segment_ids) -> to
     return segment_ids_for_level("subsentence", response_mask, segment_ids)
 
 
+def check_segment_id_range(segment_ids: torch.Tensor, response_mask: torch.Tensor) -> None:
+    """Check ``0 <= segment_ids < T`` at valid positions (``[B, T]``; masked ones are not read).
+
+    Segments are numbered within a row, so a row has at most T of them: an id >= T would be
+    merged with a segment of the next row, and -1 at a valid token would be folded into another
+    segment, both silently. One device-to-host sync (min and max together).
+
+    Raises:
+        ValueError: naming ``segment_ids``, the offending value and the expected range.
+    """
+    if not bool(response_mask.any()):
+        return
+    length = segment_ids.shape[-1]
+    ids = segment_ids[response_mask]
+    low, high = torch.stack([ids.min(), ids.max()]).tolist()
+    if low < 0 or high >= length:
+        raise ValueError(f"segment_ids at valid tokens range over [{low}, {high}] but must lie in "
+                         f"[0, T - 1] = [0, {length - 1}] (per-row segment numbers; -1 only at "
+                         "masked positions): build them with "
+                         "nemo_sspo.algorithms.segmentation.segment_ids")
+
+
 def check_loss_inputs(logprobs, old_logprobs, advantages, response_mask, segment_ids, old_entropy,
                       config, config_type: type, *, ref_logprobs, entropy) -> None:
     """Shapes, dtypes, config type, and the optional tensors the config's coefficients need.
+
+    When the config's segmentation reads ``segment_ids`` (not "token"/"response"), their range at
+    valid positions is checked too (:func:`check_segment_id_range`, one host sync).
 
     Raises:
         ValueError: naming the argument, both shapes, or the config field and the fix.
@@ -137,6 +212,8 @@ def check_loss_inputs(logprobs, old_logprobs, advantages, response_mask, segment
     if not isinstance(config, config_type):
         raise ValueError(f"config must be a {config_type.__name__} (the config class registered "
                          f"with this loss), got {type(config).__name__}")
+    if config.segmentation not in ("token", "response"):
+        check_segment_id_range(segment_ids, response_mask)
     if config.kl_coef > 0 and ref_logprobs is None:
         raise config_error(config, f"kl_coef={config.kl_coef} needs ref_logprobs= ([B, T] log-probs "
                                    "of the reference policy); pass them or set kl_coef=0")

@@ -8,15 +8,17 @@ Token covariance over the N valid tokens of the batch the loss sees (all means o
 
 - ``clip_cov``: GRPO's clipped token objective, and the gradient of the selected tokens is detached.
   The paper picks floor(r N) tokens at random among those with Cov_t in [omega_low, omega_high]
-  (r = 2e-4, band [1, 5] in its runs); we take the floor(r N) highest-covariance tokens of that band,
-  deterministically, so runs and parallel layouts reproduce.
-- ``kl_cov``: unclipped token objective r_t A_t; the floor(k N) highest-covariance tokens get a
+  (r = 2e-4, band [1, 5] in its runs); we take the max(1, floor(r N)) highest-covariance tokens of
+  that band, deterministically, so runs and parallel layouts reproduce.
+- ``kl_cov``: unclipped token objective r_t A_t; the max(1, floor(k N)) highest-covariance tokens get a
   penalty beta * KL on top (k = 2e-3, beta = 1 as we read the paper's runs). We estimate the
   token's KL(pi_old || pi_theta) by |log r_t| (our choice: 0 on-policy, grows either way).
 
 Selection is local to the batch passed to the loss (one micro-batch), not global over the step;
-``policy/cov_selected_frac`` reports the selected share so this is visible. With small batches
-floor(fraction N) can be 0: nothing is selected and the loss equals its base objective.
+``policy/cov_selected_frac`` reports the selected share so this is visible. The quota is at
+least one token when fraction > 0 and the micro-batch has a valid token (floor(fraction N) alone
+is 0 for small micro-batches, which would make the loss its base objective); fraction = 0
+selects nothing.
 """
 
 from __future__ import annotations
@@ -54,7 +56,13 @@ def select_high_covariance_tokens(
     cov_min: float = -math.inf,
     cov_max: float = math.inf,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The floor(fraction * N) highest-covariance valid tokens whose Cov_t lies in [cov_min, cov_max].
+    """The max(1, floor(fraction * N)) highest-covariance valid tokens with Cov_t in [cov_min, cov_max].
+
+    The quota is at least one token whenever ``fraction > 0`` and the micro-batch has a valid
+    token (N >= 1): with the papers' fractions (2e-4, 2e-3) floor(fraction * N) is 0 for any
+    micro-batch under 500-5000 tokens, which would silently turn Clip-Cov into GRPO and KL-Cov into
+    the unclipped objective. ``fraction = 0`` selects nothing. Only eligible tokens are selected,
+    so fewer than the quota may be.
 
     Args:
         logprobs: ``[B, T]`` float, log pi_theta of the sampled tokens (read without gradient).
@@ -77,6 +85,8 @@ def select_high_covariance_tokens(
     covariance = (lp - lp.sum() / count) * (adv - adv.sum() / count) * valid
     eligible = mask & (covariance >= cov_min) & (covariance <= cov_max)
     quota = torch.floor(fraction * valid.sum())
+    if fraction > 0:  # at least one token, else small micro-batches never select (floor -> 0)
+        quota = quota.clamp(min=1.0)
     key = torch.where(eligible, covariance, torch.full_like(covariance, -math.inf)).reshape(-1)
     order = torch.sort(key, descending=True, stable=True).indices
     rank = torch.empty_like(order)

@@ -1,0 +1,178 @@
+"""Regression tests: config values, config-building messages, segment-id ranges, the covariance
+quota and the SPPO critic helpers reject or handle what they used to accept silently."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+import torch
+
+from nemo_sspo.algorithms.losses import (
+    build_policy_loss_config,
+    get_policy_loss,
+    policy_loss_names,
+    select_high_covariance_tokens,
+)
+from nemo_sspo.trainer.config import LossSection, build_loss_config
+from nemo_sspo.trainer.critic import critic_advantages, critic_targets
+
+
+def _numeric_fields(config_cls):
+    out = []
+    for f in dataclasses.fields(config_cls):
+        parts = {p.strip() for p in str(f.type).split("|")}
+        if "float" in parts:
+            out.append((f.name, "float"))
+        elif "int" in parts:
+            out.append((f.name, "int"))
+    return out
+
+
+@pytest.mark.parametrize("name", policy_loss_names())
+def test_every_float_field_rejects_nan_inf_and_bool(name):
+    _, cls = get_policy_loss(name)
+    cls()  # defaults stay valid
+    fields = _numeric_fields(cls)
+    assert fields, f"{cls.__name__} has no numeric field"
+    for field, kind in fields:
+        bad = [True, False] + ([math.nan, math.inf, -math.inf, "0.1"] if kind == "float" else [])
+        for value in bad:
+            with pytest.raises(ValueError, match=rf"^{cls.__name__}\.{field}="):
+                cls(**{field: value})
+
+
+@pytest.mark.parametrize("name, field", [("grpo", "eps_high"), ("sspo", "gamma"),
+                                         ("sspo", "alpha"), ("sapo", "tau_pos"),
+                                         ("dcpo", "ratio_max"), ("gmpo", "log_clip_high"),
+                                         ("grpo", "kl_coef")])
+def test_tester_nan_cases_name_class_and_field(name, field):
+    _, cls = get_policy_loss(name)
+    with pytest.raises(ValueError, match=rf"{cls.__name__}\.{field}=nan .*finite"):
+        cls(**{field: float("nan")})
+
+
+def test_kl_coef_true_is_not_one():
+    with pytest.raises(ValueError, match=r"GRPOLossConfig\.kl_coef=True .*not a bool"):
+        get_policy_loss("grpo")[1](kl_coef=True)
+    assert get_policy_loss("grpo")[1](kl_coef=1).kl_coef == 1  # a plain int is still a number
+
+
+def test_misspelt_param_names_field_lists_valid_and_suggests():
+    with pytest.raises(ValueError) as err:
+        build_loss_config(LossSection("grpo", {"kl_coeff": 0.05}))
+    msg = str(err.value)
+    assert "loss.params.kl_coeff" in msg and "did you mean 'kl_coef'" in msg
+    valid = [f.name for f in dataclasses.fields(get_policy_loss("grpo")[1])]
+    assert "Valid fields: " + ", ".join(valid) in msg
+    assert "loss.name" not in msg  # kl_coeff is no other loss's field: no group hint
+
+
+def test_group_hint_only_when_key_belongs_to_another_loss():
+    with pytest.raises(ValueError, match=r"'gamma' is a field of the losses \['sspo'\].*"
+                                         r"`loss=grpo`.*rather than setting loss.name"):
+        build_loss_config(LossSection("grpo", {"gamma": 2.2}))
+    with pytest.raises(ValueError) as err:
+        build_loss_config(LossSection("grpo", {"no_such_key": 1}))
+    assert "loss.name" not in str(err.value) and "did you mean" not in str(err.value)
+
+
+def test_wrong_type_names_field():
+    with pytest.raises(ValueError, match=r"GRPOLossConfig\.eps_low='abc'"):
+        build_loss_config(LossSection("grpo", {"eps_low": "abc"}))
+
+
+def test_segmentation_on_fixed_unit_loss_names_configurable_losses():
+    configurable = sorted(n for n in policy_loss_names() if "segmentation" in
+                          {f.name for f in dataclasses.fields(get_policy_loss(n)[1])})
+    assert "sspo" in configurable and "grpo" not in configurable
+    with pytest.raises(ValueError) as err:
+        build_loss_config(LossSection("grpo", {"segmentation": "newline"}))
+    msg = str(err.value)
+    assert "fixed" in msg and "'token'" in msg and str(configurable) in msg
+
+
+def test_renamed_aggregation_hint_at_config_time():
+    with pytest.raises(ValueError, match=r"GRPOLossConfig\.aggregation='seq-mean-token-sum-norm'"
+                                         r".*'constant-denominator'"):
+        build_loss_config(LossSection("grpo", {"aggregation": "seq-mean-token-sum-norm"}))
+
+
+def test_build_policy_loss_config_defaults_and_overrides():
+    assert build_policy_loss_config("sspo", {"gamma": 2.2}).gamma == 2.2
+    assert build_policy_loss_config("grpo") == get_policy_loss("grpo")[1]()
+
+
+def _sspo_inputs(segment_ids):
+    torch.manual_seed(0)
+    lp = -torch.rand(2, 4, dtype=torch.float64)
+    return dict(logprobs=lp, old_logprobs=lp + 0.05, advantages=torch.tensor([1.0, -1.0],
+                dtype=torch.float64), response_mask=torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1]],
+                dtype=torch.bool), segment_ids=segment_ids,
+                old_entropy=torch.rand(2, 4, dtype=torch.float64))
+
+
+@pytest.mark.parametrize("ids, bad", [
+    ([[0, 0, 4, -1], [0, 1, 1, 2]], "[0, 4]"),      # id T=4 at a valid token
+    ([[0, -1, 1, -1], [0, 1, 1, 2]], "[-1, 2]"),    # -1 at a valid token
+])
+def test_segment_ids_out_of_range_at_valid_tokens_raise(ids, bad):
+    fn, cls = get_policy_loss("sspo")
+    with pytest.raises(ValueError, match=r"segment_ids .*" + __import__("re").escape(bad)
+                                         + r".*\[0, 3\]"):
+        fn(**_sspo_inputs(torch.tensor(ids)), config=cls())
+
+
+def test_segment_ids_in_range_and_garbage_at_masked_positions_pass():
+    fn, cls = get_policy_loss("sspo")
+    per_token, _ = fn(**_sspo_inputs(torch.tensor([[0, 0, 3, 99], [0, 1, 1, 3]])), config=cls())
+    assert torch.isfinite(per_token).all()
+    # token-level losses do not read segment_ids
+    fn, cls = get_policy_loss("grpo")
+    fn(**_sspo_inputs(torch.full((2, 4), 7)), config=cls())
+
+
+def test_covariance_quota_is_at_least_one_token():
+    # Cov_t = (lp - mean lp)(A - mean A) with mean lp = -1.5, mean A = 0:
+    # row 0 (A=1): 0.5, -0.5; row 1 (A=-1): -0.5, 0.5 -> the tie at 0.5 keeps (0, 0).
+    lp = torch.tensor([[-1.0, -2.0], [-1.0, -2.0]])
+    adv = torch.tensor([1.0, -1.0])
+    mask = torch.ones(2, 2, dtype=torch.bool)
+    selected, cov = select_high_covariance_tokens(lp, adv, mask, 2e-4)  # floor(2e-4 * 4) = 0
+    torch.testing.assert_close(cov, torch.tensor([[0.5, -0.5], [-0.5, 0.5]]))
+    assert selected.tolist() == [[True, False], [False, False]]
+    assert not select_high_covariance_tokens(lp, adv, mask, 0.0)[0].any()
+    assert not select_high_covariance_tokens(lp, adv, torch.zeros_like(mask), 0.5)[0].any()
+    # floor above 1 is unchanged: 0.5 * 4 = 2 tokens
+    assert select_high_covariance_tokens(lp, adv, mask, 0.5)[0].sum() == 2
+
+
+def test_clip_cov_detaches_the_one_selected_token_at_small_scale():
+    fn, cls = get_policy_loss("clip_cov")
+    lp = torch.tensor([[-1.0, -2.0], [-1.0, -2.0]], dtype=torch.float64, requires_grad=True)
+    mask = torch.ones(2, 2, dtype=torch.bool)
+    per_token, _ = fn(lp, lp.detach(), torch.tensor([1.0, -1.0], dtype=torch.float64), mask,
+                      torch.zeros(2, 2, dtype=torch.long), torch.zeros(2, 2, dtype=torch.float64),
+                      cls(cov_min=0.0))
+    per_token.sum().backward()
+    # on-policy: d(-r A)/d lp = -A, except the selected token (0, 0), whose gradient is removed
+    assert lp.grad.tolist() == [[0.0, -1.0], [1.0, 1.0]]
+
+
+def test_critic_targets_rejects_nan():
+    with pytest.raises(ValueError, match=r"\[0, 1\]"):
+        critic_targets(torch.tensor([1.0, float("nan")]), 1)
+    torch.testing.assert_close(critic_targets(torch.tensor([1.0, 0.0, 1.0, 1.0]), 2),
+                               torch.tensor([0.5, 1.0]))
+
+
+def test_critic_advantages_shape_mismatch_raises():
+    with pytest.raises(ValueError, match=r"value_logits has shape \(1,\) but must be .*\[4\]"):
+        critic_advantages(torch.tensor([1.0, 0.0, 1.0, 1.0]), torch.tensor([0.0]), 1)
+    with pytest.raises(ValueError, match="group_size"):
+        critic_advantages(torch.tensor([1.0, 0.0]), torch.tensor([0.0]), 0)
+    # sigmoid(0) = 0.5 per prompt, repeated over its G = 2 responses
+    torch.testing.assert_close(
+        critic_advantages(torch.tensor([1.0, 0.0, 1.0, 1.0]), torch.tensor([0.0, 0.0]), 2),
+        torch.tensor([0.5, -0.5, 0.5, 0.5]))
