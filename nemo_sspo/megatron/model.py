@@ -299,7 +299,7 @@ def build_policy_model(
     train/eval mode. Weights are random until
     ``hf_mapping.load_hf_into_megatron``. The true vocabulary size is kept on the model as
     ``model.true_vocab_size`` for ``vocab_shard``, the layer implementation as
-    ``model.transformer_impl``.
+    ``model.transformer_impl``. On a CUDA host the whole stage is on the current CUDA device.
 
     Args:
         precision, fp8, fp8_recipe: as :func:`transformer_config_from_hf` (keys ``model.precision``,
@@ -334,6 +334,10 @@ def build_policy_model(
             position_embedding_type="rope",
             rotary_base=_rope_theta(hf_config),
         )
+    if torch.cuda.is_available():
+        # As Megatron-LM's get_model: modules built outside Megatron's init helpers (the local
+        # spec's torch norms) start on the CPU even when the linear layers were built on the GPU.
+        model.cuda(torch.cuda.current_device())
     model.true_vocab_size = int(hf_config.vocab_size)
     model.transformer_impl = impl
     return model

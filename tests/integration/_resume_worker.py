@@ -3,21 +3,22 @@
 Runs 3 steps saving a checkpoint at step 2, then resumes a second trainer from that checkpoint into
 another output folder and runs step 3 again. Rank 0 writes both runs' step-3 metrics to
 ``<out>/result.json``. Usage: ``torchrun --nproc-per-node 2 -m tests.integration._resume_worker OUT``.
+
+Imports live inside the functions: Megatron's checkpoint writer starts a spawned helper process,
+which re-imports this (main) module, and should not pay for torch and Megatron again.
 """
 
 import json
 import sys
-import warnings
 from pathlib import Path
-
-from nemo_sspo.cli import load_config
-from nemo_sspo.megatron import destroy_parallel
-from nemo_sspo.models import load_hf_checkpoint
-from nemo_sspo.trainer import loop
-from tests.integration._loop_runs import TINY, ParityReward
 
 
 def _fit(overrides, checkpoint):
+    from nemo_sspo.cli import load_config
+    from nemo_sspo.megatron import destroy_parallel
+    from nemo_sspo.trainer import loop
+    from tests.integration._loop_runs import TINY
+
     trainer = loop.GRPOTrainer(load_config(overrides=[*TINY, *overrides]), checkpoint=checkpoint)
     try:
         return trainer.fit()
@@ -26,8 +27,19 @@ def _fit(overrides, checkpoint):
 
 
 def main(out: Path) -> None:
+    import warnings
+
+    import torch.distributed as dist
+
+    from nemo_sspo.models import load_hf_checkpoint
+    from nemo_sspo.trainer import loop
+    from tests.integration._loop_runs import ParityReward
+
     warnings.filterwarnings("ignore")
     loop.MathVerifyReward = ParityReward
+    # One process group for both trainers: torchrun's store does not support a second rendezvous
+    # after destroy_process_group (initialize_parallel reuses an existing group and leaves it alone).
+    dist.init_process_group("gloo")
     tiny = load_hf_checkpoint("tiny-random-llama")
     common = ["parallel.tensor_model_parallel_size=2", "trainer.max_steps=3", "trainer.checkpoint_interval=2"]
     straight = _fit([*common, f"trainer.output_dir={out / 'straight'}"], tiny)
@@ -35,6 +47,7 @@ def main(out: Path) -> None:
     resumed = _fit([*common, f"trainer.output_dir={out / 'resumed'}", f"trainer.resume={step2}"], tiny)
     if straight:  # rank 0 logs; its history holds every step
         (out / "result.json").write_text(json.dumps({"straight": straight[-1], "resumed": resumed[-1]}))
+    dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -6,7 +6,8 @@ runs steps 3-4: its metrics must equal the uninterrupted run's exactly (every ke
 same fp32 CPU kernels run in the same order on restored bit-identical weights, optimizer moments
 and Adam step counts, data position and sampling seeds, so exact equality is the expected result,
 not a tolerance). Its step-4 save is made to fail after the temporary folder is written: the
-previous ``latest`` (the first run's step 4) must survive intact.
+previous ``latest`` (the first run's step 4) must survive intact. A second test resumes an SPPO run,
+whose critic and critic optimizer are checkpointed too.
 """
 
 import json
@@ -44,7 +45,6 @@ def _killed_publish(tmp, final):
     raise RuntimeError(f"killed while publishing {tmp.name}")
 
 
-@pytest.mark.filterwarnings("ignore:.*differs from the published.*")
 def test_resume_matches_uninterrupted_run_and_failed_save_keeps_latest(monkeypatch, tmp_path, tiny):
     out = tmp_path / "run"
     overrides = [
@@ -80,3 +80,16 @@ def test_resume_matches_uninterrupted_run_and_failed_save_keeps_latest(monkeypat
     latest = resolve_resume("auto", out)
     assert latest == ckpts / "step_000004"
     assert json.loads((latest / STATE_FILE).read_text())["step"] == 4
+
+
+def test_sppo_critic_is_checkpointed(monkeypatch, tmp_path, tiny):
+    out = tmp_path / "sppo"
+    overrides = ["loss=sppo", "rollout.samples_per_prompt=1", "rollout.prompts_per_step=4", "critic.micro_batch_size=2",
+                 "critic.num_layers=1", "critic.optim.lr=0.05", "trainer.max_steps=2", "trainer.checkpoint_interval=1"]
+    straight = run(monkeypatch, out, overrides, checkpoint=tiny)
+    assert (out / "checkpoints" / "step_000001" / "critic").is_dir()
+    resumed = run(monkeypatch, out, [*overrides, f"trainer.resume={out / 'checkpoints' / 'step_000001'}"],
+                  checkpoint=tiny)
+    # The critic moved at step 1 (V != 0.5 at step 2) and the resumed critic predicts the same.
+    assert straight[1]["critic/value_mean"] != pytest.approx(0.5, abs=1e-4)
+    assert _without_timings(resumed[1]) == _without_timings(straight[1])

@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -18,6 +20,7 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
+@pytest.mark.slow
 def test_tp2_resume_continues_with_identical_metrics(tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO)}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(_free_port()),
