@@ -40,7 +40,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from nemo_sspo.algorithms import group_advantages, segment_ids, select_nonzero_variance_groups
+from nemo_sspo.algorithms import group_advantages, segment_ids
 from nemo_sspo.algorithms.losses import get_policy_loss
 from nemo_sspo.algorithms.segmentation import TABLE_FREE_SEGMENTATIONS, build_segment_tables
 from nemo_sspo.data import build_prompt_source
@@ -65,7 +65,7 @@ from nemo_sspo.models.hf_checkpoint import resolve_model_dir
 from nemo_sspo.parallel.metrics import merge_metric_sums, reduce_metric_sums
 from nemo_sspo.rewards import MathVerifyReward
 from nemo_sspo.rollout import HFRolloutEngine, VLLMRolloutEngine, truncated_is_weights
-from nemo_sspo.trainer.batch import pack_rollouts, response_to_target_frame
+from nemo_sspo.trainer.batch import pack_rollouts
 from nemo_sspo.trainer.checkpoint import (
     CHECKPOINTS_DIR,
     TrainerState,
@@ -79,15 +79,12 @@ from nemo_sspo.trainer.critic import Critic, build_value_model, critic_advantage
 from nemo_sspo.trainer.device import check_host, training_device
 from nemo_sspo.trainer.metrics import MetricsLogger
 from nemo_sspo.trainer.periodic_eval import BEST_DIR, BestEval, evaluate_engine
+from nemo_sspo.trainer.rollout_metrics import pair, rollout_logprobs, rollout_metric_sums
 from nemo_sspo.trainer.sampling import Rollout, RolloutSampler
 
 __all__ = ["GRPOTrainer", "Rollout"]
 
 logger = logging.getLogger(__name__)
-
-
-def _pair(total: float, count: float) -> torch.Tensor:
-    return torch.tensor([total, count], dtype=torch.float32)
 
 
 class _Timer:
@@ -251,7 +248,7 @@ class GRPOTrainer:
                                                  normalize_std=self.loss_config.advantage_std_normalisation)
             groups = rollout.rewards.numel() / group
             frac = stats["advantages/zero_variance_group_frac"]
-            return advantages, {"advantages/zero_variance_group_frac": _pair(frac * groups, groups)}
+            return advantages, {"advantages/zero_variance_group_frac": pair(frac * groups, groups)}
         value_logits = self.critic.predict(self._critic_batch(rollout))
         if value_logits is None:
             return torch.zeros_like(rollout.rewards), {}
@@ -282,7 +279,7 @@ class GRPOTrainer:
             batch = compute_ref_logprobs(self.ref_model, batch, self.spec, micro)
         cap = self.cfg.rollout.tis_cap
         if cap is not None and self.groups.is_last_stage:
-            weights, tis_sums = truncated_is_weights(batch.old_logprobs, _rollout_logprobs(rollout, batch),
+            weights, tis_sums = truncated_is_weights(batch.old_logprobs, rollout_logprobs(rollout, batch),
                                                      batch.loss_mask, cap)
             batch = replace(batch, tis_weights=weights)
             sums.update(tis_sums)
@@ -307,29 +304,6 @@ class GRPOTrainer:
         if self.is_generator:
             self.engine.load_weights(state)
 
-    # ---- metrics ------------------------------------------------------------------------------
-    def _rollout_metric_sums(self, rollout: Rollout, batch) -> dict[str, torch.Tensor]:
-        rb, task = rollout.batch, rollout.task_rewards
-        n = float(task.numel())
-        lengths = rb.response_mask.sum(dim=1).float()
-        varied = select_nonzero_variance_groups(task, self.cfg.rollout.samples_per_prompt).num_nonzero_variance
-        sums = {
-            "reward/mean": _pair(float(task.sum()), n),
-            "reward/accuracy": _pair(float((task >= 1.0).sum()), n),
-            "response/length_mean": _pair(float(lengths.sum()), n),
-            "response/truncated_frac": _pair(float(rb.truncated.float().sum()), n),
-            # Each data-parallel rank reports the (common) round count once.
-            "rollout/sampling_rounds": _pair(float(rollout.rounds), 1.0),
-            "rollout/kept_group_frac": _pair(float(varied), float(rollout.generated_groups)),
-        }
-        if self.cfg.reward.overlong_buffer_len > 0:
-            sums["reward/shaped_mean"] = _pair(float(rollout.rewards.sum()), n)
-        mask = batch.loss_mask
-        if mask.any():
-            gap = (_rollout_logprobs(rollout, batch) - batch.old_logprobs)[mask].abs()
-            sums["rollout/trainer_logprob_gap_abs"] = _pair(float(gap.sum()), float(gap.numel()))
-        return sums
-
     def train_step(self, step: int) -> dict[str, float]:
         """One step (module docstring); returns its metrics, the same on every rank."""
         timer = _Timer()
@@ -347,7 +321,7 @@ class GRPOTrainer:
             self.refit()
         if self.groups.is_last_stage:
             sums.update(batch_sums)
-            sums.update(self._rollout_metric_sums(rollout, batch))
+            sums.update(rollout_metric_sums(rollout, batch, self.cfg))
         metrics = reduce_metric_sums(sums, dp_group=self.groups.dp_group, pp_group=self.groups.pp_group,
                                      last_stage_rank=self.groups.pp_last_rank, is_last_stage=self.groups.is_last_stage)
         metrics.update(extra)
@@ -449,8 +423,3 @@ class GRPOTrainer:
         if self.reward is not None:
             self.reward.close()
 
-
-def _rollout_logprobs(rollout: Rollout, batch) -> torch.Tensor:
-    """The engine's log-probs of the sampled tokens in the batch's target frame, ``[B, S]`` float32."""
-    rb = rollout.batch
-    return response_to_target_frame(rb.rollout_logprobs, rb.prompt_mask, batch.loss_mask.shape[1])
