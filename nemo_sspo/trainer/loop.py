@@ -32,6 +32,7 @@ micro-batch is moved there in the forward step; whole batches stay on the host
 from __future__ import annotations
 
 import logging
+import math
 import time
 from contextlib import contextmanager
 from dataclasses import replace
@@ -286,7 +287,14 @@ class GRPOTrainer:
         return batch, sums
 
     def update(self, batch) -> tuple[dict[str, torch.Tensor], float]:
-        """minibatches_per_step optimizer steps over consecutive row blocks of ``batch``."""
+        """minibatches_per_step optimizer steps over consecutive row blocks of ``batch``.
+
+        Raises:
+            FloatingPointError: a mini-batch's gradient norm is NaN or inf. The optimizer step has
+                then corrupted the Megatron weights, but the rollout engine still holds the last
+                good policy (refit comes after the update), which ``fit`` saves as
+                ``hf_checkpoint_interrupted``.
+        """
         rows = batch.input_ids.shape[0]
         size = rows // self.cfg.trainer.minibatches_per_step
         sums: dict[str, torch.Tensor] = {}
@@ -294,6 +302,11 @@ class GRPOTrainer:
         for start in range(0, rows, size):
             mb_sums, grad_norm = train_on_batch(self.model, self.optimizer, batch.select(slice(start, start + size)),
                                                 self.spec, self.cfg.parallel.micro_batch_size)
+            if not math.isfinite(grad_norm):
+                raise FloatingPointError(
+                    f"gradient norm {grad_norm} in mini-batch {start // size + 1}: the loss or its gradient "
+                    "is not finite (check rewards, optim.lr and the loss.params); the policy of the last "
+                    "completed step is kept")
             norms.append(grad_norm)
             sums = merge_metric_sums(sums, mb_sums)
         return sums, sum(norms) / len(norms)

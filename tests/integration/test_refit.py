@@ -70,3 +70,40 @@ def test_nan_reward_fails_clearly_and_keeps_completed_work(monkeypatch, tmp_path
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [1]
     assert (tmp_path / "hf_checkpoint_interrupted" / "config.json").is_file()
+
+
+def test_non_finite_gradient_stops_the_run_and_keeps_the_last_good_policy(monkeypatch, tmp_path):
+    """A NaN gradient norm (e.g. an overflowing loss) raises; step 1's policy is what gets saved."""
+    import json
+
+    import pytest
+    from transformers import AutoModelForCausalLM
+
+    real_train_on_batch = loop.train_on_batch
+    calls = {"n": 0}
+
+    def nan_from_step_2(*args, **kwargs):
+        sums, grad_norm = real_train_on_batch(*args, **kwargs)
+        calls["n"] += 1
+        return sums, (float("nan") if calls["n"] > 2 else grad_norm)  # 2 mini-batches per step
+
+    monkeypatch.setattr(loop, "MathVerifyReward", _ParityReward)
+    monkeypatch.setattr(loop, "train_on_batch", nan_from_step_2)
+    cfg = load_config(overrides=[
+        "model=tiny_random", "trainer.max_steps=3", "rollout.prompts_per_step=2",
+        "rollout.samples_per_prompt=4", "rollout.max_new_tokens=8", "parallel.micro_batch_size=2",
+        "optim.lr=1e-2", f"trainer.output_dir={tmp_path}",
+    ])
+    trainer = loop.GRPOTrainer(cfg)
+    try:
+        with pytest.raises(FloatingPointError, match="mini-batch 1"):
+            trainer.fit()
+        after_step_1 = export_hf_state_dict(trainer.model.module, trainer.hf_config)
+    finally:
+        destroy_parallel()
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1]
+    saved = AutoModelForCausalLM.from_pretrained(tmp_path / "hf_checkpoint_interrupted").state_dict()
+    # the saved policy is the one refitted after step 1, not the Megatron weights after the bad update
+    differs = max(float((saved[n] - after_step_1[n]).abs().max()) for n in after_step_1)
+    assert differs > 0
