@@ -41,7 +41,7 @@ RUN python -c "import torch; print(f'torch=={torch.__version__}')" > /opt/torch-
 
 COPY pyproject.toml README.md ./
 COPY nemo_sspo ./nemo_sspo
-COPY conf ./conf
+
 COPY examples ./examples
 COPY docs ./docs
 

@@ -10,7 +10,7 @@ Writes to ``--output-dir``: ``<loss>/metrics.jsonl`` (+ TensorBoard, per run), `
 (tables), ``compare_losses.png`` (reward, token entropy and token clip fraction per method over
 steps) and ``shared_rollouts_clipfrac.png`` (step-1 clip fractions by tokens / segments / responses).
 
-Defaults: SmolLM2-135M-Instruct on the word-problem task of ``conf/sspo_smollm2_cpu.yaml`` with one
+Defaults: SmolLM2-135M-Instruct on the word-problem task of ``nemo_sspo/conf/sspo_smollm2_cpu.yaml`` with one
 change per problem (shorter answers, more often right), 4 methods x 4 steps x 16 responses (2 prompts
 x 8), responses up to 48 tokens. At ~10 ms per prompt+response token per forward/backward pass
 (~210 tokens per response, ~185 of them the one-shot chat template) a step costs about a minute on

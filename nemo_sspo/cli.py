@@ -4,7 +4,7 @@
 ``eval.benchmarks`` (e.g. ``nemo-sspo eval model=smollm2_135m data.template=qwen-math
 eval.limit_per_benchmark=8 eval.data_dir=/path/to/data``).
 
-Configs are Hydra YAML files under ``conf/`` (default ``sspo_smollm2_cpu``) composed over the
+Configs are Hydra YAML files under ``nemo_sspo/conf/`` (shipped inside the package) (default ``sspo_smollm2_cpu``) composed over the
 structured schema of :mod:`nemo_sspo.trainer.config`; overrides use Hydra syntax
 (``trainer.max_steps=2``, ``loss=grpo``, ``loss.params.gamma=2.2``, ``parallel=tp3``). Under
 torchrun every rank runs the same command.
@@ -20,7 +20,7 @@ from pathlib import Path
 
 __all__ = ["main", "load_config", "DEFAULT_CONFIG_DIR"]
 
-DEFAULT_CONFIG_DIR = Path(__file__).resolve().parents[1] / "conf"
+DEFAULT_CONFIG_DIR = Path(__file__).resolve().parent / "conf"
 DEFAULT_CONFIG_NAME = "sspo_smollm2_cpu"
 
 

@@ -1,6 +1,6 @@
 """Typed configuration of a GRPO-family training run.
 
-Each section is a dataclass registered in Hydra's ConfigStore; the YAML files under ``conf/`` are
+Each section is a dataclass registered in Hydra's ConfigStore; the YAML files under ``nemo_sspo/conf/`` are
 merged onto ``OmegaConf.structured(TrainConfig)``, so a misspelt key or a wrong type fails when the
 config is loaded. Every default lives here, on its field. Checks that involve more than one field are
 in :func:`validate`, which raises ``ValueError`` naming the full key path.
@@ -151,7 +151,7 @@ class LossSection:
     """Registered policy-loss name (``nemo_sspo.algorithms.losses.policy_loss_names()``): sspo (default),
     sspo_fixed_clip, grpo, dr_grpo, dapo, gspo, gspo_token, lpo, dcpo, gmpo, sapo, soft_seq_po, cispo,
     clip_cov, kl_cov, sppo (sequence-level PPO with a critic, see ``critic``). Select it as a group
-    (``loss=grpo``) so that ``params`` come from ``conf/loss/<name>.yaml``."""
+    (``loss=grpo``) so that ``params`` come from ``nemo_sspo/conf/loss/<name>.yaml``."""
     params: dict[str, Any] = field(default_factory=dict)
     """Overrides of that loss's own config dataclass (e.g. ``gamma``, ``aggregation``,
     ``segmentation``, ``kl_coef``). The trainer also reads ``segmentation`` / ``segment_k`` (segment
