@@ -30,7 +30,12 @@ gradient 0.
 Forward per chunk of tokens: each rank sums its shard relative to its own max ``m_r`` (one
 sweep, in cache-sized row blocks on CPU), then one all-reduce MAX gives ``m`` and the partial
 sums are re-based by ``exp(m_r - m)`` before one all-reduce SUM of ``[S0, S1, z_t - m]``.
-Logits must be finite (mark invalid ids through ``vocab_size``, not with ``-inf``).
+``-inf`` logits (how hosts mask unused ids) mean probability 0: they add nothing to either sum,
+contribute 0 to the entropy and get a zero gradient. Exponents are floored at ``_LOG_FLOOR``
+(far below where ``exp`` underflows to 0 in fp64) so that ``0 * (-inf)`` never turns into NaN;
+the floor changes no finite result. NaN or ``+inf`` logits, a row whose every logit is ``-inf``
+and a target whose logit is ``-inf`` make some per-token output non-finite; that is detected on
+the ``[N]`` outputs (not by a second pass over the logits) and raised as ``ValueError``.
 """
 
 from __future__ import annotations
@@ -44,6 +49,9 @@ __all__ = ["vocab_parallel_logprobs_entropy", "vocab_shard_range"]
 # which makes the several elementwise passes per block cost about one pass over memory.
 # On accelerators a whole communication chunk is one block (fewer, larger kernels).
 _CPU_BLOCK_BYTES = 1 << 20
+# exp(-1e4) is 0 in fp64 (underflow below about -745), and -1e4 times any gradient coefficient
+# stays finite: flooring exponents here turns -inf logits into exact zeros without 0 * inf = NaN.
+_LOG_FLOOR = -1.0e4
 
 
 def vocab_shard_range(vocab_size_padded: int, tp_rank: int, tp_size: int) -> tuple[int, int]:
@@ -97,12 +105,15 @@ def vocab_parallel_logprobs_entropy(
 
     Args:
         logits: ``[N, V_local]`` float (bf16/fp16/fp32/fp64), this rank's contiguous shard covering
-            global ids ``[vocab_start, vocab_start + V_local)``.
+            global ids ``[vocab_start, vocab_start + V_local)``. ``-inf`` marks an id with
+            probability 0; NaN and ``+inf`` are refused.
         targets: ``[N]`` int64 global token ids in ``[0, vocab_size)``. Shifting (the token at
             position ``t + 1`` is the target of the logits at ``t``) is the caller's job.
         tp_group: tensor-parallel process group, or ``None`` for a single process (no
             communication). Never read from Megatron's global state.
-        vocab_start: global id of this shard's first column.
+        vocab_start: global id of this shard's first column; must be Megatron's contiguous equal
+            split, ``vocab_start == tp_rank * V_local`` with ``V_local * tp_size >= vocab_size``
+            (checked against the group's rank and size, without communication).
         vocab_size: true vocabulary size ``V``; shard columns with global id ``>= V`` are
             Megatron's padding and get probability 0.
         temperature: sampling temperature ``tau > 0``; logits are divided by it.
@@ -114,13 +125,19 @@ def vocab_parallel_logprobs_entropy(
 
     Raises:
         ValueError: wrong shapes/dtypes/devices, non-positive temperature/chunk_size/vocab_size,
-            ``tp_group=None`` with a shard that is not the whole vocabulary,
-            negative vocab_start, or a target outside ``[0, vocab_size)`` (this last check costs
-            one device-to-host sync per call).
+            a shard whose start or width does not fit the group's contiguous equal split
+            (``tp_group=None``: the shard must be the whole vocabulary), negative vocab_start, a
+            target outside ``[0, vocab_size)``, or a non-finite output (NaN/``+inf`` logits, a
+            row of only ``-inf``, a target with logit ``-inf``). The target check and the
+            non-finite check each cost one device-to-host sync per call.
     """
     _check_args(logits, targets, tp_group, vocab_start, vocab_size, temperature, chunk_size)
+    layout_error = _shard_layout_error(logits.shape[1], tp_group, vocab_start, vocab_size)
+    if layout_error is not None and (tp_group is None or logits.shape[0] == 0):
+        raise ValueError(layout_error)  # no collective would follow: nobody is left waiting
     return _VocabParallelLogprobsEntropy.apply(
-        logits, targets, tp_group, vocab_start, vocab_size, float(temperature), int(chunk_size)
+        logits, targets, tp_group, vocab_start, vocab_size, float(temperature), int(chunk_size),
+        layout_error,
     )
 
 
@@ -142,12 +159,6 @@ def _check_args(logits, targets, tp_group, vocab_start, vocab_size, temperature,
             f"need vocab_size >= 1 and vocab_start >= 0, got vocab_size={vocab_size}, "
             f"vocab_start={vocab_start}"
         )
-    if tp_group is None and (vocab_start != 0 or logits.shape[1] < vocab_size):
-        raise ValueError(
-            f"tp_group=None means one process holds the whole vocabulary: need vocab_start=0 "
-            f"and V_local >= vocab_size, got vocab_start={vocab_start}, V_local="
-            f"{logits.shape[1]}, vocab_size={vocab_size}; pass the tensor-parallel group"
-        )
     if not (temperature > 0 and temperature != float("inf")):
         raise ValueError(f"temperature must be a finite positive number, got {temperature}")
     if chunk_size < 1:
@@ -157,6 +168,28 @@ def _check_args(logits, targets, tp_group, vocab_start, vocab_size, temperature,
             f"targets must be global token ids in [0, vocab_size={vocab_size}); "
             "replace ignore-index/padding values with a valid id and mask the loss instead"
         )
+
+
+def _shard_layout_error(v_local: int, tp_group, vocab_start: int, vocab_size: int) -> str | None:
+    """Why the shard is not this rank's piece of Megatron's contiguous equal split, or None.
+
+    Rank and size come from the group object (no collective). A full-vocabulary tensor passed
+    with a sharded ``vocab_start`` is the typical mistake: it would give silently wrong sums.
+    Rank 0 cannot see that mistake locally (its full tensor looks like a padded shard), so a
+    rank that finds an error still joins the forward's two collectives and poisons its sums with
+    NaN: every rank then fails the output check together instead of hanging in a collective.
+    """
+    tp_rank = 0 if tp_group is None else dist.get_rank(tp_group)
+    tp_size = 1 if tp_group is None else dist.get_world_size(tp_group)
+    if vocab_start == tp_rank * v_local and v_local * tp_size >= vocab_size:
+        return None
+    return (
+        f"logits shard [N, {v_local}] at vocab_start={vocab_start} is not rank {tp_rank}'s "
+        f"piece of the contiguous equal split of vocab_size={vocab_size} over tp_group of "
+        f"size {tp_size} (tp_group=None: one process): expected vocab_start="
+        f"{tp_rank * v_local} and V_local >= {-(-vocab_size // tp_size)}; pass this rank's own "
+        "shard of the output layer (not gathered logits), its vocab_start and its group"
+    )
 
 
 def _block_rows(logits: torch.Tensor, n_cols: int, chunk: int) -> int:
@@ -182,11 +215,13 @@ def _local_stats(block: torch.Tensor, inv_temp: float, acc: torch.dtype) -> torc
     ``block [rows, n_valid]`` holds raw logits (never written); ``z = block / tau`` and
     ``m_r = c_r / tau``. Sums use ``acc`` precision.
     """
-    raw_max = block.amax(dim=-1, keepdim=True).to(acc)
+    # A row of only -inf in this shard shifts by a finite base instead (its sums are then 0).
+    raw_max = block.amax(dim=-1, keepdim=True).to(acc).clamp_min(torch.finfo(acc).min)
     # Shifting before scaling keeps z - m_r as exact as the input allows.
     shifted = _upcast_minus(block, raw_max, acc)
     if inv_temp != 1.0:
         shifted.mul_(inv_temp)
+    shifted.clamp_min_(_LOG_FLOOR)  # -inf logits: weight exp(floor) = 0, weight * z = 0
     weights = torch.exp(shifted)
     sum_exp = weights.sum(dim=-1)
     sum_exp_shifted = weights.mul_(shifted).sum(dim=-1)
@@ -206,10 +241,11 @@ def _shard_partials(logits, n_valid, inv_temp, acc):
     return torch.cat(blocks)
 
 
-def _chunk_stats(logits, targets, tp_group, vocab_start, n_valid, inv_temp, acc):
+def _chunk_stats(logits, targets, tp_group, vocab_start, n_valid, inv_temp, acc, poison):
     """Per token of one chunk: ``(logprobs, entropy, c, log S0)`` with ``c`` the global raw max.
 
     Two collectives: all-reduce MAX of ``c`` ``[rows]``, all-reduce SUM of ``[rows, 3]``.
+    ``poison`` (a bad shard layout) makes this rank contribute NaN, so every rank's outputs fail.
     """
     local = _shard_partials(logits, n_valid, inv_temp, acc)
     raw_max = local[:, 0].clone()
@@ -221,7 +257,8 @@ def _chunk_stats(logits, targets, tp_group, vocab_start, n_valid, inv_temp, acc)
         # Re-base partial sums from the local max m_r to the global max m (online-softmax
         # identity), so the block loop above runs before any communication:
         # sum e^(z-m) = k S0_r, sum e^(z-m)(z-m) = k (S1_r + (m_r - m) S0_r), k = e^(m_r - m).
-        delta = (local[:, 0] - raw_max) * inv_temp
+        # Floored: a shard of only -inf has delta = -inf, and (-inf) * 0 would be NaN.
+        delta = ((local[:, 0] - raw_max) * inv_temp).clamp_min(_LOG_FLOOR)
         scale = torch.exp(delta)
         sums[:, 0] = local[:, 1] * scale
         sums[:, 1] = (local[:, 2] + delta * local[:, 1]) * scale
@@ -230,6 +267,8 @@ def _chunk_stats(logits, targets, tp_group, vocab_start, n_valid, inv_temp, acc)
         target_raw = logits.gather(1, local_ids.clamp(0, n_valid - 1).unsqueeze(-1)).squeeze(-1)
         target_shifted = (target_raw.to(acc) - raw_max) * inv_temp  # z_t - m
         sums[:, 2] = torch.where(owned, target_shifted, torch.zeros_like(target_shifted))
+    if poison:
+        sums.fill_(float("nan"))
     if tp_group is not None:
         dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=tp_group)
 
@@ -262,7 +301,7 @@ def _block_grad(block, columns, has_c1, inv_temp, acc):
     log_p = _upcast_minus(block, columns[:, 0:1], acc)
     if inv_temp != 1.0:
         log_p.mul_(inv_temp)
-    log_p.sub_(columns[:, 1:2])
+    log_p.sub_(columns[:, 1:2]).clamp_min_(_LOG_FLOOR)  # -inf logits: p = 0, gradient 0 (not NaN)
     grad = torch.exp(log_p)
     if not has_c1:
         return grad.mul_(columns[:, 3:4])
@@ -287,18 +326,49 @@ def _set_target_entries(grad_logits, logprobs, targets, local_range, c1, c0, g_l
     grad_logits[position] = torch.where(owned, value.to(current.dtype), current)
 
 
+def _check_finite_outputs(logits, targets, logprobs, entropy, vocab_start, n_valid, layout_error):
+    """Raises ``ValueError`` when a token's outputs are not finite (one host sync on ``[N]``).
+
+    Every rank of the group reads the same all-reduced outputs, so all raise together (no rank
+    is left waiting in a collective). Only on that error path is the local shard scanned, to say
+    which input is at fault; this rank's own layout error comes first.
+    """
+    bad = ~(torch.isfinite(logprobs) & torch.isfinite(entropy))
+    if not bool(bad.any()):
+        return
+    if layout_error is not None:
+        raise ValueError(layout_error)
+    rows = bad.nonzero().flatten()
+    row = int(rows[0])
+    shard_row = logits[row, :n_valid]
+    local_id = int(targets[row]) - vocab_start
+    if bool(torch.isnan(shard_row).any()) or bool(torch.isposinf(shard_row).any()):
+        cause = "its logits contain NaN or +inf on this rank's shard"
+    elif 0 <= local_id < n_valid and bool(torch.isneginf(shard_row[local_id])):
+        cause = f"its target id {int(targets[row])} has logit -inf (probability 0)"
+    else:
+        cause = ("its logits are NaN/+inf on another rank's shard, every logit is -inf, its "
+                 "target's logit is -inf there, or another rank's shard does not fit the split")
+    raise ValueError(
+        f"non-finite log-prob/entropy for {rows.numel()} of {len(targets)} tokens; first at row "
+        f"{row}: {cause}. -inf is allowed for ids with probability 0 (never the target); NaN "
+        f"and +inf are not: check the model's output (overflow in low precision?) or the mask"
+    )
+
+
 class _VocabParallelLogprobsEntropy(torch.autograd.Function):
     """Autograd function behind :func:`vocab_parallel_logprobs_entropy` (see module docstring)."""
 
     @staticmethod
-    def forward(ctx, logits, targets, tp_group, vocab_start, vocab_size, temperature, chunk_size):
+    def forward(ctx, logits, targets, tp_group, vocab_start, vocab_size, temperature, chunk_size,
+                layout_error):
         acc = torch.promote_types(logits.dtype, torch.float32)
         inv_temp = 1.0 / temperature
         n_valid = max(0, min(logits.shape[1], vocab_size - vocab_start))
         pieces = [
             _chunk_stats(
                 logits[s : s + chunk_size], targets[s : s + chunk_size], tp_group, vocab_start,
-                n_valid, inv_temp, acc,
+                n_valid, inv_temp, acc, layout_error is not None,
             )
             for s in range(0, logits.shape[0], chunk_size)
         ]
@@ -306,6 +376,7 @@ class _VocabParallelLogprobsEntropy(torch.autograd.Function):
             logprobs, entropy, raw_max, log_sum_exp = (torch.cat(parts) for parts in zip(*pieces))
         else:
             logprobs = entropy = raw_max = log_sum_exp = logits.new_zeros(0, dtype=acc)
+        _check_finite_outputs(logits, targets, logprobs, entropy, vocab_start, n_valid, layout_error)
         # Only per-token statistics are saved; backward recomputes p from the input.
         ctx.save_for_backward(logits, targets, raw_max, log_sum_exp, entropy, logprobs)
         ctx.meta = (vocab_start, n_valid, inv_temp, chunk_size, acc)
@@ -315,7 +386,7 @@ class _VocabParallelLogprobsEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_logprobs, grad_entropy):
         if grad_logprobs is None and grad_entropy is None:
-            return (None,) * 7
+            return (None,) * 8
         logits, targets, raw_max, log_sum_exp, entropy, logprobs = ctx.saved_tensors
         vocab_start, n_valid, inv_temp, chunk_size, acc = ctx.meta
         c1, c0 = _grad_coefficients(grad_logprobs, grad_entropy, entropy, inv_temp, acc)
@@ -325,7 +396,7 @@ class _VocabParallelLogprobsEntropy(torch.autograd.Function):
         padded = n_valid < logits.shape[1]
         grad_logits = torch.zeros_like(logits) if padded else torch.empty_like(logits)
         if n_valid == 0:
-            return grad_logits, None, None, None, None, None, None
+            return grad_logits, None, None, None, None, None, None, None
         valid = logits[:, :n_valid]
         step = _block_rows(logits, n_valid, chunk_size)
         for s in range(0, logits.shape[0], step):
@@ -337,4 +408,4 @@ class _VocabParallelLogprobsEntropy(torch.autograd.Function):
                 grad_logits, logprobs, targets, (vocab_start, n_valid), c1, c0, grad_logprobs,
                 inv_temp,
             )
-        return grad_logits, None, None, None, None, None, None
+        return grad_logits, None, None, None, None, None, None, None

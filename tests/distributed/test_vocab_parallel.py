@@ -149,6 +149,50 @@ def _check_p6(group):
     torch.testing.assert_close(logprobs, torch.tensor([-1.3862944]), rtol=0.0, atol=1e-6)
 
 
+def _check_gathered_logits_refused(group):
+    """TP=2, V=4: a host that passes the full logits [0, 1, 2, 3] with vocab_start = rank * 2
+    would get, for target 3, log p = 3 - log(2 (e^2 + e^3)) = -2.5528 instead of
+    3 - log(1 + e + e^2 + e^3) = -0.4402. Rank 1 names its layout; rank 0's tensor looks like a
+    padded shard locally, so it learns of the fault from the poisoned sums. Neither may hang."""
+    tp_rank = dist.get_rank(group)
+    full = torch.tensor([[0.0, 1.0, 2.0, 3.0]])
+    try:
+        vocab_parallel_logprobs_entropy(
+            full, torch.tensor([3]), tp_group=group, vocab_start=2 * tp_rank, vocab_size=4
+        )
+    except ValueError as err:
+        expected = "expected vocab_start=4" if tp_rank else "another rank's shard does not fit"
+        assert expected in str(err), str(err)
+    else:
+        raise AssertionError("full-vocabulary logits with a sharded vocab_start were accepted")
+    start, _ = vocab_shard_range(4, tp_rank, 2)  # the correct shard gives -0.4402
+    logprobs, _ = vocab_parallel_logprobs_entropy(
+        full[:, start:start + 2], torch.tensor([3]), tp_group=group, vocab_start=start, vocab_size=4
+    )
+    torch.testing.assert_close(logprobs, torch.tensor([-0.4401897]), rtol=0.0, atol=1e-6)
+
+
+def _check_neg_inf_shard(group):
+    """TP=2, logits [0, ln 2 | -inf, -inf], target 1: rank 1's shard holds no probability.
+    p = [1/3, 2/3, 0, 0]: log p_1 = ln(2/3) = -0.405465, H = (1/3) ln 3 + (2/3) ln(3/2) = 0.636514;
+    gradient of log p_1 + H: d/dz_0 = -1/3 - (1/3)(ln(1/3) + H) = -1/3 + 0.154033 = -0.179300,
+    d/dz_1 = 1/3 - (2/3)(ln(2/3) + H) = 1/3 - 0.154033 = 0.179300 (a softmax gradient sums to 0),
+    and exactly 0 on rank 1."""
+    import math
+
+    tp_rank = dist.get_rank(group)
+    rows = [[0.0, math.log(2.0)], [-math.inf, -math.inf]]
+    shard = torch.tensor([rows[tp_rank]], requires_grad=True)
+    logprobs, entropy = vocab_parallel_logprobs_entropy(
+        shard, torch.tensor([1]), tp_group=group, vocab_start=2 * tp_rank, vocab_size=4
+    )
+    torch.testing.assert_close(logprobs, torch.tensor([-0.405465]), rtol=0.0, atol=1e-6)
+    torch.testing.assert_close(entropy, torch.tensor([0.636514]), rtol=0.0, atol=1e-6)
+    (logprobs + entropy).sum().backward()
+    expected = [[-0.179300, 0.179300]] if tp_rank == 0 else [[0.0, 0.0]]
+    torch.testing.assert_close(shard.grad, torch.tensor(expected), rtol=0.0, atol=2e-6)
+
+
 def _singleton_groups(world_size):
     """One TP=1 group per rank (every rank must create every group)."""
     groups = [dist.new_group([rank]) for rank in range(world_size)]
@@ -162,6 +206,8 @@ def _world2_checks(rank, world_size):
     _check_finite_differences(tp1, seed=300)
     _check_finite_differences(dist.group.WORLD, seed=400)
     _check_p6(dist.group.WORLD)
+    _check_gathered_logits_refused(dist.group.WORLD)
+    _check_neg_inf_shard(dist.group.WORLD)
     return "ok"
 
 
@@ -172,7 +218,7 @@ def _world4_checks(rank, world_size):
     return "ok"
 
 
-def test_tp1_tp2_reference_finite_differences_and_p6(run_distributed):
+def test_tp1_tp2_reference_finite_differences_p6_layout_and_neg_inf(run_distributed):
     assert run_distributed(_world2_checks, 2) == ["ok", "ok"]
 
 

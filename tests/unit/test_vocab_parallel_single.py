@@ -170,6 +170,7 @@ def test_vocab_shard_range():
         (dict(temperature=0.0), "temperature"),
         (dict(chunk_size=0), "chunk_size"),
         (dict(vocab_start=4), "tp_group"),
+        (dict(vocab_start=0, vocab_size=5), "vocab_size=5"),
     ],
 )
 def test_bad_arguments_raise_value_error_naming_them(change, argument):
@@ -180,3 +181,61 @@ def test_bad_arguments_raise_value_error_naming_them(change, argument):
     kwargs.update(change)
     with pytest.raises(ValueError, match=argument):
         vocab_parallel_logprobs_entropy(kwargs.pop("logits"), kwargs.pop("targets"), **kwargs)
+
+
+def test_neg_inf_logit_is_probability_zero_with_zero_gradient():
+    # Logits [0, ln 2, ln 3, -inf]: p = [1/6, 2/6, 3/6, 0]. Target 2: log p = ln(1/2) = -0.693147.
+    # H = (1/6) ln 6 + (1/3) ln 3 + (1/2) ln 2 = 0.298627 + 0.366204 + 0.346574 = 1.011404.
+    # d(log p_2 + H)/dz_v = (1[v=2] - p_v) - p_v (ln p_v + H): for v = 0, 1, 2
+    # -1/6 + 0.130059 = -0.036608; -1/3 + 0.029069 = -0.304264; 1/2 - 0.159128 = 0.340872; 0 at -inf.
+    logits = torch.tensor([[0.0, math.log(2.0), math.log(3.0), -math.inf]], requires_grad=True)
+    logprobs, entropy = _run(logits, torch.tensor([2]))
+    torch.testing.assert_close(logprobs, torch.tensor([-0.693147]), rtol=0, atol=1e-6)
+    torch.testing.assert_close(entropy, torch.tensor([1.011404]), rtol=0, atol=1e-6)
+    (logprobs + entropy).sum().backward()
+    expected = torch.tensor([[-0.036608, -0.304264, 0.340872, 0.0]])
+    torch.testing.assert_close(logits.grad, expected, rtol=0, atol=2e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_neg_inf_columns_match_reference_without_them(dtype):
+    # Masking ids with -inf must equal dropping those columns (float64 reference over the rest);
+    # temperature and a whole row block of -inf (CPU blocks split rows) included.
+    logits, targets = _random(n=6, v=12, dtype=dtype, seed=7)
+    keep = torch.tensor([0, 2, 3, 5, 8, 9, 11])
+    masked = torch.full_like(logits, -math.inf)
+    masked[:, keep] = logits[:, keep]
+    targets = keep[targets % len(keep)]
+    masked.requires_grad_(True)
+    logprobs, entropy = _run(masked, targets, temperature=0.7)
+    (logprobs.sum() + 0.5 * entropy.sum()).backward()
+    dense = logits[:, keep].double().requires_grad_(True)
+    ref_all = torch.log_softmax(dense / 0.7, dim=-1)
+    local_targets = torch.searchsorted(keep, targets)
+    ref_lp = ref_all.gather(1, local_targets[:, None])[:, 0]
+    ref_h = -(ref_all.exp() * ref_all).sum(-1)
+    (ref_lp.sum() + 0.5 * ref_h.sum()).backward()
+    tol = dict(rtol=2.0**-7, atol=1e-5) if dtype == torch.bfloat16 else dict(rtol=0, atol=2e-6)
+    torch.testing.assert_close(logprobs.double(), ref_lp.detach(), rtol=0, atol=2e-6)
+    torch.testing.assert_close(entropy.double(), ref_h.detach(), rtol=0, atol=2e-6)
+    grad = masked.grad.double()
+    torch.testing.assert_close(grad[:, keep], dense.grad, **tol)
+    dropped = torch.ones(12, dtype=torch.bool)
+    dropped[keep] = False
+    assert torch.equal(grad[:, dropped], torch.zeros(6, int(dropped.sum()), dtype=torch.float64))
+
+
+@pytest.mark.parametrize(
+    "row, target, message",
+    [
+        ([0.0, float("nan"), 1.0, 2.0], 0, "NaN or \\+inf"),
+        ([0.0, float("inf"), 1.0, 2.0], 0, "NaN or \\+inf"),
+        ([0.0, 1.0, 2.0, -math.inf], 3, "target id 3 has logit -inf"),
+        ([-math.inf] * 4, 1, "-inf"),
+    ],
+)
+def test_non_finite_logits_raise_naming_the_cause(row, target, message):
+    # A finite row next to the bad one: the error names the bad row (row 1).
+    logits = torch.tensor([[0.0, 0.0, 0.0, 0.0], row])
+    with pytest.raises(ValueError, match=f"row 1: .*{message}"):
+        _run(logits, torch.tensor([0, target]))
