@@ -10,7 +10,9 @@ A metric travels as a float32 [2] tensor. Three kinds, by key suffix:
 - derived: for every key ``K_sq`` next to a plain key ``K`` (a mean of squares next to the mean),
   the result also holds ``K_std = sqrt(max(K_sq - K^2, 0))`` computed from the global means.
 
-Metrics are produced on the last pipeline stage only and broadcast to the others.
+Metrics are produced on the last pipeline stage only and broadcast to the others. Data-parallel
+ranks may hold different key sets (a rank whose batch has no valid token emits no token metrics):
+the reduction runs over the union of keys, a key a rank lacks counting as an empty pair.
 """
 
 from __future__ import annotations
@@ -84,6 +86,22 @@ def _all_reduce(keys: list[str], stacked: torch.Tensor, dp_group) -> torch.Tenso
     return summed
 
 
+def _union_of_keys(keys: list[str], stacked: torch.Tensor, dp_group) -> tuple[list[str], torch.Tensor]:
+    """Every rank's sorted key list and ``[K, 2]`` pairs, with ``(0, 0)`` for keys it lacks.
+
+    Without this, ranks with different key sets would pair values by position (wrong numbers) or
+    all-reduce tensors of different lengths (a hang). One small object all-gather per step.
+    """
+    gathered: list[list[str] | None] = [None] * dist.get_world_size(dp_group)
+    dist.all_gather_object(gathered, keys, group=dp_group)
+    union = sorted(set().union(*gathered))
+    if union == keys:
+        return keys, stacked
+    rows = {key: row for key, row in zip(keys, stacked)}
+    zero = torch.zeros(2, dtype=stacked.dtype)
+    return union, torch.stack([rows.get(key, zero) for key in union])
+
+
 def _finalise(keys: list[str], stacked: torch.Tensor) -> dict[str, float]:
     result = {}
     for key, (value, count) in zip(keys, stacked.tolist()):
@@ -135,6 +153,7 @@ def reduce_metric_sums(
         stacked = (torch.stack([local[k].detach().to("cpu", torch.float64) for k in keys]) if keys
                    else torch.zeros(0, 2, dtype=torch.float64))
         if dp_group is not None and dist.get_world_size(dp_group) > 1:
+            keys, stacked = _union_of_keys(keys, stacked, dp_group)
             stacked = _all_reduce(keys, stacked, dp_group)
         result = _finalise(keys, stacked)
     if pp_group is not None and dist.get_world_size(pp_group) > 1:

@@ -48,3 +48,26 @@ def test_min_max_mean_std_over_dp_and_pp(run_distributed):
         assert result.keys() == expected.keys(), rank
         for key, value in expected.items():
             assert result[key] == pytest.approx(value, abs=1e-6), (rank, key)
+
+
+def _reduce_different_keys(rank, world_size):
+    from nemo_sspo.parallel.metrics import reduce_metric_sums
+
+    t = lambda *v: torch.tensor(v, dtype=torch.float32)  # noqa: E731
+    if rank == 0:  # a batch with no valid response token: no gap metric at all
+        local = {"loss": t(-1.0, 4), "ratio_max": t(1.5, 4)}
+    else:
+        local = {"gap_abs": t(0.3, 3), "loss": t(2.0, 2), "ratio_max": t(1.2, 2), "zgap_max": t(7, 1)}
+    return reduce_metric_sums(local, dp_group=dist.group.WORLD, pp_group=None,
+                              last_stage_rank=rank, is_last_stage=True)
+
+
+def test_ranks_with_different_key_sets_reduce_by_name(run_distributed):
+    # By name over both ranks: loss (-1 + 2) / (4 + 2) = 1/6; ratio_max max(1.5, 1.2) = 1.5;
+    # gap_abs only on rank 1: 0.3 / 3 = 0.1; zgap_max only on rank 1: 7. Pairing by position
+    # (rank 0's "loss" with rank 1's "gap_abs") would give loss (-1 + 0.3) / 7 = -0.1.
+    expected = {"loss": 1 / 6, "ratio_max": 1.5, "gap_abs": 0.1, "zgap_max": 7.0}
+    for rank, result in enumerate(run_distributed(_reduce_different_keys, 2)):
+        assert result.keys() == expected.keys(), rank
+        for key, value in expected.items():
+            assert result[key] == pytest.approx(value, abs=1e-6), (rank, key)
