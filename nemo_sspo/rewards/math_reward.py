@@ -19,6 +19,10 @@ __all__ = ["MathVerifyReward", "extract_last_boxed", "parse_gold", "score_respon
 
 _BOX_OPENING = re.compile(r"\\(?:boxed|fbox)\s*\{")
 _SCIENTIFIC = re.compile(r"^([+-]?(?:\d+\.?\d*|\.\d+))[eE]([+-]?\d+)$")  # 3.83e35 (Minerva's gold style)
+# math-verify 0.9's verify() defaults, kept for answers whose numbers are all >= 1 (see _precision_for).
+_FLOAT_ROUNDING = 6
+_NUMERIC_PRECISION = 15
+_SIGNIFICANT = 6  # digits a decimal answer below 1 must match: as 0.333333 for 1/3 by default
 _GRACE_S = 5.0  # parent-side slack on top of the workers' own deadlines (process start, pickling)
 
 
@@ -109,7 +113,59 @@ def score_response(response: str, answer: str) -> float:
 
     gold = parse_gold(answer)
     pred = _parse_boxed(boxed)
-    return 1.0 if gold and pred and verify(gold, pred, timeout_seconds=None) else 0.0
+    if not (gold and pred):
+        return 0.0
+    return 1.0 if verify(gold, pred, timeout_seconds=None, **_precision_for(gold + pred)) else 0.0
+
+
+def _precision_for(parsed: list) -> dict[str, int]:
+    """math-verify's ``float_rounding`` / ``numeric_precision`` scaled to the answers' magnitude.
+
+    Both settings are absolute: a decimal literal is rounded to ``float_rounding`` (default 6)
+    decimal places, and any other difference is evaluated to ``numeric_precision`` (default 15)
+    digits and counted as zero below about ``1.6e-14``. Two values under ``1e-15`` (``1/2^98`` and
+    ``1/2^99``, ``2e-20`` and ``1e-20``) therefore compared equal. With ``e`` the decimal exponent
+    of the smallest nonzero number in either answer (``floor(log10|x|)``), a value of ``10^e``
+    is compared as the defaults compare a value near 1: ``numeric_precision = 15 - e`` digits,
+    and ``float_rounding`` reaching the 6th significant digit (``5 - e`` places) but never fewer
+    than the default 6 places, so ``0.333333`` still matches ``1/3``. Answers whose numbers are
+    all ``>= 1`` keep the defaults: large integers stay exact (``10^{20}+1 != 10^{20}``) and a
+    15-digit decimal like Minerva's ``3.83e35`` still matches ``3.83\\times10^{35}``.
+
+    Args:
+        parsed: math-verify parse results (sympy objects; strings are ignored).
+
+    Returns:
+        ``{"float_rounding": int, "numeric_precision": int}`` keyword arguments for ``verify``.
+    """
+    exponent = min([0, *(_decimal_exponent(x) for x in _numbers_in(parsed))])
+    return {"float_rounding": max(_FLOAT_ROUNDING, _SIGNIFICANT - 1 - exponent),
+            "numeric_precision": _NUMERIC_PRECISION - exponent}
+
+
+def _numbers_in(parsed):
+    """The numeric sub-expressions of parsed answers: the answer itself, or the numbers inside
+    a tuple, set, interval, matrix, equation or expression with symbols (``2x + 10^{-30}``)."""
+    from sympy import Basic, MatrixBase
+
+    for item in parsed:
+        if isinstance(item, MatrixBase):
+            yield from _numbers_in(list(item))
+        elif isinstance(item, Basic):
+            if item.is_number:
+                yield item
+            else:
+                yield from _numbers_in(item.args)
+
+
+def _decimal_exponent(number) -> int:
+    """``floor(log10|number|)`` of a sympy number; 0 for zero and for infinite or unevaluable ones."""
+    from sympy import Abs, floor, log
+
+    magnitude = Abs(number).evalf(_SIGNIFICANT)  # sympy Floats have no exponent limit: 1/200! works
+    if not (magnitude.is_Float and magnitude.is_finite and magnitude.is_positive):
+        return 0
+    return int(floor(log(magnitude, 10)))
 
 
 class _Deadline(BaseException):

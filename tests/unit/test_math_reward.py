@@ -95,3 +95,51 @@ def test_unresponsive_worker_is_replaced(monkeypatch):
         stuck_pool = deaf._pool
         assert deaf(["\\boxed{1}"], ["1"]) == [0.0]
         assert deaf._pool is not stuck_pool
+
+
+# Issue 10 item 3: math-verify's defaults compare numbers absolutely (6 decimals for a decimal
+# literal, a difference chopped to zero below ~1e-14 otherwise), so any two values under ~1e-15
+# used to score 1 against each other. Each wrong pair below differs by a factor of 2 or more
+# (1/2^98 = 2 * 1/2^99; 20! * 21 = 21!; 2e-20 = 2 * 1e-20): it must score 0.
+@pytest.mark.parametrize("pred, gold", [
+    ("\\frac{1}{2^{98}}", "\\frac{1}{2^{99}}"),
+    ("\\frac{1}{20!}", "\\frac{1}{21!}"),
+    ("1/20!", "1/21!"),
+    ("2e-20", "1e-20"),
+    ("0.00000000000000000002", "0.00000000000000000001"),  # decimal literals: the 6-decimal rule
+    ("e^{-50}", "e^{-51}"),
+    ("(1, 10^{-20})", "(1, 10^{-21})"),                    # the same inside a tuple
+    # 1.50001e-30 / 1.5e-30 - 1 = 6.7e-6: they differ in the 6th significant digit
+    ("1.50001\\times10^{-30}", "1.5\\times10^{-30}"),
+    ("0.0000012", "0.0000013"),                            # equal when rounded to 6 decimals
+    # Large numbers were already exact; a relative tolerance must not make them equal.
+    ("10^{20}+1", "10^{20}"),
+    ("100000000000000000001", "100000000000000000000"),
+    ("3.8e35", "3.83e35"),
+])
+def test_distinct_tiny_or_huge_values_score_zero(pred, gold):
+    assert math_reward.score_response(f"\\boxed{{{pred}}}", gold) == 0.0
+
+
+# Equal values written differently keep scoring 1, tiny ones included.
+@pytest.mark.parametrize("pred, gold", [
+    ("1/2", "0.5"),
+    ("\\frac{2}{4}", "1/2"),
+    ("\\frac{1}{2^{99}}", "\\frac{1}{2^{99}}"),
+    ("2^{-99}", "\\frac{1}{2^{99}}"),
+    ("\\frac{1}{21!}", "1/21!"),
+    ("2\\times10^{-20}", "2e-20"),
+    ("0.00000000000000000002", "2e-20"),
+    ("10^{-20}", "0.00000000000000000001"),
+    ("(1, 10^{-21})", "(1, 10^{-21})"),
+    ("3.83\\times10^{35}", "3.83e35"),
+    ("383000000000000000000000000000000000", "3.83e35"),
+    ("10^{20}", "100000000000000000000"),
+    ("17.5\\%", "17.5"),
+    ("\\frac{1}{3}", "0.333333"),                          # math-verify's 6-decimal rule
+    ("\\frac{1}{30}", "0.0333333"),
+    # 1/3 * 1e-20 = 3.333333...e-21: agrees with the decimal to its 6 significant digits
+    ("\\frac{1}{3}\\times10^{-20}", "0.00000000000000000000333333"),
+])
+def test_equal_values_written_differently_score_one(pred, gold):
+    assert math_reward.score_response(f"\\boxed{{{pred}}}", gold) == 1.0
