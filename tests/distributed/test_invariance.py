@@ -1,10 +1,11 @@
 """The policy loss gives the same loss and parameter gradients for every parallel layout.
 
 Layouts (TP, PP, DP, gradient-accumulation steps) are checked against the single-process run
-(1, 1, 1, 1), for SSPO, GSPO and GRPO, on one fixed batch with unequal response lengths, a
-zero-length response and a fully masked micro-batch (P11, P12). The single-process run itself is
-checked against a float64 Hugging Face model with the objective written out independently from
-SSPO eq. 9-16 (Python loops over segments).
+(1, 1, 1, 1) for every aggregation mode: SSPO, GSPO, GRPO (seq-mean-token-mean), DAPO and CISPO
+(token-mean), GRPO with seq-mean-token-sum, Dr. GRPO (constant-denominator), on one fixed batch
+with unequal response lengths, a zero-length response and a fully masked micro-batch (P11, P12).
+The single-process run itself is checked against a float64 Hugging Face model with each objective
+written out independently (Python loops over responses and segments).
 
 Three spawns (worlds 1, 2, 4) run all layouts; rank 0 of each returns its results.
 """
@@ -17,7 +18,15 @@ from dataclasses import replace
 import pytest
 import torch
 
-from nemo_sspo.algorithms.losses import GRPOLossConfig, GSPOLossConfig, SSPOLossConfig, get_policy_loss
+from nemo_sspo.algorithms.losses import (
+    CISPOLossConfig,
+    DAPOLossConfig,
+    DrGRPOLossConfig,
+    GRPOLossConfig,
+    GSPOLossConfig,
+    SSPOLossConfig,
+    get_policy_loss,
+)
 from nemo_sspo.trainer.batch import pack_rollouts
 
 TEMPERATURE = 0.8
@@ -25,10 +34,18 @@ ROWS = 8
 RESPONSE_LENGTHS = [5, 3, 7, 1, 0, 6, 0, 0]  # rows 6-7: a fully masked micro-batch at 2 rows per micro-batch
 PROMPT_LENGTHS = [3, 2, 4, 2, 3, 5, 2, 3]
 ADVANTAGES = [1.0, -0.5, 0.7, -1.2, 0.3, 0.9, -0.4, 0.0]
+MAX_RESPONSE_LENGTH = 8  # L_max of the constant-denominator mode
+# case -> (registered loss, config); every config spells out what the reference below reads.
 LOSSES = {
-    "sspo": SSPOLossConfig(gamma=1.1),  # gamma 1.1 so the upper bound binds for some segments
-    "gspo": GSPOLossConfig(eps_low=0.05, eps_high=0.05),
-    "grpo": GRPOLossConfig(),
+    "sspo": ("sspo", SSPOLossConfig(alpha=0.0, beta=0.8, gamma=1.1)),  # gamma 1.1: the upper bound binds
+    "gspo": ("gspo", GSPOLossConfig(eps_low=0.05, eps_high=0.05)),
+    "grpo": ("grpo", GRPOLossConfig(eps_low=0.2, eps_high=0.2, dual_clip_c=None)),
+    "dapo": ("dapo", DAPOLossConfig(eps_low=0.2, eps_high=0.28, dual_clip_c=None, aggregation="token-mean")),
+    "cispo": ("cispo", CISPOLossConfig(eps_low_is=1.0, eps_high_is=0.1, aggregation="token-mean")),
+    "grpo_seq_sum": ("grpo", GRPOLossConfig(eps_low=0.2, eps_high=0.2, dual_clip_c=None,
+                                            aggregation="seq-mean-token-sum")),
+    "dr_grpo": ("dr_grpo", DrGRPOLossConfig(eps_low=0.2, eps_high=0.2, dual_clip_c=None,
+                                            aggregation="constant-denominator")),
 }
 # world size -> layouts (tp, pp, grad-accumulation steps); DP = world / (tp * pp)
 LAYOUTS = {
@@ -111,10 +128,11 @@ def _run_layouts(rank, world_size):
         local = batch.select(slice(groups.dp_rank * rows, (groups.dp_rank + 1) * rows))
         local_noise = noise[groups.dp_rank * rows : (groups.dp_rank + 1) * rows]
         vocab_start, vocab_size = vocab_shard(model)
-        for name, loss_config in LOSSES.items():
-            spec = LossSpec(loss_fn=get_policy_loss(name)[0], loss_config=loss_config,
+        for name, (registered, loss_config) in LOSSES.items():
+            spec = LossSpec(loss_fn=get_policy_loss(registered)[0], loss_config=loss_config,
                             tp_group=groups.tp_group if tp > 1 else None, vocab_start=vocab_start,
-                            vocab_size=vocab_size, temperature=TEMPERATURE, max_response_length=8)
+                            vocab_size=vocab_size, temperature=TEMPERATURE,
+                            max_response_length=MAX_RESPONSE_LENGTH)
             scored = compute_old_logprobs(ddp, local, spec, rows // ga)
             scored = replace(scored, old_logprobs=scored.old_logprobs + local_noise)  # off-policy: ratio != 1
             sums = compute_gradients(ddp, scored, spec, rows // ga)
@@ -127,8 +145,34 @@ def _run_layouts(rank, world_size):
     return results if rank == 0 else None
 
 
+def _segments(name, b, cols, batch):
+    """Token columns of each ratio unit of response ``b``: tokens, the whole response, or SSPO's
+    segments."""
+    if name == "gspo":
+        return [cols]
+    if name != "sspo":
+        return [[c] for c in cols]
+    ids = batch.segment_ids[b]
+    return [[c for c in cols if ids[c] == j] for j in sorted({int(ids[c]) for c in cols})]
+
+
+def _unit_objective(name, cfg, seg, b, logp, old, entropy):
+    """J contribution of one ratio unit: |unit| * surrogate (SSPO eq. 16's |y_ij| weight)."""
+    adv = ADVANTAGES[b]
+    s = torch.exp(sum(logp[b, c] - old[b, c] for c in seg) / len(seg))  # eq. 9 (|seg| = 1: token ratio)
+    if name == "cispo":  # MiniMax-M1 eq. for CISPO: sg(clip(r, 1 - eps_low, 1 + eps_high)) A log pi
+        weight = torch.clamp(s.detach(), 1 - cfg.eps_low_is, 1 + cfg.eps_high_is)
+        return weight * adv * logp[b, seg[0]]
+    if name == "sspo":
+        h = sum(float(entropy[b, c]) for c in seg) / len(seg)  # eq. 13
+        lo, hi = max(0.0, min(1 - h, cfg.beta)), min(1 + cfg.alpha + h, cfg.gamma)  # eq. 14/15
+    else:
+        lo, hi = 1 - cfg.eps_low, 1 + cfg.eps_high
+    return len(seg) * torch.minimum(s * adv, torch.clamp(s, lo, hi) * adv)
+
+
 def _float64_reference(name: str):
-    """Loss and HF-parameter gradients in float64, from eq. 9-16 written out with loops."""
+    """Loss and HF-parameter gradients in float64, each objective written out with loops."""
     from transformers import LlamaForCausalLM
 
     hf_config, hf_state, batch, noise = _fixture_data()
@@ -139,33 +183,21 @@ def _float64_reference(name: str):
     logp = logp_all.gather(-1, batch.targets[..., None])[..., 0]
     entropy = -(logp_all.exp() * logp_all).sum(-1).detach()
     old = logp.detach() + noise.double()
-    cfg = LOSSES[name]
-    total, responses = 0.0, 0
+    cfg = LOSSES[name][1]
+    numerator, responses, tokens = 0.0, 0, 0
     for b in range(ROWS):
         cols = batch.loss_mask[b].nonzero().flatten().tolist()
         if not cols:
             continue  # zero-length responses do not count (P12)
-        if name == "grpo":
-            segs = [[c] for c in cols]
-        elif name == "gspo":
-            segs = [cols]
-        else:
-            ids = batch.segment_ids[b]
-            segs = [[c for c in cols if ids[c] == j] for j in sorted({int(ids[c]) for c in cols})]
-        adv = ADVANTAGES[b]
-        response_term = 0.0
-        for seg in segs:
-            s = torch.exp(sum(logp[b, c] - old[b, c] for c in seg) / len(seg))  # eq. 9
-            if name == "sspo":
-                h = sum(float(entropy[b, c]) for c in seg) / len(seg)  # eq. 13
-                lo, hi = max(0.0, min(1 - h, cfg.beta)), min(1 + cfg.alpha + h, cfg.gamma)  # eq. 14/15
-            else:
-                lo, hi = 1 - cfg.eps_low, 1 + cfg.eps_high
-            term = torch.minimum(s * adv, torch.clamp(s, lo, hi) * adv)
-            response_term = response_term + len(seg) * term  # eq. 16: |y_ij| * min(...)
-        total = total - response_term / len(cols)
-        responses += 1
-    loss = total / responses
+        response_sum = sum(_unit_objective(name, cfg, seg, b, logp, old, entropy)
+                           for seg in _segments(name, b, cols, batch))
+        if cfg.aggregation == "seq-mean-token-mean":
+            response_sum = response_sum / len(cols)
+        elif cfg.aggregation == "constant-denominator":  # Dr. GRPO: L_max replaces |y_i|
+            response_sum = response_sum / MAX_RESPONSE_LENGTH
+        numerator = numerator - response_sum
+        responses, tokens = responses + 1, tokens + len(cols)
+    loss = numerator / (tokens if cfg.aggregation == "token-mean" else responses)
     loss.backward()
     return float(loss), {k: p.grad.detach() for k, p in model.named_parameters()}
 
