@@ -16,6 +16,13 @@ Strategies (:data:`SEGMENTATIONS`, selected by a loss config's ``segmentation`` 
 - ``"sentence"``: a token closes its segment when its text holds '.', '!' or '?' followed by white
   space, or ends with one of them while the next token (adjacent position, also valid) starts with
   white space. Newlines alone do not split; "e.g. " does (no abbreviation list).
+- ``"pause_punctuation"``: LPO's unit (Ling 2.0 report, arXiv 2510.22115, section 4.2.2: sentences
+  "segmented by common pause punctuation marks after detokenization"). The same rule as
+  ``"sentence"`` over the ASCII marks ``, ; : . ? !``, and any full-width CJK mark
+  ``\uff0c \u3002 \uff1b \uff1a \uff1f \uff01 \u3001`` closes wherever it stands (CJK text has no
+  space after it). The report names no mark list; this set, and the space rule that keeps "3.14"
+  and "1,000" whole, are ours. Newlines alone do not split. A CJK mark that a byte-level BPE splits
+  over several tokens decodes to replacement characters per token and is not seen.
 - ``"fixed_k"``: consecutive runs of k valid tokens.
 - ``"response"``: the whole response is one segment (the GSPO ratio).
 - ``"token"``: every token is its own segment (the GRPO ratio).
@@ -35,12 +42,16 @@ from dataclasses import dataclass, fields
 import torch
 
 SEGMENT_LEVELS = ("token", "subsentence", "sequence")
-SEGMENTATIONS = ("newline", "double_newline", "sentence", "fixed_k", "response", "token")
+SEGMENTATIONS = ("newline", "double_newline", "sentence", "pause_punctuation", "fixed_k",
+                 "response", "token")
 TABLE_FREE_SEGMENTATIONS = ("fixed_k", "response", "token")
 
 _SENTENCE_END_INSIDE = re.compile(r"[.!?]\s")
 _BLANK_LINE = re.compile(r"\n[ \t]*\n")
 _SENTENCE_PUNCTUATION = (".", "!", "?")
+# LPO's pause marks: ASCII ones only before white space (so "3.14", "1,000" stay whole), CJK always.
+_PAUSE_INSIDE = re.compile(r"[,;:.!?]\s|[\uff0c\u3002\uff1b\uff1a\uff1f\uff01\u3001]")
+_PAUSE_PUNCTUATION = (",", ";", ":", ".", "!", "?")
 
 
 def _vocab_size(tokenizer) -> int:
@@ -81,6 +92,9 @@ class SegmentTables:
         sentence_end: text contains '.', '!' or '?' followed by a white-space character.
         ends_punctuation: text ends with '.', '!' or '?'.
         starts_space: text starts with a white-space character.
+        pause_inside: text contains an ASCII pause mark (``, ; : . ? !``) followed by white space,
+            or a full-width CJK pause mark anywhere.
+        ends_pause: text ends with an ASCII pause mark.
     """
 
     newline: torch.Tensor
@@ -90,6 +104,8 @@ class SegmentTables:
     sentence_end: torch.Tensor
     ends_punctuation: torch.Tensor
     starts_space: torch.Tensor
+    pause_inside: torch.Tensor
+    ends_pause: torch.Tensor
 
     @property
     def vocab_size(self) -> int:
@@ -130,6 +146,8 @@ def build_segment_tables(tokenizer) -> SegmentTables:
         sentence_end=flags(_SENTENCE_END_INSIDE.search),
         ends_punctuation=flags(lambda s: s.endswith(_SENTENCE_PUNCTUATION)),
         starts_space=flags(lambda s: s[:1].isspace()),
+        pause_inside=flags(_PAUSE_INSIDE.search),
+        ends_pause=flags(lambda s: s.endswith(_PAUSE_PUNCTUATION)),
     )
 
 
@@ -206,9 +224,11 @@ def _table_closes(strategy: str, response_ids, response_mask, tables: SegmentTab
         # A blank line split over two tokens: "...\n" then "\n...".
         split_blank = _shift(look(tables.ends_newline), 1) & look(tables.starts_newline)
         return look(tables.double_newline) | split_blank
-    # sentence: punctuation + space inside the token, or punctuation now and a space next.
+    # sentence / pause_punctuation: a mark + space inside the token, or a mark now, a space next.
+    inside, ends = ((tables.sentence_end, tables.ends_punctuation) if strategy == "sentence"
+                    else (tables.pause_inside, tables.ends_pause))
     next_starts_space = _shift(look(tables.starts_space), -1)
-    return look(tables.sentence_end) | (look(tables.ends_punctuation) & next_starts_space)
+    return look(inside) | (look(ends) & next_starts_space)
 
 
 def segment_ids(
@@ -227,7 +247,8 @@ def segment_ids(
         response_mask: ``[B, T]`` bool, True at response tokens in the loss; masked positions may
             hold any id and never start or close a segment.
         tables: :class:`SegmentTables` of the tokenizer (padded to the model vocabulary); required
-            by ``"newline"``, ``"double_newline"`` and ``"sentence"``, not read by the others.
+            by the strategies that split on decoded text (``"newline"``, ``"double_newline"``,
+            ``"sentence"``, ``"pause_punctuation"``), not read by the others.
         k: tokens per segment; required (>= 1) by ``"fixed_k"`` and must be None otherwise.
 
     Returns:

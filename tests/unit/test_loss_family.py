@@ -78,17 +78,42 @@ def test_dcpo_bounds_hand_values():
     q = torch.tensor([[1.0, 0.8, 0.1, 0.01, 1e-3]], dtype=torch.float64)
     mask = torch.ones(1, 5, dtype=torch.bool)
     # Ratios far above every bound with A > 0: each token's objective is its upper bound.
+    # (eps set explicitly: the paper's table values; the defaults are the shipped run's.)
     loss, _, _, grad, metrics = _loss("dcpo", torch.log(q) + 5.0, torch.tensor([1.0]), mask,
-                                      old=torch.log(q))
+                                      old=torch.log(q), eps_low=0.16, eps_high=0.2)
     b_high = torch.tensor([[1.170820, 1.207107, 2.0, 5.0, 10.0]], dtype=torch.float64)
     assert torch.allclose(-loss, b_high, atol=1e-6)
     assert grad.abs().sum() == 0
     # Ratios far below with A < 0: objective -b_low, loss b_low.
     loss, _, _, _, _ = _loss("dcpo", torch.log(q) - 5.0, torch.tensor([-1.0]), mask,
-                             old=torch.log(q))
+                             old=torch.log(q), eps_low=0.16, eps_high=0.2)
     assert torch.allclose(loss, torch.tensor([[0.8, 0.723607, 0.5, 0.5, 0.5]],
                                              dtype=torch.float64), atol=1e-6)
     assert metrics["policy/b_high"][0].item() == pytest.approx(b_high.sum().item(), abs=1e-5)
+
+
+def test_dcpo_defaults_are_the_shipped_run():
+    # lime-RL/DCPO recipe/dcpo/run_dcpo.sh over run_base.sh: eps_low 0.2, eps_high 0.28,
+    # clip_type dynamic with clip_ratio_c 10 (upper cap max(c, 10) = 10, dual clip c = 10 for
+    # A < 0), "only-token-mean" = token mean.
+    # q = 0.5: b_high = 0.5 + 0.5 sqrt(1 + 4 * 0.28 / 0.5) = 0.5 + 0.5 sqrt(3.24) = 1.4;
+    #          b_low = 0.5 + 0.5 sqrt(1 - 4 * 0.2 / 0.5) = 0.5 + 0.5 sqrt(-0.6 -> 0) = 0.5.
+    # q = 1:   b_high = 0.5 + 0.5 sqrt(2.12) = 1.228011; b_low = 0.5 + 0.5 sqrt(0.2) = 0.723607.
+    cfg = get_policy_loss("dcpo")[1]()
+    assert (cfg.eps_low, cfg.eps_high, cfg.ratio_max, cfg.dual_clip_c) == (0.2, 0.28, 10.0, 10.0)
+    assert cfg.aggregation == "token-mean"
+    q = torch.tensor([[0.5, 1.0]], dtype=torch.float64)
+    mask = torch.ones(1, 2, dtype=torch.bool)
+    loss, _, _, _, _ = _loss("dcpo", torch.log(q) + 5.0, torch.tensor([1.0]), mask,
+                             old=torch.log(q))
+    assert torch.allclose(-loss, torch.tensor([[1.4, 1.228011]], dtype=torch.float64), atol=1e-6)
+    # A = -1 and ratio e^5 = 148.4 above every bound: the min keeps -r A = 148.4 as loss, the
+    # dual clip caps it at -c A = 10 (no gradient). Ratio e^-5 stays at -b_low A = b_low.
+    loss, _, _, grad, metrics = _loss("dcpo", torch.log(q) + torch.tensor([[5.0, -5.0]]),
+                                      torch.tensor([-1.0]), mask, old=torch.log(q))
+    assert torch.allclose(loss, torch.tensor([[10.0, 0.723607]], dtype=torch.float64), atol=1e-6)
+    assert grad.abs().sum() == 0
+    assert metrics["policy/clipfrac_dual_tokens"].tolist() == [1.0, 2.0]
 
 
 def test_gmpo_hand_values():
@@ -191,18 +216,80 @@ def test_covariance_selection_hand_values():
     assert not sel.any()  # fraction 0 selects nothing
 
 
-def test_clip_cov_detaches_selected_tokens():
-    # Band [1, 5], fraction 0.5: tokens 0 and 3 selected. Values unchanged (-r A); gradient of
-    # the selected tokens 0, the others -r A / 4 (token mean over 4 tokens).
+def test_clip_cov_zeroes_selected_tokens():
+    # Band (1, 5), fraction 0.5: quota 2, eligible tokens 0 (3.5) and 3 (4.5), both drawn. Their
+    # loss is 0 (value and gradient, as the official loss multiplies it by 0); the others keep
+    # -r A with gradient -r A / 4 (token mean over 4 tokens).
     loss, _, _, grad, metrics = _loss("clip_cov", COV_LOGPROBS, COV_ADV, COV_MASK,
                                       old=COV_LOGPROBS - COV_D, select_fraction=0.5)
     r = torch.exp(COV_D)[:, 0]
     adv = COV_ADV.double()
-    assert torch.allclose(loss[:, 0], -r * adv, atol=1e-12)
+    assert torch.allclose(loss[:, 0], torch.tensor([0.0, -r[1], r[2], 0.0],
+                                                   dtype=torch.float64), atol=1e-12)
     expected = torch.tensor([0.0, -r[1] * 1.0 / 4, r[2] / 4, 0.0], dtype=torch.float64)
     assert torch.allclose(grad[:, 0], expected, atol=1e-12)
     assert metrics["policy/cov_selected_frac"].tolist() == [2.0, 4.0]
     assert metrics["policy/zero_grad_frac_tokens"].tolist() == [2.0, 4.0]
+    assert adv.tolist() == [2.0, 1.0, -1.0, -2.0]
+
+
+def test_clip_cov_defaults_match_the_official_recipe():
+    # PRIME-RL/Entropy-Mechanism-of-RL recipe/dapo/7b_clip_cov.sh: clip 1/1, ratio 2e-4, band
+    # (1, 5), token-mean.
+    cfg = get_policy_loss("clip_cov")[1]()
+    assert (cfg.eps_low, cfg.eps_high, cfg.select_fraction) == (1.0, 1.0, 2e-4)
+    assert (cfg.cov_min, cfg.cov_max, cfg.aggregation) == (1.0, 5.0, "token-mean")
+
+
+def test_clip_cov_skips_clipped_tokens_and_band_edges():
+    # Five one-token responses, logprobs [-1, -2, -3, -4, -5] (mean -3), A [2, 1, 0, -1, -2]
+    # (mean 0): Cov = [(2)(2), (1)(1), 0, (-1)(-1), (-2)(-2)] = [4, 1, 0, 1, 4].
+    # Band (1, 5) strict: tokens 1 and 3 (Cov == 1, the edge) are out; tokens 0 and 4 have Cov 4.
+    # Token 0 (A = 2 > 0) has ratio e^1 = 2.718 > 1 + eps_high = 2: the clip cut it, so it is no
+    # candidate either. Only token 4 is left (ratio 1): quota max(1, floor(0.4 * 5)) = 2, 1 drawn.
+    lp = torch.tensor([[-1.0], [-2.0], [-3.0], [-4.0], [-5.0]], dtype=torch.float64)
+    d = torch.tensor([[1.0], [0.0], [0.0], [0.0], [0.0]], dtype=torch.float64)
+    adv = torch.tensor([2.0, 1.0, 0.0, -1.0, -2.0])
+    mask = torch.ones(5, 1, dtype=torch.bool)
+    loss, _, _, grad, metrics = _loss("clip_cov", lp, adv, mask, old=lp - d, select_fraction=0.4)
+    assert metrics["policy/cov_selected_frac"].tolist() == [1.0, 5.0]
+    # Token 0 keeps the clipped value -2 * 2 = -4 (no gradient); token 4 is zeroed.
+    assert torch.allclose(loss[:, 0], torch.tensor([-4.0, -1.0, 0.0, 1.0, 0.0],
+                                                   dtype=torch.float64), atol=1e-12)
+    # Gradients -r A / 5 for the free tokens 1-3: [-0.2, 0, 0.2].
+    assert torch.allclose(grad[:, 0], torch.tensor([0.0, -0.2, 0.0, 0.2, 0.0],
+                                                   dtype=torch.float64), atol=1e-12)
+    # The edge value itself is excluded: the band (0.5, 1) admits nothing (Cov == 1 is not < 1).
+    _, _, _, _, m = _loss("clip_cov", lp, adv, mask, old=lp - d, select_fraction=0.4,
+                          cov_min=0.5, cov_max=1.0)
+    assert m["policy/cov_selected_frac"].tolist() == [0.0, 5.0]
+
+
+def test_clip_cov_random_draw_is_seeded_and_hand_derived():
+    from nemo_sspo.algorithms.losses import select_random_covariance_tokens
+
+    # Four one-token responses, all Cov = (lp - mean)(A - mean) in (0, 10): lp [-1, -2, -3, -4]
+    # (mean -2.5), A [1, 0.5, -0.5, -1] (mean 0): Cov = [1.5, 0.25, 0.25, 1.5]; all eligible in
+    # (0, 10). Quota max(1, floor(0.5 * 4)) = 2. Keys: torch.rand(4, 1) in float64 from a CPU
+    # generator seeded 0, row-major: 0.9701, 0.7078, 0.4594, 0.9207 (asserted below) -> the two
+    # highest keys are positions 0 and 3.
+    lp = torch.tensor([[-1.0], [-2.0], [-3.0], [-4.0]])
+    adv = torch.tensor([1.0, 0.5, -0.5, -1.0])
+    mask = torch.ones(4, 1, dtype=torch.bool)
+    keys = torch.rand(4, 1, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    assert [round(k, 4) for k in keys[:, 0].tolist()] == [0.9701, 0.7078, 0.4594, 0.9207]
+
+    def draw(seed):
+        return select_random_covariance_tokens(lp, adv, mask, 0.5, cov_min=0.0, cov_max=10.0,
+                                               exclude=torch.zeros_like(mask), seed=seed)
+
+    selected, cov = draw(0)
+    assert torch.allclose(cov[:, 0], torch.tensor([1.5, 0.25, 0.25, 1.5]))
+    assert selected[:, 0].tolist() == [True, False, False, True]
+    assert torch.equal(draw(0)[0], selected)  # reproducible
+    # Another seed may pick other tokens, always 2 of the 4 eligible.
+    assert all(int(draw(s)[0].sum()) == 2 for s in range(5))
+    assert len({tuple(draw(s)[0][:, 0].tolist()) for s in range(20)}) > 1
 
 
 def test_kl_cov_penalises_selected_tokens():
@@ -287,7 +374,8 @@ def _ref_dcpo(lp, old, adv, mask, seg, cfg):
             # Roots of r^2 - r - eps_high/q = 0 and r^2 - r + eps_low/q = 0 nearest 1.
             high = min((1 + math.sqrt(1 + 4 * cfg.eps_high / q)) / 2, cfg.ratio_max)
             low = (1 + math.sqrt(max(1 - 4 * cfg.eps_low / q, 0.0))) / 2
-            terms.append(_clip_term(torch.exp(lp[i, t] - old[i, t]), adv[i], low, high))
+            terms.append(_clip_term(torch.exp(lp[i, t] - old[i, t]), adv[i], low, high,
+                                    cfg.dual_clip_c))
         if ts:
             out[i] = terms
     return out
@@ -357,9 +445,26 @@ def _ref_selected(lp, adv, mask, fraction, low, high):
 
 
 def _ref_clip_cov(lp, old, adv, mask, seg, cfg):
-    chosen = _ref_selected(lp, adv, mask, cfg.select_fraction, cfg.cov_min, cfg.cov_max)
+    """Official rule (PRIME-RL core_algos.py): candidates are unclipped tokens with
+    cov_min < Cov < cov_max; max(1, floor(r N)) of them are drawn; their term is multiplied by 0.
+    The draw: the highest of per-position keys torch.rand([B, T]) seeded with selection_seed."""
+    cells = [(i, t) for i, ts in enumerate(_rows(mask)) for t in ts]
+    mean_lp = sum(float(lp[c]) for c in cells) / len(cells)
+    mean_a = sum(float(adv[i]) for i, _ in cells) / len(cells)
+    keys = torch.rand(mask.shape, generator=torch.Generator().manual_seed(cfg.selection_seed),
+                      dtype=torch.float64)
     base = _ref_token_clip(lp, old, adv, mask, seg, cfg)
-    return {i: [v.detach() if (i, t) in chosen else v for t, v in zip(_rows(mask)[i], terms)]
+    candidates = []
+    for i, t in cells:
+        ratio = math.exp(float(lp[i, t] - old[i, t]))
+        clipped = ((adv[i] > 0 and ratio > 1 + cfg.eps_high)
+                   or (adv[i] < 0 and ratio < 1 - cfg.eps_low))
+        cov = (float(lp[i, t]) - mean_lp) * (float(adv[i]) - mean_a)
+        if not clipped and cfg.cov_min < cov < cfg.cov_max:
+            candidates.append((i, t))
+    candidates.sort(key=lambda c: -float(keys[c]))
+    chosen = set(candidates[: max(1, math.floor(cfg.select_fraction * len(cells)))])
+    return {i: [v * 0.0 if (i, t) in chosen else v for t, v in zip(_rows(mask)[i], terms)]
             for i, terms in base.items()}
 
 
@@ -474,9 +579,11 @@ def test_grpo_variants_share_per_token_loss():
 
 
 def test_clip_cov_with_nothing_selected_is_grpo():
+    # GRPO's clip 0.2/0.2 set on clip_cov (its default is the recipe's 1/1).
     logprobs, old, adv, mask, segments, entropy = _random_batch(6)
     kw = dict(old=old, segments=segments, old_entropy=entropy, aggregation="token-mean")
-    _same(_loss("clip_cov", logprobs, adv, mask, select_fraction=0.0, **kw),
+    _same(_loss("clip_cov", logprobs, adv, mask, select_fraction=0.0, eps_low=0.2, eps_high=0.2,
+                **kw),
           _loss("grpo", logprobs, adv, mask, **kw))
 
 
@@ -544,3 +651,69 @@ def test_fully_masked_batch(name):
     assert loss.abs().sum() == 0 and num.item() == 0.0 and den.item() == 0.0
     assert grad is None or grad.abs().sum() == 0
     assert all(v.tolist() == [0.0, 0.0] for v in metrics.values())
+
+
+# ----------------------------------------------------------------------------- primary-source defaults
+
+def test_lpo_defaults_follow_the_ling_report():
+    # Ling 2.0 report (arXiv 2510.22115) section 4.2.2: eps = 0.03, pause-punctuation sentences,
+    # 1 / sum |y_i| (token mean).
+    cfg = get_policy_loss("lpo")[1]()
+    assert (cfg.eps_low, cfg.eps_high) == (0.03, 0.03)
+    assert (cfg.segmentation, cfg.aggregation) == ("pause_punctuation", "token-mean")
+    # One response (A = +1), sentences [t0 t1 | t2]: mean log-ratio of sentence 0 is
+    # (ln 1.1 + ln 1.0) / 2 -> ratio sqrt(1.1) = 1.048809 > 1.03: clipped to 1.03, no gradient;
+    # sentence 1 ratio 1.02 inside: objective 1.02. Token mean over 3 tokens:
+    # J = (2 * 1.03 + 1.02) / 3 = 3.08 / 3 = 1.026667; d(-J)/d lp_2 = -1.02 / 3 = -0.34.
+    log_ratio = torch.log(torch.tensor([[1.1, 1.0, 1.02]], dtype=torch.float64))
+    mask = torch.ones(1, 3, dtype=torch.bool)
+    _, num, den, grad, _ = _loss("lpo", log_ratio, torch.tensor([1.0]), mask,
+                                 segments=torch.tensor([[0, 0, 1]]))
+    assert (num / den).item() == pytest.approx(-3.08 / 3, abs=1e-12)
+    assert torch.allclose(grad, torch.tensor([[0.0, 0.0, -0.34]], dtype=torch.float64),
+                          atol=1e-12)
+
+
+def test_sppo_dual_clip_three_for_negative_advantage():
+    # Official SPPO runs keep verl's actor defaults: clip 0.2, dual clip c = 3, token-mean.
+    cfg = get_policy_loss("sppo")[1]()
+    assert (cfg.eps_low, cfg.eps_high, cfg.dual_clip_c) == (0.2, 0.2, 3.0)
+    assert (cfg.segmentation, cfg.aggregation) == ("token", "token-mean")
+    # A = -1, ratios [5, 2]: min(r A, clip(r, 0.8, 1.2) A) = [-5, -2]; dual clip max(., c A = -3)
+    # -> [-3, -2]: losses [3, 2]. Token 0's gradient is cut; token 1's: -r A / 2 = 1.0.
+    log_ratio = torch.log(torch.tensor([[5.0, 2.0]], dtype=torch.float64))
+    mask = torch.ones(1, 2, dtype=torch.bool)
+    loss, _, _, grad, metrics = _loss("sppo", log_ratio, torch.tensor([-1.0]), mask)
+    assert torch.allclose(loss, torch.tensor([[3.0, 2.0]], dtype=torch.float64), atol=1e-12)
+    assert torch.allclose(grad, torch.tensor([[0.0, 1.0]], dtype=torch.float64), atol=1e-12)
+    assert metrics["policy/clipfrac_dual_tokens"].tolist() == [1.0, 2.0]
+    with pytest.raises(ValueError, match="dual_clip_c=1.0 must be > 1"):
+        get_policy_loss("sppo")[1](dual_clip_c=1.0)
+
+
+def test_cispo_weight_cap_is_five():
+    # ScaleRL's epsilon_max = 5 (TRL's recommendation for CISPO): eps_high_is = 4.
+    # pi_old = 0.1; pi = 0.7 -> r = 7, weight min(7, 5) = 5; pi = 0.3 -> r = 3 (the old cap 2
+    # would have clipped it), weight 3. A = +1. Losses -w ln pi; gradients -w / 2 (token mean).
+    cfg = get_policy_loss("cispo")[1]()
+    assert (cfg.eps_low_is, cfg.eps_high_is) == (1.0, 4.0)
+    probs = torch.tensor([[0.7, 0.3]], dtype=torch.float64)
+    mask = torch.ones(1, 2, dtype=torch.bool)
+    loss, _, _, grad, metrics = _loss("cispo", torch.log(probs), torch.tensor([1.0]), mask,
+                                      old=torch.full((1, 2), math.log(0.1), dtype=torch.float64))
+    expected = torch.tensor([[-5 * math.log(0.7), -3 * math.log(0.3)]], dtype=torch.float64)
+    assert torch.allclose(loss, expected, atol=1e-12)
+    assert torch.allclose(grad, torch.tensor([[-2.5, -1.5]], dtype=torch.float64), atol=1e-12)
+    assert metrics["policy/clipfrac_high_tokens"].tolist() == [1.0, 2.0]
+
+
+def test_kl_cov_and_gmpo_and_sapo_defaults_match_their_sources():
+    # KL-Cov recipe (7b_kl_cov.sh): k_percent 0.2 % = 2e-3, ppo_kl_coef 1, token-mean.
+    kl = get_policy_loss("kl_cov")[1]()
+    assert (kl.select_fraction, kl.cov_kl_coef, kl.aggregation) == (2e-3, 1.0, "token-mean")
+    # verl examples/gmpo_trainer: clip_ratio_low = clip_ratio_high = 0.4 (log space).
+    gmpo = get_policy_loss("gmpo")[1]()
+    assert (gmpo.log_clip_low, gmpo.log_clip_high) == (0.4, 0.4)
+    # SAPO paper / TRL GRPOConfig: tau_pos 1.0, tau_neg 1.05.
+    sapo = get_policy_loss("sapo")[1]()
+    assert (sapo.gate, sapo.tau_pos, sapo.tau_neg) == ("sigmoid", 1.0, 1.05)

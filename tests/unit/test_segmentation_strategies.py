@@ -28,8 +28,8 @@ def _segments(tokenizer, tables, text, strategy):
 
 
 def test_strategy_names():
-    assert SEGMENTATIONS == ("newline", "double_newline", "sentence", "fixed_k", "response",
-                             "token")
+    assert SEGMENTATIONS == ("newline", "double_newline", "sentence", "pause_punctuation",
+                             "fixed_k", "response", "token")
 
 
 def test_tables_from_qwen(qwen_tokenizer, qwen_tables):
@@ -96,6 +96,30 @@ def test_qwen_sentences_decode_back(qwen_tokenizer, qwen_tables):
     assert parts == ["We add 2 and 3.", " The sum is 5!", " Is it odd?", " Yes"]
 
 
+def test_qwen_pause_punctuation_splits_after_commas_colons_and_cjk_marks(qwen_tokenizer,
+                                                                       qwen_tables):
+    # LPO (Ling 2.0 report section 4.2.2): sentences end at pause punctuation after
+    # detokenisation. ',' ';' ':' '.' '!' '?' close a segment when white space follows (inside
+    # the token, e.g. '!\n', or at the start of the next token); '3.14' and '1,000' stay whole.
+    text = "Sam has 5 stamps, he buys 2; then: 3.14 is pi. Done!\nNext, 1,000 apples?"
+    pieces, seg = _segments(qwen_tokenizer, qwen_tables, text, "pause_punctuation")
+    assert pieces == ["Sam", " has", " ", "5", " stamps", ",", " he", " buys", " ", "2", ";",
+                      " then", ":", " ", "3", ".", "1", "4", " is", " pi", ".", " Done", "!\n",
+                      "Next", ",", " ", "1", ",", "0", "0", "0", " apples", "?"]
+    ids = torch.tensor([qwen_tokenizer.encode(text, add_special_tokens=False).ids])
+    seg = torch.tensor([seg])
+    parts = [qwen_tokenizer.decode(ids[0][seg[0] == j].tolist()) for j in range(int(seg.max()) + 1)]
+    assert parts == ["Sam has 5 stamps,", " he buys 2;", " then:", " 3.14 is pi.", " Done!\n",
+                     "Next,", " 1,000 apples?"]
+    # The sentence strategy splits the same text at '.', '!' and '?' only.
+    _, sentence = _segments(qwen_tokenizer, qwen_tables, text, "sentence")
+    assert max(sentence) == 2
+    # Full-width CJK marks close without a following space.
+    pieces, seg = _segments(qwen_tokenizer, qwen_tables, "先算，再除。好", "pause_punctuation")
+    assert pieces == ["先", "算", "，", "再", "除", "。", "好"]
+    assert seg == [0, 0, 0, 1, 1, 1, 2]
+
+
 def _hand_tables():
     # Vocabulary: 0 'a', 1 '\n', 2 'b.', 3 ' c', 4 '\n\n', 5 'x\n', 6 '\ny', 7 '!\n'
     texts = ["a", "\n", "b.", " c", "\n\n", "x\n", "\ny", "!\n"]
@@ -115,6 +139,7 @@ def _hand_tables():
     ("newline",        [0, 0, 1, 2, 2, 2, 3, 3, -1]),
     ("double_newline", [0, 0, 0, 1, 1, 1, 2, 2, -1]),
     ("sentence",       [0, 0, 0, 0, 1, 1, 1, 1, -1]),
+    ("pause_punctuation", [0, 0, 0, 0, 1, 1, 1, 1, -1]),
     ("response",       [0, 0, 0, 0, 0, 0, 0, 0, -1]),
     ("token",          [0, 1, 2, 3, 4, 5, 6, 7, -1]),
 ])

@@ -13,6 +13,7 @@ from nemo_sspo.algorithms.losses.covariance import (
     KLCovLossConfig,
     covariance_policy_loss,
     select_high_covariance_tokens,
+    select_random_covariance_tokens,
 )
 from nemo_sspo.algorithms.losses.geometric import GMPOLossConfig, SoftSeqPOLossConfig
 from nemo_sspo.algorithms.losses.ratio_clip import (
@@ -74,5 +75,6 @@ __all__ = [
     "register_policy_loss",
     "register_soft_gate",
     "select_high_covariance_tokens",
+    "select_random_covariance_tokens",
     "soft_gate_names",
 ]

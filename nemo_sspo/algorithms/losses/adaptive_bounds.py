@@ -6,23 +6,28 @@ segment's mean old-policy entropy H_ij (eq. 13):
     b_high = min(1 + alpha + H_ij, gamma)            (eq. 14)
     b_low  = max(0, min(1 - H_ij, beta))             (eq. 15; option "piecewise": clip(1.3 - H, 0.3, beta))
 
-DCPO (Dynamic Clipping Policy Optimization, arXiv 2509.02333): token ratio r_t with bounds that
-widen for tokens the old policy found unlikely. DEFINED PLAINLY HERE: we could not read the paper's
-equation in the sources available to us, so the bounds below are our derivation from its stated
-idea, not a transcription. With q = pi_old(y_t), constrain the change of the token's probability
-p = r q in proportion to the ratio's distance from 1, (r - 1) r q <= eps_high above and
-(1 - r) r q <= eps_low below; solving the quadratics for the root nearest 1 gives
+DCPO (Dynamic Clipping Policy Optimization, arXiv 2509.02333; official code lime-RL/DCPO): token
+ratio r_t with bounds that widen for tokens the old policy found unlikely. With q = pi_old(y_t),
+the paper constrains the change of the token's probability p = r q by |(r - 1) r| q <= eps, whose
+roots nearest 1 are its dynamic adaptive clipping bounds (paper section 4.1; verl/trainer/ppo/
+core_algos.py, ``get_clip_low_high`` with ``clip_type: dynamic``):
 
-    b_high = min( 0.5 + 0.5 sqrt(1 + 4 eps_high / q), r_max )
     b_low  = 0.5 + 0.5 sqrt( max(1 - 4 eps_low / q, 0) )
+    b_high = min( 0.5 + 0.5 sqrt(1 + 4 eps_high / q), r_max )
 
-(b_low floors at 0.5 once q < 4 eps_low, where the lower constraint no longer binds). A likely
-token (q -> 1) gets roughly GRPO's [1 - eps_low, 1 + eps_high]; a rare one may rise up to r_max.
-The defaults eps_low 0.16, eps_high 0.2, r_max 10 are our recollection of the paper's settings,
-unverified against its text.
-DCPO's other parts (smooth advantage standardisation over steps, its "only token mean" loss) are
-not here; we use "seq-mean-token-mean", the closest reduction (per-response token mean; DCPO sums
-over responses, which differs by the constant 1/responses).
+(b_low floors at 0.5 once q < 4 eps_low). The official code caps b_high at max(c, 10) and applies
+the dual clip c to A < 0 tokens as well (loss at most -c A). Defaults are the shipped run
+(recipe/dcpo/run_dcpo.sh over run_base.sh): eps_low 0.2, eps_high 0.28, c = 10, so r_max = 10,
+loss_agg_mode "only-token-mean", which the code computes as the token mean over the batch it is
+given ("token-mean" here; the paper's equation writes a per-response token sum instead, which
+"seq-mean-token-sum" gives). The paper's table uses eps_low 0.16, eps_high 0.2 (set them to
+compare).
+
+Not here: DCPO's smooth advantage standardisation (paper section 4.2, code
+``compute_dcpo_outcome_advantage``), which mixes each prompt's current-step group statistics with
+its statistics accumulated over all earlier steps. It needs per-prompt reward history kept across
+steps, data-parallel ranks and checkpoints, which the trainer does not keep; advantages here are
+the plain group-standardised ones.
 """
 
 from __future__ import annotations
@@ -34,7 +39,12 @@ import torch
 
 from nemo_sspo.algorithms.bounds import LOWER_BOUND_RULES, entropy_adaptive_bounds
 from nemo_sspo.algorithms.losses.base import check_eps, config_error
-from nemo_sspo.algorithms.losses.ratio_clip import BoundsContext, RatioLossConfig, ratio_clip_loss
+from nemo_sspo.algorithms.losses.ratio_clip import (
+    BoundsContext,
+    RatioLossConfig,
+    check_dual_clip,
+    ratio_clip_loss,
+)
 from nemo_sspo.algorithms.losses.registry import register_policy_loss
 
 
@@ -76,22 +86,25 @@ class SSPOLossConfig(RatioLossConfig):
 
 @dataclass
 class DCPOLossConfig(RatioLossConfig):
-    """DCPO (arXiv 2509.02333): token ratio with bounds from the old token probability.
-
-    The bound formula is defined plainly (module docstring), not taken from the paper's text.
-    """
+    """DCPO (arXiv 2509.02333, code lime-RL/DCPO): token ratio with bounds from the old token
+    probability, dual clip for A < 0 (module docstring; defaults from the shipped run)."""
 
     segmentation: ClassVar[str] = "token"
-    eps_low: float = 0.16
-    """Lower budget: (1 - r) r q <= eps_low; 0 <= eps_low <= 1."""
-    eps_high: float = 0.2
-    """Upper budget: (r - 1) r q <= eps_high; >= 0."""
+    eps_low: float = 0.2
+    """Lower budget: (1 - r) r q <= eps_low; 0 <= eps_low <= 1 (run_base.sh: 0.2)."""
+    eps_high: float = 0.28
+    """Upper budget: (r - 1) r q <= eps_high; >= 0 (run_dcpo.sh: 0.28)."""
     ratio_max: float = 10.0
-    """Hard cap of the upper bound for very unlikely tokens; >= 1."""
+    """Hard cap of the upper bound for very unlikely tokens; >= 1 (code: max(c, 10) = 10)."""
+    dual_clip_c: float | None = 10.0
+    """Dual-clip constant c > 1 for A < 0 tokens (run_dcpo.sh: clip_ratio_c 10); None disables."""
+    aggregation: str = "token-mean"
+    """The code's "only-token-mean" (module docstring)."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
         check_eps(self, "eps_low", "eps_high")
+        check_dual_clip(self)
         if self.ratio_max < 1.0:
             raise config_error(self, f"ratio_max={self.ratio_max} must be >= 1")
 

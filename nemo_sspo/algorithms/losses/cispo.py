@@ -10,9 +10,12 @@ with r_t = pi_theta(y_t) / pi_old(y_t) and sg the stop-gradient. The per-token l
 -sg(clip(r_t)) A_i grad log pi_theta(y_t). Its *value* includes log pi_theta and therefore does not
 compare with the other losses' values (which are -A on-policy); compare gradients or rewards.
 
-The paper tunes only the upper bound and leaves the lower one effectively open; our defaults
-(eps_low_is = 1, so the lower bound is 0 and never binds; eps_high_is = 1, upper bound 2) are ours,
-not the paper's. ``clipfrac_*`` counts tokens whose weight was clipped; their gradient is kept, so
+Bounds: the paper tunes only the upper bound and sets the lower one high enough never to bind
+(eps_low_is = 1 here: lower bound 0); it does not publish its upper value. The default upper
+bound 1 + eps_high_is = 5 is ScaleRL's epsilon_max (arXiv 2510.13786), which TRL's GRPOConfig
+recommends for ``loss_type="cispo"`` (its ``epsilon_high`` doc: the weight is clamped at 5.0).
+The earlier cap 2 is ``eps_high_is=1``.
+``clipfrac_*`` counts tokens whose weight was clipped; their gradient is kept, so
 ``zero_grad_frac_tokens`` is 0. Aggregation: token-mean (the 1 / sum |y_i| above).
 """
 
@@ -44,8 +47,8 @@ class CISPOLossConfig(PolicyLossConfig):
     """Token-level normalisation, as in the paper's objective."""
     eps_low_is: float = 1.0
     """IS weight clipped below at 1 - eps_low_is (1.0: lower bound 0, i.e. open)."""
-    eps_high_is: float = 1.0
-    """IS weight clipped above at 1 + eps_high_is."""
+    eps_high_is: float = 4.0
+    """IS weight clipped above at 1 + eps_high_is (4.0: cap 5, ScaleRL's epsilon_max)."""
 
     def __post_init__(self) -> None:
         super().__post_init__()

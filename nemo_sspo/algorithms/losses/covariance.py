@@ -1,24 +1,31 @@
 """Clip-Cov and KL-Cov (arXiv 2505.22617, "The Entropy Mechanism of Reinforcement Learning for
-Reasoning Language Models", section 4): restrict the update of the few tokens whose log-prob
-covaries most with their advantage, the tokens that drive entropy collapse.
+Reasoning Language Models", section 4; official code PRIME-RL/Entropy-Mechanism-of-RL,
+verl/trainer/ppo/core_algos.py and recipe/dapo/7b_clip_cov.sh, 7b_kl_cov.sh): restrict the update
+of the few tokens whose log-prob covaries most with their advantage, the tokens that drive entropy
+collapse.
 
 Token covariance over the N valid tokens of the batch the loss sees (all means over those tokens):
 
     Cov_t = ( log pi_theta(y_t) - mean log pi_theta ) * ( A_t - mean A )      (no gradient)
 
-- ``clip_cov``: GRPO's clipped token objective, and the gradient of the selected tokens is detached.
-  The paper picks floor(r N) tokens at random among those with Cov_t in [omega_low, omega_high]
-  (r = 2e-4, band [1, 5] in its runs); we take the max(1, floor(r N)) highest-covariance tokens of
-  that band, deterministically, so runs and parallel layouts reproduce.
-- ``kl_cov``: unclipped token objective r_t A_t; the max(1, floor(k N)) highest-covariance tokens get a
-  penalty beta * KL on top (k = 2e-3, beta = 1 as we read the paper's runs). We estimate the
-  token's KL(pi_old || pi_theta) by |log r_t| (our choice: 0 on-policy, grows either way).
+- ``clip_cov`` (``compute_policy_loss_clip_cov``): GRPO's clipped token objective; the candidates
+  are the tokens the clip has not already cut with cov_min < Cov_t < cov_max (strict); max(1,
+  floor(r N)) of them are drawn uniformly at random and their loss is set to 0 (value and
+  gradient). The recipe's values: r = 2e-4, band (1, 5), clip 1 -/+ 1 (clip_ratio_low = high = 1,
+  so the ratio is only clipped above 2 for A > 0; the recipe's clip_ratio_c = 10 is not read by
+  that loss). The draw is ours in one respect: the official code draws from the global torch
+  generator, we draw from a generator seeded with ``selection_seed`` on the CPU, so the pick is
+  the same on every device and rank for the same micro-batch (module note below).
+- ``kl_cov`` (``compute_policy_loss_kl_cov``): unclipped token objective r_t A_t; the max(1,
+  floor(k N)) highest-covariance tokens (no band) get the penalty beta |log r_t| on top, the
+  official estimate of the token's KL; recipe k = 2e-3 (k_percent 0.2 %), beta = 1 (ppo_kl_coef).
 
 Selection is local to the batch passed to the loss (one micro-batch), not global over the step;
 ``policy/cov_selected_frac`` reports the selected share so this is visible. The quota is at
-least one token when fraction > 0 and the micro-batch has a valid token (floor(fraction N) alone
-is 0 for small micro-batches, which would make the loss its base objective); fraction = 0
-selects nothing.
+least one token when fraction > 0 and the micro-batch has a valid token (the official code's
+max(1, ...)); fraction = 0 selects nothing. Clip-Cov's random keys are drawn afresh per call from
+the same seed, so a position's priority is the same in every call with the same [B, T] shape;
+which tokens are eligible changes from step to step.
 """
 
 from __future__ import annotations
@@ -47,6 +54,46 @@ from nemo_sspo.algorithms.losses.ratio_clip import (
 from nemo_sspo.algorithms.losses.registry import register_policy_loss
 
 
+def token_covariance(logprobs: torch.Tensor, advantages: torch.Tensor,
+                     response_mask: torch.Tensor) -> torch.Tensor:
+    """Cov_t = (log pi(y_t) - mean log pi)(A_t - mean A) over the valid tokens (module docstring).
+
+    Args:
+        logprobs: ``[B, T]`` float, log pi_theta of the sampled tokens (read without gradient).
+        advantages: ``[B]`` float, one advantage per response.
+        response_mask: ``[B, T]`` bool.
+
+    Returns:
+        ``[B, T]`` float (at least float32), 0 at masked positions.
+    """
+    mask = response_mask
+    dtype = torch.promote_types(logprobs.dtype, torch.float32)
+    zero = torch.zeros((), dtype=dtype, device=logprobs.device)
+    valid = mask.to(dtype)
+    count = valid.sum().clamp(min=1)
+    lp = torch.where(mask, logprobs.detach().to(dtype), zero)
+    adv = torch.where(mask, advantages.detach().to(dtype).unsqueeze(1).expand_as(lp), zero)
+    return (lp - lp.sum() / count) * (adv - adv.sum() / count) * valid
+
+
+def _quota(fraction: float, response_mask: torch.Tensor) -> torch.Tensor:
+    """max(1, floor(fraction N)) for fraction > 0 (else floor(fraction N) = 0), as a 0-d tensor."""
+    quota = torch.floor(fraction * response_mask.sum())
+    if fraction > 0:  # at least one token, else small micro-batches never select (floor -> 0)
+        quota = quota.clamp(min=1.0)
+    return quota
+
+
+def _pick_highest(key: torch.Tensor, eligible: torch.Tensor, quota: torch.Tensor):
+    """``[B, T]`` bool: the ``quota`` eligible positions with the highest ``key`` (fewer if fewer are
+    eligible). Ties keep the earlier position (row-major). No host synchronisation."""
+    flat = torch.where(eligible, key, torch.full_like(key, -math.inf)).reshape(-1)
+    order = torch.sort(flat, descending=True, stable=True).indices
+    rank = torch.empty_like(order)
+    rank[order] = torch.arange(order.numel(), device=order.device)
+    return (rank.reshape(key.shape) < quota) & eligible
+
+
 def select_high_covariance_tokens(
     logprobs: torch.Tensor,
     advantages: torch.Tensor,
@@ -56,56 +103,78 @@ def select_high_covariance_tokens(
     cov_min: float = -math.inf,
     cov_max: float = math.inf,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The max(1, floor(fraction * N)) highest-covariance valid tokens with Cov_t in [cov_min, cov_max].
+    """KL-Cov's rule: the max(1, floor(fraction N)) highest-covariance valid tokens with
+    cov_min < Cov_t < cov_max (strict; the default band admits every token).
 
     The quota is at least one token whenever ``fraction > 0`` and the micro-batch has a valid
     token (N >= 1): with the papers' fractions (2e-4, 2e-3) floor(fraction * N) is 0 for any
-    micro-batch under 500-5000 tokens, which would silently turn Clip-Cov into GRPO and KL-Cov into
-    the unclipped objective. ``fraction = 0`` selects nothing. Only eligible tokens are selected,
-    so fewer than the quota may be.
+    micro-batch under 500-5000 tokens, which would silently turn KL-Cov into the unclipped
+    objective. ``fraction = 0`` selects nothing. Only eligible tokens are selected, so fewer than
+    the quota may be.
 
     Args:
-        logprobs: ``[B, T]`` float, log pi_theta of the sampled tokens (read without gradient).
-        advantages: ``[B]`` float, one advantage per response.
-        response_mask: ``[B, T]`` bool.
+        logprobs, advantages, response_mask: as :func:`token_covariance`.
         fraction: share of the N valid tokens to select, in [0, 1].
-        cov_min, cov_max: eligibility band of Cov_t.
+        cov_min, cov_max: open eligibility band of Cov_t.
 
     Returns:
         ``(selected [B, T] bool, covariance [B, T] float)``; covariance is 0 at masked positions.
         Ties keep the earlier position (row-major). No host synchronisation.
     """
-    mask = response_mask
-    dtype = torch.promote_types(logprobs.dtype, torch.float32)
-    zero = torch.zeros((), dtype=dtype, device=logprobs.device)
-    valid = mask.to(dtype)
-    count = valid.sum().clamp(min=1)
-    lp = torch.where(mask, logprobs.detach().to(dtype), zero)
-    adv = torch.where(mask, advantages.detach().to(dtype).unsqueeze(1).expand_as(lp), zero)
-    covariance = (lp - lp.sum() / count) * (adv - adv.sum() / count) * valid
-    eligible = mask & (covariance >= cov_min) & (covariance <= cov_max)
-    quota = torch.floor(fraction * valid.sum())
-    if fraction > 0:  # at least one token, else small micro-batches never select (floor -> 0)
-        quota = quota.clamp(min=1.0)
-    key = torch.where(eligible, covariance, torch.full_like(covariance, -math.inf)).reshape(-1)
-    order = torch.sort(key, descending=True, stable=True).indices
-    rank = torch.empty_like(order)
-    rank[order] = torch.arange(order.numel(), device=order.device)
-    selected = (rank.reshape(mask.shape) < quota) & eligible
+    covariance = token_covariance(logprobs, advantages, response_mask)
+    eligible = response_mask & (covariance > cov_min) & (covariance < cov_max)
+    selected = _pick_highest(covariance, eligible, _quota(fraction, response_mask))
+    return selected, covariance
+
+
+def select_random_covariance_tokens(
+    logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    fraction: float,
+    *,
+    cov_min: float,
+    cov_max: float,
+    exclude: torch.Tensor,
+    seed: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Clip-Cov's rule: max(1, floor(fraction N)) tokens drawn uniformly without replacement among
+    the valid tokens not in ``exclude`` with cov_min < Cov_t < cov_max (strict).
+
+    The draw gives every position a key from ``torch.rand`` with a CPU generator seeded with
+    ``seed`` (row-major over ``[B, T]``) and takes the eligible positions with the highest keys, so
+    the result depends only on the inputs and the seed, not on the device.
+
+    Args:
+        logprobs, advantages, response_mask: as :func:`token_covariance`.
+        fraction: share of the N valid tokens to select, in [0, 1].
+        cov_min, cov_max: open eligibility band of Cov_t.
+        exclude: ``[B, T]`` bool, tokens that may not be selected (those the clip already cut).
+        seed: seed of the key generator.
+
+    Returns:
+        ``(selected [B, T] bool, covariance [B, T] float)`` as
+        :func:`select_high_covariance_tokens`.
+    """
+    covariance = token_covariance(logprobs, advantages, response_mask)
+    eligible = response_mask & ~exclude & (covariance > cov_min) & (covariance < cov_max)
+    generator = torch.Generator().manual_seed(seed)
+    keys = torch.rand(covariance.shape, generator=generator, dtype=torch.float64)
+    selected = _pick_highest(keys.to(covariance.device), eligible,
+                             _quota(fraction, response_mask))
     return selected, covariance
 
 
 class _CovarianceConfig(RatioLossConfig):
-    """Selection fields' checks and the per-token change applied to selected tokens."""
-
-    cov_min: ClassVar[float] = -math.inf
-    cov_max: ClassVar[float] = math.inf
+    """Selection fields' checks; each loss picks its tokens and changes their per-token loss."""
 
     def _check_selection(self) -> None:
         if not 0.0 <= self.select_fraction <= 1.0:
             raise config_error(self, f"select_fraction={self.select_fraction} must lie in [0, 1]")
-        if self.cov_min > self.cov_max:
-            raise config_error(self, f"cov_min={self.cov_min} > cov_max={self.cov_max}")
+
+    def select(self, logprobs, advantages, response_mask, terms: LossTerms) -> torch.Tensor:
+        """``[B, T]`` bool, the tokens this loss changes."""
+        raise NotImplementedError
 
     def apply_selection(self, terms: LossTerms, selected: torch.Tensor,
                         log_ratio: torch.Tensor) -> LossTerms:
@@ -114,39 +183,58 @@ class _CovarianceConfig(RatioLossConfig):
 
 @dataclass
 class ClipCovLossConfig(GRPOLossConfig, _CovarianceConfig):
-    """Clip-Cov (arXiv 2505.22617): GRPO objective, gradient detached on high-covariance tokens."""
+    """Clip-Cov (arXiv 2505.22617; code PRIME-RL/Entropy-Mechanism-of-RL): GRPO objective, loss set
+    to 0 on randomly drawn high-covariance tokens the clip has not cut (module docstring)."""
 
+    eps_low: float = 1.0
+    """Lower clip 1 - eps_low (recipe clip_ratio_low = 1: lower bound 0, never binds)."""
+    eps_high: float = 1.0
+    """Upper clip 1 + eps_high (recipe clip_ratio_high = 1: ratio clipped above 2)."""
     aggregation: str = "token-mean"
-    """The paper's runs use token-level normalisation."""
+    """The recipe's loss_agg_mode."""
     select_fraction: float = 2e-4
-    """r: share of tokens whose gradient is detached."""
+    """r: share of tokens whose loss is zeroed (recipe clip_cov_ratio)."""
     cov_min: float = 1.0
-    """omega_low: lower edge of the eligible covariance band."""
+    """Lower edge of the open eligibility band (recipe clip_cov_lb); Cov_t == cov_min is out."""
     cov_max: float = 5.0
-    """omega_high: upper edge of the eligible covariance band."""
+    """Upper edge of the open eligibility band (recipe clip_cov_ub); Cov_t == cov_max is out."""
+    selection_seed: int = 0
+    """Seed of the random draw among eligible tokens (ours; the official code is unseeded)."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
         self._check_selection()
+        if self.cov_min >= self.cov_max:
+            raise config_error(self, f"cov_min={self.cov_min} >= cov_max={self.cov_max}: the open "
+                                     "band (cov_min, cov_max) is empty")
+
+    def select(self, logprobs, advantages, response_mask, terms: LossTerms) -> torch.Tensor:
+        selected, _ = select_random_covariance_tokens(
+            logprobs, advantages, response_mask, self.select_fraction, cov_min=self.cov_min,
+            cov_max=self.cov_max, exclude=terms.grad_zero, seed=self.selection_seed)
+        return selected
 
     def apply_selection(self, terms: LossTerms, selected: torch.Tensor,
                         log_ratio: torch.Tensor) -> LossTerms:
         loss = terms.per_token_loss
-        return replace(terms, per_token_loss=torch.where(selected, loss.detach(), loss),
+        # The official loss multiplies by 0: value and gradient both vanish.
+        return replace(terms, per_token_loss=torch.where(selected, torch.zeros_like(loss), loss),
                        grad_zero=terms.grad_zero | selected)
 
 
 @dataclass
 class KLCovLossConfig(_CovarianceConfig):
-    """KL-Cov (arXiv 2505.22617): unclipped objective plus a KL penalty on high-covariance tokens."""
+    """KL-Cov (arXiv 2505.22617; code PRIME-RL/Entropy-Mechanism-of-RL): unclipped objective plus
+    the |log r| penalty on the highest-covariance tokens."""
 
     segmentation: ClassVar[str] = "token"
     aggregation: str = "token-mean"
-    """The paper's runs use token-level normalisation."""
+    """The recipe's loss_agg_mode."""
     select_fraction: float = 2e-3
-    """k: share of tokens that get the penalty."""
+    """k: share of tokens that get the penalty (recipe k_percent = 0.2, i.e. 0.2 %)."""
     cov_kl_coef: float = 1.0
-    """beta: weight of the |log r_t| penalty on selected tokens (not the reference-KL kl_coef)."""
+    """beta: weight of the |log r_t| penalty on selected tokens (recipe ppo_kl_coef = 1; not the
+    reference-KL kl_coef)."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -156,6 +244,11 @@ class KLCovLossConfig(_CovarianceConfig):
 
     def surrogate(self, ratio: torch.Tensor, adv: torch.Tensor, context: BoundsContext) -> Surrogate:
         return unclipped_surrogate(ratio, adv)
+
+    def select(self, logprobs, advantages, response_mask, terms: LossTerms) -> torch.Tensor:
+        selected, _ = select_high_covariance_tokens(logprobs, advantages, response_mask,
+                                                    self.select_fraction)
+        return selected
 
     def apply_selection(self, terms: LossTerms, selected: torch.Tensor,
                         log_ratio: torch.Tensor) -> LossTerms:
@@ -186,9 +279,7 @@ def covariance_policy_loss(
                       config, _CovarianceConfig, ref_logprobs=ref_logprobs, entropy=entropy)
     terms = ratio_objective(logprobs, old_logprobs, advantages, response_mask, segment_ids,
                             old_entropy, config)
-    selected, _ = select_high_covariance_tokens(
-        logprobs, advantages, response_mask, config.select_fraction, cov_min=config.cov_min,
-        cov_max=config.cov_max)
+    selected = config.select(logprobs, advantages, response_mask, terms)
     zero = torch.zeros((), dtype=logprobs.dtype, device=logprobs.device)
     log_ratio = torch.where(response_mask, logprobs - old_logprobs.detach(), zero)
     terms = config.apply_selection(terms, selected, log_ratio)

@@ -9,17 +9,21 @@ GMPO (Geometric-Mean Policy Optimization, arXiv 2507.20673, the objective of sec
 token-level clipping): J_i = sgn(A_i) prod_t | min(rho_t A_i, clip(rho_t, e^-eps_low, e^eps_high)
 A_i) |^(1/|y_i|). For A > 0 the min keeps the upper clip only, for A < 0 the lower one, so in log
 space phi(d) = min(d, eps_high) for A > 0 and max(d, -eps_low) for A < 0, and J_i = A_i exp(mean phi).
-The paper recommends the wide range (e^-0.4, e^0.4). A clipped token gets no gradient; the other
-tokens get A_i s_i / |y_i| each.
+The authors' verl example (verl examples/gmpo_trainer, README and run_qwen2_5-7b_math.sh:
+``loss_mode=geo_mean``, ``clip_ratio_low=0.4``, ``clip_ratio_high=0.4``, read as log-space bounds)
+uses the range (e^-0.4, e^0.4), our defaults. A clipped token gets no gradient; the other tokens
+get A_i s_i / |y_i| each.
 
 Soft Sequence PO (arXiv 2602.19327): soft gates over the token ratios inside a sequence-level
-weight combined by a geometric mean. DEFINED PLAINLY HERE: the paper's exact gate formulas were
-not available to us. We replace GMPO's log-space clip by a soft gate on the log-ratio,
-phi(d) = g(d; tau) with tau = tau_pos for A > 0 and tau_neg otherwise, and g any registered gate
-(``nemo_sspo.algorithms.losses.soft_gates``; families "sigmoid" and "arctan", g(0) = 0, g'(0) = 1).
-Each gated token ratio exp(g(d)) is 1 on-policy and bounded (e.g. within e^(+-2/tau) for the
-sigmoid gate); token t's gradient is A_i w_i g'(d_t) / |y_i| with w_i = exp(mean_t g(d_t)), so
-far-off-policy tokens fade smoothly instead of being cut.
+weight combined by a geometric mean, with sigmoid and arctan gate families (what we take from the
+paper's public description). The paper's exact gate equations were not available to us, so the
+following are OURS: the gate acts on the token log-ratio, phi(d) = g(d; tau); g is normalised to
+g(0) = 0, g'(0) = 1 (``nemo_sspo.algorithms.losses.soft_gates``: sigmoid g = (2/tau) tanh(tau d /
+2), arctan g = arctan(tau d) / tau); tau = tau_pos for A > 0 and tau_neg otherwise; and the
+defaults gate "sigmoid", tau_pos = tau_neg = 1 (unconfirmed; the paper may default to arctan or
+other temperatures). Each gated token ratio exp(g(d)) is 1 on-policy and bounded (e.g. within
+e^(+-2/tau) for the sigmoid gate); token t's gradient is A_i w_i g'(d_t) / |y_i| with
+w_i = exp(mean_t g(d_t)), so far-off-policy tokens fade smoothly instead of being cut.
 """
 
 from __future__ import annotations
@@ -53,7 +57,8 @@ class _SequenceWeightConfig(RatioLossConfig):
 
 @dataclass
 class GMPOLossConfig(_SequenceWeightConfig):
-    """GMPO (arXiv 2507.20673): geometric mean of token ratios clipped in log space."""
+    """GMPO (arXiv 2507.20673): geometric mean of token ratios clipped in log space (defaults from
+    the authors' verl example, examples/gmpo_trainer)."""
 
     log_clip_low: float = 0.4
     """Token log-ratios of A < 0 responses are clipped below at -log_clip_low (ratio e^-0.4)."""
@@ -82,15 +87,15 @@ class GMPOLossConfig(_SequenceWeightConfig):
 class SoftSeqPOLossConfig(_SequenceWeightConfig, SoftGateConfig):
     """Soft Sequence PO (arXiv 2602.19327): geometric mean of soft-gated token ratios.
 
-    The gate is defined plainly (module docstring), not taken from the paper's text.
+    The gate's placement, normalisation and the defaults below are ours (module docstring).
     """
 
     gate: str = "sigmoid"
-    """Gate family applied to each token log-ratio (``soft_gate_names()``)."""
+    """Gate family applied to each token log-ratio (``soft_gate_names()``); our default."""
     tau_pos: float = 1.0
-    """Gate temperature for A > 0 responses."""
+    """Gate temperature for A > 0 responses; our default."""
     tau_neg: float = 1.0
-    """Gate temperature for A <= 0 responses."""
+    """Gate temperature for A <= 0 responses; our default."""
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -34,11 +34,13 @@ Losses on this engine (segment unit / bounds / aggregation):
   with ``token_gradient`` (equal to gspo whenever the advantage is constant over a response, as it
   is here; the paper states this equivalence).
 - ``sspo_fixed_clip``: SSPO's segments with a fixed clip (the paper's "w/o entropy clip").
-- ``sppo`` (sequence-level PPO, arXiv 2604.08865): token (or response) ratio with a fixed clip; its
-  advantage r - sigmoid(V(prompt)) comes from the trainer's critic (``advantage_source``).
-- ``lpo``: segment ratio with a fixed clip and token-mean aggregation, as specified in the
-  project's design notes (DESIGN.md section 2). We could not locate a primary paper defining "LPO";
-  the formula here is that specification, not a reproduction of a published objective.
+- ``sppo`` (sequence-level PPO, arXiv 2604.08865; official code sustech-nlp/SPPO): PPO's token
+  ratio, fixed clip [0.8, 1.2], dual clip c = 3, token-mean; its advantage r - sigmoid(V(prompt))
+  comes from the trainer's critic (``advantage_source``).
+- ``lpo`` (Linguistic-unit Policy Optimization, Ling 2.0 report arXiv 2510.22115 section 4.2.2):
+  sentence ratio (segments end at pause punctuation after detokenisation, segmentation
+  "pause_punctuation"), symmetric clip [1 - 0.03, 1 + 0.03], token-mean (the objective's
+  1 / sum_i |y_i| with each sentence weighted by its token count |s_ik|).
 - ``sspo`` and ``dcpo`` (entropy- and probability-dependent bounds) are in ``adaptive_bounds``;
   ``gmpo`` and ``soft_seq_po`` in ``geometric``; ``sapo`` in ``soft_gates``.
 
@@ -122,6 +124,16 @@ def hard_clip_surrogate(ratio, adv, b_low, b_high, dual_clip_c: float | None) ->
     return Surrogate(objective, clip_low, clip_high, dual, b_low, b_high)
 
 
+def check_dual_clip(config) -> None:
+    """Check ``config.dual_clip_c`` is None or > 1 (a floor c A below A for A < 0).
+
+    Raises:
+        ValueError: ``<ConfigClass>.dual_clip_c=<value> must be > 1 (or None)``.
+    """
+    if config.dual_clip_c is not None and config.dual_clip_c <= 1.0:
+        raise config_error(config, f"dual_clip_c={config.dual_clip_c} must be > 1 (or None)")
+
+
 class RatioLossConfig(PolicyLossConfig):
     """Base of every config served by :func:`ratio_clip_loss`: the engine's three hooks.
 
@@ -164,8 +176,7 @@ class GRPOLossConfig(RatioLossConfig):
     def __post_init__(self) -> None:
         super().__post_init__()
         check_eps(self, "eps_low", "eps_high")
-        if self.dual_clip_c is not None and self.dual_clip_c <= 1.0:
-            raise config_error(self, f"dual_clip_c={self.dual_clip_c} must be > 1 (or None)")
+        check_dual_clip(self)
 
 
 @dataclass
@@ -230,13 +241,25 @@ class SSPOFixedClipConfig(RatioLossConfig):
 
 @dataclass
 class LPOLossConfig(SSPOFixedClipConfig):
-    """LPO as specified in DESIGN.md: segment (line) ratio, fixed clip, token-mean aggregation.
+    """LPO (Ling 2.0 report, arXiv 2510.22115, section 4.2.2): sentence ratio, clip 1 -/+ 0.03,
+    token-mean aggregation.
 
-    No primary paper was found for the name; see the module docstring.
+    The report's objective: J = 1 / (sum_i |y_i|) sum_i sum_k |s_ik| min(r_ik A_i,
+    clip(r_ik, 1 - eps, 1 + eps) A_i), r_ik = exp(mean of the token log-ratios of sentence s_ik),
+    sentences "segmented by common pause punctuation marks after detokenization", eps = 0.03 "in
+    our training setting". The mark list is ours (``segmentation`` "pause_punctuation"). The
+    earlier line-segment variant stays reachable: ``segmentation=newline eps_low=0.2
+    eps_high=0.2``.
     """
 
+    segmentation: str = "pause_punctuation"
+    """Sentence unit: split after pause punctuation (report section 4.2.2)."""
+    eps_low: float = 0.03
+    """Lower clip of the sentence ratio: 1 - eps (report: eps = 0.03)."""
+    eps_high: float = 0.03
+    """Upper clip of the sentence ratio: 1 + eps (symmetric, report: eps = 0.03)."""
     aggregation: str = "token-mean"
-    """Every token weighs the same across the batch (unlike SSPO's response-level mean)."""
+    """The report's 1 / sum_i |y_i| normalisation: every token weighs the same across the batch."""
 
 
 @dataclass
@@ -246,15 +269,25 @@ class SequencePPOLossConfig(SSPOFixedClipConfig):
     (a critic trained by binary cross-entropy on the 0/1 reward; the trainer computes A_i because
     ``advantage_source = "critic"``). The critic is the baseline, so one sample per prompt is enough.
 
-    The ratio unit is the config's ``segmentation``: "token" (default, PPO's token ratio with the
-    fixed clip 1 -/+ 0.2) or "response" (one sequence ratio per response; then use GSPO-sized eps,
-    pitfall P5). The paper text available to us does not state which ratio its update clips; token
-    is our default.
+    Defaults are those of the official code (sustech-nlp/SPPO, run_scripts/*.sh on verl): the runs
+    set no clip, aggregation or dual clip, so verl's actor defaults apply: the "vanilla" PPO loss on
+    the token ratio with clip 1 -/+ 0.2, dual clip c = 3 for A < 0, "token-mean" aggregation.
+    ``segmentation: response`` (one sequence ratio per response; then use GSPO-sized eps, pitfall
+    P5) is our variant.
     """
 
     advantage_source: ClassVar[str] = "critic"
     segmentation: str = "token"
     """Ratio unit (``nemo_sspo.algorithms.segmentation.SEGMENTATIONS``): "token" (PPO) or "response"."""
+    dual_clip_c: float | None = 3.0
+    """Dual-clip constant c > 1: the loss of an A < 0 token is at most -c A (verl's clip_ratio_c
+    default, which the official runs keep); None disables."""
+    aggregation: str = "token-mean"
+    """verl's default loss_agg_mode, kept by the official runs."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check_dual_clip(self)
 
 
 def ratio_objective(logprobs, old_logprobs, advantages, response_mask, segment_ids, old_entropy,

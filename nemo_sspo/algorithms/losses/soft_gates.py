@@ -12,8 +12,9 @@ as a pair of functions (value, slope) so that the metrics can report the slope w
   study arXiv 2602.19345; its exact parametrisation was not available to us, this one is ours).
 
 SAPO (section 3 of the paper): the token objective is f(r_t) A with
-f(r) = (4/tau) sigmoid(tau (r - 1)) and tau = tau_pos for A > 0, tau_neg otherwise (paper default
-tau_pos = 1.0, tau_neg = 1.05). Its gradient is f'(r) r A grad log pi = 4 s (1 - s) r A grad log pi
+f(r) = (4/tau) sigmoid(tau (r - 1)) and tau = tau_pos for A > 0, tau_neg otherwise (defaults
+tau_pos = 1.0, tau_neg = 1.05: the paper's, and the defaults of TRL's GRPOConfig
+``sapo_temperature_pos`` / ``sapo_temperature_neg`` and of verl's sapo loss). Its gradient is f'(r) r A grad log pi = 4 s (1 - s) r A grad log pi
 (s = sigmoid(tau (r - 1))): the ratio's policy gradient scaled by a weight that is 1 on-policy and
 decays smoothly off-policy, instead of PPO's hard cut. We write the objective as
 psi = A (1 + g(r - 1)) with the gate g above: for the sigmoid gate this is the paper's f(r) A minus
