@@ -5,7 +5,7 @@ groups, no Megatron, no Hydra: usable in any GRPO loop.
 Shape letters: B responses (rows), T response positions, V vocabulary, G responses per prompt.
 """
 
-from nemo_sspo.algorithms.advantages import group_advantages
+from nemo_sspo.algorithms.advantages import group_advantages, zero_variance_groups
 from nemo_sspo.algorithms.aggregation import AGGREGATION_MODES, aggregate
 from nemo_sspo.algorithms.bounds import LOWER_BOUND_RULES, entropy_adaptive_bounds
 from nemo_sspo.algorithms.dynamic_sampling import (
@@ -69,4 +69,5 @@ __all__ = [
     "segment_ids_for_level",
     "segment_mean",
     "select_nonzero_variance_groups",
+    "zero_variance_groups",
 ]

@@ -36,41 +36,65 @@ def _check_rewards(rewards: torch.Tensor, group_size: int, eps: float) -> None:
         )
 
 
+def zero_variance_groups(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
+    """``[B / G]`` bool, True for each group whose G rewards are all equal.
+
+    The test is exact (max == min, not std < tol): such a group's centred rewards are all 0, so
+    it carries no learning signal. Rows are grouped consecutively (prompt k owns rows
+    ``k*G .. k*G + G - 1``); the caller checks the shapes (``_check_rewards``).
+    """
+    grouped = rewards.reshape(-1, group_size)
+    return grouped.amax(dim=1) == grouped.amin(dim=1)
+
+
 def group_advantages(
     rewards: torch.Tensor,
     group_size: int,
     *,
     normalize_std: bool = True,
     eps: float = 1e-6,
+    task_rewards: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Advantages relative to each prompt's group of responses.
 
     Rows are grouped consecutively: prompt k owns rows ``k*G .. k*G + G - 1``.
 
     Args:
-        rewards: ``[B]`` float, one scalar reward per response.
+        rewards: ``[B]`` float, one scalar reward per response (the task reward plus any shaping).
         group_size: G, responses per prompt; ``B % G`` must be 0.
         normalize_std: True for GRPO/SSPO (divide by the group's population std + eps); False for
             Dr. GRPO (arXiv 2503.20783: ``A = r - mean_g(r)``).
         eps: added to the std in the denominator.
+        task_rewards: ``[B]`` float, the rewards that decide which groups carry a signal; None
+            means ``rewards``. A group whose task rewards are all equal gets advantage 0 even when
+            shaping terms in ``rewards`` differ: DAPO (arXiv 2503.14476, sec. 3.2 and eq. 11)
+            filters groups by accuracy, so its overlong penalty (eq. 13) only ranks responses
+            within groups whose task outcomes differ.
 
     Returns:
         ``(advantages [B] float32, stats)`` with ``stats["advantages/zero_variance_group_frac"]``
-        the fraction of groups whose rewards are all equal. Such groups (and every group when
-        G = 1) get advantage exactly 0, never NaN (pitfall P15).
+        the fraction of groups whose task rewards are all equal. Such groups (and every group
+        when G = 1) get advantage exactly 0, never NaN (pitfall P15).
 
     Raises:
         ValueError: rewards not 1-D, a non-finite reward (names the row), ``B % G != 0``,
-            ``group_size < 1`` or ``eps < 0``.
+            ``group_size < 1``, ``eps < 0``, or ``task_rewards`` of another shape than ``rewards``
+            (or failing the same checks).
     """
     _check_rewards(rewards, group_size, eps)
+    if task_rewards is None:
+        task_rewards = rewards
+    elif task_rewards.shape != rewards.shape:
+        raise ValueError(f"task_rewards has shape {tuple(task_rewards.shape)} but rewards has "
+                         f"{tuple(rewards.shape)}; pass one task reward per response")
+    else:
+        _check_rewards(task_rewards, group_size, eps)
     # float64 so that mean/std of large or near-equal rewards lose nothing before the cast.
     grouped = rewards.to(torch.float64).reshape(-1, group_size)
     centered = grouped - grouped.mean(dim=1, keepdim=True)
     if normalize_std:
         centered = centered / (grouped.std(dim=1, unbiased=False, keepdim=True) + eps)
-    # Exact test (not std < tol): a group of equal rewards carries no learning signal.
-    zero_variance = grouped.amax(dim=1) == grouped.amin(dim=1)
+    zero_variance = zero_variance_groups(task_rewards, group_size)
     advantages = torch.where(zero_variance.unsqueeze(1), torch.zeros_like(centered), centered)
     stats = {"advantages/zero_variance_group_frac": zero_variance.double().mean().item()}
     return advantages.reshape(-1).to(torch.float32), stats

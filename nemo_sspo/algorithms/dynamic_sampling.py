@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from nemo_sspo.algorithms.advantages import _check_rewards
+from nemo_sspo.algorithms.advantages import _check_rewards, zero_variance_groups
 
 
 class NotEnoughGroupsError(ValueError):
@@ -70,18 +70,17 @@ def select_nonzero_variance_groups(
     _check_rewards(rewards, group_size, 0.0)
     if target_groups is not None and (not isinstance(target_groups, int) or target_groups < 1):
         raise ValueError(f"target_groups must be a positive int or None, got {target_groups!r}")
-    grouped = rewards.reshape(-1, group_size)
-    # Exact comparison, as group_advantages: equal rewards give advantage 0 there.
-    nonzero = grouped.amax(dim=1) != grouped.amin(dim=1)
+    # The same test as group_advantages, which gives these groups advantage 0.
+    nonzero = ~zero_variance_groups(rewards, group_size)
     kept = torch.nonzero(nonzero).flatten()
     count = int(kept.numel())
     enough = target_groups is None or count >= target_groups
     if not enough and strict:
         raise NotEnoughGroupsError(
-            f"only {count} of {grouped.shape[0]} groups have non-zero reward variance but "
+            f"only {count} of {nonzero.numel()} groups have non-zero reward variance but "
             f"target_groups={target_groups}; sample more prompts before selecting (DAPO refills "
             "the batch), raise the group size, or lower target_groups"
         )
     if target_groups is not None:
         kept = kept[:target_groups]
-    return GroupSelection(kept, int(grouped.shape[0]), count, enough)
+    return GroupSelection(kept, int(nonzero.numel()), count, enough)

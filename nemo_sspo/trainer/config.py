@@ -110,9 +110,10 @@ class RolloutConfig:
     constant), correcting the gap between the engine's and the trainer's log-probs (bf16 vLLM
     kernels, or ``top_p < 1``). Must be >= 1 (e.g. 2.0); null = off."""
     dynamic_sampling: bool = False
-    """DAPO dynamic sampling (arXiv 2503.14476 sec. 3.2): refill every prompt group whose rewards are all
-    equal with a fresh prompt until each of the step's groups has reward variance or
-    ``max_sampling_rounds`` rounds have run (see ``nemo_sspo.trainer.sampling``). ``loss=dapo`` turns it on."""
+    """DAPO dynamic sampling (arXiv 2503.14476 sec. 3.2): refill every prompt group whose task rewards are
+    all equal (before overlong shaping; DAPO filters on accuracy) with a fresh prompt until each of the
+    step's groups has task-reward variance or ``max_sampling_rounds`` rounds have run (see
+    ``nemo_sspo.trainer.sampling``). ``loss=dapo`` turns it on."""
     max_sampling_rounds: int = 8
     """Generation rounds per step with ``dynamic_sampling`` (the first included). At the limit the step
     trains on the full batch, the groups still without variance taking advantage 0, and says so."""
@@ -127,7 +128,12 @@ class RewardConfig:
     overlong_buffer_len: int = 0
     """DAPO overlong reward shaping (arXiv 2503.14476 eq. 13): responses longer than
     ``rollout.max_new_tokens - overlong_buffer_len`` tokens get a penalty growing linearly to
-    ``overlong_penalty`` at ``rollout.max_new_tokens``, added to the task reward. 0 disables it."""
+    ``overlong_penalty`` at ``rollout.max_new_tokens``, added to the task reward. 0 disables it.
+    Shaping only ranks responses within a group whose task rewards differ: a group whose task rewards
+    are all equal (all correct or all wrong) gets advantage 0 and counts in
+    ``advantages/zero_variance_group_frac`` however its lengths differ, with or without
+    ``rollout.dynamic_sampling`` (which refills such groups; DAPO filters them by accuracy, so its
+    penalty never acts on them either)."""
     overlong_penalty: float = 1.0
     """Largest overlong penalty (the paper's 1.0), read when ``overlong_buffer_len > 0``."""
 

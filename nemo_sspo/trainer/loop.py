@@ -245,7 +245,9 @@ class GRPOTrainer:
         """
         group = self.cfg.rollout.samples_per_prompt
         if self.critic is None:
-            advantages, stats = group_advantages(rollout.rewards, group,
+            # Groups with equal task rewards carry no signal whatever their shaped rewards (the
+            # dynamic-sampling filter and its round-limit warning rely on this; config: reward).
+            advantages, stats = group_advantages(rollout.rewards, group, task_rewards=rollout.task_rewards,
                                                  normalize_std=self.loss_config.advantage_std_normalisation)
             groups = rollout.rewards.numel() / group
             frac = stats["advantages/zero_variance_group_frac"]

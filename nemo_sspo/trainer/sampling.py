@@ -24,7 +24,9 @@ away) but may need more, smaller rounds than over-sampling whole batches.
 
 Overlong shaping (``reward.overlong_buffer_len`` > 0; DAPO eq. 13) adds
 ``overlong_reward_shaping(length, rollout.max_new_tokens, overlong_buffer_len, overlong_penalty)``
-to the task reward of every response.
+to the task reward of every response. The advantages still give a group whose task rewards are all
+equal advantage 0 (``group_advantages(..., task_rewards=...)``), so the shaped rewards of such a
+group, kept at the round limit or sampled without dynamic sampling, carry no signal.
 """
 
 from __future__ import annotations

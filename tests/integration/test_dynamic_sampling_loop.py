@@ -83,6 +83,58 @@ def test_overlong_shaping_penalises_responses_at_the_cap(checkpoint, monkeypatch
     assert record["reward/shaped_mean"] == pytest.approx(record["reward/mean"] - 0.5)
 
 
+def _cut_responses_to(lengths):
+    """Wraps the rollout engine so that response b of each group ends after ``lengths[b]`` tokens
+    (the tiny random model never emits EOS by itself)."""
+    def capture(trainer):
+        engine = trainer.sampler.engine
+        inner = engine.generate
+
+        def generate(prompts, *, seed):
+            batch = inner(prompts, seed=seed)
+            keep = torch.arange(batch.response_mask.shape[1]) < torch.tensor(lengths).unsqueeze(1)
+            batch.response_mask &= keep
+            batch.rollout_logprobs *= keep
+            batch.truncated[:] = False
+            return batch
+
+        engine.generate = generate
+
+    return capture
+
+
+def test_shaping_gives_an_all_wrong_group_past_the_round_limit_advantage_0(checkpoint, monkeypatch, tmp_path,
+                                                                          caplog):
+    # One all-wrong group of lengths 3, 4, 5, 6 (L_max 8, L_cache 4): shaped rewards [0, 0, -0.25,
+    # -0.5] vary, the task rewards do not. The log says such groups have advantage 0; before the
+    # fix they got [0.9045, 0.9045, -0.3015, -1.5076] and zero_variance_group_frac read 0.
+    advantages, rollouts = [], []
+
+    def capture(trainer):
+        _cut_responses_to([3, 4, 5, 6])(trainer)
+        _record_rollouts(rollouts)(trainer)
+        inner = trainer.compute_advantages
+
+        def wrapped(rollout):
+            values, sums = inner(rollout)
+            advantages.append(values)
+            return values, sums
+
+        trainer.compute_advantages = wrapped
+
+    overrides = [*DYNAMIC, "rollout.prompts_per_step=1", "rollout.samples_per_prompt=4", "trainer.max_steps=1",
+                 "rollout.max_sampling_rounds=2", "reward.overlong_buffer_len=4"]
+    with caplog.at_level(logging.WARNING, logger="nemo_sspo.trainer.sampling"):
+        (record,) = run(monkeypatch, tmp_path, overrides, checkpoint=checkpoint, reward=ZeroReward,
+                        capture=capture)
+    assert any("the other 1 groups have advantage 0" in r.getMessage() for r in caplog.records)
+    (rollout,) = rollouts
+    assert rollout.rewards.tolist() == [0.0, 0.0, -0.25, -0.5]
+    assert advantages[0].tolist() == [0.0, 0.0, 0.0, 0.0]
+    assert record["advantages/zero_variance_group_frac"] == 1.0
+    assert record["loss/policy"] == 0.0  # every token's advantage is 0
+
+
 def test_generation_seed_depends_on_step_round_and_slot_only():
     seeds = {generation_seed(1234, step, r, k) for step in (1, 2) for r in range(3) for k in range(4)}
     assert len(seeds) == 24 and all(0 <= s < 2**63 for s in seeds)

@@ -1,8 +1,11 @@
 """DAPO's pure helpers: dynamic-sampling group selection and overlong reward shaping (eq. 13)."""
 
+import math
+
 import pytest
 import torch
 
+from nemo_sspo.algorithms.advantages import group_advantages
 from nemo_sspo.algorithms.dynamic_sampling import (
     NotEnoughGroupsError,
     select_nonzero_variance_groups,
@@ -82,3 +85,39 @@ def test_overlong_shaping_errors(args, pattern):
         overlong_reward_shaping(*args)
     with pytest.raises(ValueError, match="penalty"):
         overlong_reward_shaping(torch.tensor([3]), 10, 2, penalty=-1.0)
+
+
+# Issue 10 item 4: overlong shaping on a group whose task rewards are all equal. L_max = 8 and
+# L_cache = 4 leave lengths <= 4 free; 5 -> (4 - 5) / 4 = -0.25, 6 -> (4 - 6) / 4 = -0.5.
+_LENGTHS = torch.tensor([3, 4, 5, 6])
+
+
+def test_shaping_alone_gives_a_group_no_advantage():
+    # All wrong: shaped rewards [0, 0, -0.25, -0.5] would give (mean -0.1875, population std
+    # sqrt(0.171875 / 4) = 0.20729) advantages [0.9045, 0.9045, -0.3015, -1.5076], a gradient
+    # from length alone. The task rewards decide: the group has no signal, advantage exactly 0.
+    task = torch.zeros(4)
+    shaped = task + overlong_reward_shaping(_LENGTHS, max_len=8, cache_len=4)
+    assert shaped.tolist() == [0.0, 0.0, -0.25, -0.5]
+    advantages, stats = group_advantages(shaped, 4, task_rewards=task)
+    assert advantages.tolist() == [0.0, 0.0, 0.0, 0.0]
+    assert stats["advantages/zero_variance_group_frac"] == 1.0
+
+
+def test_shaping_still_ranks_responses_of_a_group_with_task_variance():
+    # Group 0 all correct (no signal, as above); group 1 = task [1, 0, 1, 0] + shaping
+    # [0, 0, -0.25, -0.5] = [1, 0, 0.75, -0.5]: mean 0.3125, deviations [0.6875, -0.3125, 0.4375,
+    # -0.8125], population variance 1.421875 / 4 = 0.35546875.
+    task = torch.tensor([1.0, 1, 1, 1, 1, 0, 1, 0])
+    shaped = task + overlong_reward_shaping(_LENGTHS.repeat(2), max_len=8, cache_len=4)
+    advantages, stats = group_advantages(shaped, 4, task_rewards=task, eps=0.0)
+    deviations = torch.tensor([0.6875, -0.3125, 0.4375, -0.8125], dtype=torch.float64)
+    expected = deviations / math.sqrt(0.35546875)  # [1.1531, -0.5241, 0.7338, -1.3628]
+    assert advantages[:4].tolist() == [0.0, 0.0, 0.0, 0.0]
+    torch.testing.assert_close(advantages[4:], expected.float(), rtol=0, atol=1e-6)
+    assert stats["advantages/zero_variance_group_frac"] == 0.5
+
+
+def test_task_rewards_must_match_rewards():
+    with pytest.raises(ValueError, match="task_rewards"):
+        group_advantages(torch.zeros(4), 2, task_rewards=torch.zeros(2))
