@@ -7,6 +7,11 @@ with unequal response lengths, a zero-length response and a fully masked micro-b
 The single-process run itself is checked against a float64 Hugging Face model with each objective
 written out independently (Python loops over responses and segments).
 
+After the last loss, each layout takes one optimizer step: its global gradient norm must equal
+the norm of the gathered gradients with every parameter counted once (TP-replicated norms and
+the tied embedding too), and under PP=2 the tied input embedding (first stage) and output layer
+(last stage) must have the same, summed gradient and stay equal after the step.
+
 Three spawns (worlds 1, 2, 4) run all layouts; rank 0 of each returns its results.
 """
 
@@ -28,6 +33,12 @@ from nemo_sspo.algorithms.losses import (
     get_policy_loss,
 )
 from nemo_sspo.trainer.batch import pack_rollouts
+
+# HF names of parameters that TP ranks hold whole copies of (a norm counted per rank would
+# count them tp times); lm_head.weight is the embedding itself in this tied model.
+TP_REPLICATED = ("input_layernorm", "post_attention_layernorm", "model.norm")
+TIED_HEAD = "lm_head.weight"
+NORM_RTOL = 5e-6
 
 TEMPERATURE = 0.8
 ROWS = 8
@@ -107,11 +118,26 @@ def _grads_as_hf(ddp_model, hf_config):
     return grads
 
 
+def _tied_copies(ddp_model, groups):
+    """PP > 1: the shared embedding/output weight and its gradient of every stage, gathered over
+    the pipeline group (first stage: input embedding; last stage: output layer)."""
+    import torch.distributed as dist
+
+    weight = ddp_model.module.shared_embedding_or_output_weight()
+    copies = {}
+    for name, tensor in (("grad", weight.main_grad), ("weight", weight.data)):
+        gathered = [torch.empty_like(tensor) for _ in range(groups.pp_size)]
+        dist.all_gather(gathered, tensor.contiguous(), group=groups.pp_group)
+        copies[name] = gathered
+    return copies
+
+
 def _run_layouts(rank, world_size):
     from nemo_sspo.megatron import (build_policy_model, destroy_parallel, get_parallel_groups,
                                     initialize_parallel, load_hf_into_megatron, vocab_shard)
     from nemo_sspo.megatron.step import LossSpec
-    from nemo_sspo.megatron.training import compute_gradients, compute_old_logprobs, wrap_for_training
+    from nemo_sspo.megatron.training import (apply_optimizer_step, compute_gradients,
+                                             compute_old_logprobs, wrap_for_training)
     from nemo_sspo.parallel.metrics import reduce_metric_sums
 
     hf_config, hf_state, batch, noise = _fixture_data()
@@ -122,7 +148,7 @@ def _run_layouts(rank, world_size):
         groups = get_parallel_groups()
         model = build_policy_model(hf_config)
         load_hf_into_megatron(model, hf_state, hf_config)
-        ddp, _ = wrap_for_training(model, lr=1e-3, weight_decay=0.0, adam_beta1=0.9, adam_beta2=0.999,
+        ddp, optimizer = wrap_for_training(model, lr=1e-3, weight_decay=0.0, adam_beta1=0.9, adam_beta2=0.999,
                                    adam_eps=1e-8, clip_grad=0.0)
         rows = ROWS // dp
         local = batch.select(slice(groups.dp_rank * rows, (groups.dp_rank + 1) * rows))
@@ -141,6 +167,11 @@ def _run_layouts(rank, world_size):
                                          is_last_stage=groups.is_last_stage)
             grads = _grads_as_hf(ddp, hf_config)
             results[(tp, pp, dp, ga, name)] = (metrics["loss/policy"], metrics["policy/clipfrac_tokens"], grads)
+        # One optimizer step on the last loss's gradients (still in main_grad).
+        tied_before = _tied_copies(ddp, groups) if pp > 1 else None
+        grad_norm = apply_optimizer_step(optimizer)
+        tied_after = _tied_copies(ddp, groups) if pp > 1 else None
+        results[(tp, pp, dp, ga, "step")] = (grad_norm, tied_before, tied_after)
         destroy_parallel()
     return results if rank == 0 else None
 
@@ -236,3 +267,39 @@ def test_layout_matches_single_process(layout_results, layout, loss):
     assert got_grads.keys() == ref_grads.keys()
     for key in ref_grads:
         assert _rel_err(got_grads[key], ref_grads[key]) < 1e-5, key
+
+
+def _norm_counting_each_once(grads: dict) -> float:
+    """Global norm over HF-named gradients: every parameter once (the tied head is the embedding)."""
+    return math.sqrt(sum(float(g.double().square().sum()) for k, g in grads.items() if k != TIED_HEAD))
+
+
+@pytest.mark.parametrize("layout", [(tp, pp, w // (tp * pp), ga) for w, ls in LAYOUTS.items() for tp, pp, ga in ls])
+def test_grad_norm_counts_replicated_parameters_once(layout_results, layout):
+    last_loss = list(LOSSES)[-1]
+    grad_norm = layout_results[(*layout, "step")][0]
+    expected = _norm_counting_each_once(layout_results[(*layout, last_loss)][2])
+    reference = _norm_counting_each_once(layout_results[(*REFERENCE, last_loss)][2])
+    assert math.isclose(grad_norm, expected, rel_tol=NORM_RTOL), (grad_norm, expected)
+    assert math.isclose(grad_norm, reference, rel_tol=NORM_RTOL), (grad_norm, reference)
+    # The check can fail: counting the TP-replicated norms twice moves this norm by 8.6e-5.
+    grads = layout_results[(*REFERENCE, last_loss)][2]
+    twice = math.sqrt(reference**2 + sum(float(g.double().square().sum()) for k, g in grads.items()
+                                         if any(part in k for part in TP_REPLICATED)))
+    assert twice / reference - 1 > 10 * NORM_RTOL
+
+
+@pytest.mark.parametrize("layout", [(tp, pp, w // (tp * pp), ga) for w, ls in LAYOUTS.items() for tp, pp, ga in ls if pp > 1])
+def test_tied_embedding_summed_over_stages_and_equal_after_step(layout_results, layout):
+    _, before, after = layout_results[(*layout, "step")]
+    first_grad, last_grad = before["grad"][0], before["grad"][-1]
+    assert torch.equal(first_grad, last_grad)  # both stages hold the sum of both contributions
+    assert torch.equal(before["weight"][0], before["weight"][-1])
+    assert torch.equal(after["weight"][0], after["weight"][-1])
+    assert not torch.equal(after["weight"][0], before["weight"][0])  # the step moved the weight
+    # The summed gradient is the single-process embedding gradient (this TP rank's vocab rows;
+    # rank 0 reports TP rank 0: rows [0, V_padded / tp)).
+    reference = layout_results[(*REFERENCE, list(LOSSES)[-1])][2]["model.embed_tokens.weight"]
+    rows = first_grad.shape[0]
+    torch.testing.assert_close(first_grad[: min(rows, reference.shape[0])].double(),
+                               reference[:rows].double(), rtol=1e-5, atol=1e-7)
