@@ -10,6 +10,11 @@ gradient is ``grad(sum of numerators) / sum of denominators``: the global mean d
 aggregation mode (tokens for token-mean, responses for the response-level mean of SSPO eq. 16),
 whatever the micro-batch size, gradient-accumulation count, TP, PP or DP size.
 
+One stated exception: Clip-Cov and KL-Cov choose their tokens by covariance within the batch the
+loss sees, one micro-batch (as their official code does per micro-batch). Their step is invariant
+to TP and PP, but a different split of rows into micro-batches (micro-batch size, DP size)
+selects different tokens. ``tests/distributed/test_invariance.py`` pins both halves.
+
 All tensors of a :class:`PolicyBatch` are in the *target frame*: position ``j`` holds the
 prediction of token ``j + 1`` of ``input_ids`` (Megatron returns logits at every position).
 """

@@ -29,6 +29,7 @@ from nemo_sspo.algorithms.losses import (
     DrGRPOLossConfig,
     GRPOLossConfig,
     GSPOLossConfig,
+    KLCovLossConfig,
     SSPOLossConfig,
     get_policy_loss,
 )
@@ -45,6 +46,10 @@ ROWS = 8
 RESPONSE_LENGTHS = [5, 3, 7, 1, 0, 6, 0, 0]  # rows 6-7: a fully masked micro-batch at 2 rows per micro-batch
 PROMPT_LENGTHS = [3, 2, 4, 2, 3, 5, 2, 3]
 ADVANTAGES = [1.0, -0.5, 0.7, -1.2, 0.3, 0.9, -0.4, 0.0]
+# The contract's stated exception (nemo_sspo/megatron/step.py): covariance methods select tokens
+# within each micro-batch, so they are invariant to TP and PP but not to how rows are split into
+# micro-batches (DP, gradient accumulation). k = 0.05 selects max(1, floor(0.05 N)) tokens per call.
+MICRO_BATCH_LOCAL = {"kl_cov": ("kl_cov", KLCovLossConfig(select_fraction=0.05, cov_kl_coef=1.0))}
 MAX_RESPONSE_LENGTH = 8  # L_max of the constant-denominator mode
 # case -> (registered loss, config); every config spells out what the reference below reads.
 LOSSES = {
@@ -154,7 +159,7 @@ def _run_layouts(rank, world_size):
         local = batch.select(slice(groups.dp_rank * rows, (groups.dp_rank + 1) * rows))
         local_noise = noise[groups.dp_rank * rows : (groups.dp_rank + 1) * rows]
         vocab_start, vocab_size = vocab_shard(model)
-        for name, (registered, loss_config) in LOSSES.items():
+        for name, (registered, loss_config) in {**MICRO_BATCH_LOCAL, **LOSSES}.items():
             spec = LossSpec(loss_fn=get_policy_loss(registered)[0], loss_config=loss_config,
                             tp_group=groups.tp_group if tp > 1 else None, vocab_start=vocab_start,
                             vocab_size=vocab_size, temperature=TEMPERATURE,
@@ -303,3 +308,19 @@ def test_tied_embedding_summed_over_stages_and_equal_after_step(layout_results, 
     rows = first_grad.shape[0]
     torch.testing.assert_close(first_grad[: min(rows, reference.shape[0])].double(),
                                reference[:rows].double(), rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("layout", [(tp, pp, w // (tp * pp), ga) for w, ls in LAYOUTS.items() for tp, pp, ga in ls
+                                    if (tp, pp, w // (tp * pp), ga) != REFERENCE])
+def test_covariance_selection_is_per_micro_batch(layout_results, layout):
+    """Same micro-batches (only TP/PP differ): same loss and gradients. Other row splits select
+    other tokens: the loss moves by far more than the invariance tolerance, as the contract says."""
+    ref_loss, _, ref_grads = layout_results[(*REFERENCE, "kl_cov")]
+    got_loss, _, got_grads = layout_results[(*layout, "kl_cov")]
+    _, _, dp, ga = layout
+    if dp == 1 and ga == 1:
+        assert math.isclose(got_loss, ref_loss, rel_tol=1e-5)
+        for key in ref_grads:
+            assert _rel_err(got_grads[key], ref_grads[key]) < 1e-5, key
+    else:
+        assert abs(got_loss - ref_loss) > 1e-3 * abs(ref_loss), (got_loss, ref_loss)
