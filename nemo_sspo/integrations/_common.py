@@ -118,7 +118,8 @@ def response_segment_ids(config: Any, response_ids: torch.Tensor, response_mask:
         response_ids: ``[B, T]`` int64 token ids aligned with ``response_mask``.
         response_mask: ``[B, T]`` bool.
         tables: ``build_segment_tables(tokenizer)`` of the tokenizer that produced the ids; read by
-            the table-based strategies (newline, double_newline, sentence), may be None otherwise.
+            the table-based strategies (newline, double_newline, sentence, pause_punctuation);
+            may be None otherwise.
 
     Raises:
         ValueError: the strategy needs tables and none were given, or the strategy's own checks.

@@ -148,16 +148,20 @@ def test_covariance_quota_is_at_least_one_token():
     assert select_high_covariance_tokens(lp, adv, mask, 0.5)[0].sum() == 2
 
 
-def test_clip_cov_detaches_the_one_selected_token_at_small_scale():
+def test_clip_cov_zeroes_the_one_selected_token_at_small_scale():
     fn, cls = get_policy_loss("clip_cov")
-    lp = torch.tensor([[-1.0, -2.0], [-1.0, -2.0]], dtype=torch.float64, requires_grad=True)
+    lp = torch.tensor([[-1.0, -2.0], [-1.5, -2.0]], dtype=torch.float64, requires_grad=True)
     mask = torch.ones(2, 2, dtype=torch.bool)
+    # mean log p = -1.625, token advantages [1, 1, -1, -1] (mean 0): Cov = [[0.625, -0.375],
+    # [-0.125, 0.375]]. Only (0, 0) lies inside the strict band (0.5, 5), and the quota
+    # max(1, floor(2e-4 * 4)) = 1 takes it whatever the random draw.
     per_token, _ = fn(lp, lp.detach(), torch.tensor([1.0, -1.0], dtype=torch.float64), mask,
                       torch.zeros(2, 2, dtype=torch.long), torch.zeros(2, 2, dtype=torch.float64),
-                      cls(cov_min=0.0))
+                      cls(cov_min=0.5))
     per_token.sum().backward()
-    # on-policy: d(-r A)/d lp = -A, except the selected token (0, 0), whose gradient is removed
+    # on-policy: d(-r A)/d lp = -A, except the selected token (0, 0), whose loss is zeroed
     assert lp.grad.tolist() == [[0.0, -1.0], [1.0, 1.0]]
+    assert per_token.detach().tolist() == [[0.0, -1.0], [1.0, 1.0]]
 
 
 def test_critic_targets_rejects_nan():
