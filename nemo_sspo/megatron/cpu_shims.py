@@ -1,11 +1,17 @@
-"""Every CPU-only workaround megatron-core 0.16.1 needs, in one place.
+"""Every CPU-only workaround megatron-core needs (0.16.1 on Python 3.11, 0.19.2 on 3.12), in one place.
 
 megatron-core assumes a CUDA device in many small spots. On a CPU-only host (gloo backend; the
 development and test setup) these shims make the same code paths run. Nothing here changes
 behaviour when ``torch.cuda.is_available()`` is True: each public function is a no-op, returns a
 ``nullcontext`` or returns an empty override dict on GPU.
 
-Shims (measured with megatron-core 0.16.1, torch 2.13 CPU):
+This is also the compatibility layer across megatron-core versions: the calls nemo_sspo makes
+(GPTModel, layer specs, DDP, optimizer, schedules, parallel_state) have the same
+signatures in 0.16.1 and 0.19.2; the one difference on CPU is shim 3's ``current_stream``. Shims
+detect what is missing, never a version number.
+
+Shims (measured with megatron-core 0.16.1 + torch 2.13.0 CPU build, and 0.19.2 + PyPI's torch
+2.13.0 CUDA build on a host without a GPU):
 
 1. ``torch.cuda.current_device`` returns ``"cpu"``: layers, p2p buffers and rotary embeddings
    allocate on ``torch.cuda.current_device()``.
@@ -13,7 +19,9 @@ Shims (measured with megatron-core 0.16.1, torch 2.13 CPU):
    ``get_cuda_rng_tracker().fork()`` (attention dropout runs inside one even at p=0) read CUDA
    generator states, which raise on CPU-only torch.
 3. ``cpu_device_context()``: a ``TorchFunctionMode`` that rewrites ``device="cuda"`` to CPU, and
-   turns ``torch.cuda.synchronize`` into a no-op; wrap Megatron's pipeline schedules
+   turns ``torch.cuda.synchronize`` into a no-op and ``torch.cuda.current_stream()`` into a stream
+   whose waits return at once (0.19's gradient buffers wait on the current stream for CUDA-graph
+   events before every gradient reduction); wrap Megatron's pipeline schedules
    (``torch.zeros([], device="cuda")`` for the token count), its optimizer, and GPTModel
    construction (tied embeddings with PP > 1 call ``weight.data.cuda()``) in it.
 4. ``cpu_config_overrides()``: ``TransformerConfig`` fields: CPU initialisation, no fused kernels
@@ -145,6 +153,23 @@ def _is_cuda_device(device: Any) -> bool:
     return isinstance(device, int) and not isinstance(device, bool)
 
 
+class _NoStream:
+    """Stand-in for ``torch.cuda.current_stream()`` on CPU: every wait is already satisfied."""
+
+    def wait_event(self, event) -> None:
+        pass
+
+    def wait_stream(self, stream) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+
+def _cpu_current_stream(device=None) -> _NoStream:
+    return _NoStream()
+
+
 class _CudaToCpuMode(TorchFunctionMode):
     """Rewrites ``device=<cuda>`` keyword arguments to CPU and ``Tensor.cuda()`` to identity."""
 
@@ -163,13 +188,14 @@ def cpu_device_context() -> Iterator[None]:
     if not needs_cpu_shims():
         yield
         return
-    synchronize = torch.cuda.synchronize
+    synchronize, current_stream = torch.cuda.synchronize, torch.cuda.current_stream
     torch.cuda.synchronize = lambda *args, **kwargs: None
+    torch.cuda.current_stream = _cpu_current_stream
     try:
         with _CudaToCpuMode():
             yield
     finally:
-        torch.cuda.synchronize = synchronize
+        torch.cuda.synchronize, torch.cuda.current_stream = synchronize, current_stream
 
 
 def cpu_config_overrides() -> dict[str, Any]:
