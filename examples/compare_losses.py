@@ -68,7 +68,7 @@ def _train(name, args, output, checkpoint):
     """One method's run: its per-step metrics and the fingerprint of its step-1 rollouts."""
     from nemo_sspo.cli import load_config
     from nemo_sspo.megatron import destroy_parallel
-    from nemo_sspo.trainer.loop import GRPOTrainer
+    from nemo_sspo.trainer.loop import GRPOTrainer, start_parallel
 
     class RecordingTrainer(GRPOTrainer):
         first_rollout = None
@@ -85,7 +85,7 @@ def _train(name, args, output, checkpoint):
         from nemo_sspo.models import load_hf_checkpoint
 
         checkpoint = load_hf_checkpoint(cfg.model.source, cache_dir=cfg.model.cache_dir)
-    trainer = RecordingTrainer(cfg, checkpoint=checkpoint)
+    trainer = RecordingTrainer(cfg, start_parallel(cfg.parallel, cfg.trainer.seed), checkpoint=checkpoint)
     try:
         history = trainer.fit()
     finally:

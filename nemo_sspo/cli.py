@@ -18,33 +18,45 @@ import sys
 import warnings
 from pathlib import Path
 
-__all__ = ["main", "load_config", "DEFAULT_CONFIG_DIR"]
+__all__ = ["main", "launch_world_size", "load_config", "DEFAULT_CONFIG_DIR"]
 
 DEFAULT_CONFIG_DIR = Path(__file__).resolve().parent / "conf"
 DEFAULT_CONFIG_NAME = "sspo_smollm2_cpu"
 
 
+def launch_world_size() -> int:
+    """Processes of this launch: torchrun's ``WORLD_SIZE``, else 1 (read before any process group exists)."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
 def load_config(config_name: str = DEFAULT_CONFIG_NAME, overrides: list[str] | None = None,
-                config_dir: str | Path = DEFAULT_CONFIG_DIR):
-    """Composes a YAML config with overrides into a typed :class:`TrainConfig`.
+                config_dir: str | Path = DEFAULT_CONFIG_DIR, *, command: str = "train"):
+    """Composes a YAML config with overrides into a typed, validated :class:`TrainConfig`.
+
+    Every check of the config runs here, before any process group, model or data exists
+    (:func:`nemo_sspo.trainer.config.validate`), so a bad value fails in the first second.
+
+    Args:
+        command: ``train`` checks the parallel layout against :func:`launch_world_size`; ``eval``
+            (one process, no Megatron model) does not read the layout.
 
     Raises:
-        ValueError: an unknown key, a wrong type, or a failed cross-field check, naming the key.
+        ValueError: an unknown key, a wrong type, or a failed check, naming the key path.
     """
     from hydra import compose, initialize_config_dir
     from hydra.errors import HydraException
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
-    from nemo_sspo.trainer.config import TrainConfig, build_loss_config
+    from nemo_sspo.trainer.config import TrainConfig, schema, validate
 
     try:
         with initialize_config_dir(config_dir=str(Path(config_dir).resolve()), version_base=None):
             raw = compose(config_name=config_name, overrides=list(overrides or []))
-        cfg: TrainConfig = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(TrainConfig), raw))
+        cfg: TrainConfig = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(schema()), raw))
     except (HydraException, OmegaConfBaseException) as err:
         raise ValueError(f"invalid config {config_name!r}: {err}") from err
-    build_loss_config(cfg.loss)  # unknown loss names/params fail at load time, not at step 1
+    validate(cfg, world_size=launch_world_size() if command == "train" else None)
     return cfg
 
 
@@ -100,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     try:
-        cfg = load_config(args.config_name, args.overrides, args.config_dir)
+        cfg = load_config(args.config_name, args.overrides, args.config_dir, command=args.command)
     except ValueError as err:
         print(f"nemo-sspo: {err}", file=sys.stderr)
         return 2
@@ -112,10 +124,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "eval":
         return _evaluate(cfg)
     from nemo_sspo.megatron import destroy_parallel
-    from nemo_sspo.trainer.loop import GRPOTrainer
+    from nemo_sspo.trainer.loop import GRPOTrainer, start_parallel
 
     try:
-        trainer = GRPOTrainer(cfg)
+        trainer = GRPOTrainer(cfg, start_parallel(cfg.parallel, cfg.trainer.seed))
         history = trainer.fit()
     except ValueError as err:
         print(f"nemo-sspo: {err}", file=sys.stderr)

@@ -7,13 +7,14 @@ from nemo_sspo.data.math_datasets import (
     load_math_dataset,
     resolve_data_dir,
 )
-from nemo_sspo.data.tasks import PROMPT_SOURCES, Problem, PromptSource, build_prompt_source
+from nemo_sspo.data.tasks import PROMPT_SOURCES, SOURCE_OPTIONS, Problem, PromptSource, build_prompt_source
 from nemo_sspo.data.templates import TEMPLATES, render_prompt
 
 __all__ = [
     "MATH_DATASETS",
     "PAPER_BENCHMARKS",
     "PROMPT_SOURCES",
+    "SOURCE_OPTIONS",
     "TEMPLATES",
     "MathRecord",
     "Problem",

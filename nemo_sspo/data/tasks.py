@@ -1,12 +1,14 @@
 """Prompt sources: seeded streams of ``Problem(question, answer)`` for GRPO rollouts.
 
-Sources (``build_prompt_source(name, seed=..., **kwargs)``):
+Sources (``build_prompt_source(name, seed=..., **options)``; each source's options and their
+defaults are one dataclass, :data:`SOURCE_OPTIONS`, which the config layer also uses as the schema
+of ``data.options``):
 
 - ``"word_problems"`` (default): procedurally generated multi-step arithmetic word problems about
   everyday items ("Mia has 7 pencils. She buys 3 boxes with 4 pencils each. ..."); one operation per
   sentence, so a worked solution naturally takes one line per step. Integer answers >= 0.
 - ``"reasoning_gym"``: any reasoning-gym 0.1.25 dataset by name (``dataset="leg_counting"``,
-  ``"chain_sum"``, ...) with its config fields as kwargs; seeded by reasoning-gym itself.
+  ``"chain_sum"``, ...) with its config fields in ``config``; seeded by reasoning-gym itself.
 - ``"jsonl"``: records ``{"problem" | "question": ..., "answer": ...}`` from ``path``, shuffled
   with the seed and cycled (e.g. ``/work/shared/data/gsm8k_test.jsonl``).
 - ``"math"``: one of the paper's datasets by name (``dataset="math_train"`` for the MATH level 3-5
@@ -18,13 +20,23 @@ from __future__ import annotations
 
 import json
 import random
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Protocol, Sequence
+from typing import Any, Protocol, Sequence
 
 from nemo_sspo.data.math_datasets import load_math_dataset
 
-__all__ = ["PROMPT_SOURCES", "Problem", "PromptSource", "build_prompt_source"]
+__all__ = [
+    "PROMPT_SOURCES",
+    "SOURCE_OPTIONS",
+    "JsonlOptions",
+    "MathOptions",
+    "Problem",
+    "PromptSource",
+    "ReasoningGymOptions",
+    "WordProblemOptions",
+    "build_prompt_source",
+]
 
 
 @dataclass(frozen=True)
@@ -48,6 +60,69 @@ _NAMES = [("Mia", "she"), ("Tom", "he"), ("Ava", "she"), ("Leo", "he"), ("Zoe", 
 _ITEMS = ["apples", "pencils", "stickers", "marbles", "cookies", "books", "coins", "cards", "shells", "stamps"]
 
 
+@dataclass
+class WordProblemOptions:
+    """Options of the ``word_problems`` source (arguments of :class:`WordProblemSource`).
+
+    The defaults are the CPU demo's training set, sized for SmolLM2-135M-Instruct: with the
+    ``chat-boxed`` template at temperature 0.7 it answers ~9% of 1-2 step +/- problems with numbers
+    <= 5 right (94% of responses boxed, ~45 tokens, 3-4 lines): if independent, 1 - 0.91^8 = 55% of
+    groups of 8 hold a rewarded sample.
+    """
+
+    min_steps: int = 1
+    """Fewest changes to the starting amount (>= 1)."""
+    max_steps: int = 2
+    """Most changes (>= min_steps)."""
+    max_number: int = 5
+    """Largest number drawn for an amount (>= 2); box counts are 2..4."""
+    operations: list[str] = field(default_factory=lambda: ["buy", "give"])
+    """Change kinds to draw from, a non-empty subset of buy, give, boxes (boxes adds a multiplication)."""
+    pool_size: int | None = 8
+    """N >= 1: generate N problems once and serve them in epochs (reshuffled each epoch), so early and
+    late steps are measured on the same problems; None: a fresh problem for every prompt."""
+
+    def __post_init__(self) -> None:
+        """Raises ``ValueError`` naming the option that is out of range."""
+        if not 1 <= self.min_steps <= self.max_steps:
+            raise ValueError(f"min_steps={self.min_steps} must be in [1, max_steps={self.max_steps}]")
+        if self.max_number < 2:
+            raise ValueError(f"max_number={self.max_number} must be >= 2")
+        if not self.operations or set(self.operations) - set(WordProblemSource.OPERATIONS):
+            raise ValueError(f"operations={list(self.operations)} must be a non-empty subset of "
+                             f"{WordProblemSource.OPERATIONS}")
+        if self.pool_size is not None and self.pool_size < 1:
+            raise ValueError(f"pool_size={self.pool_size} must be >= 1 (or None for fresh problems)")
+
+
+@dataclass
+class ReasoningGymOptions:
+    """Options of the ``reasoning_gym`` source."""
+
+    dataset: str
+    """reasoning-gym dataset name (e.g. ``leg_counting``); required."""
+    config: dict[str, Any] = field(default_factory=dict)
+    """That dataset's config fields (e.g. ``min_animals: 2``)."""
+
+
+@dataclass
+class JsonlOptions:
+    """Options of the ``jsonl`` source."""
+
+    path: str
+    """JSON-lines file of ``{"problem" | "question": ..., "answer": ...}`` records; required."""
+
+
+@dataclass
+class MathOptions:
+    """Options of the ``math`` source."""
+
+    dataset: str = "math_train"
+    """A name of :data:`nemo_sspo.data.math_datasets.MATH_DATASETS` (the paper's MATH level 3-5 set)."""
+    data_dir: str | None = None
+    """Folder of the JSONL files; None reads ``$NEMO_SSPO_DATA_DIR``."""
+
+
 class WordProblemSource:
     """Seeded multi-step word problems: a starting amount, then ``steps`` changes to it.
 
@@ -57,37 +132,20 @@ class WordProblemSource:
 
     Args:
         seed: RNG seed.
-        min_steps, max_steps: number of changes, 1 <= min_steps <= max_steps.
-        max_number: largest number drawn for an amount (>= 2); box counts are 2..4.
-        operations: the change kinds to draw from, a non-empty subset of ("buy", "give", "boxes");
-            ("buy", "give") gives addition/subtraction chains only.
-        pool_size: None draws a fresh problem every time; N >= 1 generates N problems once and
-            serves them in epochs (reshuffled each epoch), so a short run revisits the same
-            problems and its reward curve compares like with like.
-
-    The defaults (1-2 steps, numbers <= 5) are sized for SmolLM2-135M-Instruct: with the
-    ``chat-boxed`` template at temperature 0.7 it answers ~9% of them right (94% of responses boxed,
-    ~45 tokens, 3-4 lines): if independent, 1 - 0.91^8 = 55% of groups of 8 hold a rewarded sample.
+        min_steps, max_steps, max_number, operations, pool_size: as :class:`WordProblemOptions`,
+            which checks their ranges (build the source with :func:`build_prompt_source`).
     """
 
     OPERATIONS = ("buy", "give", "boxes")
 
-    def __init__(self, *, seed: int, min_steps: int = 1, max_steps: int = 2, max_number: int = 5,
-                 operations: Sequence[str] = OPERATIONS, pool_size: int | None = None) -> None:
-        if not 1 <= min_steps <= max_steps:
-            raise ValueError(f"need 1 <= min_steps ({min_steps}) <= max_steps ({max_steps})")
-        if max_number < 2:
-            raise ValueError(f"max_number={max_number} must be >= 2")
-        if not operations or set(operations) - set(self.OPERATIONS):
-            raise ValueError(f"operations={list(operations)} must be a non-empty subset of {self.OPERATIONS}")
+    def __init__(self, *, seed: int, min_steps: int, max_steps: int, max_number: int,
+                 operations: Sequence[str], pool_size: int | None) -> None:
         self._operations = list(operations)
         self._rng = random.Random(seed)
         self._steps = (min_steps, max_steps)
         self._max = max_number
         self._pool = None
         if pool_size is not None:
-            if pool_size < 1:
-                raise ValueError(f"pool_size={pool_size} must be >= 1 (or None for fresh problems)")
             self._pool = _ShuffledSource([self._one() for _ in range(pool_size)], seed)
 
     def sample(self, n: int) -> list[Problem]:
@@ -129,12 +187,12 @@ class ReasoningGymSource:
     Args:
         dataset: reasoning-gym dataset name (e.g. ``"leg_counting"``).
         seed: dataset seed; item ``i`` depends only on ``(seed, i)``.
-        **config: that dataset's config fields (e.g. ``min_animals=2``).
+        config: that dataset's config fields (e.g. ``{"min_animals": 2}``).
     """
 
     _SIZE = 1_000_000  # virtual size: items are generated on access
 
-    def __init__(self, *, dataset: str, seed: int, **config) -> None:
+    def __init__(self, *, dataset: str, seed: int, config: dict[str, Any]) -> None:
         import reasoning_gym
 
         self._data = reasoning_gym.create_dataset(dataset, seed=seed, size=self._SIZE, **config)
@@ -191,11 +249,11 @@ class MathDatasetSource(_ShuffledSource):
         data_dir: folder of the JSONL files; None reads ``$NEMO_SSPO_DATA_DIR``.
 
     Raises:
-        ValueError: unknown dataset or missing data directory/file (naming ``data.options.data_dir``).
+        ValueError: unknown dataset or missing data directory/file (naming ``data_dir``).
     """
 
-    def __init__(self, *, dataset: str, seed: int, data_dir: str | None = None) -> None:
-        records = load_math_dataset(dataset, data_dir, key="data.options.data_dir")
+    def __init__(self, *, dataset: str, seed: int, data_dir: str | None) -> None:
+        records = load_math_dataset(dataset, data_dir)
         super().__init__([Problem(question=r.problem, answer=r.answer) for r in records], seed)
 
 
@@ -216,16 +274,23 @@ PROMPT_SOURCES = {"word_problems": WordProblemSource, "reasoning_gym": Reasoning
                   "math": MathDatasetSource}
 """Name -> source class for :func:`build_prompt_source`."""
 
+SOURCE_OPTIONS = {"word_problems": WordProblemOptions, "reasoning_gym": ReasoningGymOptions, "jsonl": JsonlOptions,
+                  "math": MathOptions}
+"""Name -> options dataclass of that source (the one place its defaults live)."""
 
-def build_prompt_source(name: str, *, seed: int, **kwargs) -> PromptSource:
-    """Construct the prompt source ``name`` (see the module docstring) with ``seed`` and its kwargs.
+
+def build_prompt_source(name: str, *, seed: int, **options) -> PromptSource:
+    """Construct the prompt source ``name`` (see the module docstring) with ``seed``; options not
+    given take the defaults of ``SOURCE_OPTIONS[name]``.
 
     Raises:
-        ValueError: unknown ``name`` (lists the valid ones) or bad kwargs for that source.
+        ValueError: unknown ``name`` (lists the valid ones), an option the source does not have or
+            a required one missing (names it), or an option out of range (names it).
     """
     if name not in PROMPT_SOURCES:
         raise ValueError(f"prompt source {name!r} is unknown; valid: {', '.join(PROMPT_SOURCES)}")
     try:
-        return PROMPT_SOURCES[name](seed=seed, **kwargs)
-    except TypeError as err:  # an unexpected or missing keyword
-        raise ValueError(f"bad arguments for prompt source {name!r}: {err}") from err
+        resolved = SOURCE_OPTIONS[name](**options)
+    except TypeError as err:  # an unexpected keyword, or a required one missing
+        raise ValueError(f"bad options for prompt source {name!r}: {err}") from err
+    return PROMPT_SOURCES[name](seed=seed, **asdict(resolved))

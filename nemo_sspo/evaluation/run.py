@@ -22,15 +22,12 @@ def build_eval_engine(cfg) -> tuple[EvalEngine, Any]:
     the model directory itself (``cfg.rollout.vllm`` settings); only the tokenizer is read here.
 
     Raises:
-        ValueError: ``vllm`` with a built-in (CPU test) source, or as ``load_hf_checkpoint``.
+        ValueError: as ``resolve_model_dir`` and ``load_hf_checkpoint``.
     """
-    from nemo_sspo.models import SOURCES, build_hf_model, load_hf_checkpoint
+    from nemo_sspo.models import build_hf_model, load_hf_checkpoint
     from nemo_sspo.models.hf_checkpoint import load_tokenizer, resolve_model_dir
 
     if cfg.rollout.backend == "vllm":
-        if cfg.model.source in SOURCES:
-            raise ValueError(f"rollout.backend='vllm' needs model.source to be a model directory or hub id; "
-                             f"{cfg.model.source!r} is a built-in CPU test source (use rollout.backend=hf)")
         model_dir = resolve_model_dir(cfg.model.source)
         engine = VLLMEvalEngine(str(model_dir), seed=cfg.trainer.seed, **dataclasses.asdict(cfg.rollout.vllm))
         return engine, load_tokenizer(model_dir)
@@ -54,14 +51,12 @@ def run_eval(cfg) -> dict[str, float]:
 
     The prompt template is ``cfg.data.template`` (the one the model was trained with).
 
-    Raises:
-        ValueError: an invalid config (``nemo_sspo.trainer.config.validate``), a missing data
-            directory or benchmark file (both checked before the model is loaded), or as
-            :func:`build_eval_engine` and :func:`evaluate`.
-    """
-    from nemo_sspo.trainer.config import validate
+    ``cfg`` is a validated config (``nemo_sspo.cli.load_config``).
 
-    validate(cfg, world_size=cfg.parallel.tensor_model_parallel_size * cfg.parallel.pipeline_model_parallel_size)
+    Raises:
+        ValueError: a missing data directory or benchmark file (both checked before the model is
+            loaded), or as :func:`build_eval_engine` and :func:`evaluate`.
+    """
     ev = cfg.eval
     counts = {name: len(load_math_dataset(name, ev.data_dir, key="eval.data_dir")[:ev.limit_per_benchmark])
               for name in ev.benchmarks}

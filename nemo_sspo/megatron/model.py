@@ -31,6 +31,7 @@ from nemo_sspo.megatron.parallel_setup import get_parallel_groups
 
 __all__ = [
     "FP8_FORMATS",
+    "check_model_options",
     "FP8_RECIPES",
     "MAKE_VOCAB_SIZE_DIVISIBLE_BY",
     "PRECISIONS",
@@ -136,24 +137,23 @@ def _validate_architecture(hf_config: Any, tp_size: int, pp_size: int) -> None:
         )
 
 
-def _check_precision(precision: str, fp8: str | None, fp8_recipe: str) -> torch.dtype:
-    if precision not in PRECISIONS:
-        raise ValueError(
-            f"model.precision={precision!r} is unknown; valid: {', '.join(PRECISIONS)}"
-        )
+def check_model_options(*, precision: str, fp8: str | None, fp8_recipe: str,
+                        transformer_impl: str = "auto") -> torch.dtype:
+    """Checks the model build options (the one copy of these checks; the config layer runs it at load
+    time and prefixes the key path ``model.``); returns the parameter dtype of ``precision``.
+
+    Raises:
+        ValueError: an unknown name (lists the valid ones), or ``fp8`` without ``precision='bf16'``.
+    """
+    for name, value, valid in (("precision", precision, tuple(PRECISIONS)), ("fp8_recipe", fp8_recipe, FP8_RECIPES),
+                               ("transformer_impl", transformer_impl, TRANSFORMER_IMPLS)):
+        if value not in valid:
+            raise ValueError(f"{name}={value!r} is unknown; valid: {', '.join(valid)}")
     if fp8 is not None and fp8 not in FP8_FORMATS:
-        raise ValueError(
-            f"model.fp8={fp8!r} is unknown; valid: {', '.join(FP8_FORMATS)} (or null to disable FP8)"
-        )
-    if fp8_recipe not in FP8_RECIPES:
-        raise ValueError(
-            f"model.fp8_recipe={fp8_recipe!r} is unknown; valid: {', '.join(FP8_RECIPES)}"
-        )
+        raise ValueError(f"fp8={fp8!r} is unknown; valid: {', '.join(FP8_FORMATS)} (or null to disable FP8)")
     if fp8 is not None and precision != "bf16":
-        raise ValueError(
-            f"model.fp8={fp8!r} needs model.precision='bf16' (FP8 GEMMs run inside a BF16 model), "
-            f"got model.precision={precision!r}"
-        )
+        raise ValueError(f"fp8={fp8!r} needs precision='bf16' (FP8 GEMMs run inside a BF16 model), "
+                         f"got precision={precision!r}")
     return PRECISIONS[precision]
 
 
@@ -190,7 +190,7 @@ def transformer_config_from_hf(
     """
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    dtype = _check_precision(precision, fp8, fp8_recipe)
+    dtype = check_model_options(precision=precision, fp8=fp8, fp8_recipe=fp8_recipe)
     _validate_architecture(hf_config, tp_size, pp_size)
     _rope_theta(hf_config)
     kwargs = dict(
@@ -232,15 +232,12 @@ def resolve_transformer_impl(transformer_impl: str = "auto", fp8: str | None = N
     ``transformer-engine`` is installed, the local (pure Megatron-Core) spec otherwise. FP8 needs
     TransformerEngine layers, so ``fp8`` set with ``"auto"`` never falls back to the local spec.
 
+    ``transformer_impl`` must be one of :data:`TRANSFORMER_IMPLS` (:func:`check_model_options`).
+
     Raises:
-        ValueError: naming ``model.transformer_impl`` / ``model.fp8`` and the fix, when the value
-            is unknown, TransformerEngine is requested (or needed for FP8) but no CUDA device or
+        ValueError: naming ``model.transformer_impl`` / ``model.fp8`` and the fix, when TransformerEngine is requested (or needed for FP8) but no CUDA device or
             no ``transformer-engine`` package is present, or FP8 is combined with the local spec.
     """
-    if transformer_impl not in TRANSFORMER_IMPLS:
-        raise ValueError(
-            f"model.transformer_impl={transformer_impl!r} is unknown; valid: {', '.join(TRANSFORMER_IMPLS)}"
-        )
     wants_te = transformer_impl == "transformer_engine" or (transformer_impl == "auto" and fp8)
     key = "model.transformer_impl='transformer_engine'" if transformer_impl != "auto" else f"model.fp8={fp8!r}"
     if transformer_impl == "local":
@@ -319,6 +316,7 @@ def build_policy_model(
         hf_config, tp_size=groups.tp_size, pp_size=groups.pp_size, precision=precision, fp8=fp8,
         fp8_recipe=fp8_recipe,
     )
+    check_model_options(precision=precision, fp8=fp8, fp8_recipe=fp8_recipe, transformer_impl=transformer_impl)
     impl = resolve_transformer_impl(transformer_impl, fp8)
     # Tied embeddings across pipeline stages move the weight with .cuda() for an all-reduce.
     with cpu_device_context():

@@ -83,25 +83,17 @@ def initialize_parallel(*, tp_size: int, pp_size: int, seed: int) -> None:
     agrees across TP ranks) and calls ``model_parallel_cuda_manual_seed(seed)`` (Megatron's
     per-TP-rank streams; the CPU tracker on CPU).
 
+    The layout is the caller's to check against the world size (the trainer's config does, at load
+    time); Megatron itself refuses a world size that ``tp_size * pp_size`` does not divide.
+
     Raises:
-        ValueError: if ``tp_size`` / ``pp_size`` < 1, if ``world_size % (tp_size * pp_size) != 0``,
-            or if Megatron's parallel state is already initialised (call ``destroy_parallel``).
+        ValueError: if Megatron's parallel state is already initialised (call ``destroy_parallel``).
     """
-    if tp_size < 1 or pp_size < 1:
-        raise ValueError(
-            f"tp_size and pp_size must be >= 1, got tp_size={tp_size}, pp_size={pp_size}"
-        )
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
     if not dist.is_initialized():
         _init_process_group()
-    world_size = dist.get_world_size()
-    if world_size % (tp_size * pp_size) != 0:
-        raise ValueError(
-            f"world_size={world_size} is not divisible by tp_size*pp_size={tp_size}*{pp_size}: "
-            "launch a multiple of tp_size*pp_size processes or change the parallel layout"
-        )
     if parallel_state.model_parallel_is_initialized():
         raise ValueError(
             "Megatron parallel state is already initialised: call destroy_parallel() first"

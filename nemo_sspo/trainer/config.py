@@ -2,20 +2,35 @@
 
 Each section is a dataclass registered in Hydra's ConfigStore; the YAML files under ``nemo_sspo/conf/`` are
 merged onto ``OmegaConf.structured(TrainConfig)``, so a misspelt key or a wrong type fails when the
-config is loaded. Every default lives here, on its field. Checks that involve more than one field are
-in :func:`validate`, which raises ``ValueError`` naming the full key path.
+config is loaded. Two sections take their schema from the layer that reads them: ``loss.params`` is
+the selected loss's own config dataclass (group ``loss``: node ``<name>_schema`` per registered loss)
+and ``data.options`` the selected source's options dataclass (group ``data``: ``<source>_schema``),
+so every loss and source field can be overridden without Hydra's ``+``.
+
+What the defaults mean: every default is the CPU demo's setting (``nemo-sspo train`` runs SmolLM2-135M
+on generated word problems, one process, about 15 minutes on 2 cores), so ``conf/sspo_smollm2_cpu.yaml``
+only selects groups. Sections the demo leaves off keep what their feature needs when it is turned
+on: ``eval`` is the paper's benchmark protocol (five benchmarks, greedy, 3,000 tokens), ``rollout.vllm``
+a GPU engine. The loss defaults are each method's primary source (the method's definition, not a
+run size). The paper-scale settings are in ``conf/recipe/``.
+
+Every default lives here (or on the loss / source dataclass), once. Checks that involve more than one
+field are in :func:`validate`, which :func:`nemo_sspo.cli.load_config` runs before any process group
+exists; it raises ``ValueError`` naming the full key path.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 from hydra.core.config_store import ConfigStore
 
-from nemo_sspo.algorithms.losses import get_policy_loss
-from nemo_sspo.data import MATH_DATASETS, PAPER_BENCHMARKS, PROMPT_SOURCES, TEMPLATES
-from nemo_sspo.megatron.model import FP8_FORMATS, FP8_RECIPES, PRECISIONS, TRANSFORMER_IMPLS
+from nemo_sspo.algorithms.losses import SSPOLossConfig, get_policy_loss, policy_loss_names
+from nemo_sspo.data import MATH_DATASETS, PAPER_BENCHMARKS, SOURCE_OPTIONS, TEMPLATES
+from nemo_sspo.data.tasks import WordProblemOptions
+from nemo_sspo.megatron.model import check_model_options
+from nemo_sspo.models import SOURCES
 
 __all__ = [
     "ModelConfig",
@@ -32,6 +47,8 @@ __all__ = [
     "TrainConfig",
     "validate",
     "build_loss_config",
+    "schema",
+    "at_key",
 ]
 
 
@@ -69,8 +86,9 @@ class DataConfig:
     """Prompt source name (``nemo_sspo.data.build_prompt_source``)."""
     template: str = "chat-boxed"
     """Prompt template name (``nemo_sspo.data.render_prompt``)."""
-    options: dict[str, Any] = field(default_factory=dict)
-    """Source-specific keyword arguments (e.g. ``path`` for ``jsonl``, difficulty for generators)."""
+    options: Any = field(default_factory=WordProblemOptions)
+    """The source's options dataclass (``nemo_sspo.data.SOURCE_OPTIONS``): select the source as a group
+    (``data=jsonl``) so that its schema applies, then set fields (``data.options.path=...``)."""
 
 
 @dataclass
@@ -89,13 +107,13 @@ class VLLMConfig:
 
 @dataclass
 class RolloutConfig:
-    prompts_per_step: int = 4
+    prompts_per_step: int = 2
     """Distinct prompts sampled per training step."""
     samples_per_prompt: int = 8
     """Group size G: responses per prompt; advantages are normalised within a group."""
-    max_new_tokens: int = 128
+    max_new_tokens: int = 64
     """Response length cap in tokens; a response without EOS by then counts as truncated."""
-    temperature: float = 1.0
+    temperature: float = 0.7
     """Sampling temperature; the trainer's log-probs use the same temperature."""
     top_p: float = 1.0
     """Nucleus sampling mass. Keep 1.0 for training: top_p < 1 makes rollout and trainer log-probs differ."""
@@ -140,7 +158,7 @@ class RewardConfig:
 
 @dataclass
 class OptimConfig:
-    lr: float = 1e-5
+    lr: float = 2e-5
     """Adam learning rate."""
     weight_decay: float = 0.0
     """Decoupled weight decay."""
@@ -158,9 +176,9 @@ class LossSection:
     sspo_fixed_clip, grpo, dr_grpo, dapo, gspo, gspo_token, lpo, dcpo, gmpo, sapo, soft_seq_po, cispo,
     clip_cov, kl_cov, sppo (sequence-level PPO with a critic, see ``critic``). Select it as a group
     (``loss=grpo``) so that ``params`` come from ``nemo_sspo/conf/loss/<name>.yaml``."""
-    params: dict[str, Any] = field(default_factory=dict)
-    """Overrides of that loss's own config dataclass (e.g. ``gamma``, ``aggregation``,
-    ``segmentation``, ``kl_coef``). The trainer also reads ``segmentation`` / ``segment_k`` (segment
+    params: Any = field(default_factory=SSPOLossConfig)
+    """That loss's own config dataclass (its schema comes with the group ``loss=<name>``; e.g.
+    ``loss.params.gamma``, ``aggregation``, ``segmentation``, ``kl_coef``). The trainer also reads ``segmentation`` / ``segment_k`` (segment
     ids), ``advantage_std_normalisation`` (group advantages), ``kl_coef`` (> 0 keeps a frozen
     reference policy) and the loss's ``advantage_source`` (``critic`` trains the SPPO critic)."""
 
@@ -172,7 +190,7 @@ class CriticConfig:
     ``model.source``. Read only by losses whose ``advantage_source`` is ``critic`` (``loss=sppo``)."""
     num_layers: int | None = None
     """Keep only the first N decoder layers of ``source`` (a smaller critic); null = all of them."""
-    micro_batch_size: int = 4
+    micro_batch_size: int = 2
     """Prompts per critic forward/backward pass; must divide the prompts per data-parallel rank."""
     optim: OptimConfig = field(default_factory=OptimConfig)
     """The critic's own Adam optimizer (one step per training step, on that step's prompts)."""
@@ -180,7 +198,7 @@ class CriticConfig:
 
 @dataclass
 class TrainerConfig:
-    max_steps: int = 30
+    max_steps: int = 12
     """Training steps; each is one rollout of prompts_per_step x samples_per_prompt responses."""
     minibatches_per_step: int = 2
     """Optimizer steps per rollout. Above 1, later mini-batches are off-policy (ratio != 1), so clipping is active."""
@@ -237,20 +255,28 @@ class TrainConfig:
 
 
 def build_loss_config(section: LossSection) -> Any:
-    """Instantiates the loss's own config dataclass from ``loss.params``.
-
-    Delegates to :func:`nemo_sspo.algorithms.losses.build_policy_loss_config`.
+    """The loss's config dataclass instance, ``section.params``, checked against ``section.name``.
 
     Raises:
-        ValueError: unknown loss name (lists the registered ones); an unknown parameter (names it,
-            lists the config's fields with a close-match suggestion, and says to select the loss
-            group when the key belongs to another loss); ``segmentation`` on a loss with a fixed
-            unit (names the losses where it is configurable); or an invalid value (names the
-            field).
+        ValueError: unknown loss name (lists the registered ones), or ``params`` that are not the
+            config dataclass of that loss (``loss.name`` overridden without selecting its group).
     """
-    from nemo_sspo.algorithms.losses import build_policy_loss_config
+    config_cls = at_key("loss.name: ", lambda: get_policy_loss(section.name)).config_cls
+    if type(section.params) is not config_cls:
+        raise ValueError(f"loss.name={section.name!r} needs loss.params of type {config_cls.__name__}, got "
+                         f"{type(section.params).__name__}: select the loss as a group (loss={section.name}) "
+                         "instead of setting loss.name")
+    return section.params
 
-    return build_policy_loss_config(section.name, dict(section.params), where="loss.params")
+
+def at_key(prefix: str, call: Callable[[], Any]) -> Any:
+    """Runs a lower layer's call; its ``ValueError``, which names the layer's own argument, is re-raised
+    with the config key path in front (``at_key("model.", ...)``: ``precision='x'`` becomes
+    ``model.precision='x'``). Returns what ``call`` returns."""
+    try:
+        return call()
+    except ValueError as err:
+        raise ValueError(f"{prefix}{err}") from None
 
 
 def _require(ok: bool, message: str) -> None:
@@ -258,14 +284,24 @@ def _require(ok: bool, message: str) -> None:
         raise ValueError(message)
 
 
-def validate(cfg: TrainConfig, world_size: int = 1) -> None:
-    """Checks that span several fields; raises ``ValueError`` naming the key path and the fix."""
+def validate(cfg: TrainConfig, world_size: int | None = 1) -> None:
+    """Every check of a loaded config (the one copy: lower layers check only their own arguments).
+
+    Args:
+        cfg: the composed config.
+        world_size: processes of the run, which the parallel layout must divide; None for a run that
+            builds no Megatron model (``nemo-sspo eval``): one data-parallel replica.
+
+    Raises:
+        ValueError: naming the key path and the fix.
+    """
     par, ro, tr = cfg.parallel, cfg.rollout, cfg.trainer
     model_parallel = par.tensor_model_parallel_size * par.pipeline_model_parallel_size
     _require(
         par.tensor_model_parallel_size >= 1 and par.pipeline_model_parallel_size >= 1,
         "parallel.tensor_model_parallel_size and parallel.pipeline_model_parallel_size must be >= 1",
     )
+    world_size = model_parallel if world_size is None else world_size
     _require(
         world_size % model_parallel == 0,
         f"world size {world_size} is not divisible by parallel.tensor_model_parallel_size x "
@@ -286,7 +322,7 @@ def validate(cfg: TrainConfig, world_size: int = 1) -> None:
              f"rollout.tis_cap={ro.tis_cap} must be >= 1 (a cap below 1 shrinks on-policy tokens too), or null for off")
     _require(ro.top_p == 1 or ro.tis_cap is not None,
              f"rollout.top_p={ro.top_p} samples from a renormalised nucleus, not from the policy the trainer "
-             "scores (pitfall P14): the update would be silently off-policy. Set rollout.top_p=1.0, or set "
+             "scores (docs/pitfalls.md#p14): the update would be silently off-policy. Set rollout.top_p=1.0, or set "
              "rollout.tis_cap (e.g. 2.0) to reweight every token by pi_old / pi_rollout")
     _require(tr.checkpoint_interval >= 0, "trainer.checkpoint_interval must be >= 0 (0 disables checkpoints)")
     _require(tr.keep_checkpoints >= 0, "trainer.keep_checkpoints must be >= 0 (0 keeps every checkpoint)")
@@ -304,8 +340,12 @@ def validate(cfg: TrainConfig, world_size: int = 1) -> None:
     _require(cfg.optim.lr > 0, "optim.lr must be > 0")
     _require(cfg.optim.clip_grad >= 0, "optim.clip_grad must be >= 0 (0 disables clipping)")
     _require(cfg.reward.num_workers >= 1, "reward.num_workers must be >= 1")
-    _require(cfg.data.source in PROMPT_SOURCES,
-             f"data.source={cfg.data.source!r} is unknown; valid: {', '.join(PROMPT_SOURCES)}")
+    _require(cfg.data.source in SOURCE_OPTIONS,
+             f"data.source={cfg.data.source!r} is unknown; valid: {', '.join(SOURCE_OPTIONS)}")
+    _require(type(cfg.data.options) is SOURCE_OPTIONS[cfg.data.source],
+             f"data.source={cfg.data.source!r} needs data.options of type "
+             f"{SOURCE_OPTIONS[cfg.data.source].__name__}, got {type(cfg.data.options).__name__}: select the "
+             f"source as a group (data={cfg.data.source}) instead of setting data.source")
     _require(cfg.data.template in TEMPLATES,
              f"data.template={cfg.data.template!r} is unknown; valid: {', '.join(TEMPLATES)}")
     _validate_sampling_and_critic(cfg, dp, build_loss_config(cfg.loss))
@@ -323,7 +363,7 @@ def _validate_sampling_and_critic(cfg: TrainConfig, dp: int, loss_config: Any) -
              f"reward.overlong_buffer_len={rw.overlong_buffer_len} must be in [0, rollout.max_new_tokens="
              f"{ro.max_new_tokens}] (0 disables overlong shaping)")
     _require(rw.overlong_penalty >= 0, "reward.overlong_penalty must be >= 0")
-    if loss_config.advantage_source != "critic":
+    if get_policy_loss(cfg.loss.name).requirements(loss_config).advantage_source != "critic":
         _require(ro.samples_per_prompt >= 2,
                  f"rollout.samples_per_prompt=1 gives every response advantage 0 with the group-relative "
                  f"advantages of loss '{cfg.loss.name}'; use >= 2, or loss=sppo (its critic is the baseline)")
@@ -346,14 +386,12 @@ def _validate_sampling_and_critic(cfg: TrainConfig, dp: int, loss_config: Any) -
 def _validate_model_rollout_eval(cfg: TrainConfig) -> None:
     """Names and ranges of the model precision, rollout backend and evaluation settings."""
     m, ev, vl = cfg.model, cfg.eval, cfg.rollout.vllm
-    _require(m.precision in PRECISIONS, f"model.precision={m.precision!r} is unknown; valid: {', '.join(PRECISIONS)}")
-    _require(m.fp8 is None or m.fp8 in FP8_FORMATS,
-             f"model.fp8={m.fp8!r} is unknown; valid: {', '.join(FP8_FORMATS)} or null")
-    _require(m.fp8 is None or m.precision == "bf16", "model.fp8 needs model.precision=bf16")
-    _require(m.fp8_recipe in FP8_RECIPES, f"model.fp8_recipe={m.fp8_recipe!r} is unknown; valid: {', '.join(FP8_RECIPES)}")
-    _require(m.transformer_impl in TRANSFORMER_IMPLS,
-             f"model.transformer_impl={m.transformer_impl!r} is unknown; valid: {', '.join(TRANSFORMER_IMPLS)}")
+    at_key("model.", lambda: check_model_options(precision=m.precision, fp8=m.fp8, fp8_recipe=m.fp8_recipe,
+                                             transformer_impl=m.transformer_impl))
     _require(cfg.rollout.backend in ("hf", "vllm"), f"rollout.backend={cfg.rollout.backend!r} is unknown; valid: hf, vllm")
+    _require(cfg.rollout.backend != "vllm" or m.source not in SOURCES,
+             f"rollout.backend='vllm' loads model.source itself and needs a model directory or hub id; "
+             f"{m.source!r} is a built-in CPU test source (use rollout.backend=hf)")
     _require(vl.tensor_parallel_size >= 1, "rollout.vllm.tensor_parallel_size must be >= 1")
     _require(0 < vl.gpu_memory_utilization <= 1, "rollout.vllm.gpu_memory_utilization must be in (0, 1]")
     unknown = [name for name in ev.benchmarks if name not in MATH_DATASETS]
@@ -366,8 +404,21 @@ def _validate_model_rollout_eval(cfg: TrainConfig) -> None:
     _require(ev.every_n_steps >= 0, "eval.every_n_steps must be >= 0 (0 disables evaluation during training)")
 
 
+def schema() -> TrainConfig:
+    """The ``train_schema`` node: :class:`TrainConfig` with ``loss.params`` and ``data.options`` left
+    open (None), so that the selected group's dataclass fills them instead of being merged into the
+    defaults' SSPO / word-problem dataclasses (OmegaConf refuses to merge one dataclass into another)."""
+    return TrainConfig(data=DataConfig(options=None), loss=LossSection(params=None))
+
+
 def _register() -> None:
-    ConfigStore.instance().store(name="train_schema", node=TrainConfig)
+    """``train_schema``, and one schema node per loss (group ``loss``) and per prompt source (group ``data``)."""
+    store = ConfigStore.instance()
+    store.store(name="train_schema", node=schema())
+    for name in policy_loss_names():
+        store.store(group="loss", name=f"{name}_schema", node=LossSection(name=name, params=get_policy_loss(name).config_cls()))
+    for source, options in SOURCE_OPTIONS.items():
+        store.store(group="data", name=f"{source}_schema", node=DataConfig(source=source, options=options))
 
 
 _register()

@@ -13,7 +13,6 @@ import importlib.util
 import torch
 
 from nemo_sspo.megatron.model import resolve_transformer_impl
-from nemo_sspo.models import SOURCES
 
 __all__ = ["check_host", "training_device"]
 
@@ -36,8 +35,8 @@ def check_host(cfg) -> None:
             ``model.transformer_impl=transformer_engine`` without CUDA or transformer-engine
             (:func:`nemo_sspo.megatron.model.resolve_transformer_impl`); ``model.precision=bf16``
             without CUDA (the CPU path is FP32 only: its shims run the pipeline in FP32);
-            ``rollout.backend=vllm`` without CUDA, without the package ``vllm``, or with a built-in
-            ``model.source`` (vLLM loads a model directory itself).
+            ``rollout.backend=vllm`` without CUDA or without the package ``vllm``. (Config checks that
+            do not depend on the host run at load time: ``nemo_sspo.trainer.config.validate``.)
     """
     resolve_transformer_impl(cfg.model.transformer_impl, cfg.model.fp8)
     cuda = torch.cuda.is_available()
@@ -51,6 +50,3 @@ def check_host(cfg) -> None:
         if importlib.util.find_spec("vllm") is None:
             raise ValueError("rollout.backend='vllm' needs the package vllm, which is not installed: pip install "
                              "vllm (a version matching this torch), or set rollout.backend=hf")
-        if cfg.model.source in SOURCES:
-            raise ValueError(f"rollout.backend='vllm' loads model.source itself and needs a model directory or hub "
-                             f"id; {cfg.model.source!r} is a built-in CPU test source (use rollout.backend=hf)")

@@ -35,19 +35,20 @@ import logging
 import math
 import time
 from contextlib import contextmanager
-from dataclasses import replace
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 from nemo_sspo.algorithms import group_advantages, segment_ids
-from nemo_sspo.algorithms.losses import get_policy_loss
+from nemo_sspo.algorithms.losses import make_policy_loss
 from nemo_sspo.algorithms.segmentation import TABLE_FREE_SEGMENTATIONS, build_segment_tables
 from nemo_sspo.data import build_prompt_source
 from nemo_sspo.megatron import (
     build_policy_model,
     export_hf_state_dict,
+    ParallelGroups,
     get_parallel_groups,
     initialize_parallel,
     load_hf_into_megatron,
@@ -75,7 +76,7 @@ from nemo_sspo.trainer.checkpoint import (
     save_checkpoint,
     write_hf_checkpoint,
 )
-from nemo_sspo.trainer.config import TrainConfig, build_loss_config, validate
+from nemo_sspo.trainer.config import ParallelConfig, TrainConfig, at_key, build_loss_config
 from nemo_sspo.trainer.critic import Critic, build_value_model, critic_advantages, pack_critic_batch
 from nemo_sspo.trainer.device import check_host, training_device
 from nemo_sspo.trainer.metrics import MetricsLogger
@@ -83,7 +84,7 @@ from nemo_sspo.trainer.periodic_eval import BEST_DIR, BestEval, evaluate_engine
 from nemo_sspo.trainer.rollout_metrics import pair, rollout_logprobs, rollout_metric_sums
 from nemo_sspo.trainer.sampling import Rollout, RolloutSampler
 
-__all__ = ["GRPOTrainer", "Rollout"]
+__all__ = ["GRPOTrainer", "Rollout", "start_parallel"]
 
 logger = logging.getLogger(__name__)
 
@@ -97,6 +98,18 @@ class _Timer:
         start = time.perf_counter()
         yield
         self.seconds[f"timing/{name}_s"] = time.perf_counter() - start
+
+
+def start_parallel(parallel_cfg: ParallelConfig, seed: int) -> ParallelGroups:
+    """Initialises the process group and Megatron's parallel state for the ``parallel`` section (the
+    layout was checked against the world size when the config was loaded); returns this rank's groups.
+
+    Raises:
+        ValueError: Megatron's parallel state is already initialised.
+    """
+    initialize_parallel(tp_size=parallel_cfg.tensor_model_parallel_size,
+                        pp_size=parallel_cfg.pipeline_model_parallel_size, seed=seed)
+    return get_parallel_groups()
 
 
 def _check_output_dir(trainer_cfg) -> None:
@@ -127,51 +140,49 @@ class GRPOTrainer:
     rollout engine, reward and logger from a validated :class:`TrainConfig`.
 
     Args:
-        cfg: the run's config.
+        cfg: the run's config, validated at load time (``nemo_sspo.cli.load_config``).
+        groups: this rank's initialised parallel groups (:func:`start_parallel`); the trainer creates
+            no global parallel state of its own.
         checkpoint: ``(hf_config, state_dict, tokenizer)`` of ``cfg.model.source`` as returned by
             ``load_hf_checkpoint`` (several trainers in one process can share one load; the state
             dict is copied, never modified); None loads it.
 
     Raises:
-        ValueError: invalid config (see :func:`nemo_sspo.trainer.config.validate`), a GPU-only
-            setting on a CPU host (:func:`nemo_sspo.trainer.device.check_host`), a parallel
+        ValueError: a GPU-only setting on a CPU host (:func:`nemo_sspo.trainer.device.check_host`), a parallel
             layout the model's head/layer counts do not allow, a critic checkpoint whose
             tokenizer differs from the policy's, or a ``trainer.resume`` checkpoint that does not fit.
     """
 
-    def __init__(self, cfg: TrainConfig, checkpoint=None) -> None:
+    def __init__(self, cfg: TrainConfig, groups: ParallelGroups, checkpoint=None) -> None:
         self.cfg = cfg
-        par = cfg.parallel
-        initialize_parallel(tp_size=par.tensor_model_parallel_size,
-                            pp_size=par.pipeline_model_parallel_size, seed=cfg.trainer.seed)
-        validate(cfg, world_size=dist.get_world_size())
         check_host(cfg)
         resume_path = resolve_resume(cfg.trainer.resume, cfg.trainer.output_dir)
         if resume_path is None:
             _check_output_dir(cfg.trainer)
-        self.groups = get_parallel_groups()
-        self.loss_config = build_loss_config(cfg.loss)
+        self.groups = groups
+        self.loss = make_policy_loss(cfg.loss.name, build_loss_config(cfg.loss))
+        needs = self.loss.requirements
         # Data first: a bad source option fails before the model is loaded.
-        prompts = build_prompt_source(cfg.data.source, seed=cfg.trainer.seed, **dict(cfg.data.options))
+        prompts = at_key("data.options.", lambda: build_prompt_source(cfg.data.source, seed=cfg.trainer.seed,
+                                                                      **asdict(cfg.data.options)))
         if checkpoint is None:
             checkpoint = load_hf_checkpoint(cfg.model.source, cache_dir=cfg.model.cache_dir)
         hf_config, state_dict, tokenizer = checkpoint
         self.hf_config, self.tokenizer = hf_config, tokenizer
         self.model, self.optimizer = _wrap(self._megatron_policy(state_dict), cfg.optim)
-        self.ref_model = self._build_reference(state_dict) if self.loss_config.kl_coef > 0 else None
-        self.critic = self._build_critic(state_dict) if self.loss_config.advantage_source == "critic" else None
+        self.ref_model = self._build_reference(state_dict) if needs.reference_policy else None
+        self.critic = self._build_critic(state_dict) if needs.advantage_source == "critic" else None
         self.is_generator = self.groups.mp_rank == 0
         self.engine = self.reward = self.sampler = None
         if self.is_generator:
             self._build_rollout(state_dict, prompts)
         self.tables = None
-        if self.loss_config.segmentation not in TABLE_FREE_SEGMENTATIONS:
+        if needs.segmentation not in TABLE_FREE_SEGMENTATIONS:
             # The model's vocabulary can exceed the tokenizer's (e.g. Qwen2.5: 151,936 rows vs
             # 151,665 ids); ids the tokenizer never decodes close no segment.
             self.tables = build_segment_tables(tokenizer).padded(hf_config.vocab_size)
         vocab_start, vocab_size = vocab_shard(self.model)
-        self.spec = LossSpec(loss_fn=get_policy_loss(cfg.loss.name)[0], loss_config=self.loss_config,
-                             tp_group=self.groups.tp_group if self.groups.tp_size > 1 else None,
+        self.spec = LossSpec(loss=self.loss, tp_group=self.groups.tp_group if self.groups.tp_size > 1 else None,
                              vocab_start=vocab_start, vocab_size=vocab_size,
                              temperature=cfg.rollout.temperature,
                              max_response_length=cfg.rollout.max_new_tokens)
@@ -248,7 +259,7 @@ class GRPOTrainer:
             # Groups with equal task rewards carry no signal whatever their shaped rewards (the
             # dynamic-sampling filter and its round-limit warning rely on this; config: reward).
             advantages, stats = group_advantages(rollout.rewards, group, task_rewards=rollout.task_rewards,
-                                                 normalize_std=self.loss_config.advantage_std_normalisation)
+                                                 normalize_std=self.loss.requirements.normalize_std)
             groups = rollout.rewards.numel() / group
             frac = stats["advantages/zero_variance_group_frac"]
             return advantages, {"advantages/zero_variance_group_frac": pair(frac * groups, groups)}
@@ -272,8 +283,9 @@ class GRPOTrainer:
         """
         rb = rollout.batch
         advantages, sums = self.compute_advantages(rollout)
-        lc = self.loss_config
-        segments = segment_ids(lc.segmentation, rb.response_ids, rb.response_mask, self.tables, k=lc.segment_k)
+        needs = self.loss.requirements
+        segments = segment_ids(needs.segmentation, rb.response_ids, rb.response_mask, self.tables,
+                               k=needs.segment_k)
         batch = pack_rollouts(rb.prompt_ids, rb.prompt_mask, rb.response_ids, rb.response_mask,
                               segments, advantages, pad_id=self.tokenizer.pad_token_id)
         micro = self.cfg.parallel.micro_batch_size

@@ -46,12 +46,44 @@ class ZeroReward(ParityReward):
         return [0.0] * len(responses)
 
 
+def record_updates(monkeypatch, store):
+    """Wraps the loop's optimizer step: appends ``(mini_batch, metric_sums)`` for every update, in
+    order (with ``trainer.minibatches_per_step=2``, entries 0 and 1 belong to step 1)."""
+    inner = loop.train_on_batch
+
+    def wrapped(model, optimizer, batch, *args, **kwargs):
+        sums, grad_norm = inner(model, optimizer, batch, *args, **kwargs)
+        store.append((batch, {key: value.clone() for key, value in sums.items()}))
+        return sums, grad_norm
+
+    monkeypatch.setattr(loop, "train_on_batch", wrapped)
+
+
+def on_policy_loss(batch, aggregation: str, max_response_length: int) -> tuple[float, float]:
+    """(loss, denominator) of a mini-batch whose ratios are all 1: every token's loss is -A_i,
+    reduced by hand per aggregation mode (docs/algorithms.md), with L_i = response tokens of row i
+    and R = rows with L_i >= 1."""
+    lengths = batch.loss_mask.sum(1).double()
+    adv = batch.advantages.double()
+    responses = float((lengths > 0).sum())
+    signed = float((adv * lengths).sum())  # sum_i L_i A_i
+    if aggregation == "token-mean":
+        return -signed / float(lengths.sum()), float(lengths.sum())
+    if aggregation == "seq-mean-token-mean":
+        return -float(adv[lengths > 0].sum()) / responses, responses
+    if aggregation == "seq-mean-token-sum":
+        return -signed / responses, responses
+    if aggregation == "constant-denominator":
+        return -signed / max_response_length / responses, responses
+    raise ValueError(aggregation)
+
+
 def make_trainer(monkeypatch, tmp_path, overrides, *, checkpoint=None, reward=ParityReward):
     """A :class:`loop.GRPOTrainer` on ``TINY + overrides`` writing to ``tmp_path``; call
     ``destroy_parallel()`` when done (``run`` does)."""
     monkeypatch.setattr(loop, "MathVerifyReward", reward)
     cfg = load_config(overrides=[*TINY, f"trainer.output_dir={tmp_path}", *overrides])
-    return loop.GRPOTrainer(cfg, checkpoint=checkpoint)
+    return loop.GRPOTrainer(cfg, loop.start_parallel(cfg.parallel, cfg.trainer.seed), checkpoint=checkpoint)
 
 
 def run(monkeypatch, tmp_path, overrides, *, checkpoint=None, reward=ParityReward, capture=None):

@@ -19,7 +19,8 @@ def _fit(overrides, checkpoint):
     from nemo_sspo.trainer import loop
     from tests.integration._loop_runs import TINY
 
-    trainer = loop.GRPOTrainer(load_config(overrides=[*TINY, *overrides]), checkpoint=checkpoint)
+    cfg = load_config(overrides=[*TINY, *overrides])
+    trainer = loop.GRPOTrainer(cfg, loop.start_parallel(cfg.parallel, cfg.trainer.seed), checkpoint=checkpoint)
     try:
         return trainer.fit()
     finally:

@@ -4,8 +4,10 @@ from pathlib import Path
 
 import pytest
 
+from nemo_sspo.algorithms.losses import GRPOLossConfig, SSPOLossConfig
 from nemo_sspo.cli import DEFAULT_CONFIG_DIR, load_config
-from nemo_sspo.trainer.config import validate
+from nemo_sspo.data.tasks import JsonlOptions, WordProblemOptions
+from nemo_sspo.trainer.config import TrainConfig, validate
 
 CONF = Path(DEFAULT_CONFIG_DIR)
 
@@ -16,7 +18,7 @@ def _group_options(group: str) -> list[str]:
 
 @pytest.mark.parametrize("config_name", sorted(p.stem for p in CONF.glob("*.yaml")))
 def test_top_level_configs_load_and_validate(config_name):
-    cfg = load_config(config_name)
+    cfg = load_config(config_name, command="eval")  # the layout is checked below, at its own size
     model_parallel = cfg.parallel.tensor_model_parallel_size * cfg.parallel.pipeline_model_parallel_size
     validate(cfg, world_size=model_parallel)
 
@@ -31,21 +33,41 @@ def test_every_loss_group_option_loads(loss):
 def test_data_group_switches_the_whole_section():
     # Selecting data=jsonl replaces the word-problem options instead of merging into them.
     cfg = load_config(overrides=["data=jsonl", "data.options.path=/tmp/x.jsonl"])
-    assert (cfg.data.source, cfg.data.template, dict(cfg.data.options)) == ("jsonl", "qwen-math", {"path": "/tmp/x.jsonl"})
+    assert (cfg.data.source, cfg.data.template, cfg.data.options) == ("jsonl", "qwen-math", JsonlOptions("/tmp/x.jsonl"))
     with pytest.raises(ValueError, match="path"):
         load_config(overrides=["data=jsonl"])  # the path is mandatory
 
 
 @pytest.mark.parametrize("parallel", _group_options("parallel"))
 def test_every_parallel_group_option_validates_at_its_world_size(parallel):
-    cfg = load_config(overrides=[f"parallel={parallel}"])
+    cfg = load_config(overrides=[f"parallel={parallel}"], command="eval")
     p = cfg.parallel
     validate(cfg, world_size=p.tensor_model_parallel_size * p.pipeline_model_parallel_size)
 
 
 def test_overrides_reach_the_typed_config():
     cfg = load_config(overrides=["trainer.max_steps=2", "trainer.output_dir=/tmp/x", "loss.params.gamma=2.2"])
-    assert (cfg.trainer.max_steps, cfg.trainer.output_dir, cfg.loss.params["gamma"]) == (2, "/tmp/x", 2.2)
+    assert (cfg.trainer.max_steps, cfg.trainer.output_dir, cfg.loss.params.gamma) == (2, "/tmp/x", 2.2)
+
+
+def test_loss_and_data_defaults_come_from_their_dataclasses():
+    # The YAML groups restate nothing: every field is the dataclass default unless a file overrides it.
+    assert load_config(overrides=["loss=grpo"]).loss.params == GRPOLossConfig()
+    assert load_config().loss.params == SSPOLossConfig()
+    seven_b = load_config(overrides=["loss=sspo_7b"]).loss.params
+    assert seven_b == SSPOLossConfig(alpha=0.1, gamma=2.2)
+    assert load_config().data.options == WordProblemOptions()
+    # A field of the shared loss base needs no "+": the loss's schema declares it.
+    assert load_config(overrides=["loss=grpo", "loss.params.kl_coef=0.05"]).loss.params.kl_coef == 0.05
+
+
+def test_defaults_are_the_cpu_demo():
+    # conf/sspo_smollm2_cpu.yaml only selects groups, so it equals the dataclass defaults.
+    cfg = load_config()
+    defaults = TrainConfig()
+    for section in ("model", "rollout", "reward", "optim", "trainer", "eval", "critic"):
+        assert getattr(cfg, section) == getattr(defaults, section), section
+    assert (cfg.rollout.prompts_per_step, cfg.rollout.max_new_tokens, cfg.trainer.max_steps) == (2, 64, 12)
 
 
 @pytest.mark.parametrize(
@@ -54,7 +76,11 @@ def test_overrides_reach_the_typed_config():
         (["trainer.max_stpes=2"], "max_stpes"),  # typo in a key
         (["trainer.max_steps=two"], "max_steps"),  # wrong type
         (["loss.name=ppo_magic"], "ppo_magic"),  # unknown loss name lists the valid ones
-        (["+loss.params.not_a_field=1"], "not_a_field"),  # parameter the loss does not have
+        (["loss.params.not_a_field=1"], "not_a_field"),  # parameter the loss does not have
+        (["loss.params.gamma=-1"], "gamma"),  # a value the loss config refuses
+        (["data=word_problems", "data.options.pool_size=0"], "pool_size"),  # a source option out of range is
+        (["parallel.tensor_model_parallel_size=4"], "parallel.tensor_model_parallel_size"),  # 1 process
+        (["data.source=jsonl"], "data=jsonl"),  # word-problem options under another source
         (["loss.name=grpo"], "loss=grpo"),  # SSPO params under GRPO: the hint names the group switch
     ],
 )
@@ -90,7 +116,7 @@ def test_sppo_allows_one_sample_per_prompt_and_dapo_turns_on_dynamic_sampling():
         ([*SPPO, "parallel=pp2", "critic.num_layers=3"], 2, "critic.num_layers=3"),
     ],
 )
-def test_cross_field_checks_name_the_key(overrides, world, fragment):
-    cfg = load_config(overrides=overrides)
+def test_cross_field_checks_name_the_key(overrides, world, fragment, monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", str(world))  # as torchrun sets it: read at load time
     with pytest.raises(ValueError, match=fragment):
-        validate(cfg, world_size=world)
+        load_config(overrides=overrides)

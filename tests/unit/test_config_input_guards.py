@@ -10,12 +10,13 @@ import pytest
 import torch
 
 from nemo_sspo.algorithms.losses import (
+    LossInputs,
     build_policy_loss_config,
     get_policy_loss,
+    make_policy_loss,
     policy_loss_names,
     select_high_covariance_tokens,
 )
-from nemo_sspo.trainer.config import LossSection, build_loss_config
 from nemo_sspo.trainer.critic import critic_advantages, critic_targets
 
 
@@ -32,7 +33,7 @@ def _numeric_fields(config_cls):
 
 @pytest.mark.parametrize("name", policy_loss_names())
 def test_every_float_field_rejects_nan_inf_and_bool(name):
-    _, cls = get_policy_loss(name)
+    cls = get_policy_loss(name).config_cls
     cls()  # defaults stay valid
     fields = _numeric_fields(cls)
     assert fields, f"{cls.__name__} has no numeric field"
@@ -48,23 +49,23 @@ def test_every_float_field_rejects_nan_inf_and_bool(name):
                                          ("dcpo", "ratio_max"), ("gmpo", "log_clip_high"),
                                          ("grpo", "kl_coef")])
 def test_tester_nan_cases_name_class_and_field(name, field):
-    _, cls = get_policy_loss(name)
+    cls = get_policy_loss(name).config_cls
     with pytest.raises(ValueError, match=rf"{cls.__name__}\.{field}=nan .*finite"):
         cls(**{field: float("nan")})
 
 
 def test_kl_coef_true_is_not_one():
     with pytest.raises(ValueError, match=r"GRPOLossConfig\.kl_coef=True .*not a bool"):
-        get_policy_loss("grpo")[1](kl_coef=True)
-    assert get_policy_loss("grpo")[1](kl_coef=1).kl_coef == 1  # a plain int is still a number
+        get_policy_loss("grpo").config_cls(kl_coef=True)
+    assert get_policy_loss("grpo").config_cls(kl_coef=1).kl_coef == 1  # a plain int is still a number
 
 
 def test_misspelt_param_names_field_lists_valid_and_suggests():
     with pytest.raises(ValueError) as err:
-        build_loss_config(LossSection("grpo", {"kl_coeff": 0.05}))
+        build_policy_loss_config("grpo", {"kl_coeff": 0.05})
     msg = str(err.value)
     assert "loss.params.kl_coeff" in msg and "did you mean 'kl_coef'" in msg
-    valid = [f.name for f in dataclasses.fields(get_policy_loss("grpo")[1])]
+    valid = [f.name for f in dataclasses.fields(get_policy_loss("grpo").config_cls)]
     assert "Valid fields: " + ", ".join(valid) in msg
     assert "loss.name" not in msg  # kl_coeff is no other loss's field: no group hint
 
@@ -72,23 +73,23 @@ def test_misspelt_param_names_field_lists_valid_and_suggests():
 def test_group_hint_only_when_key_belongs_to_another_loss():
     with pytest.raises(ValueError, match=r"'gamma' is a field of the losses \['sspo'\].*"
                                          r"`loss=grpo`.*rather than setting loss.name"):
-        build_loss_config(LossSection("grpo", {"gamma": 2.2}))
+        build_policy_loss_config("grpo", {"gamma": 2.2})
     with pytest.raises(ValueError) as err:
-        build_loss_config(LossSection("grpo", {"no_such_key": 1}))
+        build_policy_loss_config("grpo", {"no_such_key": 1})
     assert "loss.name" not in str(err.value) and "did you mean" not in str(err.value)
 
 
 def test_wrong_type_names_field():
     with pytest.raises(ValueError, match=r"GRPOLossConfig\.eps_low='abc'"):
-        build_loss_config(LossSection("grpo", {"eps_low": "abc"}))
+        build_policy_loss_config("grpo", {"eps_low": "abc"})
 
 
 def test_segmentation_on_fixed_unit_loss_names_configurable_losses():
     configurable = sorted(n for n in policy_loss_names() if "segmentation" in
-                          {f.name for f in dataclasses.fields(get_policy_loss(n)[1])})
+                          {f.name for f in dataclasses.fields(get_policy_loss(n).config_cls)})
     assert "sspo" in configurable and "grpo" not in configurable
     with pytest.raises(ValueError) as err:
-        build_loss_config(LossSection("grpo", {"segmentation": "newline"}))
+        build_policy_loss_config("grpo", {"segmentation": "newline"})
     msg = str(err.value)
     assert "fixed" in msg and "'token'" in msg and str(configurable) in msg
 
@@ -96,12 +97,12 @@ def test_segmentation_on_fixed_unit_loss_names_configurable_losses():
 def test_renamed_aggregation_hint_at_config_time():
     with pytest.raises(ValueError, match=r"GRPOLossConfig\.aggregation='seq-mean-token-sum-norm'"
                                          r".*'constant-denominator'"):
-        build_loss_config(LossSection("grpo", {"aggregation": "seq-mean-token-sum-norm"}))
+        build_policy_loss_config("grpo", {"aggregation": "seq-mean-token-sum-norm"})
 
 
 def test_build_policy_loss_config_defaults_and_overrides():
     assert build_policy_loss_config("sspo", {"gamma": 2.2}).gamma == 2.2
-    assert build_policy_loss_config("grpo") == get_policy_loss("grpo")[1]()
+    assert build_policy_loss_config("grpo") == get_policy_loss("grpo").config_cls()
 
 
 def _sspo_inputs(segment_ids):
@@ -118,19 +119,18 @@ def _sspo_inputs(segment_ids):
     ([[0, -1, 1, -1], [0, 1, 1, 2]], "[-1, 2]"),    # -1 at a valid token
 ])
 def test_segment_ids_out_of_range_at_valid_tokens_raise(ids, bad):
-    fn, cls = get_policy_loss("sspo")
+    loss = make_policy_loss("sspo")
+    inputs = LossInputs(**_sspo_inputs(torch.tensor(ids)))
     with pytest.raises(ValueError, match=r"segment_ids .*" + __import__("re").escape(bad)
                                          + r".*\[0, 3\]"):
-        fn(**_sspo_inputs(torch.tensor(ids)), config=cls())
+        loss(inputs)
 
 
 def test_segment_ids_in_range_and_garbage_at_masked_positions_pass():
-    fn, cls = get_policy_loss("sspo")
-    per_token, _ = fn(**_sspo_inputs(torch.tensor([[0, 0, 3, 99], [0, 1, 1, 3]])), config=cls())
-    assert torch.isfinite(per_token).all()
+    out = make_policy_loss("sspo")(LossInputs(**_sspo_inputs(torch.tensor([[0, 0, 3, 99], [0, 1, 1, 3]]))))
+    assert torch.isfinite(out.per_token_loss).all()
     # token-level losses do not read segment_ids
-    fn, cls = get_policy_loss("grpo")
-    fn(**_sspo_inputs(torch.full((2, 4), 7)), config=cls())
+    make_policy_loss("grpo")(LossInputs(**_sspo_inputs(torch.full((2, 4), 7))))
 
 
 def test_covariance_quota_is_at_least_one_token():
@@ -149,15 +149,16 @@ def test_covariance_quota_is_at_least_one_token():
 
 
 def test_clip_cov_zeroes_the_one_selected_token_at_small_scale():
-    fn, cls = get_policy_loss("clip_cov")
     lp = torch.tensor([[-1.0, -2.0], [-1.5, -2.0]], dtype=torch.float64, requires_grad=True)
     mask = torch.ones(2, 2, dtype=torch.bool)
     # mean log p = -1.625, token advantages [1, 1, -1, -1] (mean 0): Cov = [[0.625, -0.375],
     # [-0.125, 0.375]]. Only (0, 0) lies inside the strict band (0.5, 5), and the quota
     # max(1, floor(2e-4 * 4)) = 1 takes it whatever the random draw.
-    per_token, _ = fn(lp, lp.detach(), torch.tensor([1.0, -1.0], dtype=torch.float64), mask,
-                      torch.zeros(2, 2, dtype=torch.long), torch.zeros(2, 2, dtype=torch.float64),
-                      cls(cov_min=0.5))
+    cls = get_policy_loss("clip_cov").config_cls
+    per_token = make_policy_loss("clip_cov", cls(cov_min=0.5))(LossInputs(
+        logprobs=lp, old_logprobs=lp.detach(), advantages=torch.tensor([1.0, -1.0], dtype=torch.float64),
+        response_mask=mask, segment_ids=torch.zeros(2, 2, dtype=torch.long),
+        old_entropy=torch.zeros(2, 2, dtype=torch.float64))).per_token_loss
     per_token.sum().backward()
     # on-policy: d(-r A)/d lp = -A, except the selected token (0, 0), whose loss is zeroed
     assert lp.grad.tolist() == [[0.0, -1.0], [1.0, 1.0]]

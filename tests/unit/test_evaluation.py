@@ -161,11 +161,10 @@ def test_eval_command_path_on_a_tiny_model(data_dir, tmp_path, capsys):
     assert "mean" in capsys.readouterr().out
 
 
-def test_vllm_backend_refuses_builtin_sources(data_dir):
-    cfg = load_config(overrides=["model=tiny_random", "rollout.backend=vllm", f"eval.data_dir={data_dir}",
-                                 "eval.benchmarks=[math500]"])
-    with pytest.raises(ValueError, match="built-in CPU test source"), pytest.warns(UserWarning):
-        run_eval(cfg)
+def test_vllm_backend_refuses_builtin_sources_at_load(data_dir):
+    with pytest.raises(ValueError, match="rollout.backend='vllm' loads model.source.*built-in CPU test source"):
+        load_config(overrides=["model=tiny_random", "rollout.backend=vllm", f"eval.data_dir={data_dir}",
+                               "eval.benchmarks=[math500]"], command="eval")
 
 
 def test_eval_subcommand_reports_bad_settings_with_their_key(capsys):

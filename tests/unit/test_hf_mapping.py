@@ -135,11 +135,6 @@ def test_load_rejects_untied_lm_head_for_tied_config(parallel_1):
         load_hf_into_megatron(model, state, config)
 
 
-def test_world_size_must_divide_layout(parallel_1):
-    with pytest.raises(ValueError, match=r"world_size=1 is not divisible by tp_size\*pp_size=2\*1"):
-        initialize_parallel(tp_size=2, pp_size=1, seed=0)
-
-
 def test_cpu_rng_tracker_follows_megatron_seed_rule(parallel_1):
     from megatron.core.tensor_parallel import get_cuda_rng_tracker
 

@@ -14,6 +14,8 @@ import pytest
 from nemo_sspo.cli import load_config
 from nemo_sspo.data import MATH_DATASETS, PAPER_BENCHMARKS, build_prompt_source, load_math_dataset
 from nemo_sspo.data.math_datasets import normalize_gold
+from nemo_sspo.data.tasks import MathOptions
+from nemo_sspo.trainer.config import at_key
 
 _SHARED = Path(__file__).resolve().parents[3] / "shared" / "data"
 PUBLISHED = Path(os.environ.get("NEMO_SSPO_DATA_DIR") or _SHARED)
@@ -67,8 +69,11 @@ def test_math_prompt_source_is_seeded_and_drops_empty_answers(tmp_path):
 
 def test_missing_data_dir_names_the_key_and_env(tmp_path, monkeypatch):
     monkeypatch.delenv("NEMO_SSPO_DATA_DIR", raising=False)
-    with pytest.raises(ValueError, match=r"data.options.data_dir is not set and \$NEMO_SSPO_DATA_DIR"):
+    with pytest.raises(ValueError, match=r"^data_dir is not set and \$NEMO_SSPO_DATA_DIR"):
         build_prompt_source("math", seed=0, dataset="math_train")
+    # The trainer builds its source through at_key, which puts the config key path in front.
+    with pytest.raises(ValueError, match=r"^data.options.data_dir is not set"):
+        at_key("data.options.", lambda: build_prompt_source("math", seed=0, dataset="math_train"))
     with pytest.raises(ValueError, match="math_train_l3to5.jsonl"):
         build_prompt_source("math", seed=0, dataset="math_train", data_dir=str(tmp_path))
     with pytest.raises(ValueError, match="valid: math_train, math500"):
@@ -88,6 +93,6 @@ def test_bad_line_names_file_and_line(tmp_path):
 
 def test_data_groups_select_the_math_source():
     cfg = load_config(overrides=["data=math_train", "data.options.data_dir=/data/x"])
-    assert (cfg.data.source, cfg.data.template, dict(cfg.data.options)) == (
-        "math", "qwen-math", {"dataset": "math_train", "data_dir": "/data/x"})
-    assert load_config(overrides=["data=math500"]).data.options["dataset"] == "math500"
+    assert (cfg.data.source, cfg.data.template, cfg.data.options) == (
+        "math", "qwen-math", MathOptions(dataset="math_train", data_dir="/data/x"))
+    assert load_config(overrides=["data=math500"]).data.options.dataset == "math500"

@@ -41,7 +41,8 @@ def test_word_problems_seeded():
 
 
 def test_word_problem_answers_are_right_numbers():
-    problems = build_prompt_source("word_problems", seed=0, min_steps=1, max_steps=4).sample(200)
+    problems = build_prompt_source("word_problems", seed=0, min_steps=1, max_steps=4,
+                                   operations=["buy", "give", "boxes"], pool_size=None).sample(200)
     for p in problems:
         assert int(p.answer) == _solve(p.question) >= 0, p
         steps = len(_CHANGES.findall(p.question))
@@ -74,7 +75,7 @@ def test_gold_answer_scores_one_when_boxed():
 
 
 def test_reasoning_gym_source_seeded_numeric():
-    kwargs = dict(dataset="leg_counting", min_animals=2, max_animals=2, max_instances=3)
+    kwargs = dict(dataset="leg_counting", config=dict(min_animals=2, max_animals=2, max_instances=3))
     first = build_prompt_source("reasoning_gym", seed=5, **kwargs).sample(8)
     assert build_prompt_source("reasoning_gym", seed=5, **kwargs).sample(8) == first
     assert all(int(p.answer) >= 0 and "legs" in p.question for p in first)
@@ -110,7 +111,7 @@ def test_jsonl_bad_record(tmp_path):
 def test_build_errors():
     with pytest.raises(ValueError, match="word_problems"):
         build_prompt_source("nope", seed=0)
-    with pytest.raises(ValueError, match="bad arguments"):
+    with pytest.raises(ValueError, match="bad options.*max_stepz"):
         build_prompt_source("word_problems", seed=0, max_stepz=3)
     with pytest.raises(ValueError, match="min_steps"):
         build_prompt_source("word_problems", seed=0, min_steps=3, max_steps=2)
