@@ -74,7 +74,7 @@ def group_advantages(
     Returns:
         ``(advantages [B] float32, stats)`` with ``stats["advantages/zero_variance_group_frac"]``
         the fraction of groups whose task rewards are all equal. Such groups (and every group
-        when G = 1) get advantage exactly 0, never NaN (pitfall P15).
+        when G = 1) get advantage exactly 0, never NaN (docs/pitfalls.md#p15).
 
     Raises:
         ValueError: rewards not 1-D, a non-finite reward (names the row), ``B % G != 0``,

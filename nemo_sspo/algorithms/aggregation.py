@@ -2,9 +2,9 @@
 
 Normalisation contract: the loss of an optimizer step is ``sum(numerators) / sum(denominators)``
 over every micro-batch and data-parallel rank of the step. Returning the pair, instead of a mean,
-makes the result independent of how the global batch was split (pitfall P10: micro-batches with
+makes the result independent of how the global batch was split (docs/pitfalls.md#p10: micro-batches with
 token losses [1] and [0, 0, 0] give token-mean 1/4, not (1 + 0) / 2). A zero-length response
-contributes 0 to the numerator and does not count in the denominator (P12).
+contributes 0 to the numerator and does not count in the denominator (docs/pitfalls.md#p12).
 
 Modes (L_i = valid tokens of response i, l_it = per-token loss, R = responses with L_i >= 1):
 

@@ -11,7 +11,7 @@ import torch
 
 LOG_RATIO_CLAMP = 20.0
 """|log-ratio| cap before exp in every loss and metric: exp(20) ~ 4.9e8 stays finite in float32
-and bf16, so a runaway ratio gives finite losses and gradients (pitfall P3)."""
+and bf16, so a runaway ratio gives finite losses and gradients (docs/pitfalls.md#p3)."""
 
 
 def segment_mean(
@@ -20,8 +20,8 @@ def segment_mean(
     """Mean of ``values`` over each (row, segment), broadcast back to the segment's tokens.
 
     The mean is taken per (row, segment id), never per row: packed rows holding several sequences
-    just give each sequence its own ids (pitfall P2). It is the mean, not the sum, of the values
-    (P4). Differentiable in ``values``: every token of a segment receives 1/|segment| of the
+    just give each sequence its own ids (docs/pitfalls.md#p2). It is the mean, not the sum, of the values
+    (docs/pitfalls.md#p4). Differentiable in ``values``: every token of a segment receives 1/|segment| of the
     segment's upstream gradient.
 
     Args:

@@ -9,7 +9,7 @@ sha256, and warns when a file differs from the published copy.
 
 Gold answers are kept verbatim except for one normalisation: math-mode ``$`` delimiters are
 removed (OlympiadBench stores 266 answers as ``"$2^{1009}$"`` and multi-part ones as
-``"-1$,$2$,$-2"``; Qwen2.5-Math's harness strips them too), escaped ``\$`` (currency) is kept.
+``"-1$,$2$,$-2"``; Qwen2.5-Math's harness strips them too), escaped ``\\$`` (currency) is kept.
 Numeric forms such as AMC's ``"27.0"`` or AIME's ``"025"`` need no change: the math-verify
 reward compares numerically.
 """

@@ -1,7 +1,7 @@
 """Binary math reward: the last ``\\boxed{}`` answer checked against the gold answer by math-verify.
 
 math-verify enforces its timeouts with ``signal.alarm``, which only works in a process's main
-thread (pitfall P16: from a thread, parsing raises and every answer scores 0). Scoring therefore
+thread (docs/pitfalls.md#p16: from a thread, parsing raises and every answer scores 0). Scoring therefore
 runs in a pool of worker processes; each worker disables math-verify's own alarms and bounds the
 whole check with its own float ``signal.setitimer`` deadline instead.
 """
@@ -29,7 +29,7 @@ _GRACE_S = 5.0  # parent-side slack on top of the workers' own deadlines (proces
 def extract_last_boxed(text: str) -> str | None:
     """Content of the last complete ``\\boxed{...}`` (or ``\\fbox{...}``) in ``text``, else None.
 
-    Braces are matched by depth counting, so nested groups survive (pitfall P17):
+    Braces are matched by depth counting, so nested groups survive (docs/pitfalls.md#p17):
     ``"\\boxed{\\frac{1}{2}}"`` -> ``"\\frac{1}{2}"``. An opening whose braces never close (a
     truncated response) is skipped in favour of the previous complete one.
     """

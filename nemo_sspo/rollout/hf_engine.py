@@ -48,7 +48,7 @@ def check_sampling_settings(*, max_new_tokens: int, temperature: float, top_p: f
     if temperature <= 0:
         raise ValueError(f"temperature={temperature} must be > 0 (sampling only; no greedy mode here)")
     if not 0.0 < top_p <= 1.0:
-        raise ValueError(f"top_p={top_p} must be in (0, 1]; use 1.0 for training (P14)")
+        raise ValueError(f"top_p={top_p} must be in (0, 1]; use 1.0 for training (docs/pitfalls.md#p14)")
     if top_k < 0:
         raise ValueError(f"top_k={top_k} must be >= 0 (0 disables it)")
 
@@ -87,10 +87,10 @@ class HFRolloutEngine:
         tokenizer: its tokenizer; must define ``pad_token_id`` and ``eos_token_id``.
         max_new_tokens: response length cap ``T_max`` (tokens), > 0.
         temperature: > 0; the sampling logits are ``logits / temperature``.
-        top_p: nucleus mass in (0, 1]. Keep 1.0 for training (pitfall P14): with ``top_p < 1`` the
+        top_p: nucleus mass in (0, 1]. Keep 1.0 for training (docs/pitfalls.md#p14): with ``top_p < 1`` the
             rollout log-probs are renormalised over the kept support, so the gap between rollout and
             trainer (full-vocabulary) log-probs grows and the first-step ratio is no longer 1.
-        top_k: keep the ``top_k`` most likely tokens, 0 = off; same P14 caveat as ``top_p``.
+        top_k: keep the ``top_k`` most likely tokens, 0 = off; same docs/pitfalls.md#p14 caveat as ``top_p``.
         device: where to generate (the model is moved there; e.g. the trainer's CUDA device); None
             keeps the model where it is. Returned tensors are always on the CPU.
 

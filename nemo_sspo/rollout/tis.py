@@ -49,7 +49,7 @@ def truncated_is_weights(old_logprobs: torch.Tensor, rollout_logprobs: torch.Ten
                          f"{tuple(rollout_logprobs.shape)} and mask {tuple(mask.shape)} must have one shape")
     log_ratio = (old_logprobs.detach().float() - rollout_logprobs.detach().float())
     log_cap = math.log(cap)
-    # Clamp the exponent, not the weight: exp of a large log-ratio would overflow first (P3).
+    # Clamp the exponent, not the weight: exp of a large log-ratio would overflow first (docs/pitfalls.md#p3).
     weights = torch.where(mask, torch.exp(log_ratio.clamp(max=log_cap)), torch.ones_like(log_ratio))
     count = mask.sum()
     metrics = {

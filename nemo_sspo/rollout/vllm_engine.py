@@ -72,12 +72,12 @@ def vllm_sampling_kwargs(*, max_new_tokens: int, temperature: float, top_p: floa
     Raises:
         ValueError: a setting out of range, or ``top_p < 1`` / ``top_k > 0`` without
             ``truncation_corrected`` (they sample from a renormalised subset of the vocabulary, so the
-            rollout is off-policy for the trainer: pitfall P14; names ``rollout.top_p`` and the fix).
+            rollout is off-policy for the trainer: docs/pitfalls.md#p14; names ``rollout.top_p`` and the fix).
     """
     check_sampling_settings(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k)
     if (top_p < 1.0 or top_k > 0) and not truncation_corrected:
         raise ValueError(f"rollout.top_p={top_p} / top_k={top_k} with rollout.backend=vllm samples from a truncated "
-                         "distribution the trainer does not score (P14); use rollout.top_p=1.0, or set "
+                         "distribution the trainer does not score (docs/pitfalls.md#p14); use rollout.top_p=1.0, or set "
                          "rollout.tis_cap to correct it by importance sampling")
     return dict(n=1, temperature=float(temperature), top_p=float(top_p), top_k=top_k if top_k > 0 else -1,
                 min_p=0.0, repetition_penalty=1.0, presence_penalty=0.0, frequency_penalty=0.0,

@@ -3,7 +3,7 @@
 Layouts (TP, PP, DP, gradient-accumulation steps) are checked against the single-process run
 (1, 1, 1, 1) for every aggregation mode: SSPO, GSPO, GRPO (seq-mean-token-mean), DAPO and CISPO
 (token-mean), GRPO with seq-mean-token-sum, Dr. GRPO (constant-denominator), on one fixed batch
-with unequal response lengths, a zero-length response and a fully masked micro-batch (P11, P12).
+with unequal response lengths, a zero-length response and a fully masked micro-batch (docs/pitfalls.md#p11, docs/pitfalls.md#p12).
 The single-process run itself is checked against a float64 Hugging Face model with each objective
 written out independently (Python loops over responses and segments).
 
@@ -224,7 +224,7 @@ def _float64_reference(name: str):
     for b in range(ROWS):
         cols = batch.loss_mask[b].nonzero().flatten().tolist()
         if not cols:
-            continue  # zero-length responses do not count (P12)
+            continue  # zero-length responses do not count (docs/pitfalls.md#p12)
         response_sum = sum(_unit_objective(name, cfg, seg, b, logp, old, entropy)
                            for seg in _segments(name, b, cols, batch))
         if cfg.aggregation == "seq-mean-token-mean":

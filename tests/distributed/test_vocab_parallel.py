@@ -77,7 +77,7 @@ def _check_against_reference(group, seed):
             torch.testing.assert_close(
                 shard.grad.double(), ref_grad[:, start:end], **bwd_tol, msg=where
             )
-            assert torch.equal(shard.detach(), untouched), f"input modified (P7): {where}"
+            assert torch.equal(shard.detach(), untouched), f"input modified (docs/pitfalls.md#p7): {where}"
             # Two chunks x (MAX + SUM) in forward; backward must not communicate.
             assert forward_calls == 4 and len(calls) == 4, f"all_reduce calls {calls}: {where}"
 
@@ -101,7 +101,7 @@ def _restore_all_reduce():
 
 
 def _check_finite_differences(group, seed):
-    """P8: float64 analytic gradient of g_lp.logp + g_H.H equals central differences, padding
+    """docs/pitfalls.md#p8: float64 analytic gradient of g_lp.logp + g_H.H equals central differences, padding
     columns included (their derivative must be exactly 0)."""
     tp_rank, tp_size = dist.get_rank(group), dist.get_world_size(group)
     vocab_size, padded, temperature = 7, 8, 0.7
@@ -134,7 +134,7 @@ def _check_finite_differences(group, seed):
 
 
 def _check_p6(group):
-    """P6, TP=2, V=4 split [0,1 | 2,3], all logits 0, target 3: p = 1/4 everywhere, so
+    """docs/pitfalls.md#p6, TP=2, V=4 split [0,1 | 2,3], all logits 0, target 3: p = 1/4 everywhere, so
     d(-log p_3)/dz = p - onehot = [0.25, 0.25, 0.25, 0.25 - 1 = -0.75]."""
     tp_rank = dist.get_rank(group)
     start, end = vocab_shard_range(4, tp_rank, 2)

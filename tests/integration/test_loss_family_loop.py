@@ -11,9 +11,9 @@ import math
 import pytest
 import torch
 
-from nemo_sspo.algorithms.losses import get_policy_loss, policy_loss_names
+from nemo_sspo.algorithms.losses import LossInputs, get_policy_loss, make_policy_loss, policy_loss_names
 from nemo_sspo.models import load_hf_checkpoint
-from tests.integration._loop_runs import run
+from tests.integration._loop_runs import TINY, on_policy_loss, record_updates, run
 
 TRAINER_KEYS = {
     "reward/mean", "reward/accuracy", "response/length_mean", "response/truncated_frac",
@@ -35,20 +35,23 @@ def checkpoint():
 
 def _loss_keys(name: str) -> set[str]:
     """Metric keys the loss emits (with the current-policy entropy the trainer passes)."""
-    fn, config_cls = get_policy_loss(name)
     mask = torch.ones(2, 3, dtype=torch.bool)
     lp = torch.full((2, 3), -1.0)
-    _, metrics = fn(lp, lp, torch.tensor([1.0, -1.0]), mask, torch.zeros(2, 3, dtype=torch.long),
-                    torch.ones(2, 3), config_cls(), entropy=torch.ones(2, 3))
+    metrics = make_policy_loss(name)(LossInputs(
+        logprobs=lp, old_logprobs=lp, advantages=torch.tensor([1.0, -1.0]), response_mask=mask,
+        segment_ids=torch.zeros(2, 3, dtype=torch.long), old_entropy=torch.ones(2, 3),
+        entropy=torch.ones(2, 3))).metrics
     return set(metrics) | {k[: -len("_sq")] + "_std" for k in metrics if k.endswith("_sq")}
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", policy_loss_names())
 def test_two_steps_of_every_loss(name, checkpoint, monkeypatch, tmp_path):
+    updates = []
+    record_updates(monkeypatch, updates)
     history = run(monkeypatch, tmp_path, [f"loss={name}", *OVERRIDES.get(name, [])], checkpoint=checkpoint)
     expected = TRAINER_KEYS | _loss_keys(name)
-    expected |= CRITIC_KEYS if get_policy_loss(name)[1].advantage_source == "critic" else GROUP_KEYS
+    expected |= CRITIC_KEYS if get_policy_loss(name).advantage_source == "critic" else GROUP_KEYS
     assert [r["step"] for r in history] == [1, 2]
     for record in history:
         assert expected <= set(record), sorted(expected - set(record))
@@ -56,10 +59,31 @@ def test_two_steps_of_every_loss(name, checkpoint, monkeypatch, tmp_path):
         assert record["optim/grad_norm"] > 0
         # Same weights, fp32: rollout and trainer log-probs differ by rounding only.
         assert record["rollout/trainer_logprob_gap_abs"] < 1e-3
-    step1 = history[0]
-    # The first of the two mini-batches is on-policy (ratio exactly 1), the second is not: the
-    # step's smallest token ratio is at most 1 and the largest at least 1.
-    assert step1["policy/ratio_token_min"] <= 1.0 <= step1["policy/ratio_token_max"]
+    # The first of a step's two mini-batches is on-policy: the trainer computed pi_old with the same
+    # weights and the same micro-batches, so every token log-ratio is exactly 0: every ratio is 1,
+    # both KL estimates are 0, and each token's loss is -A_i (docs/algorithms.md), which
+    # on_policy_loss reduces by hand from the mini-batch's advantages and mask.
+    assert len(updates) == 4  # 2 steps x 2 mini-batches
+    config = get_policy_loss(name).config_cls()
+    max_new_tokens = int(next(o for o in TINY if o.startswith("rollout.max_new_tokens=")).split("=")[1])
+    for batch, sums in (updates[0], updates[2]):
+        for level in ("token", "segment", "response"):
+            assert sums[f"policy/ratio_{level}_min"][0].item() == 1.0, level
+            assert sums[f"policy/ratio_{level}_max"][0].item() == 1.0, level
+        assert sums["policy/approx_kl_k1"][0].item() == 0.0 and sums["policy/approx_kl_k3"][0].item() == 0.0
+        numerator, denominator = sums["loss/policy"].double().tolist()
+        if name == "cispo":  # CISPO's value is -sg(clip(r)) A log pi (r = 1): token-mean of -A log pi_old
+            mask = batch.loss_mask
+            weighted = batch.advantages.double()[:, None] * batch.old_logprobs.double()
+            expected, count = -float(weighted[mask].sum()) / float(mask.sum()), float(mask.sum())
+        else:
+            expected, count = on_policy_loss(batch, config.aggregation, max_new_tokens)
+        assert denominator == count
+        if name != "clip_cov":  # Clip-Cov sets the loss of a seeded random pick of tokens to 0
+            assert numerator / denominator == pytest.approx(expected, rel=1e-5, abs=1e-6)
+    # The second mini-batch follows an optimizer step: some token ratio differs from 1.
+    _, second = updates[1]
+    assert second["policy/ratio_token_min"][0].item() < 1.0 or second["policy/ratio_token_max"][0].item() > 1.0
     if name == "dapo":  # loss=dapo turns on dynamic sampling: no zero-variance group is trained on
         assert all(r["advantages/zero_variance_group_frac"] == 0.0 for r in history)
     else:

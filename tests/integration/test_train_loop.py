@@ -40,8 +40,17 @@ def test_two_step_run_writes_finite_metrics(tmp_path):
         # Rollout and trainer log-probs come from the same weights (step 2: after the refit), fp32:
         # their gap is rounding only. A missed refit or a temperature mismatch shows up here.
         assert r["rollout/trainer_logprob_gap_abs"] < 1e-3
-        assert 0.0 <= r["policy/clipfrac_tokens"] <= 1.0
-        assert r["response/length_mean"] > 0
+        # The random 2-layer model never writes a \boxed{} with the right answer (math-verify
+        # scores every response 0) and never samples EOS within 24 tokens (seeded). So every group
+        # has zero reward variance, every advantage is 0, the loss and its gradient are exactly 0,
+        # Adam (no weight decay) leaves the weights where they were, and both steps are on-policy:
+        # every ratio is 1, nothing is clipped, the KL estimate is 0.
+        assert r["reward/mean"] == 0.0 and r["reward/accuracy"] == 0.0
+        assert r["response/length_mean"] == 24.0 and r["response/truncated_frac"] == 1.0
+        assert r["advantages/zero_variance_group_frac"] == 1.0
+        assert r["loss/policy"] == 0.0 and r["optim/grad_norm"] == 0.0
+        assert r["policy/ratio"] == 1.0 and r["policy/clipfrac_tokens"] == 0.0
+        assert r["policy/approx_kl_k3"] == 0.0
     assert (out / "reward_entropy.png").stat().st_size > 0
     assert (out / "hf_checkpoint" / "config.json").is_file()
     assert any(p.name.startswith("events.out.tfevents") for p in (out / "tensorboard").iterdir())

@@ -47,7 +47,7 @@ def test_matches_statistics_pstdev_reference():
 
 
 def test_p15_all_rewards_zero():
-    # P15: every response truncated, all rewards 0 -> advantages exactly 0, no NaN, fraction 1.
+    # docs/pitfalls.md#p15: every response truncated, all rewards 0 -> advantages exactly 0, no NaN, fraction 1.
     adv, stats = group_advantages(torch.zeros(8), 4)
     assert adv.tolist() == [0.0] * 8
     assert stats[ZERO_VAR] == 1.0

@@ -30,13 +30,13 @@ def test_modes_tuple():
     ("constant-denominator", 0.75),     # (2/4 + 4/4) / 2 responses (Dr. GRPO, L_max = 4)
 ])
 def test_p13_mode_values(mode, expected):
-    # P13: lengths [2, 4], every token loss 1, L_max = 4.
+    # docs/pitfalls.md#p13: lengths [2, 4], every token loss 1, L_max = 4.
     mask = _lengths_mask([2, 4], 4)
     assert _value(torch.ones(2, 4), mask, mode, max_response_length=4) == expected
 
 
 def test_p10_token_mean_over_micro_batches():
-    # P10: micro-batch 1 has one token of loss 1, micro-batch 2 three tokens of loss 0:
+    # docs/pitfalls.md#p10: micro-batch 1 has one token of loss 1, micro-batch 2 three tokens of loss 0:
     # global token mean (1 + 0) / (1 + 3) = 0.25, not the mean of micro-batch means 0.5.
     num1, den1 = aggregate(torch.tensor([[1.0]]), torch.ones(1, 1, dtype=torch.bool), "token-mean")
     num2, den2 = aggregate(torch.zeros(1, 3), torch.ones(1, 3, dtype=torch.bool), "token-mean")
@@ -45,7 +45,7 @@ def test_p10_token_mean_over_micro_batches():
 
 @pytest.mark.parametrize("mode", AGGREGATION_MODES)
 def test_split_invariance(mode):
-    # Same 4 responses reduced whole or split [1 | 3] and [2 | 2] give one value (P10, P11).
+    # Same 4 responses reduced whole or split [1 | 3] and [2 | 2] give one value (docs/pitfalls.md#p10, docs/pitfalls.md#p11).
     gen = torch.Generator().manual_seed(5)
     loss = torch.rand(4, 5, generator=gen, dtype=torch.float64)
     mask = _lengths_mask([5, 1, 0, 3], 5)

@@ -1,4 +1,4 @@
-"""Math reward: boxed-answer extraction (P17) and math-verify scoring in worker processes (P16)."""
+"""Math reward: boxed-answer extraction (docs/pitfalls.md#p17) and math-verify scoring in worker processes (docs/pitfalls.md#p16)."""
 
 import signal
 import time

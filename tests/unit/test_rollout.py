@@ -84,7 +84,7 @@ def test_rollout_logprobs_match_forward(engine, batch):
 
 def test_top_p_logprobs_renormalised_p14(tiny):
     # With top_p < 1 the kept support is renormalised, so each rollout log-prob is >= the
-    # full-vocabulary one (P14: probs [.5, .3, .2], top_p .8 -> log .625 > log .5).
+    # full-vocabulary one (docs/pitfalls.md#p14: probs [.5, .3, .2], top_p .8 -> log .625 > log .5).
     config, state_dict, tokenizer = tiny
     nucleus = HFRolloutEngine(build_hf_model(config, state_dict), tokenizer, max_new_tokens=6,
                               temperature=1.0, top_p=0.5)

@@ -27,14 +27,14 @@ def test_boundary_table_covers_vocab_and_merged_tokens(qwen_tokenizer, qwen_boun
     assert qwen_boundary.shape == (qwen_tokenizer.get_vocab_size(),)
     newline_id = qwen_tokenizer.encode("\n", add_special_tokens=False).ids
     assert len(newline_id) == 1 and bool(qwen_boundary[newline_id[0]])
-    # BPE merges: many more ids than the single "\n" token contain a newline (P18).
+    # BPE merges: many more ids than the single "\n" token contain a newline (docs/pitfalls.md#p18).
     assert int(qwen_boundary.sum()) > 100
     step_id = qwen_tokenizer.encode("Step", add_special_tokens=False).ids[0]
     assert not bool(qwen_boundary[step_id])
 
 
 def test_qwen_period_double_newline_closes_segment(qwen_tokenizer, qwen_boundary):
-    # P18: "Step 1.\n\nStep 2." -> Step | ' ' | 1 | '.\n\n' (id 382) || Step | ' ' | 2 | '.'
+    # docs/pitfalls.md#p18: "Step 1.\n\nStep 2." -> Step | ' ' | 1 | '.\n\n' (id 382) || Step | ' ' | 2 | '.'
     ids, seg = _segments_of_text(qwen_tokenizer, qwen_boundary, "Step 1.\n\nStep 2.")
     pieces = [qwen_tokenizer.decode([i]) for i in ids]
     assert pieces == ["Step", " ", "1", ".\n\n", "Step", " ", "2", "."]

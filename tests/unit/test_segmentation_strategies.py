@@ -58,7 +58,7 @@ def test_qwen_newline_vs_double_newline(qwen_tokenizer, qwen_tables):
     assert seg == [0, 0, 1, 1, 2]
     _, seg = _segments(qwen_tokenizer, qwen_tables, "a\nb\n\nc", "double_newline")
     assert seg == [0, 0, 0, 0, 1]
-    # P18 under double_newline: '.\n\n' (id 382) closes "Step 1.\n\n".
+    # docs/pitfalls.md#p18 under double_newline: '.\n\n' (id 382) closes "Step 1.\n\n".
     pieces, seg = _segments(qwen_tokenizer, qwen_tables, "Step 1.\n\nStep 2.", "double_newline")
     assert pieces == ["Step", " ", "1", ".\n\n", "Step", " ", "2", "."]
     assert seg == [0, 0, 0, 0, 1, 1, 1, 1]

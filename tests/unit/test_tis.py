@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from nemo_sspo.algorithms.losses import get_policy_loss
+from nemo_sspo.algorithms.losses import GRPOLossConfig, make_policy_loss
 from nemo_sspo.megatron.step import LossSpec, PolicyBatch, _policy_loss_func
 from nemo_sspo.rollout import truncated_is_weights
 
@@ -28,7 +28,9 @@ def test_weights_are_constants_and_never_overflow():
     rollout = torch.tensor([[-1000.0, -1.0]])  # ratio e^1000 overflows float32 unless clamped first
     weights, metrics = truncated_is_weights(old, rollout, torch.ones(1, 2, dtype=torch.bool), 2.0)
     assert weights.tolist() == [[2.0, 1.0]] and not weights.requires_grad
-    assert all(math.isfinite(v) for pair in metrics.values() for v in pair.tolist())
+    # Ratios [e^1000 (capped at 2), e^0 = 1]: mean weight (2 + 1) / 2 = 1.5, clipped 1 of 2 tokens.
+    assert metrics["rollout/tis_weight_mean"].tolist() == [3.0, 2.0]
+    assert metrics["rollout/tis_clipped_frac"].tolist() == [1.0, 2.0]
 
 
 @pytest.mark.parametrize("cap, shape, match", [(0.5, (1, 2), "tis_cap"), (2.0, (1, 3), "one shape")])
@@ -48,9 +50,8 @@ def _batch(tis_weights):
 
 
 def test_policy_loss_is_weighted_per_token():
-    loss_fn, config_cls = get_policy_loss("grpo")
-    spec = LossSpec(loss_fn=loss_fn, loss_config=config_cls(aggregation="token-mean"), tp_group=None, vocab_start=0, vocab_size=5,
-                    temperature=1.0, max_response_length=3)
+    spec = LossSpec(loss=make_policy_loss("grpo", GRPOLossConfig(aggregation="token-mean")), tp_group=None,
+                    vocab_start=0, vocab_size=5, temperature=1.0, max_response_length=3)
     logits = torch.zeros(1, 4, 5)  # uniform: log-prob -log 5 = old log-prob, ratio 1, GRPO token loss -A = -1
     plain, count, _ = _policy_loss_func(_batch(None), spec, logits)
     weighted, count_w, _ = _policy_loss_func(_batch(torch.tensor([[2.0, 0.5, 1.0, 1.0]])), spec, logits)

@@ -73,11 +73,11 @@ def test_dtypes_temperature_padding_and_gradients_vs_float64(dtype):
     assert leaf.grad.dtype == dtype
     torch.testing.assert_close(leaf.grad.double(), ref_leaf.grad, rtol=rtol, atol=1e-6)
     assert torch.all(leaf.grad[:, 13:] == 0)
-    assert torch.equal(leaf.detach(), untouched)  # P7: input never modified
+    assert torch.equal(leaf.detach(), untouched)  # docs/pitfalls.md#p7: input never modified
 
 
 def test_p7_input_unchanged_and_entropy_after_logprobs_from_same_tensor():
-    # P7: an in-place max subtraction would corrupt the caller's tensor; a second call on the
+    # docs/pitfalls.md#p7: an in-place max subtraction would corrupt the caller's tensor; a second call on the
     # same tensor and a clone-based reference must both still agree.
     logits, targets = _random(n=4, v=32, seed=3)
     leaf = logits.clone().requires_grad_(True)
