@@ -18,7 +18,7 @@ from tests.integration._loop_runs import TINY, on_policy_loss, record_updates, r
 TRAINER_KEYS = {
     "reward/mean", "reward/accuracy", "response/length_mean", "response/truncated_frac",
     "rollout/sampling_rounds", "rollout/kept_group_frac", "rollout/trainer_logprob_gap_abs",
-    "loss/policy", "policy/approx_kl", "optim/grad_norm", "timing/generation_s", "timing/train_s",
+    "loss/policy", "policy/approx_kl_k3", "optim/grad_norm", "timing/generation_s", "timing/train_s",
     "timing/refit_s",
 }
 GROUP_KEYS = {"advantages/zero_variance_group_frac"}
