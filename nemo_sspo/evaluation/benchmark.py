@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from nemo_sspo.data import PAPER_BENCHMARKS, MathRecord, load_math_dataset, render_prompt
-from nemo_sspo.evaluation.engines import EvalEngine, TransformersEvalEngine
+from nemo_sspo.evaluation.engines import EvalEngine, TransformersEvalEngine, VLLMEvalEngine
 from nemo_sspo.rewards import MathVerifyReward
 
 __all__ = ["as_eval_engine", "evaluate", "metric_key", "MEAN_KEY"]
@@ -34,9 +34,11 @@ def metric_key(benchmark: str) -> str:
 def as_eval_engine(model_or_engine: Any, tokenizer, batch_size: int = 8) -> EvalEngine:
     """An :class:`EvalEngine` for an engine, a transformers model, or an object holding one.
 
-    Accepts anything with ``generate_greedy`` (returned as is), a transformers
-    ``PreTrainedModel`` (wrapped in :class:`TransformersEvalEngine`), or an object whose ``.model``
-    is one (e.g. the trainer's ``HFRolloutEngine``, evaluated with its current, refitted weights).
+    Accepts anything with ``generate_greedy`` (returned as is), a rollout engine holding a vLLM
+    ``LLM`` as ``.llm`` (the trainer's ``VLLMRolloutEngine``: wrapped in :class:`VLLMEvalEngine`), a
+    transformers ``PreTrainedModel`` (wrapped in :class:`TransformersEvalEngine`), or an object whose
+    ``.model`` is one (e.g. the trainer's ``HFRolloutEngine``). Rollout engines are evaluated with
+    their current, refitted weights.
 
     Raises:
         ValueError: none of these.
@@ -45,6 +47,8 @@ def as_eval_engine(model_or_engine: Any, tokenizer, batch_size: int = 8) -> Eval
 
     if hasattr(model_or_engine, "generate_greedy"):
         return model_or_engine
+    if hasattr(model_or_engine, "llm"):
+        return VLLMEvalEngine(model_or_engine.llm)
     model = getattr(model_or_engine, "model", model_or_engine)
     if isinstance(model, PreTrainedModel):
         return TransformersEvalEngine(model, tokenizer, batch_size=batch_size)

@@ -28,50 +28,12 @@ from typing import Any, Callable
 
 import torch
 
-from nemo_sspo.algorithms import aggregate
+from nemo_sspo.algorithms.batch import PolicyBatch
+from nemo_sspo.algorithms.losses import LossInputs, policy_loss_sums
 from nemo_sspo.megatron.model import forward_logits
 from nemo_sspo.parallel import vocab_parallel_logprobs_entropy
 
 __all__ = ["PolicyBatch", "LossSpec", "make_forward_step", "model_device", "split_micro_batches", "to_device"]
-
-
-@dataclass
-class PolicyBatch:
-    """One micro-batch (or a whole batch) of packed rollouts.
-
-    Attributes:
-        input_ids: [B, S] int64, prompt then response tokens, right-padded.
-        position_ids: [B, S] int64, 0..S-1 (right padding keeps valid positions causal-correct).
-        targets: [B, S] int64, ``input_ids`` shifted left by one (last column padding).
-        loss_mask: [B, S] bool, True where ``targets`` is a response token.
-        segment_ids: [B, S] int64, index of the target token's segment within its response under
-            the loss config's ``segmentation`` (newline by default), -1 where ``loss_mask`` is False.
-        old_logprobs: [B, S] float32, log pi_old of the target tokens (0 outside the mask).
-        old_entropy: [B, S] float32, entropy of pi_old at each position, nats (0 outside the mask).
-        advantages: [B] float32, one advantage per response.
-        ref_logprobs: [B, S] float32, log pi_ref of the target tokens under the frozen reference
-            policy (0 outside the mask), or None when the loss has no reference-KL term
-            (``kl_coef == 0``).
-        tis_weights: [B, S] float32 truncated importance-sampling weights
-            (``nemo_sspo.rollout.tis``; 1 outside the mask) multiplying each token's loss, or None
-            (``rollout.tis_cap`` unset).
-    """
-
-    input_ids: torch.Tensor
-    position_ids: torch.Tensor
-    targets: torch.Tensor
-    loss_mask: torch.Tensor
-    segment_ids: torch.Tensor
-    old_logprobs: torch.Tensor
-    old_entropy: torch.Tensor
-    advantages: torch.Tensor
-    ref_logprobs: torch.Tensor | None = None
-    tis_weights: torch.Tensor | None = None
-
-    def select(self, rows: slice) -> "PolicyBatch":
-        """Rows ``rows`` of every tensor field, as a new batch (views, no copy; None stays None)."""
-        return PolicyBatch(**{f.name: None if getattr(self, f.name) is None else getattr(self, f.name)[rows]
-                              for f in fields(self)})
 
 
 def split_micro_batches(batch, micro_batch_size: int) -> list:
@@ -110,8 +72,8 @@ class LossSpec:
     """What ``loss_func`` needs besides the micro-batch.
 
     Attributes:
-        loss_fn: a registered policy loss (``nemo_sspo.algorithms.losses``).
-        loss_config: that loss's config dataclass instance (its ``aggregation`` picks the mode).
+        loss: the bound policy loss (``nemo_sspo.algorithms.losses.make_policy_loss``); its
+            config's ``aggregation`` picks the reduction.
         tp_group: tensor-parallel process group of the vocab shard (None for a single process).
         vocab_start: first global token id of this rank's logits shard.
         vocab_size: true vocabulary size (ids at or above it are Megatron's padding rows).
@@ -119,8 +81,7 @@ class LossSpec:
         max_response_length: L_max for the constant-denominator (Dr. GRPO) aggregation.
     """
 
-    loss_fn: Callable[..., Any]
-    loss_config: Any
+    loss: Any
     tp_group: Any
     vocab_start: int
     vocab_size: int
@@ -146,32 +107,14 @@ def _token_stats(logits: torch.Tensor, batch: PolicyBatch, spec: LossSpec):
 
 def _policy_loss_func(batch: PolicyBatch, spec: LossSpec, logits: torch.Tensor):
     logprobs, entropy = _token_stats(logits, batch, spec)
-    per_token, metrics = spec.loss_fn(
-        logprobs,
-        batch.old_logprobs,
-        batch.advantages,
-        batch.loss_mask,
-        batch.segment_ids,
-        batch.old_entropy,
-        spec.loss_config,
-        ref_logprobs=batch.ref_logprobs,
-        entropy=entropy,
+    inputs = LossInputs(
+        logprobs=logprobs, old_logprobs=batch.old_logprobs, advantages=batch.advantages,
+        response_mask=batch.loss_mask, segment_ids=batch.segment_ids,
+        old_entropy=batch.old_entropy, ref_logprobs=batch.ref_logprobs, entropy=entropy,
+        token_weights=batch.tis_weights,
     )
-    if batch.tis_weights is not None:
-        per_token = per_token * batch.tis_weights
-    numerator, denominator = aggregate(
-        per_token,
-        batch.loss_mask,
-        spec.loss_config.aggregation,
-        max_response_length=spec.max_response_length,
-    )
-    metrics = {k: v.detach() for k, v in metrics.items()}
-    metrics["loss/policy"] = torch.stack([numerator.detach(), denominator.to(numerator.dtype)])
-    # KL(pi_old || pi_theta) per token, Schulman's k3 estimator r - 1 - log r: 0 on the first,
-    # on-policy mini-batch, growing with each off-policy update.
-    log_ratio = (logprobs.detach() - batch.old_logprobs)[batch.loss_mask]
-    approx_kl = torch.expm1(log_ratio) - log_ratio
-    metrics["policy/approx_kl"] = torch.stack([approx_kl.sum(), approx_kl.new_tensor(float(approx_kl.numel()))])
+    numerator, denominator, metrics = policy_loss_sums(
+        spec.loss, inputs, max_response_length=spec.max_response_length)
     return numerator, denominator.to(torch.int), metrics
 
 

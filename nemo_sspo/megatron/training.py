@@ -20,7 +20,8 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.utils import get_model_config
 
 from nemo_sspo.megatron.cpu_shims import cpu_device_context
-from nemo_sspo.megatron.step import LossSpec, PolicyBatch, make_forward_step, split_micro_batches
+from nemo_sspo.algorithms.batch import PolicyBatch
+from nemo_sspo.megatron.step import LossSpec, make_forward_step, split_micro_batches
 from nemo_sspo.parallel.metrics import merge_metric_sums
 
 __all__ = [

@@ -1,8 +1,8 @@
 """Rollout generation with vLLM (the GPU engine), with weight refit from the trainer.
 
 Same interface as :class:`nemo_sspo.rollout.HFRolloutEngine`: ``generate(prompts, *, seed) ->
-RolloutBatch`` (with the engine's log-prob of each sampled token) and ``load_weights(hf_state_dict)``;
-plus ``generate_greedy`` for the in-loop evaluation. ``vllm`` is imported only when an engine is
+RolloutBatch`` (with the engine's log-prob of each sampled token) and ``load_weights(hf_state_dict)``.
+The in-loop evaluation wraps the engine's ``llm`` itself (``nemo_sspo.evaluation.as_eval_engine``). ``vllm`` is imported only when an engine is
 built; without it a ``ValueError`` names the package and ``rollout.backend``.
 
 vLLM's documented offline API only:
@@ -192,9 +192,3 @@ class VLLMRolloutEngine:
     def load_weights(self, hf_state_dict: dict[str, torch.Tensor]) -> None:
         """Refit: loads ``hf_state_dict`` (HF names, as ``export_hf_state_dict`` returns) into vLLM's model."""
         self.llm.apply_model(partial(_load_weights_into, list(hf_state_dict.items())))
-
-    def generate_greedy(self, prompts: Sequence[str], max_new_tokens: int) -> list[str]:
-        """Greedy responses with the current weights (the in-loop evaluation's engine interface)."""
-        from nemo_sspo.evaluation import VLLMEvalEngine
-
-        return VLLMEvalEngine(self.llm).generate_greedy(prompts, max_new_tokens)

@@ -34,7 +34,7 @@ from nemo_sspo.algorithms.losses.metrics import pair
 from nemo_sspo.megatron import build_policy_model, forward_logits, load_hf_into_megatron
 from nemo_sspo.megatron.step import model_device, split_micro_batches, to_device
 from nemo_sspo.megatron.training import accumulate_gradients, apply_optimizer_step, run_schedule
-from nemo_sspo.trainer.batch import pack_tokens
+from nemo_sspo.algorithms.batch import pack_tokens
 
 __all__ = [
     "Critic",

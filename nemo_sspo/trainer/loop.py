@@ -67,7 +67,7 @@ from nemo_sspo.models.hf_checkpoint import resolve_model_dir
 from nemo_sspo.parallel.metrics import merge_metric_sums, reduce_metric_sums
 from nemo_sspo.rewards import MathVerifyReward
 from nemo_sspo.rollout import HFRolloutEngine, VLLMRolloutEngine, truncated_is_weights
-from nemo_sspo.trainer.batch import pack_rollouts
+from nemo_sspo.algorithms.batch import pack_rollouts
 from nemo_sspo.trainer.checkpoint import (
     CHECKPOINTS_DIR,
     TrainerState,

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from nemo_sspo.algorithms import select_nonzero_variance_groups
-from nemo_sspo.trainer.batch import response_to_target_frame
+from nemo_sspo.algorithms.batch import response_to_target_frame
 from nemo_sspo.trainer.sampling import Rollout
 
 __all__ = ["pair", "rollout_logprobs", "rollout_metric_sums"]

@@ -31,9 +31,9 @@ from nemo_sspo.algorithms.losses import (
     GSPOLossConfig,
     KLCovLossConfig,
     SSPOLossConfig,
-    get_policy_loss,
+    make_policy_loss,
 )
-from nemo_sspo.trainer.batch import pack_rollouts
+from nemo_sspo.algorithms.batch import pack_rollouts
 
 # HF names of parameters that TP ranks hold whole copies of (a norm counted per rank would
 # count them tp times); lm_head.weight is the embedding itself in this tied model.
@@ -160,7 +160,7 @@ def _run_layouts(rank, world_size):
         local_noise = noise[groups.dp_rank * rows : (groups.dp_rank + 1) * rows]
         vocab_start, vocab_size = vocab_shard(model)
         for name, (registered, loss_config) in {**MICRO_BATCH_LOCAL, **LOSSES}.items():
-            spec = LossSpec(loss_fn=get_policy_loss(registered)[0], loss_config=loss_config,
+            spec = LossSpec(loss=make_policy_loss(registered, loss_config),
                             tp_group=groups.tp_group if tp > 1 else None, vocab_start=vocab_start,
                             vocab_size=vocab_size, temperature=TEMPERATURE,
                             max_response_length=MAX_RESPONSE_LENGTH)

@@ -13,9 +13,11 @@ whose critic and critic optimizer are checkpointed too.
 import json
 
 import pytest
+import torch
 
 from nemo_sspo.models import load_hf_checkpoint
 from nemo_sspo.trainer import checkpoint
+from nemo_sspo.algorithms.batch import response_to_target_frame
 from nemo_sspo.trainer.checkpoint import STATE_FILE, resolve_resume
 from tests.integration._loop_runs import run
 
@@ -31,6 +33,23 @@ def _stub_benchmark(folder):
     rows = [{"id": str(i), "problem": f"What is {i} + 1?", "answer": str(i + 1), "source": "stub"} for i in range(3)]
     (folder / "math500.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     return folder
+
+
+def _record_tis_inputs(store):
+    """Appends (old log-probs, engine log-probs, mask), [B, S] in the target frame, for every step."""
+    def capture(trainer):
+        inner = trainer.prepare_batch
+
+        def wrapped(rollout):
+            batch, sums = inner(rollout)
+            rb = rollout.batch
+            engine = response_to_target_frame(rb.rollout_logprobs, rb.prompt_mask, batch.loss_mask.shape[1])
+            store.append((batch.old_logprobs.clone(), engine, batch.loss_mask.clone()))
+            return batch, sums
+
+        trainer.prepare_batch = wrapped
+
+    return capture
 
 
 def _records(path):
@@ -52,17 +71,25 @@ def test_resume_matches_uninterrupted_run_and_failed_save_keeps_latest(monkeypat
         "rollout.tis_cap=1.0", "eval.every_n_steps=2", "eval.benchmarks=[math500]", "eval.limit_per_benchmark=2",
         "eval.max_new_tokens=8", f"eval.data_dir={_stub_benchmark(tmp_path / 'data')}",
     ]
-    straight = run(monkeypatch, out, overrides, checkpoint=tiny)
+    tis_inputs = []
+    straight = run(monkeypatch, out, overrides, checkpoint=tiny, capture=_record_tis_inputs(tis_inputs))
     ckpts = out / "checkpoints"
     assert (ckpts / "latest").read_text() == "step_000004"
     assert sorted(p.name for p in ckpts.glob("step_*")) == ["step_000002", "step_000004"]
 
     # TIS and evaluation were active in the run being compared.
-    assert all(r["rollout/tis_weight_mean"] <= 1.0 for r in straight)  # cap 1: weights never exceed it
+    # TIS weight per token min(pi_old / pi_rollout, 1) from the logged log-probs, averaged by hand.
+    for (old, engine, mask), record in zip(tis_inputs, straight, strict=True):
+        weights = torch.exp(old.double() - engine.double()).clamp(max=1.0)[mask]
+        assert record["rollout/tis_weight_mean"] == pytest.approx(float(weights.mean()), rel=1e-6)
+        assert record["rollout/tis_clipped_frac"] == pytest.approx(float((old > engine)[mask].float().mean()))
     assert any(r["rollout/tis_clipped_frac"] > 0 for r in straight)  # HF and Megatron log-probs differ by rounding
-    assert [r["step"] for r in straight if "eval/mean" in r] == [2, 4]
+    evaluated = [r for r in straight if "eval/mean" in r]
+    assert [r["step"] for r in evaluated] == [2, 4]
+    # best/ holds the first step with the highest eval/mean (a tie keeps the earlier step).
+    top = max(r["eval/mean"] for r in evaluated)
     best = json.loads((out / "best" / "best.json").read_text())
-    assert best["step"] == 2 and best["eval/mean"] == straight[1]["eval/mean"]
+    assert best["step"] == next(r["step"] for r in evaluated if r["eval/mean"] == top) and best["eval/mean"] == top
     assert (out / "best" / "model.safetensors").is_file()
 
     monkeypatch.setattr(checkpoint, "_publish", _killed_publish)

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from nemo_sspo.models import load_hf_checkpoint
-from nemo_sspo.trainer.batch import response_to_target_frame
+from nemo_sspo.algorithms.batch import response_to_target_frame
 from tests.integration._loop_runs import run
 
 
@@ -15,9 +15,24 @@ def checkpoint():
     return load_hf_checkpoint("tiny-random-llama")
 
 
+def _initial_policy_logprobs(checkpoint, batch, temperature):
+    """log pi_init of ``batch.targets`` with a transformers model holding the initial weights ([B, S])."""
+    from transformers import AutoModelForCausalLM
+
+    hf_config, state_dict, _ = checkpoint
+    model = AutoModelForCausalLM.from_config(hf_config).float()
+    model.load_state_dict(state_dict, strict=False)
+    model.eval()
+    with torch.no_grad():  # right padding: valid positions never attend to it under the causal mask
+        logits = model(input_ids=batch.input_ids, position_ids=batch.position_ids).logits.float()
+    logprobs = torch.log_softmax(logits / temperature, dim=-1)
+    return logprobs.gather(-1, batch.targets.unsqueeze(-1)).squeeze(-1)
+
+
 def _record_batches(store, flags):
     def capture(trainer):
         flags["has_reference"] = trainer.ref_model is not None
+        flags["temperature"] = trainer.cfg.rollout.temperature
         inner = trainer.prepare_batch
 
         def wrapped(rollout):
@@ -49,9 +64,14 @@ def test_reference_logprobs_and_kl(checkpoint, monkeypatch, tmp_path):
     step1, step2 = history
     assert step1["policy/kl_ref"] == pytest.approx(0.0, abs=1e-7)
     assert step2["policy/kl_ref"] > 1e-6  # the policy moved away from the frozen reference
-    # Step 2's old log-probs come from the updated policy, its reference ones from the initial one.
+    # Step 2's reference log-probs are the initial policy's: recomputed here with transformers from
+    # the initial weights on step 2's tokens (logits / temperature, full-vocabulary log-softmax).
+    # Its old log-probs come from the updated policy and differ by far more than that tolerance.
     (_, batch2) = seen[1]
-    assert not torch.equal(batch2.ref_logprobs, batch2.old_logprobs)
+    mask2 = batch2.loss_mask
+    initial = _initial_policy_logprobs(checkpoint, batch2, flags["temperature"])
+    assert (initial - batch2.ref_logprobs)[mask2].abs().max() < 1e-4
+    assert (batch2.old_logprobs - batch2.ref_logprobs)[mask2].abs().max() > 1e-2
 
 
 def test_no_reference_model_without_kl(checkpoint, monkeypatch, tmp_path):

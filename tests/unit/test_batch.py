@@ -2,7 +2,7 @@
 
 import torch
 
-from nemo_sspo.trainer.batch import pack_rollouts
+from nemo_sspo.algorithms.batch import pack_rollouts
 
 PAD = 0
 

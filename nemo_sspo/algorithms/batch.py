@@ -1,0 +1,139 @@
+"""The trainer's batch type and the conversions from rollout (response) frame to target frame.
+
+Plain torch, no process groups: the bottom layer, so that ``megatron/`` (which runs the batch
+through Megatron's schedules) and ``trainer/`` (which builds it from rollouts) both import it from
+below. All tensors of a :class:`PolicyBatch` are in the *target frame*: position ``j`` holds the
+prediction of token ``j + 1`` of ``input_ids`` (Megatron returns logits at every position).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import torch
+
+__all__ = ["PolicyBatch", "pack_rollouts", "pack_tokens", "response_to_target_frame"]
+
+
+@dataclass
+class PolicyBatch:
+    """One micro-batch (or a whole batch) of packed rollouts.
+
+    Attributes:
+        input_ids: [B, S] int64, prompt then response tokens, right-padded.
+        position_ids: [B, S] int64, 0..S-1 (right padding keeps valid positions causal-correct).
+        targets: [B, S] int64, ``input_ids`` shifted left by one (last column padding).
+        loss_mask: [B, S] bool, True where ``targets`` is a response token.
+        segment_ids: [B, S] int64, index of the target token's segment within its response under
+            the loss config's ``segmentation`` (newline by default), -1 where ``loss_mask`` is False.
+        old_logprobs: [B, S] float32, log pi_old of the target tokens (0 outside the mask).
+        old_entropy: [B, S] float32, entropy of pi_old at each position, nats (0 outside the mask).
+        advantages: [B] float32, one advantage per response.
+        ref_logprobs: [B, S] float32, log pi_ref of the target tokens under the frozen reference
+            policy (0 outside the mask), or None when the loss has no reference-KL term
+            (``kl_coef == 0``).
+        tis_weights: [B, S] float32 truncated importance-sampling weights
+            (``nemo_sspo.rollout.tis``; 1 outside the mask) multiplying each token's loss, or None
+            (``rollout.tis_cap`` unset).
+    """
+
+    input_ids: torch.Tensor
+    position_ids: torch.Tensor
+    targets: torch.Tensor
+    loss_mask: torch.Tensor
+    segment_ids: torch.Tensor
+    old_logprobs: torch.Tensor
+    old_entropy: torch.Tensor
+    advantages: torch.Tensor
+    ref_logprobs: torch.Tensor | None = None
+    tis_weights: torch.Tensor | None = None
+
+    def select(self, rows: slice) -> "PolicyBatch":
+        """Rows ``rows`` of every tensor field, as a new batch (views, no copy; None stays None)."""
+        return PolicyBatch(**{f.name: None if getattr(self, f.name) is None else getattr(self, f.name)[rows]
+                              for f in fields(self)})
+
+
+def _row_offsets(prompt_mask: torch.Tensor) -> torch.Tensor:
+    """Target-frame column of each row's first response token: prompt length - 1. [B] int64."""
+    return prompt_mask.sum(dim=1) - 1
+
+
+def response_to_target_frame(values: torch.Tensor, prompt_mask: torch.Tensor, seq_len: int, fill=0):
+    """Places response-frame values [B, T] at their target-frame columns of a [B, seq_len] tensor.
+
+    Response token ``t`` of row ``b`` is predicted at target column ``P_b - 1 + t`` where ``P_b`` is
+    the row's unpadded prompt length. Positions without a response token get ``fill``.
+    """
+    rows, resp_len = values.shape
+    out = torch.full((rows, seq_len), fill, dtype=values.dtype)
+    cols = _row_offsets(prompt_mask)[:, None] + torch.arange(resp_len)[None, :]
+    keep = cols < seq_len
+    row_idx = torch.arange(rows)[:, None].expand_as(cols)
+    out[row_idx[keep], cols[keep]] = values[keep]
+    return out
+
+
+def pack_tokens(parts: list[tuple[torch.Tensor, torch.Tensor]], *, pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Concatenates, row by row, the valid tokens of several ``(ids [B, L_k] int64, mask [B, L_k] bool)``
+    parts (any padding side) and right-pads the rows with ``pad_id``.
+
+    Returns:
+        ``(input_ids [B, S] int64, lengths [B] int64)`` with ``S = max(lengths)``; row ``b`` holds its
+        ``lengths[b]`` valid tokens at positions ``0 .. lengths[b] - 1``.
+    """
+    counts = torch.stack([mask.sum(dim=1) for _, mask in parts], dim=1)  # [B, K]
+    lengths = counts.sum(dim=1)
+    input_ids = torch.full((counts.shape[0], int(lengths.max())), pad_id, dtype=torch.long)
+    for b in range(counts.shape[0]):
+        input_ids[b, : int(lengths[b])] = torch.cat([ids[b][mask[b]] for ids, mask in parts])
+    return input_ids, lengths
+
+
+def pack_rollouts(
+    prompt_ids: torch.Tensor,
+    prompt_mask: torch.Tensor,
+    response_ids: torch.Tensor,
+    response_mask: torch.Tensor,
+    segment_ids: torch.Tensor,
+    advantages: torch.Tensor,
+    *,
+    pad_id: int,
+) -> PolicyBatch:
+    """Builds a :class:`PolicyBatch` (old log-probs/entropy zero, filled in later).
+
+    Args:
+        prompt_ids: [B, P] int64, LEFT-padded prompts; prompt_mask: [B, P] bool.
+        response_ids: [B, T] int64, RIGHT-padded responses; response_mask: [B, T] bool.
+        segment_ids: [B, T] int64 segment ids of the loss's segmentation in the response frame
+            (-1 at padding).
+        advantages: [B] float32.
+        pad_id: token id written at padding positions.
+
+    Each row becomes ``prompt tokens + response tokens`` right-padded to ``S = max(P_b + T_b)``,
+    so positions ``0..S-1`` are the true positions of every valid token.
+
+    Raises:
+        ValueError: leading dimensions disagree.
+    """
+    rows = prompt_ids.shape[0]
+    for name, t in (("prompt_mask", prompt_mask), ("response_ids", response_ids),
+                    ("response_mask", response_mask), ("segment_ids", segment_ids),
+                    ("advantages", advantages)):
+        if t.shape[0] != rows:
+            raise ValueError(f"{name} has {t.shape[0]} rows, prompt_ids has {rows}")
+    input_ids, _ = pack_tokens([(prompt_ids, prompt_mask), (response_ids, response_mask)], pad_id=pad_id)
+    seq_len = input_ids.shape[1]
+    targets = torch.cat([input_ids[:, 1:], torch.full((rows, 1), pad_id, dtype=torch.long)], dim=1)
+    loss_mask = response_to_target_frame(response_mask, prompt_mask, seq_len, fill=False)
+    zeros = torch.zeros(rows, seq_len, dtype=torch.float32)
+    return PolicyBatch(
+        input_ids=input_ids,
+        position_ids=torch.arange(seq_len).expand(rows, seq_len).contiguous(),
+        targets=targets,
+        loss_mask=loss_mask,
+        segment_ids=response_to_target_frame(segment_ids, prompt_mask, seq_len, fill=-1),
+        old_logprobs=zeros,
+        old_entropy=zeros.clone(),
+        advantages=advantages.to(torch.float32),
+    )
