@@ -30,7 +30,6 @@ from nemo_sspo.algorithms.losses import SSPOLossConfig, get_policy_loss, policy_
 from nemo_sspo.data import MATH_DATASETS, PAPER_BENCHMARKS, SOURCE_OPTIONS, TEMPLATES
 from nemo_sspo.data.tasks import WordProblemOptions
 from nemo_sspo.megatron.model import check_model_options
-from nemo_sspo.models import SOURCES
 
 __all__ = [
     "ModelConfig",
@@ -389,9 +388,12 @@ def _validate_model_rollout_eval(cfg: TrainConfig) -> None:
     at_key("model.", lambda: check_model_options(precision=m.precision, fp8=m.fp8, fp8_recipe=m.fp8_recipe,
                                              transformer_impl=m.transformer_impl))
     _require(cfg.rollout.backend in ("hf", "vllm"), f"rollout.backend={cfg.rollout.backend!r} is unknown; valid: hf, vllm")
-    _require(cfg.rollout.backend != "vllm" or m.source not in SOURCES,
-             f"rollout.backend='vllm' loads model.source itself and needs a model directory or hub id; "
-             f"{m.source!r} is a built-in CPU test source (use rollout.backend=hf)")
+    if cfg.rollout.backend == "vllm":
+        from nemo_sspo.models import SOURCES  # imports transformers (seconds): only when it matters
+
+        _require(m.source not in SOURCES,
+                 f"rollout.backend='vllm' loads model.source itself and needs a model directory or hub id; "
+                 f"{m.source!r} is a built-in CPU test source (use rollout.backend=hf)")
     _require(vl.tensor_parallel_size >= 1, "rollout.vllm.tensor_parallel_size must be >= 1")
     _require(0 < vl.gpu_memory_utilization <= 1, "rollout.vllm.gpu_memory_utilization must be in (0, 1]")
     unknown = [name for name in ev.benchmarks if name not in MATH_DATASETS]
