@@ -3,7 +3,6 @@ clearly (warning + metrics) when the round limit is hit, and keeps the same grou
 one process; overlong reward shaping (tiny random Llama, stub rewards)."""
 
 import logging
-import math
 
 import pytest
 import torch
@@ -11,7 +10,8 @@ import torch
 from nemo_sspo.megatron import destroy_parallel
 from nemo_sspo.models import load_hf_checkpoint
 from nemo_sspo.trainer.sampling import generation_seed
-from tests.integration._loop_runs import OddAnswerReward, ZeroReward, make_trainer, run
+from tests.integration._loop_runs import (OddAnswerReward, ZeroReward, make_trainer, on_policy_loss,
+                                         record_updates, run)
 
 DYNAMIC = ["loss=dapo", "rollout.prompts_per_step=4", "trainer.minibatches_per_step=1",
            "rollout.max_sampling_rounds=6"]
@@ -38,7 +38,8 @@ def _record_rollouts(store):
 
 def test_batch_never_holds_a_zero_variance_group_when_enough_exist(checkpoint, monkeypatch, tmp_path):
     # Problems with an even answer score 0 for every response; the sampler must replace them.
-    rollouts = []
+    rollouts, updates = [], []
+    record_updates(monkeypatch, updates)
     history = run(monkeypatch, tmp_path, DYNAMIC, checkpoint=checkpoint, reward=OddAnswerReward,
                   capture=_record_rollouts(rollouts))
     refilled = 0
@@ -49,7 +50,9 @@ def test_batch_never_holds_a_zero_variance_group_when_enough_exist(checkpoint, m
         # kept / generated: every generated group with variance is kept, the others were refilled
         assert record["rollout/kept_group_frac"] == pytest.approx(4 / rollout.generated_groups)
         refilled += rollout.generated_groups - 4
-        assert math.isfinite(record["loss/policy"])
+    # One update per step, on-policy: every token's loss is -A_i, token-mean (DAPO) by hand.
+    for (batch, _), record in zip(updates, history, strict=True):
+        assert record["loss/policy"] == pytest.approx(on_policy_loss(batch, "token-mean", 8)[0], rel=1e-5, abs=1e-6)
     assert refilled > 0  # the stream did hold even answers: the refill path ran
     assert max(r["rollout/sampling_rounds"] for r in history) > 1
 
@@ -67,7 +70,9 @@ def test_round_limit_warns_and_trains_on_the_full_batch(checkpoint, monkeypatch,
         assert rollout.generated_groups == 8  # 4 slots x 2 rounds
         assert record["rollout/sampling_rounds"] == 2.0 and record["rollout/kept_group_frac"] == 0.0
         assert record["advantages/zero_variance_group_frac"] == 1.0
-        assert all(math.isfinite(v) for v in record.values())
+        # Every advantage is 0: loss and gradient exactly 0, and the one update per step is on-policy.
+        assert record["loss/policy"] == 0.0 and record["optim/grad_norm"] == 0.0
+        assert record["policy/ratio"] == 1.0
 
 
 def test_overlong_shaping_penalises_responses_at_the_cap(checkpoint, monkeypatch, tmp_path):

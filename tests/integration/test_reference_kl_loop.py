@@ -48,7 +48,7 @@ def _record_batches(store, flags):
 def test_reference_logprobs_and_kl(checkpoint, monkeypatch, tmp_path):
     seen, flags = [], {}
     # One update per step, so step 1's only update sees policy == reference.
-    history = run(monkeypatch, tmp_path, ["loss=grpo", "+loss.params.kl_coef=0.1", "optim.lr=1e-2",
+    history = run(monkeypatch, tmp_path, ["loss=grpo", "loss.params.kl_coef=0.1", "optim.lr=1e-2",
                                           "trainer.minibatches_per_step=1"],
                   checkpoint=checkpoint, capture=_record_batches(seen, flags))
     assert flags["has_reference"]
