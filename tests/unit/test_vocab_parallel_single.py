@@ -123,7 +123,7 @@ def test_single_output_gradients():
 
 
 def test_no_megatron_global_state_and_no_communication(monkeypatch):
-    # STYLE 3: the function must never read Megatron's global parallel state.
+    # Distributed functions take their group explicitly: never Megatron's global parallel state.
     import megatron.core.parallel_state as parallel_state
 
     def forbidden(*args, **kwargs):
