@@ -20,6 +20,7 @@ from nemo_sspo.megatron import (
     transformer_config_from_hf,
 )
 from nemo_sspo.megatron import model as model_module
+from nemo_sspo.cli import load_config
 from nemo_sspo.megatron.hf_mapping import expected_hf_keys
 from nemo_sspo.models import build_hf_model, load_hf_checkpoint
 
@@ -115,15 +116,27 @@ def test_sliding_window_is_refused():
 @pytest.mark.parametrize(
     "kwargs, fragment",
     [
-        (dict(precision="fp16"), "model.precision='fp16'"),
-        (dict(precision="bf16", fp8="e5m2"), "model.fp8='e5m2'"),
-        (dict(precision="fp32", fp8="hybrid"), "needs model.precision='bf16'"),
-        (dict(precision="bf16", fp8="hybrid", fp8_recipe="fancy"), "model.fp8_recipe='fancy'"),
+        (dict(precision="fp16"), "^precision='fp16' is unknown; valid: fp32, bf16"),
+        (dict(precision="bf16", fp8="e5m2"), "^fp8='e5m2' is unknown"),
+        (dict(precision="fp32", fp8="hybrid"), "^fp8='hybrid' needs precision='bf16'"),
+        (dict(precision="bf16", fp8="hybrid", fp8_recipe="fancy"), "^fp8_recipe='fancy' is unknown"),
     ],
 )
-def test_precision_settings_are_checked_with_their_key(kwargs, fragment):
+def test_precision_settings_are_checked_with_their_argument(kwargs, fragment):
+    # The model layer names its own arguments; the config layer adds the key path (next test).
     with pytest.raises(ValueError, match=fragment):
         transformer_config_from_hf(_qwen2_config(), tp_size=1, pp_size=1, **kwargs)
+
+
+@pytest.mark.parametrize(
+    "override, fragment",
+    [("model.precision=fp16", "model.precision='fp16' is unknown"),
+     ("model.fp8=hybrid", "model.fp8='hybrid' needs precision='bf16'"),
+     ("model.transformer_impl=te", "model.transformer_impl='te' is unknown")],
+)
+def test_precision_settings_fail_at_load_with_their_key(override, fragment):
+    with pytest.raises(ValueError, match=fragment):
+        load_config(overrides=[override])
 
 
 def test_bf16_fp8_reach_the_transformer_config():
@@ -159,5 +172,5 @@ def test_layer_impl_by_environment(monkeypatch):
         resolve("auto", fp8="e4m3")
     with pytest.raises(ValueError, match=r"model.transformer_impl='transformer_engine' needs the package"):
         resolve("transformer_engine")
-    with pytest.raises(ValueError, match="model.transformer_impl='te'"):
-        resolve("te")
+    with pytest.raises(ValueError, match="^transformer_impl='te' is unknown"):
+        model_module.check_model_options(precision="fp32", fp8=None, fp8_recipe="delayed", transformer_impl="te")
