@@ -326,7 +326,7 @@ def _run_tp(tp, args):
 
 def _loss_costs(args):
     """Wall-clock ms of policy-loss fwd+bwd for SSPO and GRPO on the same [B, T] inputs."""
-    from nemo_sspo.algorithms.losses.registry import get_policy_loss
+    from nemo_sspo.algorithms.losses import LossInputs, make_policy_loss
 
     gen = torch.Generator().manual_seed(4)
     batch = 8
@@ -339,14 +339,15 @@ def _loss_costs(args):
     old_entropy = torch.rand(batch, length, generator=gen)
     costs = {}
     for name in ("grpo", "sspo"):
-        fn, config_cls = get_policy_loss(name)
-        config = config_cls()
+        loss_fn = make_policy_loss(name)  # the config class's defaults
         best = float("inf")
         for _ in range(5):
             logprobs = logprobs_base.clone().requires_grad_(True)
             start = time.perf_counter()
-            loss, _ = fn(logprobs, old_logprobs, advantages, mask, segment_ids, old_entropy, config)
-            loss.sum().backward()
+            # Building the inputs is timed too: it holds the shape checks the old call ran inside.
+            inputs = LossInputs(logprobs=logprobs, old_logprobs=old_logprobs, advantages=advantages,
+                                response_mask=mask, segment_ids=segment_ids, old_entropy=old_entropy)
+            loss_fn(inputs).per_token_loss.sum().backward()
             best = min(best, time.perf_counter() - start)
         costs[name] = 1e3 * best
     return costs

@@ -4,12 +4,14 @@
 
 Two responses of one prompt; response 0 has two line-break segments, response 1 one. The old
 policy's log-probs are perturbed so the ratios differ from 1 and the entropy-adaptive clip acts.
+``compute_policy_loss`` applies the loss's own aggregation (SSPO: each response weighs the same;
+DAPO: each token), so switching the name switches the reduction too.
 """
 
 import torch
 
-from nemo_sspo.algorithms import aggregate, build_boundary_table, get_policy_loss, group_advantages, newline_segment_ids
-from nemo_sspo.parallel import reduce_metric_sums
+from nemo_sspo import LossInputs, compute_policy_loss
+from nemo_sspo.algorithms import build_boundary_table, group_advantages, newline_segment_ids
 
 
 class _ToyTokenizer:
@@ -35,19 +37,15 @@ def main() -> None:
     old_logprobs = torch.tensor([[-1.5, -1.2, -0.9, -1.0, -1.1], [-0.8, -1.0, -1.3, 0.0, 0.0]])
     old_entropy = torch.full((2, 5), 0.6)
 
-    loss_fn, config_cls = get_policy_loss("sspo")
-    per_token, metrics = loss_fn(logprobs, old_logprobs, advantages, response_mask, segments, old_entropy,
-                                 config_cls())
-    numerator, denominator = aggregate(per_token, response_mask, "seq-mean-token-mean")
-    loss = numerator / denominator
+    inputs = LossInputs(logprobs=logprobs, old_logprobs=old_logprobs, advantages=advantages,
+                        response_mask=response_mask, segment_ids=segments, old_entropy=old_entropy)
+    loss, metrics = compute_policy_loss("sspo", inputs)  # the paper's 1.5B bounds; e.g. gamma=2.2
     loss.backward()
     print("segment ids:\n", segments)
     print("advantages:", advantages.tolist())
     print(f"loss = {loss.item():.4f}")
     print("d loss / d logprobs:\n", logprobs.grad)
-    # One process: no groups; the same call the trainer makes (handles _min/_max pairs, adds _std).
-    summary = reduce_metric_sums(metrics, dp_group=None, pp_group=None, last_stage_rank=0, is_last_stage=True)
-    print({k: round(v, 4) for k, v in summary.items()})
+    print({k: round(v, 4) for k, v in metrics.items() if k.startswith(("loss/", "policy/clipfrac_"))})
 
 
 if __name__ == "__main__":

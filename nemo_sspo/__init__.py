@@ -14,4 +14,7 @@ Shape letters used in every docstring:
 - ``G``: responses per prompt (group size).
 """
 
+from nemo_sspo.algorithms.losses import LossInputs, compute_policy_loss
+
+__all__ = ["LossInputs", "compute_policy_loss"]
 __version__ = "0.1.0"

@@ -1,8 +1,11 @@
 """Pieces every host adapter shares: host imports, per-response advantages, segment ids from
-token ids, and the loss config of a registered loss.
+token ids, the bound loss of a registered name, the old-entropy source, and the one per-micro-batch
+path (:func:`host_loss_sums`, i.e. ``nemo_sspo.algorithms.losses.policy_loss_sums``).
 
-No loss maths lives here: the adapters call the registered losses of
-``nemo_sspo.algorithms.losses`` and the reductions of ``nemo_sspo.algorithms.aggregation``.
+No loss maths lives here. Old-policy entropy, in every adapter: ``old_entropy_source="batch"``
+reads the host batch's :data:`PREV_ENTROPY_KEY`, a tensor aligned exactly like that host's
+``prev_logprobs`` (the same shape and columns); ``"current"`` uses the detached entropy of the
+logits being trained, equal to the old policy's only on the first optimizer step after a rollout.
 """
 
 from __future__ import annotations
@@ -15,12 +18,25 @@ from typing import Any
 
 import torch
 
-from nemo_sspo.algorithms.losses import build_policy_loss_config, get_policy_loss
+from nemo_sspo.algorithms.losses import (
+    LossInputs,
+    build_policy_loss_config,
+    get_policy_loss,
+    make_policy_loss,
+    policy_loss_sums,
+)
+from nemo_sspo.algorithms.losses.metrics import metric_kind
+from nemo_sspo.algorithms.losses.registry import BoundPolicyLoss
 from nemo_sspo.algorithms.segmentation import (
     TABLE_FREE_SEGMENTATIONS,
     SegmentTables,
     segment_ids,
 )
+
+PREV_ENTROPY_KEY = "prev_entropy"
+"""Host batch key: old-policy token entropy (nats), aligned exactly like the host's
+``prev_logprobs`` (module docstring)."""
+OLD_ENTROPY_SOURCES = ("batch", "current")
 
 # Relative tolerance of the "one advantage per response" check (float32 broadcasts are exact, so
 # any real spread is a token-level advantage such as GAE, orders of magnitude above this).
@@ -108,13 +124,13 @@ def last_token_advantages(advantages: torch.Tensor, response_mask: torch.Tensor)
     return torch.where(response_mask & is_last, values, zero).sum(dim=1)
 
 
-def response_segment_ids(config: Any, response_ids: torch.Tensor, response_mask: torch.Tensor,
-                         tables: SegmentTables | None) -> torch.Tensor:
+def response_segment_ids(loss: BoundPolicyLoss, response_ids: torch.Tensor,
+                         response_mask: torch.Tensor, tables: SegmentTables | None) -> torch.Tensor:
     """Segment ids ``[B, T]`` int64 (-1 masked) of the loss's ratio unit, from token ids.
 
     Args:
-        config: a registered loss's config; its ``segmentation`` (and ``segment_k`` for
-            ``"fixed_k"``) pick the strategy (``nemo_sspo.algorithms.segmentation``).
+        loss: a bound loss; its ``requirements.segmentation`` (and ``segment_k``) pick the
+            strategy (``nemo_sspo.algorithms.segmentation``).
         response_ids: ``[B, T]`` int64 token ids aligned with ``response_mask``.
         response_mask: ``[B, T]`` bool.
         tables: ``build_segment_tables(tokenizer)`` of the tokenizer that produced the ids; read by
@@ -124,21 +140,20 @@ def response_segment_ids(config: Any, response_ids: torch.Tensor, response_mask:
     Raises:
         ValueError: the strategy needs tables and none were given, or the strategy's own checks.
     """
-    strategy = config.segmentation
-    if strategy not in TABLE_FREE_SEGMENTATIONS and tables is None:
+    needs = loss.requirements
+    if needs.segmentation not in TABLE_FREE_SEGMENTATIONS and tables is None:
         raise ValueError(
-            f"{type(config).__name__} uses segmentation {strategy!r}, which reads token texts: "
-            "pass tables=nemo_sspo.algorithms.segmentation.build_segment_tables(tokenizer)"
+            f"loss {loss.name!r} uses segmentation {needs.segmentation!r}, which reads token "
+            "texts: pass tables=nemo_sspo.algorithms.segmentation.build_segment_tables(tokenizer)"
         )
     if tables is not None:
         tables = tables.padded(int(response_ids.max()) + 1 if response_ids.numel() else 0)
         tables = SegmentTables(**{f.name: getattr(tables, f.name).to(response_ids.device)
                                   for f in fields(tables)})
-    k = getattr(config, "segment_k", None) if strategy == "fixed_k" else None
-    return segment_ids(strategy, response_ids, response_mask, tables, k=k)
+    return segment_ids(needs.segmentation, response_ids, response_mask, tables, k=needs.segment_k)
 
 
-def check_host_config(config: Any, *, host: str, kl_hint: str, entropy_hint: str,
+def check_host_config(loss: BoundPolicyLoss, *, host: str, kl_hint: str, entropy_hint: str,
                       max_response_length: int | None = None, check_length: bool = True,
                       tables: SegmentTables | None = None, check_tables: bool = True) -> None:
     """Reject, at adapter construction, a loss config the host adapter cannot run.
@@ -150,7 +165,7 @@ def check_host_config(config: Any, *, host: str, kl_hint: str, entropy_hint: str
     ``tables``.
 
     Args:
-        config: the loss's config instance.
+        loss: the bound loss.
         host: the host's name, for the messages.
         kl_hint / entropy_hint: where the host's own KL / entropy settings are (or why none apply).
         max_response_length, check_length: L_max given to the adapter; check it when True.
@@ -159,11 +174,12 @@ def check_host_config(config: Any, *, host: str, kl_hint: str, entropy_hint: str
     Raises:
         ValueError: naming the config field, the host and the fix.
     """
+    config, needs = loss.config, loss.requirements
     name = type(config).__name__
-    if config.kl_coef > 0:
+    if needs.reference_policy:
         raise ValueError(f"{name}.kl_coef={config.kl_coef}: the {host} adapter passes no reference "
                          f"log-probs to the loss, so set kl_coef=0 here. {kl_hint}")
-    if config.entropy_coef > 0:
+    if needs.current_entropy:
         raise ValueError(f"{name}.entropy_coef={config.entropy_coef}: the {host} adapter passes no "
                          f"current-policy entropy to the loss, so set entropy_coef=0 here. "
                          f"{entropy_hint}")
@@ -172,14 +188,14 @@ def check_host_config(config: Any, *, host: str, kl_hint: str, entropy_hint: str
         raise ValueError(f"{name}.aggregation='constant-denominator' divides by L_max: pass "
                          f"max_response_length= (the generation length cap, an int >= 1) to the "
                          f"{host} adapter, got {max_response_length!r}")
-    if check_tables and config.segmentation not in TABLE_FREE_SEGMENTATIONS and tables is None:
-        raise ValueError(f"{name} uses segmentation {config.segmentation!r}, which reads token "
+    if check_tables and needs.segmentation not in TABLE_FREE_SEGMENTATIONS and tables is None:
+        raise ValueError(f"{name} uses segmentation {needs.segmentation!r}, which reads token "
                          f"texts: pass tables=nemo_sspo.algorithms.segmentation."
                          f"build_segment_tables(tokenizer) to the {host} adapter")
 
 
-def build_loss_config(loss_name: str, loss_config: Any | None) -> tuple[Any, Any]:
-    """``(loss_fn, config)`` of a registered loss.
+def bind_loss(loss_name: str, loss_config: Any | None) -> BoundPolicyLoss:
+    """The registered loss ``loss_name`` bound to its config.
 
     ``loss_config`` may be the loss's config instance, a mapping of its fields (validated by
     :func:`config_from_args`), or None for the class defaults.
@@ -188,15 +204,78 @@ def build_loss_config(loss_name: str, loss_config: Any | None) -> tuple[Any, Any
         ValueError: unknown loss name (lists the registered ones), a config of another class, or
             the errors of :func:`config_from_args`.
     """
-    loss_fn, config_cls = get_policy_loss(loss_name)
-    if loss_config is None:
-        return loss_fn, config_cls()
+    config_cls = get_policy_loss(loss_name).config_cls
     if isinstance(loss_config, Mapping):
-        return loss_fn, config_from_args(loss_name, dict(loss_config))
-    if not isinstance(loss_config, config_cls):
+        loss_config = config_from_args(loss_name, dict(loss_config))
+    elif loss_config is not None and not isinstance(loss_config, config_cls):
         raise ValueError(f"loss {loss_name!r} takes a {config_cls.__name__} or a mapping of its "
                          f"fields, got {type(loss_config).__name__}")
-    return loss_fn, loss_config
+    return make_policy_loss(loss_name, loss_config)
+
+
+def check_old_entropy_source(source: str, batch_keys, required_keys: tuple[str, ...],
+                             host: str) -> None:
+    """``source`` is one of :data:`OLD_ENTROPY_SOURCES` and the batch has what it needs (when the
+    batch is known).
+
+    Raises:
+        ValueError: naming the bad source or the missing keys and the fix.
+    """
+    if source not in OLD_ENTROPY_SOURCES:
+        raise ValueError(f"old_entropy_source={source!r}; valid: {OLD_ENTROPY_SOURCES}")
+    if batch_keys is None:
+        return
+    needed = required_keys + ((PREV_ENTROPY_KEY,) if source == "batch" else ())
+    missing = [key for key in needed if key not in batch_keys]
+    if missing:
+        raise ValueError(f"batch lacks {missing}; the {host} batch needs {list(required_keys)}; "
+                         f"add {PREV_ENTROPY_KEY!r} (aligned like prev_logprobs) in the log-prob "
+                         "pass, or pass old_entropy_source='current'")
+
+
+def old_entropy(source: str, batch, current: torch.Tensor | None) -> torch.Tensor:
+    """The old-policy entropy of :data:`OLD_ENTROPY_SOURCES` ``source``, aligned like the batch's
+    ``prev_logprobs``.
+
+    Raises:
+        ValueError: "current" without logits, a missing stored entropy, or one shaped unlike
+            prev_logprobs.
+    """
+    if source == "current":
+        if current is None:
+            raise ValueError("old_entropy_source='current' needs the logits path; the host passed "
+                             f"log-probs only: provide batch[{PREV_ENTROPY_KEY!r}]")
+        return current
+    if PREV_ENTROPY_KEY not in batch:
+        raise ValueError(f"the batch has no {PREV_ENTROPY_KEY!r} (old-policy entropy, aligned like "
+                         "prev_logprobs): add it in the log-prob pass, or pass "
+                         "old_entropy_source='current'")
+    stored, reference = batch[PREV_ENTROPY_KEY], batch["prev_logprobs"]
+    if stored.shape != reference.shape:
+        raise ValueError(f"batch[{PREV_ENTROPY_KEY!r}] has shape {tuple(stored.shape)} but "
+                         f"prev_logprobs has {tuple(reference.shape)}; store it aligned exactly "
+                         "like prev_logprobs")
+    return stored
+
+
+def host_loss_sums(loss: BoundPolicyLoss, *, logprobs: torch.Tensor, old_logprobs: torch.Tensor,
+                   advantages: torch.Tensor, response_mask: torch.Tensor,
+                   response_ids: torch.Tensor, old_entropy: torch.Tensor,
+                   tables: SegmentTables | None, max_response_length: int | None):
+    """One micro-batch of a host: segment ids from the token ids, then
+    :func:`nemo_sspo.algorithms.losses.policy_loss_sums` (all tensors ``[B, T]`` in the host's
+    response frame, advantages ``[B]``).
+
+    Returns:
+        ``(numerator, denominator, metrics)`` of ``policy_loss_sums``.
+    """
+    inputs = LossInputs(
+        logprobs=logprobs, old_logprobs=old_logprobs.to(logprobs.dtype), advantages=advantages,
+        response_mask=response_mask,
+        segment_ids=response_segment_ids(loss, response_ids, response_mask, tables),
+        old_entropy=old_entropy.to(logprobs.dtype),
+    )
+    return policy_loss_sums(loss, inputs, max_response_length=max_response_length)
 
 
 def config_from_args(loss_name: str, args: Mapping[str, Any]) -> Any:
@@ -279,8 +358,6 @@ def metric_pairs(metrics: dict[str, torch.Tensor]) -> dict[str, float]:
     ``_min`` / ``_max`` metrics are left out: they do not combine by summation, which is how
     NeMo-RL accumulates loss metrics over micro-batches.
     """
-    from nemo_sspo.parallel.metrics import metric_kind
-
     keys = sorted(k for k in metrics if metric_kind(k) == "sum")
     if not keys:
         return {}

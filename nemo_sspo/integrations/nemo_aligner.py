@@ -37,25 +37,23 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from nemo_sspo.algorithms.aggregation import aggregate
 from nemo_sspo.algorithms.segmentation import SegmentTables
 from nemo_sspo.integrations._common import (
-    build_loss_config,
+    PREV_ENTROPY_KEY,
+    bind_loss,
     check_host_config,
+    check_old_entropy_source,
+    host_loss_sums,
     last_token_advantages,
+    old_entropy,
     per_response_advantages,
-    response_segment_ids,
     shifted_logprobs_entropy,
 )
 from nemo_sspo.parallel.metrics import reduce_metric_sums
 
 __all__ = ["PREV_ENTROPY_KEY", "logprobs_and_entropy", "make_actor_loss_func"]
 
-PREV_ENTROPY_KEY = "prev_entropy"
-"""Batch key ``[B, S - 1]`` float: old-policy token entropy (nats), aligned as ``prev_logprobs``."""
-
 _REQUIRED_KEYS = ("response_tokens", "mask", "advantages", "prev_logprobs")
-_OLD_ENTROPY_SOURCES = ("batch", "current")
 _ADVANTAGE_LAYOUTS = {"tokens": per_response_advantages, "last_token": last_token_advantages}
 
 
@@ -150,19 +148,10 @@ def make_actor_loss_func(
         raise ValueError(f"advantage_layout={advantage_layout!r}; valid: "
                          f"{list(_ADVANTAGE_LAYOUTS)}")
     to_response_advantages = _ADVANTAGE_LAYOUTS[advantage_layout]
-    if old_entropy_source not in _OLD_ENTROPY_SOURCES:
-        raise ValueError(f"old_entropy_source={old_entropy_source!r}; valid: "
-                         f"{_OLD_ENTROPY_SOURCES}")
-    needed = _REQUIRED_KEYS + ((PREV_ENTROPY_KEY,) if old_entropy_source == "batch" else ())
-    missing = [key for key in needed if key not in batch]
-    if missing:
-        raise ValueError(f"batch lacks {missing}; NeMo-Aligner's actor batch has response_tokens, "
-                         f"mask, advantages, prev_logprobs, is_end; add {PREV_ENTROPY_KEY!r} with "
-                         "logprobs_and_entropy() in the log-prob pass, or pass "
-                         "old_entropy_source='current'")
-    loss_fn, config = build_loss_config(loss_name, loss_config)
+    check_old_entropy_source(old_entropy_source, batch, _REQUIRED_KEYS, "NeMo-Aligner actor")
+    loss = bind_loss(loss_name, loss_config)
     check_host_config(
-        config, host="NeMo-Aligner", max_response_length=max_response_length, tables=tables,
+        loss, host="NeMo-Aligner", max_response_length=max_response_length, tables=tables,
         kl_hint="NeMo-Aligner's KL penalty (ppo.initial_policy_kl_penalty) is folded into "
                 "per-token rewards, which these per-response losses cannot read either: a "
                 "reference-KL penalty is not supported with this adapter.",
@@ -177,21 +166,13 @@ def make_actor_loss_func(
         logprobs, entropy = shifted_logprobs_entropy(
             parallel_logits, tokens, mask, tp_group=tp_group, tp_rank=_tp_rank(tp_group),
             vocab_size=vocab_size, temperature=temperature)
-        if old_entropy_source == "batch":
-            entropy = batch[PREV_ENTROPY_KEY]
-        per_token, metrics = loss_fn(
-            logprobs,
-            batch["prev_logprobs"].to(logprobs.dtype),
-            to_response_advantages(batch["advantages"], mask),
-            mask,
-            response_segment_ids(config, tokens[:, 1:], mask, tables),
-            entropy.to(logprobs.dtype),
-            config,
-        )
-        numerator, denominator = aggregate(per_token, mask, config.aggregation,
-                                           max_response_length=max_response_length)
-        loss = torch.where(denominator > 0, numerator / denominator.clamp(min=1), numerator * 0)
-        return loss, _reduced_metrics(loss, metrics, dp_group)
+        numerator, denominator, metrics = host_loss_sums(
+            loss, logprobs=logprobs, old_logprobs=batch["prev_logprobs"],
+            advantages=to_response_advantages(batch["advantages"], mask), response_mask=mask,
+            response_ids=tokens[:, 1:], old_entropy=old_entropy(old_entropy_source, batch, entropy),
+            tables=tables, max_response_length=max_response_length)
+        value = torch.where(denominator > 0, numerator / denominator.clamp(min=1), numerator * 0)
+        return value, _reduced_metrics(value, metrics, dp_group)
 
     return loss_func
 

@@ -20,9 +20,10 @@ exactly as the host calls it, never inside NeMo-RL itself. Two generations of th
 Batch (``data``, a ``BatchedDataDict``; NeMo-RL aligns token columns with ``input_ids`` and the
 loss reads ``[:, 1:]``): ``input_ids`` [B, S] int64, ``token_mask`` [B, S] (1 at generated
 tokens), ``sample_mask`` [B], ``advantages`` [B, S] (the response's advantage at its tokens),
-``prev_logprobs`` [B, S] (old policy), and :data:`PREV_ENTROPY_KEY` [B, S] (old-policy token
-entropy; NeMo-RL does not produce it: add it in the worker's log-prob pass with
-:func:`token_logprobs_and_entropy`, or pass ``old_entropy_source="current"``).
+``prev_logprobs`` [B, S] (old policy), and :data:`PREV_ENTROPY_KEY` (old-policy token entropy,
+aligned exactly like ``prev_logprobs``, so [B, S] here; NeMo-RL does not produce it: add it in
+the worker's log-prob pass with :func:`token_logprobs_and_entropy`, or pass
+``old_entropy_source="current"``).
 
 Normalisation follows ``ClippedPGLossFn``: the returned loss is this micro-batch's numerator
 divided by the host's global count, ``global_valid_toks`` for "token-mean" (``loss_type`` =
@@ -40,25 +41,21 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from nemo_sspo.algorithms.aggregation import aggregate
-from nemo_sspo.algorithms.segmentation import SegmentTables
-from nemo_sspo.algorithms.segmentation import build_segment_tables
+from nemo_sspo.algorithms.segmentation import SegmentTables, build_segment_tables
 from nemo_sspo.integrations._common import (
-    build_loss_config,
+    PREV_ENTROPY_KEY,
+    bind_loss,
     check_host_config,
+    check_old_entropy_source,
+    host_loss_sums,
     metric_pairs,
+    old_entropy,
     per_response_advantages,
-    response_segment_ids,
     shifted_logprobs_entropy,
 )
 
 __all__ = ["PREV_ENTROPY_KEY", "NeMoRLPolicyLoss", "token_logprobs_and_entropy"]
 
-PREV_ENTROPY_KEY = "prev_entropy"
-"""Batch column ``[B, S]`` float: old-policy entropy of the distribution that produced each token
-(column 0 unused), aligned like NeMo-RL's ``prev_logprobs``."""
-
-_OLD_ENTROPY_SOURCES = ("data", "current")
 _CONFIG_KEYS = ("loss_name", "config", "old_entropy_source", "vocab_size", "max_response_length")
 _INSTALL_HINT = (
     "Install NeMo-RL from its repository (https://github.com/NVIDIA-NeMo/RL, `uv sync` in a "
@@ -135,7 +132,7 @@ class NeMoRLPolicyLoss:
             texts (SSPO's "newline"); segment ids come from ``input_ids``.
         vocab_size: true vocabulary size; None counts every logits column as a token (NeMo-RL's
             own behaviour, which includes Megatron's padding rows).
-        old_entropy_source: "data" reads :data:`PREV_ENTROPY_KEY`; "current" uses the detached
+        old_entropy_source: "batch" reads :data:`PREV_ENTROPY_KEY`; "current" uses the detached
             entropy of the logits being trained, equal to the old policy's only on the first
             optimizer step after each rollout (one step per rollout batch keeps it exact); only
             on the logits path.
@@ -151,15 +148,14 @@ class NeMoRLPolicyLoss:
 
     def __init__(self, loss_name: str = "sspo", loss_config: Any | None = None, *,
                  tables: SegmentTables | None = None, vocab_size: int | None = None,
-                 old_entropy_source: str = "data", max_response_length: int | None = None,
+                 old_entropy_source: str = "batch", max_response_length: int | None = None,
                  chunk_size: int = 2048):
         loss_type, input_type = _host_enums()
-        self._loss_fn, self.loss_config = build_loss_config(loss_name, loss_config)
-        if old_entropy_source not in _OLD_ENTROPY_SOURCES:
-            raise ValueError(f"old_entropy_source={old_entropy_source!r}; valid: "
-                             f"{_OLD_ENTROPY_SOURCES}")
+        self.loss = bind_loss(loss_name, loss_config)
+        self.loss_config = self.loss.config
+        check_old_entropy_source(old_entropy_source, None, (), "NeMo-RL")
         check_host_config(
-            self.loss_config, host="NeMo-RL", max_response_length=max_response_length,
+            self.loss, host="NeMo-RL", max_response_length=max_response_length,
             tables=tables,
             kl_hint="NeMo-RL's own reference-KL penalty (loss_fn.reference_policy_kl_penalty) "
                     "lives in ClippedPGLossFn, which this adapter replaces: a reference-KL "
@@ -245,18 +241,15 @@ class NeMoRLPolicyLoss:
         logprobs, current_entropy = self._logprobs(next_token_logits, next_token_logprobs,
                                                    input_ids, mask, vocab_parallel_rank,
                                                    vocab_parallel_group)
-        old_entropy = self._old_entropy(data, current_entropy)
-        per_token, metrics = self._loss_fn(
-            logprobs,
-            data["prev_logprobs"][:, 1:].to(logprobs.dtype),
-            per_response_advantages(data["advantages"][:, 1:], mask),
-            mask,
-            response_segment_ids(self.loss_config, input_ids[:, 1:], mask, self.tables),
-            old_entropy.to(logprobs.dtype),
-            self.loss_config,
-        )
-        numerator, _ = aggregate(per_token, mask, self.loss_config.aggregation,
-                                 max_response_length=self.max_response_length)
+        stored_or_current = old_entropy(self.old_entropy_source, data,
+                                        None if current_entropy is None else
+                                        F.pad(current_entropy, (1, 0)))
+        numerator, _, metrics = host_loss_sums(
+            self.loss, logprobs=logprobs, old_logprobs=data["prev_logprobs"][:, 1:],
+            advantages=per_response_advantages(data["advantages"][:, 1:], mask),
+            response_mask=mask, response_ids=input_ids[:, 1:],
+            old_entropy=stored_or_current[:, 1:], tables=self.tables,
+            max_response_length=self.max_response_length)
         denominator = torch.as_tensor(normaliser, device=numerator.device).to(numerator.dtype)
         # No valid token in the global batch (pitfall P12): 0 with a zero gradient, not 0/0.
         loss = torch.where(denominator > 0, numerator / denominator.clamp(min=1e-30),
@@ -279,15 +272,3 @@ class NeMoRLPolicyLoss:
         return shifted_logprobs_entropy(logits, input_ids, mask, tp_group=group,
                                         tp_rank=rank or 0, vocab_size=self.vocab_size,
                                         chunk_size=self.chunk_size)
-
-    def _old_entropy(self, data, current_entropy):
-        if self.old_entropy_source == "current":
-            if current_entropy is None:
-                raise ValueError("old_entropy_source='current' needs the logits path; the host "
-                                 "passed next_token_logprobs: provide data['prev_entropy']")
-            return current_entropy
-        if PREV_ENTROPY_KEY not in data:
-            raise ValueError(f"data has no {PREV_ENTROPY_KEY!r} ([B, S] old-policy entropy, "
-                             "aligned like prev_logprobs): add it in the log-prob pass with "
-                             "token_logprobs_and_entropy(), or use old_entropy_source='current'")
-        return data[PREV_ENTROPY_KEY][:, 1:]

@@ -60,16 +60,16 @@ from typing import Any
 
 import torch
 
-from nemo_sspo.algorithms.losses import get_policy_loss, policy_loss_names
+from nemo_sspo.algorithms.losses import LossInputs, policy_loss_names
 from nemo_sspo.algorithms.segmentation import build_segment_tables
 from nemo_sspo.integrations._common import (
+    bind_loss,
     check_host_config,
-    config_from_args,
     import_host,
     per_response_advantages,
     response_segment_ids,
 )
-from nemo_sspo.parallel.metrics import reduce_metric_sums
+from nemo_sspo.algorithms.losses.metrics import summarize_metric_pairs
 
 __all__ = [
     "OLD_ENTROPY_KEY",
@@ -118,7 +118,7 @@ _VERL_OWNED_FIELDS = {
 """Config fields verl decides itself; :func:`register` rejects them in ``loss_args``."""
 
 _EXTRA: ContextVar[_ExtraInputs | None] = ContextVar("nemo_sspo_verl_inputs", default=None)
-_CONFIGS: dict[str, Any] = {}  # our loss name -> config, built by register()
+_LOSSES: dict[str, Any] = {}  # our loss name -> bound loss, built by register()
 
 
 def _core_algos():
@@ -145,12 +145,12 @@ def loss_inputs(*, segment_ids: torch.Tensor, old_entropy: torch.Tensor) -> Iter
         _EXTRA.reset(token)
 
 
-def _config_for(name: str) -> Any:
-    """Our config of loss ``name`` as built by :func:`register` (defaults + ``loss_args``)."""
-    if name not in _CONFIGS:
+def _loss_for(name: str) -> Any:
+    """Our loss ``name`` bound to the config :func:`register` built (defaults + ``loss_args``)."""
+    if name not in _LOSSES:
         raise RuntimeError(f"loss {name!r} has no config: call nemo_sspo.integrations.verl."
                            "register() after the loss was registered")
-    return _CONFIGS[name]
+    return _LOSSES[name]
 
 
 def _extra_inputs(name: str, shape: torch.Size) -> _ExtraInputs:
@@ -185,8 +185,7 @@ def _integer_segment_ids(segment_ids: torch.Tensor) -> torch.Tensor:
 
 def _verl_metrics(metrics: dict[str, torch.Tensor], log_prob, old_log_prob, mask) -> dict:
     """Python floats (verl averages them over micro-batches): ours plus verl's usual keys."""
-    values = reduce_metric_sums(metrics, dp_group=None, pp_group=None, last_stage_rank=0,
-                                is_last_stage=True)
+    values = summarize_metric_pairs(metrics)
     with torch.no_grad():
         tokens = mask.sum().clamp(min=1)
         values["actor/ppo_kl"] = float(((old_log_prob - log_prob) * mask).sum() / tokens)
@@ -203,15 +202,14 @@ def _make_verl_loss(name: str):
         if config is None:
             raise ValueError(f"verl loss {PREFIX + name!r} needs config= (verl's ActorConfig)")
         core = _core_algos()
-        loss_fn, _ = get_policy_loss(name)
-        loss_config = _config_for(name)
         mask = response_mask.bool()
         extra = _extra_inputs(name, log_prob.shape)
-        per_token, metrics = loss_fn(
-            log_prob, old_log_prob, per_response_advantages(advantages, mask), mask,
-            _integer_segment_ids(extra.segment_ids), extra.old_entropy.to(log_prob.dtype),
-            loss_config,
-        )
+        out = _loss_for(name)(LossInputs(
+            logprobs=log_prob, old_logprobs=old_log_prob,
+            advantages=per_response_advantages(advantages, mask), response_mask=mask,
+            segment_ids=_integer_segment_ids(extra.segment_ids),
+            old_entropy=extra.old_entropy.to(log_prob.dtype)))
+        per_token, metrics = out.per_token_loss, out.metrics
         if rollout_is_weights is not None:  # verl's rollout correction, applied as in its losses
             per_token = per_token * rollout_is_weights
         batch_info = dict(getattr(config, "global_batch_info", None) or {})
@@ -259,11 +257,10 @@ def register(loss_args: Mapping[str, Mapping[str, Any]] | None = None) -> list[s
                 f"loss_args[{name!r}] sets {ignored}, which verl does not let a policy loss "
                 f"choose: {'; '.join(_VERL_OWNED_FIELDS[key] for key in ignored)}. Remove them "
                 "from loss_args")
-    configs = {name: config_from_args(name, loss_args.get(name, {}))
-               for name in policy_loss_names()}
-    for config in configs.values():
+    losses = {name: bind_loss(name, loss_args.get(name, {})) for name in policy_loss_names()}
+    for loss in losses.values():
         check_host_config(
-            config, host="verl", check_length=False, check_tables=False,
+            loss, host="verl", check_length=False, check_tables=False,
             kl_hint="Use verl's own reference-KL loss: actor_rollout_ref.actor.use_kl_loss=true "
                     "with kl_loss_coef and kl_loss_type (or algorithm.use_kl_in_reward).",
             entropy_hint="Use verl's own entropy bonus: actor_rollout_ref.actor.entropy_coeff.")
@@ -275,8 +272,8 @@ def register(loss_args: Mapping[str, Mapping[str, Any]] | None = None) -> list[s
             raise ValueError(f"verl already has a policy loss {verl_name!r} that is not ours")
         core.register_policy_loss(verl_name)(_make_verl_loss(name))
         names.append(verl_name)
-    _CONFIGS.clear()
-    _CONFIGS.update(configs)
+    _LOSSES.clear()
+    _LOSSES.update(losses)
     return names
 
 
@@ -334,12 +331,12 @@ def _add_columns(trainer, batch, old_log_prob) -> None:
         raise RuntimeError(f"verl's old-log-prob pass returned no 'entropys'; {loss_mode!r} needs "
                            "the old policy's entropy")
     name = loss_mode[len(PREFIX):]
-    config = _config_for(name)
+    loss = _loss_for(name)
     if getattr(trainer, "_nemo_sspo_tables", None) is None:
         trainer._nemo_sspo_tables = build_segment_tables(trainer.tokenizer)
     mask = batch.batch["response_mask"].bool()
     old_log_prob.batch[SEGMENT_IDS_KEY] = response_segment_ids(
-        config, batch.batch["responses"], mask, trainer._nemo_sspo_tables)
+        loss, batch.batch["responses"], mask, trainer._nemo_sspo_tables)
     # verl pops "entropys" after logging it; our copy survives the union into the batch.
     old_log_prob.batch[OLD_ENTROPY_KEY] = old_log_prob.batch["entropys"].clone()
 

@@ -1,14 +1,9 @@
 """Global reduction of step metrics so that every rank logs the same values.
 
-A metric travels as a float32 [2] tensor. Three kinds, by key suffix:
-
-- default ``(sum, count)``: the global value is ``sum over micro-batches and data-parallel ranks /
-  count over the same``, never a mean of means (pitfall P10).
-- keys ending in ``_min`` / ``_max``: ``(extreme value, count)``; micro-batches combine with
-  :func:`merge_metric_sums` and ranks with an all-reduce MIN / MAX of the value (SUM of the count).
-  A pair with count 0 (nothing valid) takes no part in the extreme; a global count of 0 reports 0.0.
-- derived: for every key ``K_sq`` next to a plain key ``K`` (a mean of squares next to the mean),
-  the result also holds ``K_std = sqrt(max(K_sq - K^2, 0))`` computed from the global means.
+A metric travels as a float32 [2] pair whose kind its key's suffix gives (``(sum, count)``,
+``_min`` / ``_max`` extremes, derived ``_std``; :mod:`nemo_sspo.algorithms.losses.metrics`).
+Across data-parallel ranks plain pairs are summed and extremes reduced with MIN / MAX (an empty
+pair takes no part); the result is then summarised exactly as in one process.
 
 Metrics are produced on the last pipeline stage only and broadcast to the others. Data-parallel
 ranks may hold different key sets (a rank whose batch has no valid token emits no token metrics):
@@ -22,6 +17,8 @@ import math
 import torch
 import torch.distributed as dist
 
+from nemo_sspo.algorithms.losses.metrics import merge_metric_sums, metric_kind, summarize_metric_pairs
+
 __all__ = ["collective_device", "merge_metric_sums", "metric_kind", "reduce_metric_sums"]
 
 
@@ -31,38 +28,6 @@ def collective_device(group) -> torch.device:
     if dist.get_backend(group) == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
-
-
-def metric_kind(key: str) -> str:
-    """``"min"``, ``"max"`` or ``"sum"`` from the key's suffix (module docstring)."""
-    if key.endswith("_min"):
-        return "min"
-    if key.endswith("_max"):
-        return "max"
-    return "sum"
-
-
-def _merge_pair(key: str, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    kind = metric_kind(key)
-    if kind == "sum":
-        return a + b
-    both = torch.minimum(a[0], b[0]) if kind == "min" else torch.maximum(a[0], b[0])
-    value = torch.where(a[1] > 0, torch.where(b[1] > 0, both, a[0]), b[0])
-    return torch.stack([value, a[1] + b[1]])
-
-
-def merge_metric_sums(total: dict[str, torch.Tensor],
-                      new: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Combine one micro-batch's metric pairs into running totals; returns a new dict.
-
-    Plain pairs add; ``_min`` / ``_max`` pairs keep the extreme of the non-empty ones and add the
-    counts. Use it wherever pairs of several micro-batches or mini-batches are accumulated (adding
-    min/max pairs would be wrong). Keys missing on one side are copied from the other.
-    """
-    out = dict(total)
-    for key, value in new.items():
-        out[key] = _merge_pair(key, out[key], value) if key in out else value.clone()
-    return out
 
 
 def _all_reduce(keys: list[str], stacked: torch.Tensor, dp_group) -> torch.Tensor:
@@ -102,22 +67,6 @@ def _union_of_keys(keys: list[str], stacked: torch.Tensor, dp_group) -> tuple[li
     return union, torch.stack([rows.get(key, zero) for key in union])
 
 
-def _finalise(keys: list[str], stacked: torch.Tensor) -> dict[str, float]:
-    result = {}
-    for key, (value, count) in zip(keys, stacked.tolist()):
-        if count <= 0:
-            result[key] = 0.0
-        elif metric_kind(key) == "sum":
-            result[key] = float(value / count)
-        else:
-            result[key] = float(value)
-    for key in keys:
-        base = key[: -len("_sq")]
-        if key.endswith("_sq") and base in result and metric_kind(base) == "sum":
-            result[f"{base}_std"] = math.sqrt(max(result[key] - result[base] ** 2, 0.0))
-    return result
-
-
 def reduce_metric_sums(
     local: dict[str, torch.Tensor],
     *,
@@ -155,7 +104,7 @@ def reduce_metric_sums(
         if dp_group is not None and dist.get_world_size(dp_group) > 1:
             keys, stacked = _union_of_keys(keys, stacked, dp_group)
             stacked = _all_reduce(keys, stacked, dp_group)
-        result = _finalise(keys, stacked)
+        result = summarize_metric_pairs(dict(zip(keys, stacked)))
     if pp_group is not None and dist.get_world_size(pp_group) > 1:
         box = [result]
         dist.broadcast_object_list(box, src=last_stage_rank, group=pp_group)

@@ -131,8 +131,8 @@ def vocab_parallel_logprobs_entropy(
             row of only ``-inf``, a target with logit ``-inf``). The target check and the
             non-finite check each cost one device-to-host sync per call.
     """
-    _check_args(logits, targets, tp_group, vocab_start, vocab_size, temperature, chunk_size)
-    layout_error = _shard_layout_error(logits.shape[1], tp_group, vocab_start, vocab_size)
+    check_arguments(logits, targets, vocab_start, vocab_size, temperature, chunk_size)
+    layout_error = shard_layout_error(logits.shape[1], tp_group, vocab_start, vocab_size)
     if layout_error is not None and (tp_group is None or logits.shape[0] == 0):
         raise ValueError(layout_error)  # no collective would follow: nobody is left waiting
     return _VocabParallelLogprobsEntropy.apply(
@@ -141,19 +141,31 @@ def vocab_parallel_logprobs_entropy(
     )
 
 
-def _check_args(logits, targets, tp_group, vocab_start, vocab_size, temperature, chunk_size):
+def check_arguments(logits, targets, vocab_start, vocab_size, temperature, chunk_size):
     if logits.dim() != 2 or not logits.is_floating_point():
         raise ValueError(
             f"logits must be a 2-D float tensor [N, V_local], got shape {tuple(logits.shape)} "
             f"dtype {logits.dtype}; flatten batch/sequence dims first"
         )
-    if targets.dim() != 1 or targets.dtype != torch.int64 or targets.numel() != logits.shape[0]:
+    check_targets_and_settings(targets, logits.shape[0], logits.device, vocab_start, vocab_size,
+                               temperature, chunk_size)
+
+
+def check_targets_and_settings(targets, rows, device, vocab_start, vocab_size, temperature,
+                               chunk_size) -> None:
+    """Checks shared with the fused output layer: targets ``[rows]`` int64 in range on
+    ``device``, and the scalar settings.
+
+    Raises:
+        ValueError: naming the argument.
+    """
+    if targets.dim() != 1 or targets.dtype != torch.int64 or targets.numel() != rows:
         raise ValueError(
-            f"targets must be int64 [N] with N={logits.shape[0]} (rows of logits), got shape "
+            f"targets must be int64 [N] with N={rows} (rows of the input), got shape "
             f"{tuple(targets.shape)} dtype {targets.dtype}"
         )
-    if targets.device != logits.device:
-        raise ValueError(f"targets on {targets.device} but logits on {logits.device}; move them")
+    if targets.device != device:
+        raise ValueError(f"targets on {targets.device} but the input on {device}; move them")
     if vocab_size < 1 or vocab_start < 0:
         raise ValueError(
             f"need vocab_size >= 1 and vocab_start >= 0, got vocab_size={vocab_size}, "
@@ -170,7 +182,7 @@ def _check_args(logits, targets, tp_group, vocab_start, vocab_size, temperature,
         )
 
 
-def _shard_layout_error(v_local: int, tp_group, vocab_start: int, vocab_size: int) -> str | None:
+def shard_layout_error(v_local: int, tp_group, vocab_start: int, vocab_size: int) -> str | None:
     """Why the shard is not this rank's piece of Megatron's contiguous equal split, or None.
 
     Rank and size come from the group object (no collective). A full-vocabulary tensor passed
@@ -241,7 +253,7 @@ def _shard_partials(logits, n_valid, inv_temp, acc):
     return torch.cat(blocks)
 
 
-def _chunk_stats(logits, targets, tp_group, vocab_start, n_valid, inv_temp, acc, poison):
+def chunk_statistics(logits, targets, tp_group, vocab_start, n_valid, inv_temp, acc, poison):
     """Per token of one chunk: ``(logprobs, entropy, c, log S0)`` with ``c`` the global raw max.
 
     Two collectives: all-reduce MAX of ``c`` ``[rows]``, all-reduce SUM of ``[rows, 3]``.
@@ -326,12 +338,14 @@ def _set_target_entries(grad_logits, logprobs, targets, local_range, c1, c0, g_l
     grad_logits[position] = torch.where(owned, value.to(current.dtype), current)
 
 
-def _check_finite_outputs(logits, targets, logprobs, entropy, vocab_start, n_valid, layout_error):
+def check_finite_outputs(logits_row, targets, logprobs, entropy, vocab_start, n_valid,
+                         layout_error):
     """Raises ``ValueError`` when a token's outputs are not finite (one host sync on ``[N]``).
 
     Every rank of the group reads the same all-reduced outputs, so all raise together (no rank
-    is left waiting in a collective). Only on that error path is the local shard scanned, to say
-    which input is at fault; this rank's own layout error comes first.
+    is left waiting in a collective). Only on that error path is one row of the local shard
+    read (``logits_row(i) -> [V_local]``), to say which input is at fault; this rank's own
+    layout error comes first.
     """
     bad = ~(torch.isfinite(logprobs) & torch.isfinite(entropy))
     if not bool(bad.any()):
@@ -340,7 +354,7 @@ def _check_finite_outputs(logits, targets, logprobs, entropy, vocab_start, n_val
         raise ValueError(layout_error)
     rows = bad.nonzero().flatten()
     row = int(rows[0])
-    shard_row = logits[row, :n_valid]
+    shard_row = logits_row(row)[:n_valid]
     local_id = int(targets[row]) - vocab_start
     if bool(torch.isnan(shard_row).any()) or bool(torch.isposinf(shard_row).any()):
         cause = "its logits contain NaN or +inf on this rank's shard"
@@ -356,6 +370,37 @@ def _check_finite_outputs(logits, targets, logprobs, entropy, vocab_start, n_val
     )
 
 
+def logits_gradient(logits, targets, stats, grad_logprobs, grad_entropy, meta) -> torch.Tensor:
+    """``[N, V_local]`` gradient w.r.t. the raw logits shard, in its dtype (no communication).
+
+    ``stats`` = ``(raw_max, log_sum_exp, entropy, logprobs)`` ``[N]`` saved by the forward,
+    ``meta`` = ``(vocab_start, n_valid, inv_temp, chunk_size, acc)``. Shared by this module's
+    backward and the fused output layer (``nemo_sspo.parallel.fused_output``), which calls it on
+    one recomputed chunk of logits at a time.
+    """
+    raw_max, log_sum_exp, entropy, logprobs = stats
+    vocab_start, n_valid, inv_temp, chunk_size, acc = meta
+    c1, c0 = _grad_coefficients(grad_logprobs, grad_entropy, entropy, inv_temp, acc)
+    zeros = torch.zeros_like(c0)
+    columns = torch.stack([raw_max, log_sum_exp, zeros if c1 is None else c1, c0], dim=1)
+    # Padding columns keep a zero gradient.
+    padded = n_valid < logits.shape[1]
+    grad_logits = torch.zeros_like(logits) if padded else torch.empty_like(logits)
+    if n_valid == 0:
+        return grad_logits
+    valid = logits[:, :n_valid]
+    step = _block_rows(logits, n_valid, chunk_size)
+    for s in range(0, logits.shape[0], step):
+        rows = slice(s, s + step)
+        block_grad = _block_grad(valid[rows], columns[rows], c1 is not None, inv_temp, acc)
+        grad_logits[rows, :n_valid] = block_grad  # one rounding to the input dtype
+    if grad_logprobs is not None:
+        _set_target_entries(
+            grad_logits, logprobs, targets, (vocab_start, n_valid), c1, c0, grad_logprobs, inv_temp,
+        )
+    return grad_logits
+
+
 class _VocabParallelLogprobsEntropy(torch.autograd.Function):
     """Autograd function behind :func:`vocab_parallel_logprobs_entropy` (see module docstring)."""
 
@@ -366,7 +411,7 @@ class _VocabParallelLogprobsEntropy(torch.autograd.Function):
         inv_temp = 1.0 / temperature
         n_valid = max(0, min(logits.shape[1], vocab_size - vocab_start))
         pieces = [
-            _chunk_stats(
+            chunk_statistics(
                 logits[s : s + chunk_size], targets[s : s + chunk_size], tp_group, vocab_start,
                 n_valid, inv_temp, acc, layout_error is not None,
             )
@@ -376,7 +421,8 @@ class _VocabParallelLogprobsEntropy(torch.autograd.Function):
             logprobs, entropy, raw_max, log_sum_exp = (torch.cat(parts) for parts in zip(*pieces))
         else:
             logprobs = entropy = raw_max = log_sum_exp = logits.new_zeros(0, dtype=acc)
-        _check_finite_outputs(logits, targets, logprobs, entropy, vocab_start, n_valid, layout_error)
+        check_finite_outputs(lambda row: logits[row], targets, logprobs, entropy, vocab_start,
+                             n_valid, layout_error)
         # Only per-token statistics are saved; backward recomputes p from the input.
         ctx.save_for_backward(logits, targets, raw_max, log_sum_exp, entropy, logprobs)
         ctx.meta = (vocab_start, n_valid, inv_temp, chunk_size, acc)
@@ -387,25 +433,6 @@ class _VocabParallelLogprobsEntropy(torch.autograd.Function):
     def backward(ctx, grad_logprobs, grad_entropy):
         if grad_logprobs is None and grad_entropy is None:
             return (None,) * 8
-        logits, targets, raw_max, log_sum_exp, entropy, logprobs = ctx.saved_tensors
-        vocab_start, n_valid, inv_temp, chunk_size, acc = ctx.meta
-        c1, c0 = _grad_coefficients(grad_logprobs, grad_entropy, entropy, inv_temp, acc)
-        zeros = torch.zeros_like(c0)
-        columns = torch.stack([raw_max, log_sum_exp, zeros if c1 is None else c1, c0], dim=1)
-        # Padding columns keep a zero gradient.
-        padded = n_valid < logits.shape[1]
-        grad_logits = torch.zeros_like(logits) if padded else torch.empty_like(logits)
-        if n_valid == 0:
-            return grad_logits, None, None, None, None, None, None, None
-        valid = logits[:, :n_valid]
-        step = _block_rows(logits, n_valid, chunk_size)
-        for s in range(0, logits.shape[0], step):
-            rows = slice(s, s + step)
-            block_grad = _block_grad(valid[rows], columns[rows], c1 is not None, inv_temp, acc)
-            grad_logits[rows, :n_valid] = block_grad  # one rounding to the input dtype
-        if grad_logprobs is not None:
-            _set_target_entries(
-                grad_logits, logprobs, targets, (vocab_start, n_valid), c1, c0, grad_logprobs,
-                inv_temp,
-            )
+        logits, targets, *stats = ctx.saved_tensors
+        grad_logits = logits_gradient(logits, targets, stats, grad_logprobs, grad_entropy, ctx.meta)
         return grad_logits, None, None, None, None, None, None, None

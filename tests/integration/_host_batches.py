@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from nemo_sspo.algorithms.aggregation import aggregate
-from nemo_sspo.algorithms.losses import get_policy_loss
+from nemo_sspo.algorithms.losses import LossInputs, make_policy_loss
 from nemo_sspo.algorithms.segmentation import build_segment_tables, segment_ids
 
 ROWS, PROMPT, LENGTH = 8, 3, 11
@@ -67,9 +67,12 @@ def native_loss(loss_name, config, batch, rows, mask=None):
     ids = batch["ids"][rows]
     mask = batch["mask"][rows] if mask is None else mask
     logprobs, _ = full_vocab_logprobs_entropy(logits, ids)
-    loss_fn, _ = get_policy_loss(loss_name)
-    segments = segment_ids(config.segmentation, ids[:, 1:], mask, tables())
-    per_token, metrics = loss_fn(logprobs, batch["old_logprobs"][rows], batch["advantages"][rows],
-                                 mask, segments, batch["old_entropy"][rows], config)
+    loss = make_policy_loss(loss_name, config)
+    needs = loss.requirements  # the ratio unit: the loss's fixed one or the config's segmentation
+    segments = segment_ids(needs.segmentation, ids[:, 1:], mask, tables(), k=needs.segment_k)
+    out = loss(LossInputs(logprobs=logprobs, old_logprobs=batch["old_logprobs"][rows],
+                          advantages=batch["advantages"][rows], response_mask=mask,
+                          segment_ids=segments, old_entropy=batch["old_entropy"][rows]))
+    per_token, metrics = out.per_token_loss, out.metrics
     num, den = aggregate(per_token, mask, config.aggregation)
     return num, den, logits, metrics

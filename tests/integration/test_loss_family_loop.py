@@ -11,14 +11,14 @@ import math
 import pytest
 import torch
 
-from nemo_sspo.algorithms.losses import get_policy_loss, policy_loss_names
+from nemo_sspo.algorithms.losses import LossInputs, get_policy_loss, make_policy_loss, policy_loss_names
 from nemo_sspo.models import load_hf_checkpoint
 from tests.integration._loop_runs import TINY, on_policy_loss, record_updates, run
 
 TRAINER_KEYS = {
     "reward/mean", "reward/accuracy", "response/length_mean", "response/truncated_frac",
     "rollout/sampling_rounds", "rollout/kept_group_frac", "rollout/trainer_logprob_gap_abs",
-    "loss/policy", "policy/approx_kl", "optim/grad_norm", "timing/generation_s", "timing/train_s",
+    "loss/policy", "policy/approx_kl_k3", "optim/grad_norm", "timing/generation_s", "timing/train_s",
     "timing/refit_s",
 }
 GROUP_KEYS = {"advantages/zero_variance_group_frac"}
@@ -35,11 +35,12 @@ def checkpoint():
 
 def _loss_keys(name: str) -> set[str]:
     """Metric keys the loss emits (with the current-policy entropy the trainer passes)."""
-    fn, config_cls = get_policy_loss(name)
     mask = torch.ones(2, 3, dtype=torch.bool)
     lp = torch.full((2, 3), -1.0)
-    _, metrics = fn(lp, lp, torch.tensor([1.0, -1.0]), mask, torch.zeros(2, 3, dtype=torch.long),
-                    torch.ones(2, 3), config_cls(), entropy=torch.ones(2, 3))
+    metrics = make_policy_loss(name)(LossInputs(
+        logprobs=lp, old_logprobs=lp, advantages=torch.tensor([1.0, -1.0]), response_mask=mask,
+        segment_ids=torch.zeros(2, 3, dtype=torch.long), old_entropy=torch.ones(2, 3),
+        entropy=torch.ones(2, 3))).metrics
     return set(metrics) | {k[: -len("_sq")] + "_std" for k in metrics if k.endswith("_sq")}
 
 
@@ -50,7 +51,7 @@ def test_two_steps_of_every_loss(name, checkpoint, monkeypatch, tmp_path):
     record_updates(monkeypatch, updates)
     history = run(monkeypatch, tmp_path, [f"loss={name}", *OVERRIDES.get(name, [])], checkpoint=checkpoint)
     expected = TRAINER_KEYS | _loss_keys(name)
-    expected |= CRITIC_KEYS if get_policy_loss(name)[1].advantage_source == "critic" else GROUP_KEYS
+    expected |= CRITIC_KEYS if get_policy_loss(name).advantage_source == "critic" else GROUP_KEYS
     assert [r["step"] for r in history] == [1, 2]
     for record in history:
         assert expected <= set(record), sorted(expected - set(record))
@@ -63,7 +64,7 @@ def test_two_steps_of_every_loss(name, checkpoint, monkeypatch, tmp_path):
     # both KL estimates are 0, and each token's loss is -A_i (docs/algorithms.md), which
     # on_policy_loss reduces by hand from the mini-batch's advantages and mask.
     assert len(updates) == 4  # 2 steps x 2 mini-batches
-    config = get_policy_loss(name)[1]()
+    config = get_policy_loss(name).config_cls()
     max_new_tokens = int(next(o for o in TINY if o.startswith("rollout.max_new_tokens=")).split("=")[1])
     for batch, sums in (updates[0], updates[2]):
         for level in ("token", "segment", "response"):

@@ -42,7 +42,7 @@ def _host_step(batch, rows, shard, **kwargs):
     """The actor's training step on ``rows``: loss_func per micro-batch, schedule averages."""
     from nemo_sspo.integrations.nemo_aligner import make_actor_loss_func
 
-    config = get_policy_loss("sspo")[1](**_FIELDS)
+    config = get_policy_loss("sspo").config_cls(**_FIELDS)
     losses, metrics = [], []
     for start in range(0, rows.stop - rows.start, MICRO):
         micro = slice(rows.start + start, rows.start + start + MICRO)
@@ -77,7 +77,7 @@ def _worker(rank, world_size):
 
 def _reference(batch):
     """Per micro-batch native losses and metrics, and the gradient of their mean."""
-    config = get_policy_loss("sspo")[1](**_FIELDS)
+    config = get_policy_loss("sspo").config_cls(**_FIELDS)
     logits = batch["logits"].clone().requires_grad_(True)
     sub = dict(batch, logits=logits)
     losses, metrics = [], []

@@ -102,7 +102,7 @@ def _worker(tp_rank, world_size):
     for dp_rank, result in enumerate(results):
         rows = slice(dp_rank * per_rank, (dp_rank + 1) * per_rank)
         for name, fields in _CASES:
-            config = get_policy_loss(name)[1](**fields)
+            config = get_policy_loss(name).config_cls(**fields)
             loss_fn = NeMoRLPolicyLoss(name, config, tables=hb.tables(), vocab_size=hb.VOCAB)
             shard = batch["logits"][rows, :, columns].clone().requires_grad_(True)
             total, metrics = 0.0, []
@@ -129,7 +129,7 @@ def test_loss_matches_native_under_tp2_with_global_normalisers(run_distributed):
     mask = _effective_mask(batch)
     per_rank = hb.ROWS // DP
     for name, fields in _CASES:
-        config = get_policy_loss(name)[1](**fields)
+        config = get_policy_loss(name).config_cls(**fields)
         num, den, logits, metrics = hb.native_loss(name, config, batch, slice(None), mask)
         (num / den).backward()
         expected_type = "token_level" if fields.get("aggregation") == "token-mean" else (
@@ -185,7 +185,7 @@ def test_2026_protocol_with_host_logprobs(host):
     loss, metrics = loss_fn(data=_host_data(batch, slice(0, hb.ROWS)),
                             global_valid_seqs=valid_seqs, global_valid_toks=valid_toks,
                             next_token_logprobs=logprobs)
-    config = get_policy_loss("sspo")[1]()
+    config = get_policy_loss("sspo").config_cls()
     num, den, _, _ = hb.native_loss("sspo", config, batch, slice(None), _effective_mask(batch))
     assert float(loss) == pytest.approx(float(num / den), rel=RTOL)
     assert metrics["num_valid_samples"] == hb.ROWS - 1
@@ -237,7 +237,7 @@ def test_example_recipe_fragment_builds_the_loss(host):
                         "nemo_rl", "sspo_grpo.yaml")
     recipe = OmegaConf.load(path)
     loss_fn = nemo_rl.NeMoRLPolicyLoss.from_config(recipe.nemo_sspo, tokenizer=hb.ToyTokenizer())
-    assert loss_fn.loss_config == get_policy_loss("sspo")[1](alpha=0.0, beta=0.8, gamma=1.75)
+    assert loss_fn.loss_config == get_policy_loss("sspo").config_cls(alpha=0.0, beta=0.8, gamma=1.75)
     assert loss_fn.old_entropy_source == "current" and loss_fn.tables is not None
     # "current" is exact only with one optimizer step per rollout batch, as the fragment sets.
     assert recipe.policy.train_global_batch_size == (

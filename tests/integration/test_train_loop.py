@@ -12,7 +12,7 @@ REQUIRED_KEYS = {
     "reward/mean", "reward/accuracy", "response/length_mean", "response/truncated_frac",
     "policy/entropy", "policy/clipfrac_tokens", "policy/clipfrac_segments", "policy/b_low",
     "policy/b_high", "policy/segments_per_response", "policy/ratio", "loss/policy",
-    "optim/grad_norm", "advantages/zero_variance_group_frac", "rollout/trainer_logprob_gap_abs", "policy/approx_kl",
+    "optim/grad_norm", "advantages/zero_variance_group_frac", "rollout/trainer_logprob_gap_abs", "policy/approx_kl_k3",
     "timing/generation_s", "timing/train_s", "timing/refit_s",
 }
 TINY = [

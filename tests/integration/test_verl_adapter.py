@@ -25,7 +25,7 @@ from verl.trainer.ppo import core_algos
 from verl.workers.config import ActorConfig, PolicyLossConfig
 
 from nemo_sspo.algorithms.aggregation import aggregate
-from nemo_sspo.algorithms.losses import get_policy_loss, policy_loss_names
+from nemo_sspo.algorithms.losses import LossInputs, get_policy_loss, make_policy_loss, policy_loss_names
 from nemo_sspo.algorithms.segmentation import newline_segment_ids
 from nemo_sspo.integrations import verl as sspo_verl
 
@@ -78,8 +78,9 @@ def _actor_config(**fields) -> ActorConfig:
 def _native(name, config, new, old, adv, mask, segments, entropy, mode):
     """Our loss + aggregation, returning (loss value, d loss / d new)."""
     new = new.clone().requires_grad_(True)
-    loss_fn, _ = get_policy_loss(name)
-    per_token, _ = loss_fn(new, old, adv, mask, segments, entropy, config)
+    per_token = make_policy_loss(name, config)(LossInputs(
+        logprobs=new, old_logprobs=old, advantages=adv, response_mask=mask, segment_ids=segments,
+        old_entropy=entropy)).per_token_loss
     num, den = aggregate(per_token, mask, mode, max_response_length=mask.shape[1])
     loss = num / den
     loss.backward()
@@ -100,7 +101,7 @@ def test_grpo_equals_verl_vanilla(verl_mode):
     config = _actor_config(clip_ratio_low=0.2, clip_ratio_high=0.28, clip_ratio_c=3.0)
     ref, ref_grad, _ = _verl(core_algos.get_policy_loss_fn("vanilla"), new, old, adv_tokens, mask,
                              verl_mode, config)
-    ours_cls = get_policy_loss("grpo")[1]
+    ours_cls = get_policy_loss("grpo").config_cls
     ours, grad = _native("grpo", ours_cls(eps_low=0.2, eps_high=0.28, dual_clip_c=3.0), new, old,
                          adv, mask, segments, entropy, MODES[verl_mode])
     # The inputs exercise every branch: both clips and the dual clip.
@@ -117,7 +118,7 @@ def test_gspo_equals_verl_gspo(verl_mode):
     config = _actor_config(clip_ratio_low=3e-4, clip_ratio_high=4e-4)
     ref, ref_grad, _ = _verl(core_algos.get_policy_loss_fn("gspo"), new, old, adv_tokens, mask,
                              verl_mode, config)
-    ours_cls = get_policy_loss("gspo")[1]
+    ours_cls = get_policy_loss("gspo").config_cls
     ours, grad = _native("gspo", ours_cls(eps_low=3e-4, eps_high=4e-4), new, old, adv, mask,
                          segments, entropy, MODES[verl_mode])
     seq_ratio = (((new - old) * mask).sum(1) / mask.sum(1)).exp()
@@ -143,7 +144,7 @@ def test_sspo_through_verl_call_path_equals_native(verl_mode):
     fn = core_algos.get_policy_loss_fn("nemo_sspo_sspo")
     with sspo_verl.loss_inputs(segment_ids=segments, old_entropy=entropy):
         loss, grad, metrics = _verl(fn, new, old, adv_tokens, mask, verl_mode, config)
-    sspo_cls = get_policy_loss("sspo")[1]
+    sspo_cls = get_policy_loss("sspo").config_cls
     ref, ref_grad = _native("sspo", sspo_cls(alpha=0.1, gamma=2.2), new, old, adv, mask,
                             segments, entropy, verl_mode)
     torch.testing.assert_close(loss, ref, rtol=RTOL, atol=ATOL)
@@ -256,7 +257,7 @@ def test_install_hooks_feed_verl_ppo_loss_and_trainer():
     config = _actor_config(loss_agg_mode="seq-mean-token-mean",
                            policy_loss=PolicyLossConfig(loss_mode="nemo_sspo_sspo"))
     loss, metrics = verl_losses.ppo_loss(config, {"log_probs": flat_new}, td)
-    ref, _ = _native("sspo", get_policy_loss("sspo")[1](), new.double(), old.double(), adv.double(),
+    ref, _ = _native("sspo", get_policy_loss("sspo").config_cls(), new.double(), old.double(), adv.double(),
                      mask, expected_segments, entropy.double(), "seq-mean-token-mean")
     torch.testing.assert_close(loss.double(), ref, rtol=1e-5, atol=1e-6)  # float32 here
     assert "actor/pg_loss" in metrics
@@ -279,7 +280,7 @@ def test_example_config_composes_with_verl_trainer_config(monkeypatch):
     monkeypatch.setenv(sspo_verl.LOSS_ARGS_ENV, env[sspo_verl.LOSS_ARGS_ENV])
     sspo_verl.register(sspo_verl.loss_args_from_env())
     assert core_algos.get_policy_loss_fn(actor.policy_loss.loss_mode)._nemo_sspo_loss == "sspo"
-    assert sspo_verl._config_for("sspo").gamma == 1.75
+    assert sspo_verl._loss_for("sspo").config.gamma == 1.75
     assert actor.loss_agg_mode == "seq-mean-token-mean" and cfg.algorithm.adv_estimator == "grpo"
     monkeypatch.setenv(sspo_verl.LOSS_ARGS_ENV, "{sspo: 1}")
     with pytest.raises(ValueError, match="not valid JSON"):

@@ -13,20 +13,22 @@ import pytest
 import torch
 
 from nemo_sspo.algorithms.aggregation import aggregate
-from nemo_sspo.algorithms.losses import get_policy_loss, policy_loss_names
+from nemo_sspo.algorithms.losses import LossInputs, get_policy_loss, make_policy_loss, policy_loss_names
 
 LN3 = math.log(3.0)
 
 
 def _loss(name, logprobs, adv, mask, *, old=None, segments=None, old_entropy=None, l_max=None,
           **params):
-    fn, config_cls = get_policy_loss(name)
-    config = config_cls(**params)
+    config = get_policy_loss(name).config_cls(**params)
     logprobs = logprobs.clone().requires_grad_(True)
     old = torch.zeros_like(logprobs) if old is None else old
     segments = torch.where(mask, 0, -1) if segments is None else segments
     old_entropy = torch.zeros_like(logprobs) if old_entropy is None else old_entropy
-    loss, metrics = fn(logprobs, old, adv.to(logprobs.dtype), mask, segments, old_entropy, config)
+    out = make_policy_loss(name, config)(LossInputs(
+        logprobs=logprobs, old_logprobs=old, advantages=adv.to(logprobs.dtype), response_mask=mask,
+        segment_ids=segments, old_entropy=old_entropy))
+    loss, metrics = out.per_token_loss, out.metrics
     num, den = aggregate(loss, mask, config.aggregation,
                          max_response_length=l_max or logprobs.shape[1])
     (num / den.clamp(min=1)).backward()  # clamp: a fully masked batch has 0 / 0
@@ -56,7 +58,7 @@ def test_dr_grpo_constant_denominator_hand_values():
     # d loss_t / d logprob_t = -r A for unclipped tokens, divided by L_max * responses = 10.
     expected = torch.tensor([[-0.11, 0.0, 0, 0], [0.0, 0.15, 0.1, 0.1]])
     assert torch.allclose(grad, expected, atol=1e-6)
-    assert get_policy_loss("dr_grpo")[1]().advantage_std_normalisation is False
+    assert get_policy_loss("dr_grpo").config_cls().advantage_std_normalisation is False
     assert metrics["policy/clipfrac_tokens"].tolist() == [2.0, 6.0]
 
 
@@ -99,7 +101,7 @@ def test_dcpo_defaults_are_the_shipped_run():
     # q = 0.5: b_high = 0.5 + 0.5 sqrt(1 + 4 * 0.28 / 0.5) = 0.5 + 0.5 sqrt(3.24) = 1.4;
     #          b_low = 0.5 + 0.5 sqrt(1 - 4 * 0.2 / 0.5) = 0.5 + 0.5 sqrt(-0.6 -> 0) = 0.5.
     # q = 1:   b_high = 0.5 + 0.5 sqrt(2.12) = 1.228011; b_low = 0.5 + 0.5 sqrt(0.2) = 0.723607.
-    cfg = get_policy_loss("dcpo")[1]()
+    cfg = get_policy_loss("dcpo").config_cls()
     assert (cfg.eps_low, cfg.eps_high, cfg.ratio_max, cfg.dual_clip_c) == (0.2, 0.28, 10.0, 10.0)
     assert cfg.aggregation == "token-mean"
     q = torch.tensor([[0.5, 1.0]], dtype=torch.float64)
@@ -236,7 +238,7 @@ def test_clip_cov_zeroes_selected_tokens():
 def test_clip_cov_defaults_match_the_official_recipe():
     # PRIME-RL/Entropy-Mechanism-of-RL recipe/dapo/7b_clip_cov.sh: clip 1/1, ratio 2e-4, band
     # (1, 5), token-mean.
-    cfg = get_policy_loss("clip_cov")[1]()
+    cfg = get_policy_loss("clip_cov").config_cls()
     assert (cfg.eps_low, cfg.eps_high, cfg.select_fraction) == (1.0, 1.0, 2e-4)
     assert (cfg.cov_min, cfg.cov_max, cfg.aggregation) == (1.0, 5.0, "token-mean")
 
@@ -336,7 +338,7 @@ def _ref_token_clip(lp, old, adv, mask, seg, cfg):
             for i, ts in enumerate(_rows(mask)) if ts}
 
 
-def _ref_segment_clip(lp, old, adv, mask, seg, cfg):
+def _ref_segment_clip(lp, old, adv, mask, seg, cfg, whole_response=False):
     """SSPO eq. 9 segments (by id) with fixed bounds; one segment per row for GSPO."""
     out = {}
     for i, ts in enumerate(_rows(mask)):
@@ -344,7 +346,7 @@ def _ref_segment_clip(lp, old, adv, mask, seg, cfg):
             continue
         groups = {}
         for t in ts:
-            groups.setdefault(0 if cfg.segmentation == "response" else int(seg[i, t]), []).append(t)
+            groups.setdefault(0 if whole_response else int(seg[i, t]), []).append(t)
         term_of = {}
         for members in groups.values():
             s = torch.exp(sum(lp[i, t] - old[i, t] for t in members) / len(members))
@@ -352,6 +354,11 @@ def _ref_segment_clip(lp, old, adv, mask, seg, cfg):
                 term_of[t] = _clip_term(s, adv[i], 1 - cfg.eps_low, 1 + cfg.eps_high)
         out[i] = [term_of[t] for t in ts]
     return out
+
+
+def _ref_response_clip(lp, old, adv, mask, seg, cfg):
+    """GSPO: one segment per row (the loss's fixed unit "response"); the ids are not read."""
+    return _ref_segment_clip(lp, old, adv, mask, seg, cfg, whole_response=True)
 
 
 def _ref_gspo_token(lp, old, adv, mask, seg, cfg):
@@ -483,7 +490,7 @@ REFERENCE_CASES = [
     ("grpo", dict(eps_low=0.1, eps_high=0.15, dual_clip_c=1.5), _ref_token_clip),
     ("dr_grpo", dict(), _ref_token_clip),
     ("dapo", dict(), _ref_token_clip),
-    ("gspo", dict(eps_low=0.05, eps_high=0.08), _ref_segment_clip),
+    ("gspo", dict(eps_low=0.05, eps_high=0.08), _ref_response_clip),
     ("gspo_token", dict(eps_low=0.05, eps_high=0.08), _ref_gspo_token),
     ("lpo", dict(eps_low=0.1, eps_high=0.1), _ref_segment_clip),
     ("dcpo", dict(), _ref_dcpo),
@@ -516,7 +523,7 @@ def test_matches_float64_reference(name, params, reference, seed):
     logprobs, old, adv, mask, segments, entropy = _random_batch(seed)
     _, num, den, grad, metrics = _loss(name, logprobs, adv, mask, old=old, segments=segments,
                                        old_entropy=entropy, **params)
-    config = get_policy_loss(name)[1](**params)
+    config = get_policy_loss(name).config_cls(**params)
     lp = logprobs.clone().requires_grad_(True)
     objective = _aggregate_ref(reference(lp, old, adv, mask, segments, config), config.aggregation,
                                mask.shape[1])
@@ -609,7 +616,7 @@ def test_ratio_one_gives_minus_advantage(name):
     loss, num, den, _, _ = _loss(name, logprobs, torch.tensor([1.0, -1.0]), mask,
                                  old=logprobs.clone(), l_max=4)
     assert torch.allclose(loss, torch.where(mask, torch.tensor([[-1.0], [1.0]]), 0.0), atol=1e-6)
-    mode = get_policy_loss(name)[1]().aggregation
+    mode = get_policy_loss(name).config_cls().aggregation
     expected = {"seq-mean-token-mean": 0.0, "token-mean": 1 / 3,
                 "constant-denominator": (-2 / 4 + 4 / 4) / 2}[mode]
     assert (num / den).item() == pytest.approx(expected, abs=1e-6)
@@ -640,7 +647,7 @@ def test_p12_empty_response_and_nan_padding(name):
     assert torch.isfinite(loss).all() and loss[1].abs().sum() == 0 and loss[0, 2] == 0
     assert torch.isfinite(grad).all() and grad[1].abs().sum() == 0 and grad[0, 2] == 0
     assert all(torch.isfinite(v).all() for v in metrics.values())
-    assert den.item() == (2.0 if get_policy_loss(name)[1]().aggregation == "token-mean" else 1.0)
+    assert den.item() == (2.0 if get_policy_loss(name).config_cls().aggregation == "token-mean" else 1.0)
 
 
 @pytest.mark.parametrize("name", policy_loss_names())
@@ -658,7 +665,7 @@ def test_fully_masked_batch(name):
 def test_lpo_defaults_follow_the_ling_report():
     # Ling 2.0 report (arXiv 2510.22115) section 4.2.2: eps = 0.03, pause-punctuation sentences,
     # 1 / sum |y_i| (token mean).
-    cfg = get_policy_loss("lpo")[1]()
+    cfg = get_policy_loss("lpo").config_cls()
     assert (cfg.eps_low, cfg.eps_high) == (0.03, 0.03)
     assert (cfg.segmentation, cfg.aggregation) == ("pause_punctuation", "token-mean")
     # One response (A = +1), sentences [t0 t1 | t2]: mean log-ratio of sentence 0 is
@@ -676,7 +683,7 @@ def test_lpo_defaults_follow_the_ling_report():
 
 def test_sppo_dual_clip_three_for_negative_advantage():
     # Official SPPO runs keep verl's actor defaults: clip 0.2, dual clip c = 3, token-mean.
-    cfg = get_policy_loss("sppo")[1]()
+    cfg = get_policy_loss("sppo").config_cls()
     assert (cfg.eps_low, cfg.eps_high, cfg.dual_clip_c) == (0.2, 0.2, 3.0)
     assert (cfg.segmentation, cfg.aggregation) == ("token", "token-mean")
     # A = -1, ratios [5, 2]: min(r A, clip(r, 0.8, 1.2) A) = [-5, -2]; dual clip max(., c A = -3)
@@ -688,14 +695,14 @@ def test_sppo_dual_clip_three_for_negative_advantage():
     assert torch.allclose(grad, torch.tensor([[0.0, 1.0]], dtype=torch.float64), atol=1e-12)
     assert metrics["policy/clipfrac_dual_tokens"].tolist() == [1.0, 2.0]
     with pytest.raises(ValueError, match="dual_clip_c=1.0 must be > 1"):
-        get_policy_loss("sppo")[1](dual_clip_c=1.0)
+        get_policy_loss("sppo").config_cls(dual_clip_c=1.0)
 
 
 def test_cispo_weight_cap_is_five():
     # ScaleRL's epsilon_max = 5 (TRL's recommendation for CISPO): eps_high_is = 4.
     # pi_old = 0.1; pi = 0.7 -> r = 7, weight min(7, 5) = 5; pi = 0.3 -> r = 3 (the old cap 2
     # would have clipped it), weight 3. A = +1. Losses -w ln pi; gradients -w / 2 (token mean).
-    cfg = get_policy_loss("cispo")[1]()
+    cfg = get_policy_loss("cispo").config_cls()
     assert (cfg.eps_low_is, cfg.eps_high_is) == (1.0, 4.0)
     probs = torch.tensor([[0.7, 0.3]], dtype=torch.float64)
     mask = torch.ones(1, 2, dtype=torch.bool)
@@ -709,11 +716,11 @@ def test_cispo_weight_cap_is_five():
 
 def test_kl_cov_and_gmpo_and_sapo_defaults_match_their_sources():
     # KL-Cov recipe (7b_kl_cov.sh): k_percent 0.2 % = 2e-3, ppo_kl_coef 1, token-mean.
-    kl = get_policy_loss("kl_cov")[1]()
+    kl = get_policy_loss("kl_cov").config_cls()
     assert (kl.select_fraction, kl.cov_kl_coef, kl.aggregation) == (2e-3, 1.0, "token-mean")
     # verl examples/gmpo_trainer: clip_ratio_low = clip_ratio_high = 0.4 (log space).
-    gmpo = get_policy_loss("gmpo")[1]()
+    gmpo = get_policy_loss("gmpo").config_cls()
     assert (gmpo.log_clip_low, gmpo.log_clip_high) == (0.4, 0.4)
     # SAPO paper / TRL GRPOConfig: tau_pos 1.0, tau_neg 1.05.
-    sapo = get_policy_loss("sapo")[1]()
+    sapo = get_policy_loss("sapo").config_cls()
     assert (sapo.gate, sapo.tau_pos, sapo.tau_neg) == ("sigmoid", 1.0, 1.05)

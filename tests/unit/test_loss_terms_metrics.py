@@ -21,9 +21,13 @@ from nemo_sspo.algorithms.losses import (
     SoftSeqPOLossConfig,
     SSPOFixedClipConfig,
     SSPOLossConfig,
+    LossInputs,
     get_policy_loss,
+    make_policy_loss,
     policy_loss_names,
     register_soft_gate,
+    soft_gate_names,
+    unregister_soft_gate,
 )
 from nemo_sspo.algorithms.losses.metrics import ENTROPY_BAND_KEYS
 from nemo_sspo.parallel.metrics import merge_metric_sums, reduce_metric_sums
@@ -32,16 +36,30 @@ ALL_NAMES = ["cispo", "clip_cov", "dapo", "dcpo", "dr_grpo", "gmpo", "grpo", "gs
              "kl_cov", "lpo", "sapo", "soft_seq_po", "sppo", "sspo", "sspo_fixed_clip"]
 
 
+def _call(name, config, logprobs, old, advantages, mask, segment_ids, old_entropy, **optional):
+    """``(per_token_loss, metrics)`` of loss ``name`` bound to ``config`` (its defaults if None);
+    ``optional``: ref_logprobs / entropy / token_weights."""
+    out = make_policy_loss(name, config)(LossInputs(
+        logprobs=logprobs, old_logprobs=old, advantages=advantages, response_mask=mask,
+        segment_ids=segment_ids, old_entropy=old_entropy, **optional))
+    return out.per_token_loss, out.metrics
+
+
 def test_registry_holds_the_family():
     assert policy_loss_names() == ALL_NAMES
     for name in ALL_NAMES:
-        fn, config_cls = get_policy_loss(name)
+        record = get_policy_loss(name)
+        config_cls = record.config_cls
         config = config_cls()
-        assert isinstance(config.segmentation, str) and config.advantage_std_normalisation in (
-            True, False)
+        loss = make_policy_loss(name, config)
+        # The ratio unit: fixed by the record, or the config's own field (never both).
+        assert (record.unit is None) == hasattr(config, "segmentation"), name
+        assert isinstance(loss.requirements.segmentation, str)
+        assert loss.requirements.segmentation == (record.unit or config.segmentation)
+        assert config.advantage_std_normalisation in (True, False)
         # Each config names its paper (LPO: the Ling 2.0 report, arXiv 2510.22115).
         assert "arXiv" in config_cls.__doc__, name
-        assert fn.__doc__ and "minimise" in fn.__doc__
+        assert type(loss).__call__.__doc__ and "minimise" in type(loss).__call__.__doc__
 
 
 # ----------------------------------------------------------------------------- additive terms
@@ -54,14 +72,14 @@ def test_registry_holds_the_family():
 ])
 def test_reference_kl_term(estimator, value, slope):
     # On-policy (ratio 1) with A = 0: only the KL term is left. kl_coef 0.1, 2 tokens.
-    fn, config_cls = get_policy_loss("grpo")
     logprobs = torch.full((1, 2), math.log(0.5), dtype=torch.float64, requires_grad=True)
     ref = torch.full((1, 2), math.log(0.25), dtype=torch.float64)
     mask = torch.ones(1, 2, dtype=torch.bool)
-    config = config_cls(kl_coef=0.1, kl_estimator=estimator)
-    loss, metrics = fn(logprobs, logprobs.detach(), torch.zeros(1, dtype=torch.float64), mask,
-                       torch.zeros(1, 2, dtype=torch.long), torch.zeros(1, 2), config,
-                       ref_logprobs=ref)
+    config = GRPOLossConfig(kl_coef=0.1, kl_estimator=estimator)
+    loss, metrics = _call("grpo", config, logprobs, logprobs.detach(),
+                          torch.zeros(1, dtype=torch.float64), mask,
+                          torch.zeros(1, 2, dtype=torch.long), torch.zeros(1, 2, dtype=torch.float64),
+                          ref_logprobs=ref)
     assert torch.allclose(loss, torch.full((1, 2), 0.1 * value, dtype=torch.float64), atol=1e-12)
     num, den = aggregate(loss, mask, config.aggregation)
     (num / den).backward()
@@ -71,35 +89,37 @@ def test_reference_kl_term(estimator, value, slope):
 
 
 def test_entropy_bonus_and_reporting():
-    fn, config_cls = get_policy_loss("sspo")
     logprobs = torch.zeros(1, 3, requires_grad=True)
     entropy = torch.tensor([[0.5, 1.0, 9.0]], requires_grad=True)  # last position masked
     mask = torch.tensor([[1, 1, 0]], dtype=torch.bool)
     args = (logprobs, logprobs.detach(), torch.tensor([1.0]), mask, torch.zeros(1, 3, dtype=torch.long),
             torch.zeros(1, 3))
-    loss, metrics = fn(*args, config_cls(entropy_coef=0.2), entropy=entropy)
+    loss, metrics = _call("sspo", SSPOLossConfig(entropy_coef=0.2), *args, entropy=entropy)
     # -A (ratio 1) - 0.2 H per token: [-1.1, -1.2, 0].
     assert torch.allclose(loss, torch.tensor([[-1.1, -1.2, 0.0]]), atol=1e-6)
     loss.sum().backward()
     assert torch.allclose(entropy.grad, torch.tensor([[-0.2, -0.2, 0.0]]))
     assert metrics["policy/entropy_current"].tolist() == [1.5, 2.0]
     # With coefficient 0 the entropy is only reported.
-    loss, metrics = fn(*args, config_cls(), entropy=entropy)
+    loss, metrics = _call("sspo", SSPOLossConfig(), *args, entropy=entropy)
     assert torch.allclose(loss, torch.tensor([[-1.0, -1.0, 0.0]]))
     assert "policy/entropy_current" in metrics and "policy/kl_ref" not in metrics
 
 
 @pytest.mark.parametrize(("params", "kwargs", "pattern"), [
-    (dict(kl_coef=0.1), {}, r"kl_coef=0.1 needs ref_logprobs"),
-    (dict(entropy_coef=0.1), {}, r"entropy_coef=0.1 needs entropy"),
-    ({}, dict(ref_logprobs=torch.zeros(1, 3)), r"ref_logprobs has shape \(1, 3\)"),
-    ({}, dict(entropy=torch.zeros(2, 2)), r"entropy has shape \(2, 2\)"),
+    (dict(kl_coef=0.1), {}, r"kl_coef=0.1 needs LossInputs\.ref_logprobs"),
+    (dict(entropy_coef=0.1), {}, r"entropy_coef=0.1 needs LossInputs\.entropy"),
+    ({}, dict(ref_logprobs=torch.zeros(1, 3)), r"LossInputs\.ref_logprobs has shape \(1, 3\)"),
+    ({}, dict(entropy=torch.zeros(2, 2)), r"LossInputs\.entropy has shape \(2, 2\)"),
 ])
 def test_additive_term_errors(params, kwargs, pattern):
-    fn, config_cls = get_policy_loss("gmpo")
+    # A missing tensor is reported when the loss is called, a wrong shape when the inputs are built.
+    loss = make_policy_loss("gmpo", GMPOLossConfig(**params))
     with pytest.raises(ValueError, match=pattern):
-        fn(torch.zeros(1, 2), torch.zeros(1, 2), torch.zeros(1), torch.ones(1, 2, dtype=torch.bool),
-           torch.zeros(1, 2, dtype=torch.long), torch.zeros(1, 2), config_cls(**params), **kwargs)
+        loss(LossInputs(logprobs=torch.zeros(1, 2), old_logprobs=torch.zeros(1, 2),
+                        advantages=torch.zeros(1), response_mask=torch.ones(1, 2, dtype=torch.bool),
+                        segment_ids=torch.zeros(1, 2, dtype=torch.long),
+                        old_entropy=torch.zeros(1, 2), **kwargs))
 
 
 def test_kl_estimators_by_hand():
@@ -118,14 +138,13 @@ def test_metrics_hand_worked():
     #   seg0 s = e^0.2 = 1.2214 > 1.2 -> clipped high; seg1 s = e^-0.2 inside.
     # Row 1 (A = -1): segments [t0 | t1 t2], d = [-.5 | .1, .1], t3 masked
     #   seg0 s = e^-0.5 < 0.8 -> clipped low; seg1 s = e^0.1 inside.
-    fn, config_cls = get_policy_loss("sspo_fixed_clip")
     d = torch.tensor([[0.4, 0.0, -0.2, -0.2], [-0.5, 0.1, 0.1, 7.0]], dtype=torch.float64)
     mask = torch.tensor([[1, 1, 1, 1], [1, 1, 1, 0]], dtype=torch.bool)
     segments = torch.tensor([[0, 0, 1, 1], [0, 1, 1, -1]])
     # Segment entropies 0.1 | 0.4 | 0.9 | 1.3: one segment in each band.
     entropy = torch.tensor([[0.1, 0.1, 0.3, 0.5], [0.9, 1.2, 1.4, 5.0]], dtype=torch.float64)
-    _, m = fn(d, torch.zeros_like(d), torch.tensor([1.0, -1.0], dtype=torch.float64), mask,
-              segments, entropy, config_cls())
+    _, m = _call("sspo_fixed_clip", None, d, torch.zeros_like(d),
+                 torch.tensor([1.0, -1.0], dtype=torch.float64), mask, segments, entropy)
 
     def value(key):
         return (m[key][0] / m[key][1]).item()
@@ -167,10 +186,9 @@ def test_metrics_hand_worked():
 
 def test_entropy_band_edges_are_left_closed():
     # Segment entropies exactly 0.2, 0.75 and 1.0 fall in the band that starts there.
-    fn, config_cls = get_policy_loss("grpo")
     entropy = torch.tensor([[0.2, 0.75, 1.0, 0.0]])
-    _, m = fn(torch.zeros(1, 4), torch.zeros(1, 4), torch.ones(1), torch.ones(1, 4, dtype=torch.bool),
-              torch.zeros(1, 4, dtype=torch.long), entropy, config_cls())
+    _, m = _call("grpo", None, torch.zeros(1, 4), torch.zeros(1, 4), torch.ones(1),
+                 torch.ones(1, 4, dtype=torch.bool), torch.zeros(1, 4, dtype=torch.long), entropy)
     assert [m[k][0].item() for k in ENTROPY_BAND_KEYS] == [1.0, 1.0, 1.0, 1.0]
 
 
@@ -205,29 +223,33 @@ def test_fixed_unit_losses_reject_segmentation_override():
     with pytest.raises(TypeError):
         GRPOLossConfig(segmentation="newline")
     assert SSPOLossConfig(segmentation="fixed_k", segment_k=8).segment_k == 8
-    assert GRPOLossConfig().segmentation == "token" and GMPOLossConfig().segmentation == "response"
+    assert not hasattr(GRPOLossConfig(), "segmentation")
+    assert get_policy_loss("grpo").unit == "token" and get_policy_loss("gmpo").unit == "response"
+    assert make_policy_loss("grpo").requirements.segmentation == "token"
+    assert make_policy_loss("gmpo").requirements.segmentation == "response"
 
 
 def test_wrong_config_type_names_expected_class():
-    fn, _ = get_policy_loss("cispo")
     with pytest.raises(ValueError, match="CISPOLossConfig"):
-        fn(torch.zeros(1, 2), torch.zeros(1, 2), torch.zeros(1), torch.ones(1, 2, dtype=torch.bool),
-           torch.zeros(1, 2, dtype=torch.long), torch.zeros(1, 2), GRPOLossConfig())
+        make_policy_loss("cispo", GRPOLossConfig())
 
 
 def test_custom_gate_plugs_in():
     # softsign gate g(x) = x / (1 + tau |x|), g'(x) = 1 / (1 + tau |x|)^2.
     gate = SoftGate(lambda x, tau: x / (1 + tau * x.abs()), lambda x, tau: 1 / (1 + tau * x.abs()) ** 2)
     register_soft_gate("test_softsign", gate)
-    with pytest.raises(ValueError, match="already registered"):
-        register_soft_gate("test_softsign", gate)
-    fn, config_cls = get_policy_loss("soft_seq_po")
-    # d = [1, 1], tau 1: g = 0.5 each -> w = e^0.5; A = 1.
-    loss, m = fn(torch.ones(1, 2), torch.zeros(1, 2), torch.ones(1), torch.ones(1, 2, dtype=torch.bool),
-                 torch.zeros(1, 2, dtype=torch.long), torch.zeros(1, 2),
-                 config_cls(gate="test_softsign"))
-    assert torch.allclose(loss, torch.full((1, 2), -math.exp(0.5)))
-    assert (m["policy/gate_weight"][0] / m["policy/gate_weight"][1]).item() == pytest.approx(0.25)
+    try:
+        with pytest.raises(ValueError, match="already registered"):
+            register_soft_gate("test_softsign", gate)
+        # d = [1, 1], tau 1: g = 0.5 each -> w = e^0.5; A = 1.
+        loss, m = _call("soft_seq_po", SoftSeqPOLossConfig(gate="test_softsign"), torch.ones(1, 2),
+                        torch.zeros(1, 2), torch.ones(1), torch.ones(1, 2, dtype=torch.bool),
+                        torch.zeros(1, 2, dtype=torch.long), torch.zeros(1, 2))
+        assert torch.allclose(loss, torch.full((1, 2), -math.exp(0.5)))
+        assert (m["policy/gate_weight"][0] / m["policy/gate_weight"][1]).item() == pytest.approx(0.25)
+    finally:
+        unregister_soft_gate("test_softsign")
+    assert "test_softsign" not in soft_gate_names()
 
 
 def test_builtin_gate_slopes_match_autograd():

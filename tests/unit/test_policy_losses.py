@@ -14,11 +14,15 @@ from nemo_sspo.algorithms.bounds import entropy_adaptive_bounds
 from nemo_sspo.algorithms.losses import (
     GRPOLossConfig,
     GSPOLossConfig,
+    LossInputs,
+    LossRecord,
+    LossRequirements,
     SSPOFixedClipConfig,
     SSPOLossConfig,
+    compute_policy_loss,
     get_policy_loss,
+    make_policy_loss,
     policy_loss_names,
-    ratio_clip_loss,
     register_policy_loss,
 )
 from nemo_sspo.algorithms.ratios import segment_mean
@@ -29,17 +33,30 @@ METRIC_KEYS = {
 }
 
 
+# The registered loss of each config class used here (the ratio unit is fixed by the loss:
+# grpo "token", gspo "response"; sspo and sspo_fixed_clip read the config's segmentation).
+LOSS_OF = {GRPOLossConfig: "grpo", GSPOLossConfig: "gspo", SSPOLossConfig: "sspo",
+           SSPOFixedClipConfig: "sspo_fixed_clip"}
+
+
 def _mean(pair):
     return (pair[0] / pair[1]).item()
+
+
+def _loss(config, logprobs, old, advantages, mask, segment_ids, entropy):
+    """Per-token loss and metrics of the loss registered for ``config``'s class."""
+    out = make_policy_loss(LOSS_OF[type(config)], config)(LossInputs(
+        logprobs=logprobs, old_logprobs=old, advantages=advantages, response_mask=mask,
+        segment_ids=segment_ids, old_entropy=entropy))
+    return out.per_token_loss, out.metrics
 
 
 def _run(config, log_ratio, advantages, mask, segment_ids, entropy, dtype=torch.float32):
     """Loss with old logprobs 0, so logprobs equal the token log-ratios; returns grads too."""
     logprobs = log_ratio.to(dtype).clone().requires_grad_(True)
     old = torch.zeros_like(logprobs)
-    loss, metrics = ratio_clip_loss(
-        logprobs, old, advantages.to(dtype), mask, segment_ids, entropy.to(dtype), config
-    )
+    loss, metrics = _loss(config, logprobs, old, advantages.to(dtype), mask, segment_ids,
+                          entropy.to(dtype))
     num, den = aggregate(loss, mask, "seq-mean-token-mean")
     num.backward()
     return loss.detach(), num.detach(), den, logprobs.grad, metrics
@@ -227,7 +244,7 @@ def test_matches_float64_reference(config, level, bounds, dual_c, seed):
     adv = torch.tensor([-1.3, 0.7, 0.9, 0.5, -0.4], dtype=torch.float64)
     entropy = torch.rand(rows, width, generator=gen, dtype=torch.float64) * 0.8
 
-    loss, metrics = ratio_clip_loss(logprobs, old, adv, mask, newline_ids, entropy, config)
+    loss, metrics = _loss(config, logprobs, old, adv, mask, newline_ids, entropy)
     num, den = aggregate(loss, mask, "seq-mean-token-mean")
     (grad,) = torch.autograd.grad(num / den, logprobs)
 
@@ -279,11 +296,12 @@ def test_one_token_per_segment_equals_grpo():
 def test_p1_response_level_loss_is_zero(name):
     # P1: lengths [2, 4], A [+1, -1], ratios 1 -> per-token loss -A. Response-level:
     # (-1 + 1) / 2 = 0. A broadcast-then-token-sum would give -2 + 4 = 2; token-mean 2/6.
-    fn, config_cls = get_policy_loss(name)
     mask = torch.tensor([[1, 1, 0, 0], [1, 1, 1, 1]], dtype=torch.bool)
     logprobs = torch.full((2, 4), -1.0, requires_grad=True)
-    loss, _ = fn(logprobs, logprobs.detach(), torch.tensor([1.0, -1.0]), mask,
-                 torch.where(mask, 0, -1), torch.zeros(2, 4), config_cls())
+    loss = make_policy_loss(name)(LossInputs(
+        logprobs=logprobs, old_logprobs=logprobs.detach(), advantages=torch.tensor([1.0, -1.0]),
+        response_mask=mask, segment_ids=torch.where(mask, 0, -1),
+        old_entropy=torch.zeros(2, 4))).per_token_loss
     num, den = aggregate(loss, mask, "seq-mean-token-mean")
     assert (num / den).item() == 0.0
     num, den = aggregate(loss, mask, "token-mean")
@@ -294,12 +312,14 @@ def test_p1_response_level_loss_is_zero(name):
 @pytest.mark.parametrize("advantage", [0.0, 1.0, -1.0])
 def test_p3_huge_log_ratio_is_finite(name, advantage):
     # P3: mean log-ratio 100 -> exp overflows float32 (max ~3.4e38) without the clamp.
-    fn, config_cls = get_policy_loss(name)
     mask = torch.ones(2, 3, dtype=torch.bool)
     old = torch.full((2, 3), -120.0)
     logprobs = (old + 100.0).requires_grad_(True)
-    loss, metrics = fn(logprobs, old, torch.full((2,), advantage), mask,
-                       torch.zeros(2, 3, dtype=torch.long), torch.ones(2, 3), config_cls())
+    out = make_policy_loss(name)(LossInputs(
+        logprobs=logprobs, old_logprobs=old, advantages=torch.full((2,), advantage),
+        response_mask=mask, segment_ids=torch.zeros(2, 3, dtype=torch.long),
+        old_entropy=torch.ones(2, 3)))
+    loss, metrics = out.per_token_loss, out.metrics
     num, den = aggregate(loss, mask, "seq-mean-token-mean")
     num.backward()
     assert torch.isfinite(loss).all() and torch.isfinite(logprobs.grad).all()
@@ -360,37 +380,56 @@ def test_all_masked_batch_is_finite():
 # ----------------------------------------------------------------------------- bad input / registry
 
 def _good_args():
-    return [torch.zeros(2, 4, requires_grad=True), torch.zeros(2, 4), torch.zeros(2),
-            torch.ones(2, 4, dtype=torch.bool), torch.zeros(2, 4, dtype=torch.long),
-            torch.zeros(2, 4)]
+    return dict(logprobs=torch.zeros(2, 4, requires_grad=True), old_logprobs=torch.zeros(2, 4),
+                advantages=torch.zeros(2), response_mask=torch.ones(2, 4, dtype=torch.bool),
+                segment_ids=torch.zeros(2, 4, dtype=torch.long), old_entropy=torch.zeros(2, 4))
 
 
-@pytest.mark.parametrize(("index", "bad", "pattern"), [
-    (1, torch.zeros(2, 3), r"old_logprobs has shape \(2, 3\) but logprobs has shape \(2, 4\)"),
-    (2, torch.zeros(3), r"advantages has shape \(3,\) but logprobs has shape \(2, 4\)"),
-    (3, torch.ones(2, 5, dtype=torch.bool), r"response_mask has shape \(2, 5\)"),
-    (4, torch.zeros(1, 4, dtype=torch.long), r"segment_ids has shape \(1, 4\)"),
-    (5, torch.zeros(2), r"old_entropy has shape \(2,\)"),
-    (3, torch.ones(2, 4), "torch.bool"),
+@pytest.mark.parametrize(("field", "bad", "pattern"), [
+    ("old_logprobs", torch.zeros(2, 3),
+     r"LossInputs\.old_logprobs has shape \(2, 3\) but logprobs has \(2, 4\)"),
+    ("advantages", torch.zeros(3), r"LossInputs\.advantages has shape \(3,\).*\[B\] = \[2\]"),
+    ("response_mask", torch.ones(2, 5, dtype=torch.bool),
+     r"LossInputs\.response_mask has shape \(2, 5\)"),
+    ("segment_ids", torch.zeros(1, 4, dtype=torch.long), r"LossInputs\.segment_ids has shape \(1, 4\)"),
+    ("old_entropy", torch.zeros(2), r"LossInputs\.old_entropy has shape \(2,\)"),
+    ("response_mask", torch.ones(2, 4), r"LossInputs\.response_mask must be torch\.bool"),
 ])
-def test_bad_shapes_and_dtypes_raise(index, bad, pattern):
+def test_bad_shapes_and_dtypes_raise(field, bad, pattern):
     args = _good_args()
-    args[index] = bad
+    args[field] = bad
     with pytest.raises(ValueError, match=pattern):
-        ratio_clip_loss(*args, SSPOLossConfig())
+        LossInputs(**args)
+
+
+def test_swapped_advantages_and_old_logprobs_raise_naming_advantages():
+    # A [B, T] tensor where the [B] advantages belong: the message names LossInputs.advantages.
+    args = _good_args()
+    args["advantages"] = torch.zeros(2, 4)
+    with pytest.raises(ValueError, match=r"LossInputs\.advantages has shape \(2, 4\).*\[B\] = \[2\]"):
+        LossInputs(**args)
+    # Both swapped (LossInputs(logprobs, advantages, old_logprobs, mask) positionally): still a
+    # ValueError naming the [B] field, never a silent broadcast.
+    args["old_logprobs"] = torch.zeros(2)
+    with pytest.raises(ValueError, match=r"LossInputs\.advantages has shape \(2, 4\)"):
+        LossInputs(**args)
 
 
 def test_registry_names_lookup_and_duplicates():
     assert {"grpo", "gspo", "sspo", "sspo_fixed_clip"} <= set(policy_loss_names())
-    expected = {"grpo": GRPOLossConfig, "gspo": GSPOLossConfig, "sspo": SSPOLossConfig,
-                "sspo_fixed_clip": SSPOFixedClipConfig}
-    for name, config_cls in expected.items():
-        assert get_policy_loss(name) == (ratio_clip_loss, config_cls)
+    expected = {"grpo": (GRPOLossConfig, "token"), "gspo": (GSPOLossConfig, "response"),
+                "sspo": (SSPOLossConfig, None), "sspo_fixed_clip": (SSPOFixedClipConfig, None)}
+    for name, (config_cls, unit) in expected.items():
+        record = get_policy_loss(name)
+        assert record.name == name and record.config_cls is config_cls
+        assert record.unit == unit and record.advantage_source == "group"
+    assert get_policy_loss("sspo").reads_old_entropy and not get_policy_loss("grpo").reads_old_entropy
     with pytest.raises(ValueError, match="registered: .*'grpo'.*'sspo'"):
         get_policy_loss("ppo_typo")
+    before = get_policy_loss("sspo")
     with pytest.raises(ValueError, match="already registered"):
-        register_policy_loss("sspo", SSPOLossConfig)(ratio_clip_loss)
-    assert get_policy_loss("sspo") == (ratio_clip_loss, SSPOLossConfig)
+        register_policy_loss(LossRecord("sspo", SSPOLossConfig, before.build))
+    assert get_policy_loss("sspo") is before and get_policy_loss("sspo").config_cls is SSPOLossConfig
 
 
 @pytest.mark.parametrize(("make", "pattern"), [
@@ -407,5 +446,36 @@ def test_config_validation(make, pattern):
 
 
 def test_wrong_config_type_raises():
-    with pytest.raises(ValueError, match="config"):
-        ratio_clip_loss(*_good_args(), {"eps_low": 0.2})
+    with pytest.raises(ValueError, match="'sspo' needs a SSPOLossConfig, got GRPOLossConfig"):
+        make_policy_loss("sspo", GRPOLossConfig())
+    with pytest.raises(ValueError, match="'sspo' needs a SSPOLossConfig, got dict"):
+        make_policy_loss("sspo", {"eps_low": 0.2})
+
+
+# ----------------------------------------------------------------------------- one-call API
+
+@pytest.mark.parametrize(("name", "params", "expected"), [
+    # Ratios 1, so each token's loss is -A_i: row 0 (A = +1, 3 tokens) -1, row 1 (A = -1,
+    # 2 tokens) +1.
+    ("grpo", {}, 0.0),  # seq-mean-token-mean: (-1 + 1) / 2
+    ("dapo", {}, -(3 * 1 + 2 * (-1)) / 5),  # token-mean: -0.2
+    ("dr_grpo", {"max_response_length": 4}, ((-3) + 2) / 4 / 2),  # constant-denominator: -0.125
+])
+def test_compute_policy_loss_applies_each_losss_aggregation(name, params, expected):
+    mask = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0]], dtype=torch.bool)
+    logprobs = torch.full((2, 4), -0.7, requires_grad=True)
+    inputs = LossInputs(logprobs=logprobs, old_logprobs=logprobs.detach().clone(),
+                        advantages=torch.tensor([1.0, -1.0]), response_mask=mask)
+    loss, metrics = compute_policy_loss(name, inputs, **params)
+    assert loss.item() == pytest.approx(expected, abs=1e-7)
+    assert metrics["loss/policy"] == pytest.approx(expected, abs=1e-7)
+    loss.backward()
+    assert torch.isfinite(logprobs.grad).all()
+
+
+def test_requirements_read_from_the_registry():
+    assert make_policy_loss("sspo").requirements == LossRequirements(
+        segmentation="newline", segment_k=None, advantage_source="group", normalize_std=True,
+        reference_policy=False, current_entropy=False, old_entropy=True)
+    assert make_policy_loss("sppo").requirements.advantage_source == "critic"
+    assert make_policy_loss("dr_grpo").requirements.normalize_std is False

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from nemo_sspo.algorithms.losses import get_policy_loss
+from nemo_sspo.algorithms.losses import GRPOLossConfig, make_policy_loss
 from nemo_sspo.megatron.step import LossSpec, PolicyBatch, _policy_loss_func
 from nemo_sspo.rollout import truncated_is_weights
 
@@ -50,9 +50,8 @@ def _batch(tis_weights):
 
 
 def test_policy_loss_is_weighted_per_token():
-    loss_fn, config_cls = get_policy_loss("grpo")
-    spec = LossSpec(loss_fn=loss_fn, loss_config=config_cls(aggregation="token-mean"), tp_group=None, vocab_start=0, vocab_size=5,
-                    temperature=1.0, max_response_length=3)
+    spec = LossSpec(loss=make_policy_loss("grpo", GRPOLossConfig(aggregation="token-mean")), tp_group=None,
+                    vocab_start=0, vocab_size=5, temperature=1.0, max_response_length=3)
     logits = torch.zeros(1, 4, 5)  # uniform: log-prob -log 5 = old log-prob, ratio 1, GRPO token loss -A = -1
     plain, count, _ = _policy_loss_func(_batch(None), spec, logits)
     weighted, count_w, _ = _policy_loss_func(_batch(torch.tensor([[2.0, 0.5, 1.0, 1.0]])), spec, logits)

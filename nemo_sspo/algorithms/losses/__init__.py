@@ -1,38 +1,43 @@
-"""Policy-loss registry and the registered losses (importing this package registers them).
+"""Policy losses on plain tensors: the typed interface, the registry and the registered losses.
 
-Registered names: grpo, dr_grpo, dapo, gspo, gspo_token, sspo, sspo_fixed_clip, lpo, sppo, dcpo,
-gmpo, sapo, soft_seq_po (all on the shared segment-ratio engine :func:`ratio_clip_loss`), cispo
-(:func:`cispo_loss`), clip_cov and kl_cov (:func:`covariance_policy_loss`).
+One call for plain tensors: ``compute_policy_loss(name, LossInputs(...), **params)``. Hosts that
+reduce over micro-batches bind a loss once (:func:`make_policy_loss`) and call
+:func:`policy_loss_sums` per micro-batch. Registered names: grpo, dr_grpo, dapo, gspo, gspo_token,
+sspo, sspo_fixed_clip, lpo, sppo, dcpo, gmpo, sapo, soft_seq_po (the segment-ratio engine,
+:class:`RatioEngine`), cispo, clip_cov and kl_cov. Importing this package registers them.
 """
 
 from nemo_sspo.algorithms.losses.adaptive_bounds import DCPOLossConfig, SSPOLossConfig
+from nemo_sspo.algorithms.losses.api import compute_policy_loss, policy_loss_sums
 from nemo_sspo.algorithms.losses.base import LossTerms, PolicyLossConfig
-from nemo_sspo.algorithms.losses.cispo import CISPOLossConfig, cispo_loss
+from nemo_sspo.algorithms.losses.cispo import CISPOLossConfig
 from nemo_sspo.algorithms.losses.covariance import (
     ClipCovLossConfig,
     KLCovLossConfig,
-    covariance_policy_loss,
     select_high_covariance_tokens,
     select_random_covariance_tokens,
 )
 from nemo_sspo.algorithms.losses.geometric import GMPOLossConfig, SoftSeqPOLossConfig
+from nemo_sspo.algorithms.losses.inputs import LossInputs, LossOutput, PolicyLoss
 from nemo_sspo.algorithms.losses.ratio_clip import (
     DAPOLossConfig,
     DrGRPOLossConfig,
     GRPOLossConfig,
     GSPOLossConfig,
-    GSPOTokenLossConfig,
     LPOLossConfig,
-    RatioLossConfig,
+    RatioEngine,
     SequencePPOLossConfig,
     SSPOFixedClipConfig,
-    ratio_clip_loss,
 )
 from nemo_sspo.algorithms.losses.registry import (
+    LossRecord,
+    LossRequirements,
     build_policy_loss_config,
     get_policy_loss,
+    make_policy_loss,
     policy_loss_names,
     register_policy_loss,
+    unregister_policy_loss,
 )
 from nemo_sspo.algorithms.losses.soft_gates import (
     SAPOLossConfig,
@@ -40,6 +45,7 @@ from nemo_sspo.algorithms.losses.soft_gates import (
     get_soft_gate,
     register_soft_gate,
     soft_gate_names,
+    unregister_soft_gate,
 )
 from nemo_sspo.algorithms.ratios import LOG_RATIO_CLAMP
 
@@ -53,12 +59,16 @@ __all__ = [
     "GMPOLossConfig",
     "GRPOLossConfig",
     "GSPOLossConfig",
-    "GSPOTokenLossConfig",
     "KLCovLossConfig",
     "LPOLossConfig",
+    "LossInputs",
+    "LossOutput",
+    "LossRecord",
+    "LossRequirements",
     "LossTerms",
+    "PolicyLoss",
     "PolicyLossConfig",
-    "RatioLossConfig",
+    "RatioEngine",
     "SAPOLossConfig",
     "SSPOFixedClipConfig",
     "SSPOLossConfig",
@@ -66,15 +76,17 @@ __all__ = [
     "SoftGate",
     "SoftSeqPOLossConfig",
     "build_policy_loss_config",
-    "cispo_loss",
-    "covariance_policy_loss",
+    "compute_policy_loss",
     "get_policy_loss",
     "get_soft_gate",
+    "make_policy_loss",
     "policy_loss_names",
-    "ratio_clip_loss",
+    "policy_loss_sums",
     "register_policy_loss",
     "register_soft_gate",
     "select_high_covariance_tokens",
     "select_random_covariance_tokens",
     "soft_gate_names",
+    "unregister_policy_loss",
+    "unregister_soft_gate",
 ]

@@ -33,23 +33,27 @@ the plain group-standardised ones.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar
 
 import torch
 
 from nemo_sspo.algorithms.bounds import LOWER_BOUND_RULES, entropy_adaptive_bounds
-from nemo_sspo.algorithms.losses.base import check_eps, config_error
+from nemo_sspo.algorithms.losses.base import (
+    PolicyLossConfig,
+    check_eps,
+    check_segmentation,
+    config_error,
+)
 from nemo_sspo.algorithms.losses.ratio_clip import (
     BoundsContext,
-    RatioLossConfig,
+    HardClip,
+    RatioEngine,
     check_dual_clip,
-    ratio_clip_loss,
 )
-from nemo_sspo.algorithms.losses.registry import register_policy_loss
+from nemo_sspo.algorithms.losses.registry import LossRecord, register_policy_loss
 
 
 @dataclass
-class SSPOLossConfig(RatioLossConfig):
+class SSPOLossConfig(PolicyLossConfig):
     """SSPO (arXiv 2511.04256): subsentence ratio (eq. 9), entropy-adaptive bounds (eqs. 13-15).
 
     Paper settings: 1.5B alpha=0, beta=0.8, gamma=1.75; 7B alpha=0.1, beta=0.8, gamma=2.2.
@@ -70,6 +74,7 @@ class SSPOLossConfig(RatioLossConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        check_segmentation(self)
         if self.lower_bound not in LOWER_BOUND_RULES:
             raise config_error(self, f"lower_bound={self.lower_bound!r}; valid: "
                                      f"{LOWER_BOUND_RULES}")
@@ -78,18 +83,12 @@ class SSPOLossConfig(RatioLossConfig):
                                      "need alpha >= 0, 0 <= beta <= 1 and gamma >= 1 (so that "
                                      "b_low <= 1 <= b_high)")
 
-    def clip_bounds(self, context: BoundsContext) -> tuple[torch.Tensor, torch.Tensor]:
-        """Entropy-adaptive bounds of eqs. 14-15 from the segment entropy H_ij."""
-        return entropy_adaptive_bounds(context.segment_entropy, alpha=self.alpha, beta=self.beta,
-                                       gamma=self.gamma, lower=self.lower_bound)
-
 
 @dataclass
-class DCPOLossConfig(RatioLossConfig):
+class DCPOLossConfig(PolicyLossConfig):
     """DCPO (arXiv 2509.02333, code lime-RL/DCPO): token ratio with bounds from the old token
     probability, dual clip for A < 0 (module docstring; defaults from the shipped run)."""
 
-    segmentation: ClassVar[str] = "token"
     eps_low: float = 0.2
     """Lower budget: (1 - r) r q <= eps_low; 0 <= eps_low <= 1 (run_base.sh: 0.2)."""
     eps_high: float = 0.28
@@ -108,15 +107,36 @@ class DCPOLossConfig(RatioLossConfig):
         if self.ratio_max < 1.0:
             raise config_error(self, f"ratio_max={self.ratio_max} must be >= 1")
 
-    def clip_bounds(self, context: BoundsContext) -> tuple[torch.Tensor, torch.Tensor]:
-        """Probability-dependent bounds (module docstring) from q = exp(old log-prob)."""
-        old_prob = torch.exp(context.old_logprobs.to(context.segment_entropy.dtype))
-        old_prob = old_prob.clamp(min=torch.finfo(old_prob.dtype).tiny)
-        b_high = (0.5 + 0.5 * torch.sqrt(1.0 + 4.0 * self.eps_high / old_prob)).clamp(
-            max=self.ratio_max)
-        b_low = 0.5 + 0.5 * torch.sqrt((1.0 - 4.0 * self.eps_low / old_prob).clamp(min=0.0))
+
+@dataclass(frozen=True)
+class EntropyAdaptiveBounds:
+    """SSPO's bounds (eqs. 14-15) from the segment entropy H_ij of the context."""
+
+    config: SSPOLossConfig
+
+    def __call__(self, context: BoundsContext) -> tuple[torch.Tensor, torch.Tensor]:
+        c = self.config
+        return entropy_adaptive_bounds(context.segment_entropy, alpha=c.alpha, beta=c.beta,
+                                       gamma=c.gamma, lower=c.lower_bound)
+
+
+@dataclass(frozen=True)
+class OldProbabilityBounds:
+    """DCPO's bounds (module docstring) from q = exp(old log-prob) of each token."""
+
+    config: DCPOLossConfig
+
+    def __call__(self, context: BoundsContext) -> tuple[torch.Tensor, torch.Tensor]:
+        c = self.config
+        old_prob = torch.exp(context.old_logprobs).clamp(min=torch.finfo(context.old_logprobs.dtype).tiny)
+        b_high = (0.5 + 0.5 * torch.sqrt(1.0 + 4.0 * c.eps_high / old_prob)).clamp(max=c.ratio_max)
+        b_low = 0.5 + 0.5 * torch.sqrt((1.0 - 4.0 * c.eps_low / old_prob).clamp(min=0.0))
         return b_low, b_high
 
 
-register_policy_loss("sspo", SSPOLossConfig)(ratio_clip_loss)
-register_policy_loss("dcpo", DCPOLossConfig)(ratio_clip_loss)
+register_policy_loss(LossRecord("sspo", SSPOLossConfig,
+                                lambda c: RatioEngine(HardClip(EntropyAdaptiveBounds(c))),
+                                reads_old_entropy=True))
+register_policy_loss(LossRecord("dcpo", DCPOLossConfig,
+                                lambda c: RatioEngine(HardClip(OldProbabilityBounds(c), c.dual_clip_c)),
+                                unit="token"))

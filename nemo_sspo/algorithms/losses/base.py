@@ -1,13 +1,10 @@
-"""What every policy loss shares: the config base, input checks, the per-token terms a loss
-produces, and the optional additive terms (reference KL, entropy bonus).
+"""What every policy loss shares: the config base, the per-token terms a loss produces, and the
+optional additive terms (reference KL, entropy bonus).
 
-Every registered loss has the signature::
-
-    fn(logprobs, old_logprobs, advantages, response_mask, segment_ids, old_entropy, config, *,
-       ref_logprobs=None, entropy=None) -> (per_token_loss [B, T], metrics)
-
-and returns a value TO MINIMISE. Optional additive per-token terms, usable by every loss (config
-fields on :class:`PolicyLossConfig`):
+A registered loss is a :class:`nemo_sspo.algorithms.losses.PolicyLoss`: bound to its config, it
+maps :class:`nemo_sspo.algorithms.losses.LossInputs` to a ``LossOutput`` whose per-token loss is a
+value TO MINIMISE. Optional additive per-token terms, usable by every loss (config fields on
+:class:`PolicyLossConfig`):
 
     loss_t += kl_coef * k(log pi_ref(y_t) - log pi_theta(y_t)) - entropy_coef * H_theta(t)
 
@@ -21,13 +18,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, fields
-from typing import ClassVar
 
 import torch
 
 from nemo_sspo.algorithms.aggregation import _RENAMED as RENAMED_AGGREGATIONS
 from nemo_sspo.algorithms.aggregation import AGGREGATION_MODES
 from nemo_sspo.algorithms.kl import KL_ESTIMATORS, kl_estimate
+from nemo_sspo.algorithms.losses.inputs import LossInputs
 from nemo_sspo.algorithms.losses.metrics import pair, policy_metrics
 from nemo_sspo.algorithms.segmentation import SEGMENTATIONS, segment_ids_for_level
 
@@ -88,21 +85,13 @@ def check_eps(config, low_name: str, high_name: str) -> None:
 
 @dataclass
 class PolicyLossConfig:
-    """Fields shared by every loss's config (each loss subclasses this with its own fields).
+    """Fields shared by every loss's config (each loss's config adds its own fields).
 
-    Class attributes (fixed by the loss, overridden by a field where a loss lets users choose):
-    ``segmentation`` names the unit of the loss's ratio (see
-    :data:`nemo_sspo.algorithms.segmentation.SEGMENTATIONS`; "token" and "response" are computed
-    from the mask, the others are read from the ``segment_ids`` argument, which the trainer builds
-    with :func:`nemo_sspo.algorithms.segmentation.segment_ids` using ``segmentation`` and
-    ``segment_k``). ``advantage_source`` tells the trainer where the per-response advantages come
-    from: ``"group"`` (group-relative, ``group_advantages``) or ``"critic"`` (SPPO:
-    ``r - sigmoid(V(prompt))`` from a learned prompt-value critic).
+    A config is data only: what the loss computes with it is fixed at registration
+    (:func:`nemo_sspo.algorithms.losses.register_policy_loss`), including a ratio unit that the
+    loss does not let users change (GRPO's "token"). Defaults of every config are its paper's or
+    official code's recipe (each field says which); the CPU demo overrides in its YAML.
     """
-
-    segmentation: ClassVar[str] = "token"
-    segment_k: ClassVar[int | None] = None
-    advantage_source: ClassVar[str] = "group"
 
     aggregation: str = "seq-mean-token-mean"
     """Reduction mode passed to ``aggregate`` (one of ``AGGREGATION_MODES``)."""
@@ -137,27 +126,43 @@ class PolicyLossConfig:
         if self.kl_coef < 0.0 or self.entropy_coef < 0.0:
             raise config_error(self, f"kl_coef={self.kl_coef} and entropy_coef="
                                      f"{self.entropy_coef} must be >= 0 (0 disables the term)")
-        self._check_segmentation()
-
-    def _check_segmentation(self) -> None:
-        if self.segmentation not in SEGMENTATIONS:
-            raise config_error(self, f"segmentation={self.segmentation!r}; valid: {SEGMENTATIONS}")
-        if self.segmentation == "fixed_k":
-            if not isinstance(self.segment_k, int) or self.segment_k < 1:
-                raise config_error(self, f"segment_k={self.segment_k!r}: segmentation 'fixed_k' "
-                                         "needs an int segment_k >= 1")
-        elif self.segment_k is not None:
-            raise config_error(self, f"segment_k={self.segment_k!r} is only read by segmentation "
-                                     f"'fixed_k', not {self.segmentation!r}; remove it")
 
 
-def resolve_segments(config: PolicyLossConfig, response_mask, segment_ids) -> torch.Tensor:
-    """The loss's segments: computed from the mask for "token"/"response", else ``segment_ids``."""
-    if config.segmentation == "token":
-        return segment_ids_for_level("token", response_mask)
-    if config.segmentation == "response":
-        return segment_ids_for_level("sequence", response_mask)
-    return segment_ids_for_level("subsentence", response_mask, segment_ids)
+def check_segmentation(config) -> None:
+    """Check a config's own ``segmentation`` / ``segment_k`` fields (losses whose unit is set by
+    the user: SSPO, SSPO with a fixed clip, LPO, SPPO).
+
+    Raises:
+        ValueError: unknown strategy, or ``segment_k`` missing for / given without "fixed_k".
+    """
+    if config.segmentation not in SEGMENTATIONS:
+        raise config_error(config, f"segmentation={config.segmentation!r}; valid: {SEGMENTATIONS}")
+    if config.segmentation == "fixed_k":
+        if not isinstance(config.segment_k, int) or config.segment_k < 1:
+            raise config_error(config, f"segment_k={config.segment_k!r}: segmentation 'fixed_k' "
+                                       "needs an int segment_k >= 1")
+    elif config.segment_k is not None:
+        raise config_error(config, f"segment_k={config.segment_k!r} is only read by segmentation "
+                                   f"'fixed_k', not {config.segmentation!r}; remove it")
+
+
+def resolve_segments(segmentation: str, inputs: LossInputs) -> torch.Tensor:
+    """``[B, T]`` int64 ids of the loss's ratio segments: computed from the mask for "token" and
+    "response", else ``inputs.segment_ids`` after a range check.
+
+    Raises:
+        ValueError: ``segment_ids`` missing for a text-based unit, or out of range.
+    """
+    if segmentation == "token":
+        return segment_ids_for_level("token", inputs.response_mask)
+    if segmentation == "response":
+        return segment_ids_for_level("sequence", inputs.response_mask)
+    if inputs.segment_ids is None:
+        raise ValueError(f"LossInputs.segment_ids is None but this loss's ratio unit is "
+                         f"{segmentation!r}: build them with "
+                         "nemo_sspo.algorithms.segmentation.segment_ids")
+    check_segment_id_range(inputs.segment_ids, inputs.response_mask)
+    return segment_ids_for_level("subsentence", inputs.response_mask, inputs.segment_ids)
 
 
 def check_segment_id_range(segment_ids: torch.Tensor, response_mask: torch.Tensor) -> None:
@@ -182,44 +187,20 @@ def check_segment_id_range(segment_ids: torch.Tensor, response_mask: torch.Tenso
                          "nemo_sspo.algorithms.segmentation.segment_ids")
 
 
-def check_loss_inputs(logprobs, old_logprobs, advantages, response_mask, segment_ids, old_entropy,
-                      config, config_type: type, *, ref_logprobs, entropy) -> None:
-    """Shapes, dtypes, config type, and the optional tensors the config's coefficients need.
-
-    When the config's segmentation reads ``segment_ids`` (not "token"/"response"), their range at
-    valid positions is checked too (:func:`check_segment_id_range`, one host sync).
+def check_optional_inputs(config: PolicyLossConfig, inputs: LossInputs) -> None:
+    """The optional tensors the config's coefficients need.
 
     Raises:
-        ValueError: naming the argument, both shapes, or the config field and the fix.
+        ValueError: naming the config field and the missing ``LossInputs`` field.
     """
-    if logprobs.dim() != 2 or not logprobs.is_floating_point():
-        raise ValueError(f"logprobs must be a float [B, T] tensor, got {tuple(logprobs.shape)} "
-                         f"{logprobs.dtype}")
-    named = {"old_logprobs": old_logprobs, "response_mask": response_mask,
-             "segment_ids": segment_ids, "old_entropy": old_entropy,
-             "ref_logprobs": ref_logprobs, "entropy": entropy}
-    for name, tensor in named.items():
-        if tensor is not None and tensor.shape != logprobs.shape:
-            raise ValueError(f"{name} has shape {tuple(tensor.shape)} but logprobs has shape "
-                             f"{tuple(logprobs.shape)}; both must be [B, T]")
-    if advantages.shape != logprobs.shape[:1]:
-        raise ValueError(f"advantages has shape {tuple(advantages.shape)} but logprobs has shape "
-                         f"{tuple(logprobs.shape)}; advantages must be [B]")
-    if response_mask.dtype != torch.bool:
-        raise ValueError(f"response_mask must be torch.bool, got {response_mask.dtype}")
-    if segment_ids.is_floating_point() or segment_ids.dtype == torch.bool:
-        raise ValueError(f"segment_ids must be an integer tensor, got {segment_ids.dtype}")
-    if not isinstance(config, config_type):
-        raise ValueError(f"config must be a {config_type.__name__} (the config class registered "
-                         f"with this loss), got {type(config).__name__}")
-    if config.segmentation not in ("token", "response"):
-        check_segment_id_range(segment_ids, response_mask)
-    if config.kl_coef > 0 and ref_logprobs is None:
-        raise config_error(config, f"kl_coef={config.kl_coef} needs ref_logprobs= ([B, T] log-probs "
-                                   "of the reference policy); pass them or set kl_coef=0")
-    if config.entropy_coef > 0 and entropy is None:
-        raise config_error(config, f"entropy_coef={config.entropy_coef} needs entropy= ([B, T] "
-                                   "current-policy token entropy); pass it or set entropy_coef=0")
+    if config.kl_coef > 0 and inputs.ref_logprobs is None:
+        raise config_error(config, f"kl_coef={config.kl_coef} needs LossInputs.ref_logprobs "
+                                   "([B, T] log-probs of the reference policy); pass them or set "
+                                   "kl_coef=0")
+    if config.entropy_coef > 0 and inputs.entropy is None:
+        raise config_error(config, f"entropy_coef={config.entropy_coef} needs LossInputs.entropy "
+                                   "([B, T] current-policy token entropy); pass it or set "
+                                   "entropy_coef=0")
 
 
 @dataclass(frozen=True)
@@ -231,7 +212,8 @@ class LossTerms:
         response_mask: bool, valid tokens.
         segments: int64 ids of the loss's ratio segments (-1 masked).
         segment_length: float, token count of each token's segment (0 masked).
-        segment_entropy: float, mean old-policy entropy over each token's segment (eq. 13).
+        segment_entropy: float, mean old-policy entropy over each token's segment (eq. 13), or
+            None when the inputs carry no old entropy.
         log_ratio: detached token log-ratio d_t = log pi_theta - log pi_old (0 masked).
         ratio: detached ratio the loss applies to each token (segment/sequence/token ratio).
         clip_low / clip_high / clip_dual: bool, the token's ratio (or its IS weight) was clipped
@@ -246,7 +228,7 @@ class LossTerms:
     response_mask: torch.Tensor
     segments: torch.Tensor
     segment_length: torch.Tensor
-    segment_entropy: torch.Tensor
+    segment_entropy: torch.Tensor | None
     log_ratio: torch.Tensor
     ratio: torch.Tensor
     clip_low: torch.Tensor
@@ -259,28 +241,29 @@ class LossTerms:
     extra_metrics: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
-def finish_policy_loss(terms: LossTerms, config: PolicyLossConfig, *, logprobs, old_entropy,
-                       ref_logprobs, entropy) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+def finish_policy_loss(terms: LossTerms, config: PolicyLossConfig,
+                       inputs: LossInputs) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Add the reference-KL and entropy terms and build the metrics (module docstring).
 
-    ``ref_logprobs`` / ``entropy`` given with a zero coefficient are still reported
+    ``inputs.ref_logprobs`` / ``inputs.entropy`` given with a zero coefficient are still reported
     (``policy/kl_ref``, ``policy/entropy_current``).
     """
-    mask = terms.response_mask
+    mask, logprobs = terms.response_mask, inputs.logprobs
     per_token = terms.per_token_loss
     zero = torch.zeros((), dtype=per_token.dtype, device=per_token.device)
-    metrics = policy_metrics(terms, old_entropy.detach())
+    old_entropy = None if inputs.old_entropy is None else inputs.old_entropy.detach()
+    metrics = policy_metrics(terms, old_entropy)
     tokens = mask.sum()
-    if ref_logprobs is not None:
+    if inputs.ref_logprobs is not None:
         # Mask before the estimator: NaN padding must not reach exp (0 * NaN in backward).
-        log_ref_ratio = torch.where(mask, ref_logprobs.detach().to(logprobs.dtype) - logprobs,
+        log_ref_ratio = torch.where(mask, inputs.ref_logprobs.detach().to(logprobs.dtype) - logprobs,
                                     zero.to(logprobs.dtype))
         kl = kl_estimate(log_ref_ratio, config.kl_estimator)  # 0 at masked positions
         if config.kl_coef > 0:
             per_token = per_token + config.kl_coef * kl
         metrics["policy/kl_ref"] = pair(kl.detach().sum(), tokens)
-    if entropy is not None:
-        bonus = torch.where(mask, entropy.to(per_token.dtype), zero)
+    if inputs.entropy is not None:
+        bonus = torch.where(mask, inputs.entropy.to(per_token.dtype), zero)
         if config.entropy_coef > 0:
             per_token = per_token - config.entropy_coef * bonus
         metrics["policy/entropy_current"] = pair(bonus.detach().sum(), tokens)

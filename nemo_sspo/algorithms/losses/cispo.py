@@ -22,19 +22,12 @@ The earlier cap 2 is ``eps_high_is=1``.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar
 
 import torch
 
-from nemo_sspo.algorithms.losses.base import (
-    LossTerms,
-    PolicyLossConfig,
-    check_eps,
-    check_loss_inputs,
-    finish_policy_loss,
-    resolve_segments,
-)
-from nemo_sspo.algorithms.losses.registry import register_policy_loss
+from nemo_sspo.algorithms.losses.base import LossTerms, PolicyLossConfig, check_eps
+from nemo_sspo.algorithms.losses.inputs import LossInputs
+from nemo_sspo.algorithms.losses.registry import LossRecord, register_policy_loss
 from nemo_sspo.algorithms.ratios import LOG_RATIO_CLAMP
 
 
@@ -42,7 +35,6 @@ from nemo_sspo.algorithms.ratios import LOG_RATIO_CLAMP
 class CISPOLossConfig(PolicyLossConfig):
     """CISPO (arXiv 2506.13585): detached, clipped IS weight times log pi_theta."""
 
-    segmentation: ClassVar[str] = "token"
     aggregation: str = "token-mean"
     """Token-level normalisation, as in the paper's objective."""
     eps_low_is: float = 1.0
@@ -55,61 +47,38 @@ class CISPOLossConfig(PolicyLossConfig):
         check_eps(self, "eps_low_is", "eps_high_is")
 
 
-def cispo_loss(
-    logprobs: torch.Tensor,
-    old_logprobs: torch.Tensor,
-    advantages: torch.Tensor,
-    response_mask: torch.Tensor,
-    segment_ids: torch.Tensor,
-    old_entropy: torch.Tensor,
-    config: CISPOLossConfig,
-    *,
-    ref_logprobs: torch.Tensor | None = None,
-    entropy: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Per-token CISPO loss -sg(clip(r_t)) A_i log pi_theta(y_t) (value to minimise).
+@dataclass(frozen=True)
+class CISPOObjective:
+    """Per-token -sg(clip(r_t)) A_i log pi_theta(y_t) (module docstring); token segments."""
 
-    Args:
-        logprobs, old_logprobs, advantages, response_mask, old_entropy, ref_logprobs, entropy:
-            as for ``nemo_sspo.algorithms.losses.ratio_clip.ratio_clip_loss`` (``[B, T]`` /
-            ``[B]``; ``old_entropy`` is only reported).
-        segment_ids: ``[B, T]`` int64; not read (CISPO is token-level), shape-checked only.
-        config: :class:`CISPOLossConfig`.
+    config: CISPOLossConfig
 
-    Returns:
-        ``(per_token_loss [B, T], metrics)`` as for every registered loss.
-
-    Raises:
-        ValueError: as ``ratio_clip_loss``.
-    """
-    check_loss_inputs(logprobs, old_logprobs, advantages, response_mask, segment_ids, old_entropy,
-                      config, CISPOLossConfig, ref_logprobs=ref_logprobs, entropy=entropy)
-    segments = resolve_segments(config, response_mask, segment_ids)
-    zero = torch.zeros((), dtype=logprobs.dtype, device=logprobs.device)
-    own_logprobs = torch.where(response_mask, logprobs, zero)
-    log_ratio = torch.where(response_mask, logprobs.detach() - old_logprobs, zero)
-    ratio = torch.exp(log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
-    low, high = 1.0 - config.eps_low_is, 1.0 + config.eps_high_is
-    weight = ratio.clamp(low, high)
-    adv = advantages.detach().to(logprobs.dtype).unsqueeze(1)
-    per_token = torch.where(response_mask, -weight * adv * own_logprobs, zero)
-    valid = response_mask.to(logprobs.dtype)
-    never = torch.zeros_like(response_mask)
-    terms = LossTerms(
-        per_token_loss=per_token,
-        response_mask=response_mask,
-        segments=segments,
-        segment_length=valid,
-        segment_entropy=torch.where(response_mask, old_entropy.detach().to(logprobs.dtype), zero),
-        log_ratio=log_ratio,
-        ratio=weight,
-        clip_low=(ratio < low) & response_mask,
-        clip_high=(ratio > high) & response_mask,
-        clip_dual=never,
-        grad_zero=never,
-    )
-    return finish_policy_loss(terms, config, logprobs=logprobs, old_entropy=old_entropy,
-                              ref_logprobs=ref_logprobs, entropy=entropy)
+    def __call__(self, inputs: LossInputs, segments: torch.Tensor) -> LossTerms:
+        logprobs, mask = inputs.logprobs, inputs.response_mask
+        zero = torch.zeros((), dtype=logprobs.dtype, device=logprobs.device)
+        own_logprobs = torch.where(mask, logprobs, zero)
+        log_ratio = torch.where(mask, logprobs.detach() - inputs.old_logprobs, zero)
+        ratio = torch.exp(log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
+        low, high = 1.0 - self.config.eps_low_is, 1.0 + self.config.eps_high_is
+        weight = ratio.clamp(low, high)
+        adv = inputs.advantages.detach().to(logprobs.dtype).unsqueeze(1)
+        never = torch.zeros_like(mask)
+        entropy = None
+        if inputs.old_entropy is not None:
+            entropy = torch.where(mask, inputs.old_entropy.detach().to(logprobs.dtype), zero)
+        return LossTerms(
+            per_token_loss=torch.where(mask, -weight * adv * own_logprobs, zero),
+            response_mask=mask,
+            segments=segments,
+            segment_length=mask.to(logprobs.dtype),
+            segment_entropy=entropy,
+            log_ratio=log_ratio,
+            ratio=weight,
+            clip_low=(ratio < low) & mask,
+            clip_high=(ratio > high) & mask,
+            clip_dual=never,
+            grad_zero=never,
+        )
 
 
-register_policy_loss("cispo", CISPOLossConfig)(cispo_loss)
+register_policy_loss(LossRecord("cispo", CISPOLossConfig, CISPOObjective, unit="token"))

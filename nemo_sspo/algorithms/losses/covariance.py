@@ -32,26 +32,20 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
-from typing import ClassVar
 
 import torch
 
-from nemo_sspo.algorithms.losses.base import (
-    LossTerms,
-    check_loss_inputs,
-    config_error,
-    finish_policy_loss,
-)
+from nemo_sspo.algorithms.losses.base import LossTerms, PolicyLossConfig, config_error
+from nemo_sspo.algorithms.losses.inputs import LossInputs
 from nemo_sspo.algorithms.losses.metrics import pair
 from nemo_sspo.algorithms.losses.ratio_clip import (
-    BoundsContext,
+    FixedBounds,
     GRPOLossConfig,
-    RatioLossConfig,
-    Surrogate,
-    ratio_objective,
-    unclipped_surrogate,
+    HardClip,
+    RatioEngine,
+    unclipped,
 )
-from nemo_sspo.algorithms.losses.registry import register_policy_loss
+from nemo_sspo.algorithms.losses.registry import LossRecord, register_policy_loss
 
 
 def token_covariance(logprobs: torch.Tensor, advantages: torch.Tensor,
@@ -165,24 +159,13 @@ def select_random_covariance_tokens(
     return selected, covariance
 
 
-class _CovarianceConfig(RatioLossConfig):
-    """Selection fields' checks; each loss picks its tokens and changes their per-token loss."""
-
-    def _check_selection(self) -> None:
-        if not 0.0 <= self.select_fraction <= 1.0:
-            raise config_error(self, f"select_fraction={self.select_fraction} must lie in [0, 1]")
-
-    def select(self, logprobs, advantages, response_mask, terms: LossTerms) -> torch.Tensor:
-        """``[B, T]`` bool, the tokens this loss changes."""
-        raise NotImplementedError
-
-    def apply_selection(self, terms: LossTerms, selected: torch.Tensor,
-                        log_ratio: torch.Tensor) -> LossTerms:
-        raise NotImplementedError
+def _check_fraction(config) -> None:
+    if not 0.0 <= config.select_fraction <= 1.0:
+        raise config_error(config, f"select_fraction={config.select_fraction} must lie in [0, 1]")
 
 
 @dataclass
-class ClipCovLossConfig(GRPOLossConfig, _CovarianceConfig):
+class ClipCovLossConfig(GRPOLossConfig):
     """Clip-Cov (arXiv 2505.22617; code PRIME-RL/Entropy-Mechanism-of-RL): GRPO objective, loss set
     to 0 on randomly drawn high-covariance tokens the clip has not cut (module docstring)."""
 
@@ -203,31 +186,17 @@ class ClipCovLossConfig(GRPOLossConfig, _CovarianceConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        self._check_selection()
+        _check_fraction(self)
         if self.cov_min >= self.cov_max:
             raise config_error(self, f"cov_min={self.cov_min} >= cov_max={self.cov_max}: the open "
                                      "band (cov_min, cov_max) is empty")
 
-    def select(self, logprobs, advantages, response_mask, terms: LossTerms) -> torch.Tensor:
-        selected, _ = select_random_covariance_tokens(
-            logprobs, advantages, response_mask, self.select_fraction, cov_min=self.cov_min,
-            cov_max=self.cov_max, exclude=terms.grad_zero, seed=self.selection_seed)
-        return selected
-
-    def apply_selection(self, terms: LossTerms, selected: torch.Tensor,
-                        log_ratio: torch.Tensor) -> LossTerms:
-        loss = terms.per_token_loss
-        # The official loss multiplies by 0: value and gradient both vanish.
-        return replace(terms, per_token_loss=torch.where(selected, torch.zeros_like(loss), loss),
-                       grad_zero=terms.grad_zero | selected)
-
 
 @dataclass
-class KLCovLossConfig(_CovarianceConfig):
+class KLCovLossConfig(PolicyLossConfig):
     """KL-Cov (arXiv 2505.22617; code PRIME-RL/Entropy-Mechanism-of-RL): unclipped objective plus
     the |log r| penalty on the highest-covariance tokens."""
 
-    segmentation: ClassVar[str] = "token"
     aggregation: str = "token-mean"
     """The recipe's loss_agg_mode."""
     select_fraction: float = 2e-3
@@ -238,56 +207,66 @@ class KLCovLossConfig(_CovarianceConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        self._check_selection()
+        _check_fraction(self)
         if self.cov_kl_coef < 0.0:
             raise config_error(self, f"cov_kl_coef={self.cov_kl_coef} must be >= 0")
 
-    def surrogate(self, ratio: torch.Tensor, adv: torch.Tensor, context: BoundsContext) -> Surrogate:
-        return unclipped_surrogate(ratio, adv)
 
-    def select(self, logprobs, advantages, response_mask, terms: LossTerms) -> torch.Tensor:
-        selected, _ = select_high_covariance_tokens(logprobs, advantages, response_mask,
-                                                    self.select_fraction)
-        return selected
+@dataclass(frozen=True)
+class ClipCovSelection:
+    """Clip-Cov: zero the loss (value and gradient) of randomly drawn eligible tokens."""
 
-    def apply_selection(self, terms: LossTerms, selected: torch.Tensor,
-                        log_ratio: torch.Tensor) -> LossTerms:
-        penalty = self.cov_kl_coef * log_ratio.abs()
+    config: ClipCovLossConfig
+
+    def __call__(self, inputs: LossInputs, terms: LossTerms) -> tuple[LossTerms, torch.Tensor]:
+        c = self.config
+        selected, _ = select_random_covariance_tokens(
+            inputs.logprobs, inputs.advantages, inputs.response_mask, c.select_fraction,
+            cov_min=c.cov_min, cov_max=c.cov_max, exclude=terms.grad_zero, seed=c.selection_seed)
         loss = terms.per_token_loss
-        return replace(terms, per_token_loss=torch.where(selected, loss + penalty, loss))
+        # The official loss multiplies by 0: value and gradient both vanish.
+        return replace(terms, per_token_loss=torch.where(selected, torch.zeros_like(loss), loss),
+                       grad_zero=terms.grad_zero | selected), selected
 
 
-def covariance_policy_loss(
-    logprobs: torch.Tensor,
-    old_logprobs: torch.Tensor,
-    advantages: torch.Tensor,
-    response_mask: torch.Tensor,
-    segment_ids: torch.Tensor,
-    old_entropy: torch.Tensor,
-    config: _CovarianceConfig,
-    *,
-    ref_logprobs: torch.Tensor | None = None,
-    entropy: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Per-token Clip-Cov / KL-Cov loss (value to minimise; module docstring).
+@dataclass(frozen=True)
+class KLCovSelection:
+    """KL-Cov: add beta |log r_t| to the highest-covariance tokens."""
 
-    Args, returns and errors as ``nemo_sspo.algorithms.losses.ratio_clip.ratio_clip_loss``;
-    ``config`` is a :class:`ClipCovLossConfig` or :class:`KLCovLossConfig`. Adds the metric
-    ``policy/cov_selected_frac`` (selected tokens / valid tokens).
-    """
-    check_loss_inputs(logprobs, old_logprobs, advantages, response_mask, segment_ids, old_entropy,
-                      config, _CovarianceConfig, ref_logprobs=ref_logprobs, entropy=entropy)
-    terms = ratio_objective(logprobs, old_logprobs, advantages, response_mask, segment_ids,
-                            old_entropy, config)
-    selected = config.select(logprobs, advantages, response_mask, terms)
-    zero = torch.zeros((), dtype=logprobs.dtype, device=logprobs.device)
-    log_ratio = torch.where(response_mask, logprobs - old_logprobs.detach(), zero)
-    terms = config.apply_selection(terms, selected, log_ratio)
-    extra = {"policy/cov_selected_frac": pair(selected.sum(), response_mask.sum())}
-    terms = replace(terms, extra_metrics={**terms.extra_metrics, **extra})
-    return finish_policy_loss(terms, config, logprobs=logprobs, old_entropy=old_entropy,
-                              ref_logprobs=ref_logprobs, entropy=entropy)
+    config: KLCovLossConfig
+
+    def __call__(self, inputs: LossInputs, terms: LossTerms) -> tuple[LossTerms, torch.Tensor]:
+        selected, _ = select_high_covariance_tokens(inputs.logprobs, inputs.advantages,
+                                                    inputs.response_mask,
+                                                    self.config.select_fraction)
+        mask, logprobs = inputs.response_mask, inputs.logprobs
+        log_ratio = torch.where(mask, logprobs - inputs.old_logprobs.detach(),
+                                torch.zeros((), dtype=logprobs.dtype, device=logprobs.device))
+        loss = terms.per_token_loss
+        penalty = self.config.cov_kl_coef * log_ratio.abs()
+        return replace(terms, per_token_loss=torch.where(selected, loss + penalty, loss)), selected
 
 
-register_policy_loss("clip_cov", ClipCovLossConfig)(covariance_policy_loss)
-register_policy_loss("kl_cov", KLCovLossConfig)(covariance_policy_loss)
+@dataclass(frozen=True)
+class CovarianceObjective:
+    """The engine's objective with a covariance selection applied on top; adds the metric
+    ``policy/cov_selected_frac`` (selected tokens / valid tokens)."""
+
+    engine: RatioEngine
+    selection: object
+
+    def __call__(self, inputs: LossInputs, segments: torch.Tensor) -> LossTerms:
+        terms, selected = self.selection(inputs, self.engine(inputs, segments))
+        extra = {"policy/cov_selected_frac": pair(selected.sum(), inputs.response_mask.sum())}
+        return replace(terms, extra_metrics={**terms.extra_metrics, **extra})
+
+
+register_policy_loss(LossRecord(
+    "clip_cov", ClipCovLossConfig,
+    lambda c: CovarianceObjective(
+        RatioEngine(HardClip(FixedBounds(c.eps_low, c.eps_high), c.dual_clip_c)),
+        ClipCovSelection(c)),
+    unit="token"))
+register_policy_loss(LossRecord(
+    "kl_cov", KLCovLossConfig,
+    lambda c: CovarianceObjective(RatioEngine(unclipped), KLCovSelection(c)), unit="token"))

@@ -29,34 +29,17 @@ w_i = exp(mean_t g(d_t)), so far-off-policy tokens fade smoothly instead of bein
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar
 
 import torch
 
-from nemo_sspo.algorithms.losses.base import config_error
-from nemo_sspo.algorithms.losses.ratio_clip import (
-    BoundsContext,
-    RatioLossConfig,
-    Surrogate,
-    TokenTransform,
-    ratio_clip_loss,
-    unclipped_surrogate,
-)
-from nemo_sspo.algorithms.losses.registry import register_policy_loss
-from nemo_sspo.algorithms.losses.soft_gates import SoftGateConfig, get_soft_gate
-
-
-class _SequenceWeightConfig(RatioLossConfig):
-    """One segment per response, psi = s A (the weight is shaped inside phi)."""
-
-    segmentation: ClassVar[str] = "response"
-
-    def surrogate(self, ratio: torch.Tensor, adv: torch.Tensor, context: BoundsContext) -> Surrogate:
-        return unclipped_surrogate(ratio, adv)
+from nemo_sspo.algorithms.losses.base import PolicyLossConfig, config_error
+from nemo_sspo.algorithms.losses.ratio_clip import RatioEngine, TokenTransform, unclipped
+from nemo_sspo.algorithms.losses.registry import LossRecord, register_policy_loss
+from nemo_sspo.algorithms.losses.soft_gates import SoftGateFields, gate_temperature, get_soft_gate
 
 
 @dataclass
-class GMPOLossConfig(_SequenceWeightConfig):
+class GMPOLossConfig(PolicyLossConfig):
     """GMPO (arXiv 2507.20673): geometric mean of token ratios clipped in log space (defaults from
     the authors' verl example, examples/gmpo_trainer)."""
 
@@ -71,43 +54,48 @@ class GMPOLossConfig(_SequenceWeightConfig):
             raise config_error(self, f"log_clip_low={self.log_clip_low}, log_clip_high="
                                      f"{self.log_clip_high}: both must be >= 0")
 
-    def transform_log_ratio(self, log_ratio: torch.Tensor, adv: torch.Tensor) -> TokenTransform:
-        """phi(d) = min(d, log_clip_high) for A > 0, max(d, -log_clip_low) for A < 0."""
-        positive, negative = adv > 0, adv < 0
-        clipped = torch.where(positive, log_ratio.clamp(max=self.log_clip_high),
-                              torch.where(negative, log_ratio.clamp(min=-self.log_clip_low),
-                                          log_ratio))
-        with torch.no_grad():
-            high = positive & (log_ratio > self.log_clip_high)
-            low = negative & (log_ratio < -self.log_clip_low)
-        return TokenTransform(clipped, clip_low=low, clip_high=high)
-
 
 @dataclass
-class SoftSeqPOLossConfig(_SequenceWeightConfig, SoftGateConfig):
+class SoftSeqPOLossConfig(SoftGateFields):
     """Soft Sequence PO (arXiv 2602.19327): geometric mean of soft-gated token ratios.
 
-    The gate's placement, normalisation and the defaults below are ours (module docstring).
+    The gate's placement, normalisation and the defaults (``SoftGateFields``: sigmoid gate,
+    tau_pos = tau_neg = 1) are ours (module docstring).
     """
 
-    gate: str = "sigmoid"
-    """Gate family applied to each token log-ratio (``soft_gate_names()``); our default."""
-    tau_pos: float = 1.0
-    """Gate temperature for A > 0 responses; our default."""
-    tau_neg: float = 1.0
-    """Gate temperature for A <= 0 responses; our default."""
 
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        self._check_gate()
+@dataclass(frozen=True)
+class LogSpaceClip:
+    """GMPO's phi: min(d, log_clip_high) for A > 0, max(d, -log_clip_low) for A < 0."""
 
-    def transform_log_ratio(self, log_ratio: torch.Tensor, adv: torch.Tensor) -> TokenTransform:
-        """phi(d) = g(d; tau) with the gate's slope g'(d) reported as the gate weight."""
-        gate, tau = get_soft_gate(self.gate), self.temperature(adv)
+    config: GMPOLossConfig
+
+    def __call__(self, log_ratio: torch.Tensor, adv: torch.Tensor) -> TokenTransform:
+        low, high = self.config.log_clip_low, self.config.log_clip_high
+        positive, negative = adv > 0, adv < 0
+        clipped = torch.where(positive, log_ratio.clamp(max=high),
+                              torch.where(negative, log_ratio.clamp(min=-low), log_ratio))
+        with torch.no_grad():
+            clip_high = positive & (log_ratio > high)
+            clip_low = negative & (log_ratio < -low)
+        return TokenTransform(clipped, clip_low=clip_low, clip_high=clip_high)
+
+
+@dataclass(frozen=True)
+class SoftGateTransform:
+    """Soft Sequence PO's phi: g(d; tau), with the slope g'(d) reported as the gate weight."""
+
+    config: SoftSeqPOLossConfig
+
+    def __call__(self, log_ratio: torch.Tensor, adv: torch.Tensor) -> TokenTransform:
+        gate, tau = get_soft_gate(self.config.gate), gate_temperature(self.config, adv)
         with torch.no_grad():
             weight = gate.slope(log_ratio, tau)
         return TokenTransform(gate.value(log_ratio, tau), gate_weight=weight)
 
 
-register_policy_loss("gmpo", GMPOLossConfig)(ratio_clip_loss)
-register_policy_loss("soft_seq_po", SoftSeqPOLossConfig)(ratio_clip_loss)
+register_policy_loss(LossRecord("gmpo", GMPOLossConfig,
+                                lambda c: RatioEngine(unclipped, LogSpaceClip(c)), unit="response"))
+register_policy_loss(LossRecord("soft_seq_po", SoftSeqPOLossConfig,
+                                lambda c: RatioEngine(unclipped, SoftGateTransform(c)),
+                                unit="response"))

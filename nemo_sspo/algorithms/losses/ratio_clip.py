@@ -7,14 +7,18 @@ Objective (SSPO, arXiv 2511.04256, eq. 16; every loss of the engine changes only
 - y_ij: segment j of response i (the config's ``segmentation``), |y_ij| its token count; A_i the
   response's advantage (eq. 8).
 - s_ij = exp( mean_{t in y_ij} phi(d_t) ) with d_t = log pi_theta(y_t) - log pi_old(y_t) (eq. 9
-  when phi is the identity). ``config.transform_log_ratio`` gives phi: identity here, a log-space
-  clip for GMPO, a soft gate for Soft Sequence PO.
-- psi: ``config.surrogate``. Hard clip (here): psi = min(s A, clip(s, b_low, b_high) A), with
-  ``config.clip_bounds`` giving (b_low, b_high), and for A < 0 the dual clip max(psi, c A)
-  (Ye et al. 2020, arXiv 1912.09729) when ``dual_clip_c`` is set. Unclipped: psi = s A. Soft gate
-  (SAPO): psi = A (1 + g(s - 1)).
+  when phi is the identity). phi is the engine's *transform*: identity here, a log-space clip for
+  GMPO, a soft gate for Soft Sequence PO.
+- psi: the engine's *surrogate*. :class:`HardClip`: psi = min(s A, clip(s, b_low, b_high) A), its
+  *bounds* giving (b_low, b_high) (:class:`FixedBounds` here; entropy- and probability-dependent
+  ones in ``adaptive_bounds``), and for A < 0 the dual clip max(psi, c A) (Ye et al. 2020, arXiv
+  1912.09729) when ``dual_clip_c`` is set. :class:`Unclipped`: psi = s A. Soft gate (SAPO,
+  ``soft_gates``): psi = A (1 + g(s - 1)).
 - ``token_gradient`` (GSPO-token, arXiv 2507.18071 section 4.3): the ratio takes the value of s_ij
   but the gradient of each token's own log-prob, s_ij,t = sg[s_ij] pi(y_t) / sg[pi(y_t)].
+
+The three are small strategy objects composed into a :class:`RatioEngine` when a loss is bound to
+its config (each module's ``register_policy_loss`` call shows the composition); configs are data.
 
 The per-token loss is the value TO MINIMISE: -psi at every token of the segment, 0 at masked
 positions. A segment's tokens sum to |y_ij| psi, so ``aggregate(..., "seq-mean-token-mean")``
@@ -53,7 +57,6 @@ a runaway ratio gives finite losses and gradients (pitfall P3); beyond the clamp
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar
 
 import torch
 
@@ -61,12 +64,11 @@ from nemo_sspo.algorithms.losses.base import (
     LossTerms,
     PolicyLossConfig,
     check_eps,
-    check_loss_inputs,
+    check_segmentation,
     config_error,
-    finish_policy_loss,
-    resolve_segments,
 )
-from nemo_sspo.algorithms.losses.registry import register_policy_loss
+from nemo_sspo.algorithms.losses.inputs import LossInputs
+from nemo_sspo.algorithms.losses.registry import LossRecord, register_policy_loss
 from nemo_sspo.algorithms.ratios import LOG_RATIO_CLAMP, segment_mean
 
 
@@ -98,30 +100,121 @@ class Surrogate:
 @dataclass(frozen=True)
 class BoundsContext:
     """What bounds may depend on, ``[B, T]``, no gradient: the segment's mean old-policy entropy
-    H_ij (SSPO eq. 13) and the token's old log-prob (DCPO)."""
+    H_ij (SSPO eq. 13; None without old entropy) and the token's old log-prob (DCPO)."""
 
-    segment_entropy: torch.Tensor
+    segment_entropy: torch.Tensor | None
     old_logprobs: torch.Tensor
 
 
-def unclipped_surrogate(ratio: torch.Tensor, adv: torch.Tensor) -> Surrogate:
+def identity_transform(log_ratio: torch.Tensor, adv: torch.Tensor) -> TokenTransform:
+    """phi(d) = d (every loss but GMPO and Soft Sequence PO)."""
+    return TokenTransform(log_ratio)
+
+
+@dataclass(frozen=True)
+class FixedBounds:
+    """Bounds ``(1 - eps_low, 1 + eps_high)`` at every token."""
+
+    eps_low: float
+    eps_high: float
+
+    def __call__(self, context: BoundsContext) -> tuple[torch.Tensor, torch.Tensor]:
+        shape = context.old_logprobs
+        return torch.full_like(shape, 1.0 - self.eps_low), torch.full_like(shape, 1.0 + self.eps_high)
+
+
+@dataclass(frozen=True)
+class HardClip:
+    """psi = min(s A, clip(s, b_low, b_high) A), then max(psi, c A) for A < 0 if c is set.
+
+    ``bounds(context) -> (b_low, b_high)`` ``[B, T]``.
+    """
+
+    bounds: object
+    dual_clip_c: float | None = None
+
+    def __call__(self, ratio: torch.Tensor, adv: torch.Tensor, context: BoundsContext) -> Surrogate:
+        b_low, b_high = (b.to(ratio.dtype) for b in self.bounds(context))
+        objective = torch.minimum(ratio * adv, torch.clamp(ratio, b_low, b_high) * adv)
+        with torch.no_grad():
+            clip_high = (adv > 0) & (ratio > b_high)
+            clip_low = (adv < 0) & (ratio < b_low)
+            dual = torch.zeros_like(clip_low)
+        if self.dual_clip_c is not None:
+            floor = self.dual_clip_c * adv
+            dual = (adv < 0) & (objective.detach() < floor)
+            objective = torch.where(dual, floor.expand_as(objective), objective)
+        return Surrogate(objective, clip_low, clip_high, dual, b_low, b_high)
+
+
+def unclipped(ratio: torch.Tensor, adv: torch.Tensor, context: BoundsContext) -> Surrogate:
     """psi = s A with no clip (GMPO and Soft Sequence PO clip or gate inside phi instead)."""
     none = torch.zeros(ratio.shape, dtype=torch.bool, device=ratio.device)
     return Surrogate(ratio * adv, none, none, none)
 
 
-def hard_clip_surrogate(ratio, adv, b_low, b_high, dual_clip_c: float | None) -> Surrogate:
-    """psi = min(s A, clip(s, b_low, b_high) A), then max(psi, c A) for A < 0 if c is set."""
-    objective = torch.minimum(ratio * adv, torch.clamp(ratio, b_low, b_high) * adv)
-    with torch.no_grad():
-        clip_high = (adv > 0) & (ratio > b_high)
-        clip_low = (adv < 0) & (ratio < b_low)
-        dual = torch.zeros_like(clip_low)
-    if dual_clip_c is not None:
-        floor = dual_clip_c * adv
-        dual = (adv < 0) & (objective.detach() < floor)
-        objective = torch.where(dual, floor.expand_as(objective), objective)
-    return Surrogate(objective, clip_low, clip_high, dual, b_low, b_high)
+@dataclass(frozen=True)
+class RatioEngine:
+    """The shared objective (module docstring): ``engine(inputs, segments) -> LossTerms``.
+
+    Attributes:
+        surrogate: ``surrogate(ratio, adv, context) -> Surrogate`` (:class:`HardClip`,
+            :func:`unclipped`, a soft gate).
+        transform: ``transform(log_ratio, adv) -> TokenTransform`` (phi).
+        token_gradient: GSPO-token's per-token gradient through the segment ratio.
+    """
+
+    surrogate: object
+    transform: object = identity_transform
+    token_gradient: bool = False
+
+    def __call__(self, inputs: LossInputs, segments: torch.Tensor) -> LossTerms:
+        logprobs, mask = inputs.logprobs, inputs.response_mask
+        zero = torch.zeros((), dtype=logprobs.dtype, device=logprobs.device)
+        log_ratio = torch.where(mask, logprobs - inputs.old_logprobs.detach(), zero)
+        adv = inputs.advantages.detach().to(logprobs.dtype).unsqueeze(1)
+        token = self.transform(log_ratio, adv)
+        mean_log_ratio, segment_length = segment_mean(token.log_ratio, segments, mask)
+        clamped = mean_log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+        beyond_clamp = mean_log_ratio.detach().abs() > LOG_RATIO_CLAMP
+        if self.token_gradient:
+            own = torch.where(mask, logprobs - logprobs.detach(), zero)
+            clamped = clamped.detach() + own
+            beyond_clamp = torch.zeros_like(beyond_clamp)
+        ratio = torch.exp(clamped)
+        context = _bounds_context(inputs, segments, ratio.dtype)
+        psi = self.surrogate(ratio, adv, context)
+        clip_low, clip_high = psi.clip_low, psi.clip_high
+        if token.clip_low is not None:
+            clip_low, clip_high = clip_low | token.clip_low, clip_high | token.clip_high
+        grad_zero = clip_low | clip_high | psi.clip_dual | beyond_clamp
+        return LossTerms(
+            per_token_loss=torch.where(mask, -psi.objective, zero.to(psi.objective.dtype)),
+            response_mask=mask,
+            segments=segments,
+            segment_length=segment_length,
+            segment_entropy=context.segment_entropy,
+            log_ratio=log_ratio.detach(),
+            ratio=ratio.detach(),
+            clip_low=clip_low & mask,
+            clip_high=clip_high & mask,
+            clip_dual=psi.clip_dual & mask,
+            grad_zero=grad_zero & mask,
+            b_low=psi.b_low,
+            b_high=psi.b_high,
+            gate_weight=token.gate_weight if token.gate_weight is not None else psi.gate_weight,
+        )
+
+
+@torch.no_grad()
+def _bounds_context(inputs: LossInputs, segments: torch.Tensor, dtype) -> BoundsContext:
+    mask = inputs.response_mask
+    zero = torch.zeros((), dtype=dtype, device=mask.device)
+    segment_entropy = None
+    if inputs.old_entropy is not None:
+        segment_entropy, _ = segment_mean(inputs.old_entropy, segments, mask)
+        segment_entropy = segment_entropy.to(dtype)
+    return BoundsContext(segment_entropy, torch.where(mask, inputs.old_logprobs.detach().to(dtype), zero))
 
 
 def check_dual_clip(config) -> None:
@@ -134,38 +227,10 @@ def check_dual_clip(config) -> None:
         raise config_error(config, f"dual_clip_c={config.dual_clip_c} must be > 1 (or None)")
 
 
-class RatioLossConfig(PolicyLossConfig):
-    """Base of every config served by :func:`ratio_clip_loss`: the engine's three hooks.
-
-    Defaults: identity phi, hard clip with fixed bounds ``(1 - eps_low, 1 + eps_high)`` (subclasses
-    define those fields or override :meth:`clip_bounds`), no dual clip, segment-level gradient.
-    """
-
-    token_gradient: ClassVar[bool] = False
-    dual_clip_c: ClassVar[float | None] = None
-
-    def transform_log_ratio(self, log_ratio: torch.Tensor, adv: torch.Tensor) -> TokenTransform:
-        """phi(d) per token (``adv`` is ``[B, 1]``); identity by default."""
-        return TokenTransform(log_ratio)
-
-    def clip_bounds(self, context: BoundsContext) -> tuple[torch.Tensor, torch.Tensor]:
-        """Fixed bounds ``(1 - eps_low, 1 + eps_high)`` broadcast like the context."""
-        shape = context.segment_entropy
-        return (torch.full_like(shape, 1.0 - self.eps_low),
-                torch.full_like(shape, 1.0 + self.eps_high))
-
-    def surrogate(self, ratio: torch.Tensor, adv: torch.Tensor, context: BoundsContext) -> Surrogate:
-        """psi per token; hard clip with :meth:`clip_bounds` by default."""
-        b_low, b_high = self.clip_bounds(context)
-        return hard_clip_surrogate(ratio, adv, b_low.to(ratio.dtype), b_high.to(ratio.dtype),
-                                   self.dual_clip_c)
-
-
 @dataclass
-class GRPOLossConfig(RatioLossConfig):
+class GRPOLossConfig(PolicyLossConfig):
     """GRPO (DeepSeekMath, arXiv 2402.03300): token ratio, PPO clip, optional dual clip."""
 
-    segmentation: ClassVar[str] = "token"
     eps_low: float = 0.2
     """Lower clip: the ratio is clipped below at 1 - eps_low."""
     eps_high: float = 0.2
@@ -200,10 +265,10 @@ class DAPOLossConfig(GRPOLossConfig):
 
 
 @dataclass
-class GSPOLossConfig(RatioLossConfig):
-    """GSPO (arXiv 2507.18071): sequence ratio exp(mean_t d_t) with a tight fixed clip."""
+class GSPOLossConfig(PolicyLossConfig):
+    """GSPO and GSPO-token (arXiv 2507.18071): sequence ratio exp(mean_t d_t) with a tight fixed
+    clip (GSPO-token differs only in its gradient path, fixed at registration)."""
 
-    segmentation: ClassVar[str] = "response"
     eps_low: float = 3e-4
     """Lower clip of the sequence ratio: 1 - eps_low (sequence ratios stay near 1, pitfall P5)."""
     eps_high: float = 4e-4
@@ -215,14 +280,7 @@ class GSPOLossConfig(RatioLossConfig):
 
 
 @dataclass
-class GSPOTokenLossConfig(GSPOLossConfig):
-    """GSPO-token (arXiv 2507.18071 section 4.3): s_i,t = sg[s_i] pi(y_t) / sg[pi(y_t)]."""
-
-    token_gradient: ClassVar[bool] = True
-
-
-@dataclass
-class SSPOFixedClipConfig(RatioLossConfig):
+class SSPOFixedClipConfig(PolicyLossConfig):
     """SSPO (arXiv 2511.04256) ratio with a fixed clip: the paper's "w/o entropy clip" ablation."""
 
     segmentation: str = "newline"
@@ -236,6 +294,7 @@ class SSPOFixedClipConfig(RatioLossConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        check_segmentation(self)
         check_eps(self, "eps_low", "eps_high")
 
 
@@ -276,7 +335,6 @@ class SequencePPOLossConfig(SSPOFixedClipConfig):
     P5) is our variant.
     """
 
-    advantage_source: ClassVar[str] = "critic"
     segmentation: str = "token"
     """Ratio unit (``nemo_sspo.algorithms.segmentation.SEGMENTATIONS``): "token" (PPO) or "response"."""
     dual_clip_c: float | None = 3.0
@@ -290,103 +348,24 @@ class SequencePPOLossConfig(SSPOFixedClipConfig):
         check_dual_clip(self)
 
 
-def ratio_objective(logprobs, old_logprobs, advantages, response_mask, segment_ids, old_entropy,
-                    config: RatioLossConfig) -> LossTerms:
-    """Per-token -psi of the engine (module docstring) and its diagnostics, without extra terms."""
-    segments = resolve_segments(config, response_mask, segment_ids)
-    zero = torch.zeros((), dtype=logprobs.dtype, device=logprobs.device)
-    log_ratio = torch.where(response_mask, logprobs - old_logprobs.detach(), zero)
-    adv = advantages.detach().to(logprobs.dtype).unsqueeze(1)
-    token = config.transform_log_ratio(log_ratio, adv)
-    mean_log_ratio, segment_length = segment_mean(token.log_ratio, segments, response_mask)
-    clamped = mean_log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
-    beyond_clamp = mean_log_ratio.detach().abs() > LOG_RATIO_CLAMP
-    if config.token_gradient:
-        own = torch.where(response_mask, logprobs - logprobs.detach(), zero)
-        clamped = clamped.detach() + own
-        beyond_clamp = torch.zeros_like(beyond_clamp)
-    ratio = torch.exp(clamped)
-    with torch.no_grad():
-        segment_entropy, _ = segment_mean(old_entropy, segments, response_mask)
-        old_masked = torch.where(response_mask, old_logprobs.detach(), zero)
-        context = BoundsContext(segment_entropy.to(ratio.dtype), old_masked)
-    psi = config.surrogate(ratio, adv, context)
-    clip_low, clip_high = psi.clip_low, psi.clip_high
-    if token.clip_low is not None:
-        clip_low, clip_high = clip_low | token.clip_low, clip_high | token.clip_high
-    grad_zero = clip_low | clip_high | psi.clip_dual | beyond_clamp
-    return LossTerms(
-        per_token_loss=torch.where(response_mask, -psi.objective, zero.to(psi.objective.dtype)),
-        response_mask=response_mask,
-        segments=segments,
-        segment_length=segment_length,
-        segment_entropy=segment_entropy,
-        log_ratio=log_ratio.detach(),
-        ratio=ratio.detach(),
-        clip_low=clip_low & response_mask,
-        clip_high=clip_high & response_mask,
-        clip_dual=psi.clip_dual & response_mask,
-        grad_zero=grad_zero & response_mask,
-        b_low=psi.b_low,
-        b_high=psi.b_high,
-        gate_weight=token.gate_weight if token.gate_weight is not None else psi.gate_weight,
-    )
+def _fixed_clip(config) -> RatioEngine:
+    return RatioEngine(HardClip(FixedBounds(config.eps_low, config.eps_high)))
 
 
-def ratio_clip_loss(
-    logprobs: torch.Tensor,
-    old_logprobs: torch.Tensor,
-    advantages: torch.Tensor,
-    response_mask: torch.Tensor,
-    segment_ids: torch.Tensor,
-    old_entropy: torch.Tensor,
-    config: RatioLossConfig,
-    *,
-    ref_logprobs: torch.Tensor | None = None,
-    entropy: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Per-token segment-ratio loss (value to minimise) of every engine loss (module docstring).
-
-    Args:
-        logprobs: ``[B, T]`` float32/float64, natural-log probs of the sampled tokens under
-            pi_theta (requires grad).
-        old_logprobs: ``[B, T]``, the same under the behaviour policy pi_old (constant).
-        advantages: ``[B]``, A_i per response (constant).
-        response_mask: ``[B, T]`` bool, True at response tokens in the loss.
-        segment_ids: ``[B, T]`` int64 segments from ``nemo_sspo.algorithms.segmentation.segment_ids``
-            with the config's ``segmentation``; read only when that is not "token"/"response".
-        old_entropy: ``[B, T]``, old-policy token entropy H_t in nats over the full vocabulary
-            (SSPO eq. 12; constant). Sets SSPO's bounds; reported by every loss.
-        config: a :class:`RatioLossConfig` subclass registered with this function.
-        ref_logprobs: optional ``[B, T]`` log-probs of the reference policy (constant); needed
-            when ``config.kl_coef > 0``, reported as ``policy/kl_ref`` whenever given.
-        entropy: optional ``[B, T]`` current-policy token entropy (with grad); needed when
-            ``config.entropy_coef > 0``, reported as ``policy/entropy_current`` whenever given.
-
-    Returns:
-        ``(per_token_loss [B, T], metrics)``: the loss is 0 at masked positions; metrics map keys
-        to detached float32 ``[2]`` pairs (``nemo_sspo.algorithms.losses.metrics``).
-
-    Raises:
-        ValueError: any shape mismatch (names both shapes), wrong mask/id dtype, wrong config type,
-            or a KL/entropy coefficient > 0 without its tensor.
-    """
-    check_loss_inputs(logprobs, old_logprobs, advantages, response_mask, segment_ids, old_entropy,
-                      config, RatioLossConfig, ref_logprobs=ref_logprobs, entropy=entropy)
-    terms = ratio_objective(logprobs, old_logprobs, advantages, response_mask, segment_ids,
-                            old_entropy, config)
-    return finish_policy_loss(terms, config, logprobs=logprobs, old_entropy=old_entropy,
-                              ref_logprobs=ref_logprobs, entropy=entropy)
+def _fixed_clip_dual(config) -> RatioEngine:
+    return RatioEngine(HardClip(FixedBounds(config.eps_low, config.eps_high), config.dual_clip_c))
 
 
-for _name, _config_cls in (
-    ("grpo", GRPOLossConfig),
-    ("dr_grpo", DrGRPOLossConfig),
-    ("dapo", DAPOLossConfig),
-    ("gspo", GSPOLossConfig),
-    ("gspo_token", GSPOTokenLossConfig),
-    ("sspo_fixed_clip", SSPOFixedClipConfig),
-    ("lpo", LPOLossConfig),
-    ("sppo", SequencePPOLossConfig),
+for _record in (
+    LossRecord("grpo", GRPOLossConfig, _fixed_clip_dual, unit="token"),
+    LossRecord("dr_grpo", DrGRPOLossConfig, _fixed_clip_dual, unit="token"),
+    LossRecord("dapo", DAPOLossConfig, _fixed_clip_dual, unit="token"),
+    LossRecord("gspo", GSPOLossConfig, _fixed_clip, unit="response"),
+    LossRecord("gspo_token", GSPOLossConfig,
+               lambda c: RatioEngine(HardClip(FixedBounds(c.eps_low, c.eps_high)), token_gradient=True),
+               unit="response"),
+    LossRecord("sspo_fixed_clip", SSPOFixedClipConfig, _fixed_clip),
+    LossRecord("lpo", LPOLossConfig, _fixed_clip),
+    LossRecord("sppo", SequencePPOLossConfig, _fixed_clip_dual, advantage_source="critic"),
 ):
-    register_policy_loss(_name, _config_cls)(ratio_clip_loss)
+    register_policy_loss(_record)

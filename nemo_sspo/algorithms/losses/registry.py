@@ -1,11 +1,12 @@
-"""Name -> (policy loss function, config dataclass) registry.
+"""Name -> :class:`LossRecord` registry: how to build each loss and what it needs from its host.
 
-Every registered loss has the signature
-``fn(logprobs, old_logprobs, advantages, response_mask, segment_ids, old_entropy, config, *,
-ref_logprobs=None, entropy=None) -> (per_token_loss [B, T], metrics: dict[str, Tensor [2]])`` and
-returns a value to minimise (see ``nemo_sspo.algorithms.losses.base``). Each config class
-subclasses ``PolicyLossConfig``. Configs validate the name at load time through
-:func:`get_policy_loss`.
+A record holds the loss's config dataclass, a builder that turns a config into the loss's
+objective (``objective(inputs, segments) -> LossTerms``), and what the loss fixes: its ratio unit
+when users cannot change it (GRPO's "token"), where its advantages come from, whether it reads the
+old-policy entropy. :meth:`LossRecord.requirements` turns a config into the one
+:class:`LossRequirements` record a trainer or adapter reads (segmentation, advantage source, std
+normalisation, reference model, entropies). :func:`make_policy_loss` binds a config into a
+:class:`nemo_sspo.algorithms.losses.PolicyLoss`.
 """
 
 from __future__ import annotations
@@ -13,34 +14,157 @@ from __future__ import annotations
 import dataclasses
 import difflib
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
-PolicyLossFn = Callable[..., tuple]
+from nemo_sspo.algorithms.losses.base import (
+    LossTerms,
+    PolicyLossConfig,
+    check_optional_inputs,
+    finish_policy_loss,
+    resolve_segments,
+)
+from nemo_sspo.algorithms.losses.inputs import LossInputs, LossOutput
 
-_REGISTRY: dict[str, tuple[PolicyLossFn, type]] = {}
+Objective = Callable[[LossInputs, Any], LossTerms]
+"""``objective(inputs, segments [B, T] int64) -> LossTerms``: a loss's per-token term, no extras."""
+
+ADVANTAGE_SOURCES = ("group", "critic")
 
 
-def register_policy_loss(name: str, config_cls: type) -> Callable[[PolicyLossFn], PolicyLossFn]:
-    """Decorator registering ``fn`` under ``name`` with its config dataclass ``config_cls``.
+@dataclass(frozen=True)
+class LossRequirements:
+    """What a configured loss needs from its host, read in one place.
 
-    One function may be registered under several names (stack the decorators), each with its own
-    config class. Returns ``fn`` unchanged.
-
-    Raises:
-        ValueError: ``name`` is already registered.
+    Attributes:
+        segmentation: ratio unit (``nemo_sspo.algorithms.segmentation.SEGMENTATIONS``); the host
+            builds ``LossInputs.segment_ids`` with it unless it is "token" or "response".
+        segment_k: tokens per segment for "fixed_k", else None.
+        advantage_source: "group" (group-relative advantages) or "critic" (SPPO's learned
+            prompt value: A = r - sigmoid(V)).
+        normalize_std: divide group-centred rewards by the group std (``group_advantages``).
+        reference_policy: keep a frozen reference policy and pass ``ref_logprobs``.
+        current_entropy: pass the current-policy entropy ``entropy`` (entropy bonus).
+        old_entropy: the loss reads ``old_entropy`` (SSPO's bounds); others only report it.
     """
 
-    def decorate(fn: PolicyLossFn) -> PolicyLossFn:
-        if name in _REGISTRY:
-            raise ValueError(f"policy loss {name!r} is already registered; pick another name")
-        _REGISTRY[name] = (fn, config_cls)
-        return fn
+    segmentation: str
+    segment_k: int | None
+    advantage_source: str
+    normalize_std: bool
+    reference_policy: bool
+    current_entropy: bool
+    old_entropy: bool
 
-    return decorate
+    @property
+    def needs_segment_ids(self) -> bool:
+        """Whether ``LossInputs.segment_ids`` must be given (units not computed from the mask)."""
+        return self.segmentation not in ("token", "response")
 
 
-def get_policy_loss(name: str) -> tuple[PolicyLossFn, type]:
-    """Return ``(fn, config_cls)`` registered under ``name``.
+@dataclass(frozen=True)
+class LossRecord:
+    """One registered loss (module docstring).
+
+    Attributes:
+        name: registry name.
+        config_cls: its config dataclass (subclass of ``PolicyLossConfig``).
+        build: ``build(config) -> objective``.
+        unit: the fixed ratio unit, or None when ``config_cls`` has a ``segmentation`` field.
+        advantage_source: one of :data:`ADVANTAGE_SOURCES`.
+        reads_old_entropy: the objective reads ``LossInputs.old_entropy``.
+    """
+
+    name: str
+    config_cls: type
+    build: Callable[[Any], Objective]
+    unit: str | None = None
+    advantage_source: str = "group"
+    reads_old_entropy: bool = False
+
+    def requirements(self, config: PolicyLossConfig) -> LossRequirements:
+        """The host-facing needs of this loss under ``config``."""
+        return LossRequirements(
+            segmentation=self.unit or config.segmentation,
+            segment_k=getattr(config, "segment_k", None),
+            advantage_source=self.advantage_source,
+            normalize_std=config.advantage_std_normalisation,
+            reference_policy=config.kl_coef > 0,
+            current_entropy=config.entropy_coef > 0,
+            old_entropy=self.reads_old_entropy,
+        )
+
+
+class BoundPolicyLoss:
+    """A registered loss bound to its config: ``loss(inputs) -> LossOutput`` (``PolicyLoss``).
+
+    Attributes:
+        name, config: the registered name and the config instance.
+        requirements: :meth:`LossRecord.requirements` of the config.
+    """
+
+    def __init__(self, record: LossRecord, config: PolicyLossConfig) -> None:
+        if not isinstance(config, record.config_cls):
+            raise ValueError(f"loss {record.name!r} needs a {record.config_cls.__name__}, got "
+                             f"{type(config).__name__}")
+        self.name, self.config = record.name, config
+        self.requirements = record.requirements(config)
+        self._objective = record.build(config)
+
+    def __call__(self, inputs: LossInputs) -> LossOutput:
+        """Per-token loss (value to minimise) and metrics of one micro-batch.
+
+        Raises:
+            ValueError: an input this config needs is None (``segment_ids``, ``old_entropy``,
+                ``ref_logprobs``, ``entropy``: the message names it), or segment ids out of range.
+        """
+        check_optional_inputs(self.config, inputs)
+        if self.requirements.old_entropy and inputs.old_entropy is None:
+            raise ValueError(f"loss {self.name!r} reads LossInputs.old_entropy (its clip bounds "
+                             "depend on the old policy's token entropy); pass it")
+        segments = resolve_segments(self.requirements.segmentation, inputs)
+        terms = self._objective(inputs, segments)
+        per_token, metrics = finish_policy_loss(terms, self.config, inputs)
+        return LossOutput(per_token, metrics)
+
+    def __repr__(self) -> str:
+        return f"BoundPolicyLoss({self.name!r}, {self.config!r})"
+
+
+_REGISTRY: dict[str, LossRecord] = {}
+
+
+def register_policy_loss(record: LossRecord) -> LossRecord:
+    """Add ``record`` to the registry; returns it.
+
+    Raises:
+        ValueError: the name is taken, the advantage source is unknown, or ``unit`` is None for a
+            config class without a ``segmentation`` field.
+    """
+    if record.name in _REGISTRY:
+        raise ValueError(f"policy loss {record.name!r} is already registered; pick another name")
+    if record.advantage_source not in ADVANTAGE_SOURCES:
+        raise ValueError(f"advantage_source={record.advantage_source!r}; valid: "
+                         f"{ADVANTAGE_SOURCES}")
+    if record.unit is None and "segmentation" not in _field_names(record.config_cls):
+        raise ValueError(f"loss {record.name!r}: give unit= or a segmentation field in "
+                         f"{record.config_cls.__name__}")
+    _REGISTRY[record.name] = record
+    return record
+
+
+def unregister_policy_loss(name: str) -> LossRecord:
+    """Remove and return the record of ``name`` (tests and plug-ins that register temporarily).
+
+    Raises:
+        ValueError: ``name`` is not registered.
+    """
+    get_policy_loss(name)
+    return _REGISTRY.pop(name)
+
+
+def get_policy_loss(name: str) -> LossRecord:
+    """The :class:`LossRecord` registered under ``name``.
 
     Raises:
         ValueError: ``name`` is unknown; the message lists the registered names.
@@ -48,6 +172,16 @@ def get_policy_loss(name: str) -> tuple[PolicyLossFn, type]:
     if name not in _REGISTRY:
         raise ValueError(f"unknown policy loss {name!r}; registered: {policy_loss_names()}")
     return _REGISTRY[name]
+
+
+def make_policy_loss(name: str, config: PolicyLossConfig | None = None) -> BoundPolicyLoss:
+    """The loss ``name`` bound to ``config`` (the config class's defaults when None).
+
+    Raises:
+        ValueError: unknown name, or a config of another class.
+    """
+    record = get_policy_loss(name)
+    return BoundPolicyLoss(record, record.config_cls() if config is None else config)
 
 
 def policy_loss_names() -> list[str]:
@@ -86,18 +220,19 @@ def build_policy_loss_config(name: str, params: Mapping[str, Any] | None = None,
     Raises:
         ValueError: unknown loss name, unknown key, or the config's own validation.
     """
-    _, config_cls = get_policy_loss(name)
+    record = get_policy_loss(name)
+    config_cls = record.config_cls
     params = dict(params or {})
     valid = _field_names(config_cls)
     unknown = [key for key in params if key not in valid]
     if unknown:
         # A key other than segmentation/segment_k says more (e.g. SSPO's params left under GRPO).
         key = next((k for k in unknown if k not in ("segmentation", "segment_k")), unknown[0])
-        others = {other: _field_names(cls) for other, (_, cls) in _REGISTRY.items()
+        others = {other: _field_names(rec.config_cls) for other, rec in _REGISTRY.items()
                   if other != name}
         if key in ("segmentation", "segment_k"):
             configurable = sorted(o for o, names in others.items() if key in names)
-            unit = getattr(config_cls, "segmentation", "?")
+            unit = record.unit
             raise ValueError(
                 f"{where}.{key}: the ratio unit of loss {name!r} ({config_cls.__name__}) is fixed "
                 f"(segmentation {unit!r}) and cannot be set; {key} is configurable only in the "

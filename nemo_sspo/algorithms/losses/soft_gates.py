@@ -28,18 +28,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import ClassVar
 
 import torch
 
-from nemo_sspo.algorithms.losses.base import config_error
-from nemo_sspo.algorithms.losses.ratio_clip import (
-    BoundsContext,
-    RatioLossConfig,
-    Surrogate,
-    ratio_clip_loss,
-)
-from nemo_sspo.algorithms.losses.registry import register_policy_loss
+from nemo_sspo.algorithms.losses.base import PolicyLossConfig, config_error
+from nemo_sspo.algorithms.losses.ratio_clip import BoundsContext, RatioEngine, Surrogate
+from nemo_sspo.algorithms.losses.registry import LossRecord, register_policy_loss
 
 GateFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -64,6 +58,16 @@ def register_soft_gate(name: str, gate: SoftGate) -> None:
     if name in _GATES:
         raise ValueError(f"soft gate {name!r} is already registered; pick another name")
     _GATES[name] = gate
+
+
+def unregister_soft_gate(name: str) -> SoftGate:
+    """Remove and return the gate ``name`` (tests and plug-ins that register temporarily).
+
+    Raises:
+        ValueError: unknown name.
+    """
+    get_soft_gate(name)
+    return _GATES.pop(name)
 
 
 def get_soft_gate(name: str) -> SoftGate:
@@ -103,27 +107,37 @@ register_soft_gate("sigmoid", SoftGate(_sigmoid_value, _sigmoid_slope))
 register_soft_gate("arctan", SoftGate(_arctan_value, _arctan_slope))
 
 
-class SoftGateConfig(RatioLossConfig):
-    """Shared fields' checks and the per-row temperature of the gated losses."""
+@dataclass
+class SoftGateFields(PolicyLossConfig):
+    """Gate family and temperatures of the gated losses (SAPO, Soft Sequence PO); the defaults
+    here are Soft Sequence PO's, which are ours (``geometric`` module docstring)."""
 
-    def _check_gate(self) -> None:
+    gate: str = "sigmoid"
+    """Gate family (``soft_gate_names()``)."""
+    tau_pos: float = 1.0
+    """Gate temperature for A > 0."""
+    tau_neg: float = 1.0
+    """Gate temperature for A <= 0."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
         if self.gate not in _GATES:
             raise config_error(self, f"gate={self.gate!r}; registered: {soft_gate_names()}")
         if self.tau_pos <= 0.0 or self.tau_neg <= 0.0:
             raise config_error(self, f"tau_pos={self.tau_pos}, tau_neg={self.tau_neg}: both "
                                      "temperatures must be > 0")
 
-    def temperature(self, adv: torch.Tensor) -> torch.Tensor:
-        """tau per row: tau_pos where A > 0, else tau_neg (``adv`` ``[B, 1]``)."""
-        return torch.where(adv > 0, torch.full_like(adv, self.tau_pos),
-                           torch.full_like(adv, self.tau_neg))
+
+def gate_temperature(config: SoftGateFields, adv: torch.Tensor) -> torch.Tensor:
+    """tau per row: tau_pos where A > 0, else tau_neg (``adv`` ``[B, 1]``)."""
+    return torch.where(adv > 0, torch.full_like(adv, config.tau_pos),
+                       torch.full_like(adv, config.tau_neg))
 
 
 @dataclass
-class SAPOLossConfig(SoftGateConfig):
+class SAPOLossConfig(SoftGateFields):
     """SAPO (arXiv 2511.20347): token ratio through a soft gate instead of the clip."""
 
-    segmentation: ClassVar[str] = "token"
     gate: str = "sigmoid"
     """Gate family (``soft_gate_names()``); the paper's is "sigmoid"."""
     tau_pos: float = 1.0
@@ -131,13 +145,15 @@ class SAPOLossConfig(SoftGateConfig):
     tau_neg: float = 1.05
     """Gate temperature for A <= 0 (paper default 1.05: negative tokens decay faster)."""
 
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        self._check_gate()
 
-    def surrogate(self, ratio: torch.Tensor, adv: torch.Tensor, context: BoundsContext) -> Surrogate:
-        """psi = A (1 + g(r - 1)); gate weight g'(r - 1) (module docstring)."""
-        gate, tau = get_soft_gate(self.gate), self.temperature(adv)
+@dataclass(frozen=True)
+class SoftGateSurrogate:
+    """SAPO's psi = A (1 + g(r - 1)) with gate weight g'(r - 1) (module docstring)."""
+
+    config: SoftGateFields
+
+    def __call__(self, ratio: torch.Tensor, adv: torch.Tensor, context: BoundsContext) -> Surrogate:
+        gate, tau = get_soft_gate(self.config.gate), gate_temperature(self.config, adv)
         none = torch.zeros(ratio.shape, dtype=torch.bool, device=ratio.device)
         objective = adv * (1.0 + gate.value(ratio - 1.0, tau))
         with torch.no_grad():
@@ -145,4 +161,5 @@ class SAPOLossConfig(SoftGateConfig):
         return Surrogate(objective, none, none, none, gate_weight=weight)
 
 
-register_policy_loss("sapo", SAPOLossConfig)(ratio_clip_loss)
+register_policy_loss(LossRecord("sapo", SAPOLossConfig,
+                                lambda c: RatioEngine(SoftGateSurrogate(c)), unit="token"))

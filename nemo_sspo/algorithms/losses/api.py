@@ -1,0 +1,84 @@
+"""One path from a policy loss to the step's objective: call, weight, aggregate, report.
+
+:func:`policy_loss_sums` is what every host runs per micro-batch (the Megatron trainer, the NeMo-RL
+and NeMo-Aligner adapters): it returns the micro-batch's ``(numerator, denominator)`` share of the
+step loss under the loss's own aggregation mode, so that ``sum(numerators) / sum(denominators)``
+over all micro-batches and data-parallel ranks is the global mean (docs/pitfalls.md, P10).
+:func:`compute_policy_loss` is the one call for plain tensors in one process.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from nemo_sspo.algorithms.aggregation import aggregate
+from nemo_sspo.algorithms.losses.inputs import LossInputs, PolicyLoss
+from nemo_sspo.algorithms.losses.metrics import pair, summarize_metric_pairs
+from nemo_sspo.algorithms.losses.registry import build_policy_loss_config, make_policy_loss
+
+__all__ = ["compute_policy_loss", "policy_loss_sums"]
+
+
+def policy_loss_sums(loss: PolicyLoss, inputs: LossInputs, *, max_response_length: int | None = None
+                     ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+    """This micro-batch's share of the step loss, and its metric pairs.
+
+    The per-token loss is multiplied by ``inputs.token_weights`` (when given) and reduced with
+    ``loss.config.aggregation`` (:func:`nemo_sspo.algorithms.aggregate`).
+
+    Args:
+        loss: a bound policy loss (:func:`nemo_sspo.algorithms.losses.make_policy_loss`).
+        inputs: the micro-batch.
+        max_response_length: L_max in tokens, read by the "constant-denominator" mode only.
+
+    Returns:
+        ``(numerator, denominator, metrics)``: 0-d tensors (numerator differentiable; denominator
+        a count of tokens for "token-mean", of non-empty responses otherwise) and the loss's
+        detached metric pairs plus ``loss/policy`` = ``(numerator, denominator)``.
+
+    Raises:
+        ValueError: the loss's own checks, or ``max_response_length`` missing for
+            "constant-denominator".
+    """
+    out = loss(inputs)
+    per_token = out.per_token_loss
+    if inputs.token_weights is not None:
+        per_token = per_token * inputs.token_weights.to(per_token.dtype)
+    numerator, denominator = aggregate(per_token, inputs.response_mask, loss.config.aggregation,
+                                       max_response_length=max_response_length)
+    metrics = {key: value.detach() for key, value in out.metrics.items()}
+    metrics["loss/policy"] = pair(numerator.detach(), denominator)
+    return numerator, denominator, metrics
+
+
+def compute_policy_loss(name: str, inputs: LossInputs, *, max_response_length: int | None = None,
+                        **params: Any) -> tuple[torch.Tensor, dict[str, float]]:
+    """The registered loss ``name`` on plain tensors, in one process: ``(loss, metrics)``.
+
+    Example (GRPO, defaults but the clip)::
+
+        loss, metrics = compute_policy_loss("grpo", LossInputs(logprobs, old_logprobs,
+                                            advantages, response_mask), eps_high=0.28)
+        loss.backward()
+
+    Args:
+        name: a name of :func:`nemo_sspo.algorithms.losses.policy_loss_names`.
+        inputs: the batch (:class:`nemo_sspo.algorithms.losses.LossInputs`).
+        max_response_length: L_max for the "constant-denominator" aggregation (Dr. GRPO).
+        **params: fields of the loss's config dataclass (its defaults otherwise).
+
+    Returns:
+        ``(loss, metrics)``: the 0-d loss to minimise under the loss's own aggregation (0 with a
+        zero gradient when nothing is valid), and every metric as a float (``sum / count``, or the
+        extreme for ``_min`` / ``_max`` keys, plus ``_std`` keys).
+
+    Raises:
+        ValueError: unknown loss or config field (the message names it), or the loss's checks.
+    """
+    loss = make_policy_loss(name, build_policy_loss_config(name, params, where="params"))
+    numerator, denominator, metrics = policy_loss_sums(loss, inputs,
+                                                       max_response_length=max_response_length)
+    value = torch.where(denominator > 0, numerator / denominator.clamp(min=1), numerator * 0)
+    return value, summarize_metric_pairs(metrics)

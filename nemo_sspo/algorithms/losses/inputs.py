@@ -1,0 +1,124 @@
+"""The typed interface of every policy loss: :class:`LossInputs` in, :class:`LossOutput` out.
+
+The frame, documented once for every ``[B, T]`` tensor below: row ``b`` is one response (or one
+row of a batch whose prompt and response tokens share a row), column ``t`` one predicted token.
+Two frames are in use and both work, as long as every tensor of one call uses the same one:
+
+- response positions: ``T`` = longest response, column ``t`` = response token ``t``;
+- the sequence's target frame (the trainer's): ``T = S`` positions of prompt + response, column
+  ``t`` predicts token ``t + 1``, ``response_mask`` is True only at response targets.
+
+Masked positions are never read (they may hold anything, NaN included). Segment ids are numbered
+within a row, so several sequences packed into one row keep their own segments (docs/pitfalls.md,
+P2: ratios are per segment, never per row).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+
+__all__ = ["LossInputs", "LossOutput", "PolicyLoss"]
+
+_BT_FIELDS = ("old_logprobs", "response_mask", "segment_ids", "old_entropy", "ref_logprobs",
+              "entropy", "token_weights")
+
+
+@dataclass(frozen=True)
+class LossInputs:
+    """What a policy loss reads for one micro-batch (module docstring for the frame).
+
+    Attributes:
+        logprobs: ``[B, T]`` float32/float64, log pi_theta of the sampled tokens (natural log;
+            requires grad when training).
+        old_logprobs: ``[B, T]`` same dtype family, log pi_old of the same tokens (behaviour policy;
+            treated as a constant).
+        advantages: ``[B]`` float, A_i of each row's response (constant).
+        response_mask: ``[B, T]`` bool, True at tokens that enter the loss.
+        segment_ids: ``[B, T]`` int64 segment number of each token within its row (from
+            :func:`nemo_sspo.algorithms.segmentation.segment_ids`, -1 where masked), or None.
+            Required by losses whose ratio unit is read from text ("newline", "sentence", ...);
+            "token" and "response" units are computed from the mask.
+        old_entropy: ``[B, T]`` float, old-policy token entropy in nats over the full vocabulary
+            (SSPO eq. 12; constant), or None. Required by SSPO's entropy-adaptive bounds; reported
+            as ``policy/entropy`` when given.
+        ref_logprobs: ``[B, T]`` float, log pi_ref of the tokens (frozen reference policy), or
+            None. Required when the config's ``kl_coef > 0``; reported as ``policy/kl_ref``.
+        entropy: ``[B, T]`` float, current-policy token entropy (with grad), or None. Required
+            when the config's ``entropy_coef > 0``; reported as ``policy/entropy_current``.
+        token_weights: ``[B, T]`` float multiplying each token's loss before aggregation
+            (truncated importance-sampling weights, ``nemo_sspo.rollout.tis``), or None.
+
+    Raises:
+        ValueError: on construction, naming the field: a shape that is not ``[B, T]`` (``[B]``
+            for ``advantages``) like ``logprobs``, a non-bool mask, non-integer segment ids, or
+            tensors on different devices.
+    """
+
+    logprobs: torch.Tensor
+    old_logprobs: torch.Tensor
+    advantages: torch.Tensor
+    response_mask: torch.Tensor
+    segment_ids: torch.Tensor | None = None
+    old_entropy: torch.Tensor | None = None
+    ref_logprobs: torch.Tensor | None = None
+    entropy: torch.Tensor | None = None
+    token_weights: torch.Tensor | None = None
+
+    def __post_init__(self) -> None:
+        lp = self.logprobs
+        if lp.dim() != 2 or not lp.is_floating_point():
+            raise ValueError(f"LossInputs.logprobs must be a float [B, T] tensor, got "
+                             f"{tuple(lp.shape)} {lp.dtype}")
+        # advantages first: swapped with a [B, T] tensor, the message names the [B] field.
+        if self.advantages.shape != lp.shape[:1]:
+            raise ValueError(f"LossInputs.advantages has shape {tuple(self.advantages.shape)}; "
+                             f"it must be [B] = [{lp.shape[0]}] (one advantage per row)")
+        for name in _BT_FIELDS:
+            tensor = getattr(self, name)
+            if tensor is not None and tensor.shape != lp.shape:
+                raise ValueError(f"LossInputs.{name} has shape {tuple(tensor.shape)} but logprobs "
+                                 f"has {tuple(lp.shape)}; every [B, T] field uses one frame")
+        if self.response_mask.dtype != torch.bool:
+            raise ValueError(f"LossInputs.response_mask must be torch.bool, got "
+                             f"{self.response_mask.dtype}")
+        ids = self.segment_ids
+        if ids is not None and (ids.is_floating_point() or ids.dtype == torch.bool):
+            raise ValueError(f"LossInputs.segment_ids must be an integer tensor, got {ids.dtype}")
+        devices = {f.name: getattr(self, f.name).device for f in fields(self)
+                   if isinstance(getattr(self, f.name), torch.Tensor)}
+        if len(set(devices.values())) > 1:
+            raise ValueError(f"LossInputs tensors are on different devices: {devices}")
+
+
+@dataclass(frozen=True)
+class LossOutput:
+    """A policy loss's result for one micro-batch.
+
+    Attributes:
+        per_token_loss: ``[B, T]`` value TO MINIMISE at each token (differentiable), 0 where
+            masked. Reduce it with the config's aggregation
+            (:func:`nemo_sspo.algorithms.losses.policy_loss_sums`), never with a plain mean.
+        metrics: name -> detached float32 ``[2]`` pair (kinds in
+            :mod:`nemo_sspo.algorithms.losses.metrics`).
+    """
+
+    per_token_loss: torch.Tensor
+    metrics: dict[str, torch.Tensor] = field(default_factory=dict)
+
+
+@runtime_checkable
+class PolicyLoss(Protocol):
+    """A policy loss bound to its config: ``loss(inputs) -> LossOutput``.
+
+    ``config`` carries at least the shared fields of
+    :class:`nemo_sspo.algorithms.losses.PolicyLossConfig` (``aggregation`` picks the reduction).
+    Registered losses are built with :func:`nemo_sspo.algorithms.losses.make_policy_loss`.
+    """
+
+    config: Any
+
+    def __call__(self, inputs: LossInputs) -> LossOutput:
+        ...

@@ -1,0 +1,146 @@
+"""The output layer fused with the log-prob/entropy reduction: logits never exist in full.
+
+Under tensor parallelism the output layer's weight is split along the vocabulary: rank ``r``
+holds ``W_r [V_local, H]`` for global ids ``[vocab_start, vocab_start + V_local)``. For the ``N``
+positions the loss reads (response targets only), this module computes per chunk of tokens
+
+    logits_c = h_c W_r^T                      [chunk, V_local]   (never more than one chunk)
+
+and feeds the chunk to the same two-collective reduction as
+:func:`nemo_sspo.parallel.vocab_parallel_logprobs_entropy` (one all-reduce MAX, one all-reduce
+SUM of ``[chunk, 3]``). The backward pass recomputes each chunk's logits from the saved hidden
+states and weight shard, turns them into the logits gradient with the same closed form
+(``vocab_parallel.logits_gradient``, no communication), and accumulates
+
+    dL/dh_c = G_c W_r        dL/dW_r += G_c^T h_c
+
+then sums ``dL/dh`` over the tensor-parallel group (one all-reduce of ``[N, H]``: every rank's
+shard contributes to every hidden state, exactly the all-reduce a column-parallel linear layer
+does in its backward). Peak extra memory is ``O(chunk x V_local)`` whatever ``N``; a tied
+embedding (SmolLM2) and an untied head (Qwen2.5) are the same call with their own weight tensor.
+The formulation (chunked matmul + vocab-parallel online softmax + recomputing backward) is ours;
+verl's ``linear_cross_entropy`` and NeMo-RL's chunked fused log-probs do the same job.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from nemo_sspo.parallel.vocab_parallel import (
+    check_finite_outputs,
+    check_targets_and_settings,
+    chunk_statistics,
+    logits_gradient,
+    shard_layout_error,
+)
+
+__all__ = ["fused_linear_logprobs_entropy"]
+
+
+def fused_linear_logprobs_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    *,
+    tp_group: dist.ProcessGroup | None,
+    vocab_start: int,
+    vocab_size: int,
+    temperature: float = 1.0,
+    chunk_size: int = 1024,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token log-prob of the target and full-vocabulary entropy of ``softmax(h W^T / tau)``.
+
+    Equal to ``vocab_parallel_logprobs_entropy(hidden @ weight.T, ...)`` without materialising the
+    ``[N, V_local]`` logits (module docstring for the algorithm and its collectives).
+
+    Args:
+        hidden: ``[N, H]`` float (bf16/fp16/fp32/fp64) final hidden states of the positions the
+            loss reads, identical on every rank of ``tp_group``.
+        weight: ``[V_local, H]`` this rank's vocab shard of the output weight (the embedding when
+            tied), same dtype and device as ``hidden``.
+        targets: ``[N]`` int64 global token ids in ``[0, vocab_size)``.
+        tp_group: tensor-parallel group, or None for one process holding the whole vocabulary.
+        vocab_start: global id of the shard's first row; Megatron's contiguous equal split.
+        vocab_size: true vocabulary size; rows at or above it are padding (probability 0).
+        temperature: ``tau > 0`` dividing the logits.
+        chunk_size: tokens per chunk, ``>= 1`` (peak extra memory ``chunk_size x V_local``).
+
+    Returns:
+        ``(logprobs [N], entropy [N])`` in nats, fp32 (fp64 for fp64 input), identical on every
+        rank, differentiable w.r.t. ``hidden`` and ``weight``.
+
+    Raises:
+        ValueError: shapes, dtypes or devices that do not match, the checks of
+            ``vocab_parallel_logprobs_entropy`` (targets, settings, shard layout), or non-finite
+            outputs (NaN/inf hidden states or weights).
+    """
+    if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1]:
+        raise ValueError(f"hidden must be [N, H] and weight [V_local, H] with the same H, got "
+                         f"{tuple(hidden.shape)} and {tuple(weight.shape)}")
+    if not hidden.is_floating_point() or hidden.dtype != weight.dtype or hidden.device != weight.device:
+        raise ValueError(f"hidden ({hidden.dtype}, {hidden.device}) and weight ({weight.dtype}, "
+                         f"{weight.device}) must be float tensors of one dtype on one device")
+    check_targets_and_settings(targets, hidden.shape[0], hidden.device, vocab_start, vocab_size,
+                               temperature, chunk_size)
+    layout_error = shard_layout_error(weight.shape[0], tp_group, vocab_start, vocab_size)
+    if layout_error is not None and (tp_group is None or hidden.shape[0] == 0):
+        raise ValueError(layout_error)
+    return _FusedLinearLogprobsEntropy.apply(hidden, weight, targets, tp_group, vocab_start,
+                                             vocab_size, float(temperature), int(chunk_size),
+                                             layout_error)
+
+
+def _chunk_logits(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``[chunk, V_local]`` logits of one chunk (matmul in the input dtype, as the output layer)."""
+    return hidden @ weight.t()
+
+
+class _FusedLinearLogprobsEntropy(torch.autograd.Function):
+    """Autograd function behind :func:`fused_linear_logprobs_entropy` (module docstring)."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, tp_group, vocab_start, vocab_size, temperature,
+                chunk_size, layout_error):
+        acc = torch.promote_types(hidden.dtype, torch.float32)
+        inv_temp = 1.0 / temperature
+        n_valid = max(0, min(weight.shape[0], vocab_size - vocab_start))
+        pieces = []
+        for s in range(0, hidden.shape[0], chunk_size):
+            logits = _chunk_logits(hidden[s : s + chunk_size], weight)
+            pieces.append(chunk_statistics(logits, targets[s : s + chunk_size], tp_group,
+                                           vocab_start, n_valid, inv_temp, acc,
+                                           layout_error is not None))
+        if pieces:
+            logprobs, entropy, raw_max, log_sum_exp = (torch.cat(parts) for parts in zip(*pieces))
+        else:
+            logprobs = entropy = raw_max = log_sum_exp = hidden.new_zeros(0, dtype=acc)
+        check_finite_outputs(lambda row: _chunk_logits(hidden[row : row + 1], weight)[0], targets,
+                             logprobs, entropy, vocab_start, n_valid, layout_error)
+        ctx.save_for_backward(hidden, weight, targets, raw_max, log_sum_exp, entropy, logprobs)
+        ctx.meta = (vocab_start, n_valid, inv_temp, chunk_size, acc)
+        ctx.tp_group = tp_group
+        ctx.set_materialize_grads(False)
+        return logprobs, entropy
+
+    @staticmethod
+    def backward(ctx, grad_logprobs, grad_entropy):
+        none = (None,) * 7
+        if grad_logprobs is None and grad_entropy is None:
+            return (None, None, *none)
+        hidden, weight, targets, *stats = ctx.saved_tensors
+        chunk = ctx.meta[3]
+        grad_hidden = torch.empty_like(hidden)
+        grad_weight = torch.zeros_like(weight, dtype=torch.promote_types(weight.dtype, torch.float32))
+        for s in range(0, hidden.shape[0], chunk):
+            rows = slice(s, s + chunk)
+            grad_logits = logits_gradient(
+                _chunk_logits(hidden[rows], weight), targets[rows],
+                [stat[rows] for stat in stats],
+                None if grad_logprobs is None else grad_logprobs[rows],
+                None if grad_entropy is None else grad_entropy[rows], ctx.meta)
+            grad_hidden[rows] = grad_logits @ weight
+            grad_weight.addmm_(grad_logits.t().to(grad_weight.dtype), hidden[rows].to(grad_weight.dtype))
+        if ctx.tp_group is not None and dist.get_world_size(ctx.tp_group) > 1:
+            dist.all_reduce(grad_hidden, group=ctx.tp_group)
+        return grad_hidden, grad_weight.to(weight.dtype), *none
