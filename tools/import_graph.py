@@ -2,13 +2,13 @@
 
 Layers, bottom to top (a module may import its own layer and those below it):
 
-    algorithms -> parallel -> megatron -> models / data / rewards -> rollout -> evaluation
-    -> trainer -> cli
+    metrics -> algorithms -> parallel -> megatron -> models / data / rewards -> rollout
+    -> evaluation -> trainer -> cli
 
-``integrations`` sits beside ``trainer`` but may import only ``algorithms``, ``parallel``,
-``megatron`` and itself (an adapter runs inside another project's loop, never ours). Every import
-counts, including the lazy ones inside functions. A sub-package missing from the table is an
-error too, so a new package has to be placed in a layer.
+``integrations`` sits beside ``trainer`` but may import only ``metrics``, ``algorithms``,
+``parallel``, ``megatron`` and itself (an adapter runs inside another project's loop, never
+ours). Every import counts, including the lazy ones inside functions. A sub-package missing from
+the table is an error too, so a new package has to be placed in a layer.
 
     python tools/import_graph.py [PACKAGE_DIR]     # default: the nemo_sspo package next to tools/
 """
@@ -22,22 +22,23 @@ from dataclasses import dataclass
 from pathlib import Path
 
 LAYERS: dict[str, int] = {
-    "algorithms": 0,
-    "parallel": 1,
-    "megatron": 2,
-    "models": 3,
-    "data": 3,
-    "rewards": 3,
-    "rollout": 4,
-    "evaluation": 5,
-    "trainer": 6,
-    "integrations": 6,
-    "cli": 7,
+    "metrics": 0,
+    "algorithms": 1,
+    "parallel": 2,
+    "megatron": 3,
+    "models": 4,
+    "data": 4,
+    "rewards": 4,
+    "rollout": 5,
+    "evaluation": 6,
+    "trainer": 7,
+    "integrations": 7,
+    "cli": 8,
 }
 """Sub-package (or top-level module) -> layer rank; imports may not go to a higher rank."""
 
 RESTRICTED: dict[str, frozenset[str]] = {
-    "integrations": frozenset({"algorithms", "parallel", "megatron", "integrations"}),
+    "integrations": frozenset({"metrics", "algorithms", "parallel", "megatron", "integrations"}),
 }
 """Parts that may import only the listed parts, whatever their rank."""
 

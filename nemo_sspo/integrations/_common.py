@@ -25,13 +25,13 @@ from nemo_sspo.algorithms.losses import (
     make_policy_loss,
     policy_loss_sums,
 )
-from nemo_sspo.algorithms.losses.metrics import metric_kind
 from nemo_sspo.algorithms.losses.registry import BoundPolicyLoss
 from nemo_sspo.algorithms.segmentation import (
     TABLE_FREE_SEGMENTATIONS,
     SegmentTables,
     segment_ids,
 )
+from nemo_sspo.metrics import MetricPair
 
 PREV_ENTROPY_KEY = "prev_entropy"
 """Host batch key: old-policy token entropy (nats), aligned exactly like the host's
@@ -352,16 +352,16 @@ def shifted_logprobs_entropy(
             zeros.masked_scatter(mask, flat_entropy.detach()))
 
 
-def metric_pairs(metrics: dict[str, torch.Tensor]) -> dict[str, float]:
-    """``{key/sum, key/count}`` floats for every plain (sum, count) metric, in one host sync.
+def metric_pairs(metrics: dict[str, MetricPair]) -> dict[str, float]:
+    """``{key/sum, key/count}`` floats for every additive metric pair, in one host sync.
 
-    ``_min`` / ``_max`` metrics are left out: they do not combine by summation, which is how
+    ``"min"`` / ``"max"`` pairs are left out: they do not combine by summation, which is how
     NeMo-RL accumulates loss metrics over micro-batches.
     """
-    keys = sorted(k for k in metrics if metric_kind(k) == "sum")
+    keys = sorted(k for k, pair in metrics.items() if pair.additive)
     if not keys:
         return {}
-    values = torch.stack([metrics[k].detach().to(torch.float64) for k in keys]).tolist()
+    values = torch.stack([metrics[k].as_tensor(torch.float64) for k in keys]).tolist()
     out = {}
     for key, (total, count) in zip(keys, values):
         out[f"{key}/sum"], out[f"{key}/count"] = total, count

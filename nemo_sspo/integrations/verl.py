@@ -69,7 +69,7 @@ from nemo_sspo.integrations._common import (
     per_response_advantages,
     response_segment_ids,
 )
-from nemo_sspo.algorithms.losses.metrics import summarize_metric_pairs
+from nemo_sspo.metrics import MetricPair, summarize_metric_pairs
 
 __all__ = [
     "OLD_ENTROPY_KEY",
@@ -183,7 +183,7 @@ def _integer_segment_ids(segment_ids: torch.Tensor) -> torch.Tensor:
     return segment_ids.long()
 
 
-def _verl_metrics(metrics: dict[str, torch.Tensor], log_prob, old_log_prob, mask) -> dict:
+def _verl_metrics(metrics: dict[str, MetricPair], log_prob, old_log_prob, mask) -> dict:
     """Python floats (verl averages them over micro-batches): ours plus verl's usual keys."""
     values = summarize_metric_pairs(metrics)
     with torch.no_grad():

@@ -22,7 +22,7 @@ from megatron.core.utils import get_model_config
 from nemo_sspo.megatron.cpu_shims import cpu_device_context
 from nemo_sspo.algorithms.batch import PolicyBatch
 from nemo_sspo.megatron.step import LossSpec, make_forward_step, split_micro_batches
-from nemo_sspo.parallel.metrics import merge_metric_sums
+from nemo_sspo.metrics import merge_metric_sums
 
 __all__ = [
     "accumulate_gradients",
@@ -156,7 +156,7 @@ def accumulate_gradients(model, micro_batches: list, forward_step_func: Callable
     denominator, metrics)``).
 
     Returns:
-        metric name -> float32 [2] pair merged over this rank's micro-batches (empty on pipeline
+        metric name -> ``MetricPair`` merged over this rank's micro-batches (empty on pipeline
         stages other than the last).
     """
     model.zero_grad_buffer()

@@ -1,13 +1,13 @@
 """Global reduction of step metrics so that every rank logs the same values.
 
-A metric travels as a float32 [2] pair whose kind its key's suffix gives (``(sum, count)``,
-``_min`` / ``_max`` extremes, derived ``_std``; :mod:`nemo_sspo.algorithms.losses.metrics`).
-Across data-parallel ranks plain pairs are summed and extremes reduced with MIN / MAX (an empty
+A metric travels as a :class:`nemo_sspo.metrics.MetricPair` whose kind says how it combines.
+Across data-parallel ranks additive pairs are summed and extremes reduced with MIN / MAX (an empty
 pair takes no part); the result is then summarised exactly as in one process.
 
 Metrics are produced on the last pipeline stage only and broadcast to the others. Data-parallel
 ranks may hold different key sets (a rank whose batch has no valid token emits no token metrics):
-the reduction runs over the union of keys, a key a rank lacks counting as an empty pair.
+the reduction runs over the union of keys, a key a rank lacks counting as an empty pair of the
+kind the other ranks give it.
 """
 
 from __future__ import annotations
@@ -17,9 +17,9 @@ import math
 import torch
 import torch.distributed as dist
 
-from nemo_sspo.algorithms.losses.metrics import merge_metric_sums, metric_kind, summarize_metric_pairs
+from nemo_sspo.metrics import MetricPair, summarize_metric_pairs
 
-__all__ = ["collective_device", "merge_metric_sums", "metric_kind", "reduce_metric_sums"]
+__all__ = ["collective_device", "reduce_metric_sums"]
 
 
 def collective_device(group) -> torch.device:
@@ -30,9 +30,9 @@ def collective_device(group) -> torch.device:
     return torch.device("cpu")
 
 
-def _all_reduce(keys: list[str], stacked: torch.Tensor, dp_group) -> torch.Tensor:
-    """SUM of counts and plain sums, MIN/MAX of extreme values; ``stacked`` [K, 2] float64."""
-    kinds = [metric_kind(k) for k in keys]
+def _all_reduce(kinds: list[str], stacked: torch.Tensor, dp_group) -> torch.Tensor:
+    """SUM of counts and additive totals, MIN/MAX of extreme values; ``stacked`` [K, 2] float64
+    (total, count) of pairs of ``kinds``."""
     is_min = torch.tensor([k == "min" for k in kinds], dtype=torch.bool, device=stacked.device)
     is_max = torch.tensor([k == "max" for k in kinds], dtype=torch.bool, device=stacked.device)
     extreme = is_min | is_max
@@ -51,24 +51,34 @@ def _all_reduce(keys: list[str], stacked: torch.Tensor, dp_group) -> torch.Tenso
     return summed
 
 
-def _union_of_keys(keys: list[str], stacked: torch.Tensor, dp_group) -> tuple[list[str], torch.Tensor]:
-    """Every rank's sorted key list and ``[K, 2]`` pairs, with ``(0, 0)`` for keys it lacks.
+def _union_of_keys(kinds: dict[str, str], stacked: torch.Tensor, dp_group
+                   ) -> tuple[dict[str, str], torch.Tensor]:
+    """Every rank's sorted key -> kind map and ``[K, 2]`` pairs, with ``(0, 0)`` for keys it lacks.
 
     Without this, ranks with different key sets would pair values by position (wrong numbers) or
     all-reduce tensors of different lengths (a hang). One small object all-gather per step.
+
+    Raises:
+        ValueError: ranks give one key different kinds (raised on every rank alike).
     """
-    gathered: list[list[str] | None] = [None] * dist.get_world_size(dp_group)
-    dist.all_gather_object(gathered, keys, group=dp_group)
-    union = sorted(set().union(*gathered))
-    if union == keys:
-        return keys, stacked
-    rows = {key: row for key, row in zip(keys, stacked)}
+    gathered: list[dict[str, str] | None] = [None] * dist.get_world_size(dp_group)
+    dist.all_gather_object(gathered, kinds, group=dp_group)
+    union: dict[str, str] = {}
+    for rank_kinds in gathered:
+        for key, kind in rank_kinds.items():
+            if union.setdefault(key, kind) != kind:
+                raise ValueError(f"metric {key!r} is a {union[key]!r} pair on one data-parallel rank "
+                                 f"and a {kind!r} pair on another")
+    union = dict(sorted(union.items()))
+    if list(union) == list(kinds):
+        return kinds, stacked
+    rows = {key: row for key, row in zip(kinds, stacked)}
     zero = torch.zeros(2, dtype=stacked.dtype)
     return union, torch.stack([rows.get(key, zero) for key in union])
 
 
 def reduce_metric_sums(
-    local: dict[str, torch.Tensor],
+    local: dict[str, MetricPair],
     *,
     dp_group,
     pp_group,
@@ -78,33 +88,36 @@ def reduce_metric_sums(
     """All-reduces metric pairs over data parallelism and shares them across pipeline stages.
 
     Args:
-        local: name -> float32 [2] pair of this rank's micro-batches (kinds in the module
-            docstring); read on the last stage only.
+        local: name -> pair of this rank's micro-batches (merged with
+            ``nemo_sspo.metrics.merge_metric_sums``); read on the last stage only.
         dp_group: data-parallel group (None: single process, no communication).
         pp_group: pipeline group (None: single stage).
         last_stage_rank: global rank of this pipeline's last stage (broadcast source).
         is_last_stage: whether this rank holds the metrics.
 
     Returns:
-        name -> float: sum / count for plain pairs, the global extreme for ``_min`` / ``_max``,
-        plus the derived ``_std`` keys; a metric whose global count is 0 reports 0.0.
+        name -> float: total / count for additive pairs, the global extreme for ``"min"`` /
+        ``"max"`` pairs, plus the derived ``_std`` keys; a metric whose global count is 0 reports
+        0.0 (``nemo_sspo.metrics.summarize_metric_pairs``).
 
     Raises:
-        ValueError: a value is not a [2] tensor.
+        TypeError: a value is not a ``MetricPair``.
+        ValueError: ranks give one key different kinds.
     """
     result: dict[str, float] | None = None
     if is_last_stage:
-        keys = sorted(local)
-        for key in keys:
-            if local[key].shape != (2,):
-                raise ValueError(f"metric {key!r} must be a (sum, count) tensor of shape [2], got {tuple(local[key].shape)}")
+        for key, value in local.items():
+            if not isinstance(value, MetricPair):
+                raise TypeError(f"metric {key!r} must be a MetricPair, got {type(value).__name__}")
+        kinds = {key: local[key].kind for key in sorted(local)}
         # On the host: pairs may come from the model's device (loss metrics) and the CPU (rollout metrics).
-        stacked = (torch.stack([local[k].detach().to("cpu", torch.float64) for k in keys]) if keys
+        stacked = (torch.stack([local[k].as_tensor(torch.float64).cpu() for k in kinds]) if kinds
                    else torch.zeros(0, 2, dtype=torch.float64))
         if dp_group is not None and dist.get_world_size(dp_group) > 1:
-            keys, stacked = _union_of_keys(keys, stacked, dp_group)
-            stacked = _all_reduce(keys, stacked, dp_group)
-        result = summarize_metric_pairs(dict(zip(keys, stacked)))
+            kinds, stacked = _union_of_keys(kinds, stacked, dp_group)
+            stacked = _all_reduce(list(kinds.values()), stacked, dp_group)
+        result = summarize_metric_pairs({key: MetricPair(row[0], row[1], kind)
+                                         for (key, kind), row in zip(kinds.items(), stacked)})
     if pp_group is not None and dist.get_world_size(pp_group) > 1:
         box = [result]
         dist.broadcast_object_list(box, src=last_stage_rank, group=pp_group)

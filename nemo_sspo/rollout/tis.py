@@ -18,13 +18,13 @@ import math
 
 import torch
 
-from nemo_sspo.algorithms.losses.metrics import pair
+from nemo_sspo.metrics import MetricPair, mean_pair
 
 __all__ = ["truncated_is_weights"]
 
 
 def truncated_is_weights(old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, mask: torch.Tensor,
-                         cap: float) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+                         cap: float) -> tuple[torch.Tensor, dict[str, MetricPair]]:
     """Per-token TIS weights and their metrics (module docstring).
 
     Args:
@@ -37,7 +37,7 @@ def truncated_is_weights(old_logprobs: torch.Tensor, rollout_logprobs: torch.Ten
         ``(weights, metrics)``: weights ``[B, S]`` float32, detached, ``min(exp(old - rollout), cap)``
         on the mask and 1.0 elsewhere; metrics ``rollout/tis_weight_mean`` (mean weight over masked
         tokens) and ``rollout/tis_clipped_frac`` (share of masked tokens whose ratio exceeded the cap)
-        as float32 ``[2]`` (sum, count) pairs.
+        as ``"mean"`` metric pairs.
 
     Raises:
         ValueError: ``cap < 1`` or shapes that differ.
@@ -53,7 +53,7 @@ def truncated_is_weights(old_logprobs: torch.Tensor, rollout_logprobs: torch.Ten
     weights = torch.where(mask, torch.exp(log_ratio.clamp(max=log_cap)), torch.ones_like(log_ratio))
     count = mask.sum()
     metrics = {
-        "rollout/tis_weight_mean": pair(weights[mask].sum(), count),
-        "rollout/tis_clipped_frac": pair((log_ratio > log_cap)[mask].sum(), count),
+        "rollout/tis_weight_mean": mean_pair(weights[mask].sum(), count),
+        "rollout/tis_clipped_frac": mean_pair((log_ratio > log_cap)[mask].sum(), count),
     }
     return weights, metrics

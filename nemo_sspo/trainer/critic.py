@@ -30,10 +30,10 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 
-from nemo_sspo.algorithms.losses.metrics import pair
 from nemo_sspo.megatron import build_policy_model, forward_logits, load_hf_into_megatron
 from nemo_sspo.megatron.step import model_device, split_micro_batches, to_device
 from nemo_sspo.megatron.training import accumulate_gradients, apply_optimizer_step, run_schedule
+from nemo_sspo.metrics import mean_pair
 from nemo_sspo.algorithms.batch import pack_tokens
 
 __all__ = [
@@ -246,10 +246,10 @@ def _bce_loss_func(batch: CriticBatch, values: torch.Tensor):
     prob = torch.sigmoid(logits.detach())
     count = torch.tensor(float(logits.numel()), device=logits.device)
     metrics = {
-        "critic/loss": pair(bce.detach().sum(), count),
-        "critic/value_mean": pair(prob.sum(), count),
-        "critic/reward_mean": pair(targets.sum(), count),
-        "critic/abs_error": pair((prob - targets).abs().sum(), count),
+        "critic/loss": mean_pair(bce.detach().sum(), count),
+        "critic/value_mean": mean_pair(prob.sum(), count),
+        "critic/reward_mean": mean_pair(targets.sum(), count),
+        "critic/abs_error": mean_pair((prob - targets).abs().sum(), count),
     }
     return bce.sum(), torch.tensor(logits.numel(), dtype=torch.int, device=logits.device), metrics
 

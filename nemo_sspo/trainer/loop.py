@@ -64,7 +64,8 @@ from nemo_sspo.megatron.training import (
 from nemo_sspo.evaluation import MEAN_KEY
 from nemo_sspo.models import build_hf_model, load_hf_checkpoint
 from nemo_sspo.models.hf_checkpoint import resolve_model_dir
-from nemo_sspo.parallel.metrics import merge_metric_sums, reduce_metric_sums
+from nemo_sspo.metrics import MetricPair, mean_pair, merge_metric_sums
+from nemo_sspo.parallel.metrics import reduce_metric_sums
 from nemo_sspo.rewards import MathVerifyReward
 from nemo_sspo.rollout import HFRolloutEngine, VLLMRolloutEngine, truncated_is_weights
 from nemo_sspo.algorithms.batch import pack_rollouts
@@ -79,9 +80,9 @@ from nemo_sspo.trainer.checkpoint import (
 from nemo_sspo.trainer.config import ParallelConfig, TrainConfig, at_key, build_loss_config
 from nemo_sspo.trainer.critic import Critic, build_value_model, critic_advantages, pack_critic_batch
 from nemo_sspo.trainer.device import check_host, training_device
-from nemo_sspo.trainer.metrics import MetricsLogger
+from nemo_sspo.trainer.metric_log import MetricsLogger
 from nemo_sspo.trainer.periodic_eval import BEST_DIR, BestEval, evaluate_engine
-from nemo_sspo.trainer.rollout_metrics import pair, rollout_logprobs, rollout_metric_sums
+from nemo_sspo.trainer.rollout_metrics import rollout_logprobs, rollout_metric_sums
 from nemo_sspo.trainer.sampling import Rollout, RolloutSampler
 
 __all__ = ["GRPOTrainer", "Rollout", "start_parallel"]
@@ -247,7 +248,7 @@ class GRPOTrainer:
         dist.broadcast_object_list(box, src=g.mp_src_rank, group=g.mp_group)
         return box[0]
 
-    def compute_advantages(self, rollout: Rollout) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    def compute_advantages(self, rollout: Rollout) -> tuple[torch.Tensor, dict[str, MetricPair]]:
         """``[B]`` float32 advantages and their metric pairs.
 
         Group-relative (``group_advantages``, std normalisation per the loss config), or for a
@@ -262,7 +263,7 @@ class GRPOTrainer:
                                                  normalize_std=self.loss.requirements.normalize_std)
             groups = rollout.rewards.numel() / group
             frac = stats["advantages/zero_variance_group_frac"]
-            return advantages, {"advantages/zero_variance_group_frac": pair(frac * groups, groups)}
+            return advantages, {"advantages/zero_variance_group_frac": mean_pair(frac * groups, groups)}
         value_logits = self.critic.predict(self._critic_batch(rollout))
         if value_logits is None:
             return torch.zeros_like(rollout.rewards), {}
@@ -300,7 +301,7 @@ class GRPOTrainer:
             sums.update(tis_sums)
         return batch, sums
 
-    def update(self, batch) -> tuple[dict[str, torch.Tensor], float]:
+    def update(self, batch) -> tuple[dict[str, MetricPair], float]:
         """minibatches_per_step optimizer steps over consecutive row blocks of ``batch``.
 
         Raises:
@@ -311,7 +312,7 @@ class GRPOTrainer:
         """
         rows = batch.input_ids.shape[0]
         size = rows // self.cfg.trainer.minibatches_per_step
-        sums: dict[str, torch.Tensor] = {}
+        sums: dict[str, MetricPair] = {}
         norms = []
         for start in range(0, rows, size):
             mb_sums, grad_norm = train_on_batch(self.model, self.optimizer, batch.select(slice(start, start + size)),
@@ -348,7 +349,8 @@ class GRPOTrainer:
             self.refit()
         if self.groups.is_last_stage:
             sums.update(batch_sums)
-            sums.update(rollout_metric_sums(rollout, batch, self.cfg))
+            sums.update(rollout_metric_sums(rollout, batch, samples_per_prompt=self.cfg.rollout.samples_per_prompt,
+                                            shaped_rewards=self.cfg.reward.overlong_buffer_len > 0))
         metrics = reduce_metric_sums(sums, dp_group=self.groups.dp_group, pp_group=self.groups.pp_group,
                                      last_stage_rank=self.groups.pp_last_rank, is_last_stage=self.groups.is_last_stage)
         metrics.update(extra)

@@ -1,5 +1,6 @@
-"""Per-step statistics of a rollout as metric (sum, count) pairs: rewards, lengths, truncation,
-dynamic-sampling rounds, and the gap between the rollout engine's and the trainer's log-probs."""
+"""Per-step statistics of a rollout as ``"mean"`` metric pairs (:mod:`nemo_sspo.metrics`): rewards,
+lengths, truncation, dynamic-sampling rounds, and the gap between the rollout engine's and the
+trainer's log-probs."""
 
 from __future__ import annotations
 
@@ -7,14 +8,10 @@ import torch
 
 from nemo_sspo.algorithms import select_nonzero_variance_groups
 from nemo_sspo.algorithms.batch import response_to_target_frame
+from nemo_sspo.metrics import MetricPair, mean_pair
 from nemo_sspo.trainer.sampling import Rollout
 
-__all__ = ["pair", "rollout_logprobs", "rollout_metric_sums"]
-
-
-def pair(total: float, count: float) -> torch.Tensor:
-    """A float32 ``[2]`` (sum, count) metric pair (``nemo_sspo.parallel.metrics``)."""
-    return torch.tensor([total, count], dtype=torch.float32)
+__all__ = ["rollout_logprobs", "rollout_metric_sums"]
 
 
 def rollout_logprobs(rollout: Rollout, batch) -> torch.Tensor:
@@ -24,37 +21,40 @@ def rollout_logprobs(rollout: Rollout, batch) -> torch.Tensor:
     return response_to_target_frame(rb.rollout_logprobs, rb.prompt_mask, batch.loss_mask.shape[1])
 
 
-def rollout_metric_sums(rollout: Rollout, batch, cfg) -> dict[str, torch.Tensor]:
+def rollout_metric_sums(rollout: Rollout, batch, *, samples_per_prompt: int,
+                        shaped_rewards: bool) -> dict[str, MetricPair]:
     """This data-parallel rank's rollout metrics.
 
     Args:
         rollout: the step's scored rollout.
         batch: its ``PolicyBatch`` with ``old_logprobs`` filled (last pipeline stage).
-        cfg: the ``TrainConfig`` (``rollout.samples_per_prompt``, ``reward.overlong_buffer_len``).
+        samples_per_prompt: G, responses per prompt group (``rollout.samples_per_prompt``).
+        shaped_rewards: whether ``rollout.rewards`` differ from the task rewards (overlong
+            shaping, ``reward.overlong_buffer_len > 0``): adds ``reward/shaped_mean``.
 
     Returns:
         ``reward/mean``, ``reward/accuracy``, ``response/length_mean``, ``response/truncated_frac``,
         ``rollout/sampling_rounds``, ``rollout/kept_group_frac``, ``reward/shaped_mean`` (with
         overlong shaping) and ``rollout/trainer_logprob_gap_abs`` (mean |log pi_rollout - log pi_old|
-        per response token) as float32 ``[2]`` pairs.
+        per response token).
     """
     rb, task = rollout.batch, rollout.task_rewards
     n = float(task.numel())
     lengths = rb.response_mask.sum(dim=1).float()
-    varied = select_nonzero_variance_groups(task, cfg.rollout.samples_per_prompt).num_nonzero_variance
+    varied = select_nonzero_variance_groups(task, samples_per_prompt).num_nonzero_variance
     sums = {
-        "reward/mean": pair(float(task.sum()), n),
-        "reward/accuracy": pair(float((task >= 1.0).sum()), n),
-        "response/length_mean": pair(float(lengths.sum()), n),
-        "response/truncated_frac": pair(float(rb.truncated.float().sum()), n),
+        "reward/mean": mean_pair(float(task.sum()), n),
+        "reward/accuracy": mean_pair(float((task >= 1.0).sum()), n),
+        "response/length_mean": mean_pair(float(lengths.sum()), n),
+        "response/truncated_frac": mean_pair(float(rb.truncated.float().sum()), n),
         # Each data-parallel rank reports the (common) round count once.
-        "rollout/sampling_rounds": pair(float(rollout.rounds), 1.0),
-        "rollout/kept_group_frac": pair(float(varied), float(rollout.generated_groups)),
+        "rollout/sampling_rounds": mean_pair(float(rollout.rounds), 1.0),
+        "rollout/kept_group_frac": mean_pair(float(varied), float(rollout.generated_groups)),
     }
-    if cfg.reward.overlong_buffer_len > 0:
-        sums["reward/shaped_mean"] = pair(float(rollout.rewards.sum()), n)
+    if shaped_rewards:
+        sums["reward/shaped_mean"] = mean_pair(float(rollout.rewards.sum()), n)
     mask = batch.loss_mask
     if mask.any():
         gap = (rollout_logprobs(rollout, batch) - batch.old_logprobs)[mask].abs()
-        sums["rollout/trainer_logprob_gap_abs"] = pair(float(gap.sum()), float(gap.numel()))
+        sums["rollout/trainer_logprob_gap_abs"] = mean_pair(float(gap.sum()), float(gap.numel()))
     return sums

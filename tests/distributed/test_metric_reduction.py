@@ -10,16 +10,25 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from nemo_sspo.metrics import MetricPair, mean_pair, mean_sq_pair
+
+
+def _lo(value, count):
+    return MetricPair(torch.tensor(float(value)), torch.tensor(float(count)), "min")
+
+
+def _hi(value, count):
+    return MetricPair(torch.tensor(float(value)), torch.tensor(float(count)), "max")
+
 
 def _local(rank):
-    t = lambda *v: torch.tensor(v, dtype=torch.float32)  # noqa: E731
     if rank == 2:
         # ratio values {1, 2}: sum 3, squares 5; min 1, max 2. e_min: this rank has none.
-        return {"r": t(3, 2), "r_sq": t(5, 2), "r_min": t(1, 2), "r_max": t(2, 2),
-                "e_min": t(0, 0), "e_max": t(0, 0), "z_min": t(0, 0)}
+        return {"r": mean_pair(3, 2), "r_sq": mean_sq_pair(5, 2), "r_min": _lo(1, 2), "r_max": _hi(2, 2),
+                "e_min": _lo(0, 0), "e_max": _hi(0, 0), "z_min": _lo(0, 0)}
     # rank 3, ratio values {0.5, 4.5}: sum 5, squares 20.5; e values {-3}.
-    return {"r": t(5, 2), "r_sq": t(20.5, 2), "r_min": t(0.5, 2), "r_max": t(4.5, 2),
-            "e_min": t(-3, 1), "e_max": t(-3, 1), "z_min": t(0, 0)}
+    return {"r": mean_pair(5, 2), "r_sq": mean_sq_pair(20.5, 2), "r_min": _lo(0.5, 2), "r_max": _hi(4.5, 2),
+            "e_min": _lo(-3, 1), "e_max": _hi(-3, 1), "z_min": _lo(0, 0)}
 
 
 def _reduce(rank, world_size):
@@ -53,11 +62,11 @@ def test_min_max_mean_std_over_dp_and_pp(run_distributed):
 def _reduce_different_keys(rank, world_size):
     from nemo_sspo.parallel.metrics import reduce_metric_sums
 
-    t = lambda *v: torch.tensor(v, dtype=torch.float32)  # noqa: E731
     if rank == 0:  # a batch with no valid response token: no gap metric at all
-        local = {"loss": t(-1.0, 4), "ratio_max": t(1.5, 4)}
+        local = {"loss": mean_pair(-1.0, 4), "ratio_max": _hi(1.5, 4)}
     else:
-        local = {"gap_abs": t(0.3, 3), "loss": t(2.0, 2), "ratio_max": t(1.2, 2), "zgap_max": t(7, 1)}
+        local = {"gap_abs": mean_pair(0.3, 3), "loss": mean_pair(2.0, 2), "ratio_max": _hi(1.2, 2),
+                 "zgap_max": _hi(7, 1)}
     return reduce_metric_sums(local, dp_group=dist.group.WORLD, pp_group=None,
                               last_stage_rank=rank, is_last_stage=True)
 

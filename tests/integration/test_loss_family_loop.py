@@ -68,10 +68,10 @@ def test_two_steps_of_every_loss(name, checkpoint, monkeypatch, tmp_path):
     max_new_tokens = int(next(o for o in TINY if o.startswith("rollout.max_new_tokens=")).split("=")[1])
     for batch, sums in (updates[0], updates[2]):
         for level in ("token", "segment", "response"):
-            assert sums[f"policy/ratio_{level}_min"][0].item() == 1.0, level
-            assert sums[f"policy/ratio_{level}_max"][0].item() == 1.0, level
-        assert sums["policy/approx_kl_k1"][0].item() == 0.0 and sums["policy/approx_kl_k3"][0].item() == 0.0
-        numerator, denominator = sums["loss/policy"].double().tolist()
+            assert sums[f"policy/ratio_{level}_min"].total.item() == 1.0, level
+            assert sums[f"policy/ratio_{level}_max"].total.item() == 1.0, level
+        assert sums["policy/approx_kl_k1"].total.item() == 0.0 and sums["policy/approx_kl_k3"].total.item() == 0.0
+        numerator, denominator = sums["loss/policy"].as_tensor(torch.float64).tolist()
         if name == "cispo":  # CISPO's value is -sg(clip(r)) A log pi (r = 1): token-mean of -A log pi_old
             mask = batch.loss_mask
             weighted = batch.advantages.double()[:, None] * batch.old_logprobs.double()
@@ -83,7 +83,7 @@ def test_two_steps_of_every_loss(name, checkpoint, monkeypatch, tmp_path):
             assert numerator / denominator == pytest.approx(expected, rel=1e-5, abs=1e-6)
     # The second mini-batch follows an optimizer step: some token ratio differs from 1.
     _, second = updates[1]
-    assert second["policy/ratio_token_min"][0].item() < 1.0 or second["policy/ratio_token_max"][0].item() > 1.0
+    assert second["policy/ratio_token_min"].total.item() < 1.0 or second["policy/ratio_token_max"].total.item() > 1.0
     if name == "dapo":  # loss=dapo turns on dynamic sampling: no zero-variance group is trained on
         assert all(r["advantages/zero_variance_group_frac"] == 0.0 for r in history)
     else:

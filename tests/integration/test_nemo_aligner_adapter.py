@@ -93,8 +93,8 @@ def _reference(batch):
 
 
 def _ratio(pairs, key):
-    total = sum(float(p[key][0]) for p in pairs)
-    return total / sum(float(p[key][1]) for p in pairs)
+    total = sum(float(p[key].total) for p in pairs)
+    return total / sum(float(p[key].count) for p in pairs)
 
 
 def test_actor_loss_func_under_tp2_and_dp2(run_distributed):

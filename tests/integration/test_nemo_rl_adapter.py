@@ -149,7 +149,7 @@ def test_loss_matches_native_under_tp2_with_global_normalisers(run_distributed):
         key = "policy/clipfrac_tokens"
         pairs = [m for dp in range(DP) for m in results[0, dp][name][2]]
         clipped, count = (sum(m[f"{key}/{part}"] for m in pairs) for part in ("sum", "count"))
-        assert clipped / count == pytest.approx(float(metrics[key][0] / metrics[key][1]),
+        assert clipped / count == pytest.approx(float(metrics[key].total / metrics[key].count),
                                                 rel=1e-6)
         assert 0 < clipped < count  # the inputs clip some tokens, not all
     # token_logprobs_and_entropy: NeMo-RL layout [B, S] with column 0 empty.

@@ -11,7 +11,7 @@ from nemo_sspo.models import load_hf_checkpoint
 from nemo_sspo.trainer.checkpoint import STATE_FILE, _prune, resolve_resume, write_hf_checkpoint
 from nemo_sspo.trainer.config import validate
 from nemo_sspo.trainer.device import check_host
-from nemo_sspo.trainer.metrics import MetricsLogger
+from nemo_sspo.trainer.metric_log import MetricsLogger
 
 
 def _checkpoint(root, step):

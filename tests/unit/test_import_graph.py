@@ -25,7 +25,7 @@ def tool():
 def test_package_has_no_upward_import(tool, capsys):
     assert tool.main([str(ROOT / "nemo_sspo")]) == 0
     out = capsys.readouterr().out
-    assert "0 violations" in out and "[0] algorithms" in out and "[7] cli" in out
+    assert "0 violations" in out and "[0] metrics" in out and "[1] algorithms" in out and "[8] cli" in out
     graph = tool.import_graph(ROOT / "nemo_sspo")
     # The batch type sits at the bottom and megatron/ imports it from there.
     assert "nemo_sspo.algorithms.batch" in graph["nemo_sspo.megatron.step"]
@@ -53,7 +53,7 @@ def test_checker_reports_the_one_upward_import(tool, tmp_path, capsys):
     assert graph["pkg.trainer.loop"] == {"pkg.algorithms", "pkg.algorithms.maths"}  # relative import resolved
     violations = tool.check(graph)
     assert [(v.importer, v.imported) for v in violations] == [("pkg.algorithms.maths", "pkg.trainer.loop")]
-    assert "upward: algorithms (layer 0) imports trainer (layer 6)" in violations[0].reason
+    assert "upward: algorithms (layer 1) imports trainer (layer 7)" in violations[0].reason
     assert tool.main([str(pkg)]) == 1
     assert "VIOLATION pkg.algorithms.maths -> pkg.trainer.loop" in capsys.readouterr().out
 
@@ -68,5 +68,5 @@ def test_checker_restricts_integrations_and_unplaced_packages(tool, tmp_path):
     })
     reasons = {(v.importer, v.reason.split(":")[0]) for v in tool.check(tool.import_graph(pkg))}
     assert reasons == {("pkg.integrations.host", "integrations may import only algorithms, integrations, megatron, "
-                                                 "parallel"),
+                                                 "metrics, parallel"),
                        ("pkg.extras", "'extras' is in no layer")}

@@ -36,7 +36,7 @@ def _loss(name, logprobs, adv, mask, *, old=None, segments=None, old_entropy=Non
 
 
 def _frac(pair):
-    return (pair[0] / pair[1]).item()
+    return (pair.total / pair.count).item()
 
 
 # ----------------------------------------------------------------------------- hand-worked values
@@ -59,7 +59,7 @@ def test_dr_grpo_constant_denominator_hand_values():
     expected = torch.tensor([[-0.11, 0.0, 0, 0], [0.0, 0.15, 0.1, 0.1]])
     assert torch.allclose(grad, expected, atol=1e-6)
     assert get_policy_loss("dr_grpo").config_cls().advantage_std_normalisation is False
-    assert metrics["policy/clipfrac_tokens"].tolist() == [2.0, 6.0]
+    assert metrics["policy/clipfrac_tokens"].as_tensor().tolist() == [2.0, 6.0]
 
 
 def test_dapo_clip_higher_token_mean_hand_values():
@@ -91,7 +91,7 @@ def test_dcpo_bounds_hand_values():
                              old=torch.log(q), eps_low=0.16, eps_high=0.2)
     assert torch.allclose(loss, torch.tensor([[0.8, 0.723607, 0.5, 0.5, 0.5]],
                                              dtype=torch.float64), atol=1e-6)
-    assert metrics["policy/b_high"][0].item() == pytest.approx(b_high.sum().item(), abs=1e-5)
+    assert metrics["policy/b_high"].total.item() == pytest.approx(b_high.sum().item(), abs=1e-5)
 
 
 def test_dcpo_defaults_are_the_shipped_run():
@@ -115,7 +115,7 @@ def test_dcpo_defaults_are_the_shipped_run():
                                       torch.tensor([-1.0]), mask, old=torch.log(q))
     assert torch.allclose(loss, torch.tensor([[10.0, 0.723607]], dtype=torch.float64), atol=1e-6)
     assert grad.abs().sum() == 0
-    assert metrics["policy/clipfrac_dual_tokens"].tolist() == [1.0, 2.0]
+    assert metrics["policy/clipfrac_dual_tokens"].as_tensor().tolist() == [1.0, 2.0]
 
 
 def test_gmpo_hand_values():
@@ -129,9 +129,9 @@ def test_gmpo_hand_values():
     assert torch.allclose(loss, torch.tensor([[-e1, -e1], [em1, em1]]), atol=1e-6)
     assert (num / den).item() == pytest.approx((-e1 + em1) / 2, abs=1e-6)
     assert torch.allclose(grad, torch.tensor([[0.0, -e1 / 4], [0.0, em1 / 4]]), atol=1e-6)
-    assert metrics["policy/clipfrac_high_tokens"].tolist() == [1.0, 4.0]
-    assert metrics["policy/clipfrac_low_tokens"].tolist() == [1.0, 4.0]
-    assert metrics["policy/zero_grad_frac_tokens"].tolist() == [2.0, 4.0]
+    assert metrics["policy/clipfrac_high_tokens"].as_tensor().tolist() == [1.0, 4.0]
+    assert metrics["policy/clipfrac_low_tokens"].as_tensor().tolist() == [1.0, 4.0]
+    assert metrics["policy/zero_grad_frac_tokens"].as_tensor().tolist() == [2.0, 4.0]
 
 
 def test_sapo_hand_values():
@@ -187,9 +187,9 @@ def test_cispo_hand_values():
     assert torch.allclose(loss, expected, atol=1e-12)
     assert torch.allclose(grad, torch.tensor([[-0.4, -0.3], [1.6 / 3, 0.0]],
                                              dtype=torch.float64), atol=1e-12)
-    assert metrics["policy/clipfrac_high_tokens"].tolist() == [1.0, 3.0]
-    assert metrics["policy/clipfrac_low_tokens"].tolist() == [1.0, 3.0]
-    assert metrics["policy/zero_grad_frac_tokens"].tolist() == [0.0, 3.0]
+    assert metrics["policy/clipfrac_high_tokens"].as_tensor().tolist() == [1.0, 3.0]
+    assert metrics["policy/clipfrac_low_tokens"].as_tensor().tolist() == [1.0, 3.0]
+    assert metrics["policy/zero_grad_frac_tokens"].as_tensor().tolist() == [0.0, 3.0]
 
 
 # Covariance case: 4 one-token responses, logprobs [-1, -2, -3, -5] (mean -2.75), A [2, 1, -1, -2]
@@ -230,8 +230,8 @@ def test_clip_cov_zeroes_selected_tokens():
                                                    dtype=torch.float64), atol=1e-12)
     expected = torch.tensor([0.0, -r[1] * 1.0 / 4, r[2] / 4, 0.0], dtype=torch.float64)
     assert torch.allclose(grad[:, 0], expected, atol=1e-12)
-    assert metrics["policy/cov_selected_frac"].tolist() == [2.0, 4.0]
-    assert metrics["policy/zero_grad_frac_tokens"].tolist() == [2.0, 4.0]
+    assert metrics["policy/cov_selected_frac"].as_tensor().tolist() == [2.0, 4.0]
+    assert metrics["policy/zero_grad_frac_tokens"].as_tensor().tolist() == [2.0, 4.0]
     assert adv.tolist() == [2.0, 1.0, -1.0, -2.0]
 
 
@@ -254,7 +254,7 @@ def test_clip_cov_skips_clipped_tokens_and_band_edges():
     adv = torch.tensor([2.0, 1.0, 0.0, -1.0, -2.0])
     mask = torch.ones(5, 1, dtype=torch.bool)
     loss, _, _, grad, metrics = _loss("clip_cov", lp, adv, mask, old=lp - d, select_fraction=0.4)
-    assert metrics["policy/cov_selected_frac"].tolist() == [1.0, 5.0]
+    assert metrics["policy/cov_selected_frac"].as_tensor().tolist() == [1.0, 5.0]
     # Token 0 keeps the clipped value -2 * 2 = -4 (no gradient); token 4 is zeroed.
     assert torch.allclose(loss[:, 0], torch.tensor([-4.0, -1.0, 0.0, 1.0, 0.0],
                                                    dtype=torch.float64), atol=1e-12)
@@ -264,7 +264,7 @@ def test_clip_cov_skips_clipped_tokens_and_band_edges():
     # The edge value itself is excluded: the band (0.5, 1) admits nothing (Cov == 1 is not < 1).
     _, _, _, _, m = _loss("clip_cov", lp, adv, mask, old=lp - d, select_fraction=0.4,
                           cov_min=0.5, cov_max=1.0)
-    assert m["policy/cov_selected_frac"].tolist() == [0.0, 5.0]
+    assert m["policy/cov_selected_frac"].as_tensor().tolist() == [0.0, 5.0]
 
 
 def test_clip_cov_random_draw_is_seeded_and_hand_derived():
@@ -305,7 +305,7 @@ def test_kl_cov_penalises_selected_tokens():
     assert torch.allclose(loss[:, 0], -r * adv + penalty, atol=1e-12)
     sign = torch.tensor([2.0, 0.0, 0.0, -2.0], dtype=torch.float64)
     assert torch.allclose(grad[:, 0], (-r * adv + sign) / 4, atol=1e-12)
-    assert metrics["policy/cov_selected_frac"].tolist() == [2.0, 4.0]
+    assert metrics["policy/cov_selected_frac"].as_tensor().tolist() == [2.0, 4.0]
 
 
 # ----------------------------------------------------------------------------- float64 references
@@ -534,7 +534,7 @@ def test_matches_float64_reference(name, params, reference, seed):
     if name in ("grpo", "dr_grpo", "dapo", "gspo", "gspo_token", "lpo", "dcpo", "gmpo", "cispo"):
         assert 0 < _frac(metrics["policy/clipfrac_tokens"]) < 1
     if name in ("clip_cov", "kl_cov"):
-        assert metrics["policy/cov_selected_frac"][0] >= 1
+        assert metrics["policy/cov_selected_frac"].total >= 1
 
 
 # ----------------------------------------------------------------------------- identities
@@ -657,7 +657,7 @@ def test_fully_masked_batch(name):
                                           segments=torch.full((2, 3), -1))
     assert loss.abs().sum() == 0 and num.item() == 0.0 and den.item() == 0.0
     assert grad is None or grad.abs().sum() == 0
-    assert all(v.tolist() == [0.0, 0.0] for v in metrics.values())
+    assert all(v.as_tensor().tolist() == [0.0, 0.0] for v in metrics.values())
 
 
 # ----------------------------------------------------------------------------- primary-source defaults
@@ -693,7 +693,7 @@ def test_sppo_dual_clip_three_for_negative_advantage():
     loss, _, _, grad, metrics = _loss("sppo", log_ratio, torch.tensor([-1.0]), mask)
     assert torch.allclose(loss, torch.tensor([[3.0, 2.0]], dtype=torch.float64), atol=1e-12)
     assert torch.allclose(grad, torch.tensor([[0.0, 1.0]], dtype=torch.float64), atol=1e-12)
-    assert metrics["policy/clipfrac_dual_tokens"].tolist() == [1.0, 2.0]
+    assert metrics["policy/clipfrac_dual_tokens"].as_tensor().tolist() == [1.0, 2.0]
     with pytest.raises(ValueError, match="dual_clip_c=1.0 must be > 1"):
         get_policy_loss("sppo").config_cls(dual_clip_c=1.0)
 
@@ -711,7 +711,7 @@ def test_cispo_weight_cap_is_five():
     expected = torch.tensor([[-5 * math.log(0.7), -3 * math.log(0.3)]], dtype=torch.float64)
     assert torch.allclose(loss, expected, atol=1e-12)
     assert torch.allclose(grad, torch.tensor([[-2.5, -1.5]], dtype=torch.float64), atol=1e-12)
-    assert metrics["policy/clipfrac_high_tokens"].tolist() == [1.0, 2.0]
+    assert metrics["policy/clipfrac_high_tokens"].as_tensor().tolist() == [1.0, 2.0]
 
 
 def test_kl_cov_and_gmpo_and_sapo_defaults_match_their_sources():

@@ -1,6 +1,6 @@
 """Shared parts of the loss family: reference-KL and entropy terms, the metric pairs (hand-worked on
-one batch), config validation of every loss, the registry, and the single-process metric
-reduction (min/max/std kinds)."""
+one batch), config validation of every loss, and the registry. The pair kinds themselves:
+tests/unit/test_metric_pairs.py."""
 
 import math
 
@@ -30,7 +30,6 @@ from nemo_sspo.algorithms.losses import (
     unregister_soft_gate,
 )
 from nemo_sspo.algorithms.losses.metrics import ENTROPY_BAND_KEYS
-from nemo_sspo.parallel.metrics import merge_metric_sums, reduce_metric_sums
 
 ALL_NAMES = ["cispo", "clip_cov", "dapo", "dcpo", "dr_grpo", "gmpo", "grpo", "gspo", "gspo_token",
              "kl_cov", "lpo", "sapo", "soft_seq_po", "sppo", "sspo", "sspo_fixed_clip"]
@@ -85,7 +84,7 @@ def test_reference_kl_term(estimator, value, slope):
     (num / den).backward()
     assert torch.allclose(logprobs.grad, torch.full((1, 2), 0.1 * slope / 2, dtype=torch.float64),
                           atol=1e-12)
-    assert metrics["policy/kl_ref"][0].item() == pytest.approx(2 * value, abs=1e-6)
+    assert metrics["policy/kl_ref"].total.item() == pytest.approx(2 * value, abs=1e-6)
 
 
 def test_entropy_bonus_and_reporting():
@@ -99,7 +98,7 @@ def test_entropy_bonus_and_reporting():
     assert torch.allclose(loss, torch.tensor([[-1.1, -1.2, 0.0]]), atol=1e-6)
     loss.sum().backward()
     assert torch.allclose(entropy.grad, torch.tensor([[-0.2, -0.2, 0.0]]))
-    assert metrics["policy/entropy_current"].tolist() == [1.5, 2.0]
+    assert metrics["policy/entropy_current"].as_tensor().tolist() == [1.5, 2.0]
     # With coefficient 0 the entropy is only reported.
     loss, metrics = _call("sspo", SSPOLossConfig(), *args, entropy=entropy)
     assert torch.allclose(loss, torch.tensor([[-1.0, -1.0, 0.0]]))
@@ -147,12 +146,12 @@ def test_metrics_hand_worked():
                  torch.tensor([1.0, -1.0], dtype=torch.float64), mask, segments, entropy)
 
     def value(key):
-        return (m[key][0] / m[key][1]).item()
+        return (m[key].total / m[key].count).item()
 
     assert value("policy/clipfrac_tokens") == pytest.approx(3 / 7)
     assert value("policy/clipfrac_high_tokens") == pytest.approx(2 / 7)
     assert value("policy/clipfrac_low_tokens") == pytest.approx(1 / 7)
-    assert m["policy/clipfrac_dual_tokens"].tolist() == [0.0, 7.0]
+    assert m["policy/clipfrac_dual_tokens"].as_tensor().tolist() == [0.0, 7.0]
     assert value("policy/clipfrac_segments") == pytest.approx(2 / 4)
     assert value("policy/clipfrac_high_segments") == pytest.approx(1 / 4)
     # Responses: row 0 has 2 of 4 tokens clipped, row 1 1 of 3 -> (1/2 + 1/3) / 2 = 5/12.
@@ -165,15 +164,15 @@ def test_metrics_hand_worked():
     assert value("policy/ratio_token") == pytest.approx(sum(e(x) for x in tokens) / 7, rel=1e-6)
     assert value("policy/ratio_token_sq") == pytest.approx(sum(e(2 * x) for x in tokens) / 7,
                                                            rel=1e-6)
-    assert m["policy/ratio_token_min"].tolist() == pytest.approx([e(-0.5), 7.0], rel=1e-6)
-    assert m["policy/ratio_token_max"].tolist() == pytest.approx([e(0.4), 7.0], rel=1e-6)
+    assert m["policy/ratio_token_min"].as_tensor().tolist() == pytest.approx([e(-0.5), 7.0], rel=1e-6)
+    assert m["policy/ratio_token_max"].as_tensor().tolist() == pytest.approx([e(0.4), 7.0], rel=1e-6)
     seg = [e(0.2), e(-0.2), e(-0.5), e(0.1)]
     assert value("policy/ratio_segment") == pytest.approx(sum(seg) / 4, rel=1e-6)
     assert value("policy/ratio") == pytest.approx(sum(seg) / 4, rel=1e-6)
-    assert m["policy/ratio_segment_max"][0].item() == pytest.approx(e(0.2), rel=1e-6)
+    assert m["policy/ratio_segment_max"].total.item() == pytest.approx(e(0.2), rel=1e-6)
     # Responses: mean d row 0 = 0 -> 1; row 1 = -0.1 -> e^-0.1.
     assert value("policy/ratio_response") == pytest.approx((1 + e(-0.1)) / 2, rel=1e-6)
-    assert m["policy/ratio_response_min"].tolist() == pytest.approx([e(-0.1), 2.0], rel=1e-6)
+    assert m["policy/ratio_response_min"].as_tensor().tolist() == pytest.approx([e(-0.1), 2.0], rel=1e-6)
     assert value("policy/approx_kl_k1") == pytest.approx(0.3 / 7, rel=1e-6)
     assert value("policy/approx_kl_k3") == pytest.approx(
         sum(e(x) - 1 - x for x in tokens) / 7, rel=1e-6)
@@ -181,7 +180,7 @@ def test_metrics_hand_worked():
     for key in ENTROPY_BAND_KEYS:
         assert value(key) == pytest.approx(0.25)
     assert (value("policy/b_low"), value("policy/b_high")) == pytest.approx((0.8, 1.2))
-    assert m["policy/segments_per_response"].tolist() == pytest.approx([4.0, 2.0])
+    assert m["policy/segments_per_response"].as_tensor().tolist() == pytest.approx([4.0, 2.0])
 
 
 def test_entropy_band_edges_are_left_closed():
@@ -189,7 +188,7 @@ def test_entropy_band_edges_are_left_closed():
     entropy = torch.tensor([[0.2, 0.75, 1.0, 0.0]])
     _, m = _call("grpo", None, torch.zeros(1, 4), torch.zeros(1, 4), torch.ones(1),
                  torch.ones(1, 4, dtype=torch.bool), torch.zeros(1, 4, dtype=torch.long), entropy)
-    assert [m[k][0].item() for k in ENTROPY_BAND_KEYS] == [1.0, 1.0, 1.0, 1.0]
+    assert [m[k].total.item() for k in ENTROPY_BAND_KEYS] == [1.0, 1.0, 1.0, 1.0]
 
 
 # ----------------------------------------------------------------------------- config validation
@@ -246,7 +245,7 @@ def test_custom_gate_plugs_in():
                         torch.zeros(1, 2), torch.ones(1), torch.ones(1, 2, dtype=torch.bool),
                         torch.zeros(1, 2, dtype=torch.long), torch.zeros(1, 2))
         assert torch.allclose(loss, torch.full((1, 2), -math.exp(0.5)))
-        assert (m["policy/gate_weight"][0] / m["policy/gate_weight"][1]).item() == pytest.approx(0.25)
+        assert (m["policy/gate_weight"].total / m["policy/gate_weight"].count).item() == pytest.approx(0.25)
     finally:
         unregister_soft_gate("test_softsign")
     assert "test_softsign" not in soft_gate_names()
@@ -263,29 +262,3 @@ def test_builtin_gate_slopes_match_autograd():
         assert torch.allclose(grad, gate.slope(x.detach(), tau), atol=1e-12)
         assert gate.value(torch.zeros(1, dtype=torch.float64), tau).item() == 0.0
         assert gate.slope(torch.zeros(1, dtype=torch.float64), tau).item() == 1.0
-
-
-# ----------------------------------------------------------------------------- reduction kinds
-
-def _t(*values):
-    return torch.tensor(values, dtype=torch.float32)
-
-
-def test_merge_metric_sums_kinds():
-    a = {"x": _t(3, 2), "r_min": _t(0.5, 2), "r_max": _t(2, 2), "e_min": _t(0, 0)}
-    b = {"x": _t(1, 1), "r_min": _t(0.25, 1), "r_max": _t(1, 1), "e_min": _t(7, 1), "y": _t(1, 1)}
-    merged = merge_metric_sums(a, b)
-    assert merged["x"].tolist() == [4, 3]
-    assert merged["r_min"].tolist() == [0.25, 3] and merged["r_max"].tolist() == [2, 3]
-    assert merged["e_min"].tolist() == [7, 1]  # the empty side takes no part
-    assert merged["y"].tolist() == [1, 1] and a["x"].tolist() == [3, 2]  # inputs untouched
-
-
-def test_single_process_reduction_min_max_std():
-    local = {"r": _t(6, 4), "r_sq": _t(10, 4), "r_min": _t(0.5, 4), "r_max": _t(2.5, 4),
-             "e_max": _t(0, 0), "n": _t(0, 0)}
-    out = reduce_metric_sums(local, dp_group=None, pp_group=None, last_stage_rank=0,
-                             is_last_stage=True)
-    # mean 1.5, mean of squares 2.5 -> std sqrt(2.5 - 2.25) = 0.5.
-    assert out["r"] == 1.5 and out["r_sq"] == 2.5 and out["r_std"] == pytest.approx(0.5)
-    assert (out["r_min"], out["r_max"], out["e_max"], out["n"]) == (0.5, 2.5, 0.0, 0.0)

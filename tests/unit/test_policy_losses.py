@@ -40,7 +40,7 @@ LOSS_OF = {GRPOLossConfig: "grpo", GSPOLossConfig: "gspo", SSPOLossConfig: "sspo
 
 
 def _mean(pair):
-    return (pair[0] / pair[1]).item()
+    return (pair.total / pair.count).item()
 
 
 def _loss(config, logprobs, old, advantages, mask, segment_ids, entropy):
@@ -158,16 +158,17 @@ def test_sspo_hand_worked_loss_gradient_and_metrics():
     assert torch.allclose(grad, expected_grad, atol=1e-6)
     assert METRIC_KEYS <= set(metrics)  # the full key set is checked in test_loss_family.py
     for value in metrics.values():
-        assert value.shape == (2,) and value.dtype == torch.float32 and not value.requires_grad
+        for field in (value.total, value.count):
+            assert field.shape == () and field.dtype == torch.float32 and not field.requires_grad
     # Clipped: row0 seg0 (2 tokens) and row1 seg0 (2 tokens) of 7 tokens; 2 of 4 segments.
-    assert metrics["policy/clipfrac_tokens"].tolist() == [4.0, 7.0]
-    assert torch.allclose(metrics["policy/clipfrac_segments"], torch.tensor([2.0, 4.0]))
-    assert torch.allclose(metrics["policy/b_low"], torch.tensor([0.8 + 0.6 + 0.8 + 0.8, 4.0]))
-    assert torch.allclose(metrics["policy/b_high"], torch.tensor([1.1 + 1.4 + 1.1 + 1.0, 4.0]))
-    assert torch.allclose(metrics["policy/ratio"], torch.tensor([s0 + s1 + s2 + s3, 4.0]))
-    assert torch.allclose(metrics["policy/segments_per_response"], torch.tensor([4.0, 2.0]))
+    assert metrics["policy/clipfrac_tokens"].as_tensor().tolist() == [4.0, 7.0]
+    assert torch.allclose(metrics["policy/clipfrac_segments"].as_tensor(), torch.tensor([2.0, 4.0]))
+    assert torch.allclose(metrics["policy/b_low"].as_tensor(), torch.tensor([0.8 + 0.6 + 0.8 + 0.8, 4.0]))
+    assert torch.allclose(metrics["policy/b_high"].as_tensor(), torch.tensor([1.1 + 1.4 + 1.1 + 1.0, 4.0]))
+    assert torch.allclose(metrics["policy/ratio"].as_tensor(), torch.tensor([s0 + s1 + s2 + s3, 4.0]))
+    assert torch.allclose(metrics["policy/segments_per_response"].as_tensor(), torch.tensor([4.0, 2.0]))
     # Entropy over the 7 valid tokens: .05+.15+.3+.5+.1+.1+0 = 1.2 (the masked 9.9 is ignored).
-    assert torch.allclose(metrics["policy/entropy"], torch.tensor([1.2, 7.0]))
+    assert torch.allclose(metrics["policy/entropy"].as_tensor(), torch.tensor([1.2, 7.0]))
 
 
 def test_grpo_dual_clip_hand_values():
@@ -181,7 +182,7 @@ def test_grpo_dual_clip_hand_values():
                                      torch.tensor([-1.0]), mask, segments, torch.zeros(1, 2))
     assert torch.allclose(loss, torch.tensor([[3.0, 2.0]]), atol=1e-6)
     assert torch.allclose(grad, torch.tensor([[0.0, 1.0]]), atol=1e-6)
-    assert metrics["policy/clipfrac_tokens"].tolist() == [1.0, 2.0]
+    assert metrics["policy/clipfrac_tokens"].as_tensor().tolist() == [1.0, 2.0]
 
 
 # ----------------------------------------------------------------------------- float64 reference
@@ -254,7 +255,7 @@ def test_matches_float64_reference(config, level, bounds, dual_c, seed):
     assert (num / den).item() == pytest.approx(reference.item(), abs=1e-12)
     assert torch.allclose(grad, ref_grad, atol=1e-12, rtol=0)
     # Not degenerate: the seeds give some clipped and some unclipped segments for every loss.
-    clipped, segments = metrics["policy/clipfrac_segments"].tolist()
+    clipped, segments = metrics["policy/clipfrac_segments"].as_tensor().tolist()
     assert 0 < clipped < segments - 0.5
 
 
@@ -346,13 +347,13 @@ def test_p5_gspo_clips_small_sequence_ratio_and_reports_it():
     adv = torch.tensor([1.0, -1.0])
     ids = torch.where(mask, 0, -1)
     _, _, _, grad, metrics = _run(GSPOLossConfig(), log_ratio, adv, mask, ids, torch.zeros(2, 4))
-    assert metrics["policy/clipfrac_tokens"].tolist() == [3.0, 7.0]
-    assert torch.allclose(metrics["policy/clipfrac_segments"], torch.tensor([1.0, 2.0]))
+    assert metrics["policy/clipfrac_tokens"].as_tensor().tolist() == [3.0, 7.0]
+    assert torch.allclose(metrics["policy/clipfrac_segments"].as_tensor(), torch.tensor([1.0, 2.0]))
     assert grad[0].abs().sum() == 0 and grad[1].abs().sum() > 0
     # With GRPO's eps 0.2 the same ratios are never clipped.
     _, _, _, _, grpo_metrics = _run(GRPOLossConfig(), log_ratio, adv, mask, ids,
                                     torch.zeros(2, 4))
-    assert grpo_metrics["policy/clipfrac_tokens"].tolist() == [0.0, 7.0]
+    assert grpo_metrics["policy/clipfrac_tokens"].as_tensor().tolist() == [0.0, 7.0]
 
 
 def test_p12_empty_response_contributes_nothing():
@@ -365,7 +366,7 @@ def test_p12_empty_response_contributes_nothing():
     assert loss.tolist() == [[-2.0, -2.0, 0.0], [0.0, 0.0, 0.0]]
     assert num.item() == -2.0 and den.item() == 1.0
     assert torch.isfinite(grad).all() and grad[1].abs().sum() == 0
-    assert torch.allclose(metrics["policy/segments_per_response"], torch.tensor([1.0, 1.0]))
+    assert torch.allclose(metrics["policy/segments_per_response"].as_tensor(), torch.tensor([1.0, 1.0]))
 
 
 def test_all_masked_batch_is_finite():
@@ -374,7 +375,7 @@ def test_all_masked_batch_is_finite():
                                          mask, torch.full((2, 3), -1), torch.zeros(2, 3))
     assert loss.abs().sum() == 0 and num.item() == 0.0 and den.item() == 0.0
     assert grad.abs().sum() == 0
-    assert all(v.tolist() == [0.0, 0.0] for v in metrics.values())
+    assert all(v.as_tensor().tolist() == [0.0, 0.0] for v in metrics.values())
 
 
 # ----------------------------------------------------------------------------- bad input / registry

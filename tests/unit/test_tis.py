@@ -19,8 +19,8 @@ def test_weights_by_hand():
     weights, metrics = truncated_is_weights(old, rollout, mask, 1.5)
     torch.testing.assert_close(weights, torch.tensor([[1.5, 0.5, 1.0, 1.0]]))
     # mean over the 3 masked tokens: (1.5 + 0.5 + 1) / 3 = 1.0; clipped: 1 of 3
-    assert metrics["rollout/tis_weight_mean"].tolist() == pytest.approx([3.0, 3.0])
-    assert metrics["rollout/tis_clipped_frac"].tolist() == [1.0, 3.0]
+    assert metrics["rollout/tis_weight_mean"].as_tensor().tolist() == pytest.approx([3.0, 3.0])
+    assert metrics["rollout/tis_clipped_frac"].as_tensor().tolist() == [1.0, 3.0]
 
 
 def test_weights_are_constants_and_never_overflow():
@@ -29,8 +29,8 @@ def test_weights_are_constants_and_never_overflow():
     weights, metrics = truncated_is_weights(old, rollout, torch.ones(1, 2, dtype=torch.bool), 2.0)
     assert weights.tolist() == [[2.0, 1.0]] and not weights.requires_grad
     # Ratios [e^1000 (capped at 2), e^0 = 1]: mean weight (2 + 1) / 2 = 1.5, clipped 1 of 2 tokens.
-    assert metrics["rollout/tis_weight_mean"].tolist() == [3.0, 2.0]
-    assert metrics["rollout/tis_clipped_frac"].tolist() == [1.0, 2.0]
+    assert metrics["rollout/tis_weight_mean"].as_tensor().tolist() == [3.0, 2.0]
+    assert metrics["rollout/tis_clipped_frac"].as_tensor().tolist() == [1.0, 2.0]
 
 
 @pytest.mark.parametrize("cap, shape, match", [(0.5, (1, 2), "tis_cap"), (2.0, (1, 3), "one shape")])

@@ -15,14 +15,14 @@ import torch
 
 from nemo_sspo.algorithms.aggregation import aggregate
 from nemo_sspo.algorithms.losses.inputs import LossInputs, PolicyLoss
-from nemo_sspo.algorithms.losses.metrics import pair, summarize_metric_pairs
 from nemo_sspo.algorithms.losses.registry import build_policy_loss_config, make_policy_loss
+from nemo_sspo.metrics import MetricPair, mean_pair, summarize_metric_pairs
 
 __all__ = ["compute_policy_loss", "policy_loss_sums"]
 
 
 def policy_loss_sums(loss: PolicyLoss, inputs: LossInputs, *, max_response_length: int | None = None
-                     ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+                     ) -> tuple[torch.Tensor, torch.Tensor, dict[str, MetricPair]]:
     """This micro-batch's share of the step loss, and its metric pairs.
 
     The per-token loss is multiplied by ``inputs.token_weights`` (when given) and reduced with
@@ -49,7 +49,7 @@ def policy_loss_sums(loss: PolicyLoss, inputs: LossInputs, *, max_response_lengt
     numerator, denominator = aggregate(per_token, inputs.response_mask, loss.config.aggregation,
                                        max_response_length=max_response_length)
     metrics = {key: value.detach() for key, value in out.metrics.items()}
-    metrics["loss/policy"] = pair(numerator.detach(), denominator)
+    metrics["loss/policy"] = mean_pair(numerator.detach(), denominator)
     return numerator, denominator, metrics
 
 

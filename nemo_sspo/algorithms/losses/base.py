@@ -25,8 +25,9 @@ from nemo_sspo.algorithms.aggregation import _RENAMED as RENAMED_AGGREGATIONS
 from nemo_sspo.algorithms.aggregation import AGGREGATION_MODES
 from nemo_sspo.algorithms.kl import KL_ESTIMATORS, kl_estimate
 from nemo_sspo.algorithms.losses.inputs import LossInputs
-from nemo_sspo.algorithms.losses.metrics import pair, policy_metrics
+from nemo_sspo.algorithms.losses.metrics import policy_metrics
 from nemo_sspo.algorithms.segmentation import SEGMENTATIONS, segment_ids_for_level
+from nemo_sspo.metrics import mean_pair
 
 
 def config_error(config, message: str) -> ValueError:
@@ -221,7 +222,7 @@ class LossTerms:
         grad_zero: bool, the loss's clip/selection removed the token's gradient.
         b_low / b_high: clip bounds at each token, or None for losses without bounds.
         gate_weight: factor by which a soft gate scales the token's gradient, or None.
-        extra_metrics: loss-specific (sum, count) pairs.
+        extra_metrics: loss-specific ``MetricPair`` s (:mod:`nemo_sspo.metrics`).
     """
 
     per_token_loss: torch.Tensor
@@ -261,10 +262,10 @@ def finish_policy_loss(terms: LossTerms, config: PolicyLossConfig,
         kl = kl_estimate(log_ref_ratio, config.kl_estimator)  # 0 at masked positions
         if config.kl_coef > 0:
             per_token = per_token + config.kl_coef * kl
-        metrics["policy/kl_ref"] = pair(kl.detach().sum(), tokens)
+        metrics["policy/kl_ref"] = mean_pair(kl.detach().sum(), tokens)
     if inputs.entropy is not None:
         bonus = torch.where(mask, inputs.entropy.to(per_token.dtype), zero)
         if config.entropy_coef > 0:
             per_token = per_token - config.entropy_coef * bonus
-        metrics["policy/entropy_current"] = pair(bonus.detach().sum(), tokens)
+        metrics["policy/entropy_current"] = mean_pair(bonus.detach().sum(), tokens)
     return per_token, metrics

@@ -37,7 +37,6 @@ import torch
 
 from nemo_sspo.algorithms.losses.base import LossTerms, PolicyLossConfig, config_error
 from nemo_sspo.algorithms.losses.inputs import LossInputs
-from nemo_sspo.algorithms.losses.metrics import pair
 from nemo_sspo.algorithms.losses.ratio_clip import (
     FixedBounds,
     GRPOLossConfig,
@@ -46,6 +45,7 @@ from nemo_sspo.algorithms.losses.ratio_clip import (
     unclipped,
 )
 from nemo_sspo.algorithms.losses.registry import LossRecord, register_policy_loss
+from nemo_sspo.metrics import mean_pair
 
 
 def token_covariance(logprobs: torch.Tensor, advantages: torch.Tensor,
@@ -257,7 +257,7 @@ class CovarianceObjective:
 
     def __call__(self, inputs: LossInputs, segments: torch.Tensor) -> LossTerms:
         terms, selected = self.selection(inputs, self.engine(inputs, segments))
-        extra = {"policy/cov_selected_frac": pair(selected.sum(), inputs.response_mask.sum())}
+        extra = {"policy/cov_selected_frac": mean_pair(selected.sum(), inputs.response_mask.sum())}
         return replace(terms, extra_metrics={**terms.extra_metrics, **extra})
 
 

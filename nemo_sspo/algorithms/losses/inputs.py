@@ -20,6 +20,8 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
+from nemo_sspo.metrics import MetricPair
+
 __all__ = ["LossInputs", "LossOutput", "PolicyLoss"]
 
 _BT_FIELDS = ("old_logprobs", "response_mask", "segment_ids", "old_entropy", "ref_logprobs",
@@ -101,12 +103,12 @@ class LossOutput:
         per_token_loss: ``[B, T]`` value TO MINIMISE at each token (differentiable), 0 where
             masked. Reduce it with the config's aggregation
             (:func:`nemo_sspo.algorithms.losses.policy_loss_sums`), never with a plain mean.
-        metrics: name -> detached float32 ``[2]`` pair (kinds in
+        metrics: name -> detached :class:`nemo_sspo.metrics.MetricPair` (keys in
             :mod:`nemo_sspo.algorithms.losses.metrics`).
     """
 
     per_token_loss: torch.Tensor
-    metrics: dict[str, torch.Tensor] = field(default_factory=dict)
+    metrics: dict[str, MetricPair] = field(default_factory=dict)
 
 
 @runtime_checkable

@@ -1,17 +1,7 @@
-"""Per-step diagnostics of a policy loss as float32 ``[2]`` tensors ``(sum, count)``.
+"""Per-step diagnostics of a policy loss as :class:`nemo_sspo.metrics.MetricPair` s.
 
-Pair kinds, by key suffix (:func:`metric_kind`):
-
-- default ``(sum, count)``: the value is ``sum / count`` over every micro-batch and data-parallel
-  rank, never a mean of means (docs/pitfalls.md, P10);
-- ``_min`` / ``_max``: ``(extreme value, count)``, combined with MIN / MAX; a pair whose count is 0
-  takes no part (value 0 when nothing anywhere is valid);
-- derived: a key ``K_sq`` next to ``K`` is a mean of squares, from which the summary derives
-  ``K_std = sqrt(max(K_sq - K^2, 0))``.
-
-:func:`merge_metric_sums` combines micro-batches, :func:`summarize_metric_pairs` turns pairs into
-floats in one process, and ``nemo_sspo.parallel.metrics.reduce_metric_sums`` does both across
-data-parallel ranks and pipeline stages.
+Each key's pair kind (``"mean"``, ``"min"``, ``"max"``, ``"mean_sq"``) is set where the pair is
+made; :mod:`nemo_sspo.metrics.pairs` says how each kind merges and summarises.
 
 Weightings: ``_tokens`` counts every valid token once; ``_segments`` every segment of the loss's
 ratio once (a token weighs 1/|segment|); ``_responses`` every non-empty response once (a token
@@ -35,13 +25,12 @@ clip). The edges are fixed for every loss so that runs compare.
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from nemo_sspo.algorithms.kl import kl_estimate
 from nemo_sspo.algorithms.ratios import LOG_RATIO_CLAMP, segment_mean
 from nemo_sspo.algorithms.segmentation import segment_ids_for_level
+from nemo_sspo.metrics import MetricPair, max_pair, mean_pair, mean_sq_pair, min_pair
 
 ENTROPY_BAND_EDGES = (0.2, 0.75, 1.0)
 ENTROPY_BAND_KEYS = (
@@ -53,81 +42,6 @@ ENTROPY_BAND_KEYS = (
 
 _F32 = torch.float32
 _WEIGHTING = {"token": "tokens", "segment": "segments", "response": "responses"}
-
-
-def metric_kind(key: str) -> str:
-    """``"min"``, ``"max"`` or ``"sum"`` from the key's suffix (module docstring)."""
-    if key.endswith("_min"):
-        return "min"
-    if key.endswith("_max"):
-        return "max"
-    return "sum"
-
-
-def _merge_pair(key: str, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    kind = metric_kind(key)
-    if kind == "sum":
-        return a + b
-    both = torch.minimum(a[0], b[0]) if kind == "min" else torch.maximum(a[0], b[0])
-    value = torch.where(a[1] > 0, torch.where(b[1] > 0, both, a[0]), b[0])
-    return torch.stack([value, a[1] + b[1]])
-
-
-def merge_metric_sums(total: dict[str, torch.Tensor],
-                      new: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Combine one micro-batch's metric pairs into running totals; returns a new dict.
-
-    Plain pairs add; ``_min`` / ``_max`` pairs keep the extreme of the non-empty ones and add the
-    counts. Use it wherever pairs of several micro-batches or mini-batches are accumulated (adding
-    min/max pairs would be wrong). Keys missing on one side are copied from the other.
-    """
-    out = dict(total)
-    for key, value in new.items():
-        out[key] = _merge_pair(key, out[key], value) if key in out else value.clone()
-    return out
-
-
-def summarize_metric_pairs(pairs: dict[str, torch.Tensor]) -> dict[str, float]:
-    """Floats from (already reduced) pairs: ``sum / count`` for plain pairs, the extreme for
-    ``_min`` / ``_max``, plus the derived ``_std`` keys; a pair whose count is 0 reports 0.0.
-
-    Args:
-        pairs: name -> ``[2]`` tensor (any float dtype, any device).
-
-    Raises:
-        ValueError: a value is not a ``[2]`` tensor.
-    """
-    result = {}
-    for key, value in sorted(pairs.items()):
-        if value.shape != (2,):
-            raise ValueError(f"metric {key!r} must be a (sum, count) tensor of shape [2], got "
-                             f"{tuple(value.shape)}")
-        total, count = value.detach().to("cpu", torch.float64).tolist()
-        if count <= 0:
-            result[key] = 0.0
-        else:
-            result[key] = float(total / count) if metric_kind(key) == "sum" else float(total)
-    for key in list(result):
-        base = key[: -len("_sq")]
-        if key.endswith("_sq") and base in result and metric_kind(base) == "sum":
-            result[f"{base}_std"] = math.sqrt(max(result[key] - result[base] ** 2, 0.0))
-    return result
-
-
-def pair(total: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
-    """``torch.stack([total, count])`` as float32 ``[2]``."""
-    return torch.stack([total.to(_F32), count.to(_F32)])
-
-
-def extreme_pair(values: torch.Tensor, mask: torch.Tensor, count: torch.Tensor,
-                 *, largest: bool) -> torch.Tensor:
-    """``(max or min of values[mask], count)``; value 0 when nothing is valid."""
-    fill = -torch.inf if largest else torch.inf
-    masked = torch.where(mask, values.to(_F32), torch.full((), fill, dtype=_F32,
-                                                          device=values.device))
-    extreme = masked.amax() if largest else masked.amin()
-    extreme = torch.where(count > 0, extreme, torch.zeros_like(extreme))
-    return pair(extreme, count)
 
 
 class _Weights:
@@ -150,18 +64,20 @@ class _Weights:
         return torch.where(self.mask, values.to(_F32), torch.zeros((), dtype=_F32,
                                                                    device=values.device))
 
-    def mean(self, values: torch.Tensor, level: str) -> torch.Tensor:
-        return pair((self._masked(values) * self.by[level]).sum(), self.count[level])
+    def _weighted_sum(self, values: torch.Tensor, level: str) -> torch.Tensor:
+        return (self._masked(values) * self.by[level]).sum()
 
-    def spread(self, key: str, values: torch.Tensor, level: str) -> dict[str, torch.Tensor]:
+    def mean(self, values: torch.Tensor, level: str) -> MetricPair:
+        return mean_pair(self._weighted_sum(values, level), self.count[level])
+
+    def spread(self, key: str, values: torch.Tensor, level: str) -> dict[str, MetricPair]:
         """Mean, mean of squares, min and max of a per-token quantity at one weighting."""
-        values = self._masked(values)
-        count = self.count[level]
+        values, count = self._masked(values), self.count[level]
         return {
             key: self.mean(values, level),
-            f"{key}_sq": self.mean(values.square(), level),
-            f"{key}_min": extreme_pair(values, self.mask, count, largest=False),
-            f"{key}_max": extreme_pair(values, self.mask, count, largest=True),
+            f"{key}_sq": mean_sq_pair(self._weighted_sum(values.square(), level), count),
+            f"{key}_min": min_pair(values, self.mask, count),
+            f"{key}_max": max_pair(values, self.mask, count),
         }
 
 
@@ -178,7 +94,7 @@ def _raw_ratios(terms) -> dict[str, torch.Tensor]:
     }
 
 
-def _entropy_bands(weights: _Weights, segment_entropy: torch.Tensor) -> dict[str, torch.Tensor]:
+def _entropy_bands(weights: _Weights, segment_entropy: torch.Tensor) -> dict[str, MetricPair]:
     edges = (-torch.inf, *ENTROPY_BAND_EDGES, torch.inf)
     out = {}
     for key, low, high in zip(ENTROPY_BAND_KEYS, edges[:-1], edges[1:]):
@@ -188,14 +104,14 @@ def _entropy_bands(weights: _Weights, segment_entropy: torch.Tensor) -> dict[str
 
 
 @torch.no_grad()
-def policy_metrics(terms, old_entropy: torch.Tensor | None) -> dict[str, torch.Tensor]:
-    """All keys of the module docstring from a loss's ``LossTerms``; detached float32 ``[2]``.
+def policy_metrics(terms, old_entropy: torch.Tensor | None) -> dict[str, MetricPair]:
+    """All keys of the module docstring from a loss's ``LossTerms``, as detached pairs.
     Without ``old_entropy`` (``[B, T]`` or None) the entropy keys and bands are left out."""
     mask = terms.response_mask
     weights = _Weights(mask, terms.segment_length)
     flags = {"low": terms.clip_low, "high": terms.clip_high, "dual": terms.clip_dual}
     clipped = (terms.clip_low | terms.clip_high | terms.clip_dual) & mask
-    metrics: dict[str, torch.Tensor] = {}
+    metrics: dict[str, MetricPair] = {}
     for level in ("tokens", "segments", "responses"):
         metrics[f"policy/clipfrac_{level}"] = weights.mean(clipped, level)
         for side, flag in flags.items():
@@ -207,8 +123,8 @@ def policy_metrics(terms, old_entropy: torch.Tensor | None) -> dict[str, torch.T
     for estimator in ("k1", "k3"):
         kl = kl_estimate(terms.log_ratio, estimator)  # KL(pi_old || pi_theta), samples of pi_old
         metrics[f"policy/approx_kl_{estimator}"] = weights.mean(kl, "tokens")
-    metrics["policy/segments_per_response"] = pair(weights.count["segments"],
-                                                   weights.count["responses"])
+    metrics["policy/segments_per_response"] = mean_pair(weights.count["segments"],
+                                                        weights.count["responses"])
     if old_entropy is not None:
         metrics["policy/entropy"] = weights.mean(old_entropy, "tokens")
         metrics.update(_entropy_bands(weights, terms.segment_entropy))
