@@ -251,7 +251,7 @@ class NeMoRLPolicyLoss:
             old_entropy=stored_or_current[:, 1:], tables=self.tables,
             max_response_length=self.max_response_length)
         denominator = torch.as_tensor(normaliser, device=numerator.device).to(numerator.dtype)
-        # No valid token in the global batch (pitfall P12): 0 with a zero gradient, not 0/0.
+        # No valid token in the global batch (docs/pitfalls.md#p12): 0 with a zero gradient, not 0/0.
         loss = torch.where(denominator > 0, numerator / denominator.clamp(min=1e-30),
                            numerator * 0)
         out = {"loss": float(loss.detach()), "num_valid_samples": float(data["sample_mask"].sum())}

@@ -4,7 +4,7 @@ A metric is a :class:`MetricPair` ``(total, count, kind)`` whose kind says how i
 
 - ``"mean"``: ``total`` is a sum over ``count`` items; pairs add, and the value is
   ``total / count`` over every micro-batch and data-parallel rank, never a mean of means
-  (docs/pitfalls.md, P10);
+  (docs/pitfalls.md#p10);
 - ``"min"`` / ``"max"``: ``total`` is the extreme over ``count`` items; pairs combine with
   MIN / MAX and add their counts, a pair whose count is 0 takes no part (value 0 when nothing
   anywhere is valid);

@@ -3,7 +3,7 @@
 :func:`policy_loss_sums` is what every host runs per micro-batch (the Megatron trainer, the NeMo-RL
 and NeMo-Aligner adapters): it returns the micro-batch's ``(numerator, denominator)`` share of the
 step loss under the loss's own aggregation mode, so that ``sum(numerators) / sum(denominators)``
-over all micro-batches and data-parallel ranks is the global mean (docs/pitfalls.md, P10).
+over all micro-batches and data-parallel ranks is the global mean (docs/pitfalls.md#p10).
 :func:`compute_policy_loss` is the one call for plain tensors in one process.
 """
 

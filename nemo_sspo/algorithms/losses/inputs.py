@@ -9,8 +9,8 @@ Two frames are in use and both work, as long as every tensor of one call uses th
   ``t`` predicts token ``t + 1``, ``response_mask`` is True only at response targets.
 
 Masked positions are never read (they may hold anything, NaN included). Segment ids are numbered
-within a row, so several sequences packed into one row keep their own segments (docs/pitfalls.md,
-P2: ratios are per segment, never per row).
+within a row, so several sequences packed into one row keep their own segments (ratios are per
+segment, never per row: docs/pitfalls.md#p2).
 """
 
 from __future__ import annotations

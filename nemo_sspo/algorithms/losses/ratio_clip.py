@@ -51,7 +51,8 @@ Losses on this engine (segment unit / bounds / aggregation):
 A token counts as *clipped* when the clip cuts its gradient: the min picks the clipped term with the
 ratio outside the bounds (A > 0 and s > b_high: ``clip_high``; A < 0 and s < b_low: ``clip_low``),
 or the dual clip is active (``clip_dual``). The mean log-ratio is clamped to +-20 before exp so that
-a runaway ratio gives finite losses and gradients (pitfall P3); beyond the clamp the gradient is 0.
+a runaway ratio gives finite losses and gradients (docs/pitfalls.md#p3); beyond the clamp the
+gradient is 0.
 """
 
 from __future__ import annotations
@@ -270,7 +271,8 @@ class GSPOLossConfig(PolicyLossConfig):
     clip (GSPO-token differs only in its gradient path, fixed at registration)."""
 
     eps_low: float = 3e-4
-    """Lower clip of the sequence ratio: 1 - eps_low (sequence ratios stay near 1, pitfall P5)."""
+    """Lower clip of the sequence ratio: 1 - eps_low (sequence ratios stay near 1,
+    docs/pitfalls.md#p5)."""
     eps_high: float = 4e-4
     """Upper clip of the sequence ratio: 1 + eps_high."""
 
@@ -331,8 +333,8 @@ class SequencePPOLossConfig(SSPOFixedClipConfig):
     Defaults are those of the official code (sustech-nlp/SPPO, run_scripts/*.sh on verl): the runs
     set no clip, aggregation or dual clip, so verl's actor defaults apply: the "vanilla" PPO loss on
     the token ratio with clip 1 -/+ 0.2, dual clip c = 3 for A < 0, "token-mean" aggregation.
-    ``segmentation: response`` (one sequence ratio per response; then use GSPO-sized eps, pitfall
-    P5) is our variant.
+    ``segmentation: response`` (one sequence ratio per response; then use GSPO-sized eps,
+    docs/pitfalls.md#p5) is our variant.
     """
 
     segmentation: str = "token"
