@@ -12,7 +12,10 @@ from dataclasses import dataclass, fields
 
 import torch
 
-__all__ = ["PolicyBatch", "pack_rollouts", "pack_tokens", "response_to_target_frame"]
+from nemo_sspo.algorithms.critic import critic_targets
+
+__all__ = ["CriticBatch", "PolicyBatch", "pack_critic_batch", "pack_rollouts", "pack_tokens",
+           "response_to_target_frame"]
 
 
 @dataclass
@@ -35,6 +38,8 @@ class PolicyBatch:
         tis_weights: [B, S] float32 truncated importance-sampling weights
             (``nemo_sspo.rollout.tis``; 1 outside the mask) multiplying each token's loss, or None
             (``rollout.tis_cap`` unset).
+        lengths: [B] int64 valid input tokens of each row (prompt + response; the rest is right
+            padding), or None when every position of every row is valid.
     """
 
     input_ids: torch.Tensor
@@ -47,6 +52,7 @@ class PolicyBatch:
     advantages: torch.Tensor
     ref_logprobs: torch.Tensor | None = None
     tis_weights: torch.Tensor | None = None
+    lengths: torch.Tensor | None = None
 
     def select(self, rows: slice) -> "PolicyBatch":
         """Rows ``rows`` of every tensor field, as a new batch (views, no copy; None stays None)."""
@@ -122,7 +128,8 @@ def pack_rollouts(
                     ("advantages", advantages)):
         if t.shape[0] != rows:
             raise ValueError(f"{name} has {t.shape[0]} rows, prompt_ids has {rows}")
-    input_ids, _ = pack_tokens([(prompt_ids, prompt_mask), (response_ids, response_mask)], pad_id=pad_id)
+    input_ids, lengths = pack_tokens([(prompt_ids, prompt_mask), (response_ids, response_mask)],
+                                     pad_id=pad_id)
     seq_len = input_ids.shape[1]
     targets = torch.cat([input_ids[:, 1:], torch.full((rows, 1), pad_id, dtype=torch.long)], dim=1)
     loss_mask = response_to_target_frame(response_mask, prompt_mask, seq_len, fill=False)
@@ -136,4 +143,36 @@ def pack_rollouts(
         old_logprobs=zeros,
         old_entropy=zeros.clone(),
         advantages=advantages.to(torch.float32),
+        lengths=lengths,
     )
+
+
+@dataclass
+class CriticBatch:
+    """Prompts for the critic, right-padded.
+
+    Attributes:
+        input_ids: [n, P] int64 prompt tokens, right-padded.
+        position_ids: [n, P] int64, 0..P-1.
+        last_index: [n] int64, column of each prompt's last token (its length - 1).
+        targets: [n] float32 BCE targets (:func:`critic_targets`).
+    """
+
+    input_ids: torch.Tensor
+    position_ids: torch.Tensor
+    last_index: torch.Tensor
+    targets: torch.Tensor
+
+    def select(self, rows: slice) -> "CriticBatch":
+        """Rows ``rows`` of every field (views)."""
+        return CriticBatch(**{f.name: getattr(self, f.name)[rows] for f in fields(self)})
+
+
+def pack_critic_batch(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, rewards: torch.Tensor,
+                      group_size: int, *, pad_id: int) -> CriticBatch:
+    """One critic row per prompt group from a rollout's LEFT-padded ``[B, P]`` prompts and ``[B]`` rewards."""
+    firsts = slice(0, prompt_ids.shape[0], group_size)
+    input_ids, lengths = pack_tokens([(prompt_ids[firsts], prompt_mask[firsts])], pad_id=pad_id)
+    rows, width = input_ids.shape
+    return CriticBatch(input_ids=input_ids, position_ids=torch.arange(width).expand(rows, width).contiguous(),
+                       last_index=lengths - 1, targets=critic_targets(rewards, group_size))

@@ -11,7 +11,9 @@ from nemo_sspo.megatron.cpu_shims import apply_cpu_shims, cpu_device_context, ne
 from nemo_sspo.megatron.hf_mapping import export_hf_state_dict, load_hf_into_megatron
 from nemo_sspo.megatron.model import (
     build_policy_model,
+    forward_hidden,
     forward_logits,
+    output_weight,
     padded_vocab_size,
     resolve_transformer_impl,
     transformer_config_from_hf,
@@ -32,11 +34,13 @@ __all__ = [
     "cpu_device_context",
     "destroy_parallel",
     "export_hf_state_dict",
+    "forward_hidden",
     "forward_logits",
     "get_parallel_groups",
     "initialize_parallel",
     "load_hf_into_megatron",
     "needs_cpu_shims",
+    "output_weight",
     "padded_vocab_size",
     "resolve_transformer_impl",
     "transformer_config_from_hf",

@@ -217,14 +217,21 @@ def cpu_config_overrides() -> dict[str, Any]:
     }
 
 
-def attention_mask_for(seq_len: int, device: torch.device) -> torch.Tensor | None:
+def attention_mask_for(seq_len: int, device: torch.device,
+                       sequence_lengths: torch.Tensor | None = None) -> torch.Tensor | None:
     """Causal attention mask for the local spec on CPU (shim 5).
 
-    Returns a bool tensor [1, 1, S, S], True above the diagonal (= masked key positions), on
-    ``device``; returns None on CUDA devices, where Megatron (local or TE spec) builds the causal
-    mask itself from ``AttnMaskType.causal``.
+    Returns a bool tensor [1, 1, S, S], True where a key position is masked: above the diagonal,
+    and, for a packed row (``sequence_lengths`` [K] int64 of the sequences laid end to end, summing
+    to S), across sequence boundaries, so attention stays within each sequence. Returns None on
+    CUDA devices, where Megatron (local or TE spec) builds the causal mask itself from
+    ``AttnMaskType.causal``.
     """
     if device.type == "cuda":
         return None
     mask = torch.ones(seq_len, seq_len, dtype=torch.bool, device=device).triu(diagonal=1)
+    if sequence_lengths is not None:
+        owner = torch.repeat_interleave(torch.arange(len(sequence_lengths), device=device),
+                                        sequence_lengths.to(device))
+        mask |= owner[:, None] != owner[None, :]
     return mask.view(1, 1, seq_len, seq_len)

@@ -394,6 +394,7 @@ def forward_logits(
     input_ids: torch.Tensor,
     position_ids: torch.Tensor,
     attention_mask: torch.Tensor | None = None,
+    sequence_lengths: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Run this pipeline stage of ``model`` on one micro-batch.
 
@@ -404,6 +405,10 @@ def forward_logits(
         attention_mask: optional [B, S] bool/int, 1 = real token, right padding only. Attention is
             causal, so padding only affects positions after a row's valid tokens; the mask is
             validated, not needed to compute the valid positions' logits.
+        sequence_lengths: [K] int64 lengths of the sequences packed end to end in a single row
+            (``B = 1``, summing to S), or None. Attention is then confined to each sequence; the
+            rows' rotary positions stay ``arange(S)``, which is exact because rotary attention
+            depends only on position differences within a sequence. CPU (local spec) only.
 
     Returns:
         Last stage: logits [B, S, V_local] (GPTModel already transposes its sequence-first
@@ -412,8 +417,65 @@ def forward_logits(
         schedule to send on.
 
     Raises:
-        ValueError: on bad shapes, non-arange position_ids or left padding.
+        ValueError: on bad shapes, non-arange position_ids or left padding; packed sequences that
+            do not fill one row, or on CUDA (the TransformerEngine THD layout is not wired yet).
     """
     _check_inputs(input_ids, position_ids, attention_mask)
-    mask = attention_mask_for(input_ids.shape[1], input_ids.device)
+    if sequence_lengths is not None:
+        _check_packed(input_ids, sequence_lengths)
+    mask = attention_mask_for(input_ids.shape[1], input_ids.device, sequence_lengths)
     return model(input_ids, position_ids, mask)
+
+
+def _check_packed(input_ids: torch.Tensor, sequence_lengths: torch.Tensor) -> None:
+    if input_ids.device.type == "cuda":
+        raise ValueError("packed sequences run on the CPU local spec only for now (on GPU they need "
+                         "TransformerEngine's THD layout); set parallel.pack_sequences=false")
+    if input_ids.shape[0] != 1 or int(sequence_lengths.sum()) != input_ids.shape[1]:
+        raise ValueError(f"packed sequences must fill one row: input_ids {tuple(input_ids.shape)}, "
+                         f"sequence lengths summing to {int(sequence_lengths.sum())}")
+
+
+def forward_hidden(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    position_ids: torch.Tensor,
+    sequence_lengths: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Like :func:`forward_logits`, but the last stage returns its final hidden states.
+
+    For the fused output layer (``nemo_sspo.parallel.fused_linear_logprobs_entropy``): the loss
+    computes logits only where it reads them. Megatron's ``GPTModel.forward`` returns the decoder
+    output (after the final norm) when its ``post_process`` is False; the flag is lowered for this
+    call only, so the output layer is skipped and nothing else changes.
+
+    Returns:
+        Last stage: hidden states [B, S, H] (batch-first, the model's output dtype). Other
+        stages: their hidden states [S, B, H] for the pipeline schedule.
+
+    Raises:
+        ValueError: bad inputs (as :func:`forward_logits`), or a model with sequence parallelism
+            (its hidden states are split along the sequence; the output layer would gather them).
+    """
+    gpt = unwrap_model(model)
+    if not gpt.post_process:
+        return forward_logits(model, input_ids, position_ids, sequence_lengths=sequence_lengths)
+    if gpt.config.sequence_parallel:
+        raise ValueError("the fused output layer needs sequence_parallel=False (its hidden states "
+                         "would be split along the sequence); set parallel.output_chunk_size=null")
+    gpt.post_process = False
+    try:
+        hidden = forward_logits(model, input_ids, position_ids, sequence_lengths=sequence_lengths)
+    finally:
+        gpt.post_process = True
+    return hidden.transpose(0, 1)
+
+
+def output_weight(model: torch.nn.Module) -> torch.Tensor:
+    """This rank's vocab shard of the output weight ``[V_local, H]`` on the last stage: the word
+    embedding when input and output embeddings are tied (its copy on the last stage under PP),
+    the output layer's own weight otherwise."""
+    gpt = unwrap_model(model)
+    if gpt.share_embeddings_and_output_weights:
+        return gpt.shared_embedding_or_output_weight()
+    return gpt.output_layer.weight

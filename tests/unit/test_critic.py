@@ -1,18 +1,15 @@
 """SPPO critic maths on toy batches worked by hand: BCE target, loss, advantage, prompt packing and
-layer truncation (arXiv 2604.08865; module nemo_sspo.trainer.critic)."""
+layer truncation (arXiv 2604.08865; modules nemo_sspo.algorithms.critic, nemo_sspo.algorithms.batch and
+nemo_sspo.megatron.value_model)."""
 
 import math
 
 import pytest
 import torch
 
-from nemo_sspo.trainer.critic import (
-    critic_advantages,
-    critic_loss,
-    critic_targets,
-    pack_critic_batch,
-    truncate_layers,
-)
+from nemo_sspo.algorithms.batch import pack_critic_batch
+from nemo_sspo.algorithms.critic import critic_advantages, critic_loss, critic_targets
+from nemo_sspo.megatron.value_model import truncate_layers
 
 LN2, LN3 = math.log(2.0), math.log(3.0)
 

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from nemo_sspo.algorithms.losses import GRPOLossConfig, make_policy_loss
+from nemo_sspo.algorithms.micro_batches import MicroBatch
 from nemo_sspo.megatron.step import LossSpec, PolicyBatch, _policy_loss_func
 from nemo_sspo.rollout import truncated_is_weights
 
@@ -49,12 +50,17 @@ def _batch(tis_weights):
         old_entropy=torch.zeros(1, 4), advantages=torch.ones(1), tis_weights=tis_weights)
 
 
+def _micro(batch):
+    return MicroBatch(batch, torch.arange(1), batch.input_ids, batch.position_ids)
+
+
 def test_policy_loss_is_weighted_per_token():
     spec = LossSpec(loss=make_policy_loss("grpo", GRPOLossConfig(aggregation="token-mean")), tp_group=None,
-                    vocab_start=0, vocab_size=5, temperature=1.0, max_response_length=3)
+                    vocab_start=0, vocab_size=5, temperature=1.0, max_response_length=3,
+                    output_chunk_size=None)  # the loss reads materialised logits
     logits = torch.zeros(1, 4, 5)  # uniform: log-prob -log 5 = old log-prob, ratio 1, GRPO token loss -A = -1
-    plain, count, _ = _policy_loss_func(_batch(None), spec, logits)
-    weighted, count_w, _ = _policy_loss_func(_batch(torch.tensor([[2.0, 0.5, 1.0, 1.0]])), spec, logits)
+    plain, count, _ = _policy_loss_func(spec, _micro(_batch(None)), None, logits)
+    weighted, count_w, _ = _policy_loss_func(spec, _micro(_batch(torch.tensor([[2.0, 0.5, 1.0, 1.0]]))), None, logits)
     # token-mean numerator: -(1 + 1 + 1) = -3 unweighted; -(2 + 0.5 + 1) = -3.5 weighted; same denominator 3
     assert plain.item() == pytest.approx(-3.0) and weighted.item() == pytest.approx(-3.5)
     assert int(count) == int(count_w) == 3

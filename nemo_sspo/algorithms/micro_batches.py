@@ -1,0 +1,186 @@
+"""How a batch of rollouts becomes micro-batches: fixed rows, a token budget, or packed sequences.
+
+Three layouts of the same rows, each giving the same step (the loss is a sum of per-micro-batch
+numerators over a sum of denominators, so any grouping of rows gives the same result):
+
+- fixed (``max_tokens=None``): consecutive blocks of ``micro_batch_size`` rows, every row padded
+  to the batch's longest (the shapes Megatron's pipeline schedule expects by default);
+- token budget (``max_tokens``, ``pack=False``): rows sorted by length, cut into micro-batches
+  whose padded size ``rows x longest row`` stays within ``max_tokens``; each micro-batch is trimmed
+  to its own longest row, so little padding is computed;
+- packed (``max_tokens``, ``pack=True``): the sequences (prompt + response) are laid end to end in
+  one row of at most ``max_tokens`` positions (first-fit decreasing), attention confined to each
+  sequence. The loss still sees one response per row (:attr:`MicroBatch.batch`): the model's output
+  at packed position ``token_index[b, j]`` is response ``b``'s prediction at target column ``j``,
+  so segment ratios and response-level aggregation stay per sequence (docs/pitfalls.md#p2).
+
+Rows whose every position is the target frame's padding still count (zero-length responses keep
+their prompt), so denominators are unchanged. The layout is ours.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from nemo_sspo.algorithms.batch import PolicyBatch
+
+__all__ = ["MicroBatch", "MicroBatchLayout"]
+
+
+@dataclass
+class MicroBatch:
+    """One micro-batch: the model's input rows and the loss fields of the responses in them.
+
+    Attributes:
+        batch: the responses of this micro-batch, ``[b, S_b]`` target frame (one response per row,
+            trimmed to the longest), read by the loss.
+        rows: ``[b]`` int64 rows of the step's batch (where outputs are written back).
+        input_ids: ``[R, S_in]`` int64 model input (``batch.input_ids`` unless packed).
+        position_ids: ``[R, S_in]`` int64 ``arange(S_in)`` per row. Packed sequences keep these row
+            positions: with attention confined to each sequence, rotary embeddings depend only on
+            position differences, so every sequence sees the positions it would see alone.
+        sequence_lengths: ``[K]`` int64 lengths of the sequences laid end to end in the single
+            packed row, or None (one sequence per row, causal attention).
+        token_index: ``[b, S_b]`` int64 flat index into the model output ``[R * S_in]`` of each
+            target position (0 where ``batch.loss_mask`` is False), or None (the output rows are
+            ``batch``'s rows).
+    """
+
+    batch: PolicyBatch
+    rows: torch.Tensor
+    input_ids: torch.Tensor
+    position_ids: torch.Tensor
+    sequence_lengths: torch.Tensor | None = None
+    token_index: torch.Tensor | None = None
+
+
+def _row_lengths(batch: PolicyBatch) -> torch.Tensor:
+    if batch.lengths is not None:
+        return batch.lengths
+    return torch.full((batch.input_ids.shape[0],), batch.input_ids.shape[1], dtype=torch.long)
+
+
+def _trimmed(batch: PolicyBatch, rows: torch.Tensor, width: int) -> PolicyBatch:
+    """Rows ``rows`` of ``batch`` and their first ``width`` columns (the padding after them goes)."""
+    picked = batch.select(rows)
+    fields = {name: value[:, :width] if isinstance(value, torch.Tensor) and value.dim() == 2 else value
+              for name, value in vars(picked).items()}
+    return PolicyBatch(**fields)
+
+
+def _fixed(batch: PolicyBatch, micro_batch_size: int) -> list[MicroBatch]:
+    total = batch.input_ids.shape[0]
+    if total % micro_batch_size:
+        raise ValueError(f"batch of {total} rows does not split into micro-batches of "
+                         f"{micro_batch_size}")
+    out = []
+    for start in range(0, total, micro_batch_size):
+        rows = torch.arange(start, start + micro_batch_size)
+        part = batch.select(rows)
+        out.append(MicroBatch(part, rows, part.input_ids, part.position_ids))
+    return out
+
+
+def _budget_groups(lengths: torch.Tensor, max_tokens: int, cost) -> list[list[int]]:
+    """Rows (longest first) cut greedily into groups whose ``cost(group lengths)`` fits the budget."""
+    order = sorted(range(len(lengths)), key=lambda r: (-int(lengths[r]), r))
+    groups: list[list[int]] = []
+    for row in order:
+        if groups and cost([int(lengths[r]) for r in groups[-1]] + [int(lengths[row])]) <= max_tokens:
+            groups[-1].append(row)
+        else:
+            groups.append([row])
+    return groups
+
+
+def _packed_bins(lengths: torch.Tensor, max_tokens: int) -> list[list[int]]:
+    """First-fit decreasing: each sequence goes into the first row with room for it."""
+    bins: list[list[int]] = []
+    room: list[int] = []
+    for row in sorted(range(len(lengths)), key=lambda r: (-int(lengths[r]), r)):
+        length = int(lengths[row])
+        slot = next((i for i, free in enumerate(room) if free >= length), None)
+        if slot is None:
+            bins.append([row])
+            room.append(max_tokens - length)
+        else:
+            bins[slot].append(row)
+            room[slot] -= length
+    return [sorted(b) for b in bins]
+
+
+def _padded_group(batch: PolicyBatch, rows: list[int], lengths: torch.Tensor) -> MicroBatch:
+    index = torch.tensor(rows, dtype=torch.long)
+    part = _trimmed(batch, index, int(lengths[index].max()))
+    return MicroBatch(part, index, part.input_ids, part.position_ids)
+
+
+def _packed_group(batch: PolicyBatch, rows: list[int], lengths: torch.Tensor) -> MicroBatch:
+    index = torch.tensor(rows, dtype=torch.long)
+    seq_lengths = lengths[index]
+    part = _trimmed(batch, index, int(seq_lengths.max()))
+    offsets = torch.cumsum(seq_lengths, 0) - seq_lengths
+    width = int(seq_lengths.sum())
+    valid = torch.arange(part.input_ids.shape[1])[None, :] < seq_lengths[:, None]
+    input_ids = part.input_ids[valid][None, :]  # row-major: the sequences end to end
+    token_index = torch.where(part.loss_mask, offsets[:, None] + torch.arange(part.input_ids.shape[1]),
+                              torch.zeros((), dtype=torch.long))
+    return MicroBatch(part, index, input_ids, torch.arange(width)[None, :], seq_lengths, token_index)
+
+
+@dataclass(frozen=True)
+class MicroBatchLayout:
+    """How to cut a batch into micro-batches (module docstring for the three layouts).
+
+    Attributes:
+        micro_batch_size: rows per micro-batch of the fixed layout (read when ``max_tokens`` is
+            None).
+        max_tokens: token budget per micro-batch: padded rows x width (``pack=False``) or the
+            packed row's width (``pack=True``); None for the fixed layout.
+        pack: lay sequences end to end in one row per micro-batch (needs ``max_tokens``).
+
+    Raises:
+        ValueError: on construction, a layout without its size, or sizes below 1.
+    """
+
+    micro_batch_size: int | None = None
+    max_tokens: int | None = None
+    pack: bool = False
+
+    def __post_init__(self) -> None:
+        if self.max_tokens is None and (self.micro_batch_size is None or self.pack):
+            raise ValueError("give micro_batch_size (fixed rows) or max_tokens (token budget; "
+                             "needed by pack=True)")
+        for name in ("micro_batch_size", "max_tokens"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ValueError(f"{name}={value!r} must be an int >= 1 or None")
+
+    @property
+    def fixed(self) -> bool:
+        """Every micro-batch has the same shape (what the default pipeline schedule needs)."""
+        return self.max_tokens is None
+
+    def plan(self, batch: PolicyBatch) -> list[MicroBatch]:
+        """Split ``batch`` (``[B, S]``, with ``lengths`` when right-padded) into micro-batches;
+        every row is in exactly one.
+
+        Raises:
+            ValueError: rows that do not split into ``micro_batch_size``, or a sequence longer
+                than ``max_tokens`` (names the length and the setting).
+        """
+        if self.fixed:
+            return _fixed(batch, self.micro_batch_size)
+        lengths = _row_lengths(batch)
+        longest = int(lengths.max())
+        if longest > self.max_tokens:
+            raise ValueError(f"a sequence of {longest} tokens does not fit "
+                             f"parallel.max_tokens_per_micro_batch={self.max_tokens}; raise it to "
+                             "at least the longest prompt + response")
+        if self.pack:
+            return [_packed_group(batch, rows, lengths)
+                    for rows in _packed_bins(lengths, self.max_tokens)]
+        groups = _budget_groups(lengths, self.max_tokens, lambda ls: len(ls) * max(ls))
+        return [_padded_group(batch, rows, lengths) for rows in groups]
