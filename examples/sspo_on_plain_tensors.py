@@ -11,7 +11,7 @@ DAPO: each token), so switching the name switches the reduction too.
 import torch
 
 from nemo_sspo import LossInputs, compute_policy_loss
-from nemo_sspo.algorithms import build_boundary_table, group_advantages, newline_segment_ids
+from nemo_sspo.algorithms import build_segment_tables, group_advantages, segment_ids
 
 
 class _ToyTokenizer:
@@ -27,10 +27,10 @@ class _ToyTokenizer:
 
 
 def main() -> None:
-    boundary = build_boundary_table(_ToyTokenizer())
+    tables = build_segment_tables(_ToyTokenizer())  # once per tokenizer
     response_ids = torch.tensor([[0, 1, 2, 3, 4], [0, 3, 4, 0, 0]])
     response_mask = torch.tensor([[1, 1, 1, 1, 1], [1, 1, 1, 0, 0]], dtype=torch.bool)
-    segments = newline_segment_ids(response_ids, response_mask, boundary)
+    segments = segment_ids("newline", response_ids, response_mask, tables)
     advantages, _ = group_advantages(torch.tensor([1.0, 0.0]), group_size=2)
 
     logprobs = torch.full((2, 5), -1.0, requires_grad=True)

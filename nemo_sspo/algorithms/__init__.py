@@ -8,11 +8,7 @@ Shape letters: B responses (rows), T response positions, V vocabulary, G respons
 from nemo_sspo.algorithms.advantages import group_advantages, zero_variance_groups
 from nemo_sspo.algorithms.aggregation import AGGREGATION_MODES, aggregate
 from nemo_sspo.algorithms.bounds import LOWER_BOUND_RULES, entropy_adaptive_bounds
-from nemo_sspo.algorithms.dynamic_sampling import (
-    GroupSelection,
-    NotEnoughGroupsError,
-    select_nonzero_variance_groups,
-)
+from nemo_sspo.algorithms.dynamic_sampling import select_nonzero_variance_groups
 from nemo_sspo.algorithms.kl import KL_ESTIMATORS, kl_estimate
 from nemo_sspo.algorithms.losses import (
     LossInputs,
@@ -26,14 +22,10 @@ from nemo_sspo.algorithms.losses import (
 from nemo_sspo.algorithms.ratios import LOG_RATIO_CLAMP, segment_mean
 from nemo_sspo.algorithms.reward_shaping import overlong_reward_shaping
 from nemo_sspo.algorithms.segmentation import (
-    SEGMENT_LEVELS,
     SEGMENTATIONS,
     SegmentTables,
-    build_boundary_table,
     build_segment_tables,
-    newline_segment_ids,
     segment_ids,
-    segment_ids_for_level,
 )
 
 __all__ = [
@@ -42,27 +34,21 @@ __all__ = [
     "LOG_RATIO_CLAMP",
     "LOWER_BOUND_RULES",
     "SEGMENTATIONS",
-    "SEGMENT_LEVELS",
-    "GroupSelection",
-    "NotEnoughGroupsError",
     "LossInputs",
     "PolicyLoss",
     "PolicyLossConfig",
     "SegmentTables",
     "aggregate",
-    "build_boundary_table",
     "build_segment_tables",
     "entropy_adaptive_bounds",
     "compute_policy_loss",
     "group_advantages",
     "kl_estimate",
-    "newline_segment_ids",
     "overlong_reward_shaping",
     "make_policy_loss",
     "policy_loss_names",
     "policy_loss_sums",
     "segment_ids",
-    "segment_ids_for_level",
     "segment_mean",
     "select_nonzero_variance_groups",
     "zero_variance_groups",

@@ -30,8 +30,8 @@ Strategies (:data:`SEGMENTATIONS`, selected by a loss config's ``segmentation`` 
 Segment ids are 0-based per row, contiguous, and -1 at masked positions; a boundary token belongs
 to the segment it closes. The table-based strategies read per-vocabulary flags built once per
 tokenizer by :func:`build_segment_tables` (it decodes every id once). :func:`segment_ids` is the
-single entry point; :func:`newline_segment_ids` and :func:`segment_ids_for_level` are the earlier
-API and stay.
+single entry point; :func:`mask_segment_ids` gives the "token" and "response" units from the mask
+alone (for callers without token ids).
 """
 
 from __future__ import annotations
@@ -41,10 +41,10 @@ from dataclasses import dataclass, fields
 
 import torch
 
-SEGMENT_LEVELS = ("token", "subsentence", "sequence")
 SEGMENTATIONS = ("newline", "double_newline", "sentence", "pause_punctuation", "fixed_k",
                  "response", "token")
 TABLE_FREE_SEGMENTATIONS = ("fixed_k", "response", "token")
+_MASK_ONLY = ("token", "response")
 
 _SENTENCE_END_INSIDE = re.compile(r"[.!?]\s")
 _BLANK_LINE = re.compile(r"\n[ \t]*\n")
@@ -66,26 +66,12 @@ def _decoded_vocabulary(tokenizer) -> list[str]:
     return [tokenizer.decode([token_id]) for token_id in range(_vocab_size(tokenizer))]
 
 
-def build_boundary_table(tokenizer) -> torch.Tensor:
-    """Mark the vocabulary ids whose decoded text contains a newline.
-
-    Args:
-        tokenizer: a ``transformers`` tokenizer or a ``tokenizers.Tokenizer``; only ``decode([id])``
-            and ``len(tokenizer)`` / ``get_vocab_size()`` are used.
-
-    Returns:
-        ``torch.bool`` tensor ``[V_tok]`` (``V_tok`` = tokenizer vocabulary incl. added tokens):
-        True where the token closes a segment. Build it once per tokenizer (it decodes every id).
-    """
-    return torch.tensor(["\n" in text for text in _decoded_vocabulary(tokenizer)], dtype=torch.bool)
-
-
 @dataclass(frozen=True)
 class SegmentTables:
     """Per-vocabulary-id flags read by the table-based strategies; each a ``[V_tok]`` bool tensor.
 
     Attributes:
-        newline: decoded text contains "\\n" (the :func:`build_boundary_table` table).
+        newline: decoded text contains "\\n".
         double_newline: text contains a blank line ("\\n", optional spaces/tabs, "\\n").
         starts_newline: text starts with "\\n" after optional spaces/tabs.
         ends_newline: text ends with "\\n" before optional spaces/tabs.
@@ -128,10 +114,12 @@ def build_segment_tables(tokenizer) -> SegmentTables:
     """Decode every vocabulary id once and derive the flags of :class:`SegmentTables`.
 
     Args:
-        tokenizer: as for :func:`build_boundary_table`.
+        tokenizer: a ``transformers`` tokenizer or a ``tokenizers.Tokenizer``; only ``decode([id])``
+            and ``len(tokenizer)`` / ``get_vocab_size()`` are used.
 
     Returns:
-        :class:`SegmentTables` covering ``[0, V_tok)``.
+        :class:`SegmentTables` covering ``[0, V_tok)`` (``V_tok`` = tokenizer vocabulary incl.
+        added tokens). Build them once per tokenizer (it decodes every id).
     """
     texts = _decoded_vocabulary(tokenizer)
 
@@ -191,29 +179,6 @@ def _shift(flags: torch.Tensor, steps: int) -> torch.Tensor:
     return out
 
 
-def newline_segment_ids(
-    response_ids: torch.Tensor, response_mask: torch.Tensor, boundary: torch.Tensor
-) -> torch.Tensor:
-    """Split each row into line-break segments.
-
-    Args:
-        response_ids: ``[B, T]`` int64 token ids of the responses.
-        response_mask: ``[B, T]`` bool, True at response tokens that take part in the loss. Masked
-            positions may hold any id (padding) and never start or close a segment.
-        boundary: ``[V_tok]`` bool from :func:`build_boundary_table`.
-
-    Returns:
-        ``[B, T]`` int64: 0-based segment index of each valid token within its row, -1 where the
-        mask is False. A boundary token belongs to the segment it closes.
-
-    Raises:
-        ValueError: shapes differ, mask not bool, or a valid token id lies outside
-            ``[0, len(boundary))`` (build the table from the tokenizer that produced the ids).
-    """
-    _check_ids_and_mask(response_ids, response_mask)
-    return _ids_from_closes(_lookup(boundary, response_ids, response_mask), response_mask)
-
-
 def _table_closes(strategy: str, response_ids, response_mask, tables: SegmentTables):
     def look(table):
         return _lookup(table, response_ids, response_mask)
@@ -267,10 +232,8 @@ def segment_ids(
     elif k is not None:
         raise ValueError(f"k={k!r} is only read by segmentation 'fixed_k', not {strategy!r}; "
                          "pass k=None")
-    if strategy == "token":
-        return segment_ids_for_level("token", response_mask)
-    if strategy == "response":
-        return segment_ids_for_level("sequence", response_mask)
+    if strategy in _MASK_ONLY:
+        return mask_segment_ids(strategy, response_mask)
     if strategy == "fixed_k":
         position = torch.cumsum(response_mask.long(), dim=1) - 1
         return torch.where(response_mask, position // k, torch.full_like(position, -1))
@@ -280,47 +243,27 @@ def segment_ids(
     return _ids_from_closes(closes, response_mask)
 
 
-def segment_ids_for_level(
-    level: str,
-    response_mask: torch.Tensor,
-    newline_segment_ids: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """Segment ids for one rung of the ratio ladder.
+def mask_segment_ids(strategy: str, response_mask: torch.Tensor) -> torch.Tensor:
+    """Segment ids of the units that need no token ids: ``"token"`` (every valid token its own
+    segment, the GRPO ratio) or ``"response"`` (one segment per row, the GSPO ratio).
 
     Args:
-        level: ``"token"`` (each valid token its own segment: GRPO ratio), ``"sequence"`` (one
-            segment per row: GSPO ratio) or ``"subsentence"`` (the given segments: SSPO ratio).
+        strategy: ``"token"`` or ``"response"``.
         response_mask: ``[B, T]`` bool.
-        newline_segment_ids: ``[B, T]`` int64 from :func:`newline_segment_ids` (or any
-            :func:`segment_ids` strategy); required for ``"subsentence"``, not read otherwise.
 
     Returns:
         ``[B, T]`` int64, 0-based contiguous per row, -1 at masked positions.
 
     Raises:
-        ValueError: unknown level, ``newline_segment_ids`` missing for ``"subsentence"``, or
-            shape mismatch.
+        ValueError: another strategy, or a mask that is not ``[B, T]`` bool.
     """
+    if strategy not in _MASK_ONLY:
+        raise ValueError(f"mask_segment_ids computes {_MASK_ONLY}, not {strategy!r}; use segment_ids")
     if response_mask.dim() != 2 or response_mask.dtype != torch.bool:
-        raise ValueError(
-            f"response_mask must be a [B, T] bool tensor, got {tuple(response_mask.shape)} "
-            f"{response_mask.dtype}"
-        )
-    minus_one = torch.full(response_mask.shape, -1, dtype=torch.long, device=response_mask.device)
-    if level == "token":
+        raise ValueError(f"response_mask must be a [B, T] bool tensor, got {tuple(response_mask.shape)} "
+                         f"{response_mask.dtype}")
+    if strategy == "token":
         position = torch.cumsum(response_mask.long(), dim=1) - 1
-        return torch.where(response_mask, position, minus_one)
-    if level == "sequence":
-        return torch.where(response_mask, torch.zeros_like(minus_one), minus_one)
-    if level == "subsentence":
-        if newline_segment_ids is None:
-            raise ValueError(
-                "level='subsentence' needs newline_segment_ids (from newline_segment_ids())"
-            )
-        if newline_segment_ids.shape != response_mask.shape:
-            raise ValueError(
-                f"newline_segment_ids has shape {tuple(newline_segment_ids.shape)} but "
-                f"response_mask has shape {tuple(response_mask.shape)}"
-            )
-        return torch.where(response_mask, newline_segment_ids.long(), minus_one)
-    raise ValueError(f"unknown segment level {level!r}; valid levels: {SEGMENT_LEVELS}")
+    else:
+        position = torch.zeros(response_mask.shape, dtype=torch.long, device=response_mask.device)
+    return torch.where(response_mask, position, torch.full_like(position, -1))

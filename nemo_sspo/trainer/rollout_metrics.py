@@ -41,7 +41,7 @@ def rollout_metric_sums(rollout: Rollout, batch, *, samples_per_prompt: int,
     rb, task = rollout.batch, rollout.task_rewards
     n = float(task.numel())
     lengths = rb.response_mask.sum(dim=1).float()
-    varied = select_nonzero_variance_groups(task, samples_per_prompt).num_nonzero_variance
+    varied = select_nonzero_variance_groups(task, samples_per_prompt).numel()
     sums = {
         "reward/mean": mean_pair(float(task.sum()), n),
         "reward/accuracy": mean_pair(float((task >= 1.0).sum()), n),

@@ -151,7 +151,7 @@ class RolloutSampler:
         texts = [text for part in parts for text in part.response_texts]
         answers = [problem.answer for _, problem in work for _ in range(group)]
         rewards = torch.tensor(self.reward(texts, answers), dtype=torch.float32)
-        varied = set(select_nonzero_variance_groups(rewards, group).indices.tolist())
+        varied = set(select_nonzero_variance_groups(rewards, group).tolist())
         return [(part, r, k in varied) for k, (part, r) in enumerate(zip(parts, rewards.split(group)))]
 
     def _open_slots(self, slots) -> list[int]:

@@ -26,7 +26,7 @@ from verl.workers.config import ActorConfig, PolicyLossConfig
 
 from nemo_sspo.algorithms.aggregation import aggregate
 from nemo_sspo.algorithms.losses import LossInputs, get_policy_loss, make_policy_loss, policy_loss_names
-from nemo_sspo.algorithms.segmentation import newline_segment_ids
+from nemo_sspo.algorithms.segmentation import build_segment_tables, segment_ids
 from nemo_sspo.integrations import verl as sspo_verl
 
 RTOL, ATOL = 1e-7, 1e-12
@@ -55,6 +55,23 @@ def _restore_verl_globals(monkeypatch):
         monkeypatch.setattr(workers, "ppo_loss", workers.ppo_loss)
 
 
+class _Vocabulary:
+    """A tokenizer of ``len(boundary)`` ids; id i decodes with a newline where ``boundary[i]``."""
+
+    def __init__(self, boundary: torch.Tensor):
+        self.boundary = boundary
+
+    def __len__(self):
+        return len(self.boundary)
+
+    def decode(self, ids):
+        return "x\n" if self.boundary[ids[0]] else "x"
+
+
+def _newline_segments(ids, mask, boundary):
+    return segment_ids("newline", ids, mask, build_segment_tables(_Vocabulary(boundary)))
+
+
 def _batch(seed: int, *, noise: float, rows: int = 6, width: int = 12, vocab: int = 50):
     """verl-layout inputs: [B, T] float64, right-padded responses, token-level advantages."""
     gen = torch.Generator().manual_seed(seed)
@@ -66,7 +83,7 @@ def _batch(seed: int, *, noise: float, rows: int = 6, width: int = 12, vocab: in
     adv_tokens = adv[:, None] * mask  # verl broadcasts the outcome advantage to the tokens
     ids = torch.randint(0, vocab, (rows, width), generator=gen)
     boundary = torch.rand(vocab, generator=gen) < 0.2
-    segments = newline_segment_ids(ids, mask, boundary)
+    segments = _newline_segments(ids, mask, boundary)
     entropy = torch.rand(rows, width, generator=gen, dtype=torch.float64) * 0.5
     return old, new, adv, adv_tokens, mask, segments, entropy
 
@@ -237,7 +254,7 @@ def test_install_hooks_feed_verl_ppo_loss_and_trainer():
     old_batch, _ = trainer._compute_old_log_prob(batch)
     boundary = torch.zeros(50, dtype=torch.bool)
     boundary[[7, 11]] = True
-    expected_segments = newline_segment_ids(responses, mask, boundary)
+    expected_segments = _newline_segments(responses, mask, boundary)
     assert torch.equal(old_batch.batch[sspo_verl.SEGMENT_IDS_KEY][mask], expected_segments[mask])
     torch.testing.assert_close(old_batch.batch[sspo_verl.OLD_ENTROPY_KEY][mask], entropy[mask])
 

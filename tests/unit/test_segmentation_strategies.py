@@ -8,9 +8,7 @@ import torch
 from nemo_sspo.algorithms.segmentation import (
     SEGMENTATIONS,
     SegmentTables,
-    build_boundary_table,
     build_segment_tables,
-    newline_segment_ids,
     segment_ids,
 )
 
@@ -35,7 +33,6 @@ def test_strategy_names():
 def test_tables_from_qwen(qwen_tokenizer, qwen_tables):
     size = qwen_tokenizer.get_vocab_size()
     assert qwen_tables.vocab_size == size
-    assert torch.equal(qwen_tables.newline, build_boundary_table(qwen_tokenizer))
     piece = {text: qwen_tokenizer.encode(text, add_special_tokens=False).ids[0]
              for text in ("\n", "\n\n", ".\n\n", ".", " Then", "?\n", " \n")}
     t = qwen_tables
@@ -158,15 +155,6 @@ def test_fixed_k_counts_valid_tokens_only():
     ids = torch.zeros(1, 7, dtype=torch.long)
     assert segment_ids("fixed_k", ids, mask, k=2).tolist() == [[0, 0, -1, 1, 1, 2, -1]]
     assert segment_ids("fixed_k", ids, mask, k=10).tolist() == [[0, 0, -1, 0, 0, 0, -1]]
-
-
-def test_newline_strategy_equals_legacy_function():
-    gen = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, 8, (3, 9), generator=gen)
-    mask = torch.rand(3, 9, generator=gen) < 0.8
-    tables = _hand_tables()
-    assert torch.equal(segment_ids("newline", ids, mask, tables),
-                       newline_segment_ids(ids, mask, tables.newline))
 
 
 def test_errors():

@@ -26,7 +26,7 @@ from nemo_sspo.algorithms.aggregation import AGGREGATION_MODES
 from nemo_sspo.algorithms.kl import KL_ESTIMATORS, kl_estimate
 from nemo_sspo.algorithms.losses.inputs import LossInputs
 from nemo_sspo.algorithms.losses.metrics import policy_metrics
-from nemo_sspo.algorithms.segmentation import SEGMENTATIONS, segment_ids_for_level
+from nemo_sspo.algorithms.segmentation import SEGMENTATIONS, mask_segment_ids
 from nemo_sspo.metrics import mean_pair
 
 
@@ -154,16 +154,15 @@ def resolve_segments(segmentation: str, inputs: LossInputs) -> torch.Tensor:
     Raises:
         ValueError: ``segment_ids`` missing for a text-based unit, or out of range.
     """
-    if segmentation == "token":
-        return segment_ids_for_level("token", inputs.response_mask)
-    if segmentation == "response":
-        return segment_ids_for_level("sequence", inputs.response_mask)
+    if segmentation in ("token", "response"):
+        return mask_segment_ids(segmentation, inputs.response_mask)
     if inputs.segment_ids is None:
         raise ValueError(f"LossInputs.segment_ids is None but this loss's ratio unit is "
                          f"{segmentation!r}: build them with "
                          "nemo_sspo.algorithms.segmentation.segment_ids")
     check_segment_id_range(inputs.segment_ids, inputs.response_mask)
-    return segment_ids_for_level("subsentence", inputs.response_mask, inputs.segment_ids)
+    mask = inputs.response_mask
+    return torch.where(mask, inputs.segment_ids.long(), torch.full_like(mask, -1, dtype=torch.long))
 
 
 def check_segment_id_range(segment_ids: torch.Tensor, response_mask: torch.Tensor) -> None:

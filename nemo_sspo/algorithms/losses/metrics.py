@@ -29,7 +29,7 @@ import torch
 
 from nemo_sspo.algorithms.kl import kl_estimate
 from nemo_sspo.algorithms.ratios import LOG_RATIO_CLAMP, segment_mean
-from nemo_sspo.algorithms.segmentation import segment_ids_for_level
+from nemo_sspo.algorithms.segmentation import mask_segment_ids
 from nemo_sspo.metrics import MetricPair, max_pair, mean_pair, mean_sq_pair, min_pair
 
 ENTROPY_BAND_EDGES = (0.2, 0.75, 1.0)
@@ -84,7 +84,7 @@ class _Weights:
 def _raw_ratios(terms) -> dict[str, torch.Tensor]:
     """exp of the mean token log-ratio over each token, loss segment and response."""
     mask, log_ratio = terms.response_mask, terms.log_ratio
-    whole = segment_ids_for_level("sequence", mask)
+    whole = mask_segment_ids("response", mask)
     segment_log, _ = segment_mean(log_ratio, terms.segments, mask)
     response_log, _ = segment_mean(log_ratio, whole, mask)
     return {
