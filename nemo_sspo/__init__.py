@@ -1,8 +1,11 @@
 """nemo_sspo: SSPO and GRPO-family policy losses on Megatron-Core.
 
-Layers (data flows one way): ``algorithms`` (plain torch) -> ``parallel`` (process-group maths)
--> ``megatron`` (model, weight mapping, schedules) -> ``rollout`` / ``rewards`` / ``data``
--> ``trainer`` -> ``cli``.
+Layers, bottom to top (a module imports only its own layer and those below; checked by
+``tools/import_graph.py``): ``metrics`` (metric pairs) -> ``algorithms`` (plain torch)
+-> ``parallel`` (process-group maths) -> ``megatron`` (model, weight mapping, schedules)
+-> ``models`` / ``data`` / ``rewards`` -> ``rollout`` -> ``evaluation`` -> ``trainer`` -> ``cli``.
+``integrations`` (verl, NeMo-RL, NeMo-Aligner adapters) sits beside ``trainer`` and imports only
+``metrics``, ``algorithms``, ``parallel`` and ``megatron``.
 
 Shape letters used in every docstring:
 
