@@ -381,7 +381,9 @@ class GRPOTrainer:
         if every == 0 or step % every:
             return {}
         start = time.perf_counter()
-        results = evaluate_engine(self.engine, self.tokenizer, self.cfg, self.reward, step)
+        samples = Path(self.cfg.trainer.output_dir) / "eval" / f"step_{step:06d}.jsonl"
+        results = evaluate_engine(self.engine, self.tokenizer, self.cfg.eval, self.reward,
+                                  template=self.cfg.data.template, samples_path=samples)
         if self.best.improved_by(results[MEAN_KEY]):
             self.best = BestEval(results[MEAN_KEY], step)
             self._save_hf(BEST_DIR, extra={"best": {"step": step, **results}})

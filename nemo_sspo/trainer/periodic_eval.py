@@ -38,16 +38,18 @@ class BestEval:
         return self.mean is None or mean > self.mean
 
 
-def evaluate_engine(engine, tokenizer, cfg, reward, step: int) -> dict[str, float]:
+def evaluate_engine(engine, tokenizer, eval_cfg, reward, *, template: str, samples_path: str | Path
+                    ) -> dict[str, float]:
     """Scores the configured benchmarks with ``engine``'s greedy responses. Collective (world group).
 
     Args:
         engine: the rollout engine on global rank 0 (anything :func:`nemo_sspo.evaluation.as_eval_engine`
             accepts); ignored on other ranks.
         tokenizer: the policy's tokenizer.
-        cfg: the ``TrainConfig`` (``eval`` section; prompts use ``data.template``, as in training).
+        eval_cfg: the ``eval`` config section (benchmarks, data_dir, limits, batch size).
         reward: the trainer's math-verify pool (rank 0).
-        step: the training step, for the samples file name.
+        template: the prompt template (``data.template``, as in training).
+        samples_path: where rank 0 writes the per-problem samples (jsonl).
 
     Returns:
         ``{"eval/<benchmark>": Avg@1, ..., "eval/mean": ...}``, the same on every rank.
@@ -57,12 +59,11 @@ def evaluate_engine(engine, tokenizer, cfg, reward, step: int) -> dict[str, floa
     """
     outcome = None
     if dist.get_rank() == 0:
-        ev = cfg.eval
-        samples = Path(cfg.trainer.output_dir) / "eval" / f"step_{step:06d}.jsonl"
+        ev = eval_cfg
         try:
             outcome = evaluate(engine, tokenizer, ev.benchmarks, data_dir=ev.data_dir, limit=ev.limit_per_benchmark,
-                               max_new_tokens=ev.max_new_tokens, template=cfg.data.template,
-                               batch_size=ev.batch_size, reward=reward, samples_path=samples)
+                               max_new_tokens=ev.max_new_tokens, template=template,
+                               batch_size=ev.batch_size, reward=reward, samples_path=Path(samples_path))
         except Exception as err:  # noqa: BLE001 - re-raised on every rank below
             outcome = err
     box = [outcome]
