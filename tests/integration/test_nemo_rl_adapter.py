@@ -138,7 +138,7 @@ def test_loss_matches_native_under_tp2_with_global_normalisers(run_distributed):
         for dp in range(DP):
             assert results[0, dp][name][0] == pytest.approx(results[1, dp][name][0], rel=RTOL)
         total = sum(results[0, dp][name][0] for dp in range(DP))
-        assert total == pytest.approx(float(num / den), rel=RTOL)
+        assert total == pytest.approx((num / den).detach().item(), rel=RTOL)
         for (tp, dp), result in results.items():
             rows = slice(dp * per_rank, (dp + 1) * per_rank)
             cols = slice(tp * hb.VOCAB_PADDED // TP, (tp + 1) * hb.VOCAB_PADDED // TP)
@@ -187,7 +187,7 @@ def test_2026_protocol_with_host_logprobs(host):
                             next_token_logprobs=logprobs)
     config = get_policy_loss("sspo").config_cls()
     num, den, _, _ = hb.native_loss("sspo", config, batch, slice(None), _effective_mask(batch))
-    assert float(loss) == pytest.approx(float(num / den), rel=RTOL)
+    assert loss.detach().item() == pytest.approx((num / den).detach().item(), rel=RTOL)
     assert metrics["num_valid_samples"] == hb.ROWS - 1
 
 
@@ -238,7 +238,10 @@ def test_example_recipe_fragment_builds_the_loss(host):
     recipe = OmegaConf.load(path)
     loss_fn = nemo_rl.NeMoRLPolicyLoss.from_config(recipe.nemo_sspo, tokenizer=hb.ToyTokenizer())
     assert loss_fn.loss_config == get_policy_loss("sspo").config_cls(alpha=0.0, beta=0.8, gamma=1.75)
-    assert loss_fn.old_entropy_source == "current" and loss_fn.tables is not None
+    assert loss_fn.old_entropy_source == "current"
+    # The segment tables come from the recipe's tokenizer: ToyTokenizer decodes exactly NEWLINE_IDS
+    # to text containing "\n".
+    assert loss_fn.tables.newline.nonzero().flatten().tolist() == sorted(hb.NEWLINE_IDS)
     # "current" is exact only with one optimizer step per rollout batch, as the fragment sets.
     assert recipe.policy.train_global_batch_size == (
         recipe.grpo.num_prompts_per_step * recipe.grpo.num_generations_per_prompt)

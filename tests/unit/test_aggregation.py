@@ -57,20 +57,23 @@ def test_split_invariance(mode):
         assert split.item() == pytest.approx(whole, abs=1e-14)
 
 
-@pytest.mark.parametrize(("mode", "expected"), [
-    ("token-mean", 4.0),               # (3 + 5) / 2 tokens
-    ("seq-mean-token-mean", 4.0),      # ((3 + 5) / 2) / 1 response (the empty one does not count)
-    ("seq-mean-token-sum", 8.0),       # 8 / 1
-    ("constant-denominator", 2.0),     # (8 / 4) / 1
+@pytest.mark.parametrize(("mode", "expected", "token_grad"), [
+    # (value, d numerator / d loss at each valid token of row 0)
+    ("token-mean", 4.0, 1.0),              # (3 + 5) / 2 tokens; numerator 3 + 5
+    ("seq-mean-token-mean", 4.0, 0.5),     # ((3 + 5) / 2) / 1 response (the empty one does not
+                                           # count); numerator (3 + 5) / 2
+    ("seq-mean-token-sum", 8.0, 1.0),      # 8 / 1; numerator 3 + 5
+    ("constant-denominator", 2.0, 0.25),   # (8 / 4) / 1; numerator (3 + 5) / L_max 4
 ])
-def test_p12_zero_length_response(mode, expected):
+def test_p12_zero_length_response(mode, expected, token_grad):
     loss = torch.tensor([[3.0, 5.0, math.nan], [math.nan, math.nan, math.nan]],
                         requires_grad=True)
     mask = _lengths_mask([2, 0], 3)
     num, den = aggregate(loss, mask, mode, max_response_length=4)
     assert (num / den).item() == expected
     num.backward()
-    assert torch.isfinite(loss.grad).all() and loss.grad[1].abs().sum() == 0
+    # NaN padding and the empty row get exactly 0 (no 0 * NaN).
+    assert loss.grad.tolist() == [[token_grad, token_grad, 0.0], [0.0, 0.0, 0.0]]
 
 
 def test_fully_masked_micro_batch():

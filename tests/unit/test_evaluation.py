@@ -153,11 +153,16 @@ def test_eval_command_path_on_a_tiny_model(data_dir, tmp_path, capsys):
                                  "eval.max_new_tokens=4", "reward.num_workers=1", f"eval.output_dir={out}"])
     with pytest.warns(UserWarning):
         results = run_eval(cfg)
-    assert set(results) == {"eval/math500", "eval/aime24", "eval/mean"}
-    assert all(0.0 <= value <= 1.0 for value in results.values())
+    samples = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
+    # The tiny random model's greedy 4-token responses hold no \boxed{} (checked here), and a
+    # response without one scores 0 (SCORER_CASES, "The answer is 5."): every sample scores 0, so
+    # each benchmark's Avg@1 and their mean are 0.
+    assert len(samples) == 4 and not any("\\boxed" in row["response"] for row in samples)
+    assert [row["correct"] for row in samples] == [0.0] * 4
+    assert results == {"eval/math500": 0.0, "eval/aime24": 0.0, "eval/mean": 0.0}
     summary = json.loads((out / "results.json").read_text())
     assert summary["problems"] == {"math500": 2, "aime24": 2} and summary["decoding"] == "greedy"
-    assert len((out / "samples.jsonl").read_text().splitlines()) == 4
+    assert summary["results"] == results
     assert "mean" in capsys.readouterr().out
 
 

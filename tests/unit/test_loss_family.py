@@ -1,6 +1,7 @@
 """The comparison family of policy losses: hand-worked values, float64 references written from each
 paper's formula (Python loops, never the code under test), identities between losses, and the
-pitfalls of ../shared/cases/pitfalls.md that concern losses (P1, P3, P12) for every registered name.
+failure classes of docs/pitfalls.md that concern losses (docs/pitfalls.md#p1, #p3, #p12) for every
+registered name.
 
 Helpers: `_loss` calls a registered loss with old log-probs `old` (default 0, so logprobs are the
 token log-ratios) and returns (per-token loss, numerator, denominator, d(num/den)/d logprobs,
@@ -13,7 +14,13 @@ import pytest
 import torch
 
 from nemo_sspo.algorithms.aggregation import aggregate
-from nemo_sspo.algorithms.losses import LossInputs, get_policy_loss, make_policy_loss, policy_loss_names
+from nemo_sspo.algorithms.losses import (
+    LossInputs,
+    compute_policy_loss,
+    get_policy_loss,
+    make_policy_loss,
+    policy_loss_names,
+)
 
 LN3 = math.log(3.0)
 
@@ -377,7 +384,7 @@ def _ref_dcpo(lp, old, adv, mask, seg, cfg):
     for i, ts in enumerate(_rows(mask)):
         terms = []
         for t in ts:
-            q = math.exp(float(old[i, t]))
+            q = math.exp(old[i, t].item())
             # Roots of r^2 - r - eps_high/q = 0 and r^2 - r + eps_low/q = 0 nearest 1.
             high = min((1 + math.sqrt(1 + 4 * cfg.eps_high / q)) / 2, cfg.ratio_max)
             low = (1 + math.sqrt(max(1 - 4 * cfg.eps_low / q, 0.0))) / 2
@@ -444,9 +451,10 @@ def _ref_cispo(lp, old, adv, mask, seg, cfg):
 def _ref_selected(lp, adv, mask, fraction, low, high):
     """Positions of the floor(fraction N) highest Cov_t within [low, high] (Python sort)."""
     cells = [(i, t) for i, ts in enumerate(_rows(mask)) for t in ts]
-    mean_lp = sum(float(lp[c]) for c in cells) / len(cells)
-    mean_a = sum(float(adv[i]) for i, _ in cells) / len(cells)
-    cov = {c: (float(lp[c]) - mean_lp) * (float(adv[c[0]]) - mean_a) for c in cells}
+    lp = lp.detach()  # the selection is a constant of the update: plain floats, no graph
+    mean_lp = sum(lp[c].item() for c in cells) / len(cells)
+    mean_a = sum(adv[i].item() for i, _ in cells) / len(cells)
+    cov = {c: (lp[c].item() - mean_lp) * (adv[c[0]].item() - mean_a) for c in cells}
     eligible = sorted((c for c in cells if low <= cov[c] <= high), key=lambda c: -cov[c])
     return set(eligible[: math.floor(fraction * len(cells))])
 
@@ -456,20 +464,21 @@ def _ref_clip_cov(lp, old, adv, mask, seg, cfg):
     cov_min < Cov < cov_max; max(1, floor(r N)) of them are drawn; their term is multiplied by 0.
     The draw: the highest of per-position keys torch.rand([B, T]) seeded with selection_seed."""
     cells = [(i, t) for i, ts in enumerate(_rows(mask)) for t in ts]
-    mean_lp = sum(float(lp[c]) for c in cells) / len(cells)
-    mean_a = sum(float(adv[i]) for i, _ in cells) / len(cells)
+    lp_value = lp.detach()  # selection is a constant of the update: plain floats, no graph
+    mean_lp = sum(lp_value[c].item() for c in cells) / len(cells)
+    mean_a = sum(adv[i].item() for i, _ in cells) / len(cells)
     keys = torch.rand(mask.shape, generator=torch.Generator().manual_seed(cfg.selection_seed),
                       dtype=torch.float64)
     base = _ref_token_clip(lp, old, adv, mask, seg, cfg)
     candidates = []
     for i, t in cells:
-        ratio = math.exp(float(lp[i, t] - old[i, t]))
+        ratio = math.exp((lp_value[i, t] - old[i, t]).item())
         clipped = ((adv[i] > 0 and ratio > 1 + cfg.eps_high)
                    or (adv[i] < 0 and ratio < 1 - cfg.eps_low))
-        cov = (float(lp[i, t]) - mean_lp) * (float(adv[i]) - mean_a)
+        cov = (lp_value[i, t].item() - mean_lp) * (adv[i].item() - mean_a)
         if not clipped and cfg.cov_min < cov < cfg.cov_max:
             candidates.append((i, t))
-    candidates.sort(key=lambda c: -float(keys[c]))
+    candidates.sort(key=lambda c: -keys[c].item())
     chosen = set(candidates[: max(1, math.floor(cfg.select_fraction * len(cells)))])
     return {i: [v * 0.0 if (i, t) in chosen else v for t, v in zip(_rows(mask)[i], terms)]
             for i, terms in base.items()}
@@ -609,8 +618,8 @@ ON_POLICY_NAMES = [n for n in policy_loss_names() if n != "cispo"]  # CISPO's va
 
 @pytest.mark.parametrize("name", ON_POLICY_NAMES)
 def test_ratio_one_gives_minus_advantage(name):
-    # P1 / STYLE: on-policy (ratio 1) every per-token loss is -A. Under seq-mean-token-mean the
-    # P1 batch (lengths [2, 4], A [+1, -1]) has loss 0, under token-mean (-2 + 4) / 6 = 1/3.
+    # docs/pitfalls.md#p1: on-policy (ratio 1) every per-token loss is -A. Under seq-mean-token-mean
+    # the p1 batch (lengths [2, 4], A [+1, -1]) has loss 0, under token-mean (-2 + 4) / 6 = 1/3.
     mask = torch.tensor([[1, 1, 0, 0], [1, 1, 1, 1]], dtype=torch.bool)
     logprobs = torch.full((2, 4), -1.0)
     loss, num, den, _, _ = _loss(name, logprobs, torch.tensor([1.0, -1.0]), mask,
@@ -622,32 +631,139 @@ def test_ratio_one_gives_minus_advantage(name):
     assert (num / den).item() == pytest.approx(expected, abs=1e-6)
 
 
+# The docs/pitfalls.md#p3 case: 2 rows x 3 tokens, old log-prob -120, log-prob -20, so every
+# token log-ratio d = 100 and every segment / response mean is 100 too; old entropy 1, one segment
+# per row. The mean log-ratio is clamped at LOG_RATIO_CLAMP = 20 before exp: s = e^20 =
+# 4.851651954e8 for every ratio unit, and the clamp passes no gradient. Per-token loss -psi(s, A)
+# by hand from docs/algorithms.md, with each loss's default config:
+E20 = math.exp(20.0)
+# A = +1: s is above every upper bound, so psi = b_high * A (the clipped branch, no gradient).
+P3_LOSS_AT_PLUS_ONE = {
+    "grpo": -1.2, "dr_grpo": -1.2, "sppo": -1.2, "sspo_fixed_clip": -1.2,  # -(1 + eps_high 0.2)
+    "dapo": -1.28,                       # clip-higher eps_high 0.28
+    "gspo": -1.0004, "gspo_token": -1.0004,  # eps_high 4e-4
+    "lpo": -1.03,                        # eps 0.03
+    "clip_cov": -2.0,                    # eps_high 1 (all Cov_t = 0: outside the band (1, 5))
+    "sspo": -1.75,                       # b_high = min(1 + alpha + H, gamma) = min(1 + 0 + 1, 1.75)
+    # q = pi_old = e^-120: b_high = min(0.5 + 0.5 sqrt(1 + 4 * 0.28 / q), r_max) = r_max = 10.
+    "dcpo": -10.0,
+    "gmpo": -math.exp(0.4),              # phi(d) = min(d, 0.4) = 0.4 per token -> s = e^0.4
+    # phi(d) = (2 / tau) tanh(tau d / 2) = 2 tanh(50) = 2 (tau_pos 1) -> s = e^2, unclipped.
+    "soft_seq_po": -math.exp(2.0),
+    # psi = A (1 + (2 / tau) tanh(tau (s - 1) / 2)) = 1 + 2 tanh(2.4e8) = 3 (tau_pos 1).
+    "sapo": -3.0,
+    "kl_cov": -E20,                      # unclipped psi = s A (+ the penalty below)
+    # CISPO: -sg(clip(s, 1 - 1, 1 + 4)) A log pi_theta = -5 * 1 * (-20) = 100.
+    "cispo": 100.0,
+}
+# A = -1: s is above every lower bound, so min(s A, clip(s) A) = s A = -e^20 (loss e^20) unless a
+# dual clip caps it at -c A, or the surrogate is bounded by construction.
+P3_LOSS_AT_MINUS_ONE = {
+    **{name: E20 for name in P3_LOSS_AT_PLUS_ONE},
+    "dcpo": 10.0,                        # dual clip c = 10
+    "sppo": 3.0,                         # dual clip c = 3
+    "soft_seq_po": math.exp(2.0),        # tau_neg 1: s = e^2 as above, psi = -e^2
+    "sapo": 1.0 + 2.0 / 1.05,            # tau_neg 1.05: psi = -(1 + 2 / 1.05)
+    "cispo": -100.0,                     # -5 * (-1) * (-20)
+}
+
+
+def _p3_expected(name, advantage):
+    """(per-token loss [2, 3], d(num/den)/d logprobs [2, 3]) of the p3 case, float64, by hand.
+
+    Every aggregation mode divides by 6 here (token-mean: 6 tokens; seq-mean-token-mean: 2 rows of
+    3; constant-denominator: 2 rows x L_max = 3), so the gradient of token t is d loss_t / d lp_t / 6.
+    """
+    value = {0.0: 0.0, 1.0: P3_LOSS_AT_PLUS_ONE[name], -1.0: P3_LOSS_AT_MINUS_ONE[name]}[advantage]
+    loss = torch.full((2, 3), value, dtype=torch.float64)
+    grad = torch.zeros(2, 3, dtype=torch.float64)  # clamp and clip: no gradient
+    if name == "cispo":  # the detached weight 5 times A log pi keeps d loss / d lp = -5 A
+        grad.fill_(-5.0 * advantage / 6)
+    if name == "kl_cov":
+        # Every Cov_t = (lp - mean lp)(A - mean A) = 0; quota max(1, floor(2e-3 * 6)) = 1 token,
+        # the tie keeps the first position (0, 0), which gets beta |d| = 1 * 100 on top, with
+        # d/d lp = beta sign(d) = 1.
+        loss[0, 0] += 100.0
+        grad[0, 0] = 1.0 / 6
+    # soft_seq_po: the exact gradient A e^2 sech^2(50) / 6 is about 1.8e-43 (the gate is flat),
+    # compared with atol below.
+    return loss, grad
+
+
+P3_CASES = [
+    pytest.param(name, advantage, id=f"{name}-A{advantage:+.0f}",
+                 marks=[pytest.mark.xfail(
+                     strict=True, reason="gspo_token keeps the gradient sg[s] A / |y_i| = e^20 / 6 "
+                     "= 8.1e7 per token past the clamp (RatioEngine sets beyond_clamp to False for "
+                     "token_gradient); docs/pitfalls.md#p3 and gspo give 0")]
+                 if (name, advantage) == ("gspo_token", -1.0) else [])
+    for name in policy_loss_names() for advantage in (0.0, 1.0, -1.0)
+]
+
+
 @pytest.mark.parametrize("name", policy_loss_names())
 @pytest.mark.parametrize("advantage", [0.0, 1.0, -1.0])
-def test_p3_huge_log_ratio_is_finite(name, advantage):
+def test_p3_huge_log_ratio_loss_values(name, advantage):
     mask = torch.ones(2, 3, dtype=torch.bool)
     old = torch.full((2, 3), -120.0)
-    loss, num, _, grad, metrics = _loss(name, old + 100.0, torch.full((2,), advantage), mask,
-                                        old=old, segments=torch.zeros(2, 3, dtype=torch.long),
-                                        old_entropy=torch.ones(2, 3))
-    assert torch.isfinite(loss).all() and torch.isfinite(grad).all() and torch.isfinite(num)
-    assert all(torch.isfinite(v).all() for v in metrics.values())
+    loss, num, den, _, _ = _loss(name, old + 100.0, torch.full((2,), advantage), mask, old=old,
+                                 segments=torch.zeros(2, 3, dtype=torch.long),
+                                 old_entropy=torch.ones(2, 3))
+    expected, _ = _p3_expected(name, advantage)
+    # rtol 1e-7: float32 holds e^20 as 485165184 (2.4e-8 relative) and the kl_cov penalty of 100
+    # is 2e-7 relative, so the tolerance (48.5 at e^20) still sees it.
+    torch.testing.assert_close(loss.double(), expected, rtol=1e-7, atol=1e-6)
+    assert (num / den).item() == pytest.approx(expected.mean().item(), rel=1e-7, abs=1e-6)
+    inputs = LossInputs(logprobs=old + 100.0, old_logprobs=old, advantages=torch.full((2,), advantage),
+                        response_mask=mask, segment_ids=torch.zeros(2, 3, dtype=torch.long),
+                        old_entropy=torch.ones(2, 3))
+    _, metrics = compute_policy_loss(name, inputs, max_response_length=3)
+    # Raw ratios are reported through the same clamp: exp(min(100, 20)); k1 = -d = -100.
+    assert metrics["policy/ratio_token_max"] == pytest.approx(E20, rel=1e-7)
+    assert metrics["policy/approx_kl_k1"] == -100.0
+
+
+@pytest.mark.parametrize(("name", "advantage"), P3_CASES)
+def test_p3_huge_log_ratio_gradients(name, advantage):
+    mask = torch.ones(2, 3, dtype=torch.bool)
+    old = torch.full((2, 3), -120.0)
+    _, _, _, grad, _ = _loss(name, old + 100.0, torch.full((2,), advantage), mask, old=old,
+                             segments=torch.zeros(2, 3, dtype=torch.long), old_entropy=torch.ones(2, 3))
+    _, expected = _p3_expected(name, advantage)
+    torch.testing.assert_close(grad.double(), expected, rtol=1e-6, atol=1e-30)
 
 
 @pytest.mark.parametrize("name", policy_loss_names())
 def test_p12_empty_response_and_nan_padding(name):
-    # Row 1 is empty and all padding is NaN: loss and gradient 0 there, no NaN anywhere.
+    # docs/pitfalls.md#p12. Row 1 is empty and all padding is NaN: loss and gradient exactly 0
+    # there (a NaN would fail == 0), and row 0 as if it were alone.
     mask = torch.tensor([[1, 1, 0], [0, 0, 0]], dtype=torch.bool)
     nan = math.nan
     logprobs = torch.tensor([[-1.0, -2.0, nan], [nan, nan, nan]])
     old = torch.tensor([[-1.1, -1.9, nan], [nan, nan, nan]])
     entropy = torch.tensor([[0.5, 0.5, nan], [nan, nan, nan]])
-    loss, num, den, grad, metrics = _loss(name, logprobs, torch.tensor([1.0, 3.0]), mask, old=old,
-                                          segments=torch.where(mask, 0, -1), old_entropy=entropy)
-    assert torch.isfinite(loss).all() and loss[1].abs().sum() == 0 and loss[0, 2] == 0
-    assert torch.isfinite(grad).all() and grad[1].abs().sum() == 0 and grad[0, 2] == 0
-    assert all(torch.isfinite(v).all() for v in metrics.values())
+    loss, num, den, grad, _ = _loss(name, logprobs, torch.tensor([1.0, 3.0]), mask, old=old,
+                                    segments=torch.where(mask, 0, -1), old_entropy=entropy)
+    assert loss[1].abs().sum() == 0 and loss[0, 2] == 0
+    assert grad[1].abs().sum() == 0 and grad[0, 2] == 0
     assert den.item() == (2.0 if get_policy_loss(name).config_cls().aggregation == "token-mean" else 1.0)
+    # Second computation: row 0 alone, without the empty row or the padding column (same L_max 3).
+    # Padding must change nothing: the same per-token loss, numerator, gradient and metrics.
+    clean = dict(old=old[:1, :2], segments=torch.zeros(1, 2, dtype=torch.long),
+                 old_entropy=entropy[:1, :2], l_max=3)
+    clean_loss, clean_num, clean_den, clean_grad, _ = _loss(name, logprobs[:1, :2],
+                                                            torch.tensor([1.0]), mask[:1, :2], **clean)
+    torch.testing.assert_close(loss[0, :2], clean_loss[0], rtol=0, atol=0)
+    torch.testing.assert_close(grad[0, :2], clean_grad[0], rtol=0, atol=0)
+    assert (num.item(), den.item()) == (clean_num.item(), clean_den.item())
+    padded_metrics = compute_policy_loss(name, LossInputs(
+        logprobs=logprobs, old_logprobs=old, advantages=torch.tensor([1.0, 3.0]), response_mask=mask,
+        segment_ids=torch.where(mask, 0, -1), old_entropy=entropy), max_response_length=3)[1]
+    clean_metrics = compute_policy_loss(name, LossInputs(
+        logprobs=logprobs[:1, :2], old_logprobs=old[:1, :2], advantages=torch.tensor([1.0]),
+        response_mask=mask[:1, :2], segment_ids=torch.zeros(1, 2, dtype=torch.long),
+        old_entropy=entropy[:1, :2]), max_response_length=3)[1]
+    assert padded_metrics == pytest.approx(clean_metrics, rel=1e-6, abs=1e-7)
 
 
 @pytest.mark.parametrize("name", policy_loss_names())

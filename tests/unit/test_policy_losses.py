@@ -65,8 +65,8 @@ def _run(config, log_ratio, advantages, mask, segment_ids, entropy, dtype=torch.
 # ----------------------------------------------------------------------------- segment_mean
 
 def test_segment_mean_packed_row_p2():
-    # P2: one packed row holding sequences of lengths [3, 1], log-ratios [.3 .3 .3 | -.9]:
-    # per-sequence means [0.3, -0.9], never the row mean (0.9 - 0.9) / 4 = 0.
+    # docs/pitfalls.md#p2: one packed row holding sequences of lengths [3, 1], log-ratios
+    # [.3 .3 .3 | -.9]: per-sequence means [0.3, -0.9], never the row mean (0.9 - 0.9) / 4 = 0.
     values = torch.tensor([[0.3, 0.3, 0.3, -0.9]])
     ids = torch.tensor([[0, 0, 0, 1]])
     mean, length = segment_mean(values, ids, torch.ones(1, 4, dtype=torch.bool))
@@ -295,8 +295,9 @@ def test_one_token_per_segment_equals_grpo():
 
 @pytest.mark.parametrize("name", ["gspo", "sspo"])
 def test_p1_response_level_loss_is_zero(name):
-    # P1: lengths [2, 4], A [+1, -1], ratios 1 -> per-token loss -A. Response-level:
-    # (-1 + 1) / 2 = 0. A broadcast-then-token-sum would give -2 + 4 = 2; token-mean 2/6.
+    # docs/pitfalls.md#p1: lengths [2, 4], A [+1, -1], ratios 1 -> per-token loss -A.
+    # Response-level: (-1 + 1) / 2 = 0. A broadcast-then-token-sum would give -2 + 4 = 2;
+    # token-mean 2/6.
     mask = torch.tensor([[1, 1, 0, 0], [1, 1, 1, 1]], dtype=torch.bool)
     logprobs = torch.full((2, 4), -1.0, requires_grad=True)
     loss = make_policy_loss(name)(LossInputs(
@@ -309,26 +310,57 @@ def test_p1_response_level_loss_is_zero(name):
     assert (num / den).item() == pytest.approx(2 / 6)
 
 
+# Per-token loss at A = +1 once every ratio sits at exp(LOG_RATIO_CLAMP) = e^20, above every upper
+# bound: -b_high (hand values below).
+P3_CLIPPED_LOSS = {
+    "grpo": -1.2,              # -(1 + eps_high), eps_high 0.2
+    "gspo": -1.0004,           # eps_high 4e-4
+    "sspo": -1.75,             # b_high = min(1 + alpha + H, gamma) = min(1 + 0 + 1, 1.75)
+    "sspo_fixed_clip": -1.2,   # eps_high 0.2
+}
+
+
 @pytest.mark.parametrize("name", ["grpo", "gspo", "sspo", "sspo_fixed_clip"])
 @pytest.mark.parametrize("advantage", [0.0, 1.0, -1.0])
-def test_p3_huge_log_ratio_is_finite(name, advantage):
-    # P3: mean log-ratio 100 -> exp overflows float32 (max ~3.4e38) without the clamp.
+def test_p3_huge_log_ratio_is_clamped(name, advantage):
+    # docs/pitfalls.md#p3: mean log-ratio 100 -> exp overflows float32 (max ~3.4e38) without the
+    # clamp. Old log-prob -120, log-prob -20 on 2 x 3 tokens, one segment per row, old entropy 1:
+    # every ratio unit has mean log-ratio 100, clamped to 20, so s = e^20 = 4.851651954e8 and the
+    # clamp passes no gradient. Per-token loss -min(s A, clip(s, b_low, b_high) A):
+    # A = 0 -> 0; A = +1 -> -b_high (clipped); A = -1 -> s > b_low, so -(-e^20) = e^20 (no dual
+    # clip in these defaults). Every gradient is 0.
     mask = torch.ones(2, 3, dtype=torch.bool)
     old = torch.full((2, 3), -120.0)
     logprobs = (old + 100.0).requires_grad_(True)
-    out = make_policy_loss(name)(LossInputs(
-        logprobs=logprobs, old_logprobs=old, advantages=torch.full((2,), advantage),
-        response_mask=mask, segment_ids=torch.zeros(2, 3, dtype=torch.long),
-        old_entropy=torch.ones(2, 3)))
-    loss, metrics = out.per_token_loss, out.metrics
+    inputs = LossInputs(logprobs=logprobs, old_logprobs=old, advantages=torch.full((2,), advantage),
+                        response_mask=mask, segment_ids=torch.zeros(2, 3, dtype=torch.long),
+                        old_entropy=torch.ones(2, 3))
+    loss = make_policy_loss(name)(inputs).per_token_loss
     num, den = aggregate(loss, mask, "seq-mean-token-mean")
     num.backward()
-    assert torch.isfinite(loss).all() and torch.isfinite(logprobs.grad).all()
-    assert all(torch.isfinite(v).all() for v in metrics.values())
+    expected = {0.0: 0.0, 1.0: P3_CLIPPED_LOSS[name], -1.0: math.exp(20.0)}[advantage]
+    # rel 1e-7: float32 holds e^20 as 485165184 (2.4e-8 relative) and 1.0004 to 6e-8.
+    torch.testing.assert_close(loss.detach().double(), torch.full((2, 3), expected, dtype=torch.float64),
+                               rtol=1e-7, atol=0.0)
+    assert (num / den).item() == pytest.approx(expected, rel=1e-7)
+    assert logprobs.grad.abs().max().item() == 0.0
+    _, metrics = compute_policy_loss(name, LossInputs(
+        logprobs=logprobs.detach(), old_logprobs=old, advantages=torch.full((2,), advantage),
+        response_mask=mask, segment_ids=torch.zeros(2, 3, dtype=torch.long),
+        old_entropy=torch.ones(2, 3)))
+    # Every token is past the clamp (gradient 0); only A = +1 tokens are clipped (s > b_high).
+    assert metrics["policy/zero_grad_frac_tokens"] == 1.0
+    assert metrics["policy/clipfrac_tokens"] == (1.0 if advantage > 0 else 0.0)
+    # Metric means are float32 sums (of 6 values near 4.9e8 here: a few ulp of 256): rel 1e-6.
+    assert metrics["policy/ratio"] == pytest.approx(math.exp(20.0), rel=1e-6)
+    if name == "sspo":  # H = 1: b_low = max(0, min(1 - 1, 0.8)) = 0, b_high = 1.75
+        assert metrics["policy/b_low"] == 0.0
+        assert metrics["policy/b_high"] == pytest.approx(1.75, rel=1e-6)
 
 
 def test_p4_segment_ratio_uses_the_mean():
-    # P4: 8000 tokens at -3.5e-4: exp(mean) = exp(-3.5e-4) = 0.99965, exp(sum) = exp(-2.8) = 0.06.
+    # docs/pitfalls.md#p4: 8000 tokens at -3.5e-4: exp(mean) = exp(-3.5e-4) = 0.99965,
+    # exp(sum) = exp(-2.8) = 0.06.
     mask = torch.ones(1, 8000, dtype=torch.bool)
     log_ratio = torch.full((1, 8000), -3.5e-4)
     one_segment = torch.zeros(1, 8000, dtype=torch.long)
@@ -340,8 +372,9 @@ def test_p4_segment_ratio_uses_the_mean():
 
 
 def test_p5_gspo_clips_small_sequence_ratio_and_reports_it():
-    # P5: sequence ratio 1.001 (mean log-ratio log 1.001). GSPO bounds [0.9997, 1.0004]:
-    # A = +1 row is clipped above (3 tokens); A = -1 row is not (clip only cuts below for A < 0).
+    # docs/pitfalls.md#p5: sequence ratio 1.001 (mean log-ratio log 1.001). GSPO bounds
+    # [0.9997, 1.0004]: A = +1 row is clipped above (3 tokens); A = -1 row is not (clip only cuts
+    # below for A < 0).
     mask = torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1]], dtype=torch.bool)
     log_ratio = torch.full((2, 4), math.log(1.001))
     adv = torch.tensor([1.0, -1.0])
@@ -349,7 +382,8 @@ def test_p5_gspo_clips_small_sequence_ratio_and_reports_it():
     _, _, _, grad, metrics = _run(GSPOLossConfig(), log_ratio, adv, mask, ids, torch.zeros(2, 4))
     assert metrics["policy/clipfrac_tokens"].as_tensor().tolist() == [3.0, 7.0]
     assert torch.allclose(metrics["policy/clipfrac_segments"].as_tensor(), torch.tensor([1.0, 2.0]))
-    assert grad[0].abs().sum() == 0 and grad[1].abs().sum() > 0
+    # d numerator: row 1 (unclipped) gives each token -s A / |y_1| = 1.001 / 4 (eq. 10); row 0 none.
+    torch.testing.assert_close(grad, torch.tensor([[0.0] * 4, [1.001 / 4] * 4]), rtol=1e-6, atol=0.0)
     # With GRPO's eps 0.2 the same ratios are never clipped.
     _, _, _, _, grpo_metrics = _run(GRPOLossConfig(), log_ratio, adv, mask, ids,
                                     torch.zeros(2, 4))
@@ -365,7 +399,9 @@ def test_p12_empty_response_contributes_nothing():
     # Row 0: ratio 1, A = 2 -> per-token loss -2, response mean -2; one response.
     assert loss.tolist() == [[-2.0, -2.0, 0.0], [0.0, 0.0, 0.0]]
     assert num.item() == -2.0 and den.item() == 1.0
-    assert torch.isfinite(grad).all() and grad[1].abs().sum() == 0
+    # d numerator: row 0 is one segment of 2 tokens with s = 1, each token gets -s A / |y_0| = -2 / 2
+    # (eq. 10); the NaN padding and the empty row get exactly 0.
+    assert grad.tolist() == [[-1.0, -1.0, 0.0], [0.0, 0.0, 0.0]]
     assert torch.allclose(metrics["policy/segments_per_response"].as_tensor(), torch.tensor([1.0, 1.0]))
 
 
