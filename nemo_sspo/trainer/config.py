@@ -347,6 +347,10 @@ def validate(cfg: TrainConfig, world_size: int | None = 1) -> None:
     _require(tr.max_steps >= 1, "trainer.max_steps must be >= 1")
     _require(tr.minibatches_per_step >= 1, "trainer.minibatches_per_step must be >= 1")
     _validate_micro_batches(par, ro.prompts_per_step * ro.samples_per_prompt, dp, tr.minibatches_per_step)
+    _require(par.max_tokens_per_micro_batch is None or par.max_tokens_per_micro_batch > ro.max_new_tokens,
+             f"parallel.max_tokens_per_micro_batch={par.max_tokens_per_micro_batch} must exceed "
+             f"rollout.max_new_tokens={ro.max_new_tokens}: a micro-batch holds at least one whole prompt + "
+             "response")
     _require(cfg.optim.lr > 0, "optim.lr must be > 0")
     _require(cfg.optim.clip_grad >= 0, "optim.clip_grad must be >= 0 (0 disables clipping)")
     _require(cfg.reward.num_workers >= 1, "reward.num_workers must be >= 1")
@@ -371,10 +375,12 @@ def micro_batch_layout(par: ParallelConfig) -> MicroBatchLayout:
     if par.pack_sequences and par.max_tokens_per_micro_batch is None:
         raise ValueError("parallel.pack_sequences=true needs parallel.max_tokens_per_micro_batch (the "
                          "packed row's width, at least the longest prompt + response)")
+    for key in ("micro_batch_size", "max_tokens_per_micro_batch"):
+        value = getattr(par, key)
+        _require(value is None or value >= 1, f"parallel.{key}={value} must be >= 1")
     fixed = par.max_tokens_per_micro_batch is None
-    return at_key("parallel.", lambda: MicroBatchLayout(
-        micro_batch_size=par.micro_batch_size if fixed else None,
-        max_tokens=par.max_tokens_per_micro_batch, pack=par.pack_sequences))
+    return MicroBatchLayout(micro_batch_size=par.micro_batch_size if fixed else None,
+                            max_tokens=par.max_tokens_per_micro_batch, pack=par.pack_sequences)
 
 
 def _validate_micro_batches(par: ParallelConfig, responses: int, dp: int, minibatches: int) -> None:

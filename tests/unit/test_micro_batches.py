@@ -85,3 +85,25 @@ def test_packed_attention_mask_confines_each_sequence():
                        [0, 0, 1, 0, 0],
                        [0, 0, 1, 1, 0],
                        [0, 0, 1, 1, 1]]
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["parallel.pack_sequences=true"], r"pack_sequences=true needs parallel\.max_tokens_per_micro_batch"),
+    (["parallel.max_tokens_per_micro_batch=32"], r"max_tokens_per_micro_batch=32 must exceed rollout\.max_new_tokens=64"),
+    (["parallel.max_tokens_per_micro_batch=0"], r"parallel\.max_tokens_per_micro_batch=0 must be >= 1"),
+    (["parallel.output_chunk_size=0"], r"parallel\.output_chunk_size must be >= 1, or null"),
+])
+def test_layout_settings_fail_at_load_naming_the_key(overrides, message):
+    from nemo_sspo.cli import load_config
+
+    with pytest.raises(ValueError, match=message):
+        load_config(overrides=overrides)
+
+
+def test_layout_from_config():
+    from nemo_sspo.cli import load_config
+    from nemo_sspo.trainer.config import micro_batch_layout
+
+    cfg = load_config(overrides=["parallel.max_tokens_per_micro_batch=600", "parallel.pack_sequences=true"])
+    assert micro_batch_layout(cfg.parallel) == MicroBatchLayout(max_tokens=600, pack=True)
+    assert micro_batch_layout(load_config().parallel) == MicroBatchLayout(micro_batch_size=4)
