@@ -179,9 +179,9 @@ class RatioEngine:
         clamped = mean_log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
         beyond_clamp = mean_log_ratio.detach().abs() > LOG_RATIO_CLAMP
         if self.token_gradient:
-            own = torch.where(mask, logprobs - logprobs.detach(), zero)
+            # Past the clamp the token path is cut too, as for every ratio (docs/pitfalls.md#p3).
+            own = torch.where(mask & ~beyond_clamp, logprobs - logprobs.detach(), zero)
             clamped = clamped.detach() + own
-            beyond_clamp = torch.zeros_like(beyond_clamp)
         ratio = torch.exp(clamped)
         context = _bounds_context(inputs, segments, ratio.dtype)
         psi = self.surrogate(ratio, adv, context)
