@@ -37,7 +37,9 @@ def _free_port() -> int:
 
 def _child(rank, world_size, port, timeout_s, fn, args, results):
     """Child entry: set up gloo, run ``fn``, report ``(rank, ok, pickled value or traceback)``."""
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+    # WORLD_SIZE and RANK as torchrun sets them: load_config checks the layout against WORLD_SIZE.
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1",
+                      WORLD_SIZE=str(world_size), RANK=str(rank))
     torch.set_num_threads(1)
     try:
         dist.init_process_group(

@@ -28,15 +28,12 @@ def _fit(overrides, checkpoint):
 
 
 def main(out: Path) -> None:
-    import warnings
-
     import torch.distributed as dist
 
     from nemo_sspo.models import load_hf_checkpoint
     from nemo_sspo.trainer import loop
     from tests.integration._loop_runs import ParityReward
 
-    warnings.filterwarnings("ignore")
     loop.MathVerifyReward = ParityReward
     # One process group for both trainers: torchrun's store does not support a second rendezvous
     # after destroy_process_group (initialize_parallel reuses an existing group and leaves it alone).

@@ -36,12 +36,16 @@ def test_critic_baseline_and_training(monkeypatch, tmp_path):
     assert step1["critic/abs_error"] == pytest.approx(0.5, abs=1e-7)
     rewards, advantages = seen[0]
     assert torch.allclose(advantages, rewards - 0.5, atol=1e-7)
+    assert len(seen) == len(history) == 4
     for (rewards, advantages), record in zip(seen, history):
+        # The logged reward means are those of the step's 4 captured rollout rewards (the critic's
+        # BCE targets), averaged here in float64.
+        reward_mean = rewards.double().mean().item()
+        assert record["reward/mean"] == pytest.approx(reward_mean, abs=1e-7)
+        assert record["critic/reward_mean"] == pytest.approx(reward_mean, abs=1e-7)
         # Each step's advantage uses the critic's prediction before that step's update, whose mean
         # the BCE pass reports: mean(A) = mean(r) - mean(p).
-        assert advantages.mean().item() == pytest.approx(
-            record["critic/reward_mean"] - record["critic/value_mean"], abs=1e-5)
-        assert all(math.isfinite(v) for v in record.values())
+        assert advantages.mean().item() == pytest.approx(reward_mean - record["critic/value_mean"], abs=1e-5)
     # The critic learns: with a large step its prediction moves toward the running reward rate.
     assert history[-1]["critic/value_mean"] != pytest.approx(0.5, abs=1e-3)
     assert history[-1]["critic/grad_norm"] > 0
@@ -52,7 +56,7 @@ def _layout_metrics(rank, world_size, tmp_dir, layout):
     import pytest as _pytest
 
     trainer = make_trainer(_pytest.MonkeyPatch(), f"{tmp_dir}/{layout}{world_size}",
-                           [*SPPO, f"parallel={layout}", "+loss.params.kl_coef=0.1", "critic.optim.lr=0.05",
+                           [*SPPO, f"parallel={layout}", "loss.params.kl_coef=0.1", "critic.optim.lr=0.05",
                             "optim.lr=1e-3"])
     try:
         return [trainer.train_step(step) for step in (1, 2)]
