@@ -38,7 +38,7 @@ def as_eval_engine(model_or_engine: Any, tokenizer, batch_size: int = 8) -> Eval
     ``LLM`` as ``.llm`` (the trainer's ``VLLMRolloutEngine``: wrapped in :class:`VLLMEvalEngine`), a
     transformers ``PreTrainedModel`` (wrapped in :class:`TransformersEvalEngine`), or an object whose
     ``.model`` is one (e.g. the trainer's ``HFRolloutEngine``). Rollout engines are evaluated with
-    their current, refitted weights.
+    their current, refitted weights, and stop at the rollout engine's stop list.
 
     Raises:
         ValueError: none of these.
@@ -47,11 +47,12 @@ def as_eval_engine(model_or_engine: Any, tokenizer, batch_size: int = 8) -> Eval
 
     if hasattr(model_or_engine, "generate_greedy"):
         return model_or_engine
+    stop_ids = getattr(model_or_engine, "stop_token_ids", None)  # a rollout engine's stop list
     if hasattr(model_or_engine, "llm"):
-        return VLLMEvalEngine(model_or_engine.llm)
+        return VLLMEvalEngine(model_or_engine.llm, stop_token_ids=stop_ids)
     model = getattr(model_or_engine, "model", model_or_engine)
     if isinstance(model, PreTrainedModel):
-        return TransformersEvalEngine(model, tokenizer, batch_size=batch_size)
+        return TransformersEvalEngine(model, tokenizer, batch_size=batch_size, stop_token_ids=stop_ids)
     raise ValueError(
         f"cannot evaluate a {type(model_or_engine).__name__}: pass an EvalEngine (TransformersEvalEngine, "
         "VLLMEvalEngine), a transformers PreTrainedModel, or an object with such a .model"

@@ -24,16 +24,21 @@ def build_eval_engine(cfg) -> tuple[EvalEngine, Any]:
     Raises:
         ValueError: as ``resolve_model_dir`` and ``load_hf_checkpoint``.
     """
-    from nemo_sspo.models import build_hf_model, load_hf_checkpoint
-    from nemo_sspo.models.hf_checkpoint import load_tokenizer, resolve_model_dir
+    from nemo_sspo.models import SOURCES, build_hf_model, load_hf_checkpoint
+    from nemo_sspo.models.hf_checkpoint import engine_model_dir, load_tokenizer, resolve_model_dir
+    from nemo_sspo.models.hf_folder import stop_token_ids
 
     if cfg.rollout.backend == "vllm":
-        model_dir = resolve_model_dir(cfg.model.source)
-        engine = VLLMEvalEngine(str(model_dir), seed=cfg.trainer.seed, **dataclasses.asdict(cfg.rollout.vllm))
-        return engine, load_tokenizer(model_dir)
+        model_dir = engine_model_dir(cfg.model.source, cache_dir=cfg.model.cache_dir)
+        tokenizer = load_tokenizer(model_dir)
+        engine = VLLMEvalEngine(str(model_dir), stop_token_ids=stop_token_ids(tokenizer, model_dir),
+                                seed=cfg.trainer.seed, **dataclasses.asdict(cfg.rollout.vllm))
+        return engine, tokenizer
     hf_config, state_dict, tokenizer = load_hf_checkpoint(cfg.model.source, cache_dir=cfg.model.cache_dir)
     model = build_hf_model(hf_config, state_dict)
-    return TransformersEvalEngine(model, tokenizer, batch_size=cfg.eval.batch_size), tokenizer
+    model_dir = resolve_model_dir(cfg.model.source) if cfg.model.source not in SOURCES else None
+    return TransformersEvalEngine(model, tokenizer, batch_size=cfg.eval.batch_size,
+                                  stop_token_ids=stop_token_ids(tokenizer, model_dir)), tokenizer
 
 
 def format_results(results: dict[str, float], counts: dict[str, int]) -> str:

@@ -45,11 +45,14 @@ from transformers import (
 )
 from transformers.initialization import no_init_weights
 
+from nemo_sspo.models.hf_folder import repair_config_file, save_hf_config, stop_token_ids
+
 __all__ = [
     "SOURCES",
     "build_hf_model",
     "check_state_dict_keys",
     "default_cache_root",
+    "engine_model_dir",
     "load_hf_checkpoint",
     "load_tokenizer",
     "resolve_model_dir",
@@ -253,23 +256,34 @@ def _gguf_path() -> Path:
 def _ensure_smollm2_cache(target: Path) -> Path:
     """Dequantise the GGUF once and write it to ``target``; concurrent writers are safe.
 
-    Files are written to a temporary sibling folder and renamed into place, so a reader never sees
-    a half-written cache; a losing concurrent writer just discards its copy.
+    A cache written by an earlier version keeps the GGUF ``quantization_config`` in its
+    ``config.json`` (refused by vLLM); it is repaired in place.
     """
     if (target / _WEIGHTS_FILE).is_file():
+        repair_config_file(target)
         return target
     gguf = _gguf_path()
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
-    try:
+
+    def write(tmp: Path) -> None:
         model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
         tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
         if not tokenizer.chat_template:
             raise ValueError(f"{gguf.name} carries no chat template; chat prompts cannot be rendered")
         state = {k: v.contiguous() for k, v in model.state_dict().items() if k != _TIED_KEY}
-        save_file(state, str(tmp / _WEIGHTS_FILE))
-        model.config.save_pretrained(tmp)
+        save_file(state, str(tmp / _WEIGHTS_FILE), metadata={"format": "pt"})
+        save_hf_config(model.config, tmp, stop_ids=stop_token_ids(tokenizer), dtype=torch.float32)
         tokenizer.save_pretrained(tmp)
+
+    return _write_folder_once(target, write)
+
+
+def _write_folder_once(target: Path, write) -> Path:
+    """Runs ``write(tmp)`` on a temporary sibling folder and renames it to ``target``, so a reader
+    never sees a half-written folder; a losing concurrent writer discards its copy."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
+    try:
+        write(tmp)
         try:
             tmp.rename(target)
         except OSError:  # another process finished first
@@ -278,6 +292,37 @@ def _ensure_smollm2_cache(target: Path) -> Path:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return target
+
+
+def engine_model_dir(source: str, *, cache_dir: str | None = None) -> Path:
+    """A Hugging Face folder holding ``source``'s initial weights, for engines that load a folder
+    themselves (vLLM).
+
+    Built-in sources get a folder under the cache root (``<cache_dir>/<source>/``: the SmolLM2 cache,
+    or the seeded tiny models written once, fp32, tokenizer and generation config included); any
+    other source is :func:`resolve_model_dir`'s directory, used as is.
+
+    Raises:
+        ValueError, FileNotFoundError: as :func:`load_hf_checkpoint` and :func:`resolve_model_dir`.
+    """
+    if source not in SOURCES:
+        return resolve_model_dir(source)
+    root = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_root()
+    _check_outside_repo(root)
+    if source == SMOLLM2:
+        return _ensure_smollm2_cache(root / SMOLLM2)
+    target = root / source
+    if (target / _WEIGHTS_FILE).is_file():
+        return target
+    config, state_dict, tokenizer = load_hf_checkpoint(source, cache_dir=cache_dir)
+
+    def write(tmp: Path) -> None:
+        save_file({k: v.contiguous() for k, v in state_dict.items()}, str(tmp / _WEIGHTS_FILE),
+                  metadata={"format": "pt"})
+        save_hf_config(config, tmp, stop_ids=stop_token_ids(tokenizer), dtype=torch.float32)
+        tokenizer.save_pretrained(tmp)
+
+    return _write_folder_once(target, write)
 
 
 def load_tokenizer(path: str | Path):

@@ -8,6 +8,7 @@ import torch
 from transformers import GenerationConfig
 
 from nemo_sspo.models.hf_checkpoint import check_state_dict_keys
+from nemo_sspo.models.hf_folder import stop_token_ids as model_stop_token_ids
 
 __all__ = ["HFRolloutEngine", "RolloutBatch", "check_sampling_settings", "encode_prompts", "finish_rollout_batch"]
 
@@ -21,8 +22,9 @@ class RolloutBatch:
         prompt_mask: ``[B, P]`` bool, True on real prompt tokens.
         response_ids: ``[B, T]`` int64, RIGHT-padded with the pad id; ``T`` is the longest response
             of the batch (at most ``max_new_tokens``).
-        response_mask: ``[B, T]`` bool, True on generated tokens up to and including the first EOS.
-        truncated: ``[B]`` bool, True when no EOS was produced within ``max_new_tokens``.
+        response_mask: ``[B, T]`` bool, True on generated tokens up to and including the first stop id
+            (the model's stop list: ``nemo_sspo.models.hf_folder.stop_token_ids``).
+        truncated: ``[B]`` bool, True when no stop id was produced within ``max_new_tokens``.
         response_texts: the responses decoded without special tokens.
         rollout_logprobs: ``[B, T]`` float32, natural-log probability of each sampled token under
             the sampling distribution (after temperature / top-k / top-p); 0 where the mask is False.
@@ -84,7 +86,10 @@ class HFRolloutEngine:
 
     Args:
         model: a ``PreTrainedModel`` (e.g. from ``build_hf_model``); used in eval mode, no grad.
-        tokenizer: its tokenizer; must define ``pad_token_id`` and ``eos_token_id``.
+        tokenizer: its tokenizer; must define ``pad_token_id``.
+        stop_token_ids: the ids that end a response (default: ``nemo_sspo.models.hf_folder.stop_token_ids(tokenizer)``;
+            the trainer passes the model folder's list); they drive ``generate``, the response mask and
+            the truncation flag.
         max_new_tokens: response length cap ``T_max`` (tokens), > 0.
         temperature: > 0; the sampling logits are ``logits / temperature``.
         top_p: nucleus mass in (0, 1]. Keep 1.0 for training (docs/pitfalls.md#p14): with ``top_p < 1`` the
@@ -102,10 +107,16 @@ class HFRolloutEngine:
     """
 
     def __init__(self, model, tokenizer, *, max_new_tokens: int, temperature: float, top_p: float = 1.0,
-                 top_k: int = 0, device: torch.device | str | None = None) -> None:
+                 top_k: int = 0, device: torch.device | str | None = None,
+                 stop_token_ids: list[int] | None = None) -> None:
         check_sampling_settings(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k)
-        if tokenizer.pad_token_id is None or tokenizer.eos_token_id is None:
-            raise ValueError("tokenizer needs pad_token_id and eos_token_id; set pad_token = eos_token")
+        if tokenizer.pad_token_id is None:
+            raise ValueError("tokenizer needs pad_token_id; set pad_token = eos_token")
+        if stop_token_ids is None:
+            stop_token_ids = model_stop_token_ids(tokenizer)
+        if not stop_token_ids:
+            raise ValueError("stop_token_ids is empty; pass the model's stop list")
+        self.stop_token_ids = sorted(set(int(i) for i in stop_token_ids))
         self.model = (model if device is None else model.to(device)).eval()
         self.tokenizer = tokenizer
         self.max_new_tokens = max_new_tokens
@@ -117,7 +128,7 @@ class HFRolloutEngine:
             top_p=top_p,
             top_k=top_k,
             pad_token_id=tokenizer.pad_token_id,
-            eos_token_id=tokenizer.eos_token_id,
+            eos_token_id=list(self.stop_token_ids),
             output_scores=True,
             return_dict_in_generate=True,
         )
@@ -168,13 +179,13 @@ class HFRolloutEngine:
             params[name].copy_(value)
 
     def _response_mask(self, response_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``[B, T]`` mask up to and including the first EOS, and ``[B]`` truncated flags.
+        """``[B, T]`` mask up to and including the first stop id, and ``[B]`` truncated flags.
 
-        Found from the first EOS position, not from pad ids: SmolLM2 pads with its EOS token.
+        Found from the first stop position, not from pad ids: SmolLM2 pads with its EOS token.
         """
-        is_eos = response_ids == self.tokenizer.eos_token_id
-        seen_before = (is_eos.cumsum(dim=1) - is_eos.long()) > 0  # an EOS strictly earlier in the row
-        return ~seen_before, ~is_eos.any(dim=1)
+        is_stop = torch.isin(response_ids, torch.tensor(self.stop_token_ids, dtype=response_ids.dtype))
+        seen_before = (is_stop.cumsum(dim=1) - is_stop.long()) > 0  # a stop id strictly earlier in the row
+        return ~seen_before, ~is_stop.any(dim=1)
 
     @staticmethod
     def _sampled_logprobs(scores: tuple[torch.Tensor, ...], response_ids: torch.Tensor) -> torch.Tensor:

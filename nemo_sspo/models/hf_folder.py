@@ -1,0 +1,131 @@
+"""Hugging Face model folders that every consumer loads (transformers, vLLM, ``load_hf_checkpoint``),
+and the one stop-token list of a model.
+
+Folders written here (the SmolLM2 cache, ``hf_checkpoint``, ``best/``, the folder a vLLM engine loads
+for a built-in source) hold dense weights, so their ``config.json`` must not keep a source's
+``quantization_config`` (the GGUF source leaves ``{quant_method: gguf}``, which vLLM refuses:
+"Unknown quantization method: gguf"), and must name ``architectures`` (vLLM picks its model class
+from it). ``generation_config.json`` carries the stop list as ``eos_token_id``.
+
+Stop list (:func:`stop_token_ids`): the tokenizer's EOS, every ``eos_token_id`` of the model folder's
+``generation_config.json``, and ``<|im_end|>`` / ``<|endoftext|>`` when the vocabulary has them.
+Qwen2.5 declares two end ids (``<|im_end|>`` 151645, ``<|endoftext|>`` 151643): a response that ends
+with the one that is not the tokenizer's EOS must stop too, or it runs on into a made-up next turn.
+The same list drives transformers ``generate``, vLLM's ``stop_token_ids``, the response mask and the
+truncation flag of the rollout engines, and both evaluation engines.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import tempfile
+from pathlib import Path
+
+import torch
+from transformers import GenerationConfig, PretrainedConfig
+
+__all__ = ["ARCHITECTURES", "clean_hf_config", "generation_eos_ids", "save_hf_config", "stop_token_ids"]
+
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+"""``model_type`` -> the ``architectures`` entry written to ``config.json``."""
+
+# Chat and document ends of the Qwen2.5 / SmolLM2 vocabularies: base models often end a solution
+# with <|endoftext|> rather than the tokenizer's EOS (<|im_end|>), so both stop generation.
+_END_TOKENS = ("<|im_end|>", "<|endoftext|>")
+_GENERATION_CONFIG = "generation_config.json"
+
+
+def _as_id_list(value) -> list[int]:
+    if value is None:
+        return []
+    return [int(v) for v in value] if isinstance(value, (list, tuple)) else [int(value)]
+
+
+def generation_eos_ids(model_dir: str | Path | None) -> list[int]:
+    """The ``eos_token_id`` entries (int or list) of ``model_dir/generation_config.json``; ``[]`` when
+    ``model_dir`` is None or has no such file.
+
+    Raises:
+        ValueError: the file is not valid JSON (names the file).
+    """
+    if model_dir is None or not (Path(model_dir) / _GENERATION_CONFIG).is_file():
+        return []
+    path = Path(model_dir) / _GENERATION_CONFIG
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{path} is not valid JSON ({err}); fix or delete it") from err
+    return _as_id_list(data.get("eos_token_id"))
+
+
+def stop_token_ids(tokenizer, model_dir: str | Path | None = None) -> list[int]:
+    """The model's stop list (module docstring), sorted, without duplicates.
+
+    Args:
+        tokenizer: its ``eos_token_id`` (if any) and vocabulary are read.
+        model_dir: the model folder whose ``generation_config.json`` may declare more end ids (None:
+            the tokenizer's ids only, e.g. for the built-in sources, which ship no generation config).
+
+    Raises:
+        ValueError: the list is empty (a tokenizer without EOS and no end tokens): set
+            ``tokenizer.eos_token``.
+    """
+    ids = _as_id_list(tokenizer.eos_token_id) + generation_eos_ids(model_dir)
+    vocab = tokenizer.get_vocab()
+    ids += [vocab[token] for token in _END_TOKENS if token in vocab]
+    if not ids:
+        raise ValueError("the tokenizer has no EOS token and no <|im_end|>/<|endoftext|>: responses could never "
+                         "stop; set tokenizer.eos_token")
+    return sorted(set(ids))
+
+
+def clean_hf_config(hf_config: PretrainedConfig, dtype: torch.dtype | None = None) -> PretrainedConfig:
+    """A copy of ``hf_config`` for a folder of dense weights: without ``quantization_config``, with
+    ``architectures`` set from ``model_type`` when missing, and ``dtype`` (the stored tensors')
+    when given. ``hf_config`` itself is not changed.
+
+    Raises:
+        ValueError: ``architectures`` is missing and ``model_type`` is not one of :data:`ARCHITECTURES`.
+    """
+    config = copy.deepcopy(hf_config)
+    if hasattr(config, "quantization_config"):
+        delattr(config, "quantization_config")
+    if not getattr(config, "architectures", None):
+        if config.model_type not in ARCHITECTURES:
+            raise ValueError(f"model_type {config.model_type!r} has no known architecture; "
+                             f"supported: {', '.join(ARCHITECTURES)}")
+        config.architectures = [ARCHITECTURES[config.model_type]]
+    if dtype is not None:
+        config.dtype = dtype
+    return config
+
+
+def save_hf_config(hf_config: PretrainedConfig, folder: str | Path, *, stop_ids: list[int],
+                   dtype: torch.dtype | None = None) -> None:
+    """Writes ``config.json`` (:func:`clean_hf_config`) and ``generation_config.json`` (``eos_token_id``:
+    ``stop_ids``, ``bos``/``pad`` from the config) into ``folder``, which must exist."""
+    config = clean_hf_config(hf_config, dtype)
+    config.save_pretrained(folder)
+    generation = GenerationConfig(bos_token_id=getattr(config, "bos_token_id", None),
+                                  eos_token_id=list(stop_ids) if len(stop_ids) > 1 else stop_ids[0],
+                                  pad_token_id=getattr(config, "pad_token_id", None))
+    generation.save_pretrained(folder)
+
+
+def repair_config_file(folder: str | Path) -> bool:
+    """Rewrites ``folder/config.json`` in place (atomically) if it still has a ``quantization_config`` or
+    lacks ``architectures`` (caches written by earlier versions); returns whether it changed."""
+    path = Path(folder) / "config.json"
+    data = json.loads(path.read_text(encoding="utf-8"))
+    if "quantization_config" not in data and data.get("architectures"):
+        return False
+    data.pop("quantization_config", None)
+    if not data.get("architectures") and data.get("model_type") in ARCHITECTURES:
+        data["architectures"] = [ARCHITECTURES[data["model_type"]]]
+    fd, tmp = tempfile.mkstemp(prefix=".config-", suffix=".json", dir=path.parent)
+    with os.fdopen(fd, "w", encoding="utf-8") as handle:
+        json.dump(data, handle, indent=2, sort_keys=True)
+    os.replace(tmp, path)
+    return True
