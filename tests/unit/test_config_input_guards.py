@@ -127,10 +127,16 @@ def test_segment_ids_out_of_range_at_valid_tokens_raise(ids, bad):
 
 
 def test_segment_ids_in_range_and_garbage_at_masked_positions_pass():
+    # Every token log-ratio is lp - (lp + 0.05) = -0.05, so every segment ratio is e^-0.05 =
+    # 0.951229 whatever the ids; with H in [0, 1) the SSPO bounds are b_low <= beta 0.8 and
+    # b_high >= 1, GRPO's [0.8, 1.2]: nothing is clipped and each token's loss is -s A.
+    expected = torch.tensor([[-1.0, -1.0, -1.0, 0.0], [1.0, 1.0, 1.0, 1.0]], dtype=torch.float64)
+    expected *= math.exp(-0.05)
     out = make_policy_loss("sspo")(LossInputs(**_sspo_inputs(torch.tensor([[0, 0, 3, 99], [0, 1, 1, 3]]))))
-    assert torch.isfinite(out.per_token_loss).all()
+    torch.testing.assert_close(out.per_token_loss, expected, rtol=1e-12, atol=0.0)
     # token-level losses do not read segment_ids
-    make_policy_loss("grpo")(LossInputs(**_sspo_inputs(torch.full((2, 4), 7))))
+    out = make_policy_loss("grpo")(LossInputs(**_sspo_inputs(torch.full((2, 4), 7))))
+    torch.testing.assert_close(out.per_token_loss, expected, rtol=1e-12, atol=0.0)
 
 
 def test_covariance_quota_is_at_least_one_token():
