@@ -17,7 +17,7 @@ from nemo_sspo.algorithms.losses import (
     policy_loss_names,
     select_high_covariance_tokens,
 )
-from nemo_sspo.trainer.critic import critic_advantages, critic_targets
+from nemo_sspo.algorithms.critic import critic_advantages, critic_targets
 
 
 def _numeric_fields(config_cls):
