@@ -8,7 +8,7 @@ on long-tailed response lengths, for four ways of running the batch (CPU, one pr
 (b) ``budget``: token-budget micro-batches (rows grouped by length, each padded to its own longest);
 (c) ``packed``: sequences end to end in rows of ``--max-tokens`` positions;
 (d) ``packed+fused``: (c) with the output layer fused into the loss (log-probs and entropies from
-    the hidden states, 1,024 tokens at a time).
+    the hidden states, ``--chunk`` tokens at a time).
 
 Each variant runs in its own process (so that peak memory is its own): the step is
 ``compute_old_logprobs`` (forward only) then one ``train_on_batch`` (forward + backward + Adam) with
@@ -34,7 +34,7 @@ VARIANTS = {
     "padded": dict(output_chunk_size=None, max_tokens=None, pack=False),
     "budget": dict(output_chunk_size=None, max_tokens="budget", pack=False),
     "packed": dict(output_chunk_size=None, max_tokens="row", pack=True),
-    "packed+fused": dict(output_chunk_size=1024, max_tokens="row", pack=True),
+    "packed+fused": dict(output_chunk_size="chunk", max_tokens="row", pack=True),
 }
 
 
@@ -97,7 +97,8 @@ def _run_variant(args) -> dict:
     vocab_start, vocab_size = vocab_shard(model)
     spec = LossSpec(loss=make_policy_loss("grpo", GRPOLossConfig()), tp_group=None,
                     vocab_start=vocab_start, vocab_size=vocab_size, temperature=1.0,
-                    max_response_length=args.cap, output_chunk_size=option["output_chunk_size"])
+                    max_response_length=args.cap,
+                    output_chunk_size=args.chunk if option["output_chunk_size"] else None)
     computed = sum(m.input_ids.numel() for m in layout.plan(batch))
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     start = time.perf_counter()
@@ -118,6 +119,7 @@ def main() -> None:
     parser.add_argument("--prompt", type=int, default=32, help="prompt tokens per row")
     parser.add_argument("--micro", type=int, default=4, help="rows per micro-batch of (a)")
     parser.add_argument("--max-tokens", type=int, default=1024, help="packed row width of (c), (d)")
+    parser.add_argument("--chunk", type=int, default=128, help="tokens per chunk of (d) (parallel.output_chunk_size)")
     parser.add_argument("--hidden", type=int, default=128)
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)

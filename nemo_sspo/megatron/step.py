@@ -103,7 +103,7 @@ class LossSpec:
     vocab_size: int
     temperature: float
     max_response_length: int
-    output_chunk_size: int | None = 1024
+    output_chunk_size: int | None
 
 
 def _target_rows(output: torch.Tensor, micro: MicroBatch) -> torch.Tensor:

@@ -86,7 +86,7 @@ class ParallelConfig:
     pack_sequences: bool = False
     """Lay several (prompt, response) sequences end to end in one row per micro-batch, attention
     confined to each; needs ``max_tokens_per_micro_batch``. CPU local spec only for now."""
-    output_chunk_size: int | None = 1024
+    output_chunk_size: int | None = 128
     """Fused output layer: log-probs and entropies from the final hidden states and the output
     weight's vocab shard, this many response tokens at a time, so the full logits never exist;
     null lets Megatron's output layer compute logits at every position."""
@@ -140,6 +140,11 @@ class RolloutConfig:
     ``nemo-sspo eval`` uses the same backend."""
     vllm: VLLMConfig = field(default_factory=VLLMConfig)
     """vLLM engine settings, read only when ``backend`` is ``vllm``."""
+    refit_bucket_mb: int = 256
+    """Refit after each step streams the policy to the rollout engine in buckets of whole decoder
+    layers of at most this many MiB (at least one layer; embeddings and final norm / head in their own
+    buckets), gathered only on the replica's generating rank (``nemo_sspo.megatron.iter_hf_weight_buckets``).
+    Peak extra memory there: about one bucket plus one layer; one layer on the other ranks."""
     tis_cap: float | None = None
     """Truncated importance sampling (``nemo_sspo.rollout.tis``): multiply each token's policy loss by
     ``min(pi_old(y_t) / pi_rollout(y_t), tis_cap)`` (trainer over rollout-engine probability, a
@@ -336,6 +341,8 @@ def validate(cfg: TrainConfig, world_size: int | None = 1) -> None:
     _require(ro.max_new_tokens >= 1, "rollout.max_new_tokens must be >= 1")
     _require(ro.temperature > 0, "rollout.temperature must be > 0 (use a small value for near-greedy)")
     _require(0 < ro.top_p <= 1, "rollout.top_p must be in (0, 1]")
+    _require(ro.refit_bucket_mb > 0, f"rollout.refit_bucket_mb={ro.refit_bucket_mb} must be > 0 (MiB per refit "
+             "bucket; 256 by default, a layer larger than it is sent alone)")
     _require(ro.tis_cap is None or ro.tis_cap >= 1,
              f"rollout.tis_cap={ro.tis_cap} must be >= 1 (a cap below 1 shrinks on-policy tokens too), or null for off")
     _require(ro.top_p == 1 or ro.tis_cap is not None,
