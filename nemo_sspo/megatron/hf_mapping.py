@@ -20,7 +20,9 @@ Q = num_attention_heads / G query heads per group, F = intermediate_size):
 
 from __future__ import annotations
 
-from typing import Any
+import sys
+from dataclasses import dataclass
+from typing import Any, Iterator
 
 import torch
 import torch.distributed as dist
@@ -28,7 +30,7 @@ import torch.distributed as dist
 from nemo_sspo.megatron.model import has_qkv_bias, padded_vocab_size, unwrap_model
 from nemo_sspo.megatron.parallel_setup import ParallelGroups, get_parallel_groups
 
-__all__ = ["export_hf_state_dict", "expected_hf_keys", "load_hf_into_megatron"]
+__all__ = ["export_hf_state_dict", "expected_hf_keys", "iter_hf_weight_buckets", "load_hf_into_megatron"]
 
 _EMBED, _NORM, _LM_HEAD = "model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"
 _HF_LAYER = {
@@ -208,7 +210,9 @@ def _gather_tp(tensor: torch.Tensor, dim: int | None, groups: ParallelGroups):
     """All TP shards of ``tensor`` (a list), or concatenated on ``dim`` if ``dim`` is given."""
     shards = [torch.empty_like(tensor) for _ in range(groups.tp_size)]
     dist.all_gather(shards, tensor.detach().contiguous(), group=groups.tp_group)
-    return shards if dim is None else torch.cat(shards, dim=dim)
+    if dim is None:
+        return shards
+    return shards[0] if len(shards) == 1 else torch.cat(shards, dim=dim)
 
 
 def _export_layer(params: dict, prefix: str, hf_prefix: str, hf_config, groups) -> dict:
@@ -233,57 +237,196 @@ def _export_layer(params: dict, prefix: str, hf_prefix: str, hf_config, groups) 
     return {hf_prefix + _HF_LAYER[key]: value for key, value in values.items()}
 
 
-def _export_stage(gpt, hf_config: Any, groups: ParallelGroups) -> dict[str, torch.Tensor]:
-    """This pipeline stage's HF tensors, gathered over TP (collective over the TP group)."""
-    params = dict(gpt.named_parameters())
+@dataclass(frozen=True)
+class _Unit:
+    """One piece of the streamed export: ``kind`` "embed" (embeddings; with tied embeddings also
+    ``lm_head``), "layer" (one whole decoder layer) or "final" (final norm, or untied ``lm_head``),
+    owned by pipeline stage ``stage``; ``index`` is the global layer number for layers."""
+
+    kind: str
+    stage: int
+    index: int = -1
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """The export order (the same on every rank of the model-parallel group) and where ranks sit."""
+
+    units: tuple[_Unit, ...]
+    rank_at: dict[tuple[int, int], int]  # (pp_rank, tp_rank) -> global rank
+
+
+def _export_plan(gpt, hf_config: Any, groups: ParallelGroups) -> _Plan:
+    """Exchanges every rank's stage contents over the model-parallel group (one object all-gather)."""
+    own = (dist.get_rank(), groups.tp_rank, groups.pp_rank, gpt.pre_process, gpt.post_process,
+           [layer.layer_number - 1 for layer in gpt.decoder.layers])
+    everyone = [own]
+    if groups.mp_size > 1:
+        everyone = [None] * groups.mp_size
+        dist.all_gather_object(everyone, own, group=groups.mp_group)
+    rank_at = {(pp, tp): rank for rank, tp, pp, *_ in everyone}
+    first = next(pp for _, _, pp, pre, _, _ in everyone if pre)
+    last = next(pp for _, _, pp, _, post, _ in everyone if post)
+    layer_stage = {index: pp for _, _, pp, _, _, layers in everyone for index in layers}
+    units = [_Unit("embed", first)]
+    units += [_Unit("layer", layer_stage[index], index) for index in range(hf_config.num_hidden_layers)]
+    units.append(_Unit("final", last))
+    return _Plan(tuple(units), rank_at)
+
+
+def _export_unit(gpt, params: dict, unit: _Unit, hf_config: Any, groups: ParallelGroups) -> dict:
+    """HF tensors of ``unit`` on this rank of its owning stage (collective over the TP group)."""
     vocab = hf_config.vocab_size
-    stage = {}
-    if gpt.pre_process:
-        stage[_EMBED] = _gather_tp(params["embedding.word_embeddings.weight"], 0, groups)[:vocab]
-    for index, layer in enumerate(gpt.decoder.layers):
-        hf_prefix = f"model.layers.{layer.layer_number - 1}."
-        prefix = f"decoder.layers.{index}."
-        stage.update(_export_layer(params, prefix, hf_prefix, hf_config, groups))
-    if gpt.post_process:
-        stage[_NORM] = params["decoder.final_layernorm.weight"].detach().clone()
-        if not hf_config.tie_word_embeddings:
-            stage[_LM_HEAD] = _gather_tp(params["output_layer.weight"], 0, groups)[:vocab]
-    return stage
+    if unit.kind == "embed":
+        return {_EMBED: _gather_tp(params["embedding.word_embeddings.weight"], 0, groups)[:vocab]}
+    if unit.kind == "layer":
+        local = next(i for i, layer in enumerate(gpt.decoder.layers) if layer.layer_number - 1 == unit.index)
+        return _export_layer(params, f"decoder.layers.{local}.", f"model.layers.{unit.index}.", hf_config, groups)
+    tensors = {_NORM: params["decoder.final_layernorm.weight"].detach().clone()}
+    if not hf_config.tie_word_embeddings:
+        tensors[_LM_HEAD] = _gather_tp(params["output_layer.weight"], 0, groups)[:vocab]
+    return tensors
 
 
-def _broadcast_stages(stage: dict[str, torch.Tensor], groups: ParallelGroups, device) -> dict:
-    """Union of every pipeline stage's dict on every rank of the PP group."""
-    merged: dict[str, torch.Tensor] = {}
-    for src in range(groups.pp_size):
-        src_global = dist.get_global_rank(groups.pp_group, src)
-        own = src == groups.pp_rank
-        entries = [(name, tensor.shape, tensor.dtype) for name, tensor in stage.items()]
-        meta = [entries if own else None]
-        dist.broadcast_object_list(meta, src=src_global, group=groups.pp_group)
-        for name, shape, dtype in meta[0]:
-            if own:
-                tensor = stage[name].contiguous()
-            else:
-                tensor = torch.empty(shape, dtype=dtype, device=device)
-            dist.broadcast(tensor, src=src_global, group=groups.pp_group)
-            merged[name] = tensor
-    return merged
+def _send_tensors(tensors: dict[str, torch.Tensor], dst: int) -> None:
+    dist.send_object_list([[(name, t.shape, t.dtype) for name, t in tensors.items()]], dst=dst)
+    for tensor in tensors.values():
+        dist.send(tensor.contiguous(), dst=dst)
 
 
-def export_hf_state_dict(model: torch.nn.Module, hf_config: Any) -> dict[str, torch.Tensor]:
-    """Inverse of ``load_hf_into_megatron``: the full HF Llama / Qwen2 state dict, on EVERY rank.
+def _recv_tensors(src: int, device) -> dict[str, torch.Tensor]:
+    meta = [None]
+    dist.recv_object_list(meta, src=src)
+    tensors = {}
+    for name, shape, dtype in meta[0]:
+        tensors[name] = torch.empty(shape, dtype=dtype, device=device)
+        dist.recv(tensors[name], src=src)
+    return tensors
 
-    Collective: all ranks of the model-parallel group must call it. Gathers TP shards (all_gather
-    over tp_group) and pipeline stages (broadcast over pp_group); vocabulary padding is dropped.
-    Tensors are detached copies on the model's device and dtype, in HF key order; with tied
-    embeddings ``lm_head.weight`` is the same tensor as ``model.embed_tokens.weight``. Used for
-    refit (Megatron -> rollout model) after each optimizer step.
+
+def _unit_at_dst(gpt, params, unit: _Unit, plan: _Plan, hf_config, groups, dst: int, dst_tp: int):
+    """``unit``'s HF tensors on rank ``dst`` (None on every other rank): gathered over TP on the owning
+    stage, then sent point to point from that stage's TP rank ``dst_tp`` when it is not ``dst``."""
+    me = dist.get_rank()
+    tensors = _export_unit(gpt, params, unit, hf_config, groups) if unit.stage == groups.pp_rank else None
+    src = plan.rank_at[(unit.stage, dst_tp)]
+    if src != dst and me == src:
+        _send_tensors(tensors, dst)
+    elif src != dst and me == dst:
+        tensors = _recv_tensors(src, next(gpt.parameters()).device)
+    if me != dst:
+        return None
+    if unit.kind == "embed" and hf_config.tie_word_embeddings:
+        tensors[_LM_HEAD] = tensors[_EMBED]  # the same tensor, as state_dict() lists it
+    return tensors
+
+
+def _nbytes(tensors: dict[str, torch.Tensor]) -> int:
+    """Bytes of distinct storages (the tied head aliases the embeddings)."""
+    unique = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors.values()}
+    return sum(unique.values())
+
+
+def iter_hf_weight_buckets(model: torch.nn.Module, hf_config: Any, bucket_bytes: int, *,
+                           dst_rank: int | None = None) -> Iterator[dict[str, torch.Tensor]]:
+    """Streamed export for refit: the HF Llama / Qwen2 weights as buckets of whole decoder layers,
+    gathered only on rank ``dst_rank`` (where the replica's rollout engine lives).
+
+    Collective: every rank of the model-parallel group must iterate it to the end (the TP gathers,
+    the object all-gather of the stage layout and the point-to-point sends from other pipeline
+    stages run as it is iterated, in the same order on every rank). Unit by unit in HF order
+    (embeddings, layers 0..L-1, final norm / head), the owning stage gathers the TP shards
+    (all_gather over tp_group) and, when it is another stage, its TP rank matching ``dst_rank``'s
+    sends them to ``dst_rank`` (send / recv).
+
+    Buckets (on ``dst_rank``): HF name -> tensor dicts in HF key order (a tied head right after the
+    embeddings), tensors on the model's device and dtype, vocabulary padding dropped. The embeddings (with tied embeddings also
+    ``lm_head.weight``, the same tensor) form the first bucket(s); then as many whole decoder layers
+    as fit ``bucket_bytes`` (a bucket never splits a layer, and holds at least one: a layer larger
+    than ``bucket_bytes`` is a bucket on its own); then final norm and untied head, in their own
+    bucket(s) by the same rule. Every HF key appears in exactly one bucket. On every other rank
+    the iterator yields nothing.
+
+    Peak extra memory: one bucket plus one unit in flight on ``dst_rank`` (release each bucket
+    before taking the next); one unit on the other ranks.
+
+    Args:
+        model: this rank's (possibly DDP-wrapped) Megatron GPTModel stage.
+        hf_config: its HF config (``num_hidden_layers``, ``vocab_size``, ``tie_word_embeddings``).
+        bucket_bytes: bucket budget in bytes (``rollout.refit_bucket_mb`` * 2**20), > 0.
+        dst_rank: global rank receiving the buckets, a member of this rank's model-parallel group;
+            None = the group's first rank (``ParallelGroups.mp_src_rank``, the generating rank).
+
+    Raises:
+        ValueError: ``bucket_bytes <= 0``, or ``dst_rank`` outside this rank's model-parallel group.
     """
+    if bucket_bytes <= 0:
+        raise ValueError(f"bucket_bytes={bucket_bytes} must be > 0 (set rollout.refit_bucket_mb > 0)")
     gpt = unwrap_model(model)
     groups = get_parallel_groups()
-    stage = _export_stage(gpt, hf_config, groups)
-    device = next(gpt.parameters()).device
-    merged = _broadcast_stages(stage, groups, device) if groups.pp_size > 1 else stage
+    plan = _export_plan(gpt, hf_config, groups)
+    dst = groups.mp_src_rank if dst_rank is None else dst_rank
+    dst_tp = next((tp for (_, tp), rank in plan.rank_at.items() if rank == dst), None)
+    if dst_tp is None:
+        raise ValueError(f"dst_rank={dst_rank} is not in this rank's model-parallel group "
+                         f"{sorted(plan.rank_at.values())}; pass the replica's engine rank (mp_src_rank)")
+    params = dict(gpt.named_parameters())
+    bucket, size, kind = {}, 0, None
+    for unit in plan.units:
+        tensors = _unit_at_dst(gpt, params, unit, plan, hf_config, groups, dst, dst_tp)
+        if tensors is None:
+            continue
+        nbytes = _nbytes(tensors)
+        if bucket and (unit.kind != kind or size + nbytes > bucket_bytes):
+            yield bucket
+            bucket, size = {}, 0
+        bucket.update(tensors)
+        size, kind = size + nbytes, unit.kind
+        del tensors  # the bucket holds them now; keep no second reference across the next yield
+    if bucket:
+        yield bucket
+
+
+def _broadcast_tensors(tensors: dict[str, torch.Tensor] | None, src: int, group, device) -> dict:
+    """``tensors`` of rank ``src`` on every rank of ``group`` (names / shapes / dtypes first)."""
+    meta = [None if tensors is None else [(n, t.shape, t.dtype) for n, t in tensors.items()]]
+    dist.broadcast_object_list(meta, src=src, group=group)
+    out = {}
+    for name, shape, dtype in meta[0]:
+        tensor = tensors[name].contiguous() if tensors is not None else torch.empty(shape, dtype=dtype, device=device)
+        dist.broadcast(tensor, src=src, group=group)
+        out[name] = tensor
+    return out
+
+
+def export_hf_state_dict(model: torch.nn.Module, hf_config: Any, *,
+                         dst_rank: int | None = None) -> dict[str, torch.Tensor]:
+    """Inverse of ``load_hf_into_megatron``: the full HF Llama / Qwen2 state dict.
+
+    Collective: all ranks of the model-parallel group must call it. The weights are gathered with
+    :func:`iter_hf_weight_buckets` (one path) onto ``dst_rank``; with ``dst_rank=None`` they are
+    then broadcast over the model-parallel group, so every rank holds the whole model (tests,
+    gradient checks). Tensors are detached copies on the model's device and dtype, in HF key
+    order, vocabulary padding dropped; with tied embeddings ``lm_head.weight`` is the same tensor
+    as ``model.embed_tokens.weight``. Refit streams instead (``iter_hf_weight_buckets``), since
+    this holds the whole model at once.
+
+    Args:
+        dst_rank: global rank in this rank's model-parallel group that receives the dict (others
+            get ``{}``), e.g. ``mp_src_rank`` to write a checkpoint; None = every rank.
+    """
+    groups = get_parallel_groups()
+    dst = groups.mp_src_rank if dst_rank is None else dst_rank
+    merged: dict[str, torch.Tensor] = {}
+    for bucket in iter_hf_weight_buckets(model, hf_config, sys.maxsize, dst_rank=dst):
+        merged.update(bucket)
+    if hf_config.tie_word_embeddings:
+        merged.pop(_LM_HEAD, None)  # re-added below as the embeddings themselves
+    if dst_rank is None and groups.mp_size > 1:
+        device = next(unwrap_model(model).parameters()).device
+        merged = _broadcast_tensors(merged if dist.get_rank() == dst else None, dst, groups.mp_group, device)
+    if not merged:
+        return {}
     if hf_config.tie_word_embeddings:
         merged[_LM_HEAD] = merged[_EMBED]
     return {key: merged[key] for key in expected_hf_keys(hf_config)}

@@ -81,6 +81,18 @@ def finish_rollout_batch(tokenizer, prompt_ids: torch.Tensor, prompt_mask: torch
                         rollout_logprobs=logprobs)
 
 
+def _check_bucket(bucket: dict[str, torch.Tensor], params: dict[str, torch.Tensor], seen: set[str]) -> None:
+    """Refuses a refit bucket with names the model lacks, names an earlier bucket set, or wrong shapes."""
+    unknown, repeated = sorted(bucket.keys() - params.keys()), sorted(bucket.keys() & seen)
+    if unknown or repeated:
+        raise ValueError(f"refit bucket: unknown keys {unknown[:5]}, keys already loaded by an earlier bucket "
+                         f"{repeated[:5]} (use HF Llama/Qwen2 names, each in exactly one bucket)")
+    for name, value in bucket.items():
+        if params[name].shape != value.shape:
+            raise ValueError(f"hf_state_dict[{name!r}] has shape {tuple(value.shape)}, "
+                             f"expected {tuple(params[name].shape)}")
+
+
 class HFRolloutEngine:
     """Batched sampling from a ``transformers`` causal LM, with weight refit from the trainer.
 
@@ -159,24 +171,39 @@ class HFRolloutEngine:
         return finish_rollout_batch(self.tokenizer, prompt_ids, prompt_mask, response_ids, response_mask, truncated,
                                     logprobs)
 
-    @torch.no_grad()
     def load_weights(self, hf_state_dict: dict[str, torch.Tensor]) -> None:
         """Refit: copy ``hf_state_dict`` (HF names, any float dtype) into the model in place.
 
-        Keys must match exactly (strict; ``lm_head.weight`` omitted when embeddings are tied), and
-        every shape must match.
+        Keys must match exactly (strict; ``lm_head.weight`` optional when embeddings are tied), and
+        every shape must match; see :meth:`load_weight_buckets` (this is its one-bucket case).
 
         Raises:
             ValueError: missing/unexpected keys or a shape mismatch.
         """
-        check_state_dict_keys(self.model, hf_state_dict)
+        self.load_weight_buckets([hf_state_dict])
+
+    @torch.no_grad()
+    def load_weight_buckets(self, buckets) -> None:
+        """Streamed refit: copies each bucket (HF name -> tensor dict, as
+        ``nemo_sspo.megatron.iter_hf_weight_buckets`` yields) into the model as it comes
+        (``load_state_dict(strict=False)``), then checks that every parameter was set exactly once.
+
+        A bucket's unknown keys or shapes are refused before it is copied; keys set twice or never
+        set are found after the copies, when the model is already partly refitted (the trainer then
+        stops: the run cannot continue on such weights).
+
+        Raises:
+            ValueError: an unknown key, a shape mismatch, a key in two buckets, or a parameter no
+                bucket set (``lm_head.weight`` optional when embeddings are tied).
+        """
         params = self.model.state_dict()
-        for name, value in hf_state_dict.items():
-            if params[name].shape != value.shape:
-                raise ValueError(f"hf_state_dict[{name!r}] has shape {tuple(value.shape)}, "
-                                 f"expected {tuple(params[name].shape)}")
-        for name, value in hf_state_dict.items():
-            params[name].copy_(value)
+        seen: set[str] = set()
+        for bucket in buckets:
+            _check_bucket(bucket, params, seen)
+            self.model.load_state_dict(bucket, strict=False)
+            seen.update(bucket)
+            del bucket  # release it before the iterator produces the next one
+        check_state_dict_keys(self.model, dict.fromkeys(seen))
 
     def _response_mask(self, response_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``[B, T]`` mask up to and including the first stop id, and ``[B]`` truncated flags.

@@ -331,26 +331,27 @@ class VLLMRolloutEngine:
 
     def load_weights(self, hf_state_dict: dict[str, torch.Tensor]) -> None:
         """Refit: loads ``hf_state_dict`` (HF names, as ``export_hf_state_dict`` returns; every weight of
-        the model) into vLLM's model and resets the prefix cache."""
-        self.load_weight_buckets([list(hf_state_dict.items())])
+        the model) into vLLM's model in one ``reload_weights`` call and resets the prefix cache."""
+        self.load_weight_buckets([hf_state_dict])
 
-    def load_weight_buckets(self, buckets: Iterable[Sequence[tuple[str, torch.Tensor]]]) -> None:
-        """Streamed refit: one ``reload_weights`` call per bucket, then one prefix-cache reset.
+    def load_weight_buckets(self, buckets: Iterable[dict[str, torch.Tensor]]) -> None:
+        """Streamed refit: one ``reload_weights`` call per bucket as it comes, then one prefix-cache reset.
 
         Args:
-            buckets: lists of ``(HF name, tensor)``, each holding whole decoder layers (and/or the
-                embeddings, final norm, head); consumed one at a time, so only one bucket need exist
-                at once. With tied embeddings, ``lm_head.weight`` is added next to
-                ``model.embed_tokens.weight`` when missing.
+            buckets: HF name -> tensor dicts (``nemo_sspo.megatron.iter_hf_weight_buckets``), each holding
+                whole decoder layers (and/or the embeddings, final norm, head); consumed one at a time
+                and released before the next is taken, so only one bucket exists at once. With tied
+                embeddings, ``lm_head.weight`` is added next to ``model.embed_tokens.weight`` when missing.
         """
         self.wake_up()
         with preserve_process_state():
             for bucket in buckets:
-                weights = list(bucket)
-                names = {name for name, _ in weights}
-                if self.tied_embeddings and _EMBED in names and _LM_HEAD not in names:
-                    weights.append((_LM_HEAD, dict(weights)[_EMBED]))
+                weights = list(bucket.items())
+                if self.tied_embeddings and _EMBED in bucket and _LM_HEAD not in bucket:
+                    weights.append((_LM_HEAD, bucket[_EMBED]))
+                del bucket  # drop this frame's references before the iterator produces the next bucket
                 self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
+                del weights
             self.llm.reset_prefix_cache()
 
     def sleep(self) -> None:

@@ -50,6 +50,7 @@ from nemo_sspo.data import build_prompt_source
 from nemo_sspo.megatron import (
     build_policy_model,
     export_hf_state_dict,
+    iter_hf_weight_buckets,
     ParallelGroups,
     get_parallel_groups,
     initialize_parallel,
@@ -341,10 +342,15 @@ class GRPOTrainer:
         return sums, sum(norms) / len(norms)
 
     def refit(self) -> None:
-        """Copies the updated Megatron weights into the rollout engine (collective over TP/PP)."""
-        state = export_hf_state_dict(self.model.module, self.hf_config)
+        """Streams the updated Megatron weights into the rollout engine, bucket by bucket
+        (``rollout.refit_bucket_mb``), gathered only on the generating rank (collective over TP/PP)."""
+        buckets = iter_hf_weight_buckets(self.model.module, self.hf_config, self.cfg.rollout.refit_bucket_mb << 20,
+                                         dst_rank=self.groups.mp_src_rank)
         if self.is_generator:
-            self.engine.load_weights(state)
+            self.engine.load_weight_buckets(buckets)
+        else:
+            for _ in buckets:  # yields nothing here; runs this rank's gathers and sends
+                pass
 
     def train_step(self, step: int) -> dict[str, float]:
         """One step (module docstring); returns its metrics, the same on every rank."""
@@ -423,7 +429,7 @@ class GRPOTrainer:
 
     def _save_hf(self, name: str, extra: dict | None = None) -> None:
         """The current policy as a Hugging Face folder ``output_dir/name`` (collective export, rank 0 writes)."""
-        state = export_hf_state_dict(self.model.module, self.hf_config)
+        state = export_hf_state_dict(self.model.module, self.hf_config, dst_rank=self.groups.mp_src_rank)
         if dist.get_rank() == 0:
             write_hf_checkpoint(Path(self.cfg.trainer.output_dir) / name, self.hf_config, state, self.tokenizer, extra,
                                 stop_ids=getattr(self.engine, "stop_token_ids", None))

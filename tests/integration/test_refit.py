@@ -8,7 +8,8 @@ import torch
 
 from nemo_sspo.cli import load_config
 from nemo_sspo.megatron import destroy_parallel, export_hf_state_dict
-from nemo_sspo.models import load_hf_checkpoint
+from nemo_sspo.models import build_hf_model, load_hf_checkpoint
+from nemo_sspo.rollout import HFRolloutEngine
 from nemo_sspo.trainer import loop
 from tests.integration._loop_runs import ParityReward as _ParityReward
 
@@ -38,6 +39,18 @@ def test_updates_change_weights_and_refit_follows(monkeypatch, tmp_path):
     assert moved > 1e-4
     # step 2 sampled with the refitted weights: rollout and trainer log-probs agree to rounding
     assert step2["rollout/trainer_logprob_gap_abs"] < 1e-4
+    # the streamed refit (buckets of whole layers, loaded one by one) leaves the engine sampling exactly
+    # as one built from the full export does (the refit before streaming): same ids, same log-probs
+    full = HFRolloutEngine(build_hf_model(trainer.hf_config, initial), trainer.tokenizer, max_new_tokens=12,
+                           temperature=cfg.rollout.temperature, stop_token_ids=trainer.engine.stop_token_ids)
+    full.load_weights(policy)
+    prompts = ["Tom has 3 apples and buys 2 more.", "What is 2 + 2?"]
+    streamed_batch, full_batch = trainer.engine.generate(prompts, seed=3), full.generate(prompts, seed=3)
+    assert torch.equal(streamed_batch.response_ids, full_batch.response_ids)
+    assert torch.equal(streamed_batch.rollout_logprobs, full_batch.rollout_logprobs)
+    stale = HFRolloutEngine(build_hf_model(trainer.hf_config, initial), trainer.tokenizer, max_new_tokens=12,
+                            temperature=cfg.rollout.temperature, stop_token_ids=trainer.engine.stop_token_ids)
+    assert not torch.equal(stale.generate(prompts, seed=3).rollout_logprobs, full_batch.rollout_logprobs)
 
 
 class _NaNOnSecondCallReward(_ParityReward):

@@ -147,6 +147,22 @@ def test_load_weights_strict(engine, tiny):
         engine.load_weights(bad_shape)
 
 
+def test_load_weight_buckets_equals_one_load_and_sets_every_parameter_once(tiny):
+    config, state_dict, tokenizer = tiny
+    generator = torch.Generator().manual_seed(6)
+    new_weights = {k: v + 0.05 * torch.randn(v.shape, generator=generator) for k, v in state_dict.items()}
+    names = list(new_weights)
+    buckets = [{n: new_weights[n] for n in names[i:i + 3]} for i in range(0, len(names), 3)]
+    streamed = HFRolloutEngine(build_hf_model(config, state_dict), tokenizer, max_new_tokens=4, temperature=1.0)
+    streamed.load_weight_buckets(iter(buckets))
+    for name, value in build_hf_model(config, new_weights).state_dict().items():
+        assert torch.equal(streamed.model.state_dict()[name], value), name
+    with pytest.raises(ValueError, match="already loaded"):
+        streamed.load_weight_buckets([buckets[0], buckets[0]])
+    with pytest.raises(ValueError, match="missing"):
+        streamed.load_weight_buckets(buckets[:-1])
+
+
 @pytest.mark.parametrize("kwargs, name", [
     (dict(max_new_tokens=0, temperature=1.0), "max_new_tokens"),
     (dict(max_new_tokens=4, temperature=0.0), "temperature"),

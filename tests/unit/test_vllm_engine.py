@@ -146,8 +146,8 @@ def test_refit_reloads_whole_buckets_adds_the_tied_head_and_resets_the_prefix_ca
     assert llm.calls == [("reload_weights", ["model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"]),
                          ("reset_prefix_cache", None)]
     llm.calls.clear()
-    engine.load_weight_buckets(iter([[("model.layers.0.mlp.up_proj.weight", embed)],
-                                     [("model.norm.weight", torch.ones(2))]]))
+    engine.load_weight_buckets(iter([{"model.layers.0.mlp.up_proj.weight": embed},
+                                     {"model.norm.weight": torch.ones(2)}]))
     assert [c[0] for c in llm.calls] == ["reload_weights", "reload_weights", "reset_prefix_cache"]
 
 
