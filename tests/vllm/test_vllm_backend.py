@@ -103,6 +103,38 @@ def test_logprobs_match_transformers_then_refit_after_an_optimizer_step(engine, 
     assert _gap(engine, build_hf_model(config, state_dict), prompts) < 1e-4
 
 
+def test_streamed_refit_gives_the_logprobs_of_a_full_refit(engine, tiny):
+    # The trainer's refit: Megatron -> iter_hf_weight_buckets -> one reload_weights call per bucket. With a
+    # 1-byte budget every decoder layer is its own call (30 layers + embeddings + final norm); vLLM then
+    # samples exactly as after one full-dict reload_weights call: same ids, same log-probs, bit for bit.
+    from nemo_sspo.megatron import (build_policy_model, destroy_parallel, initialize_parallel, iter_hf_weight_buckets,
+                                    load_hf_into_megatron)
+
+    config, state_dict, _ = tiny
+    generator = torch.Generator().manual_seed(3)
+    moved = {k: v + 1e-3 * torch.randn(v.shape, generator=generator) for k, v in state_dict.items()
+             if k != "lm_head.weight"}  # tied: the head follows the embeddings
+    prompts = [LONG_PROMPT, "Tom has 3 apples."]
+    initial = engine.generate(prompts, seed=4)
+    engine.load_weights(moved)
+    full = engine.generate(prompts, seed=4)
+    engine.load_weights(state_dict)  # back to the start: the streamed refit must change every weight
+    initialize_parallel(tp_size=1, pp_size=1, seed=0)
+    try:
+        megatron = build_policy_model(config)
+        load_hf_into_megatron(megatron, moved, config)
+        buckets = list(iter_hf_weight_buckets(megatron, config, 1))
+        engine.load_weight_buckets(iter(buckets))
+    finally:
+        destroy_parallel()
+    streamed = engine.generate(prompts, seed=4)
+    engine.load_weights(state_dict)  # the initial weights for the other tests
+    assert len(buckets) == config.num_hidden_layers + 2
+    assert not torch.equal(initial.rollout_logprobs, full.rollout_logprobs)  # the refit changed the model
+    assert torch.equal(streamed.response_ids, full.response_ids)
+    assert torch.equal(streamed.rollout_logprobs, full.rollout_logprobs)
+
+
 def test_truncated_is_weights_are_one_on_policy(engine, tiny):
     config, state_dict, _ = tiny
     batch = engine.generate(["Tom has 3 apples.", "What is 2 + 2?"], seed=3)
