@@ -53,7 +53,7 @@ def record_updates(monkeypatch, store):
 
     def wrapped(model, optimizer, batch, *args, **kwargs):
         sums, grad_norm = inner(model, optimizer, batch, *args, **kwargs)
-        store.append((batch, {key: value.clone() for key, value in sums.items()}))
+        store.append((batch, dict(sums)))  # MetricPairs are immutable
         return sums, grad_norm
 
     monkeypatch.setattr(loop, "train_on_batch", wrapped)
