@@ -13,6 +13,7 @@ torchrun every rank runs the same command.
 from __future__ import annotations
 
 import argparse
+import re
 import os
 import sys
 import warnings
@@ -48,16 +49,42 @@ def load_config(config_name: str = DEFAULT_CONFIG_NAME, overrides: list[str] | N
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
-    from nemo_sspo.trainer.config import TrainConfig, schema, validate
+    from nemo_sspo.trainer.config import find_unknown_key, schema, unknown_key_message, validate
+
+    overrides = list(overrides or [])
+
+    def compose_typed(items: list[str]):
+        with initialize_config_dir(config_dir=str(Path(config_dir).resolve()), version_base=None):
+            raw = compose(config_name=config_name, overrides=items)
+        typed = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(schema()), raw))
+        return OmegaConf.to_container(raw, resolve=True), typed
 
     try:
-        with initialize_config_dir(config_dir=str(Path(config_dir).resolve()), version_base=None):
-            raw = compose(config_name=config_name, overrides=list(overrides or []))
-        cfg: TrainConfig = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(schema()), raw))
+        raw, cfg = compose_typed(overrides)
     except (HydraException, OmegaConfBaseException) as err:
-        raise ValueError(f"invalid config {config_name!r}: {err}") from err
+        raise ValueError(_hydra_error_message(config_name, err, overrides, compose_typed)) from err
+    unknown = find_unknown_key(raw, cfg)
+    if unknown:  # a key added with '+' that no field takes: Hydra keeps it, the dataclasses drop it
+        raise ValueError(f"invalid config {config_name!r}: {unknown_key_message(unknown, cfg.loss.name)}")
     validate(cfg, world_size=launch_world_size() if command == "train" else None)
     return cfg
+
+
+def _hydra_error_message(config_name: str, err: Exception, overrides: list[str], compose_typed) -> str:
+    """Hydra's error, or, for an override of a key that does not exist, which key was meant (Hydra
+    would suggest '+', which adds a key no dataclass field reads)."""
+    from nemo_sspo.trainer.config import unknown_key_message
+
+    match = re.search(r"Could not override '([^']+)'", str(err))
+    if not match:
+        return f"invalid config {config_name!r}: {err}"
+    path = match.group(1)
+    rest = [item for item in overrides if item.split("=", 1)[0].lstrip("+~") != path]
+    try:
+        loss_name = compose_typed(rest)[1].loss.name
+    except Exception:  # noqa: BLE001 - the other overrides are broken too: no loss-specific hint
+        loss_name = None
+    return f"invalid config {config_name!r}: {unknown_key_message(path, loss_name)}"
 
 
 def _parse(argv: list[str]) -> argparse.Namespace:

@@ -21,12 +21,19 @@ exists; it raises ``ValueError`` naming the full key path.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any, Callable
+import difflib
+
+from dataclasses import dataclass, field, fields, is_dataclass
+from typing import Any, Callable, get_type_hints
 
 from hydra.core.config_store import ConfigStore
 
-from nemo_sspo.algorithms.losses import SSPOLossConfig, get_policy_loss, policy_loss_names
+from nemo_sspo.algorithms.losses import (
+    SSPOLossConfig,
+    build_policy_loss_config,
+    get_policy_loss,
+    policy_loss_names,
+)
 from nemo_sspo.algorithms.micro_batches import MicroBatchLayout
 from nemo_sspo.data import MATH_DATASETS, PAPER_BENCHMARKS, SOURCE_OPTIONS, TEMPLATES
 from nemo_sspo.data.tasks import WordProblemOptions
@@ -454,6 +461,48 @@ def _validate_model_rollout_eval(cfg: TrainConfig) -> None:
     _require(ev.max_new_tokens >= 1, "eval.max_new_tokens must be >= 1")
     _require(ev.batch_size >= 1, "eval.batch_size must be >= 1")
     _require(ev.every_n_steps >= 0, "eval.every_n_steps must be >= 0 (0 disables evaluation during training)")
+
+
+def unknown_key_message(path: str, loss_name: str | None) -> str:
+    """Why ``path`` (e.g. ``trainer.max_stepz`` or ``loss.params.gamma``) is not a config key, with
+    the closest valid key and, for loss params, which losses have that field.
+
+    The loss config's own message is used for ``loss.params.*``
+    (``nemo_sspo.algorithms.losses.build_policy_loss_config``).
+    """
+    parts = path.split(".")
+    if parts[:2] == ["loss", "params"] and len(parts) == 3 and loss_name:
+        try:
+            build_policy_loss_config(loss_name, {parts[2]: None}, where="loss.params")
+        except ValueError as err:
+            return str(err)
+    node: Any = TrainConfig
+    for depth, part in enumerate(parts):
+        hints = get_type_hints(node) if is_dataclass(node) else {}
+        if part not in hints:
+            where = ".".join(parts[:depth]) or "the config"
+            close = difflib.get_close_matches(part, list(hints), n=1)
+            guess = f"; did you mean {'.'.join([*parts[:depth], close[0]])!r}?" if close else ""
+            valid = f" Valid keys of {where}: {', '.join(hints)}" if hints else ""
+            return f"{path}: {where} has no key {part!r}{guess or '.'}{valid}"
+        node = hints[part]
+    return f"{path}: not a config key"
+
+
+def find_unknown_key(raw: Any, typed: Any, prefix: str = "") -> str | None:
+    """The first key path of the composed ``raw`` mapping that the typed config does not hold (a key
+    added with Hydra's ``+`` that no dataclass field takes), or None."""
+    if not isinstance(raw, dict):
+        return None
+    for key, value in raw.items():
+        path = f"{prefix}{key}"
+        # Field names, not attributes: OmegaConf.to_object sets extra keys as plain attributes.
+        if is_dataclass(typed) and key not in {f.name for f in fields(typed)}:
+            return path
+        found = find_unknown_key(value, getattr(typed, key, None), f"{path}.")
+        if found:
+            return found
+    return None
 
 
 def schema() -> TrainConfig:
