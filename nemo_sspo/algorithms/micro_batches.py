@@ -142,7 +142,8 @@ class MicroBatchLayout:
         pack: lay sequences end to end in one row per micro-batch (needs ``max_tokens``).
 
     Raises:
-        ValueError: on construction, a layout without its size, or sizes below 1.
+        ValueError: on construction, neither or both sizes, sizes below 1, or a non-bool
+            ``pack`` (True needs ``max_tokens``).
     """
 
     micro_batch_size: int | None = None
@@ -150,9 +151,12 @@ class MicroBatchLayout:
     pack: bool = False
 
     def __post_init__(self) -> None:
-        if self.max_tokens is None and (self.micro_batch_size is None or self.pack):
-            raise ValueError("give micro_batch_size (fixed rows) or max_tokens (token budget; "
-                             "needed by pack=True)")
+        if (self.max_tokens is None) == (self.micro_batch_size is None):
+            raise ValueError("give exactly one of micro_batch_size (fixed rows) and max_tokens "
+                             "(token budget), got "
+                             f"micro_batch_size={self.micro_batch_size}, max_tokens={self.max_tokens}")
+        if not isinstance(self.pack, bool) or (self.pack and self.max_tokens is None):
+            raise ValueError(f"pack={self.pack!r} must be a bool, and True needs max_tokens")
         for name in ("micro_batch_size", "max_tokens"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):

@@ -84,6 +84,9 @@ def _extreme(values: torch.Tensor, mask: torch.Tensor, count: torch.Tensor | Non
              kind: MetricKind) -> MetricPair:
     fill = torch.inf if kind == "min" else -torch.inf
     masked = torch.where(mask, values.to(_F32), torch.full((), fill, dtype=_F32, device=values.device))
+    masked = masked.reshape(-1)
+    if masked.numel() == 0:  # an empty batch (B = 0 or T = 0): an empty pair, not a reduction error
+        masked = masked.new_full((1,), fill)
     extreme = masked.amin() if kind == "min" else masked.amax()
     count = mask.sum() if count is None else count
     count = _scalar(count)

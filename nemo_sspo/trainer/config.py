@@ -22,6 +22,7 @@ exists; it raises ``ValueError`` naming the full key path.
 from __future__ import annotations
 
 import difflib
+import math
 
 from dataclasses import dataclass, field, fields, is_dataclass
 from typing import Any, Callable, get_type_hints
@@ -346,7 +347,8 @@ def validate(cfg: TrainConfig, world_size: int | None = 1) -> None:
         f"({dp}): each data-parallel rank owns whole prompt groups",
     )
     _require(ro.max_new_tokens >= 1, "rollout.max_new_tokens must be >= 1")
-    _require(ro.temperature > 0, "rollout.temperature must be > 0 (use a small value for near-greedy)")
+    _require(0 < ro.temperature < math.inf,
+             "rollout.temperature must be a finite number > 0 (use a small value for near-greedy)")
     _require(0 < ro.top_p <= 1, "rollout.top_p must be in (0, 1]")
     _require(ro.refit_bucket_mb > 0, f"rollout.refit_bucket_mb={ro.refit_bucket_mb} must be > 0 (MiB per refit "
              "bucket; 256 by default, a layer larger than it is sent alone)")

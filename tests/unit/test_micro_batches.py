@@ -107,3 +107,13 @@ def test_layout_from_config():
     cfg = load_config(overrides=["parallel.max_tokens_per_micro_batch=600", "parallel.pack_sequences=true"])
     assert micro_batch_layout(cfg.parallel) == MicroBatchLayout(max_tokens=600, pack=True)
     assert micro_batch_layout(load_config().parallel) == MicroBatchLayout(micro_batch_size=4)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(micro_batch_size=2, max_tokens=100), "exactly one of micro_batch_size"),
+    (dict(), "exactly one of micro_batch_size"),
+    (dict(max_tokens=100, pack="yes"), "pack='yes' must be a bool"),
+])
+def test_layout_arguments_are_checked(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        MicroBatchLayout(**kwargs)

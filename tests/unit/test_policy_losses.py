@@ -516,3 +516,34 @@ def test_requirements_read_from_the_registry():
         reference_policy=False, current_entropy=False, old_entropy=True)
     assert make_policy_loss("sppo").requirements.advantage_source == "critic"
     assert make_policy_loss("dr_grpo").requirements.normalize_std is False
+
+
+@pytest.mark.parametrize("name", policy_loss_names())
+@pytest.mark.parametrize("shape", [(0, 4), (2, 0)])
+def test_empty_batch_gives_zero_loss_and_gradient(name, shape):
+    logprobs = torch.zeros(*shape, requires_grad=True)
+    inputs = LossInputs(logprobs=logprobs, old_logprobs=torch.zeros(*shape),
+                        advantages=torch.zeros(shape[0]), response_mask=torch.zeros(*shape, dtype=torch.bool),
+                        segment_ids=torch.zeros(*shape, dtype=torch.long), old_entropy=torch.zeros(*shape))
+    loss, metrics = compute_policy_loss(name, inputs, max_response_length=4)
+    loss.backward()
+    assert loss.item() == 0.0 and metrics["loss/policy"] == 0.0
+    assert logprobs.grad.shape == shape
+
+
+def test_non_finite_inputs_at_valid_positions_are_named():
+    # Row 0 has 2 valid tokens, row 1 one. A NaN advantage on row 0 or a NaN log-prob at a valid
+    # token would make the loss NaN: the error names the field. Masked positions may hold NaN: on
+    # policy with A = [1, 1], GRPO's loss is -mean over rows of A = -1.
+    mask = torch.tensor([[True, True, False], [True, False, False]])
+    logprobs = torch.full((2, 3), -1.0)
+    with pytest.raises(ValueError, match=r"LossInputs\.advantages holds NaN or inf"):
+        compute_policy_loss("grpo", LossInputs(logprobs, logprobs, torch.tensor([math.nan, 1.0]), mask))
+    bad = logprobs.clone()
+    bad[0, 1] = math.nan  # (an inf log-ratio is clamped, docs/pitfalls.md#p3; NaN cannot be)
+    with pytest.raises(ValueError, match=r"LossInputs\.logprobs holds NaN or inf"):
+        compute_policy_loss("grpo", LossInputs(bad, logprobs, torch.tensor([1.0, 1.0]), mask))
+    bad = logprobs.clone()
+    bad[0, 2] = math.nan  # masked
+    loss, _ = compute_policy_loss("grpo", LossInputs(bad, logprobs, torch.tensor([1.0, 1.0]), mask))
+    assert loss.item() == -1.0

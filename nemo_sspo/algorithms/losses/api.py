@@ -75,10 +75,29 @@ def compute_policy_loss(name: str, inputs: LossInputs, *, max_response_length: i
         extreme for ``_min`` / ``_max`` keys, plus ``_std`` keys).
 
     Raises:
-        ValueError: unknown loss or config field (the message names it), or the loss's checks.
+        ValueError: unknown loss or config field (the message names it), the loss's checks, or a
+            non-finite loss (names the ``LossInputs`` field holding NaN/inf at valid positions).
     """
     loss = make_policy_loss(name, build_policy_loss_config(name, params, where="params"))
     numerator, denominator, metrics = policy_loss_sums(loss, inputs,
                                                        max_response_length=max_response_length)
     value = torch.where(denominator > 0, numerator / denominator.clamp(min=1), numerator * 0)
+    if not bool(torch.isfinite(value)):
+        _raise_non_finite_input(inputs, value)
     return value, summarize_metric_pairs(metrics)
+
+
+def _raise_non_finite_input(inputs: LossInputs, value: torch.Tensor) -> None:
+    """Names the input that made the loss non-finite (read only on this error path)."""
+    mask = inputs.response_mask
+    rows = mask.any(dim=1)
+    candidates = [("advantages", inputs.advantages[rows])]
+    candidates += [(name, tensor[mask]) for name in ("logprobs", "old_logprobs", "old_entropy",
+                                                     "ref_logprobs", "entropy", "token_weights")
+                   if (tensor := getattr(inputs, name)) is not None]
+    for name, valid in candidates:
+        if not bool(torch.isfinite(valid).all()):
+            raise ValueError(f"the loss is {float(value)} because LossInputs.{name} holds NaN or inf "
+                             "at valid positions; clean the input (masked positions may hold anything)")
+    raise ValueError(f"the loss is {float(value)} with finite inputs: the log-ratios overflow "
+                     "(check that logprobs and old_logprobs are natural-log probabilities, <= 0)")
