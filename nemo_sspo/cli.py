@@ -98,7 +98,8 @@ def _parse(argv: list[str]) -> argparse.Namespace:
         command.add_argument("--config-name", default=DEFAULT_CONFIG_NAME)
         command.add_argument("--config-dir", default=str(DEFAULT_CONFIG_DIR))
         command.add_argument("--print-config", action="store_true", help="print the composed config and exit")
-        command.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. trainer.max_steps=2")
+        example = {"train": "trainer.max_steps=2", "eval": "eval.limit_per_benchmark=4"}[name]
+        command.add_argument("overrides", nargs="*", help=f"Hydra overrides, e.g. {example}")
     return parser.parse_args(argv)
 
 
