@@ -25,14 +25,12 @@ import argparse
 import datetime
 import gc
 import os
-import socket
 import time
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
-from vocab_parallel import LiveBytes  # benchmarks/ is the script's directory, first on sys.path
+from vocab_parallel import LiveBytes, run_ranks  # benchmarks/ is the script's directory, first on sys.path
 
 _MB = 1 << 20
 _LAYOUTS = {"tp2": (2, 1), "pp2": (1, 2)}
@@ -55,7 +53,7 @@ def _measure(call) -> tuple[int, float]:
     return tracker.peak, time.perf_counter() - start
 
 
-def _worker(rank, tp, pp, port, args, queue):
+def _worker(rank, port, queue, tp, pp, args):
     from nemo_sspo.megatron import (build_policy_model, destroy_parallel, export_hf_state_dict,
                                     initialize_parallel, iter_hf_weight_buckets)
 
@@ -91,20 +89,7 @@ def _worker(rank, tp, pp, port, args, queue):
 
 
 def _run_layout(tp, pp, args):
-    ctx = mp.get_context("spawn")
-    queue = ctx.SimpleQueue()
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    procs = [ctx.Process(target=_worker, args=(rank, tp, pp, port, args, queue)) for rank in range(tp * pp)]
-    for proc in procs:
-        proc.start()
-    rows = queue.get()
-    for proc in procs:
-        proc.join()
-        if proc.exitcode:
-            raise RuntimeError(f"TP={tp} PP={pp} rank exited with {proc.exitcode}")
-    return rows
+    return run_ranks(tp * pp, _worker, tp, pp, args)
 
 
 def _print_rows(rows) -> None:

@@ -288,7 +288,7 @@ def _measure_dtype(dtype, ctx, args):
     ]
 
 
-def _worker(rank, world_size, port, args, queue):
+def _worker(rank, port, queue, world_size, args):
     warnings.filterwarnings("ignore", message="Transformer Engine and Apex are not installed")
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
@@ -307,21 +307,27 @@ def _worker(rank, world_size, port, args, queue):
     dist.destroy_process_group()
 
 
-def _run_tp(tp, args):
+def run_ranks(world_size: int, worker, *worker_args) -> list:
+    """Spawns ``world_size`` processes running ``worker(rank, port, queue, *worker_args)`` on a free
+    local port; returns what rank 0 puts on the queue. Raises RuntimeError if a rank fails."""
     ctx = mp.get_context("spawn")
     queue = ctx.SimpleQueue()
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    procs = [ctx.Process(target=_worker, args=(rank, tp, port, args, queue)) for rank in range(tp)]
+    procs = [ctx.Process(target=worker, args=(rank, port, queue, *worker_args)) for rank in range(world_size)]
     for proc in procs:
         proc.start()
     rows = queue.get()
     for proc in procs:
         proc.join()
         if proc.exitcode:
-            raise RuntimeError(f"TP={tp} rank exited with {proc.exitcode}")
+            raise RuntimeError(f"rank of a {world_size}-process run exited with {proc.exitcode}")
     return rows
+
+
+def _run_tp(tp, args):
+    return run_ranks(tp, _worker, tp, args)
 
 
 def _loss_costs(args):
