@@ -14,8 +14,8 @@ import torch
 
 from nemo_sspo.algorithms.critic import critic_targets
 
-__all__ = ["CriticBatch", "PolicyBatch", "pack_critic_batch", "pack_rollouts", "pack_tokens",
-           "response_to_target_frame"]
+__all__ = ["CriticBatch", "PolicyBatch", "concat_policy_batches", "pack_critic_batch", "pack_rollouts",
+           "pack_tokens", "pad_cat", "response_to_target_frame"]
 
 
 @dataclass
@@ -58,6 +58,54 @@ class PolicyBatch:
         """Rows ``rows`` of every tensor field, as a new batch (views, no copy; None stays None)."""
         return PolicyBatch(**{f.name: None if getattr(self, f.name) is None else getattr(self, f.name)[rows]
                               for f in fields(self)})
+
+    def narrow(self, width: int) -> "PolicyBatch":
+        """The first ``width`` columns of every ``[B, S]`` field (views; ``[B]`` fields and None stay):
+        drops right padding when ``width`` is at least the longest row."""
+        return PolicyBatch(**{f.name: v[:, :width] if isinstance(v := getattr(self, f.name), torch.Tensor)
+                              and v.dim() == 2 else v for f in fields(self)})
+
+
+# What the columns past a row's end hold in each 2-D field (pack_rollouts's padding): the loss never
+# reads them (loss_mask False) and causal attention keeps them out of the valid positions.
+_PADDING = {"segment_ids": -1, "tis_weights": 1.0}
+
+
+def pad_cat(tensors: list[torch.Tensor], value, *, left: bool = False) -> torch.Tensor:
+    """Concatenates ``[B_k, L_k]`` tensors along rows, padding the columns to ``max L_k`` with
+    ``value`` (on the left when ``left``, else on the right)."""
+    width = max(t.shape[1] for t in tensors)
+    padded = []
+    for t in tensors:
+        pad = (width - t.shape[1], 0) if left else (0, width - t.shape[1])
+        padded.append(torch.nn.functional.pad(t, pad, value=value))
+    return torch.cat(padded)
+
+
+def concat_policy_batches(parts: list[PolicyBatch]) -> PolicyBatch:
+    """Stacks batches along rows; each ``[B_k, S_k]`` field is right-padded to ``max S_k`` as
+    :func:`pack_rollouts` pads (0 / False, ``segment_ids`` -1, ``tis_weights`` 1) and
+    ``position_ids`` is ``arange`` of the new width.
+
+    Raises:
+        ValueError: no parts, or parts that disagree on which optional fields are present.
+    """
+    if not parts:
+        raise ValueError("concat_policy_batches needs at least one batch")
+    merged = {}
+    for f in fields(PolicyBatch):
+        values = [getattr(p, f.name) for p in parts]
+        if all(v is None for v in values):
+            merged[f.name] = None
+        elif any(v is None for v in values):
+            raise ValueError(f"PolicyBatch.{f.name} is set in some batches and None in others")
+        elif values[0].dim() == 1:
+            merged[f.name] = torch.cat(values)
+        else:
+            merged[f.name] = pad_cat(values, _PADDING.get(f.name, 0))
+    rows, width = merged["input_ids"].shape
+    merged["position_ids"] = torch.arange(width).expand(rows, width).contiguous()
+    return PolicyBatch(**merged)
 
 
 def _row_offsets(prompt_mask: torch.Tensor) -> torch.Tensor:

@@ -26,7 +26,7 @@ import torch
 
 from nemo_sspo.algorithms.batch import PolicyBatch
 
-__all__ = ["MicroBatch", "MicroBatchLayout"]
+__all__ = ["MicroBatch", "MicroBatchLayout", "balanced_partition"]
 
 
 @dataclass
@@ -60,14 +60,6 @@ def _row_lengths(batch: PolicyBatch) -> torch.Tensor:
     if batch.lengths is not None:
         return batch.lengths
     return torch.full((batch.input_ids.shape[0],), batch.input_ids.shape[1], dtype=torch.long)
-
-
-def _trimmed(batch: PolicyBatch, rows: torch.Tensor, width: int) -> PolicyBatch:
-    """Rows ``rows`` of ``batch`` and their first ``width`` columns (the padding after them goes)."""
-    picked = batch.select(rows)
-    fields = {name: value[:, :width] if isinstance(value, torch.Tensor) and value.dim() == 2 else value
-              for name, value in vars(picked).items()}
-    return PolicyBatch(**fields)
 
 
 def _fixed(batch: PolicyBatch, micro_batch_size: int) -> list[MicroBatch]:
@@ -111,16 +103,45 @@ def _packed_bins(lengths: torch.Tensor, max_tokens: int) -> list[list[int]]:
     return [sorted(b) for b in bins]
 
 
+def balanced_partition(lengths: list[int], parts: int) -> list[list[int]]:
+    """Splits rows into ``parts`` groups of about equal total length (tokens).
+
+    Longest-processing-time-first (Graham 1969, within 4/3 of the best largest total): rows taken
+    longest first (ties: lower index) each go to the group with the smallest total so far (ties:
+    lower group). With at least ``parts`` rows of length >= 1, no group is empty. Deterministic, so
+    every rank that computes it from the same lengths gets the same answer.
+
+    Args:
+        lengths: tokens of each row (prompt + response), ``>= 0``.
+        parts: number of groups, ``>= 1`` (the data-parallel size).
+
+    Returns:
+        ``parts`` lists of row indices, each ascending; every row is in exactly one.
+
+    Raises:
+        ValueError: ``parts < 1``.
+    """
+    if parts < 1:
+        raise ValueError(f"parts must be >= 1, got {parts}")
+    groups: list[list[int]] = [[] for _ in range(parts)]
+    totals = [0] * parts
+    for row in sorted(range(len(lengths)), key=lambda r: (-lengths[r], r)):
+        target = min(range(parts), key=lambda g: (totals[g], g))
+        groups[target].append(row)
+        totals[target] += lengths[row]
+    return [sorted(g) for g in groups]
+
+
 def _padded_group(batch: PolicyBatch, rows: list[int], lengths: torch.Tensor) -> MicroBatch:
     index = torch.tensor(rows, dtype=torch.long)
-    part = _trimmed(batch, index, int(lengths[index].max()))
+    part = batch.select(index).narrow(int(lengths[index].max()))
     return MicroBatch(part, index, part.input_ids, part.position_ids)
 
 
 def _packed_group(batch: PolicyBatch, rows: list[int], lengths: torch.Tensor) -> MicroBatch:
     index = torch.tensor(rows, dtype=torch.long)
     seq_lengths = lengths[index]
-    part = _trimmed(batch, index, int(seq_lengths.max()))
+    part = batch.select(index).narrow(int(seq_lengths.max()))
     offsets = torch.cumsum(seq_lengths, 0) - seq_lengths
     width = int(seq_lengths.sum())
     valid = torch.arange(part.input_ids.shape[1])[None, :] < seq_lengths[:, None]

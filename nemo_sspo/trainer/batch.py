@@ -5,19 +5,10 @@ from __future__ import annotations
 
 import torch
 
+from nemo_sspo.algorithms.batch import pad_cat
 from nemo_sspo.rollout import RolloutBatch
 
 __all__ = ["concat_rollouts"]
-
-
-def _pad_cat(tensors: list[torch.Tensor], value, *, left: bool) -> torch.Tensor:
-    """Concatenates [B_k, L_k] tensors along rows, padding the columns to max L_k."""
-    width = max(t.shape[1] for t in tensors)
-    padded = []
-    for t in tensors:
-        pad = (width - t.shape[1], 0) if left else (0, width - t.shape[1])
-        padded.append(torch.nn.functional.pad(t, pad, value=value))
-    return torch.cat(padded)
 
 
 def concat_rollouts(parts: list[RolloutBatch], *, pad_id: int) -> RolloutBatch:
@@ -28,11 +19,11 @@ def concat_rollouts(parts: list[RolloutBatch], *, pad_id: int) -> RolloutBatch:
     0.0); truncation flags and texts are concatenated in order.
     """
     return RolloutBatch(
-        prompt_ids=_pad_cat([p.prompt_ids for p in parts], pad_id, left=True),
-        prompt_mask=_pad_cat([p.prompt_mask for p in parts], False, left=True),
-        response_ids=_pad_cat([p.response_ids for p in parts], pad_id, left=False),
-        response_mask=_pad_cat([p.response_mask for p in parts], False, left=False),
+        prompt_ids=pad_cat([p.prompt_ids for p in parts], pad_id, left=True),
+        prompt_mask=pad_cat([p.prompt_mask for p in parts], False, left=True),
+        response_ids=pad_cat([p.response_ids for p in parts], pad_id, left=False),
+        response_mask=pad_cat([p.response_mask for p in parts], False, left=False),
         truncated=torch.cat([p.truncated for p in parts]),
         response_texts=[text for p in parts for text in p.response_texts],
-        rollout_logprobs=_pad_cat([p.rollout_logprobs for p in parts], 0.0, left=False),
+        rollout_logprobs=pad_cat([p.rollout_logprobs for p in parts], 0.0, left=False),
     )

@@ -70,6 +70,7 @@ from nemo_sspo.models import build_hf_model, load_hf_checkpoint
 from nemo_sspo.models.hf_checkpoint import SOURCES, engine_model_dir, resolve_model_dir
 from nemo_sspo.models.hf_folder import stop_token_ids
 from nemo_sspo.metrics import MetricPair, mean_pair, merge_metric_sums
+from nemo_sspo.parallel.data_balance import balance_across_data_parallel
 from nemo_sspo.parallel.metrics import reduce_metric_sums
 from nemo_sspo.rewards import MathVerifyReward
 from nemo_sspo.rollout import HFRolloutEngine, VLLMRolloutEngine, truncated_is_weights
@@ -317,7 +318,9 @@ class GRPOTrainer:
         return batch, sums
 
     def update(self, batch) -> tuple[dict[str, MetricPair], float]:
-        """minibatches_per_step optimizer steps over consecutive row blocks of ``batch``.
+        """minibatches_per_step optimizer steps over consecutive row blocks of ``batch``; with a
+        token budget (``parallel.max_tokens_per_micro_batch``) each block's rows are first balanced
+        by tokens across data-parallel ranks (:mod:`nemo_sspo.parallel.data_balance`).
 
         Raises:
             FloatingPointError: a mini-batch's gradient norm is NaN or inf. The optimizer step has
@@ -330,8 +333,10 @@ class GRPOTrainer:
         sums: dict[str, MetricPair] = {}
         norms = []
         for start in range(0, rows, size):
-            mb_sums, grad_norm = train_on_batch(self.model, self.optimizer, batch.select(slice(start, start + size)),
-                                                self.spec, self.layout)
+            block = batch.select(slice(start, start + size))
+            if not self.layout.fixed:  # token budgets: every data-parallel rank gets about as many tokens
+                block = balance_across_data_parallel(block, self.groups.dp_group)
+            mb_sums, grad_norm = train_on_batch(self.model, self.optimizer, block, self.spec, self.layout)
             if not math.isfinite(grad_norm):
                 raise FloatingPointError(
                     f"gradient norm {grad_norm} in mini-batch {start // size + 1}: the loss or its gradient "

@@ -7,7 +7,8 @@ with unequal response lengths, a zero-length response and a fully masked micro-b
 The single-process run itself is checked against a float64 Hugging Face model with each objective
 written out independently (Python loops over responses and segments). Each layout also runs with
 other batchings (``BATCHINGS``): the fused output layer, token-budget micro-batches and packed
-sequences must give the same loss and gradients as materialised logits on padded rows.
+sequences must give the same loss and gradients as materialised logits on padded rows; under
+DP those two balance the rows by tokens across data-parallel ranks first, as the trainer does.
 
 After the last loss, each layout takes one optimizer step: its global gradient norm must equal
 the norm of the gathered gradients with every parameter counted once (TP-replicated norms and
@@ -162,6 +163,7 @@ def _run_layouts(rank, world_size):
     from nemo_sspo.megatron.step import LossSpec
     from nemo_sspo.megatron.training import (apply_optimizer_step, compute_gradients,
                                              compute_old_logprobs, wrap_for_training)
+    from nemo_sspo.parallel.data_balance import balance_across_data_parallel
     from nemo_sspo.parallel.metrics import reduce_metric_sums
 
     hf_config, hf_state, batch, noise = _fixture_data()
@@ -190,6 +192,8 @@ def _run_layouts(rank, world_size):
                                 output_chunk_size=option["output_chunk_size"])
                 scored = compute_old_logprobs(ddp, local, spec, layout)
                 scored = replace(scored, old_logprobs=scored.old_logprobs + local_noise)  # off-policy: ratio != 1
+                if option["max_tokens"]:  # as the trainer does: rows balanced by tokens over DP ranks
+                    scored = balance_across_data_parallel(scored, groups.dp_group)
                 sums = compute_gradients(ddp, scored, spec, layout)
                 metrics = reduce_metric_sums(sums, dp_group=groups.dp_group, pp_group=groups.pp_group,
                                              last_stage_rank=groups.pp_last_rank,

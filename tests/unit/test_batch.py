@@ -1,8 +1,11 @@
 """Packing rollouts into the target frame, checked against hand-built layouts."""
 
+from dataclasses import replace
+
+import pytest
 import torch
 
-from nemo_sspo.algorithms.batch import pack_rollouts
+from nemo_sspo.algorithms.batch import PolicyBatch, concat_policy_batches, pack_rollouts
 
 PAD = 0
 
@@ -53,3 +56,26 @@ def test_concat_rollouts_pads_prompts_left_and_responses_right():
     assert c.response_mask.tolist() == [[True, False, False], [True, True, False]]
     assert c.rollout_logprobs.tolist() == [[-0.5, 0.0, 0.0], [-1.0, -2.0, 0.0]]
     assert c.truncated.tolist() == [True, False] and c.response_texts == ["x", "y"]
+
+
+def test_concat_policy_batches_pads_as_pack_rollouts_and_narrow_drops_padding():
+    def batch(rows, width, tag):
+        full = torch.full((rows, width), tag)
+        return PolicyBatch(input_ids=full.long(), position_ids=torch.arange(width).expand(rows, width),
+                           targets=full.long(), loss_mask=torch.ones(rows, width, dtype=torch.bool),
+                           segment_ids=torch.zeros(rows, width, dtype=torch.long),
+                           old_logprobs=full.float(), old_entropy=full.float(),
+                           advantages=torch.full((rows,), float(tag)),
+                           tis_weights=torch.full((rows, width), 0.5), lengths=torch.full((rows,), width))
+
+    merged = concat_policy_batches([batch(1, 2, 7), batch(2, 3, 8)])
+    assert merged.input_ids.tolist() == [[7, 7, 0], [8, 8, 8], [8, 8, 8]]
+    assert merged.position_ids.tolist() == [[0, 1, 2]] * 3
+    assert merged.loss_mask.tolist() == [[True, True, False], [True] * 3, [True] * 3]
+    assert merged.segment_ids[0].tolist() == [0, 0, -1] and merged.tis_weights[0].tolist() == [0.5, 0.5, 1.0]
+    assert merged.old_logprobs[0].tolist() == [7.0, 7.0, 0.0] and merged.ref_logprobs is None
+    assert merged.advantages.tolist() == [7.0, 8.0, 8.0] and merged.lengths.tolist() == [2, 3, 3]
+    narrow = merged.narrow(2)
+    assert narrow.input_ids.tolist() == [[7, 7], [8, 8], [8, 8]] and narrow.advantages.tolist() == [7.0, 8.0, 8.0]
+    with pytest.raises(ValueError, match="ref_logprobs is set in some batches"):
+        concat_policy_batches([batch(1, 2, 7), replace(batch(1, 2, 7), ref_logprobs=torch.zeros(1, 2))])

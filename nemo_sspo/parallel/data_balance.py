@@ -1,0 +1,69 @@
+"""Token balance across data-parallel ranks: rows move so that every rank computes about as many tokens.
+
+Each data-parallel rank rolls out its own prompt groups, so one rank may draw the long responses of
+a step and the others wait for it at the gradient all-reduce. Before a mini-batch is cut into
+token-budget micro-batches, its rows are redistributed by the lengths of every rank's rows
+(:func:`nemo_sspo.algorithms.micro_batches.balanced_partition`). The step is unchanged: the loss
+is a sum of per-row numerators over a global denominator (:mod:`nemo_sspo.megatron.step`), whatever
+rank holds a row; only the Clip-Cov/KL-Cov per-micro-batch selection depends on the split, as it
+does on the micro-batch size. verl (``balance_batch``), NeMo-RL and slime balance their batches
+the same way; this exchange over a process group is ours.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from nemo_sspo.algorithms.batch import PolicyBatch, concat_policy_batches
+from nemo_sspo.algorithms.micro_batches import balanced_partition
+
+__all__ = ["balance_across_data_parallel"]
+
+
+def _row_lengths(batch: PolicyBatch) -> list[int]:
+    if batch.lengths is not None:
+        return batch.lengths.tolist()
+    return [batch.input_ids.shape[1]] * batch.input_ids.shape[0]
+
+
+def _rows(batch: PolicyBatch, rows: list[int], lengths: list[int]) -> PolicyBatch:
+    """Copies of ``rows`` cut to their longest (an index tensor copies: a pickled view would send
+    its whole storage)."""
+    width = max((lengths[r] for r in rows), default=0)
+    return batch.narrow(width).select(torch.tensor(rows, dtype=torch.long))
+
+
+def balance_across_data_parallel(batch: PolicyBatch, dp_group) -> PolicyBatch:
+    """This rank's share of the rows of every data-parallel rank's ``batch``, balanced by tokens.
+
+    Collective over ``dp_group``: one ``all_gather_object`` of the row lengths, then one
+    ``scatter_object_list`` per rank that sends each other rank only the rows it receives. Every
+    rank of a model-parallel replica holds the same ``batch`` and computes the same partition, so
+    tensor- and pipeline-parallel peers stay identical.
+
+    Args:
+        batch: this rank's rows, ``[B_r, S_r]`` fields on the host (``lengths`` set, or every
+            position valid). Whole rows move, with every field the loss reads.
+        dp_group: the data-parallel process group, or None (one rank: ``batch`` comes back).
+
+    Returns:
+        A :class:`PolicyBatch` of the rows assigned to this rank, ordered by source rank then row,
+        right-padded to the longest of them (:func:`nemo_sspo.algorithms.batch.concat_policy_batches`).
+        No rank is left without a row when there are at least as many rows as ranks.
+    """
+    if dp_group is None or dist.get_world_size(dp_group) == 1:
+        return batch
+    size, rank = dist.get_world_size(dp_group), dist.get_rank(dp_group)
+    every = [None] * size
+    dist.all_gather_object(every, _row_lengths(batch), group=dp_group)
+    owners = [(src, row) for src, lengths in enumerate(every) for row in range(len(lengths))]
+    groups = balanced_partition([length for lengths in every for length in lengths], size)
+    outgoing = [[owners[i][1] for i in group if owners[i][0] == rank] for group in groups]
+    received = []
+    for src in range(size):
+        send = [_rows(batch, rows, every[rank]) for rows in outgoing] if src == rank else None
+        box = [None]
+        dist.scatter_object_list(box, send, src=dist.get_global_rank(dp_group, src), group=dp_group)
+        received.append(box[0])
+    return concat_policy_batches(received)
