@@ -3,7 +3,9 @@
 Layer implementation by environment (``resolve_transformer_impl``): the TransformerEngine spec
 (BF16, optional FP8 with a recipe from the config) when a CUDA device and the ``transformer-engine``
 package are present, the local Megatron-Core spec otherwise (always on CPU). TransformerEngine is
-imported only when its spec is built.
+imported only when its spec is built. Packed sequences run on both: the TransformerEngine spec takes
+Megatron's THD layout (``PackedSeqParams``, :mod:`nemo_sspo.megatron.packed_seq`), the local spec
+a block-diagonal causal mask (CPU only).
 
 Vocabulary padding follows Megatron-LM's rule (``_vocab_size_with_padding``): the vocabulary is
 padded up to a multiple of ``MAKE_VOCAB_SIZE_DIVISIBLE_BY * tp_size`` (128 * tp), so every TP
@@ -27,6 +29,7 @@ from nemo_sspo.megatron.cpu_shims import (
     cpu_config_overrides,
     cpu_device_context,
 )
+from nemo_sspo.megatron.packed_seq import packed_seq_params, padded_width, thd_alignment
 from nemo_sspo.megatron.parallel_setup import get_parallel_groups
 
 __all__ = [
@@ -45,6 +48,7 @@ __all__ = [
     "resolve_transformer_impl",
     "transformer_config_from_hf",
     "unwrap_model",
+    "uses_transformer_engine",
     "vocab_shard",
 ]
 
@@ -348,6 +352,22 @@ def unwrap_model(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
+def uses_transformer_engine(model: torch.nn.Module) -> bool:
+    """True when ``model``'s layers come from the TransformerEngine spec, False for the local spec.
+
+    The one place that tells the specs apart: ``build_policy_model`` records the resolved
+    implementation on the ``GPTModel`` as ``transformer_impl`` (Megatron-Core 0.16.1's
+    ``TransformerConfig`` has no field for it).
+
+    Raises:
+        ValueError: if ``model`` was not built by ``build_policy_model``.
+    """
+    impl = getattr(unwrap_model(model), "transformer_impl", None)
+    if impl not in ("local", "transformer_engine"):
+        raise ValueError("model has no transformer_impl: build it with build_policy_model()")
+    return impl == "transformer_engine"
+
+
 def vocab_shard(model: torch.nn.Module) -> tuple[int, int]:
     """``(vocab_start, vocab_size_true)`` of this rank's logits shard.
 
@@ -405,35 +425,70 @@ def forward_logits(
         attention_mask: optional [B, S] bool/int, 1 = real token, right padding only. Attention is
             causal, so padding only affects positions after a row's valid tokens; the mask is
             validated, not needed to compute the valid positions' logits.
-        sequence_lengths: [K] int64 lengths of the sequences packed end to end in a single row
-            (``B = 1``, summing to S), or None. Attention is then confined to each sequence; the
-            rows' rotary positions stay ``arange(S)``, which is exact because rotary attention
-            depends only on position differences within a sequence. CPU (local spec) only.
+        sequence_lengths: [K] int64 lengths (each >= 1) of the sequences packed end to end in a
+            single row (``B = 1``, summing to S), or None. Attention is then confined to each
+            sequence and each sequence's rotary positions restart at 0, so its outputs are those
+            of the sequence run alone. TransformerEngine spec: Megatron's THD layout (``GPTModel``
+            gets ``packed_seq_params``, no attention mask; the row is padded at its end to
+            :func:`~nemo_sspo.megatron.packed_seq.thd_alignment`, e.g. 16 tokens under FP8, and
+            the padding dropped again from the last stage's output). Local spec (CPU only): a
+            block-diagonal causal mask; the row positions ``arange(S)`` are exact there because
+            rotary attention depends only on position differences within a sequence.
 
     Returns:
         Last stage: logits [B, S, V_local] (GPTModel already transposes its sequence-first
         [S, B, V_local] to batch-first when no labels are given), float, V_local = V_padded / tp.
-        Other stages: the stage's hidden states [S, B, H] (sequence-first), for the pipeline
-        schedule to send on.
+        Other stages: the stage's hidden states [S', B, H] (sequence-first), for the pipeline
+        schedule to send on; S' = S except for a packed row padded for the THD layout.
 
     Raises:
         ValueError: on bad shapes, non-arange position_ids or left padding; packed sequences that
-            do not fill one row, or on CUDA (the TransformerEngine THD layout is not wired yet).
+            do not fill one row, or with an empty sequence; packing with the local spec on a CUDA
+            device (names ``parallel.pack_sequences`` and ``model.transformer_impl``) or with
+            context parallelism.
     """
     _check_inputs(input_ids, position_ids, attention_mask)
-    if sequence_lengths is not None:
-        _check_packed(input_ids, sequence_lengths)
+    if sequence_lengths is None:
+        return model(input_ids, position_ids, attention_mask_for(input_ids.shape[1], input_ids.device))
+    _check_packed(input_ids, sequence_lengths)
+    if uses_transformer_engine(model):
+        return _forward_thd(model, input_ids, sequence_lengths)
+    # The local spec confines attention only through this explicit mask (its DotProductAttention
+    # asserts packed_seq_params is None); on CUDA the shim returns None and Megatron would build
+    # a plain causal mask, letting sequences attend to each other.
     mask = attention_mask_for(input_ids.shape[1], input_ids.device, sequence_lengths)
+    if mask is None:
+        raise ValueError("parallel.pack_sequences=true on a CUDA device needs the TransformerEngine "
+                         "layer spec (Megatron's THD layout); this model uses the local spec. Set "
+                         "model.transformer_impl=transformer_engine (or auto, with transformer-engine "
+                         "installed), or parallel.pack_sequences=false")
     return model(input_ids, position_ids, mask)
 
 
+def _forward_thd(model: torch.nn.Module, input_ids: torch.Tensor,
+                 sequence_lengths: torch.Tensor) -> torch.Tensor:
+    """A packed row [1, S] through the TransformerEngine spec in the THD layout (module
+    :mod:`nemo_sspo.megatron.packed_seq`); the last stage's logits are cut back to S positions."""
+    gpt = unwrap_model(model)
+    width = input_ids.shape[1]
+    total = padded_width(width, thd_alignment(gpt.config))
+    params = packed_seq_params(sequence_lengths, input_ids.device, total_length=total)
+    if total > width:  # token 0 as filler: causal attention keeps it out of every real position
+        input_ids = F.pad(input_ids, (0, total - width))
+    positions = torch.arange(total, device=input_ids.device)[None, :]
+    output = model(input_ids, positions, None, packed_seq_params=params)
+    # Last stage with its output layer: batch-first logits [1, total, V_local]. Otherwise
+    # sequence-first hidden states [total, 1, H] (the next stage's input; forward_hidden trims).
+    return output[:, :width] if gpt.post_process else output
+
+
 def _check_packed(input_ids: torch.Tensor, sequence_lengths: torch.Tensor) -> None:
-    if input_ids.device.type == "cuda":
-        raise ValueError("packed sequences run on the CPU local spec only for now (on GPU they need "
-                         "TransformerEngine's THD layout); set parallel.pack_sequences=false")
     if input_ids.shape[0] != 1 or int(sequence_lengths.sum()) != input_ids.shape[1]:
         raise ValueError(f"packed sequences must fill one row: input_ids {tuple(input_ids.shape)}, "
                          f"sequence lengths summing to {int(sequence_lengths.sum())}")
+    if int(sequence_lengths.min()) < 1:
+        raise ValueError(f"packed sequences must each hold at least one token, got lengths "
+                         f"{sequence_lengths.tolist()}")
 
 
 def forward_hidden(
@@ -450,8 +505,9 @@ def forward_hidden(
     call only, so the output layer is skipped and nothing else changes.
 
     Returns:
-        Last stage: hidden states [B, S, H] (batch-first, the model's output dtype). Other
-        stages: their hidden states [S, B, H] for the pipeline schedule.
+        Last stage: hidden states [B, S, H] (batch-first, the model's output dtype; a packed
+        row's THD padding cut off). Other stages: their hidden states [S', B, H] for the pipeline
+        schedule (as :func:`forward_logits`).
 
     Raises:
         ValueError: bad inputs (as :func:`forward_logits`), or a model with sequence parallelism
@@ -468,7 +524,7 @@ def forward_hidden(
         hidden = forward_logits(model, input_ids, position_ids, sequence_lengths=sequence_lengths)
     finally:
         gpt.post_process = True
-    return hidden.transpose(0, 1)
+    return hidden.transpose(0, 1)[:, :input_ids.shape[1]]
 
 
 def output_weight(model: torch.nn.Module) -> torch.Tensor:

@@ -83,8 +83,10 @@ def run_schedule(model, micro_batches: list, forward_step_func: Callable, *, for
     Args:
         model: a (DDP-wrapped or bare) Megatron model chunk of this pipeline stage.
         micro_batches: batches with ``input_ids [b, S]``. When their shapes differ (token-budget
-            or packed layouts), the pipeline sends each activation's shape first (Megatron's
-            ``variable_seq_lengths``), for this call only.
+            or packed layouts), or they are packed rows (``sequence_lengths`` set: the THD layout
+            may pad a row inside ``forward_logits``, so activations can be longer than ``S``), the
+            pipeline sends each activation's shape first (Megatron's ``variable_seq_lengths``),
+            for this call only.
         forward_step_func: ``forward_step(data_iterator, model) -> (output, loss_func)``.
         forward_only: no backward pass (no gradients are touched).
 
@@ -95,7 +97,8 @@ def run_schedule(model, micro_batches: list, forward_step_func: Callable, *, for
     forward_backward = get_forward_backward_func()
     config = get_model_config(model)
     shapes = {tuple(micro.input_ids.shape) for micro in micro_batches}
-    saved, config.variable_seq_lengths = config.variable_seq_lengths, len(shapes) > 1
+    packed = any(getattr(micro, "sequence_lengths", None) is not None for micro in micro_batches)
+    saved, config.variable_seq_lengths = config.variable_seq_lengths, len(shapes) > 1 or packed
     with cpu_device_context(), _restored(config, "variable_seq_lengths", saved):
         return forward_backward(
             forward_step_func=forward_step_func,

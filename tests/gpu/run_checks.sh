@@ -16,6 +16,10 @@
 #      streamed refit: finite loss, grad norm > 0, trainer-vs-vLLM mean log-prob gap at both steps.
 #   3. Same with model.fp8=hybrid (delayed scaling) when transformer_engine imports; rollouts from the HF engine.
 #      TE's FP8 GEMMs want token counts divisible by 16: a shape error here is a known risk.
+#   4. Packed sequences in Megatron's THD layout (TE spec, when transformer_engine imports): tests/gpu/gpu_checks.py
+#      packed: max |log-prob diff| of a packed row vs the same 5 sequences right-padded, BF16 SmolLM2-135M (limit
+#      2e-2, or twice the alone-vs-padded bf16 noise floor if larger), also with the row padded to 16 tokens; an
+#      FP8 forward + backward on the packed row. Then a 2-step BF16 train run with parallel.pack_sequences=true.
 # Exit status: 0 when nothing failed, 1 otherwise, 2 without a GPU.
 set -u
 cd "$(dirname "$0")/../.."
@@ -59,6 +63,13 @@ if [ "$IMPL" = transformer_engine ]; then
   run "fp8 train step" 150 "$PY" -m nemo_sspo.cli train "${TRAIN[@]}" rollout.backend=hf \
       model.transformer_impl=transformer_engine model.fp8=hybrid model.fp8_recipe=delayed "trainer.output_dir=$OUT/fp8"
   run "fp8 metrics" 30 "$PY" tests/gpu/gpu_checks.py metrics "$OUT/fp8" 0.25
+  run "packed thd log-probs" 90 "$PY" tests/gpu/gpu_checks.py packed
+  run "packed train step" 120 "$PY" -m nemo_sspo.cli train "${TRAIN[@]}" rollout.backend=hf \
+      model.transformer_impl=transformer_engine parallel.pack_sequences=true parallel.max_tokens_per_micro_batch=1024 \
+      "trainer.output_dir=$OUT/packed"
+  run "packed metrics" 30 "$PY" tests/gpu/gpu_checks.py metrics "$OUT/packed" 0.05
+else
+  echo "SKIP packed: packed sequences on GPU need the TransformerEngine spec (THD layout)"
 fi
 
 [ $status -eq 0 ] && echo "ALL GPU CHECKS PASSED" || echo "SOME GPU CHECKS FAILED (see FAIL lines)"
