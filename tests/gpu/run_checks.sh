@@ -8,6 +8,12 @@
 #   bash tests/gpu/run_checks.sh            # uses .venv/bin/python when present
 #
 # Checks (each prints "PASS <name>: <numbers>", "FAIL <name>: <why>" or "SKIP <name>: <why>"):
+#   0. tests/gpu/gpu_checks.py fused (about a minute; NOT RUN YET either): the Triton kernels of the
+#      log-prob/entropy reduction (nemo_sspo.parallel.triton_chunk) against its torch path
+#      (NEMO_SSPO_TRITON=0) at N=4096, V_local=75,968 (Qwen2.5 at TP 2), H=3584, bf16: accuracy against
+#      float64; median times of vocab_parallel_logprobs_entropy on materialised logits and of
+#      fused_linear_logprobs_entropy (chunk 1024); the kernels' times as multiples of the floor of
+#      moving the logits once at the copy bandwidth measured in the same run.
 #   1. tests/gpu/gpu_checks.py vllm: SmolLM2-135M in a bf16 vLLM engine (sleep mode on): log-prob gap against
 #      transformers fp32 on the same tokens; streamed refit Megatron -> vLLM (iter_hf_weight_buckets, one
 #      reload_weights per bucket) after a weight change: stale gap vs refitted gap; sleep(level=1) releases the
@@ -47,6 +53,7 @@ TRAIN=(model=smollm2_135m model.precision=bf16 trainer.max_steps=2 rollout.promp
 VLLM=(rollout.backend=vllm rollout.vllm.enable_sleep_mode=true rollout.vllm.gpu_memory_utilization=0.3
       rollout.vllm.enforce_eager=true rollout.vllm.max_model_len=1024)
 
+run fused 90 "$PY" tests/gpu/gpu_checks.py fused
 run vllm 180 "$PY" tests/gpu/gpu_checks.py vllm
 
 if "$PY" -c "import transformer_engine" 2>/dev/null; then
