@@ -8,7 +8,7 @@ prediction of token ``j + 1`` of ``input_ids`` (Megatron returns logits at every
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 
 import torch
 
@@ -59,6 +59,12 @@ class PolicyBatch:
         return PolicyBatch(**{f.name: None if getattr(self, f.name) is None else getattr(self, f.name)[rows]
                               for f in fields(self)})
 
+    def row_lengths(self) -> torch.Tensor:
+        """``[B]`` int64 valid tokens of each row: ``lengths``, or the full width ``S`` when it is None."""
+        if self.lengths is not None:
+            return self.lengths
+        return torch.full((self.input_ids.shape[0],), self.input_ids.shape[1], dtype=torch.long)
+
     def narrow(self, width: int) -> "PolicyBatch":
         """The first ``width`` columns of every ``[B, S]`` field (views; ``[B]`` fields and None stay):
         drops right padding when ``width`` is at least the longest row."""
@@ -85,13 +91,19 @@ def pad_cat(tensors: list[torch.Tensor], value, *, left: bool = False) -> torch.
 def concat_policy_batches(parts: list[PolicyBatch]) -> PolicyBatch:
     """Stacks batches along rows; each ``[B_k, S_k]`` field is right-padded to ``max S_k`` as
     :func:`pack_rollouts` pads (0 / False, ``segment_ids`` -1, ``tis_weights`` 1) and
-    ``position_ids`` is ``arange`` of the new width.
+    ``position_ids`` is ``arange`` of the new width. ``lengths`` stays None only when every part
+    has None and one width (no row gains padding); otherwise a part without ``lengths`` gets its
+    full width ``S_k`` for each row (None means every position is valid).
 
     Raises:
-        ValueError: no parts, or parts that disagree on which optional fields are present.
+        ValueError: no parts, or parts that disagree on whether ``ref_logprobs`` or
+            ``tis_weights`` is present.
     """
     if not parts:
         raise ValueError("concat_policy_batches needs at least one batch")
+    # Padding added, or some lengths given: None would call the padding valid tokens.
+    if len({p.input_ids.shape[1] for p in parts}) > 1 or any(p.lengths is not None for p in parts):
+        parts = [replace(p, lengths=p.row_lengths()) for p in parts]
     merged = {}
     for f in fields(PolicyBatch):
         values = [getattr(p, f.name) for p in parts]

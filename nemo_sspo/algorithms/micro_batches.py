@@ -56,12 +56,6 @@ class MicroBatch:
     token_index: torch.Tensor | None = None
 
 
-def _row_lengths(batch: PolicyBatch) -> torch.Tensor:
-    if batch.lengths is not None:
-        return batch.lengths
-    return torch.full((batch.input_ids.shape[0],), batch.input_ids.shape[1], dtype=torch.long)
-
-
 def _fixed(batch: PolicyBatch, micro_batch_size: int) -> list[MicroBatch]:
     total = batch.input_ids.shape[0]
     if total % micro_batch_size:
@@ -198,7 +192,7 @@ class MicroBatchLayout:
         """
         if self.fixed:
             return _fixed(batch, self.micro_batch_size)
-        lengths = _row_lengths(batch)
+        lengths = batch.row_lengths()
         longest = int(lengths.max())
         if longest > self.max_tokens:
             raise ValueError(f"a sequence of {longest} tokens does not fit "

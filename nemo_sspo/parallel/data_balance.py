@@ -21,12 +21,6 @@ from nemo_sspo.algorithms.micro_batches import balanced_partition
 __all__ = ["balance_across_data_parallel"]
 
 
-def _row_lengths(batch: PolicyBatch) -> list[int]:
-    if batch.lengths is not None:
-        return batch.lengths.tolist()
-    return [batch.input_ids.shape[1]] * batch.input_ids.shape[0]
-
-
 def _rows(batch: PolicyBatch, rows: list[int], lengths: list[int]) -> PolicyBatch:
     """Copies of ``rows`` cut to their longest (an index tensor copies: a pickled view would send
     its whole storage)."""
@@ -56,7 +50,7 @@ def balance_across_data_parallel(batch: PolicyBatch, dp_group) -> PolicyBatch:
         return batch
     size, rank = dist.get_world_size(dp_group), dist.get_rank(dp_group)
     every = [None] * size
-    dist.all_gather_object(every, _row_lengths(batch), group=dp_group)
+    dist.all_gather_object(every, batch.row_lengths().tolist(), group=dp_group)
     owners = [(src, row) for src, lengths in enumerate(every) for row in range(len(lengths))]
     groups = balanced_partition([length for lengths in every for length in lengths], size)
     outgoing = [[owners[i][1] for i in group if owners[i][0] == rank] for group in groups]

@@ -79,3 +79,21 @@ def test_concat_policy_batches_pads_as_pack_rollouts_and_narrow_drops_padding():
     assert narrow.input_ids.tolist() == [[7, 7], [8, 8], [8, 8]] and narrow.advantages.tolist() == [7.0, 8.0, 8.0]
     with pytest.raises(ValueError, match="ref_logprobs is set in some batches"):
         concat_policy_batches([batch(1, 2, 7), replace(batch(1, 2, 7), ref_logprobs=torch.zeros(1, 2))])
+
+
+def test_concat_policy_batches_gives_lengths_when_rows_gain_padding():
+    def batch(rows, width, lengths=None):
+        ids = torch.ones(rows, width, dtype=torch.long)
+        return PolicyBatch(input_ids=ids, position_ids=torch.arange(width).expand(rows, width), targets=ids,
+                           loss_mask=ids.bool(), segment_ids=ids - 1, old_logprobs=ids.float(),
+                           old_entropy=ids.float(), advantages=torch.zeros(rows), lengths=lengths)
+
+    # lengths None means every position is valid: widths 2 and 3 pad the first part's row by one
+    # column, so it needs lengths [2]; the second part's rows are full: [3, 3].
+    assert concat_policy_batches([batch(1, 2), batch(2, 3)]).lengths.tolist() == [2, 3, 3]
+    # one width and no lengths anywhere: nothing padded, lengths stays None
+    assert concat_policy_batches([batch(1, 3), batch(2, 3)]).lengths is None
+    # one width, one part with lengths: the other's rows are full (3)
+    merged = concat_policy_batches([batch(1, 3, torch.tensor([2])), batch(1, 3)])
+    assert merged.lengths.tolist() == [2, 3]
+    assert batch(2, 4).row_lengths().tolist() == [4, 4] and batch(1, 4, torch.tensor([1])).row_lengths().tolist() == [1]
