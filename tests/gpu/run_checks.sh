@@ -28,7 +28,7 @@
 #      packed: max |log-prob diff| of a packed row vs the same 5 sequences right-padded, BF16 SmolLM2-135M (limit
 #      2e-2, or twice the alone-vs-padded bf16 noise floor if larger), also with the row padded to 16 tokens; an
 #      FP8 forward + backward on the packed row. Then a 2-step BF16 train run with parallel.pack_sequences=true.
-# Exit status: 0 when nothing failed, 1 otherwise, 2 without a GPU.
+# Exit status: 0 when nothing failed, 1 otherwise, 2 without a GPU or for an unknown group.
 set -u
 cd "$(dirname "$0")/../.."
 PY=${PYTHON:-$([ -x .venv/bin/python ] && echo .venv/bin/python || echo python)}
@@ -36,13 +36,16 @@ export OMP_NUM_THREADS=${OMP_NUM_THREADS:-8}
 OUT=$(mktemp -d)
 status=0
 
+GROUPS_WANTED=${*:-kernels vllm te}
+for group in $GROUPS_WANTED; do  # a misspelt group would otherwise run nothing and report success
+  case $group in kernels|vllm|te) ;; *) echo "unknown group '$group': use kernels, vllm and/or te" >&2; exit 2;; esac
+done
+want() { [[ " $GROUPS_WANTED " == *" $1 "* ]]; }
+
 if ! "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
   echo "FAIL gpu: torch.cuda.is_available() is False"; exit 2
 fi
 "$PY" -c "import torch; print('device:', torch.cuda.get_device_name(0), 'torch', torch.__version__)"
-
-GROUPS_WANTED=${*:-kernels vllm te}
-want() { [[ " $GROUPS_WANTED " == *" $1 "* ]]; }
 
 run() {  # run NAME SECONDS CMD...: FAIL line when the command fails or times out
   local name=$1 limit=$2; shift 2
