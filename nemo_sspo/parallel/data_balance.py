@@ -6,8 +6,10 @@ token-budget micro-batches, its rows are redistributed by the lengths of every r
 (:func:`nemo_sspo.algorithms.micro_batches.balanced_partition`). The step is unchanged: the loss
 is a sum of per-row numerators over a global denominator (:mod:`nemo_sspo.megatron.step`), whatever
 rank holds a row; only the Clip-Cov/KL-Cov per-micro-batch selection depends on the split, as it
-does on the micro-batch size. verl (``balance_batch``), NeMo-RL and slime balance their batches
-the same way; this exchange over a process group is ours.
+does on the micro-batch size. verl (``balance_batch``: a Karmarkar-Karp partition with equal row
+counts per rank, on its single controller), NeMo-RL and slime also balance their batches by
+sequence length; the longest-first partition without equal row counts and this exchange over a
+process group are ours.
 """
 
 from __future__ import annotations
