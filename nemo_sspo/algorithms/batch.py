@@ -72,8 +72,9 @@ class PolicyBatch:
                               and v.dim() == 2 else v for f in fields(self)})
 
 
-# What the columns past a row's end hold in each 2-D field (pack_rollouts's padding): the loss never
-# reads them (loss_mask False) and causal attention keeps them out of the valid positions.
+# What the columns past a row's end hold in each 2-D field (pack_rollouts's padding, except token ids:
+# 0 here, its pad_id there): the loss never reads them (loss_mask False) and causal attention keeps
+# them out of the valid positions.
 _PADDING = {"segment_ids": -1, "tis_weights": 1.0}
 
 
@@ -90,7 +91,8 @@ def pad_cat(tensors: list[torch.Tensor], value, *, left: bool = False) -> torch.
 
 def concat_policy_batches(parts: list[PolicyBatch]) -> PolicyBatch:
     """Stacks batches along rows; each ``[B_k, S_k]`` field is right-padded to ``max S_k`` as
-    :func:`pack_rollouts` pads (0 / False, ``segment_ids`` -1, ``tis_weights`` 1) and
+    :func:`pack_rollouts` pads (0 / False, ``segment_ids`` -1, ``tis_weights`` 1; token ids 0, not
+    its ``pad_id``, which nothing reads at padding) and
     ``position_ids`` is ``arange`` of the new width. ``lengths`` stays None only when every part
     has None and one width (no row gains padding); otherwise a part without ``lengths`` gets its
     full width ``S_k`` for each row (None means every position is valid).
