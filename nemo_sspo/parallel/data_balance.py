@@ -35,8 +35,10 @@ def balance_across_data_parallel(batch: PolicyBatch, dp_group) -> PolicyBatch:
 
     Collective over ``dp_group``: one ``all_gather_object`` of the row lengths, then one
     ``scatter_object_list`` per rank that sends each other rank only the rows it receives. Every
-    rank of a model-parallel replica holds the same ``batch`` and computes the same partition, so
-    tensor- and pipeline-parallel peers stay identical.
+    rank of a model-parallel replica holds the same rows with the same lengths (earlier pipeline
+    stages lack the log-prob fields only the last one fills) and computes the same partition, so
+    tensor- and pipeline-parallel peers keep the same rows. Object collectives work over gloo and
+    NCCL alike (NCCL stages the pickles on the current CUDA device).
 
     Args:
         batch: this rank's rows, ``[B_r, S_r]`` fields on the host (``lengths`` set, or every
