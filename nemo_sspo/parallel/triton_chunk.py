@@ -127,6 +127,16 @@ def _tile(n_cols: int, tile: int | None) -> int:
     return tile
 
 
+def _check_column_offsets(*tensors: torch.Tensor) -> None:
+    """Column offsets ``col * stride`` are int32 in the kernels (only the row offset is widened):
+    refuse a layout where they would overflow rather than read the wrong memory."""
+    for t in tensors:
+        if (t.shape[1] - 1) * abs(t.stride(1)) >= 2**31:
+            raise ValueError(f"a [rows, {t.shape[1]}] tensor with column stride {t.stride(1)} has "
+                             "column offsets past 2^31 elements; pass it with contiguous rows "
+                             "(.contiguous())")
+
+
 def _scalar(value: float, acc: torch.dtype, device: torch.device) -> torch.Tensor:
     # In a tensor, not a kernel argument: triton passes Python floats as fp32, which would round
     # 1 / tau for fp64 inputs.
@@ -143,7 +153,7 @@ def chunk_local_stats(block: torch.Tensor, inv_temp: float, acc: torch.dtype, *,
     at ``-1e4`` (``-inf`` logits add exact zeros). Computed online, one tile of columns at a time.
 
     Args:
-        block: ``[rows, n_valid]`` bf16/fp16/fp32/fp64 raw logits (any strides; padding columns
+        block: ``[rows, n_valid]`` bf16/fp16/fp32/fp64 raw logits (any row stride, column offsets below 2^31; padding columns
             already sliced off), on CUDA, or on CPU under ``TRITON_INTERPRET=1``. Never written.
         inv_temp: ``1 / tau``.
         acc: accumulation dtype, fp32 (fp64 for fp64 input).
@@ -154,10 +164,12 @@ def chunk_local_stats(block: torch.Tensor, inv_temp: float, acc: torch.dtype, *,
         ``[rows, 3]`` tensor of dtype ``acc`` on ``block``'s device.
 
     Raises:
-        ValueError: ``acc`` not fp32/fp64, or ``tile`` not a power of two.
+        ValueError: ``acc`` not fp32/fp64, ``tile`` not a power of two, or a column stride
+            whose offsets pass 2^31 elements.
     """
     if acc not in _TL_DTYPES:
         raise ValueError(f"acc must be torch.float32 or torch.float64, got {acc}")
+    _check_column_offsets(block)
     rows, n_cols = block.shape
     out = torch.empty(rows, 3, dtype=acc, device=block.device)
     if rows == 0:
@@ -179,26 +191,27 @@ def write_block_grad(block: torch.Tensor, columns: torch.Tensor, has_c1: bool, i
     here (``vocab_parallel._set_target_entries`` adds its term afterwards).
 
     Args:
-        block: ``[rows, n_valid]`` raw logits (any strides), on CUDA, or on CPU under
+        block: ``[rows, n_valid]`` raw logits (any row stride, column offsets below 2^31), on CUDA, or on CPU under
             ``TRITON_INTERPRET=1``. Never written.
         columns: ``[rows, 4]`` ``(c, log S0, c1, c0)`` per row in the accumulation dtype (fp32,
             fp64 for fp64 input); column 2 is not read when ``has_c1`` is False.
         has_c1: whether there is an entropy gradient (``c1 != 0``).
         inv_temp: ``1 / tau``.
-        grad: ``[rows, n_valid]`` output (any strides, e.g. a column slice of the full gradient),
+        grad: ``[rows, n_valid]`` output (strides as ``block``'s, e.g. a column slice of the full gradient),
             same device; written in its own dtype.
         tile: columns per tile, a power of two; default the next one above ``n_valid``, within
             ``[16, 4096]``.
 
     Raises:
         ValueError: shapes that do not match, ``columns`` not fp32/fp64, ``tile`` not a power
-            of two.
+            of two, or a column stride whose offsets pass 2^31 elements.
     """
     rows, n_cols = block.shape
     if grad.shape != block.shape or columns.shape != (rows, 4) or columns.dtype not in _TL_DTYPES:
         raise ValueError(f"need block and grad [rows, n_valid] and fp32/fp64 columns [rows, 4], got "
                          f"{tuple(block.shape)}, {tuple(grad.shape)}, {tuple(columns.shape)} "
                          f"{columns.dtype}")
+    _check_column_offsets(block, grad)
     if rows == 0 or n_cols == 0:
         return
     tile = _tile(n_cols, tile)

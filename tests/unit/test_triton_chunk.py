@@ -252,6 +252,12 @@ def test_wrappers_refuse_bad_arguments(kernels):
         kernels.chunk_local_stats(block, 1.0, torch.bfloat16)
     with pytest.raises(ValueError, match="columns \\[rows, 4\\]"):
         kernels.write_block_grad(block, torch.zeros(2, 4), True, 1.0, torch.zeros(2, 7))
+    # column offsets 2 * 2^30 = 2^31 would wrap in the kernels' int32 arithmetic (meta: no memory)
+    wide = torch.empty_strided((2, 3), (1, 2**30), device="meta")
+    with pytest.raises(ValueError, match="column stride 1073741824"):
+        kernels.chunk_local_stats(wide, 1.0, torch.float32)
+    with pytest.raises(ValueError, match="past 2\\^31"):
+        kernels.write_block_grad(wide, torch.zeros(2, 4, device="meta"), True, 1.0, wide)
 
 
 def test_use_triton_choice(monkeypatch):
