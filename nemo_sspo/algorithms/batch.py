@@ -40,6 +40,10 @@ class PolicyBatch:
             (``rollout.tis_cap`` unset).
         lengths: [B] int64 valid input tokens of each row (prompt + response; the rest is right
             padding), or None when every position of every row is valid.
+        rollout_logprobs: [B, S] float32 log-probs of the target tokens under the rollout engine
+            (0 outside the mask), or None. Carried with the rows so that whatever rank a row moves
+            to (``nemo_sspo.parallel.data_balance``) reads its own engine log-probs (TIS weights,
+            the trainer-vs-engine gap metric).
     """
 
     input_ids: torch.Tensor
@@ -53,6 +57,7 @@ class PolicyBatch:
     ref_logprobs: torch.Tensor | None = None
     tis_weights: torch.Tensor | None = None
     lengths: torch.Tensor | None = None
+    rollout_logprobs: torch.Tensor | None = None
 
     def select(self, rows: slice) -> "PolicyBatch":
         """Rows ``rows`` of every tensor field, as a new batch (views, no copy; None stays None)."""
@@ -98,8 +103,8 @@ def concat_policy_batches(parts: list[PolicyBatch]) -> PolicyBatch:
     full width ``S_k`` for each row (None means every position is valid).
 
     Raises:
-        ValueError: no parts, or parts that disagree on whether ``ref_logprobs`` or
-            ``tis_weights`` is present.
+        ValueError: no parts, or parts that disagree on whether an optional field
+            (``ref_logprobs``, ``tis_weights``, ``rollout_logprobs``) is present.
     """
     if not parts:
         raise ValueError("concat_policy_batches needs at least one batch")

@@ -98,29 +98,33 @@ def _packed_bins(lengths: torch.Tensor, max_tokens: int) -> list[list[int]]:
 
 
 def balanced_partition(lengths: list[int], parts: int) -> list[list[int]]:
-    """Splits rows into ``parts`` groups of about equal total length (tokens).
+    """Splits rows into ``parts`` groups of equal row count and about equal total length (tokens).
 
-    Longest-processing-time-first (Graham 1969, within 4/3 of the best largest total): rows taken
-    longest first (ties: lower index) each go to the group with the smallest total so far (ties:
-    lower group). With at least ``parts`` rows of length >= 1, no group is empty. Deterministic, so
-    every rank that computes it from the same lengths gets the same answer.
+    Longest-processing-time-first with a cardinality limit (Graham 1969 without the limit):
+    rows taken longest first (ties: lower index) each go to the group with the smallest total so
+    far among those with fewer than ``len(lengths) / parts`` rows (ties: lower group). Equal row
+    counts keep every data-parallel rank's mini-batches the same size. Deterministic, so every rank
+    that computes it from the same lengths gets the same answer.
 
     Args:
         lengths: tokens of each row (prompt + response), ``>= 0``.
         parts: number of groups, ``>= 1`` (the data-parallel size).
 
     Returns:
-        ``parts`` lists of row indices, each ascending; every row is in exactly one.
+        ``parts`` lists of ``len(lengths) / parts`` row indices, each ascending; every row is in
+        exactly one.
 
     Raises:
-        ValueError: ``parts < 1``.
+        ValueError: ``parts < 1``, or a row count that ``parts`` does not divide.
     """
-    if parts < 1:
-        raise ValueError(f"parts must be >= 1, got {parts}")
+    if parts < 1 or len(lengths) % parts:
+        raise ValueError(f"{len(lengths)} rows do not split into {parts} groups of equal size "
+                         "(parts must be >= 1 and divide the row count)")
+    room = len(lengths) // parts
     groups: list[list[int]] = [[] for _ in range(parts)]
     totals = [0] * parts
     for row in sorted(range(len(lengths)), key=lambda r: (-lengths[r], r)):
-        target = min(range(parts), key=lambda g: (totals[g], g))
+        target = min((g for g in range(parts) if len(groups[g]) < room), key=lambda g: (totals[g], g))
         groups[target].append(row)
         totals[target] += lengths[row]
     return [sorted(g) for g in groups]

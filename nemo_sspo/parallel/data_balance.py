@@ -1,15 +1,15 @@
 """Token balance across data-parallel ranks: rows move so that every rank computes about as many tokens.
 
 Each data-parallel rank rolls out its own prompt groups, so one rank may draw the long responses of
-a step and the others wait for it at the gradient all-reduce. Before a mini-batch is cut into
-token-budget micro-batches, its rows are redistributed by the lengths of every rank's rows
-(:func:`nemo_sspo.algorithms.micro_batches.balanced_partition`). The step is unchanged: the loss
+a step and the others wait for it at every collective of the step. With token-budget micro-batches
+the trainer therefore redistributes each mini-batch's rows by the lengths of every rank's rows
+(:func:`nemo_sspo.algorithms.micro_batches.balanced_partition`: equal row counts, about equal
+tokens) before the old/reference log-prob passes and the update. The step is unchanged: the loss
 is a sum of per-row numerators over a global denominator (:mod:`nemo_sspo.megatron.step`), whatever
 rank holds a row; only the Clip-Cov/KL-Cov per-micro-batch selection depends on the split, as it
 does on the micro-batch size. verl (``balance_batch``: a Karmarkar-Karp partition with equal row
 counts per rank, on its single controller), NeMo-RL and slime also balance their batches by
-sequence length; the longest-first partition without equal row counts and this exchange over a
-process group are ours.
+sequence length; the longest-first partition and this exchange over a process group are ours.
 """
 
 from __future__ import annotations
@@ -46,9 +46,13 @@ def balance_across_data_parallel(batch: PolicyBatch, dp_group) -> PolicyBatch:
         dp_group: the data-parallel process group, or None (one rank: ``batch`` comes back).
 
     Returns:
-        A :class:`PolicyBatch` of the rows assigned to this rank, ordered by source rank then row,
-        right-padded to the longest of them (:func:`nemo_sspo.algorithms.batch.concat_policy_batches`).
-        No rank is left without a row when there are at least as many rows as ranks.
+        A :class:`PolicyBatch` of the ``sum_r B_r / size`` rows assigned to this rank, ordered by
+        source rank then row, right-padded to the longest of them
+        (:func:`nemo_sspo.algorithms.batch.concat_policy_batches`).
+
+    Raises:
+        ValueError: on every rank, when the ranks' row counts do not add up to a multiple of the
+            group size.
     """
     if dp_group is None or dist.get_world_size(dp_group) == 1:
         return batch

@@ -91,8 +91,8 @@ class ParallelConfig:
     """Token budget per micro-batch instead of a fixed row count: rows grouped by length, each
     micro-batch padded only to its own longest row (``nemo_sspo.algorithms.micro_batches``); with
     ``pack_sequences`` the width of the one packed row. Must fit the longest prompt + response.
-    Under data parallelism each mini-batch's rows are first balanced by tokens across the ranks
-    (``nemo_sspo.parallel.data_balance``)."""
+    Under data parallelism each mini-batch's rows are first balanced by tokens across the ranks,
+    every rank keeping its row count (``nemo_sspo.parallel.data_balance``)."""
     pack_sequences: bool = False
     """Lay several (prompt, response) sequences end to end in one row per micro-batch, attention
     confined to each; needs ``max_tokens_per_micro_batch``. GPU: TransformerEngine spec only (Megatron's

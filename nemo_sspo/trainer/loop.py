@@ -42,7 +42,7 @@ import torch
 import torch.distributed as dist
 
 from nemo_sspo.algorithms import group_advantages, segment_ids
-from nemo_sspo.algorithms.batch import pack_critic_batch, pack_rollouts
+from nemo_sspo.algorithms.batch import concat_policy_batches, pack_critic_batch, pack_rollouts
 from nemo_sspo.algorithms.critic import critic_advantages
 from nemo_sspo.algorithms.losses import make_policy_loss
 from nemo_sspo.algorithms.segmentation import TABLE_FREE_SEGMENTATIONS, build_segment_tables
@@ -293,8 +293,10 @@ class GRPOTrainer:
                                  self.cfg.rollout.samples_per_prompt, pad_id=self.tokenizer.pad_token_id)
 
     def prepare_batch(self, rollout: Rollout):
-        """Advantages, segment ids and packing; then pi_old (and pi_ref) log-probs from Megatron, and
-        the TIS weights when ``rollout.tis_cap`` is set (last pipeline stage).
+        """Advantages, segment ids and packing; with a token budget
+        (``parallel.max_tokens_per_micro_batch``) each mini-batch's rows balanced by tokens across
+        data-parallel ranks (:meth:`_balanced`); then pi_old (and pi_ref) log-probs from Megatron,
+        and the TIS weights when ``rollout.tis_cap`` is set (last pipeline stage).
 
         Returns:
             ``(PolicyBatch, advantage and TIS metric pairs)``.
@@ -306,21 +308,32 @@ class GRPOTrainer:
                                k=needs.segment_k)
         batch = pack_rollouts(rb.prompt_ids, rb.prompt_mask, rb.response_ids, rb.response_mask,
                               segments, advantages, pad_id=self.tokenizer.pad_token_id)
+        batch = replace(batch, rollout_logprobs=rollout_logprobs(rollout, batch))
+        if not self.layout.fixed:
+            batch = self._balanced(batch)
         batch = compute_old_logprobs(self.model, batch, self.spec, self.layout)
         if self.ref_model is not None:
             batch = compute_ref_logprobs(self.ref_model, batch, self.spec, self.layout)
         cap = self.cfg.rollout.tis_cap
         if cap is not None and self.groups.is_last_stage:
-            weights, tis_sums = truncated_is_weights(batch.old_logprobs, rollout_logprobs(rollout, batch),
+            weights, tis_sums = truncated_is_weights(batch.old_logprobs, batch.rollout_logprobs,
                                                      batch.loss_mask, cap)
             batch = replace(batch, tis_weights=weights)
             sums.update(tis_sums)
         return batch, sums
 
+    def _balanced(self, batch):
+        """Each mini-batch's rows (the consecutive blocks :meth:`update` steps on) spread over the
+        data-parallel ranks by tokens, every rank keeping its row count
+        (:func:`nemo_sspo.parallel.data_balance.balance_across_data_parallel`): the forward passes
+        and the update then cost every rank about the same."""
+        size = batch.input_ids.shape[0] // self.cfg.trainer.minibatches_per_step
+        return concat_policy_batches([
+            balance_across_data_parallel(batch.select(slice(start, start + size)), self.groups.dp_group)
+            for start in range(0, batch.input_ids.shape[0], size)])
+
     def update(self, batch) -> tuple[dict[str, MetricPair], float]:
-        """minibatches_per_step optimizer steps over consecutive row blocks of ``batch``; with a
-        token budget (``parallel.max_tokens_per_micro_batch``) each block's rows are first balanced
-        by tokens across data-parallel ranks (:mod:`nemo_sspo.parallel.data_balance`).
+        """minibatches_per_step optimizer steps over consecutive row blocks of ``batch``.
 
         Raises:
             FloatingPointError: a mini-batch's gradient norm is NaN or inf. The optimizer step has
@@ -333,10 +346,8 @@ class GRPOTrainer:
         sums: dict[str, MetricPair] = {}
         norms = []
         for start in range(0, rows, size):
-            block = batch.select(slice(start, start + size))
-            if not self.layout.fixed:  # token budgets: every data-parallel rank gets about as many tokens
-                block = balance_across_data_parallel(block, self.groups.dp_group)
-            mb_sums, grad_norm = train_on_batch(self.model, self.optimizer, block, self.spec, self.layout)
+            mb_sums, grad_norm = train_on_batch(self.model, self.optimizer, batch.select(slice(start, start + size)),
+                                                self.spec, self.layout)
             if not math.isfinite(grad_norm):
                 raise FloatingPointError(
                     f"gradient norm {grad_norm} in mini-batch {start // size + 1}: the loss or its gradient "

@@ -27,7 +27,9 @@ def rollout_metric_sums(rollout: Rollout, batch, *, samples_per_prompt: int,
 
     Args:
         rollout: the step's scored rollout.
-        batch: its ``PolicyBatch`` with ``old_logprobs`` filled (last pipeline stage).
+        batch: its ``PolicyBatch`` with ``old_logprobs`` and ``rollout_logprobs`` filled (last
+            pipeline stage). Its rows need not be the rollout's (balancing may have moved them):
+            only the log-prob gap reads it.
         samples_per_prompt: G, responses per prompt group (``rollout.samples_per_prompt``).
         shaped_rewards: whether ``rollout.rewards`` differ from the task rewards (overlong
             shaping, ``reward.overlong_buffer_len > 0``): adds ``reward/shaped_mean``.
@@ -55,6 +57,6 @@ def rollout_metric_sums(rollout: Rollout, batch, *, samples_per_prompt: int,
         sums["reward/shaped_mean"] = mean_pair(float(rollout.rewards.sum()), n)
     mask = batch.loss_mask
     if mask.any():
-        gap = (rollout_logprobs(rollout, batch) - batch.old_logprobs)[mask].abs()
+        gap = (batch.rollout_logprobs - batch.old_logprobs)[mask].abs()
         sums["rollout/trainer_logprob_gap_abs"] = mean_pair(float(gap.sum()), float(gap.numel()))
     return sums

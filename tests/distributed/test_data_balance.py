@@ -15,14 +15,16 @@ LENGTHS = {
     2: [[9, 8, 7, 6], [2, 2, 1, 1]],
     3: [[10, 1], [4, 4], [3, 3]],
 }
-# Longest first onto the lightest rank (ties: lower global row, then lower rank), worked by hand.
+# Longest first onto the lightest rank with room (ties: lower global row, then lower rank; every
+# rank ends with the mean row count), worked by hand.
 # world 2: 9 -> A, 8 -> B, 7 -> B (8 < 9), 6 -> A (9 < 15), 2 -> A (15 = 15), 2 -> B, 1 -> A, 1 -> B:
 #          totals 18 and 18 (before: 30 and 6).
-# world 3: 10 -> A, 4 -> B, 4 -> C, 3 -> B (4 = 4), 3 -> C, 1 -> B (7 = 7): totals 10, 8, 7.
+# world 3 (2 rows each): 10 -> A, 4 -> B, 4 -> C, 3 -> B (4 = 4), 3 -> C, and B and C are full, so
+#          1 -> A: totals 11, 7, 7 (before: 11, 8, 6).
 # Rows as (source rank, row), in the order a rank receives them (by source rank, then row).
 EXPECTED = {
     2: [[(0, 0), (0, 3), (1, 0), (1, 2)], [(0, 1), (0, 2), (1, 1), (1, 3)]],
-    3: [[(0, 0)], [(0, 1), (1, 0), (2, 0)], [(1, 1), (2, 1)]],
+    3: [[(0, 0), (0, 1)], [(1, 0), (2, 0)], [(1, 1), (2, 1)]],
 }
 
 

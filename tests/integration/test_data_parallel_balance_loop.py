@@ -1,5 +1,5 @@
-"""The trainer balances token-budget mini-batches across data-parallel ranks and the step stays the
-single process's: DP=2 over gloo against one process on the same prompt groups (each rank rolls
+"""The trainer balances token-budget mini-batches across data-parallel ranks (before the old
+log-prob pass and the update) and the step stays the single process's: DP=2 over gloo against one process on the same prompt groups (each rank rolls
 out its own groups; ``test_dynamic_sampling_loop`` shows the split keeps the same groups)."""
 
 from __future__ import annotations
@@ -13,12 +13,12 @@ from nemo_sspo.megatron import destroy_parallel
 from tests.integration._loop_runs import make_trainer, record_updates
 
 BUDGET = ["rollout.prompts_per_step=4", "trainer.minibatches_per_step=1",
-          "parallel.max_tokens_per_micro_batch=160"]
+          "parallel.max_tokens_per_micro_batch=160", "rollout.tis_cap=1.5"]
 
 
 def _first_step(rank, world_size, tmp_dir):
-    """Runs in a spawned gloo process: step 1's metrics, the lengths this rank rolled out and the
-    lengths of the rows it trained on."""
+    """Runs in a spawned gloo process: step 1's metrics, the lengths (prompt + response) this rank
+    rolled out and those of the rows it scored and trained on."""
     monkeypatch = pytest.MonkeyPatch()
     updates = []
     record_updates(monkeypatch, updates)
@@ -28,9 +28,9 @@ def _first_step(rank, world_size, tmp_dir):
         inner = trainer.prepare_batch
 
         def prepare(rollout):
-            batch, sums = inner(rollout)
-            rolled.extend(batch.lengths.tolist())
-            return batch, sums
+            rb = rollout.batch
+            rolled.extend((rb.prompt_mask.sum(1) + rb.response_mask.sum(1)).tolist())
+            return inner(rollout)
 
         trainer.prepare_batch = prepare
         metrics = trainer.train_step(1)
@@ -56,3 +56,9 @@ def test_balanced_data_parallel_step_equals_one_process(run_distributed, tmp_pat
     for key in ("optim/grad_norm", "policy/b_high", "policy/segments_per_response"):
         for rank in range(2):
             assert math.isclose(split[rank][0][key], single[0][key], rel_tol=1e-5, abs_tol=1e-7), key
+    # The transformers engine and the trainer agree to float rounding, so the engine-vs-trainer
+    # gap is ~0 and every TIS weight ~1, but only if each row reads its own engine log-probs after
+    # moving (PolicyBatch.rollout_logprobs travels with it; another row's would be off by O(1)).
+    for rank in range(2):
+        assert split[rank][0]["rollout/trainer_logprob_gap_abs"] < 1e-4
+        assert abs(split[rank][0]["rollout/tis_weight_mean"] - 1.0) < 1e-4

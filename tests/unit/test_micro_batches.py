@@ -119,13 +119,16 @@ def test_layout_arguments_are_checked(kwargs, message):
         MicroBatchLayout(**kwargs)
 
 
-def test_balanced_partition_longest_first_onto_the_lightest_group():
+def test_balanced_partition_longest_first_onto_the_lightest_group_with_room():
     from nemo_sspo.algorithms.micro_batches import balanced_partition
 
     # 9 -> 0, 8 -> 1, 7 -> 1 (8 < 9), 6 -> 0 (9 < 15), 2 -> 0 (15 = 15), 2 -> 1, 1 -> 0, 1 -> 1
     assert balanced_partition([2, 9, 1, 8, 7, 2, 6, 1], 2) == [[0, 1, 2, 6], [3, 4, 5, 7]]
-    # rows 1, 3, 2, 0, 4: 5 -> 0, 5 -> 1, 4 -> 2, 3 -> 2 (4 < 5), 3 -> 0 (5 = 5, lower group)
-    assert balanced_partition([3, 5, 4, 5, 3], 3) == [[1, 4], [3], [0, 2]]
-    assert balanced_partition([4], 3) == [[0], [], []]  # fewer rows than groups
-    with pytest.raises(ValueError, match="parts must be >= 1"):
-        balanced_partition([1, 2], 0)
+    # rows 1, 3, 2, 0, 4, 5: 5 -> 0, 5 -> 1, 4 -> 2, 3 -> 2 (4 < 5; now full), 3 -> 0 (5 = 5, lower
+    # group; full), 1 -> 1
+    assert balanced_partition([3, 5, 4, 5, 3, 1], 3) == [[1, 4], [3, 5], [0, 2]]
+    # 10 -> 0, 1 -> 1, 1 -> 1 (full at 2 rows), 1 -> 0 although group 1 is lighter
+    assert balanced_partition([10, 1, 1, 1], 2) == [[0, 3], [1, 2]]
+    for lengths, parts in (([1, 2, 3], 2), ([1, 2], 0)):
+        with pytest.raises(ValueError, match="do not split into"):
+            balanced_partition(lengths, parts)
