@@ -309,7 +309,7 @@ class GRPOTrainer:
         batch = pack_rollouts(rb.prompt_ids, rb.prompt_mask, rb.response_ids, rb.response_mask,
                               segments, advantages, pad_id=self.tokenizer.pad_token_id)
         batch = replace(batch, rollout_logprobs=rollout_logprobs(rollout, batch))
-        if not self.layout.fixed:
+        if not self.layout.fixed and self.groups.dp_size > 1:
             batch = self._balanced(batch)
         batch = compute_old_logprobs(self.model, batch, self.spec, self.layout)
         if self.ref_model is not None:
