@@ -17,7 +17,6 @@ shard has ``V_local = V_padded / tp`` rows. Padded rows of the embedding and out
 from __future__ import annotations
 
 import importlib.util
-import math
 import warnings
 from typing import Any
 
@@ -67,8 +66,7 @@ TRANSFORMER_IMPLS = ("auto", "local", "transformer_engine")
 
 def padded_vocab_size(vocab_size: int, tp_size: int) -> int:
     """Megatron-LM's padded vocabulary: smallest multiple of ``128 * tp_size`` >= ``vocab_size``."""
-    multiple = MAKE_VOCAB_SIZE_DIVISIBLE_BY * tp_size
-    return math.ceil(vocab_size / multiple) * multiple
+    return padded_width(vocab_size, MAKE_VOCAB_SIZE_DIVISIBLE_BY * tp_size)
 
 
 def _rope_theta(hf_config: Any) -> float:
