@@ -1,4 +1,5 @@
-"""HF Llama / Qwen2 <-> Megatron-Core GPTModel weight mapping under tensor and pipeline parallelism.
+"""HF Llama / Qwen2 / Qwen3 <-> Megatron-Core GPTModel weight mapping under tensor and pipeline
+parallelism.
 
 Megatron layouts (per decoder layer; H = hidden, d = head_dim, G = num_key_value_heads,
 Q = num_attention_heads / G query heads per group, F = intermediate_size):
@@ -8,6 +9,8 @@ Q = num_attention_heads / G query heads per group, F = intermediate_size):
   [r*G/tp, (r+1)*G/tp). HF q head h belongs to group h // Q (as ``repeat_kv``).
 - ``self_attention.linear_qkv.bias`` [G*(Q+2)*d] (Qwen2 only): HF q/k/v biases in the same grouped
   order and the same TP slicing as the weight rows. Qwen2 has no o_proj or MLP biases.
+- ``self_attention.q_layernorm.weight`` / ``k_layernorm.weight`` [d] (Qwen3 only): HF
+  ``q_norm`` / ``k_norm``, one RMSNorm over d shared by all heads, so replicated on every TP rank.
 - ``self_attention.linear_proj.weight`` [H, heads*d]: row-parallel, sliced on dim 1.
 - ``mlp.linear_fc1.weight`` [2F, H]: each TP rank holds [gate shard; up shard] (the gated MLP
   chunks its local output in two), i.e. each half is sliced separately.
@@ -27,7 +30,7 @@ from typing import Any, Iterator
 import torch
 import torch.distributed as dist
 
-from nemo_sspo.megatron.model import has_qkv_bias, padded_vocab_size, unwrap_model
+from nemo_sspo.megatron.model import has_qk_norm, has_qkv_bias, padded_vocab_size, unwrap_model
 from nemo_sspo.megatron.parallel_setup import ParallelGroups, get_parallel_groups
 
 __all__ = ["export_hf_state_dict", "expected_hf_keys", "iter_hf_weight_buckets", "load_hf_into_megatron"]
@@ -41,6 +44,8 @@ _HF_LAYER = {
     "v": "self_attn.v_proj.weight",
     "v_bias": "self_attn.v_proj.bias",
     "o": "self_attn.o_proj.weight",
+    "q_norm": "self_attn.q_norm.weight",
+    "k_norm": "self_attn.k_norm.weight",
     "gate": "mlp.gate_proj.weight",
     "up": "mlp.up_proj.weight",
     "down": "mlp.down_proj.weight",
@@ -52,6 +57,8 @@ _MEG_LAYER = {
     "qkv": ("self_attention.linear_qkv.weight",),
     "qkv_bias": ("self_attention.linear_qkv.bias",),
     "proj": ("self_attention.linear_proj.weight",),
+    "q_norm": ("self_attention.q_layernorm.weight",),
+    "k_norm": ("self_attention.k_layernorm.weight",),
     "fc1": ("mlp.linear_fc1.weight",),
     "fc2": ("mlp.linear_fc2.weight",),
     "ln1": ("input_layernorm.weight", "self_attention.linear_qkv.layer_norm_weight"),
@@ -60,17 +67,20 @@ _MEG_LAYER = {
 
 
 _BIAS_KEYS = ("q_bias", "k_bias", "v_bias")
+_QK_NORM_KEYS = ("q_norm", "k_norm")
 
 
 def _layer_keys(hf_config: Any) -> list[str]:
-    """Short names of one HF decoder layer's parameters, in HF order (q/k/v biases for Qwen2)."""
-    bias = has_qkv_bias(hf_config)
-    return [key for key in _HF_LAYER if bias or key not in _BIAS_KEYS]
+    """Short names of one HF decoder layer's parameters, in HF order (q/k/v biases for Qwen2,
+    q/k norms for Qwen3)."""
+    absent = (() if has_qkv_bias(hf_config) else _BIAS_KEYS) + (
+        () if has_qk_norm(hf_config) else _QK_NORM_KEYS)
+    return [key for key in _HF_LAYER if key not in absent]
 
 
 def expected_hf_keys(hf_config: Any) -> list[str]:
-    """HF parameter names of a Llama or Qwen2 model, in HF order (``lm_head`` also when tied, as
-    transformers 5 ``state_dict()`` lists it)."""
+    """HF parameter names of a Llama, Qwen2 or Qwen3 model, in HF order (``lm_head`` also when
+    tied, as transformers 5 ``state_dict()`` lists it)."""
     keys = [_EMBED]
     names = [_HF_LAYER[key] for key in _layer_keys(hf_config)]
     for layer in range(hf_config.num_hidden_layers):
@@ -143,6 +153,8 @@ def _layer_targets(hf: dict, hf_layer: int, prefix: str, params: dict, hf_config
     if has_qkv_bias(hf_config):
         qkv_bias = _fuse_qkv(get("q_bias"), get("k_bias"), get("v_bias"), hf_config)
         targets[_resolve(params, prefix, _MEG_LAYER["qkv_bias"])] = _shard(qkv_bias, 0, groups)
+    if has_qk_norm(hf_config):
+        targets.update({_resolve(params, prefix, _MEG_LAYER[key]): get(key) for key in _QK_NORM_KEYS})
     return targets | {
         _resolve(params, prefix, _MEG_LAYER["qkv"]): _shard(qkv, 0, groups),
         _resolve(params, prefix, _MEG_LAYER["proj"]): _shard(get("o"), 1, groups),
@@ -174,7 +186,7 @@ def _megatron_targets(gpt, hf: dict, hf_config: Any, params: dict, groups: Paral
 def load_hf_into_megatron(
     model: torch.nn.Module, hf_state_dict: dict[str, torch.Tensor], hf_config: Any
 ) -> None:
-    """Copy a full HF Llama / Qwen2 state dict into this rank's (TP shard, PP stage) Megatron model.
+    """Copy a full HF Llama / Qwen2 / Qwen3 state dict into this rank's (TP shard, PP stage) Megatron model.
 
     Every rank passes the full HF dict; each copies only its slices (see module docstring), cast
     to the parameter's dtype and device. No communication.
@@ -234,7 +246,9 @@ def _export_layer(params: dict, prefix: str, hf_prefix: str, hf_config, groups) 
     if has_qkv_bias(hf_config):
         q_bias, k_bias, v_bias = _split_qkv(_gather_tp(get("qkv_bias"), 0, groups), hf_config)
         values.update(q_bias=q_bias, k_bias=k_bias, v_bias=v_bias)
-    return {hf_prefix + _HF_LAYER[key]: value for key, value in values.items()}
+    if has_qk_norm(hf_config):
+        values.update({key: get(key).clone() for key in _QK_NORM_KEYS})
+    return {hf_prefix + _HF_LAYER[key]: values[key] for key in _layer_keys(hf_config)}  # HF order
 
 
 @dataclass(frozen=True)
@@ -329,7 +343,7 @@ def _nbytes(tensors: dict[str, torch.Tensor]) -> int:
 
 def iter_hf_weight_buckets(model: torch.nn.Module, hf_config: Any, bucket_bytes: int, *,
                            dst_rank: int | None = None) -> Iterator[dict[str, torch.Tensor]]:
-    """Streamed export for refit: the HF Llama / Qwen2 weights as buckets of whole decoder layers,
+    """Streamed export for refit: the HF Llama / Qwen2 / Qwen3 weights as buckets of whole decoder layers,
     gathered only on rank ``dst_rank`` (where the replica's rollout engine lives).
 
     Collective: every rank of the model-parallel group must iterate it to the end (the TP gathers,
@@ -401,7 +415,7 @@ def _broadcast_tensors(tensors: dict[str, torch.Tensor] | None, src: int, group,
 
 def export_hf_state_dict(model: torch.nn.Module, hf_config: Any, *,
                          dst_rank: int | None = None) -> dict[str, torch.Tensor]:
-    """Inverse of ``load_hf_into_megatron``: the full HF Llama / Qwen2 state dict.
+    """Inverse of ``load_hf_into_megatron``: the full HF Llama / Qwen2 / Qwen3 state dict.
 
     Collective: all ranks of the model-parallel group must call it. The weights are gathered with
     :func:`iter_hf_weight_buckets` (one path) onto ``dst_rank``; with ``dst_rank=None`` they are

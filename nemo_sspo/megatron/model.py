@@ -1,4 +1,4 @@
-"""Megatron-Core ``GPTModel`` built from a Hugging Face Llama or Qwen2 config.
+"""Megatron-Core ``GPTModel`` built from a Hugging Face Llama, Qwen2 or Qwen3 (dense) config.
 
 Layer implementation by environment (``resolve_transformer_impl``): the TransformerEngine spec
 (BF16, optional FP8 with a recipe from the config) when a CUDA device and the ``transformer-engine``
@@ -41,6 +41,7 @@ __all__ = [
     "TRANSFORMER_IMPLS",
     "build_policy_model",
     "forward_logits",
+    "has_qk_norm",
     "has_qkv_bias",
     "model_type",
     "padded_vocab_size",
@@ -52,7 +53,7 @@ __all__ = [
 ]
 
 MAKE_VOCAB_SIZE_DIVISIBLE_BY = 128
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2")
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
 """HF ``model_type`` values the config translation and weight mapping cover."""
 PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16}
 """``model.precision`` name -> parameter dtype."""
@@ -104,8 +105,14 @@ def model_type(hf_config: Any) -> str:
 
 
 def has_qkv_bias(hf_config: Any) -> bool:
-    """True for Qwen2 (biases on q/k/v, none on o_proj or the MLP); False for Llama."""
+    """True for Qwen2 (biases on q/k/v, none on o_proj or the MLP); False for Llama and Qwen3."""
     return model_type(hf_config) == "qwen2"
+
+
+def has_qk_norm(hf_config: Any) -> bool:
+    """True for Qwen3: an RMSNorm over ``head_dim`` applied to every query and key head before RoPE
+    (HF ``q_norm`` / ``k_norm``; Megatron ``qk_layernorm``); False for Llama and Qwen2."""
+    return model_type(hf_config) == "qwen3"
 
 
 def _validate_architecture(hf_config: Any, tp_size: int, pp_size: int) -> None:
@@ -114,11 +121,12 @@ def _validate_architecture(hf_config: Any, tp_size: int, pp_size: int) -> None:
         raise ValueError(
             f"hf_config.hidden_act={hf_config.hidden_act!r}: only 'silu' (SwiGLU) is supported"
         )
-    if kind == "llama":
+    if kind in ("llama", "qwen3"):
         for flag in ("attention_bias", "mlp_bias"):
             if getattr(hf_config, flag, False):
-                raise ValueError(f"hf_config.{flag}=True is not supported: Llama mapping has no biases")
-    else:  # qwen2: every layer must use full causal attention
+                raise ValueError(f"hf_config.{flag}=True is not supported: the {kind} mapping has "
+                                 "no biases")
+    if kind != "llama":  # Qwen2 / Qwen3: every layer must use full causal attention
         layer_types = set(getattr(hf_config, "layer_types", None) or ["full_attention"])
         if getattr(hf_config, "use_sliding_window", False) or layer_types != {"full_attention"}:
             raise ValueError(
@@ -168,11 +176,12 @@ def transformer_config_from_hf(
     fp8: str | None = None,
     fp8_recipe: str = "delayed",
 ):
-    """Megatron ``TransformerConfig`` equivalent to a HF Llama or Qwen2 config.
+    """Megatron ``TransformerConfig`` equivalent to a HF Llama, Qwen2 or Qwen3 (dense) config.
 
     Maps GQA (num_query_groups = num_key_value_heads), SwiGLU (gated_linear_unit + silu), RMSNorm
     (eps = rms_norm_eps), biases (Qwen2: ``add_qkv_bias=True``; no other linear has a bias),
-    kv_channels = head_dim, dropout 0; CPU shims add their overrides (fp32 pipeline p2p, no fused
+    Qwen3's per-head q/k RMSNorm (``qk_layernorm=True``, same eps), kv_channels = head_dim (Qwen3
+    sets it apart from hidden / heads), dropout 0; CPU shims add their overrides (fp32 pipeline p2p, no fused
     kernels) when no GPU is present. The rotary base is not a TransformerConfig field:
     ``build_policy_model`` passes it to ``GPTModel``.
 
@@ -208,6 +217,7 @@ def transformer_config_from_hf(
         layernorm_epsilon=hf_config.rms_norm_eps,
         add_bias_linear=False,
         add_qkv_bias=has_qkv_bias(hf_config),
+        qk_layernorm=has_qk_norm(hf_config),
         hidden_dropout=0.0,
         attention_dropout=0.0,
         tensor_model_parallel_size=tp_size,
@@ -278,8 +288,9 @@ def _layer_spec(config, impl: str):
     from megatron.core.models.gpt import gpt_layer_specs
 
     if impl == "local":
-        return gpt_layer_specs.get_gpt_layer_local_spec(normalization=config.normalization)
-    return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec()
+        return gpt_layer_specs.get_gpt_layer_local_spec(normalization=config.normalization,
+                                                        qk_layernorm=config.qk_layernorm)
+    return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=config.qk_layernorm)
 
 
 def build_policy_model(

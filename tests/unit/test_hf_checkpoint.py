@@ -54,7 +54,8 @@ def test_tokenizer_pad_and_chat_template(tiny):
 def test_unknown_source_lists_valid():
     with pytest.raises(ValueError, match="tiny-random-llama"):
         load_hf_checkpoint("gpt-5")
-    assert set(SOURCES) == {"smollm2-135m-instruct", "tiny-random-llama", "tiny-random-qwen2"}
+    assert set(SOURCES) == {"smollm2-135m-instruct", "tiny-random-llama", "tiny-random-qwen2",
+                            "tiny-random-qwen3"}
 
 
 def test_cache_inside_repo_rejected():

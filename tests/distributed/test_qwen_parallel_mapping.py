@@ -1,0 +1,151 @@
+"""Qwen2 (q/k/v biases) and Qwen3 (per-head q/k RMSNorm, head_dim != hidden / heads), both with an
+untied output layer, under TP=2 and PP=2: logits, export, streamed refit and refit.
+
+One world-2 spawn runs both architectures at TP=2 and then PP=2. The reference is transformers'
+``Qwen2ForCausalLM`` / ``Qwen3ForCausalLM`` on the full model in one process, in float64. Checks per
+architecture and layout:
+
+1. the TP-gathered fp32 logits of the last stage equal the float64 reference (rtol/atol 1e-5: fp32
+   rounding in another reduction order); the vocabulary 100 is padded to 128 * tp rows whose
+   logits are exactly 0;
+2. ``export_hf_state_dict`` from the sharded model returns exactly the HF tensors (bit-equal, in
+   HF key order, biases and q/k norms included), and the streamed refit
+   (``iter_hf_weight_buckets`` with a budget below one layer) yields the same tensors bit for bit;
+3. refit: after the Megatron weights change (as an optimizer step would), the exported dict
+   loaded into a fresh HF model gives the same logits as Megatron.
+
+Biases and norm weights are redrawn away from transformers' init (0 and 1), so a dropped, permuted
+or swapped bias / q_norm / k_norm changes the logits by far more than the tolerance.
+"""
+
+import torch
+import torch.distributed as dist
+from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+from nemo_sspo.megatron import (
+    build_policy_model,
+    cpu_device_context,
+    destroy_parallel,
+    export_hf_state_dict,
+    forward_logits,
+    get_parallel_groups,
+    initialize_parallel,
+    iter_hf_weight_buckets,
+    load_hf_into_megatron,
+)
+
+VOCAB, SEQ, BATCH = 100, 6, 2
+_COMMON = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+               num_key_value_heads=2, vocab_size=VOCAB, tie_word_embeddings=False,
+               max_position_embeddings=32, rms_norm_eps=1e-6,
+               rope_parameters={"rope_type": "default", "rope_theta": 5000.0})
+ARCHS = {
+    "qwen2": (Qwen2ForCausalLM, lambda: Qwen2Config(**_COMMON)),
+    "qwen3": (Qwen3ForCausalLM, lambda: Qwen3Config(head_dim=24, **_COMMON)),  # 24 != 64 / 4
+}
+
+
+def _hf_model(arch: str, state=None):
+    model_cls, config = ARCHS[arch]
+    model = model_cls(config()).eval()
+    if state is not None:
+        model.load_state_dict(state, strict=True)
+        return model
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith(".bias"):
+                param.normal_(0.0, 0.5)  # transformers zero-initialises biases
+            elif "norm" in name:
+                param.normal_(1.0, 0.3)  # and sets norm weights to 1
+    return model
+
+
+def _megatron_logits(model, ids):
+    """Full-vocabulary logits [B, S, V_padded] on every rank (pipeline schedule, TP all-gather)."""
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    groups = get_parallel_groups()
+    collected = []
+
+    def forward_step(data_iterator, stage_model):
+        batch = next(data_iterator)
+        output = forward_logits(stage_model, batch, torch.arange(SEQ).expand_as(batch))
+        return output, lambda out: (collected.append(out.detach()) or out.sum() * 0.0, {})
+
+    with cpu_device_context(), torch.no_grad():
+        get_forward_backward_func()(
+            forward_step_func=forward_step, data_iterator=iter([ids]), model=[model],
+            num_microbatches=1, seq_length=SEQ, micro_batch_size=BATCH, forward_only=True,
+        )
+    local = collected[0] if groups.is_last_stage else torch.empty(BATCH, SEQ, 128)
+    shards = [torch.empty_like(local) for _ in range(groups.tp_size)]
+    dist.all_gather(shards, local.contiguous(), group=groups.tp_group)
+    full = torch.cat(shards, dim=-1)
+    dist.broadcast(full, src=groups.pp_last_rank, group=groups.pp_group)
+    return full
+
+
+def _streamed(model, config) -> dict:
+    """The streamed export on the engine rank, broadcast so every rank can compare it."""
+    groups = get_parallel_groups()
+    merged = {}
+    for bucket in iter_hf_weight_buckets(model, config, bucket_bytes=1):  # one unit per bucket
+        merged.update(bucket)
+    payload = [merged if dist.get_rank() == groups.mp_src_rank else None]
+    dist.broadcast_object_list(payload, src=groups.mp_src_rank)
+    return payload[0]
+
+
+def _check_layout(arch: str, tp: int, pp: int) -> dict:
+    torch.manual_seed(1234)  # the same HF weights and inputs on every rank
+    hf_model = _hf_model(arch)
+    config = hf_model.config
+    hf_state = hf_model.state_dict()
+    ids = torch.randint(0, VOCAB, (BATCH, SEQ))
+    with torch.no_grad():
+        expected = _hf_model(arch, hf_state).double()(ids).logits
+
+    initialize_parallel(tp_size=tp, pp_size=pp, seed=7)
+    try:
+        model = build_policy_model(config).eval()
+        load_hf_into_megatron(model, hf_state, config)
+        full = _megatron_logits(model, ids)
+        assert full.shape[-1] == 128 * tp  # vocab 100 padded to a multiple of 128 * tp
+        torch.testing.assert_close(full[..., :VOCAB].double(), expected, atol=1e-5, rtol=1e-5)
+        assert torch.count_nonzero(full[..., VOCAB:]) == 0
+        exported = export_hf_state_dict(model, config)
+        streamed = _streamed(model, config)
+        assert list(exported) == list(hf_state) == list(streamed)
+        for name, tensor in hf_state.items():
+            assert torch.equal(exported[name], tensor), f"{name} ({arch}, tp={tp}, pp={pp})"
+            assert torch.equal(streamed[name], tensor), f"{name} streamed ({arch}, tp={tp}, pp={pp})"
+
+        # Refit: perturb the weights, export, reload into HF. The same seed on every rank keeps
+        # TP-replicated parameters (norms) identical across ranks, as training does.
+        generator = torch.Generator().manual_seed(100)
+        with torch.no_grad():
+            for param in model.parameters():
+                param.add_(0.01 * torch.randn(param.shape, generator=generator))
+        moved = _megatron_logits(model, ids)[..., :VOCAB]
+        refit = _hf_model(arch, export_hf_state_dict(model, config))
+        with torch.no_grad():
+            refit_logits = refit(ids).logits
+        torch.testing.assert_close(refit_logits, moved, atol=1e-5, rtol=1e-5)
+        # Relative to the logits' scale: max |fp32 - float64| / max |float64|.
+        return {"rel_diff": float((full[..., :VOCAB].double() - expected).abs().max()
+                                  / expected.abs().max()),
+                "refit_changed": float((refit_logits - expected).abs().max())}
+    finally:
+        destroy_parallel()
+
+
+def _all_layouts(rank: int, world_size: int) -> dict:
+    return {(arch, tp, pp): _check_layout(arch, tp, pp) for arch in ARCHS for tp, pp in ((2, 1), (1, 2))}
+
+
+def test_qwen2_and_qwen3_tp2_and_pp2_logits_export_and_refit(run_distributed):
+    results = run_distributed(_all_layouts, 2, timeout_s=300)
+    assert len(results[0]) == 4
+    for layout, values in results[0].items():
+        assert values["rel_diff"] < 1e-5, layout
+        assert values["refit_changed"] > 1e-3, layout  # the perturbation really moved the logits
