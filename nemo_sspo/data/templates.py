@@ -22,7 +22,7 @@ CHAT_BOXED_EXAMPLE = (
     "Ann has 4 pens. She buys 3 more pens. Then she gives 2 pens to a friend. How many pens does Ann have now?",
     "Ann starts with 4 pens.\nShe buys 3 more: 4 + 3 = 7 pens.\nShe gives 2 away: 7 - 2 = 5 pens.\n\\boxed{5}",
 )
-TEMPLATES = ("qwen-math", "chat-boxed")
+TEMPLATES = ("qwen-math", "chat-boxed", "chat-cot")
 """Valid ``template`` names for :func:`render_prompt`."""
 
 
@@ -39,6 +39,10 @@ def render_prompt(tokenizer, question: str, template: str) -> str:
         one worked example (user question + assistant answer, :data:`CHAT_BOXED_EXAMPLE`), then
         the user message ``"{question}\\n" + CHAT_BOXED_INSTRUCTION`` (one step per line, final
         answer in ``\\boxed{}``), with the assistant turn opened.
+        ``"chat-cot"``: ``tokenizer.apply_chat_template`` over one user message
+        ``"{question}\\n" + QWEN_MATH_INSTRUCTION``, no system message, assistant turn opened
+        (the math prompt the DeepSeek-R1-Distill and Qwen3 model cards recommend; their own
+        templates then open the reasoning block, e.g. R1-Distill's ``<think>\\n``).
 
     Raises:
         ValueError: unknown ``template``, or ``"chat-boxed"`` with a tokenizer lacking a chat template.
@@ -46,12 +50,19 @@ def render_prompt(tokenizer, question: str, template: str) -> str:
     if template == "qwen-math":
         return QWEN_MATH_TEMPLATE.replace("{question}", question, 1)  # not .format: \boxed{} has braces
     if template == "chat-boxed":
-        if not getattr(tokenizer, "chat_template", None):
-            raise ValueError("template='chat-boxed' needs a tokenizer with a chat template; use 'qwen-math'")
         example_question, example_answer = CHAT_BOXED_EXAMPLE
-        messages = [{"role": "system", "content": CHAT_BOXED_SYSTEM},
-                    {"role": "user", "content": f"{example_question}\n{CHAT_BOXED_INSTRUCTION}"},
-                    {"role": "assistant", "content": example_answer},
-                    {"role": "user", "content": f"{question}\n{CHAT_BOXED_INSTRUCTION}"}]
-        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return _chat(tokenizer, template, [
+            {"role": "system", "content": CHAT_BOXED_SYSTEM},
+            {"role": "user", "content": f"{example_question}\n{CHAT_BOXED_INSTRUCTION}"},
+            {"role": "assistant", "content": example_answer},
+            {"role": "user", "content": f"{question}\n{CHAT_BOXED_INSTRUCTION}"}])
+    if template == "chat-cot":
+        return _chat(tokenizer, template, [{"role": "user", "content": f"{question}\n{QWEN_MATH_INSTRUCTION}"}])
     raise ValueError(f"template={template!r} is unknown; valid templates: {', '.join(TEMPLATES)}")
+
+
+def _chat(tokenizer, template: str, messages: list[dict[str, str]]) -> str:
+    """``messages`` through the tokenizer's chat template, assistant turn opened."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError(f"template={template!r} needs a tokenizer with a chat template; use 'qwen-math'")
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)

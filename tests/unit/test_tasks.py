@@ -132,6 +132,15 @@ def test_chat_boxed_template(tokenizer):
                          "Put the final answer in \\boxed{}.<|im_end|>\n<|im_start|>assistant\n")
 
 
+def test_chat_cot_template_on_the_qwen_tokenizer():
+    # One user turn with Qwen2.5-Math's instruction, no system turn (the R1-Distill / Qwen3 cards' math
+    # prompt), through the Qwen tokenizer's own chat template.
+    qwen = load_hf_checkpoint("tiny-random-qwen3")[2]
+    assert render_prompt(qwen, "What is 1+1?", "chat-cot") == (
+        "<|im_start|>user\nWhat is 1+1?\nPlease reason step by step, and put your final answer within "
+        "\\boxed{}.<|im_end|>\n<|im_start|>assistant\n")
+
+
 def test_unknown_template(tokenizer):
     with pytest.raises(ValueError, match="chat-boxed"):
         render_prompt(tokenizer, "q", "alpaca")
