@@ -29,7 +29,7 @@ from nemo_sspo.megatron.cpu_shims import (
     cpu_device_context,
 )
 from nemo_sspo.megatron.packed_seq import packed_seq_params, padded_width, thd_alignment
-from nemo_sspo.megatron.parallel_setup import get_parallel_groups
+from nemo_sspo.megatron.parallel_setup import destroy_parallel, get_parallel_groups, initialize_parallel
 
 __all__ = [
     "FP8_FORMATS",
@@ -45,6 +45,7 @@ __all__ = [
     "has_qkv_bias",
     "model_type",
     "padded_vocab_size",
+    "parameter_counts",
     "resolve_transformer_impl",
     "transformer_config_from_hf",
     "unwrap_model",
@@ -352,6 +353,61 @@ def build_policy_model(
     model.true_vocab_size = int(hf_config.vocab_size)
     model.transformer_impl = impl
     return model
+
+
+def parameter_counts(hf_config: Any, *, tp_size: int, pp_size: int, precision: str = "bf16") -> list[list[int]]:
+    """Parameters each rank holds under TP x PP, from the model built on the meta device (no memory).
+
+    Builds the whole ``GPTModel`` (TP = PP = 1) under ``torch.device("meta")`` and splits it as
+    Megatron does: parameters marked ``tensor_model_parallel`` are divided by ``tp_size`` (the
+    vocabulary rows first padded to a multiple of 128 * tp_size, see :func:`padded_vocab_size`),
+    the others replicated; decoder layers go to the stages in equal contiguous blocks; the
+    embeddings sit on the first stage, the final norm and output layer on the last one, and with
+    tied embeddings and ``pp_size > 1`` the last stage holds its own copy of the embedding as the
+    output layer. (This split is ours; ``tests/distributed/test_qwen_parallel_mapping.py`` checks
+    it against the parameters of real TP2 and PP2 builds.)
+
+    Args:
+        hf_config: a HF config :func:`transformer_config_from_hf` accepts.
+        tp_size, pp_size: the layout (``parallel.tensor_model_parallel_size`` /
+            ``pipeline_model_parallel_size``).
+        precision: as :func:`build_policy_model` (does not change the counts).
+
+    Returns:
+        ``counts[pp_rank][tp_rank]``: number of parameters (elements) on that rank.
+
+    Raises:
+        ValueError: as :func:`transformer_config_from_hf` for this layout, or Megatron's parallel
+            state already initialised (the count builds its own TP = PP = 1 model).
+    """
+    transformer_config_from_hf(hf_config, tp_size=tp_size, pp_size=pp_size, precision=precision)
+    initialize_parallel(tp_size=1, pp_size=1, seed=0)
+    try:
+        with torch.device("meta"):
+            gpt = build_policy_model(hf_config, precision=precision, transformer_impl="local")
+        shapes = [(name, param.shape, bool(getattr(param, "tensor_model_parallel", False)))
+                  for name, param in gpt.named_parameters()]
+    finally:
+        destroy_parallel()
+    vocab_rows = padded_vocab_size(hf_config.vocab_size, tp_size) // tp_size
+    per_stage = hf_config.num_hidden_layers // pp_size
+    counts = [[0] * tp_size for _ in range(pp_size)]
+    for name, shape, sharded in shapes:
+        if name.startswith(("embedding.", "output_layer.")):
+            numel = vocab_rows * shape[1]  # vocab-parallel: each rank's padded vocab shard
+        else:
+            numel = shape.numel() // tp_size if sharded else shape.numel()
+        if name.startswith("decoder.layers."):
+            stages = [int(name.split(".")[2]) // per_stage]
+        elif name.startswith("embedding."):
+            tied_copy = hf_config.tie_word_embeddings and pp_size > 1
+            stages = [0, pp_size - 1] if tied_copy else [0]
+        else:  # final norm, untied output layer
+            stages = [pp_size - 1]
+        for stage in stages:
+            for rank in range(tp_size):
+                counts[stage][rank] += numel
+    return counts
 
 
 def unwrap_model(model: torch.nn.Module) -> torch.nn.Module:

@@ -12,7 +12,9 @@ architecture and layout:
    HF key order, biases and q/k norms included), and the streamed refit
    (``iter_hf_weight_buckets`` with a budget below one layer) yields the same tensors bit for bit;
 3. refit: after the Megatron weights change (as an optimizer step would), the exported dict
-   loaded into a fresh HF model gives the same logits as Megatron.
+   loaded into a fresh HF model gives the same logits as Megatron;
+4. ``parameter_counts`` (from one meta-device build) predicts each rank's real parameter count,
+   for these untied models and for a tied Qwen3 (whose last PP stage holds its own embedding copy).
 
 Biases and norm weights are redrawn away from transformers' init (0 and 1), so a dropped, permuted
 or swapped bias / q_norm / k_norm changes the logits by far more than the tolerance.
@@ -32,6 +34,7 @@ from nemo_sspo.megatron import (
     initialize_parallel,
     iter_hf_weight_buckets,
     load_hf_into_megatron,
+    parameter_counts,
 )
 
 VOCAB, SEQ, BATCH = 100, 6, 2
@@ -105,9 +108,12 @@ def _check_layout(arch: str, tp: int, pp: int) -> dict:
     with torch.no_grad():
         expected = _hf_model(arch, hf_state).double()(ids).logits
 
+    predicted = parameter_counts(config, tp_size=tp, pp_size=pp)
     initialize_parallel(tp_size=tp, pp_size=pp, seed=7)
     try:
         model = build_policy_model(config).eval()
+        groups = get_parallel_groups()
+        assert sum(p.numel() for p in model.parameters()) == predicted[groups.pp_rank][groups.tp_rank]
         load_hf_into_megatron(model, hf_state, config)
         full = _megatron_logits(model, ids)
         assert full.shape[-1] == 128 * tp  # vocab 100 padded to a multiple of 128 * tp
@@ -139,7 +145,21 @@ def _check_layout(arch: str, tp: int, pp: int) -> dict:
         destroy_parallel()
 
 
+def _tied_counts(tp: int, pp: int) -> None:
+    config = Qwen3Config(head_dim=24, **(_COMMON | {"tie_word_embeddings": True}))
+    predicted = parameter_counts(config, tp_size=tp, pp_size=pp)
+    initialize_parallel(tp_size=tp, pp_size=pp, seed=7)
+    try:
+        groups = get_parallel_groups()
+        actual = sum(p.numel() for p in build_policy_model(config).parameters())
+        assert actual == predicted[groups.pp_rank][groups.tp_rank], (tp, pp, actual, predicted)
+    finally:
+        destroy_parallel()
+
+
 def _all_layouts(rank: int, world_size: int) -> dict:
+    for tp, pp in ((2, 1), (1, 2)):
+        _tied_counts(tp, pp)
     return {(arch, tp, pp): _check_layout(arch, tp, pp) for arch in ARCHS for tp, pp in ((2, 1), (1, 2))}
 
 

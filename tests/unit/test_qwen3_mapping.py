@@ -120,3 +120,4 @@ def test_tiny_random_qwen3_source_matches_megatron(parallel_1):
     with torch.no_grad():
         logits = forward_logits(model, ids, torch.arange(ids.shape[1]).expand_as(ids))[..., :config.vocab_size]
     _assert_relative(logits, _float64_logits(hf_model, ids))
+
