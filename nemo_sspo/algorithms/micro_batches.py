@@ -16,6 +16,13 @@ numerators over a sum of denominators, so any grouping of rows gives the same re
 
 Rows whose every position is the target frame's padding still count (zero-length responses keep
 their prompt), so denominators are unchanged. The layout is ours.
+
+Each data-parallel rank plans its own rows, so ranks may plan different numbers of micro-batches
+(one example: 4 and 3). Anything that runs a collective in every forward (FP8's amax all-reduce
+over the data-parallel group, expert-parallel dispatch, context parallelism) then waits forever on
+the rank with fewer. :func:`pad_micro_batches` evens the counts with micro-batches that run a
+forward (and backward) but hold no response: they add nothing to any numerator, denominator,
+metric or written-back output (docs/pitfalls.md#equal-pass-counts).
 """
 
 from __future__ import annotations
@@ -26,7 +33,8 @@ import torch
 
 from nemo_sspo.algorithms.batch import PolicyBatch
 
-__all__ = ["MicroBatch", "MicroBatchLayout", "balanced_partition"]
+__all__ = ["MicroBatch", "MicroBatchLayout", "balanced_partition", "empty_micro_batch",
+           "pad_micro_batches"]
 
 
 @dataclass
@@ -54,6 +62,49 @@ class MicroBatch:
     position_ids: torch.Tensor
     sequence_lengths: torch.Tensor | None = None
     token_index: torch.Tensor | None = None
+
+
+def empty_micro_batch(like: MicroBatch) -> MicroBatch:
+    """A micro-batch that runs ``like``'s model input but holds no response.
+
+    The loss sees a ``[0, S_b]`` batch, so its numerator, denominator and every metric count are
+    0 (and so is every gradient: the loss reads no output position); ``rows`` is empty, so a
+    forward-only pass writes nothing back. ``token_index`` ``[0, S_b]`` selects no output row,
+    whatever ``like``'s input shape. The input is ``like``'s own (same shape, same packing), so a
+    forward that needs aligned shapes (FP8, the THD layout) runs as it does for ``like``.
+
+    Args:
+        like: a planned micro-batch of this rank.
+
+    Returns:
+        A :class:`MicroBatch` sharing ``like``'s ``input_ids``, ``position_ids`` and
+        ``sequence_lengths``.
+    """
+    none = torch.zeros(0, dtype=torch.long)
+    width = like.batch.loss_mask.shape[1]
+    return MicroBatch(like.batch.select(none), none, like.input_ids, like.position_ids,
+                      like.sequence_lengths, torch.zeros(0, width, dtype=torch.long))
+
+
+def pad_micro_batches(micro_batches: list[MicroBatch], count: int) -> list[MicroBatch]:
+    """``micro_batches`` followed by empty ones (:func:`empty_micro_batch` of the one with the
+    fewest input tokens) up to ``count`` in all.
+
+    Args:
+        micro_batches: this rank's planned micro-batches, at least one.
+        count: the number of passes every data-parallel rank runs (the ranks' maximum).
+
+    Returns:
+        ``count`` micro-batches; the first ones are ``micro_batches`` unchanged.
+
+    Raises:
+        ValueError: no micro-batch to copy an input from, or ``count`` below the planned number.
+    """
+    if not micro_batches or count < len(micro_batches):
+        raise ValueError(f"cannot pad {len(micro_batches)} planned micro-batches to count={count}: "
+                         "need at least one micro-batch and count >= their number")
+    cheapest = min(micro_batches, key=lambda micro: micro.input_ids.numel())
+    return micro_batches + [empty_micro_batch(cheapest)] * (count - len(micro_batches))
 
 
 def _fixed(batch: PolicyBatch, micro_batch_size: int) -> list[MicroBatch]:
