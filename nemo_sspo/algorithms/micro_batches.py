@@ -34,7 +34,7 @@ import torch
 from nemo_sspo.algorithms.batch import PolicyBatch
 
 __all__ = ["MicroBatch", "MicroBatchLayout", "balanced_partition", "empty_micro_batch",
-           "pad_micro_batches"]
+           "packed_positions", "pad_micro_batches"]
 
 
 @dataclass
@@ -46,9 +46,10 @@ class MicroBatch:
             trimmed to the longest), read by the loss.
         rows: ``[b]`` int64 rows of the step's batch (where outputs are written back).
         input_ids: ``[R, S_in]`` int64 model input (``batch.input_ids`` unless packed).
-        position_ids: ``[R, S_in]`` int64 ``arange(S_in)`` per row. Packed sequences keep these row
-            positions: with attention confined to each sequence, rotary embeddings depend only on
-            position differences, so every sequence sees the positions it would see alone.
+        position_ids: ``[R, S_in]`` int64 ``arange(S_in)`` per row; for a packed row, positions that
+            restart at 0 at every sequence (:func:`packed_positions`), the positions each sequence
+            has alone. Row positions would be exact only in real arithmetic: the fp32 rotary angle
+            of position ``p`` carries an error that grows with ``p``.
         sequence_lengths: ``[K]`` int64 lengths of the sequences laid end to end in the single
             packed row, or None (one sequence per row, causal attention).
         token_index: ``[b, S_b]`` int64 flat index into the model output ``[R * S_in]`` of each
@@ -187,17 +188,33 @@ def _padded_group(batch: PolicyBatch, rows: list[int], lengths: torch.Tensor) ->
     return MicroBatch(part, index, part.input_ids, part.position_ids)
 
 
+def packed_positions(sequence_lengths: torch.Tensor) -> torch.Tensor:
+    """Positions of sequences laid end to end, restarting at 0 at each one.
+
+    Args:
+        sequence_lengths: ``[K]`` int64 lengths, each >= 0.
+
+    Returns:
+        ``[sum(lengths)]`` int64 on the lengths' device, e.g. lengths ``[2, 3]`` ->
+        ``[0, 1, 0, 1, 2]``.
+    """
+    starts = torch.cumsum(sequence_lengths, 0) - sequence_lengths
+    total = int(sequence_lengths.sum())
+    return (torch.arange(total, device=sequence_lengths.device)
+            - torch.repeat_interleave(starts, sequence_lengths, output_size=total))
+
+
 def _packed_group(batch: PolicyBatch, rows: list[int], lengths: torch.Tensor) -> MicroBatch:
     index = torch.tensor(rows, dtype=torch.long)
     seq_lengths = lengths[index]
     part = batch.select(index).narrow(int(seq_lengths.max()))
     offsets = torch.cumsum(seq_lengths, 0) - seq_lengths
-    width = int(seq_lengths.sum())
     valid = torch.arange(part.input_ids.shape[1])[None, :] < seq_lengths[:, None]
     input_ids = part.input_ids[valid][None, :]  # row-major: the sequences end to end
     token_index = torch.where(part.loss_mask, offsets[:, None] + torch.arange(part.input_ids.shape[1]),
                               torch.zeros((), dtype=torch.long))
-    return MicroBatch(part, index, input_ids, torch.arange(width)[None, :], seq_lengths, token_index)
+    return MicroBatch(part, index, input_ids, packed_positions(seq_lengths)[None, :], seq_lengths,
+                      token_index)
 
 
 @dataclass(frozen=True)

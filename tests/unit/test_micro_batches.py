@@ -58,7 +58,8 @@ def test_packing_first_fit_decreasing_and_token_index():
     first = parts[0]
     # Row 0's 8 tokens then row 3's 3 tokens (31 32 33), end to end.
     assert first.input_ids.tolist() == [[1, 2, 3, 4, 5, 6, 7, 8, 31, 32, 33]]
-    assert first.position_ids.tolist() == [list(range(11))]
+    # Positions restart at each sequence: 0..7 for row 0, then 0..2 for row 3 (as each alone).
+    assert first.position_ids.tolist() == [[0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2]]
     # Row 0: prompt 3 -> targets at columns 2..6 (predicting its 5 response tokens), packed at the
     # same positions. Row 3 starts at offset 8: prompt 2 -> target column 1 -> packed position 9.
     mask = first.batch.loss_mask
