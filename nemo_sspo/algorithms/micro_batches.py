@@ -88,8 +88,9 @@ def empty_micro_batch(like: MicroBatch) -> MicroBatch:
 
 
 def pad_micro_batches(micro_batches: list[MicroBatch], count: int) -> list[MicroBatch]:
-    """``micro_batches`` followed by empty ones (:func:`empty_micro_batch` of the one with the
-    fewest input tokens) up to ``count`` in all.
+    """``micro_batches`` followed by empty ones up to ``count`` in all.
+
+    Each added one is :func:`empty_micro_batch` of the micro-batch with the fewest input tokens.
 
     Args:
         micro_batches: this rank's planned micro-batches, at least one.

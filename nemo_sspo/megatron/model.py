@@ -479,13 +479,15 @@ def forward_logits(
 
 @contextmanager
 def _rotary_at(model: torch.nn.Module, positions: torch.Tensor):
-    """For the calls inside, the model's rotary table ``[S, 1, 1, dim]`` is read at ``positions``
-    ``[S]`` instead of at ``0..S-1``.
+    """Inside, the model's rotary table ``[S, 1, 1, dim]`` is read at ``positions`` ``[S]``.
+
+    Without it the table's rows ``0..S-1`` are used.
 
     Megatron-Core 0.16.1's ``GPTModel`` builds the table for positions ``0..S-1`` and never reads
     ``position_ids`` under RoPE (the THD path restarts the table itself at each ``cu_seqlens``).
     A forward hook on its ``RotaryEmbedding`` (whose ``lru_cache``-d result it must not change)
-    returns the table's rows at ``positions``, on every pipeline stage alike."""
+    returns the table's rows at ``positions``, on every pipeline stage alike.
+    """
     handle = unwrap_model(model).rotary_pos_emb.register_forward_hook(
         lambda module, args, table: table[positions.to(table.device)])
     try:

@@ -128,7 +128,9 @@ def _restored(obj, name: str, value):
 
 
 def plan_micro_batches(layout: MicroBatchLayout, batch: PolicyBatch, *, dp_group) -> list[MicroBatch]:
-    """``layout.plan(batch)`` padded with empty micro-batches to the largest count of any
+    """This rank's micro-batches, as many as on every other data-parallel rank.
+
+    ``layout.plan(batch)`` padded with empty micro-batches to the largest count of any
     data-parallel rank (:func:`nemo_sspo.parallel.data_balance.agree_micro_batch_count`, then
     :func:`nemo_sspo.algorithms.micro_batches.pad_micro_batches`).
 
@@ -187,8 +189,9 @@ def _reassemble(shape, micro_batches: list, parts: list[torch.Tensor]) -> torch.
 
 def compute_old_logprobs(model, batch: PolicyBatch, spec: LossSpec, layout: MicroBatchLayout, *,
                          dp_group) -> PolicyBatch:
-    """Recomputes pi_old log-probs and entropies with the current weights (before any update),
-    through :func:`forward_logprobs` (``dp_group`` as there).
+    """Recomputes pi_old log-probs and entropies with the current weights (before any update).
+
+    Runs :func:`forward_logprobs` (``dp_group`` as there).
 
     Returns:
         ``batch`` with ``old_logprobs`` and ``old_entropy`` [B, S] float32 filled on the last
@@ -202,8 +205,9 @@ def compute_old_logprobs(model, batch: PolicyBatch, spec: LossSpec, layout: Micr
 
 def compute_ref_logprobs(ref_model, batch: PolicyBatch, spec: LossSpec, layout: MicroBatchLayout, *,
                          dp_group) -> PolicyBatch:
-    """log pi_ref of the targets under the frozen reference policy (the reference-KL term),
-    through :func:`forward_logprobs` (``dp_group`` as there).
+    """log pi_ref of the targets under the frozen reference policy (the reference-KL term).
+
+    Runs :func:`forward_logprobs` (``dp_group`` as there).
 
     Returns:
         ``batch`` with ``ref_logprobs`` [B, S] float32 (0 outside the mask) on the last pipeline
@@ -233,9 +237,11 @@ def accumulate_gradients(model, micro_batches: list, forward_step_func: Callable
 
 def compute_gradients(model, batch: PolicyBatch, spec: LossSpec, layout: MicroBatchLayout, *,
                       dp_group) -> dict[str, torch.Tensor]:
-    """The policy loss's gradients over ``batch`` cut into micro-batches by ``layout``, as many
-    on every rank of ``dp_group`` (:func:`plan_micro_batches`; see :func:`accumulate_gradients`,
-    whose metric sums it returns)."""
+    """The policy loss's gradients over ``batch`` cut into micro-batches by ``layout``.
+
+    As many micro-batches run on every rank of ``dp_group`` (:func:`plan_micro_batches`); see
+    :func:`accumulate_gradients`, whose metric sums it returns.
+    """
     return accumulate_gradients(model, plan_micro_batches(layout, batch, dp_group=dp_group),
                                 policy_forward_step(spec, compute_loss=True))
 
@@ -252,8 +258,10 @@ def apply_optimizer_step(optimizer) -> float:
 
 def train_on_batch(model, optimizer, batch: PolicyBatch, spec: LossSpec, layout: MicroBatchLayout, *,
                    dp_group):
-    """One optimizer step on ``batch`` split into micro-batches (gradient accumulation), as many
-    on every rank of ``dp_group`` (None for one rank; :func:`plan_micro_batches`).
+    """One optimizer step on ``batch`` split into micro-batches (gradient accumulation).
+
+    As many micro-batches run on every rank of ``dp_group`` (None for one rank;
+    :func:`plan_micro_batches`).
 
     Returns:
         ``(metric_sums, grad_norm)``: see :func:`compute_gradients`; the global gradient norm

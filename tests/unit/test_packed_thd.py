@@ -236,8 +236,11 @@ def test_startup_refuses_packing_with_the_local_spec_on_cuda(monkeypatch):
 
 @pytest.fixture(scope="module")
 def long_row_model(parallel_1):
-    """A Megatron fp32 model and its float64 Hugging Face twin (same weights). Init std 0.1, so
-    that attention logits are O(1) and an error in a rotary angle shows in the log-probs."""
+    """A Megatron fp32 model and its float64 Hugging Face twin (same weights).
+
+    Init std 0.1, so that attention logits are O(1) and an error in a rotary angle shows in the
+    log-probs.
+    """
     from transformers import LlamaForCausalLM
 
     from nemo_sspo.megatron import load_hf_into_megatron
@@ -255,12 +258,15 @@ def long_row_model(parallel_1):
 
 @pytest.mark.parametrize("offset", [1, 100, 2000])
 def test_local_spec_packed_error_equals_unpacked_error_at_every_offset(long_row_model, offset):
-    """A 16-token sequence packed after ``offset`` tokens of another one: its fp32 log-probs are as
+    """Packed after ``offset`` tokens, a sequence's fp32 error equals its error alone.
+
+    A 16-token sequence packed after ``offset`` tokens of another one: its fp32 log-probs are as
     far from float64 as the sequence's own run alone. With running row positions (before the fix)
     the fp32 angle of position p = offset + j carries an error growing with p: measured 1.7e-6,
     2.1e-6 and 2.4e-5 at offsets 1, 100 and 2,000 against 1.5e-6 alone (ratios 1.12, 1.34, 15.6);
     now each equals the alone error (bitwise on this machine). The 10% allowance is for
-    kernels that round a longer row differently."""
+    kernels that round a longer row differently.
+    """
     model, reference = long_row_model
     gen = torch.Generator().manual_seed(1)
     seq = torch.randint(0, VOCAB, (16,), generator=gen)
