@@ -102,9 +102,9 @@ def _run_variant(args) -> dict:
     computed = sum(m.input_ids.numel() for m in layout.plan(batch))
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     start = time.perf_counter()
-    scored = compute_old_logprobs(ddp, batch, spec, layout)
+    scored = compute_old_logprobs(ddp, batch, spec, layout, dp_group=None)  # one process
     scored.old_logprobs += 0.01 * torch.randn(scored.old_logprobs.shape) * scored.loss_mask
-    sums, _ = train_on_batch(ddp, optimizer, scored, spec, layout)
+    sums, _ = train_on_batch(ddp, optimizer, scored, spec, layout, dp_group=None)
     seconds = time.perf_counter() - start
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before
     loss = float(sums["loss/policy"].total / sums["loss/policy"].count)

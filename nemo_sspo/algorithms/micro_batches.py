@@ -16,6 +16,13 @@ numerators over a sum of denominators, so any grouping of rows gives the same re
 
 Rows whose every position is the target frame's padding still count (zero-length responses keep
 their prompt), so denominators are unchanged. The layout is ours.
+
+Each data-parallel rank plans its own rows, so ranks may plan different numbers of micro-batches
+(one example: 4 and 3). Anything that runs a collective in every forward (FP8's amax all-reduce
+over the data-parallel group, expert-parallel dispatch, context parallelism) then waits forever on
+the rank with fewer. :func:`pad_micro_batches` evens the counts with micro-batches that run a
+forward (and backward) but hold no response: they add nothing to any numerator, denominator,
+metric or written-back output (docs/pitfalls.md#equal-pass-counts).
 """
 
 from __future__ import annotations
@@ -26,7 +33,8 @@ import torch
 
 from nemo_sspo.algorithms.batch import PolicyBatch
 
-__all__ = ["MicroBatch", "MicroBatchLayout", "balanced_partition"]
+__all__ = ["MicroBatch", "MicroBatchLayout", "balanced_partition", "empty_micro_batch",
+           "packed_positions", "pad_micro_batches"]
 
 
 @dataclass
@@ -38,9 +46,10 @@ class MicroBatch:
             trimmed to the longest), read by the loss.
         rows: ``[b]`` int64 rows of the step's batch (where outputs are written back).
         input_ids: ``[R, S_in]`` int64 model input (``batch.input_ids`` unless packed).
-        position_ids: ``[R, S_in]`` int64 ``arange(S_in)`` per row. Packed sequences keep these row
-            positions: with attention confined to each sequence, rotary embeddings depend only on
-            position differences, so every sequence sees the positions it would see alone.
+        position_ids: ``[R, S_in]`` int64 ``arange(S_in)`` per row; for a packed row, positions that
+            restart at 0 at every sequence (:func:`packed_positions`), the positions each sequence
+            has alone. Row positions would be exact only in real arithmetic: the fp32 rotary angle
+            of position ``p`` carries an error that grows with ``p``.
         sequence_lengths: ``[K]`` int64 lengths of the sequences laid end to end in the single
             packed row, or None (one sequence per row, causal attention).
         token_index: ``[b, S_b]`` int64 flat index into the model output ``[R * S_in]`` of each
@@ -54,6 +63,50 @@ class MicroBatch:
     position_ids: torch.Tensor
     sequence_lengths: torch.Tensor | None = None
     token_index: torch.Tensor | None = None
+
+
+def empty_micro_batch(like: MicroBatch) -> MicroBatch:
+    """A micro-batch that runs ``like``'s model input but holds no response.
+
+    The loss sees a ``[0, S_b]`` batch, so its numerator, denominator and every metric count are
+    0 (and so is every gradient: the loss reads no output position); ``rows`` is empty, so a
+    forward-only pass writes nothing back. ``token_index`` ``[0, S_b]`` selects no output row,
+    whatever ``like``'s input shape. The input is ``like``'s own (same shape, same packing), so a
+    forward that needs aligned shapes (FP8, the THD layout) runs as it does for ``like``.
+
+    Args:
+        like: a planned micro-batch of this rank.
+
+    Returns:
+        A :class:`MicroBatch` sharing ``like``'s ``input_ids``, ``position_ids`` and
+        ``sequence_lengths``.
+    """
+    none = torch.zeros(0, dtype=torch.long)
+    width = like.batch.loss_mask.shape[1]
+    return MicroBatch(like.batch.select(none), none, like.input_ids, like.position_ids,
+                      like.sequence_lengths, torch.zeros(0, width, dtype=torch.long))
+
+
+def pad_micro_batches(micro_batches: list[MicroBatch], count: int) -> list[MicroBatch]:
+    """``micro_batches`` followed by empty ones up to ``count`` in all.
+
+    Each added one is :func:`empty_micro_batch` of the micro-batch with the fewest input tokens.
+
+    Args:
+        micro_batches: this rank's planned micro-batches, at least one.
+        count: the number of passes every data-parallel rank runs (the ranks' maximum).
+
+    Returns:
+        ``count`` micro-batches; the first ones are ``micro_batches`` unchanged.
+
+    Raises:
+        ValueError: no micro-batch to copy an input from, or ``count`` below the planned number.
+    """
+    if not micro_batches or count < len(micro_batches):
+        raise ValueError(f"cannot pad {len(micro_batches)} planned micro-batches to count={count}: "
+                         "need at least one micro-batch and count >= their number")
+    cheapest = min(micro_batches, key=lambda micro: micro.input_ids.numel())
+    return micro_batches + [empty_micro_batch(cheapest)] * (count - len(micro_batches))
 
 
 def _fixed(batch: PolicyBatch, micro_batch_size: int) -> list[MicroBatch]:
@@ -136,17 +189,33 @@ def _padded_group(batch: PolicyBatch, rows: list[int], lengths: torch.Tensor) ->
     return MicroBatch(part, index, part.input_ids, part.position_ids)
 
 
+def packed_positions(sequence_lengths: torch.Tensor) -> torch.Tensor:
+    """Positions of sequences laid end to end, restarting at 0 at each one.
+
+    Args:
+        sequence_lengths: ``[K]`` int64 lengths, each >= 0.
+
+    Returns:
+        ``[sum(lengths)]`` int64 on the lengths' device, e.g. lengths ``[2, 3]`` ->
+        ``[0, 1, 0, 1, 2]``.
+    """
+    starts = torch.cumsum(sequence_lengths, 0) - sequence_lengths
+    total = int(sequence_lengths.sum())
+    return (torch.arange(total, device=sequence_lengths.device)
+            - torch.repeat_interleave(starts, sequence_lengths, output_size=total))
+
+
 def _packed_group(batch: PolicyBatch, rows: list[int], lengths: torch.Tensor) -> MicroBatch:
     index = torch.tensor(rows, dtype=torch.long)
     seq_lengths = lengths[index]
     part = batch.select(index).narrow(int(seq_lengths.max()))
     offsets = torch.cumsum(seq_lengths, 0) - seq_lengths
-    width = int(seq_lengths.sum())
     valid = torch.arange(part.input_ids.shape[1])[None, :] < seq_lengths[:, None]
     input_ids = part.input_ids[valid][None, :]  # row-major: the sequences end to end
     token_index = torch.where(part.loss_mask, offsets[:, None] + torch.arange(part.input_ids.shape[1]),
                               torch.zeros((), dtype=torch.long))
-    return MicroBatch(part, index, input_ids, torch.arange(width)[None, :], seq_lengths, token_index)
+    return MicroBatch(part, index, input_ids, packed_positions(seq_lengths)[None, :], seq_lengths,
+                      token_index)
 
 
 @dataclass(frozen=True)

@@ -18,11 +18,13 @@ from __future__ import annotations
 
 import importlib.util
 import warnings
+from contextlib import contextmanager
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
+from nemo_sspo.algorithms.micro_batches import packed_positions
 from nemo_sspo.megatron.cpu_shims import (
     attention_mask_for,
     cpu_config_overrides,
@@ -450,17 +452,26 @@ def vocab_shard(model: torch.nn.Module) -> tuple[int, int]:
     return get_parallel_groups().tp_rank * vocab_local, gpt.true_vocab_size
 
 
-def _check_inputs(input_ids, position_ids, attention_mask) -> None:
+def _check_inputs(input_ids, position_ids, attention_mask, sequence_lengths) -> None:
     if input_ids.dim() != 2 or position_ids.shape != input_ids.shape:
         raise ValueError(
             f"input_ids and position_ids must both be [B, S], got {tuple(input_ids.shape)} and "
             f"{tuple(position_ids.shape)}"
         )
-    arange = torch.arange(input_ids.shape[1], device=position_ids.device)
-    # Megatron's RoPE uses positions 0..S-1 and ignores position_ids, so anything else would be
-    # silently wrong (e.g. left padding with shifted positions).
-    if not torch.equal(position_ids, arange.expand_as(position_ids)):
-        raise ValueError("position_ids must be arange(S) in every row: use right padding")
+    # Megatron's RoPE uses positions 0..S-1 (or, packed, the positions forward_logits gives it)
+    # and ignores position_ids, so anything else would be silently wrong (e.g. left padding).
+    if sequence_lengths is None:
+        expected = torch.arange(input_ids.shape[1], device=position_ids.device).expand_as(position_ids)
+        if not torch.equal(position_ids, expected):
+            raise ValueError("position_ids must be arange(S) in every row: use right padding")
+    else:
+        _check_packed(input_ids, sequence_lengths)
+        expected = packed_positions(sequence_lengths.to(position_ids.device))[None, :]
+        if not torch.equal(position_ids, expected):
+            raise ValueError("position_ids of a packed row must restart at 0 at every sequence "
+                             "(nemo_sspo.algorithms.micro_batches.packed_positions(sequence_lengths)), "
+                             f"got {position_ids[0, :8].tolist()}... for lengths "
+                             f"{sequence_lengths[:4].tolist()}...")
     if attention_mask is not None:
         if attention_mask.shape != input_ids.shape:
             raise ValueError(
@@ -486,7 +497,9 @@ def forward_logits(
     Args:
         model: GPTModel (optionally wrapped) from ``build_policy_model``.
         input_ids: [B, S] int64 token ids (read on the first stage only).
-        position_ids: [B, S] int64, must equal arange(S) per row (right padding).
+        position_ids: [B, S] int64, must equal arange(S) per row (right padding); for a packed row,
+            positions restarting at 0 at every sequence
+            (:func:`nemo_sspo.algorithms.micro_batches.packed_positions`).
         attention_mask: optional [B, S] bool/int, 1 = real token, right padding only. Attention is
             causal, so padding only affects positions after a row's valid tokens; the mask is
             validated, not needed to compute the valid positions' logits.
@@ -497,8 +510,9 @@ def forward_logits(
             gets ``packed_seq_params``, no attention mask; the row is padded at its end to
             :func:`~nemo_sspo.megatron.packed_seq.thd_alignment`, e.g. 16 tokens under FP8, and
             the padding dropped again from the last stage's output). Local spec (CPU only): a
-            block-diagonal causal mask; the row positions ``arange(S)`` are exact there because
-            rotary attention depends only on position differences within a sequence.
+            block-diagonal causal mask, and the rotary table read at ``position_ids`` (each
+            sequence's own positions; running row positions are exact only in real arithmetic:
+            the fp32 angle error grows with the offset, docs/pitfalls.md#packed-positions-cpu).
 
     Returns:
         Last stage: logits [B, S, V_local] (GPTModel already transposes its sequence-first
@@ -508,14 +522,13 @@ def forward_logits(
 
     Raises:
         ValueError: on bad shapes, non-arange position_ids or left padding; packed sequences that
-            do not fill one row, or with an empty sequence; packing with the local spec on a CUDA
+            do not fill one row, or with an empty sequence, or positions that do not restart; packing with the local spec on a CUDA
             device (names ``parallel.pack_sequences`` and ``model.transformer_impl``) or with
             context parallelism.
     """
-    _check_inputs(input_ids, position_ids, attention_mask)
+    _check_inputs(input_ids, position_ids, attention_mask, sequence_lengths)
     if sequence_lengths is None:
         return model(input_ids, position_ids, attention_mask_for(input_ids.shape[1], input_ids.device))
-    _check_packed(input_ids, sequence_lengths)
     if uses_transformer_engine(model):
         return _forward_thd(model, input_ids, sequence_lengths)
     # The local spec confines attention only through this explicit mask (its DotProductAttention
@@ -527,7 +540,27 @@ def forward_logits(
                          "layer spec (Megatron's THD layout); this model uses the local spec. Set "
                          "model.transformer_impl=transformer_engine (or auto, with transformer-engine "
                          "installed), or parallel.pack_sequences=false")
-    return model(input_ids, position_ids, mask)
+    with _rotary_at(model, position_ids[0]):
+        return model(input_ids, position_ids, mask)
+
+
+@contextmanager
+def _rotary_at(model: torch.nn.Module, positions: torch.Tensor):
+    """Inside, the model's rotary table ``[S, 1, 1, dim]`` is read at ``positions`` ``[S]``.
+
+    Without it the table's rows ``0..S-1`` are used.
+
+    Megatron-Core 0.16.1's ``GPTModel`` builds the table for positions ``0..S-1`` and never reads
+    ``position_ids`` under RoPE (the THD path restarts the table itself at each ``cu_seqlens``).
+    A forward hook on its ``RotaryEmbedding`` (whose ``lru_cache``-d result it must not change)
+    returns the table's rows at ``positions``, on every pipeline stage alike.
+    """
+    handle = unwrap_model(model).rotary_pos_emb.register_forward_hook(
+        lambda module, args, table: table[positions.to(table.device)])
+    try:
+        yield
+    finally:
+        handle.remove()
 
 
 def _forward_thd(model: torch.nn.Module, input_ids: torch.Tensor,

@@ -5,6 +5,12 @@ Every pass runs through ``get_forward_backward_func()`` (:func:`run_schedule`), 
 drives no pipelining and 1F1B pipeline parallelism, for the policy and for other models with their
 own forward step (the SPPO critic). See :mod:`nemo_sspo.megatron.step` for the normalisation
 contract.
+
+Every data-parallel rank runs the same number of passes over a mini-batch, forward-only or not
+(:func:`plan_micro_batches`): ranks plan their own micro-batches, and a forward that all-reduces
+over the data-parallel group (TransformerEngine's FP8 amax under the delayed recipe, expert
+dispatch, context parallelism) would otherwise wait forever on the rank with fewer
+(docs/pitfalls.md#equal-pass-counts).
 """
 
 from __future__ import annotations
@@ -21,10 +27,11 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.utils import get_model_config
 
 from nemo_sspo.algorithms.batch import PolicyBatch
-from nemo_sspo.algorithms.micro_batches import MicroBatchLayout
+from nemo_sspo.algorithms.micro_batches import MicroBatch, MicroBatchLayout, pad_micro_batches
 from nemo_sspo.megatron.cpu_shims import cpu_device_context
 from nemo_sspo.megatron.step import LossSpec, policy_forward_step
 from nemo_sspo.metrics import merge_metric_sums
+from nemo_sspo.parallel.data_balance import agree_micro_batch_count
 
 __all__ = [
     "accumulate_gradients",
@@ -33,6 +40,7 @@ __all__ = [
     "compute_old_logprobs",
     "compute_ref_logprobs",
     "forward_logprobs",
+    "plan_micro_batches",
     "run_schedule",
     "train_on_batch",
     "wrap_for_training",
@@ -119,11 +127,39 @@ def _restored(obj, name: str, value):
         setattr(obj, name, value)
 
 
-def forward_logprobs(model, batch: PolicyBatch, spec: LossSpec, layout: MicroBatchLayout):
+def plan_micro_batches(layout: MicroBatchLayout, batch: PolicyBatch, *, dp_group) -> list[MicroBatch]:
+    """This rank's micro-batches, as many as on every other data-parallel rank.
+
+    ``layout.plan(batch)`` padded with empty micro-batches to the largest count of any
+    data-parallel rank (:func:`nemo_sspo.parallel.data_balance.agree_micro_batch_count`, then
+    :func:`nemo_sspo.algorithms.micro_batches.pad_micro_batches`).
+
+    Collective over ``dp_group`` (one all-reduce of an int): every rank calls it for the same
+    mini-batch. The empty micro-batches add exactly zero to loss, gradients, denominators,
+    metrics and written-back outputs.
+
+    Args:
+        layout: how this rank cuts its rows.
+        batch: this rank's rows of the mini-batch, ``[B_r, S]``.
+        dp_group: the data-parallel process group, or None for one rank.
+
+    Returns:
+        The micro-batches this rank runs, as many as on every other data-parallel rank.
+
+    Raises:
+        ValueError: as ``layout.plan``.
+    """
+    micro_batches = layout.plan(batch)
+    return pad_micro_batches(micro_batches, agree_micro_batch_count(len(micro_batches), dp_group))
+
+
+def forward_logprobs(model, batch: PolicyBatch, spec: LossSpec, layout: MicroBatchLayout, *, dp_group):
     """Log-probs and entropies of ``batch.targets`` under ``model``, forward only, in eval mode.
 
     The model's train/eval mode is restored afterwards. ``layout`` cuts ``batch`` into
-    micro-batches; each one's results are written back at its rows.
+    micro-batches, padded to the same count on every data-parallel rank of ``dp_group``
+    (:func:`plan_micro_batches`; None for one rank); each one's results are written back at its
+    rows.
 
     Returns:
         ``(logprobs, entropy)``, each [B, S] float32 in the target frame (0 outside the mask), on
@@ -132,7 +168,7 @@ def forward_logprobs(model, batch: PolicyBatch, spec: LossSpec, layout: MicroBat
     """
     was_training = model.training
     model.eval()
-    micro_batches = layout.plan(batch)
+    micro_batches = plan_micro_batches(layout, batch, dp_group=dp_group)
     with torch.no_grad():
         outputs = run_schedule(model, micro_batches, policy_forward_step(spec, compute_loss=False),
                                forward_only=True)
@@ -151,27 +187,33 @@ def _reassemble(shape, micro_batches: list, parts: list[torch.Tensor]) -> torch.
     return out
 
 
-def compute_old_logprobs(model, batch: PolicyBatch, spec: LossSpec, layout: MicroBatchLayout) -> PolicyBatch:
+def compute_old_logprobs(model, batch: PolicyBatch, spec: LossSpec, layout: MicroBatchLayout, *,
+                         dp_group) -> PolicyBatch:
     """Recomputes pi_old log-probs and entropies with the current weights (before any update).
+
+    Runs :func:`forward_logprobs` (``dp_group`` as there).
 
     Returns:
         ``batch`` with ``old_logprobs`` and ``old_entropy`` [B, S] float32 filled on the last
         pipeline stage (other stages return ``batch`` unchanged: they never read these fields).
     """
-    stats = forward_logprobs(model, batch, spec, layout)
+    stats = forward_logprobs(model, batch, spec, layout, dp_group=dp_group)
     if stats is None:
         return batch
     return replace(batch, old_logprobs=stats[0], old_entropy=stats[1])
 
 
-def compute_ref_logprobs(ref_model, batch: PolicyBatch, spec: LossSpec, layout: MicroBatchLayout) -> PolicyBatch:
+def compute_ref_logprobs(ref_model, batch: PolicyBatch, spec: LossSpec, layout: MicroBatchLayout, *,
+                         dp_group) -> PolicyBatch:
     """log pi_ref of the targets under the frozen reference policy (the reference-KL term).
+
+    Runs :func:`forward_logprobs` (``dp_group`` as there).
 
     Returns:
         ``batch`` with ``ref_logprobs`` [B, S] float32 (0 outside the mask) on the last pipeline
         stage; other stages return ``batch`` unchanged.
     """
-    stats = forward_logprobs(ref_model, batch, spec, layout)
+    stats = forward_logprobs(ref_model, batch, spec, layout, dp_group=dp_group)
     return batch if stats is None else replace(batch, ref_logprobs=stats[0])
 
 
@@ -193,10 +235,15 @@ def accumulate_gradients(model, micro_batches: list, forward_step_func: Callable
     return sums
 
 
-def compute_gradients(model, batch: PolicyBatch, spec: LossSpec, layout: MicroBatchLayout) -> dict[str, torch.Tensor]:
-    """The policy loss's gradients over ``batch`` cut into micro-batches by ``layout`` (see
-    :func:`accumulate_gradients`, whose metric sums it returns)."""
-    return accumulate_gradients(model, layout.plan(batch), policy_forward_step(spec, compute_loss=True))
+def compute_gradients(model, batch: PolicyBatch, spec: LossSpec, layout: MicroBatchLayout, *,
+                      dp_group) -> dict[str, torch.Tensor]:
+    """The policy loss's gradients over ``batch`` cut into micro-batches by ``layout``.
+
+    As many micro-batches run on every rank of ``dp_group`` (:func:`plan_micro_batches`); see
+    :func:`accumulate_gradients`, whose metric sums it returns.
+    """
+    return accumulate_gradients(model, plan_micro_batches(layout, batch, dp_group=dp_group),
+                                policy_forward_step(spec, compute_loss=True))
 
 
 def apply_optimizer_step(optimizer) -> float:
@@ -209,13 +256,17 @@ def apply_optimizer_step(optimizer) -> float:
     return float(grad_norm)
 
 
-def train_on_batch(model, optimizer, batch: PolicyBatch, spec: LossSpec, layout: MicroBatchLayout):
+def train_on_batch(model, optimizer, batch: PolicyBatch, spec: LossSpec, layout: MicroBatchLayout, *,
+                   dp_group):
     """One optimizer step on ``batch`` split into micro-batches (gradient accumulation).
+
+    As many micro-batches run on every rank of ``dp_group`` (None for one rank;
+    :func:`plan_micro_batches`).
 
     Returns:
         ``(metric_sums, grad_norm)``: see :func:`compute_gradients`; the global gradient norm
         before clipping (float).
     """
     optimizer.zero_grad()
-    sums = compute_gradients(model, batch, spec, layout)
+    sums = compute_gradients(model, batch, spec, layout, dp_group=dp_group)
     return sums, apply_optimizer_step(optimizer)

@@ -10,6 +10,11 @@ rank holds a row; only the Clip-Cov/KL-Cov per-micro-batch selection depends on 
 does on the micro-batch size. verl (``balance_batch``: a Karmarkar-Karp partition with equal row
 counts per rank, on its single controller), NeMo-RL and slime also balance their batches by
 sequence length; the longest-first partition and this exchange over a process group are ours.
+
+Balancing evens out tokens, not micro-batch counts: every rank still plans its own micro-batches.
+:func:`agree_micro_batch_count` is the one all-reduce by which the ranks agree on how many passes
+each runs (the trainer pads to it with empty micro-batches,
+:func:`nemo_sspo.algorithms.micro_batches.pad_micro_batches`).
 """
 
 from __future__ import annotations
@@ -19,8 +24,30 @@ import torch.distributed as dist
 
 from nemo_sspo.algorithms.batch import PolicyBatch, concat_policy_batches
 from nemo_sspo.algorithms.micro_batches import balanced_partition
+from nemo_sspo.parallel.metrics import collective_device
 
-__all__ = ["balance_across_data_parallel"]
+__all__ = ["agree_micro_batch_count", "balance_across_data_parallel"]
+
+
+def agree_micro_batch_count(count: int, dp_group) -> int:
+    """The largest micro-batch count of any data-parallel rank (one all-reduce MAX of an int).
+
+    Collective over ``dp_group``: every rank must call it, once per pass over a mini-batch.
+    Pipeline and tensor-parallel peers plan the same micro-batches, so each of their data-parallel
+    groups agrees on the same number.
+
+    Args:
+        count: micro-batches this rank planned.
+        dp_group: the data-parallel process group, or None (one rank: ``count`` comes back).
+
+    Returns:
+        ``max`` of ``count`` over the group's ranks.
+    """
+    if dp_group is None or dist.get_world_size(dp_group) == 1:
+        return count
+    value = torch.tensor([count], dtype=torch.int64, device=collective_device(dp_group))
+    dist.all_reduce(value, op=dist.ReduceOp.MAX, group=dp_group)
+    return int(value.item())
 
 
 def _rows(batch: PolicyBatch, rows: list[int], lengths: list[int]) -> PolicyBatch:

@@ -4,19 +4,23 @@ Under tensor parallelism the output layer's weight is split along the vocabulary
 holds ``W_r [V_local, H]`` for global ids ``[vocab_start, vocab_start + V_local)``. For the ``N``
 positions the loss reads (response targets only), this module computes per chunk of tokens
 
-    logits_c = h_c W_r^T                      [chunk, V_local]   (never more than one chunk)
+    logits_c = h_c W_r[:n_valid]^T            [chunk, n_valid]   (never more than one chunk)
 
 and feeds the chunk to the same two-collective reduction as
 :func:`nemo_sspo.parallel.vocab_parallel_logprobs_entropy` (one all-reduce MAX, one all-reduce
-SUM of ``[chunk, 3]``). The backward pass recomputes each chunk's logits from the saved hidden
+SUM of ``[chunk, 3]``), where ``n_valid <= V_local`` counts the shard's ids below the true
+vocabulary size. The backward pass recomputes each chunk's logits from the saved hidden
 states and weight shard, turns them into the logits gradient with the same closed form
 (``vocab_parallel.logits_gradient``, no communication), and accumulates
 
-    dL/dh_c = G_c W_r        dL/dW_r += G_c^T h_c
+    dL/dh_c = G_c W_r[:n_valid]        dL/dW_r[:n_valid] += G_c^T h_c
 
 then sums ``dL/dh`` over the tensor-parallel group (one all-reduce of ``[N, H]``: every rank's
 shard contributes to every hidden state, exactly the all-reduce a column-parallel linear layer
-does in its backward). Peak extra memory is ``O(chunk x V_local)`` whatever ``N``; a tied
+does in its backward). Only the shard's valid rows ``W_r[:n_valid]`` (global ids below the true
+vocabulary size) enter either product: the padding rows past ``vocab_size`` may hold anything in a
+caller's shard (NaN, inf), and even a zero gradient times NaN would be NaN in ``dL/dh``; their
+own gradient is exactly 0. Peak extra memory is ``O(chunk x V_local)`` whatever ``N``; a tied
 embedding (SmolLM2) and an untied head (Qwen2.5) are the same call with their own weight tensor.
 The formulation (chunked matmul + vocab-parallel online softmax + recomputing backward) is ours;
 verl's ``linear_cross_entropy`` and NeMo-RL's chunked fused log-probs do the same job.
@@ -62,7 +66,8 @@ def fused_linear_logprobs_entropy(
         targets: ``[N]`` int64 global token ids in ``[0, vocab_size)``.
         tp_group: tensor-parallel group, or None for one process holding the whole vocabulary.
         vocab_start: global id of the shard's first row; Megatron's contiguous equal split.
-        vocab_size: true vocabulary size; rows at or above it are padding (probability 0).
+        vocab_size: true vocabulary size; rows at or above it are padding (probability 0, gradient
+            0) and are never read, so their values (even NaN or inf) change nothing.
         temperature: ``tau > 0`` dividing the logits.
         chunk_size: tokens per chunk, ``>= 1`` (peak extra memory ``chunk_size x V_local``).
 
@@ -73,7 +78,7 @@ def fused_linear_logprobs_entropy(
     Raises:
         ValueError: shapes, dtypes or devices that do not match, the checks of
             ``vocab_parallel_logprobs_entropy`` (targets, settings, shard layout), or non-finite
-            outputs (NaN/inf hidden states or weights).
+            outputs (NaN/inf hidden states or valid weight rows).
     """
     if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1]:
         raise ValueError(f"hidden must be [N, H] and weight [V_local, H] with the same H, got "
@@ -105,9 +110,10 @@ class _FusedLinearLogprobsEntropy(torch.autograd.Function):
         acc = torch.promote_types(hidden.dtype, torch.float32)
         inv_temp = 1.0 / temperature
         n_valid = max(0, min(weight.shape[0], vocab_size - vocab_start))
+        valid = weight[:n_valid]  # padding rows never enter a product (module docstring)
         pieces = []
         for s in range(0, hidden.shape[0], chunk_size):
-            logits = _chunk_logits(hidden[s : s + chunk_size], weight)
+            logits = _chunk_logits(hidden[s : s + chunk_size], valid)
             pieces.append(chunk_statistics(logits, targets[s : s + chunk_size], tp_group,
                                            vocab_start, n_valid, inv_temp, acc,
                                            layout_error is not None))
@@ -115,7 +121,7 @@ class _FusedLinearLogprobsEntropy(torch.autograd.Function):
             logprobs, entropy, raw_max, log_sum_exp = (torch.cat(parts) for parts in zip(*pieces))
         else:
             logprobs = entropy = raw_max = log_sum_exp = hidden.new_zeros(0, dtype=acc)
-        check_finite_outputs(lambda row: _chunk_logits(hidden[row : row + 1], weight)[0], targets,
+        check_finite_outputs(lambda row: _chunk_logits(hidden[row : row + 1], valid)[0], targets,
                              logprobs, entropy, vocab_start, n_valid, layout_error)
         ctx.save_for_backward(hidden, weight, targets, raw_max, log_sum_exp, entropy, logprobs)
         ctx.meta = (vocab_start, n_valid, inv_temp, chunk_size, acc)
@@ -129,18 +135,20 @@ class _FusedLinearLogprobsEntropy(torch.autograd.Function):
         if grad_logprobs is None and grad_entropy is None:
             return (None, None, *none)
         hidden, weight, targets, *stats = ctx.saved_tensors
-        chunk = ctx.meta[3]
+        n_valid, chunk = ctx.meta[1], ctx.meta[3]
+        valid = weight[:n_valid]
         grad_hidden = torch.empty_like(hidden)
         grad_weight = torch.zeros_like(weight, dtype=torch.promote_types(weight.dtype, torch.float32))
+        grad_valid = grad_weight[:n_valid]  # padding rows keep their exact 0
         for s in range(0, hidden.shape[0], chunk):
             rows = slice(s, s + chunk)
             grad_logits = logits_gradient(
-                _chunk_logits(hidden[rows], weight), targets[rows],
+                _chunk_logits(hidden[rows], valid), targets[rows],
                 [stat[rows] for stat in stats],
                 None if grad_logprobs is None else grad_logprobs[rows],
                 None if grad_entropy is None else grad_entropy[rows], ctx.meta)
-            grad_hidden[rows] = grad_logits @ weight
-            grad_weight.addmm_(grad_logits.t().to(grad_weight.dtype), hidden[rows].to(grad_weight.dtype))
+            grad_hidden[rows] = grad_logits @ valid
+            grad_valid.addmm_(grad_logits.t().to(grad_weight.dtype), hidden[rows].to(grad_weight.dtype))
         if ctx.tp_group is not None and dist.get_world_size(ctx.tp_group) > 1:
             dist.all_reduce(grad_hidden, group=ctx.tp_group)
         return grad_hidden, grad_weight.to(weight.dtype), *none

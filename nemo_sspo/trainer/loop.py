@@ -311,9 +311,10 @@ class GRPOTrainer:
         batch = replace(batch, rollout_logprobs=rollout_logprobs(rollout, batch))
         if not self.layout.fixed and self.groups.dp_size > 1:
             batch = self._balanced(batch)
-        batch = compute_old_logprobs(self.model, batch, self.spec, self.layout)
+        dp_group = self.groups.dp_group
+        batch = compute_old_logprobs(self.model, batch, self.spec, self.layout, dp_group=dp_group)
         if self.ref_model is not None:
-            batch = compute_ref_logprobs(self.ref_model, batch, self.spec, self.layout)
+            batch = compute_ref_logprobs(self.ref_model, batch, self.spec, self.layout, dp_group=dp_group)
         cap = self.cfg.rollout.tis_cap
         if cap is not None and self.groups.is_last_stage:
             weights, tis_sums = truncated_is_weights(batch.old_logprobs, batch.rollout_logprobs,
@@ -347,7 +348,7 @@ class GRPOTrainer:
         norms = []
         for start in range(0, rows, size):
             mb_sums, grad_norm = train_on_batch(self.model, self.optimizer, batch.select(slice(start, start + size)),
-                                                self.spec, self.layout)
+                                                self.spec, self.layout, dp_group=self.groups.dp_group)
             if not math.isfinite(grad_norm):
                 raise FloatingPointError(
                     f"gradient norm {grad_norm} in mini-batch {start // size + 1}: the loss or its gradient "

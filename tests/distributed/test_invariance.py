@@ -190,12 +190,12 @@ def _run_layouts(rank, world_size):
                                 vocab_size=vocab_size, temperature=TEMPERATURE,
                                 max_response_length=MAX_RESPONSE_LENGTH,
                                 output_chunk_size=option["output_chunk_size"])
-                scored = compute_old_logprobs(ddp, local, spec, layout)
+                scored = compute_old_logprobs(ddp, local, spec, layout, dp_group=groups.dp_group)
                 scored = replace(scored, old_logprobs=scored.old_logprobs + local_noise)  # off-policy: ratio != 1
                 if option["max_tokens"]:  # rows balanced by tokens over DP ranks (the trainer does it
                     # before the old log-probs; a row's results do not depend on its rank)
                     scored = balance_across_data_parallel(scored, groups.dp_group)
-                sums = compute_gradients(ddp, scored, spec, layout)
+                sums = compute_gradients(ddp, scored, spec, layout, dp_group=groups.dp_group)
                 metrics = reduce_metric_sums(sums, dp_group=groups.dp_group, pp_group=groups.pp_group,
                                              last_stage_rank=groups.pp_last_rank,
                                              is_last_stage=groups.is_last_stage)

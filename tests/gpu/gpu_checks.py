@@ -147,6 +147,7 @@ def check_packed() -> None:
     FP8 (hybrid, delayed) forward + backward on the packed row: finite, and TE accepts the shapes."""
     from nemo_sspo.megatron import (build_policy_model, destroy_parallel, initialize_parallel,
                                     load_hf_into_megatron)
+    from nemo_sspo.algorithms.micro_batches import packed_positions
     from nemo_sspo.megatron import model as model_module
     from nemo_sspo.megatron.model import forward_hidden, output_weight
     from nemo_sspo.megatron.packed_seq import padded_width, thd_alignment
@@ -157,7 +158,7 @@ def check_packed() -> None:
     seqs = [torch.randint(0, config.vocab_size, (n,), generator=generator).cuda() for n in PACKED_LENGTHS]
     lengths = torch.tensor(PACKED_LENGTHS).cuda()
     row = torch.cat(seqs)[None, :]
-    positions = torch.arange(row.shape[1]).cuda()[None, :]
+    positions = packed_positions(lengths)[None, :]  # restarting at each sequence
     initialize_parallel(tp_size=1, pp_size=1, seed=0)
     try:
         model = build_policy_model(config, precision="bf16", transformer_impl="transformer_engine").eval()

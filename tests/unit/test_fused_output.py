@@ -107,3 +107,25 @@ def test_errors_name_the_argument():
     with pytest.raises(ValueError, match="row 3: its logits contain NaN"):
         fused_linear_logprobs_entropy(bad, weight, targets, tp_group=None, vocab_start=0,
                                       vocab_size=VOCAB)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_non_finite_padding_rows_never_enter_a_product(bad):
+    # A host's own shard may hold anything past vocab_size. The logits function never reads those
+    # columns; the fused layer must not read those rows either: before the fix the backward
+    # formed grad_logits @ W over all V_local rows, and its zero padding columns times NaN (or
+    # inf) made every entry of dL/dh NaN while the forward outputs stayed right.
+    hidden, weight, targets, grads = _inputs(torch.float64, seed=2)
+    weight[VOCAB:] = bad
+    h, w = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
+    logprobs, entropy = fused_linear_logprobs_entropy(
+        h, w, targets, tp_group=None, vocab_start=0, vocab_size=VOCAB, temperature=0.7,
+        chunk_size=4)
+    ((grads[0] * logprobs).sum() + (grads[1] * entropy).sum()).backward()
+    # The float64 reference reads only W[:VOCAB], so its values do not depend on the padding.
+    ref_lp, ref_h, ref_gh, ref_gw = _reference(hidden, weight, targets, 0.7, grads)
+    torch.testing.assert_close(logprobs, ref_lp, rtol=0, atol=1e-12)
+    torch.testing.assert_close(entropy, ref_h, rtol=0, atol=1e-12)
+    torch.testing.assert_close(h.grad, ref_gh, rtol=0, atol=1e-12)
+    torch.testing.assert_close(w.grad[:VOCAB], ref_gw[:VOCAB], rtol=0, atol=1e-12)
+    assert torch.equal(w.grad[VOCAB:], torch.zeros(PADDED - VOCAB, H, dtype=torch.float64))

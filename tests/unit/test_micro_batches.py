@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from nemo_sspo.algorithms.batch import pack_rollouts
-from nemo_sspo.algorithms.micro_batches import MicroBatchLayout
+from nemo_sspo.algorithms.micro_batches import MicroBatchLayout, pad_micro_batches
 from nemo_sspo.megatron.cpu_shims import attention_mask_for
 
 # Prompt + response lengths [3 + 5, 2 + 3, 4 + 4, 2 + 1, 3 + 0] = [8, 5, 8, 3, 3].
@@ -58,13 +58,35 @@ def test_packing_first_fit_decreasing_and_token_index():
     first = parts[0]
     # Row 0's 8 tokens then row 3's 3 tokens (31 32 33), end to end.
     assert first.input_ids.tolist() == [[1, 2, 3, 4, 5, 6, 7, 8, 31, 32, 33]]
-    assert first.position_ids.tolist() == [list(range(11))]
+    # Positions restart at each sequence: 0..7 for row 0, then 0..2 for row 3 (as each alone).
+    assert first.position_ids.tolist() == [[0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2]]
     # Row 0: prompt 3 -> targets at columns 2..6 (predicting its 5 response tokens), packed at the
     # same positions. Row 3 starts at offset 8: prompt 2 -> target column 1 -> packed position 9.
     mask = first.batch.loss_mask
     assert first.token_index[mask].tolist() == [2, 3, 4, 5, 6, 9]
     flat_targets = torch.cat([first.input_ids[0, 1:], torch.zeros(1, dtype=torch.long)])
     assert torch.equal(flat_targets[first.token_index[mask]], first.batch.targets[mask])
+
+
+@pytest.mark.parametrize("pack", [False, True])
+def test_padding_adds_passes_that_hold_no_response(pack):
+    # Budget 16 plans [0, 2] (2 x 8) and [1, 3, 4] (3 x 5); packed into rows of 11: [0, 3] [2, 4]
+    # [1]. Padded to 4 passes, the extra ones run the cheapest input (15 and 5 tokens) and carry
+    # no rows and no loss positions.
+    layout = MicroBatchLayout(max_tokens=11 if pack else 16, pack=pack)
+    planned = layout.plan(_batch())
+    padded = pad_micro_batches(planned, 4)
+    assert padded[: len(planned)] == planned and len(padded) == 4
+    cheapest = planned[-1]
+    assert cheapest.input_ids.numel() == (5 if pack else 15)
+    for extra in padded[len(planned):]:
+        assert extra.input_ids is cheapest.input_ids and extra.position_ids is cheapest.position_ids
+        assert extra.sequence_lengths is cheapest.sequence_lengths
+        assert extra.rows.numel() == 0 and extra.batch.input_ids.shape == (0, cheapest.batch.input_ids.shape[1])
+        assert extra.token_index.shape == (0, cheapest.batch.loss_mask.shape[1])
+    assert pad_micro_batches(planned, len(planned)) == planned
+    with pytest.raises(ValueError, match="count=1"):
+        pad_micro_batches(planned, 1)
 
 
 def test_sequence_longer_than_the_budget_is_refused():

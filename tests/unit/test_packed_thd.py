@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from transformers import LlamaConfig
 
 from nemo_sspo.megatron import build_policy_model, destroy_parallel, get_parallel_groups, initialize_parallel
+from nemo_sspo.algorithms.micro_batches import packed_positions
 from nemo_sspo.megatron import model as model_module
 from nemo_sspo.megatron.model import forward_hidden, forward_logits, uses_transformer_engine
 from nemo_sspo.megatron.packed_seq import packed_seq_params, padded_width, thd_alignment
@@ -147,7 +148,8 @@ def test_te_spec_gets_packed_seq_params_and_no_mask(parallel_1):
     model = _Recorder(_as_te(_model(), seen))
     ids = torch.randint(0, VOCAB, (1, 9), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
-        logits = forward_logits(model, ids, torch.arange(9)[None], sequence_lengths=torch.tensor([2, 3, 4]))
+        logits = forward_logits(model, ids, packed_positions(torch.tensor([2, 3, 4]))[None],
+                                sequence_lengths=torch.tensor([2, 3, 4]))
     (args, kwargs), = model.calls
     assert uses_transformer_engine(model)
     assert args[2] is None and kwargs["packed_seq_params"].cu_seqlens_q.tolist() == [0, 2, 5, 9]
@@ -159,7 +161,7 @@ def test_local_spec_gets_block_mask_and_no_packed_seq_params(parallel_1):
     model = _Recorder(_model())
     ids = torch.randint(0, VOCAB, (1, 5), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
-        forward_logits(model, ids, torch.arange(5)[None], sequence_lengths=torch.tensor([2, 3]))
+        forward_logits(model, ids, packed_positions(torch.tensor([2, 3]))[None], sequence_lengths=torch.tensor([2, 3]))
     (args, kwargs), = model.calls
     assert not uses_transformer_engine(model) and "packed_seq_params" not in kwargs
     # True = masked: above the diagonal, and across the boundary between positions 1 and 2
@@ -177,7 +179,7 @@ def test_local_spec_on_cuda_is_refused(parallel_1, monkeypatch):
     model = _model()
     with pytest.raises(ValueError, match=r"parallel\.pack_sequences=true on a CUDA device .*"
                                          r"model\.transformer_impl=transformer_engine"):
-        forward_logits(model, torch.zeros(1, 5, dtype=torch.long), torch.arange(5)[None],
+        forward_logits(model, torch.zeros(1, 5, dtype=torch.long), packed_positions(torch.tensor([2, 3]))[None],
                        sequence_lengths=torch.tensor([2, 3]))
 
 
@@ -206,8 +208,9 @@ def test_thd_forward_equals_each_sequence_alone(parallel_1, monkeypatch, alignme
                  for part in ids.split(lengths, dim=1)]
         seen = []
         _as_te(model, seen)
-        packed = forward_logits(model, ids, torch.arange(9)[None], sequence_lengths=torch.tensor(lengths))
-        hidden = forward_hidden(model, ids, torch.arange(9)[None], sequence_lengths=torch.tensor(lengths))
+        positions = packed_positions(torch.tensor(lengths))[None]
+        packed = forward_logits(model, ids, positions, sequence_lengths=torch.tensor(lengths))
+        hidden = forward_hidden(model, ids, positions, sequence_lengths=torch.tensor(lengths))
     assert seen[0][1].cu_seqlens_q.tolist() == ([0, 2, 5, 9] if alignment == 1 else [0, 2, 5, 16])
     assert packed.shape == (1, 9, 128) and hidden.shape == (1, 9, 64)
     # fp32 on CPU: the same arithmetic in a different grouping, so agreement to float rounding
@@ -227,3 +230,62 @@ def test_startup_refuses_packing_with_the_local_spec_on_cuda(monkeypatch):
     with pytest.raises(ValueError, match=r"parallel\.pack_sequences=true on a CUDA device .*"
                                          r"model\.transformer_impl='local'"):
         check_host(cfg)
+
+
+# ---- local spec (CPU): rotary positions restart at every packed sequence -----------------------
+
+@pytest.fixture(scope="module")
+def long_row_model(parallel_1):
+    """A Megatron fp32 model and its float64 Hugging Face twin (same weights).
+
+    Init std 0.1, so that attention logits are O(1) and an error in a rotary angle shows in the
+    log-probs.
+    """
+    from transformers import LlamaForCausalLM
+
+    from nemo_sspo.megatron import load_hf_into_megatron
+
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
+                         rms_norm_eps=1e-6, rope_theta=10000.0, tie_word_embeddings=False,
+                         initializer_range=0.1)
+    torch.manual_seed(0)
+    hf = LlamaForCausalLM(config).eval()
+    model = build_policy_model(config).eval()
+    load_hf_into_megatron(model, {k: v.clone() for k, v in hf.state_dict().items()}, config)
+    return model, hf.double()
+
+
+@pytest.mark.parametrize("offset", [1, 100, 2000])
+def test_local_spec_packed_error_equals_unpacked_error_at_every_offset(long_row_model, offset):
+    """Packed after ``offset`` tokens, a sequence's fp32 error equals its error alone.
+
+    A 16-token sequence packed after ``offset`` tokens of another one: its fp32 log-probs are as
+    far from float64 as the sequence's own run alone. With running row positions (before the fix)
+    the fp32 angle of position p = offset + j carries an error growing with p: measured 1.7e-6,
+    2.1e-6 and 2.4e-5 at offsets 1, 100 and 2,000 against 1.5e-6 alone (ratios 1.12, 1.34, 15.6);
+    now each equals the alone error (bitwise on this machine). The 10% allowance is for
+    kernels that round a longer row differently.
+    """
+    model, reference = long_row_model
+    gen = torch.Generator().manual_seed(1)
+    seq = torch.randint(0, VOCAB, (16,), generator=gen)
+    filler = torch.randint(0, VOCAB, (offset,), generator=gen)
+    lengths = torch.tensor([offset, 16])
+    with torch.no_grad():
+        exact = torch.log_softmax(reference(seq[None]).logits[0], dim=-1)
+        alone = forward_logits(model, seq[None], torch.arange(16)[None])[0, :, :VOCAB]  # no padding
+        alone = torch.log_softmax(alone.double(), dim=-1)
+        packed = forward_logits(model, torch.cat([filler, seq])[None], packed_positions(lengths)[None],
+                                sequence_lengths=lengths)
+        packed = torch.log_softmax(packed[0, offset:, :VOCAB].double(), dim=-1)
+    alone_error = float((alone - exact).abs().max())
+    packed_error = float((packed - exact).abs().max())
+    assert 1e-7 < alone_error < 1e-5  # fp32 rounding, not a broken model
+    assert packed_error <= 1.1 * alone_error, (packed_error, alone_error)
+
+
+def test_packed_row_positions_must_restart(parallel_1):
+    with pytest.raises(ValueError, match=r"must restart at 0 at every sequence .*got \[0, 1, 2, 3, 4\]"):
+        forward_logits(_model(), torch.zeros(1, 5, dtype=torch.long), torch.arange(5)[None],
+                       sequence_lengths=torch.tensor([2, 3]))

@@ -234,6 +234,31 @@ def test_fused_output_with_kernels_equals_torch_path(kernels, kernel_calls, monk
 
 
 @pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_fused_output_with_kernels_ignores_non_finite_padding_rows(kernels, monkeypatch, bad):
+    # Padding rows past vocab_size hold NaN or inf: the kernel path must give the float64
+    # gradient of the valid rows (before the fix dL/dh was NaN everywhere: 0 x NaN in G @ W).
+    monkeypatch.setenv("NEMO_SSPO_TRITON", "1")
+    gen = torch.Generator().manual_seed(8)
+    hidden = torch.randn(7, 8, generator=gen)
+    weight = torch.randn(V_LOCAL, 8, generator=gen)
+    weight[N_VALID:] = bad
+    targets = torch.randint(0, N_VALID, (7,), generator=gen)
+    grads = torch.randn(2, 7, generator=gen)
+    h, w = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
+    logprobs, entropy = fused_linear_logprobs_entropy(h, w, targets, tp_group=None, vocab_start=0,
+                                                      vocab_size=N_VALID, chunk_size=4)
+    ((grads[0] * logprobs).sum() + (grads[1] * entropy).sum()).backward()
+    ref_h = hidden.double().requires_grad_(True)
+    logp_all = torch.log_softmax(ref_h @ weight[:N_VALID].double().t(), dim=-1)
+    ref_lp = logp_all.gather(1, targets[:, None])[:, 0]
+    ((grads[0].double() * ref_lp).sum() - (grads[1].double() * (logp_all.exp() * logp_all).sum(-1)).sum()).backward()
+    torch.testing.assert_close(logprobs.double(), ref_lp.detach(), rtol=0, atol=1e-5)
+    # fp32 gradients of O(1) values from sums of 50 terms: within 1e-5 of float64.
+    torch.testing.assert_close(h.grad.double(), ref_h.grad, rtol=0, atol=1e-5)
+    assert torch.equal(w.grad[N_VALID:], torch.zeros(V_LOCAL - N_VALID, 8))
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
 def test_nan_and_pos_inf_logits_still_refused(kernels, monkeypatch, bad):
     # The kernels must not drop a NaN (a GPU's max/maximum may): the output check sees it.
     monkeypatch.setenv("NEMO_SSPO_TRITON", "1")
