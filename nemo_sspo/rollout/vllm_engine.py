@@ -220,7 +220,8 @@ def _completion_tensors(completion, stop_ids: frozenset[int]) -> tuple[list[int]
 
 
 def rollout_batch_from_outputs(outputs: Sequence[Any], prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
-                               tokenizer, stop_token_ids: Sequence[int]) -> RolloutBatch:
+                               tokenizer, stop_token_ids: Sequence[int], *, vocab_size: int,
+                               max_new_tokens: int) -> RolloutBatch:
     """Converts vLLM ``RequestOutput`` objects (one per row, in row order) into a :class:`RolloutBatch`.
 
     Args:
@@ -229,13 +230,17 @@ def rollout_batch_from_outputs(outputs: Sequence[Any], prompt_ids: torch.Tensor,
         prompt_ids, prompt_mask: ``[B, P]`` the LEFT-padded prompts the requests were built from.
         tokenizer: for the pad id and the texts.
         stop_token_ids: the stop list: a response ends at (and includes) its first stop id.
+        vocab_size: rows of the model's embedding; every returned id must be below it.
+        max_new_tokens: the length cap the requests were sent with.
 
     Returns:
         responses RIGHT-padded to the longest (at least 1 column); a row is truncated when it holds no
         stop id (vLLM stopped it at ``max_tokens``), whatever ``finish_reason`` says.
 
     Raises:
-        ValueError: a count mismatch, missing log-probs, or an aborted request.
+        ValueError: a count mismatch, missing log-probs, an aborted request, or a response that fails
+            ``nemo_sspo.rollout.hf_engine.check_engine_outputs`` (a NaN or positive log-prob, an id outside
+            the vocabulary, a response over the cap; names the row and the token position).
     """
     if len(outputs) != prompt_ids.shape[0]:
         raise ValueError(f"vLLM returned {len(outputs)} outputs for {prompt_ids.shape[0]} prompts")
@@ -250,12 +255,12 @@ def rollout_batch_from_outputs(outputs: Sequence[Any], prompt_ids: torch.Tensor,
         logprobs[b, : len(ids)] = torch.tensor(lps, dtype=torch.float32)
         response_mask[b, : len(ids)] = True
     truncated = torch.tensor([trunc for _, _, trunc in rows], dtype=torch.bool)
-    return finish_rollout_batch(tokenizer, prompt_ids, prompt_mask, response_ids, response_mask, truncated, logprobs)
+    return finish_rollout_batch(tokenizer, prompt_ids, prompt_mask, response_ids, response_mask, truncated, logprobs,
+                                engine="vllm", vocab_size=vocab_size, max_new_tokens=max_new_tokens)
 
 
-def _tied_embeddings(model_dir: str | Path) -> bool:
-    config = json.loads((Path(model_dir) / "config.json").read_text(encoding="utf-8"))
-    return bool(config.get("tie_word_embeddings", False))
+def _model_config(model_dir: str | Path) -> dict[str, Any]:
+    return json.loads((Path(model_dir) / "config.json").read_text(encoding="utf-8"))
 
 
 class VLLMRolloutEngine:
@@ -266,6 +271,8 @@ class VLLMRolloutEngine:
         tokenizer: the trainer's tokenizer (pad id required).
         stop_token_ids: the model's stop list (default: ``nemo_sspo.models.hf_folder.stop_token_ids(tokenizer)``;
             pass the model folder's list so its generation config counts).
+        vocab_size: rows of the model's embedding (``config.json`` ``vocab_size``): returned ids must be
+            below it.
         max_new_tokens, temperature, top_p, top_k: as :class:`HFRolloutEngine`.
         truncation_corrected: allow ``top_p < 1`` / ``top_k > 0`` (the caller applies TIS).
         tied_embeddings: the model ties its output layer to the embeddings: refit then sends
@@ -278,7 +285,8 @@ class VLLMRolloutEngine:
         ValueError: see :func:`vllm_sampling_kwargs`; a tokenizer without a pad id.
     """
 
-    def __init__(self, llm, tokenizer, *, max_new_tokens: int, temperature: float, stop_token_ids: Sequence[int] | None = None,
+    def __init__(self, llm, tokenizer, *, vocab_size: int, max_new_tokens: int, temperature: float,
+                 stop_token_ids: Sequence[int] | None = None,
                  top_p: float = 1.0, top_k: int = 0, truncation_corrected: bool = False, tied_embeddings: bool = False,
                  sleep_between_steps: bool = False) -> None:
         if tokenizer.pad_token_id is None:
@@ -290,6 +298,7 @@ class VLLMRolloutEngine:
                               stop_token_ids=self.stop_token_ids, truncation_corrected=truncation_corrected)
         vllm_sampling_kwargs(seed=0, **self._sampling)  # validate now, not at the first step
         self.llm, self.tokenizer = llm, tokenizer
+        self.vocab_size = vocab_size
         self.tied_embeddings = tied_embeddings
         self.sleep_between_steps = sleep_between_steps
         self._asleep = False
@@ -312,7 +321,9 @@ class VLLMRolloutEngine:
             "cpu_kv_cache_gib", "enable_sleep_mode")}
         llm = build_llm(model_dir, seed=seed, **settings)
         sleep = bool(settings["enable_sleep_mode"]) and torch.cuda.is_available()
-        return cls(llm, tokenizer, stop_token_ids=stop_token_ids, tied_embeddings=_tied_embeddings(model_dir),
+        config = _model_config(model_dir)
+        return cls(llm, tokenizer, vocab_size=int(config["vocab_size"]), stop_token_ids=stop_token_ids,
+                   tied_embeddings=bool(config.get("tie_word_embeddings", False)),
                    sleep_between_steps=sleep, **sampling)
 
     def generate(self, prompts: list[str], *, seed: int) -> RolloutBatch:
@@ -327,7 +338,9 @@ class VLLMRolloutEngine:
                   for b in range(len(requests))]
         with preserve_process_state():
             outputs = self.llm.generate(requests, params, use_tqdm=False)
-        return rollout_batch_from_outputs(outputs, prompt_ids, prompt_mask, self.tokenizer, self.stop_token_ids)
+        return rollout_batch_from_outputs(outputs, prompt_ids, prompt_mask, self.tokenizer, self.stop_token_ids,
+                                          vocab_size=self.vocab_size,
+                                          max_new_tokens=self._sampling["max_new_tokens"])
 
     def load_weights(self, hf_state_dict: dict[str, torch.Tensor]) -> None:
         """Refit: loads ``hf_state_dict`` (HF names, as ``export_hf_state_dict`` returns; every weight of
