@@ -33,7 +33,7 @@ import tempfile
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
@@ -45,7 +45,7 @@ from transformers import (
 )
 from transformers.initialization import no_init_weights
 
-from nemo_sspo.models.hf_folder import repair_config_file, save_hf_config, stop_token_ids
+from nemo_sspo.models.hf_folder import repair_config_file, stop_token_ids, write_model_folder
 
 __all__ = [
     "SOURCES",
@@ -269,10 +269,8 @@ def _ensure_smollm2_cache(target: Path) -> Path:
         tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
         if not tokenizer.chat_template:
             raise ValueError(f"{gguf.name} carries no chat template; chat prompts cannot be rendered")
-        state = {k: v.contiguous() for k, v in model.state_dict().items() if k != _TIED_KEY}
-        save_file(state, str(tmp / _WEIGHTS_FILE), metadata={"format": "pt"})
-        save_hf_config(model.config, tmp, stop_ids=stop_token_ids(tokenizer), dtype=torch.float32)
-        tokenizer.save_pretrained(tmp)
+        # The GGUF declares its end ids in the tokenizer only (no generation config file).
+        write_model_folder(tmp, model.config, model.state_dict(), tokenizer, stop_ids=stop_token_ids(tokenizer))
 
     return _write_folder_once(target, write)
 
@@ -317,10 +315,7 @@ def engine_model_dir(source: str, *, cache_dir: str | None = None) -> Path:
     config, state_dict, tokenizer = load_hf_checkpoint(source, cache_dir=cache_dir)
 
     def write(tmp: Path) -> None:
-        save_file({k: v.contiguous() for k, v in state_dict.items()}, str(tmp / _WEIGHTS_FILE),
-                  metadata={"format": "pt"})
-        save_hf_config(config, tmp, stop_ids=stop_token_ids(tokenizer), dtype=torch.float32)
-        tokenizer.save_pretrained(tmp)
+        write_model_folder(tmp, config, state_dict, tokenizer, stop_ids=stop_token_ids(tokenizer))
 
     return _write_folder_once(target, write)
 

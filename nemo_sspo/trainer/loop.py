@@ -181,6 +181,9 @@ class GRPOTrainer:
             checkpoint = load_hf_checkpoint(cfg.model.source, cache_dir=cfg.model.cache_dir)
         hf_config, state_dict, tokenizer = checkpoint
         self.hf_config, self.tokenizer = hf_config, tokenizer
+        source = cfg.model.source
+        # The one stop list: the engines and every model folder written (hf_checkpoint, best/, interrupted).
+        self.stop_ids = stop_token_ids(tokenizer, None if source in SOURCES else resolve_model_dir(source))
         self.model, self.optimizer = _wrap(self._megatron_policy(state_dict), cfg.optim)
         self.ref_model = self._build_reference(state_dict) if needs.reference_policy else None
         self.critic = self._build_critic(state_dict) if needs.advantage_source == "critic" else None
@@ -237,14 +240,13 @@ class GRPOTrainer:
         loading ``model.source``'s folder itself (``engine_model_dir``); both are refitted after every
         step. Both stop at the model's stop list (``nemo_sspo.models.hf_folder.stop_token_ids``).
         """
-        ro, source = self.cfg.rollout, self.cfg.model.source
-        sampling = dict(max_new_tokens=ro.max_new_tokens, temperature=ro.temperature, top_p=ro.top_p)
-        model_dir = (engine_model_dir(source, cache_dir=self.cfg.model.cache_dir) if ro.backend == "vllm"
-                     else None if source in SOURCES else resolve_model_dir(source))
-        sampling["stop_token_ids"] = stop_token_ids(self.tokenizer, model_dir)
+        ro = self.cfg.rollout
+        sampling = dict(max_new_tokens=ro.max_new_tokens, temperature=ro.temperature, top_p=ro.top_p,
+                        stop_token_ids=self.stop_ids)
         if ro.backend == "vllm":
             self.engine = VLLMRolloutEngine.build(
-                model_dir, self.tokenizer, vllm_config=ro.vllm,
+                engine_model_dir(self.cfg.model.source, cache_dir=self.cfg.model.cache_dir), self.tokenizer,
+                vllm_config=ro.vllm,
                 seed=self.cfg.trainer.seed, truncation_corrected=ro.tis_cap is not None, **sampling)
         else:
             self.engine = HFRolloutEngine(build_hf_model(self.hf_config, state_dict), self.tokenizer,
@@ -447,8 +449,7 @@ class GRPOTrainer:
         """The current policy as a Hugging Face folder ``output_dir/name`` (collective export, rank 0 writes)."""
         state = export_hf_state_dict(self.model.module, self.hf_config, dst_rank=self.groups.mp_src_rank)
         if dist.get_rank() == 0:
-            write_hf_checkpoint(Path(self.cfg.trainer.output_dir) / name, self.hf_config, state, self.tokenizer, extra,
-                                stop_ids=getattr(self.engine, "stop_token_ids", None))
+            self._write_hf(name, state, extra)
 
     def _save_interrupted(self) -> None:
         """After a failed step: rank 0 writes the rollout model (the last completed step's policy) to
@@ -460,8 +461,12 @@ class GRPOTrainer:
             logger.warning("no hf_checkpoint_interrupted with rollout.backend=%s; resume from the last checkpoint "
                            "(trainer.checkpoint_interval)", self.cfg.rollout.backend)
             return
-        write_hf_checkpoint(Path(self.cfg.trainer.output_dir) / "hf_checkpoint_interrupted", self.hf_config,
-                            self.engine.model.state_dict(), self.tokenizer)
+        self._write_hf("hf_checkpoint_interrupted", self.engine.model.state_dict())
+
+    def _write_hf(self, name: str, state: dict, extra: dict | None = None) -> None:
+        """Writes ``output_dir/name`` with the run's stop list (every model folder of a run goes through here)."""
+        write_hf_checkpoint(Path(self.cfg.trainer.output_dir) / name, self.hf_config, state, self.tokenizer, extra,
+                            stop_ids=self.stop_ids)
 
     def fit(self) -> list[dict[str, float]]:
         """Runs steps ``completed_steps + 1 .. trainer.max_steps``; returns the per-step metrics (same on
