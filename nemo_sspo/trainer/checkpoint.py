@@ -31,7 +31,8 @@ save. (Assumes a shared filesystem with atomic rename, as dist_checkpointing doe
 Data position: prompt sources are seeded streams whose state depends only on the number of
 problems drawn so far (``RolloutSampler.problems_drawn``); resuming replays that many draws. Sampling
 seeds derive from ``(trainer.seed, step, round, slot)`` (:mod:`nemo_sspo.trainer.sampling`), so with
-the step counter restored the rollouts continue exactly.
+the step counter restored the rollouts continue exactly. DCPO's per-prompt reward history (smooth
+advantage standardisation) is part of :class:`TrainerState`, so the advantages continue exactly too.
 """
 
 from __future__ import annotations
@@ -84,6 +85,9 @@ class TrainerState:
         world_size: processes that wrote the RNG files.
         best_eval_mean: best ``eval/mean`` so far (None before the first evaluation).
         best_eval_step: the step that reached it.
+        advantage_history: DCPO's per-prompt reward stats (``loss.params.smooth_advantages``), prompt
+            key -> ``[visits, mean, std]``; None when the loss keeps none. JSON floats round-trip
+            exactly, so a resumed run continues with the same stats.
     """
 
     step: int
@@ -92,6 +96,7 @@ class TrainerState:
     world_size: int
     best_eval_mean: float | None = None
     best_eval_step: int | None = None
+    advantage_history: dict[str, list[float]] | None = None
 
 
 def checkpoint_name(step: int) -> str:

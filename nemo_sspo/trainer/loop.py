@@ -41,7 +41,13 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from nemo_sspo.algorithms import group_advantages, segment_ids
+from nemo_sspo.algorithms import (
+    PromptRewardStats,
+    group_advantages,
+    segment_ids,
+    smooth_group_advantages,
+    zero_variance_groups,
+)
 from nemo_sspo.algorithms.batch import concat_policy_batches, pack_critic_batch, pack_rollouts
 from nemo_sspo.algorithms.critic import critic_advantages
 from nemo_sspo.algorithms.losses import make_policy_loss
@@ -204,6 +210,8 @@ class GRPOTrainer:
                              output_chunk_size=cfg.parallel.output_chunk_size)
         self.layout = micro_batch_layout(cfg.parallel)
         self.completed_steps, self.best = 0, BestEval()
+        self.advantage_history: dict[str, PromptRewardStats] = {}
+        """Per-prompt reward stats of DCPO's smooth standardisation (the same on every rank)."""
         if resume_path is not None:
             self._resume(resume_path)
         self.logger = MetricsLogger(cfg.trainer.output_dir, cfg.trainer.max_steps, enabled=dist.get_rank() == 0,
@@ -270,23 +278,46 @@ class GRPOTrainer:
     def compute_advantages(self, rollout: Rollout) -> tuple[torch.Tensor, dict[str, MetricPair]]:
         """``[B]`` float32 advantages and their metric pairs.
 
-        Group-relative (``group_advantages``, std normalisation per the loss config), or for a
-        critic loss A = r - sigmoid(V(prompt)) with the critic before its update (collective over
-        the critic's layout; ranks off the last pipeline stage, which never read advantages, get 0).
+        Group-relative (``group_advantages``, std normalisation per the loss config), or DCPO's smooth
+        standardisation over each prompt's visits (:meth:`_smooth_advantages`) when the loss asks for
+        it, or for a critic loss A = r - sigmoid(V(prompt)) with the critic before its update
+        (collective over the critic's layout; ranks off the last pipeline stage, which never read
+        advantages, get 0).
         """
         group = self.cfg.rollout.samples_per_prompt
         if self.critic is None:
-            # Groups with equal task rewards carry no signal whatever their shaped rewards (the
-            # dynamic-sampling filter and its round-limit warning rely on this; config: reward).
-            advantages, stats = group_advantages(rollout.rewards, group, task_rewards=rollout.task_rewards,
-                                                 normalize_std=self.loss.requirements.normalize_std)
-            groups = rollout.rewards.numel() / group
-            frac = stats["advantages/zero_variance_group_frac"]
-            return advantages, {"advantages/zero_variance_group_frac": mean_pair(frac * groups, groups)}
+            needs = self.loss.requirements
+            if needs.smooth_advantages:
+                advantages = self._smooth_advantages(rollout)
+            else:
+                # Groups with equal task rewards carry no signal whatever their shaped rewards (the
+                # dynamic-sampling filter and its round-limit warning rely on this; config: reward).
+                advantages, _ = group_advantages(rollout.rewards, group, task_rewards=rollout.task_rewards,
+                                                 normalize_std=needs.normalize_std)
+            zero = zero_variance_groups(rollout.task_rewards, group)
+            return advantages, {"advantages/zero_variance_group_frac": mean_pair(float(zero.sum()), zero.numel())}
         value_logits = self.critic.predict(self._critic_batch(rollout))
         if value_logits is None:
             return torch.zeros_like(rollout.rewards), {}
         return critic_advantages(rollout.rewards, value_logits, group), {}
+
+    def _smooth_advantages(self, rollout: Rollout) -> torch.Tensor:
+        """This rank's rows of DCPO's smooth standardisation (``smooth_group_advantages``).
+
+        Every rank runs it over the step's groups of all data-parallel ranks, gathered in slot order
+        (collective over the data-parallel group), so each rank's history takes the same updates in
+        the same order, whatever the data-parallel size.
+        """
+        keys, rewards, g = rollout.prompt_keys, rollout.rewards.tolist(), self.groups
+        if g.dp_size > 1:
+            parts = [None] * g.dp_size
+            dist.all_gather_object(parts, (keys, rewards), group=g.dp_group)
+            keys, rewards = [k for ks, _ in parts for k in ks], [r for _, rs in parts for r in rs]
+        advantages, self.advantage_history = smooth_group_advantages(
+            torch.tensor(rewards, dtype=torch.float32), self.cfg.rollout.samples_per_prompt, keys,
+            self.advantage_history, normalize_std=self.loss.requirements.normalize_std)
+        rows = rollout.rewards.numel()
+        return advantages[g.dp_rank * rows:(g.dp_rank + 1) * rows]
 
     def _critic_batch(self, rollout: Rollout):
         """The critic's prompts and BCE targets (the 0/1 task rewards)."""
@@ -428,8 +459,12 @@ class GRPOTrainer:
         drawn = self.sampler.problems_drawn if self.sampler is not None else 0
         box = [drawn]  # rank 0 is a generator; other model-parallel ranks draw nothing
         dist.broadcast_object_list(box, src=0)
+        history = None
+        if self.loss.requirements.smooth_advantages:
+            history = {key: [st.visits, st.mean, st.std] for key, st in self.advantage_history.items()}
         state = TrainerState(step=step, problems_drawn=box[0], seed=tr.seed, world_size=dist.get_world_size(),
-                             best_eval_mean=self.best.mean, best_eval_step=self.best.step)
+                             best_eval_mean=self.best.mean, best_eval_step=self.best.step,
+                             advantage_history=history)
         save_checkpoint(Path(tr.output_dir) / CHECKPOINTS_DIR, state, self._checkpointed_models(),
                         keep=tr.keep_checkpoints)
 
@@ -441,6 +476,12 @@ class GRPOTrainer:
             self.sampler.fast_forward(state.problems_drawn)
         self.completed_steps = state.step
         self.best = BestEval(state.best_eval_mean, state.best_eval_step)
+        if self.loss.requirements.smooth_advantages:
+            if state.advantage_history is None and dist.get_rank() == 0:
+                logger.warning("checkpoint %s holds no per-prompt reward history (written without "
+                               "loss.params.smooth_advantages): every prompt restarts at its first visit", path)
+            self.advantage_history = {key: PromptRewardStats(int(visits), float(mean), float(std))
+                                      for key, (visits, mean, std) in (state.advantage_history or {}).items()}
         self.refit()
         if dist.get_rank() == 0:
             logger.warning("resumed from %s after step %d", path, state.step)
