@@ -190,7 +190,7 @@ def smooth_group_advantages(
         raise ValueError(f"keys has {len(keys)} entries for {grouped.shape[0]} groups; pass one key per prompt group")
     updated = dict(history)
     rows = []
-    for key, group in zip(keys, grouped):
+    for key, group in zip(keys, grouped, strict=True):
         mean_new, std_new = float(group.mean()), float(group.std(unbiased=True))
         stats = _merge(updated.get(key), mean_new, std_new)
         updated[key] = stats

@@ -131,8 +131,10 @@ def save_hf_config(hf_config: PretrainedConfig, folder: str | Path, *, stop_ids:
 
 def write_model_folder(folder: str | Path, hf_config: PretrainedConfig, state_dict: dict[str, torch.Tensor],
                        tokenizer, *, stop_ids: list[int], extra: dict | None = None) -> None:
-    """Writes a complete Hugging Face model folder into the existing, empty ``folder``; the one writer
-    of every folder the product makes (module docstring). Callers publish ``folder`` atomically.
+    """Writes a complete Hugging Face model folder into the existing, empty ``folder``.
+
+    The one writer of every model folder the product makes (module docstring); callers publish
+    ``folder`` atomically.
 
     Args:
         folder: an existing empty directory (a temporary sibling of the final folder).

@@ -125,10 +125,15 @@ def finish_rollout_batch(tokenizer, prompt_ids: torch.Tensor, prompt_mask: torch
 
     Args:
         tokenizer: for the pad id and the texts.
-        prompt_ids, prompt_mask: ``[B, P]`` the LEFT-padded prompts.
-        response_ids, response_mask, logprobs: ``[B, T]`` as :class:`RolloutBatch` (any values outside the mask).
-        truncated: ``[B]`` bool.
-        engine, vocab_size, max_new_tokens: as :func:`check_engine_outputs`.
+        prompt_ids: ``[B, P]`` int64, the LEFT-padded prompts.
+        prompt_mask: ``[B, P]`` bool, True on real prompt tokens.
+        response_ids: ``[B, T]`` int64 sampled ids (any values outside the mask).
+        response_mask: ``[B, T]`` bool, True up to and including the first stop id.
+        truncated: ``[B]`` bool, no stop id within the cap.
+        logprobs: ``[B, T]`` float, the sampled tokens' log-probs (any values outside the mask).
+        engine: as :func:`check_engine_outputs`.
+        vocab_size: as :func:`check_engine_outputs`.
+        max_new_tokens: as :func:`check_engine_outputs`.
 
     Returns:
         the batch.

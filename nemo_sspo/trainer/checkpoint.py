@@ -206,7 +206,10 @@ def write_hf_checkpoint(path: str | Path, hf_config, state_dict: dict[str, torch
 
     Args:
         path: the final folder (``output_dir/hf_checkpoint``, ``best``, ``hf_checkpoint_interrupted``).
-        hf_config, state_dict, tokenizer, extra: as ``write_model_folder``.
+        hf_config: the model's config (written cleaned, with the tensors' dtype).
+        state_dict: HF names -> tensors on any device (as ``export_hf_state_dict``; a tied head is dropped).
+        tokenizer: saved with the weights.
+        extra: ``name -> JSON value`` files written as ``<name>.json`` (e.g. ``best.json``).
         stop_ids: the model's stop list (the trainer's, from the source's tokenizer and generation config).
 
     Returns:

@@ -78,8 +78,11 @@ def generation_seed(seed: int, step: int, round_: int, slot: int) -> int:
 
 
 def prompt_key(question: str) -> str:
-    """A stable key of a problem (32 hex digits of a hash of its text): the same in every process and
-    run, short enough to keep one entry per training problem in a checkpoint."""
+    """A stable key of a problem: 32 hex digits of a hash of its text.
+
+    The same in every process and run, and short enough to keep one entry per training problem in a
+    checkpoint.
+    """
     return hashlib.blake2b(question.encode(), digest_size=16).hexdigest()
 
 
