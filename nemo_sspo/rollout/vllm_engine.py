@@ -202,17 +202,23 @@ def _row_seed(seed: int, row: int) -> int:
     return (seed + row) % 2**63
 
 
-def _completion_tensors(completion, stop_ids: frozenset[int]) -> tuple[list[int], list[float], bool]:
-    """``(token ids, sampled-token log-probs, truncated)`` of one vLLM ``CompletionOutput``; the ids end
-    at (and include) the first stop id, as the HF engine's response mask does."""
+def _completion_tensors(completion, stop_ids: frozenset[int], row: int) -> tuple[list[int], list[float], bool]:
+    """``(token ids, sampled-token log-probs, truncated)`` of row ``row``'s vLLM ``CompletionOutput``; the
+    ids end at (and include) the first stop id, as the HF engine's response mask does."""
     token_ids = list(completion.token_ids)
+    where = f"rollout engine 'vllm', row {row}"
     if completion.logprobs is None:
-        raise ValueError("vLLM returned no log-probs: the request needs SamplingParams(logprobs=0)")
+        raise ValueError(f"{where}: no log-probs returned; the request needs SamplingParams(logprobs=0)")
     if len(completion.logprobs) != len(token_ids):
-        raise ValueError(f"vLLM returned {len(completion.logprobs)} log-prob entries for {len(token_ids)} tokens")
+        raise ValueError(f"{where}: {len(completion.logprobs)} log-prob entries for {len(token_ids)} tokens")
     if completion.finish_reason not in _FINISH_REASONS:
-        raise ValueError(f"vLLM request finished with {completion.finish_reason!r}; expected one of {_FINISH_REASONS}")
-    logprobs = [float(step[token].logprob) for step, token in zip(completion.logprobs, token_ids)]
+        raise ValueError(f"{where}: request finished with {completion.finish_reason!r}; expected one of "
+                         f"{_FINISH_REASONS}")
+    missing = next((t for t, (step, token) in enumerate(zip(completion.logprobs, token_ids, strict=True)) if token not in step), None)
+    if missing is not None:
+        raise ValueError(f"{where}, response position {missing}: no log-prob for the sampled token "
+                         f"{token_ids[missing]}")
+    logprobs = [float(step[token].logprob) for step, token in zip(completion.logprobs, token_ids, strict=True)]
     end = next((i + 1 for i, token in enumerate(token_ids) if token in stop_ids), None)
     if end is None:
         return token_ids, logprobs, True
@@ -245,7 +251,7 @@ def rollout_batch_from_outputs(outputs: Sequence[Any], prompt_ids: torch.Tensor,
     if len(outputs) != prompt_ids.shape[0]:
         raise ValueError(f"vLLM returned {len(outputs)} outputs for {prompt_ids.shape[0]} prompts")
     stops = frozenset(int(i) for i in stop_token_ids)
-    rows = [_completion_tensors(out.outputs[0], stops) for out in outputs]
+    rows = [_completion_tensors(out.outputs[0], stops, row) for row, out in enumerate(outputs)]
     width = max([len(ids) for ids, _, _ in rows] + [1])
     response_ids = torch.full((len(rows), width), tokenizer.pad_token_id, dtype=torch.long)
     logprobs = torch.zeros(len(rows), width, dtype=torch.float32)

@@ -92,8 +92,11 @@ def test_second_end_id_ends_the_response():
 
 
 def test_missing_logprobs_and_aborted_requests_are_refused(tokenizer):
-    for broken, match in [(SimpleNamespace(token_ids=[1], logprobs=None, finish_reason="stop"), "logprobs=0"),
-                          (_completion([1], [-1.0], "abort"), "abort")]:
+    wrong_token = SimpleNamespace(token_ids=[1, 3], logprobs=[{1: SimpleNamespace(logprob=-1.0)},
+                                                             {4: SimpleNamespace(logprob=-1.0)}], finish_reason="stop")
+    for broken, match in [(SimpleNamespace(token_ids=[1], logprobs=None, finish_reason="stop"), "row 0: .*logprobs=0"),
+                          (_completion([1], [-1.0], "abort"), "row 0: .*abort"),
+                          (wrong_token, "row 0, response position 1: no log-prob for the sampled token 3")]:
         with pytest.raises(ValueError, match=match):
             rollout_batch_from_outputs([SimpleNamespace(outputs=[broken])], torch.ones(1, 2, dtype=torch.long),
                                        torch.ones(1, 2, dtype=torch.bool), tokenizer, [2], vocab_size=len(tokenizer),
