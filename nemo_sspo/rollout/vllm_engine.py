@@ -214,11 +214,12 @@ def _completion_tensors(completion, stop_ids: frozenset[int], row: int) -> tuple
     if completion.finish_reason not in _FINISH_REASONS:
         raise ValueError(f"{where}: request finished with {completion.finish_reason!r}; expected one of "
                          f"{_FINISH_REASONS}")
-    missing = next((t for t, (step, token) in enumerate(zip(completion.logprobs, token_ids, strict=True)) if token not in step), None)
+    steps = list(zip(completion.logprobs, token_ids, strict=True))
+    missing = next((t for t, (step, token) in enumerate(steps) if token not in step), None)
     if missing is not None:
         raise ValueError(f"{where}, response position {missing}: no log-prob for the sampled token "
                          f"{token_ids[missing]}")
-    logprobs = [float(step[token].logprob) for step, token in zip(completion.logprobs, token_ids, strict=True)]
+    logprobs = [float(step[token].logprob) for step, token in steps]
     end = next((i + 1 for i, token in enumerate(token_ids) if token in stop_ids), None)
     if end is None:
         return token_ids, logprobs, True
