@@ -45,7 +45,8 @@ def test_history_is_checkpointed_and_a_resumed_run_equals_the_uninterrupted_one(
     tiny = load_hf_checkpoint("tiny-random-llama")
     overrides = [*SMOOTH, "trainer.max_steps=3", "trainer.checkpoint_interval=2"]
     straight_steps, resumed_steps = [], []
-    straight = run(monkeypatch, tmp_path / "run", overrides, checkpoint=tiny, capture=_record_advantages(straight_steps))
+    straight = run(monkeypatch, tmp_path / "run", overrides, checkpoint=tiny,
+                   capture=_record_advantages(straight_steps))
     keys = sorted(straight_steps[0][1])
     assert len(keys) == 2 and all(sorted(step[1]) == keys for step in straight_steps)  # both problems, every step
     assert [{k: st.visits for k, st in step[3].items()} for step in straight_steps] == [
@@ -67,8 +68,8 @@ def test_history_is_checkpointed_and_a_resumed_run_equals_the_uninterrupted_one(
 
 
 def _two_rollouts(rank, world_size, tmp_dir):
-    """In a spawned gloo process (or this one, for world size 1): steps 1 and 2 rolled out and given advantages, without updates
-    (the rollouts stay those of the initial weights for any data-parallel size)."""
+    """Steps 1 and 2 rolled out and given advantages, without updates, in a spawned gloo process (or
+    this one, for world size 1); the rollouts stay those of the initial weights for any data-parallel size."""
     monkeypatch = pytest.MonkeyPatch()
     trainer = make_trainer(monkeypatch, f"{tmp_dir}/w{world_size}", [*SMOOTH, "trainer.minibatches_per_step=1"])
     try:

@@ -185,7 +185,8 @@ def test_engine_generates_per_row_seeds_and_keeps_the_global_rngs(monkeypatch, t
 
 def test_refit_reloads_whole_buckets_adds_the_tied_head_and_resets_the_prefix_cache(tokenizer):
     llm = _FakeLLM()
-    engine = VLLMRolloutEngine(llm, tokenizer, vocab_size=VOCAB, max_new_tokens=2, temperature=1.0, tied_embeddings=True)
+    engine = VLLMRolloutEngine(llm, tokenizer, vocab_size=VOCAB, max_new_tokens=2, temperature=1.0,
+                               tied_embeddings=True)
     embed = torch.ones(3, 2)
     engine.load_weights({"model.embed_tokens.weight": embed, "model.norm.weight": torch.ones(2)})
     assert llm.calls == [("reload_weights", ["model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"]),
@@ -200,7 +201,8 @@ def test_sleep_only_when_enabled_and_woken_before_refit(tokenizer):
     llm = _FakeLLM()
     VLLMRolloutEngine(llm, tokenizer, vocab_size=VOCAB, max_new_tokens=2, temperature=1.0).sleep()
     assert llm.calls == []  # sleep mode off (the CPU default): nothing
-    engine = VLLMRolloutEngine(llm, tokenizer, vocab_size=VOCAB, max_new_tokens=2, temperature=1.0, sleep_between_steps=True)
+    engine = VLLMRolloutEngine(llm, tokenizer, vocab_size=VOCAB, max_new_tokens=2, temperature=1.0,
+                               sleep_between_steps=True)
     engine.sleep()
     engine.load_weights({"model.norm.weight": torch.ones(2)})
     assert [c[0] for c in llm.calls] == ["sleep", "wake_up", "reload_weights", "reset_prefix_cache"]
