@@ -17,9 +17,10 @@ and scores; it broadcasts the rollout to the replica's other TP/PP ranks.
 What the loss config asks of the trainer (:class:`nemo_sspo.algorithms.losses.PolicyLossConfig`):
 ``segmentation`` / ``segment_k`` pick the segment ids; ``advantage_std_normalisation`` the group
 advantage; DCPO's ``smooth_advantages`` mixes each prompt's group statistics with those of its
-earlier visits (a per-prompt history kept identical on every rank and saved in checkpoints); ``kl_coef > 0`` keeps a frozen Megatron copy of the initial policy and adds its
-``ref_logprobs`` to the batch (nothing is built when it is 0); ``advantage_source == "critic"``
-trains the SPPO critic (:mod:`nemo_sspo.trainer.critic`).
+earlier visits (a per-prompt history kept identical on every rank and saved in checkpoints);
+``kl_coef > 0`` keeps a frozen Megatron copy of the initial policy and adds its ``ref_logprobs`` to
+the batch (nothing is built when it is 0); ``advantage_source == "critic"`` trains the SPPO critic
+(:mod:`nemo_sspo.trainer.critic`).
 
 Around the steps: ``rollout.tis_cap`` multiplies each token's loss by a truncated importance weight
 pi_old / pi_rollout (:mod:`nemo_sspo.rollout.tis`); ``eval.every_n_steps`` evaluates the rollout
