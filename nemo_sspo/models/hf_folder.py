@@ -32,7 +32,7 @@ import torch
 from safetensors.torch import save_file
 from transformers import GenerationConfig, PretrainedConfig
 
-__all__ = ["ARCHITECTURES", "clean_hf_config", "generation_eos_ids", "save_hf_config", "stop_token_ids",
+__all__ = ["ARCHITECTURES", "clean_hf_config", "generation_eos_ids", "stop_token_ids",
            "write_model_folder"]
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
@@ -111,7 +111,7 @@ def clean_hf_config(hf_config: PretrainedConfig, dtype: torch.dtype | None = Non
     return config
 
 
-def save_hf_config(hf_config: PretrainedConfig, folder: str | Path, *, stop_ids: list[int],
+def _save_hf_config(hf_config: PretrainedConfig, folder: str | Path, *, stop_ids: list[int],
                    dtype: torch.dtype | None = None) -> None:
     """Writes ``config.json`` (:func:`clean_hf_config`) and ``generation_config.json`` (``eos_token_id``:
     ``stop_ids``, ``bos``/``pad`` from the config) into ``folder``, which must exist.
@@ -155,7 +155,7 @@ def write_model_folder(folder: str | Path, hf_config: PretrainedConfig, state_di
     tensors = {name: value.detach().cpu().contiguous() for name, value in state_dict.items()
                if not (tied and name == _TIED_KEY)}
     dtype = next((t.dtype for t in tensors.values() if t.is_floating_point()), None)
-    save_hf_config(hf_config, folder, stop_ids=stop_ids, dtype=dtype)
+    _save_hf_config(hf_config, folder, stop_ids=stop_ids, dtype=dtype)
     save_file(tensors, str(folder / _WEIGHTS_FILE), metadata={"format": "pt"})
     tokenizer.save_pretrained(folder)
     for key, value in (extra or {}).items():
