@@ -32,8 +32,8 @@ import torch
 from safetensors.torch import save_file
 from transformers import GenerationConfig, PretrainedConfig
 
-__all__ = ["ARCHITECTURES", "clean_hf_config", "generation_eos_ids", "stop_token_ids",
-           "write_model_folder"]
+__all__ = ["ARCHITECTURES", "TIED_HEAD_KEY", "WEIGHTS_FILE", "clean_hf_config", "generation_eos_ids",
+           "stop_token_ids", "write_model_folder"]
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
 """``model_type`` -> the ``architectures`` entry written to ``config.json``."""
@@ -42,8 +42,10 @@ ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
 # with <|endoftext|> rather than the tokenizer's EOS (<|im_end|>), so both stop generation.
 _END_TOKENS = ("<|im_end|>", "<|endoftext|>")
 _GENERATION_CONFIG = "generation_config.json"
-_WEIGHTS_FILE = "model.safetensors"
-_TIED_KEY = "lm_head.weight"
+WEIGHTS_FILE = "model.safetensors"
+"""The single-file weights of every folder written here."""
+TIED_HEAD_KEY = "lm_head.weight"
+"""The output layer's name, left out of state dicts when the embeddings are tied."""
 
 
 def _as_id_list(value) -> list[int]:
@@ -153,10 +155,10 @@ def write_model_folder(folder: str | Path, hf_config: PretrainedConfig, state_di
     folder = Path(folder)
     tied = bool(getattr(hf_config, "tie_word_embeddings", False))
     tensors = {name: value.detach().cpu().contiguous() for name, value in state_dict.items()
-               if not (tied and name == _TIED_KEY)}
+               if not (tied and name == TIED_HEAD_KEY)}
     dtype = next((t.dtype for t in tensors.values() if t.is_floating_point()), None)
     _save_hf_config(hf_config, folder, stop_ids=stop_ids, dtype=dtype)
-    save_file(tensors, str(folder / _WEIGHTS_FILE), metadata={"format": "pt"})
+    save_file(tensors, str(folder / WEIGHTS_FILE), metadata={"format": "pt"})
     tokenizer.save_pretrained(folder)
     for key, value in (extra or {}).items():
         (folder / f"{key}.json").write_text(json.dumps(value, indent=1), encoding="utf-8")
