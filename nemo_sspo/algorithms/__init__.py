@@ -5,7 +5,12 @@ groups, no Megatron, no Hydra: usable in any GRPO loop.
 Shape letters: B responses (rows), T response positions, V vocabulary, G responses per prompt.
 """
 
-from nemo_sspo.algorithms.advantages import group_advantages, zero_variance_groups
+from nemo_sspo.algorithms.advantages import (
+    PromptRewardStats,
+    group_advantages,
+    smooth_group_advantages,
+    zero_variance_groups,
+)
 from nemo_sspo.algorithms.aggregation import AGGREGATION_MODES, aggregate
 from nemo_sspo.algorithms.bounds import LOWER_BOUND_RULES, entropy_adaptive_bounds
 from nemo_sspo.algorithms.dynamic_sampling import select_nonzero_variance_groups
@@ -37,6 +42,7 @@ __all__ = [
     "LossInputs",
     "PolicyLoss",
     "PolicyLossConfig",
+    "PromptRewardStats",
     "SegmentTables",
     "aggregate",
     "build_segment_tables",
@@ -51,5 +57,6 @@ __all__ = [
     "segment_ids",
     "segment_mean",
     "select_nonzero_variance_groups",
+    "smooth_group_advantages",
     "zero_variance_groups",
 ]

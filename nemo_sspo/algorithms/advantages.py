@@ -1,5 +1,5 @@
 """Group-relative advantages (GRPO, DeepSeekMath arXiv 2402.03300 section 4.1.2; SSPO arXiv
-2511.04256 eqs. 3 and 8).
+2511.04256 eqs. 3 and 8), and DCPO's smooth advantage standardisation.
 
 A_i = (r_i - mean_g(r)) / (std_g(r) + eps), shared by every token of response i.
 
@@ -8,11 +8,33 @@ population std (``unbiased=False``), the literal standard deviation of the G rew
 group's advantages have mean 0 and variance 1 (up to eps). TRL and verl use Bessel's correction
 (``unbiased=True``); that only rescales every advantage by sqrt((G-1)/G) (0.935 at G = 8), i.e.
 the effective learning rate.
+
+Smooth advantage standardisation (DCPO, arXiv 2509.02333 section 4.2; official code lime-RL/DCPO,
+``verl/trainer/ppo/core_algos.py`` ``get_mean_std`` and ``compute_dcpo_outcome_advantage``): at the
+i-th visit of a prompt, its group's mean and unbiased std (mu_new, s_new) are merged with the
+prompt's stored cumulative ones (mu_old, s_old) as the official code does::
+
+    mu_cum    = ((i - 1) mu_old + mu_new) / i
+    s_cum^2   = [ (i - 1) s_old^2 + s_new^2 + ((i - 1) / i) (mu_new - mu_old)^2 ] / i
+    z_new     = (r - mu_new) / s_new,   z_cum = (r - mu_cum) / s_cum   (0 where the std is 0)
+    A1 = z_cum / i + (1 - 1/i) z_new,   A2 = z_new / i + (1 - 1/i) z_cum
+    A  = A1 where |A1| < |A2|, else A2 (per response)
+
+At i = 1 this is the z-score with the unbiased std and no eps (A1 = A2 = z_new). Without std
+normalisation z_new = r - mu_new and z_cum = r - mu_cum, as the official code. A group whose
+rewards are all equal gets z_new = 0 but, from its second visit on, z_cum != 0 when the prompt's
+earlier rewards differed: such responses keep a learning signal (the paper's point).
 """
 
 from __future__ import annotations
 
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
 import torch
+
+__all__ = ["PromptRewardStats", "group_advantages", "smooth_group_advantages", "zero_variance_groups"]
 
 
 def _check_rewards(rewards: torch.Tensor, group_size: int, eps: float) -> None:
@@ -98,3 +120,84 @@ def group_advantages(
     advantages = torch.where(zero_variance.unsqueeze(1), torch.zeros_like(centered), centered)
     stats = {"advantages/zero_variance_group_frac": zero_variance.double().mean().item()}
     return advantages.reshape(-1).to(torch.float32), stats
+
+
+@dataclass(frozen=True)
+class PromptRewardStats:
+    """One prompt's reward statistics accumulated over its visits (DCPO's per-prompt state).
+
+    Attributes:
+        visits: groups of this prompt seen so far (i after the i-th visit), >= 1.
+        mean: cumulative mean mu_cum of the rewards (module docstring).
+        std: cumulative std s_cum (the official code's merge of unbiased group stds), >= 0.
+    """
+
+    visits: int
+    mean: float
+    std: float
+
+
+def _merge(old: PromptRewardStats | None, mean: float, std: float) -> PromptRewardStats:
+    """The stats after one more visit with group mean/std ``(mean, std)`` (module docstring)."""
+    if old is None:
+        return PromptRewardStats(1, mean, std)
+    i = old.visits + 1
+    var = ((i - 1) * old.std**2 + std**2 + (i - 1) / i * (mean - old.mean) ** 2) / i
+    return PromptRewardStats(i, ((i - 1) * old.mean + mean) / i, math.sqrt(var))
+
+
+def _standardised(rewards: torch.Tensor, mean: float, std: float, normalize_std: bool) -> torch.Tensor:
+    centred = rewards - mean
+    if not normalize_std:
+        return centred
+    return centred / std if std > 0 else torch.zeros_like(rewards)
+
+
+def smooth_group_advantages(
+    rewards: torch.Tensor,
+    group_size: int,
+    keys: Sequence[str],
+    history: Mapping[str, PromptRewardStats],
+    *,
+    normalize_std: bool = True,
+) -> tuple[torch.Tensor, dict[str, PromptRewardStats]]:
+    """DCPO's smooth advantage standardisation (module docstring) for one batch of groups.
+
+    Groups are visited in row order; a prompt that owns two groups of the batch is visited twice
+    (the second visit sees the first's stats), so the result depends only on the batch order.
+
+    Args:
+        rewards: ``[B]`` float, one scalar reward per response; prompt k owns rows ``k*G .. k*G + G - 1``.
+        group_size: G >= 2 (the unbiased std of one reward is undefined; the official code refuses it too).
+        keys: ``B / G`` stable prompt keys, one per group (e.g. a hash of the problem text).
+        history: key -> the prompt's stats before this batch (missing: first visit); not modified.
+        normalize_std: divide by the stds (True, the official default); False centres only.
+
+    Returns:
+        ``(advantages [B] float32, history after this batch)``: a new dict holding every entry of
+        ``history`` plus this batch's updates.
+
+    Raises:
+        ValueError: rewards not 1-D, a non-finite reward (names the row), ``B % G != 0``,
+            ``group_size < 2``, or ``len(keys) != B / G``.
+    """
+    _check_rewards(rewards, group_size, 0.0)
+    if group_size < 2:
+        raise ValueError(f"group_size={group_size}: the smooth standardisation needs >= 2 responses per prompt "
+                         "(an unbiased std of one reward is undefined)")
+    grouped = rewards.to(torch.float64).reshape(-1, group_size)
+    if len(keys) != grouped.shape[0]:
+        raise ValueError(f"keys has {len(keys)} entries for {grouped.shape[0]} groups; pass one key per prompt group")
+    updated = dict(history)
+    rows = []
+    for key, group in zip(keys, grouped, strict=True):
+        mean_new, std_new = float(group.mean()), float(group.std(unbiased=True))
+        stats = _merge(updated.get(key), mean_new, std_new)
+        updated[key] = stats
+        z_new = _standardised(group, mean_new, std_new, normalize_std)
+        z_cum = _standardised(group, stats.mean, stats.std, normalize_std)
+        weight = 1.0 / stats.visits
+        a1 = weight * z_cum + (1.0 - weight) * z_new
+        a2 = weight * z_new + (1.0 - weight) * z_cum
+        rows.append(torch.where(a1.abs() < a2.abs(), a1, a2))
+    return torch.cat(rows).to(torch.float32), updated

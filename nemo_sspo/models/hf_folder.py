@@ -1,11 +1,16 @@
 """Hugging Face model folders that every consumer loads (transformers, vLLM, ``load_hf_checkpoint``),
 and the one stop-token list of a model.
 
-Folders written here (the SmolLM2 cache, ``hf_checkpoint``, ``best/``, the folder a vLLM engine loads
-for a built-in source) hold dense weights, so their ``config.json`` must not keep a source's
-``quantization_config`` (the GGUF source leaves ``{quant_method: gguf}``, which vLLM refuses:
-"Unknown quantization method: gguf"), and must name ``architectures`` (vLLM picks its model class
-from it). ``generation_config.json`` carries the stop list as ``eos_token_id``.
+Every model folder the product writes (the SmolLM2 cache, the folder a vLLM engine loads for a
+built-in source, ``hf_checkpoint``, ``best/``, ``hf_checkpoint_interrupted``) is written by one
+function, :func:`write_model_folder`, which takes the stop list as a required argument: a writer
+that rebuilt it from the tokenizer alone would drop the ids only the source's generation config
+declares (Llama-3: EOS 128001, generation config [128001, 128008, 128009]; a model reloaded from a
+folder holding [128001] generates past ``<|eot_id|>``). The folders hold dense weights, so their
+``config.json`` must not keep a source's ``quantization_config`` (the GGUF source leaves
+``{quant_method: gguf}``, which vLLM refuses: "Unknown quantization method: gguf"), and must name
+``architectures`` (vLLM picks its model class from it). ``generation_config.json`` carries the stop
+list as ``eos_token_id``.
 
 Stop list (:func:`stop_token_ids`): the tokenizer's EOS, every ``eos_token_id`` of the model folder's
 ``generation_config.json``, and ``<|im_end|>`` / ``<|endoftext|>`` when the vocabulary has them.
@@ -24,9 +29,11 @@ import tempfile
 from pathlib import Path
 
 import torch
+from safetensors.torch import save_file
 from transformers import GenerationConfig, PretrainedConfig
 
-__all__ = ["ARCHITECTURES", "clean_hf_config", "generation_eos_ids", "save_hf_config", "stop_token_ids"]
+__all__ = ["ARCHITECTURES", "TIED_HEAD_KEY", "WEIGHTS_FILE", "clean_hf_config", "generation_eos_ids",
+           "stop_token_ids", "write_model_folder"]
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 """``model_type`` -> the ``architectures`` entry written to ``config.json``."""
@@ -35,6 +42,10 @@ ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen
 # with <|endoftext|> rather than the tokenizer's EOS (<|im_end|>), so both stop generation.
 _END_TOKENS = ("<|im_end|>", "<|endoftext|>")
 _GENERATION_CONFIG = "generation_config.json"
+WEIGHTS_FILE = "model.safetensors"
+"""The single-file weights of every folder written here."""
+TIED_HEAD_KEY = "lm_head.weight"
+"""The output layer's name, left out of state dicts when the embeddings are tied."""
 
 
 def _as_id_list(value) -> list[int]:
@@ -102,16 +113,55 @@ def clean_hf_config(hf_config: PretrainedConfig, dtype: torch.dtype | None = Non
     return config
 
 
-def save_hf_config(hf_config: PretrainedConfig, folder: str | Path, *, stop_ids: list[int],
+def _save_hf_config(hf_config: PretrainedConfig, folder: str | Path, *, stop_ids: list[int],
                    dtype: torch.dtype | None = None) -> None:
     """Writes ``config.json`` (:func:`clean_hf_config`) and ``generation_config.json`` (``eos_token_id``:
-    ``stop_ids``, ``bos``/``pad`` from the config) into ``folder``, which must exist."""
+    ``stop_ids``, ``bos``/``pad`` from the config) into ``folder``, which must exist.
+
+    Raises:
+        ValueError: ``stop_ids`` is empty.
+    """
+    if not stop_ids:
+        raise ValueError("stop_ids is empty; pass the model's stop list (stop_token_ids(tokenizer, model_dir))")
     config = clean_hf_config(hf_config, dtype)
     config.save_pretrained(folder)
     generation = GenerationConfig(bos_token_id=getattr(config, "bos_token_id", None),
                                   eos_token_id=list(stop_ids) if len(stop_ids) > 1 else stop_ids[0],
                                   pad_token_id=getattr(config, "pad_token_id", None))
     generation.save_pretrained(folder)
+
+
+def write_model_folder(folder: str | Path, hf_config: PretrainedConfig, state_dict: dict[str, torch.Tensor],
+                       tokenizer, *, stop_ids: list[int], extra: dict | None = None) -> None:
+    """Writes a complete Hugging Face model folder into the existing, empty ``folder``.
+
+    The one writer of every model folder the product makes (module docstring); callers publish
+    ``folder`` atomically.
+
+    Args:
+        folder: an existing empty directory (a temporary sibling of the final folder).
+        hf_config: the model's config; written cleaned (:func:`clean_hf_config`) with the stored
+            tensors' dtype.
+        state_dict: HF names -> tensors on any device; ``lm_head.weight`` is dropped when the
+            embeddings are tied (the convention of ``nemo_sspo.models``).
+        tokenizer: saved with ``save_pretrained``.
+        stop_ids: the model's stop list (:func:`stop_token_ids` of the source's tokenizer and folder),
+            written as ``generation_config.json`` ``eos_token_id``; required, never rebuilt here.
+        extra: ``name -> JSON-serialisable value``, each written as ``<name>.json``.
+
+    Raises:
+        ValueError: ``stop_ids`` is empty, or ``hf_config`` names no known architecture.
+    """
+    folder = Path(folder)
+    tied = bool(getattr(hf_config, "tie_word_embeddings", False))
+    tensors = {name: value.detach().cpu().contiguous() for name, value in state_dict.items()
+               if not (tied and name == TIED_HEAD_KEY)}
+    dtype = next((t.dtype for t in tensors.values() if t.is_floating_point()), None)
+    _save_hf_config(hf_config, folder, stop_ids=stop_ids, dtype=dtype)
+    save_file(tensors, str(folder / WEIGHTS_FILE), metadata={"format": "pt"})
+    tokenizer.save_pretrained(folder)
+    for key, value in (extra or {}).items():
+        (folder / f"{key}.json").write_text(json.dumps(value, indent=1), encoding="utf-8")
 
 
 def repair_config_file(folder: str | Path) -> bool:

@@ -10,7 +10,8 @@ from transformers import GenerationConfig
 from nemo_sspo.models.hf_checkpoint import check_state_dict_keys
 from nemo_sspo.models.hf_folder import stop_token_ids as model_stop_token_ids
 
-__all__ = ["HFRolloutEngine", "RolloutBatch", "check_sampling_settings", "encode_prompts", "finish_rollout_batch"]
+__all__ = ["HFRolloutEngine", "RolloutBatch", "check_engine_outputs", "check_sampling_settings", "encode_prompts",
+           "finish_rollout_batch"]
 
 
 @dataclass
@@ -67,11 +68,81 @@ def encode_prompts(tokenizer, prompts: list[str]) -> tuple[torch.Tensor, torch.T
     return enc["input_ids"], enc["attention_mask"].bool()
 
 
+def _first(bad: torch.Tensor) -> tuple[int, int] | None:
+    """``(row, position)`` of the first True entry of a ``[B, T]`` bool tensor in row-major order, or None."""
+    hits = torch.nonzero(bad)
+    return None if hits.numel() == 0 else (int(hits[0, 0]), int(hits[0, 1]))
+
+
+def check_engine_outputs(response_ids: torch.Tensor, response_mask: torch.Tensor, logprobs: torch.Tensor, *,
+                         engine: str, vocab_size: int, max_new_tokens: int) -> None:
+    """Refuses what a rollout engine returned unless every response token is usable by the trainer.
+
+    The one check at the engine boundary (both engines' results pass :func:`finish_rollout_batch`):
+    a NaN or positive log-prob would otherwise reach the TIS weights, the loss and the gap metric,
+    and an id outside the model's vocabulary would index past its embedding rows.
+
+    Args:
+        response_ids: ``[B, T]`` int64 sampled ids.
+        response_mask: ``[B, T]`` bool, True on the response tokens (only these are checked).
+        logprobs: ``[B, T]`` float, natural-log probability of each sampled token.
+        engine: the engine's name for the message (``rollout.backend``: "hf" or "vllm").
+        vocab_size: rows of the model's embedding (may exceed the tokenizer's ids, e.g. Qwen2.5).
+        max_new_tokens: the response length cap (``rollout.max_new_tokens``).
+
+    Raises:
+        ValueError: a log-prob that is not finite or is > 0, an id outside ``[0, vocab_size)``, or a
+            response longer than ``max_new_tokens``; names the engine, the row and the token position.
+    """
+    where = f"rollout engine {engine!r}"
+    lengths = response_mask.sum(dim=1)
+    too_long = torch.nonzero(lengths > max_new_tokens).flatten()
+    if too_long.numel():
+        row = int(too_long[0])
+        raise ValueError(f"{where} returned {int(lengths[row])} tokens for row {row}, more than "
+                         f"rollout.max_new_tokens={max_new_tokens}; the engine ignored its length cap")
+    bad = _first(response_mask & ((response_ids < 0) | (response_ids >= vocab_size)))
+    if bad is not None:
+        raise ValueError(f"{where} returned token id {int(response_ids[bad])} at row {bad[0]}, response position "
+                         f"{bad[1]}: outside the model's vocabulary [0, {vocab_size}); the engine must load the "
+                         "trainer's model (same config.json)")
+    lp = logprobs.float()
+    # ~(lp <= 0) is True for NaN as well as for positive values and +inf; -inf is caught by isfinite.
+    bad = _first(response_mask & (~(lp <= 0) | ~torch.isfinite(lp)))
+    if bad is not None:
+        raise ValueError(f"{where} returned log-prob {float(lp[bad])} for token id {int(response_ids[bad])} at row "
+                         f"{bad[0]}, response position {bad[1]}: a sampled token's log-prob must be finite and <= 0 "
+                         "(a NaN or inf usually means the engine's logits overflowed: try a wider rollout dtype)")
+
+
 def finish_rollout_batch(tokenizer, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, response_ids: torch.Tensor,
-                         response_mask: torch.Tensor, truncated: torch.Tensor,
-                         logprobs: torch.Tensor) -> RolloutBatch:
-    """A :class:`RolloutBatch` from CPU tensors: writes the pad id and log-prob 0 outside
-    ``response_mask`` (``response_ids`` is modified in place) and decodes the texts."""
+                         response_mask: torch.Tensor, truncated: torch.Tensor, logprobs: torch.Tensor, *,
+                         engine: str, vocab_size: int, max_new_tokens: int) -> RolloutBatch:
+    """A :class:`RolloutBatch` from an engine's CPU tensors, checked first (:func:`check_engine_outputs`).
+
+    Writes the pad id and log-prob 0 outside ``response_mask`` (``response_ids`` is modified in place)
+    and decodes the texts.
+
+    Args:
+        tokenizer: for the pad id and the texts.
+        prompt_ids: ``[B, P]`` int64, the LEFT-padded prompts.
+        prompt_mask: ``[B, P]`` bool, True on real prompt tokens.
+        response_ids: ``[B, T]`` int64 sampled ids (any values outside the mask).
+        response_mask: ``[B, T]`` bool, True up to and including the first stop id.
+        truncated: ``[B]`` bool, no stop id within the cap.
+        logprobs: ``[B, T]`` float, the sampled tokens' log-probs (any values outside the mask).
+        engine: as :func:`check_engine_outputs`.
+        vocab_size: as :func:`check_engine_outputs`.
+        max_new_tokens: as :func:`check_engine_outputs`.
+
+    Returns:
+        the batch.
+
+    Raises:
+        ValueError: see :func:`check_engine_outputs`.
+    """
+    check_engine_outputs(response_ids, response_mask, logprobs, engine=engine, vocab_size=vocab_size,
+                         max_new_tokens=max_new_tokens)
     response_ids[~response_mask] = tokenizer.pad_token_id
     # where, not multiply: a filtered (top-k/top-p) pad position has log-prob -inf and -inf * 0 = NaN.
     logprobs = torch.where(response_mask, logprobs.float(), 0.0)
@@ -156,6 +227,10 @@ class HFRolloutEngine:
 
         Returns:
             a :class:`RolloutBatch` with ``B = len(prompts)``.
+
+        Raises:
+            ValueError: a non-finite or positive log-prob (e.g. fp16 logits that overflowed), an id
+                outside the vocabulary or an over-long response (:func:`check_engine_outputs`).
         """
         prompt_ids, prompt_mask = encode_prompts(self.tokenizer, prompts)
         device = self.model.device
@@ -169,7 +244,8 @@ class HFRolloutEngine:
         response_ids = response_ids.cpu().clone()
         response_mask, truncated = self._response_mask(response_ids)
         return finish_rollout_batch(self.tokenizer, prompt_ids, prompt_mask, response_ids, response_mask, truncated,
-                                    logprobs)
+                                    logprobs, engine="hf", vocab_size=self.model.config.vocab_size,
+                                    max_new_tokens=self.max_new_tokens)
 
     def load_weights(self, hf_state_dict: dict[str, torch.Tensor]) -> None:
         """Refit: copy ``hf_state_dict`` (HF names, any float dtype) into the model in place.

@@ -202,17 +202,24 @@ def _row_seed(seed: int, row: int) -> int:
     return (seed + row) % 2**63
 
 
-def _completion_tensors(completion, stop_ids: frozenset[int]) -> tuple[list[int], list[float], bool]:
-    """``(token ids, sampled-token log-probs, truncated)`` of one vLLM ``CompletionOutput``; the ids end
-    at (and include) the first stop id, as the HF engine's response mask does."""
+def _completion_tensors(completion, stop_ids: frozenset[int], row: int) -> tuple[list[int], list[float], bool]:
+    """``(token ids, sampled-token log-probs, truncated)`` of row ``row``'s vLLM ``CompletionOutput``; the
+    ids end at (and include) the first stop id, as the HF engine's response mask does."""
     token_ids = list(completion.token_ids)
+    where = f"rollout engine 'vllm', row {row}"
     if completion.logprobs is None:
-        raise ValueError("vLLM returned no log-probs: the request needs SamplingParams(logprobs=0)")
+        raise ValueError(f"{where}: no log-probs returned; the request needs SamplingParams(logprobs=0)")
     if len(completion.logprobs) != len(token_ids):
-        raise ValueError(f"vLLM returned {len(completion.logprobs)} log-prob entries for {len(token_ids)} tokens")
+        raise ValueError(f"{where}: {len(completion.logprobs)} log-prob entries for {len(token_ids)} tokens")
     if completion.finish_reason not in _FINISH_REASONS:
-        raise ValueError(f"vLLM request finished with {completion.finish_reason!r}; expected one of {_FINISH_REASONS}")
-    logprobs = [float(step[token].logprob) for step, token in zip(completion.logprobs, token_ids)]
+        raise ValueError(f"{where}: request finished with {completion.finish_reason!r}; expected one of "
+                         f"{_FINISH_REASONS}")
+    steps = list(zip(completion.logprobs, token_ids, strict=True))
+    missing = next((t for t, (step, token) in enumerate(steps) if token not in step), None)
+    if missing is not None:
+        raise ValueError(f"{where}, response position {missing}: no log-prob for the sampled token "
+                         f"{token_ids[missing]}")
+    logprobs = [float(step[token].logprob) for step, token in steps]
     end = next((i + 1 for i, token in enumerate(token_ids) if token in stop_ids), None)
     if end is None:
         return token_ids, logprobs, True
@@ -220,7 +227,8 @@ def _completion_tensors(completion, stop_ids: frozenset[int]) -> tuple[list[int]
 
 
 def rollout_batch_from_outputs(outputs: Sequence[Any], prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
-                               tokenizer, stop_token_ids: Sequence[int]) -> RolloutBatch:
+                               tokenizer, stop_token_ids: Sequence[int], *, vocab_size: int,
+                               max_new_tokens: int) -> RolloutBatch:
     """Converts vLLM ``RequestOutput`` objects (one per row, in row order) into a :class:`RolloutBatch`.
 
     Args:
@@ -229,18 +237,22 @@ def rollout_batch_from_outputs(outputs: Sequence[Any], prompt_ids: torch.Tensor,
         prompt_ids, prompt_mask: ``[B, P]`` the LEFT-padded prompts the requests were built from.
         tokenizer: for the pad id and the texts.
         stop_token_ids: the stop list: a response ends at (and includes) its first stop id.
+        vocab_size: rows of the model's embedding; every returned id must be below it.
+        max_new_tokens: the length cap the requests were sent with.
 
     Returns:
         responses RIGHT-padded to the longest (at least 1 column); a row is truncated when it holds no
         stop id (vLLM stopped it at ``max_tokens``), whatever ``finish_reason`` says.
 
     Raises:
-        ValueError: a count mismatch, missing log-probs, or an aborted request.
+        ValueError: a count mismatch, missing log-probs, an aborted request, or a response that fails
+            ``nemo_sspo.rollout.hf_engine.check_engine_outputs`` (a NaN or positive log-prob, an id outside
+            the vocabulary, a response over the cap; names the row and the token position).
     """
     if len(outputs) != prompt_ids.shape[0]:
         raise ValueError(f"vLLM returned {len(outputs)} outputs for {prompt_ids.shape[0]} prompts")
     stops = frozenset(int(i) for i in stop_token_ids)
-    rows = [_completion_tensors(out.outputs[0], stops) for out in outputs]
+    rows = [_completion_tensors(out.outputs[0], stops, row) for row, out in enumerate(outputs)]
     width = max([len(ids) for ids, _, _ in rows] + [1])
     response_ids = torch.full((len(rows), width), tokenizer.pad_token_id, dtype=torch.long)
     logprobs = torch.zeros(len(rows), width, dtype=torch.float32)
@@ -250,12 +262,12 @@ def rollout_batch_from_outputs(outputs: Sequence[Any], prompt_ids: torch.Tensor,
         logprobs[b, : len(ids)] = torch.tensor(lps, dtype=torch.float32)
         response_mask[b, : len(ids)] = True
     truncated = torch.tensor([trunc for _, _, trunc in rows], dtype=torch.bool)
-    return finish_rollout_batch(tokenizer, prompt_ids, prompt_mask, response_ids, response_mask, truncated, logprobs)
+    return finish_rollout_batch(tokenizer, prompt_ids, prompt_mask, response_ids, response_mask, truncated, logprobs,
+                                engine="vllm", vocab_size=vocab_size, max_new_tokens=max_new_tokens)
 
 
-def _tied_embeddings(model_dir: str | Path) -> bool:
-    config = json.loads((Path(model_dir) / "config.json").read_text(encoding="utf-8"))
-    return bool(config.get("tie_word_embeddings", False))
+def _model_config(model_dir: str | Path) -> dict[str, Any]:
+    return json.loads((Path(model_dir) / "config.json").read_text(encoding="utf-8"))
 
 
 class VLLMRolloutEngine:
@@ -266,6 +278,8 @@ class VLLMRolloutEngine:
         tokenizer: the trainer's tokenizer (pad id required).
         stop_token_ids: the model's stop list (default: ``nemo_sspo.models.hf_folder.stop_token_ids(tokenizer)``;
             pass the model folder's list so its generation config counts).
+        vocab_size: rows of the model's embedding (``config.json`` ``vocab_size``): returned ids must be
+            below it.
         max_new_tokens, temperature, top_p, top_k: as :class:`HFRolloutEngine`.
         truncation_corrected: allow ``top_p < 1`` / ``top_k > 0`` (the caller applies TIS).
         tied_embeddings: the model ties its output layer to the embeddings: refit then sends
@@ -278,7 +292,8 @@ class VLLMRolloutEngine:
         ValueError: see :func:`vllm_sampling_kwargs`; a tokenizer without a pad id.
     """
 
-    def __init__(self, llm, tokenizer, *, max_new_tokens: int, temperature: float, stop_token_ids: Sequence[int] | None = None,
+    def __init__(self, llm, tokenizer, *, vocab_size: int, max_new_tokens: int, temperature: float,
+                 stop_token_ids: Sequence[int] | None = None,
                  top_p: float = 1.0, top_k: int = 0, truncation_corrected: bool = False, tied_embeddings: bool = False,
                  sleep_between_steps: bool = False) -> None:
         if tokenizer.pad_token_id is None:
@@ -290,6 +305,7 @@ class VLLMRolloutEngine:
                               stop_token_ids=self.stop_token_ids, truncation_corrected=truncation_corrected)
         vllm_sampling_kwargs(seed=0, **self._sampling)  # validate now, not at the first step
         self.llm, self.tokenizer = llm, tokenizer
+        self.vocab_size = vocab_size
         self.tied_embeddings = tied_embeddings
         self.sleep_between_steps = sleep_between_steps
         self._asleep = False
@@ -312,7 +328,9 @@ class VLLMRolloutEngine:
             "cpu_kv_cache_gib", "enable_sleep_mode")}
         llm = build_llm(model_dir, seed=seed, **settings)
         sleep = bool(settings["enable_sleep_mode"]) and torch.cuda.is_available()
-        return cls(llm, tokenizer, stop_token_ids=stop_token_ids, tied_embeddings=_tied_embeddings(model_dir),
+        config = _model_config(model_dir)
+        return cls(llm, tokenizer, vocab_size=int(config["vocab_size"]), stop_token_ids=stop_token_ids,
+                   tied_embeddings=bool(config.get("tie_word_embeddings", False)),
                    sleep_between_steps=sleep, **sampling)
 
     def generate(self, prompts: list[str], *, seed: int) -> RolloutBatch:
@@ -327,7 +345,9 @@ class VLLMRolloutEngine:
                   for b in range(len(requests))]
         with preserve_process_state():
             outputs = self.llm.generate(requests, params, use_tqdm=False)
-        return rollout_batch_from_outputs(outputs, prompt_ids, prompt_mask, self.tokenizer, self.stop_token_ids)
+        return rollout_batch_from_outputs(outputs, prompt_ids, prompt_mask, self.tokenizer, self.stop_token_ids,
+                                          vocab_size=self.vocab_size,
+                                          max_new_tokens=self._sampling["max_new_tokens"])
 
     def load_weights(self, hf_state_dict: dict[str, torch.Tensor]) -> None:
         """Refit: loads ``hf_state_dict`` (HF names, as ``export_hf_state_dict`` returns; every weight of

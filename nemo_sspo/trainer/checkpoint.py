@@ -31,7 +31,8 @@ save. (Assumes a shared filesystem with atomic rename, as dist_checkpointing doe
 Data position: prompt sources are seeded streams whose state depends only on the number of
 problems drawn so far (``RolloutSampler.problems_drawn``); resuming replays that many draws. Sampling
 seeds derive from ``(trainer.seed, step, round, slot)`` (:mod:`nemo_sspo.trainer.sampling`), so with
-the step counter restored the rollouts continue exactly.
+the step counter restored the rollouts continue exactly. DCPO's per-prompt reward history (smooth
+advantage standardisation) is part of :class:`TrainerState`, so the advantages continue exactly too.
 """
 
 from __future__ import annotations
@@ -84,6 +85,9 @@ class TrainerState:
         world_size: processes that wrote the RNG files.
         best_eval_mean: best ``eval/mean`` so far (None before the first evaluation).
         best_eval_step: the step that reached it.
+        advantage_history: DCPO's per-prompt reward stats (``loss.params.smooth_advantages``), prompt
+            key -> ``[visits, mean, std]``; None when the loss keeps none. JSON floats round-trip
+            exactly, so a resumed run continues with the same stats.
     """
 
     step: int
@@ -92,6 +96,7 @@ class TrainerState:
     world_size: int
     best_eval_mean: float | None = None
     best_eval_step: int | None = None
+    advantage_history: dict[str, list[float]] | None = None
 
 
 def checkpoint_name(step: int) -> str:
@@ -194,38 +199,32 @@ def _prune(root: Path, keep: int, latest: str) -> None:
 
 
 def write_hf_checkpoint(path: str | Path, hf_config, state_dict: dict[str, torch.Tensor], tokenizer,
-                        extra: dict[str, Any] | None = None, *, stop_ids: list[int] | None = None) -> Path:
-    """Writes a Hugging Face model folder atomically (a temporary sibling folder, then a rename that
-    replaces an older ``path``): ``config.json`` (no ``quantization_config``, ``architectures`` set:
-    ``nemo_sspo.models.hf_folder.clean_hf_config``), ``generation_config.json`` (the stop list as
-    ``eos_token_id``), ``model.safetensors``, the tokenizer files, and ``extra`` as ``<key>.json``
-    files. Not collective: call it on one rank.
+                        extra: dict[str, Any] | None = None, *, stop_ids: list[int]) -> Path:
+    """Writes a Hugging Face model folder (``nemo_sspo.models.hf_folder.write_model_folder``) atomically:
+    into a temporary sibling folder, then a rename that replaces an older ``path``. Not collective:
+    call it on one rank.
 
     Args:
-        state_dict: HF names (as ``export_hf_state_dict``); ``lm_head.weight`` is dropped when the
-            embeddings are tied (the convention of ``nemo_sspo.models``). Tensors may live on any device.
-        stop_ids: the model's stop list (default: ``stop_token_ids(tokenizer)``).
+        path: the final folder (``output_dir/hf_checkpoint``, ``best``, ``hf_checkpoint_interrupted``).
+        hf_config: the model's config (written cleaned, with the tensors' dtype).
+        state_dict: HF names -> tensors on any device (as ``export_hf_state_dict``; a tied head is dropped).
+        tokenizer: saved with the weights.
+        extra: ``name -> JSON value`` files written as ``<name>.json`` (e.g. ``best.json``).
+        stop_ids: the model's stop list (the trainer's, from the source's tokenizer and generation config).
 
     Returns:
         ``path``, loadable by ``nemo_sspo.models.load_hf_checkpoint``, ``transformers`` and vLLM.
-    """
-    from safetensors.torch import save_file
 
-    from nemo_sspo.models.hf_folder import save_hf_config, stop_token_ids
+    Raises:
+        ValueError: ``stop_ids`` is empty.
+    """
+    from nemo_sspo.models.hf_folder import write_model_folder
 
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    tied = bool(getattr(hf_config, "tie_word_embeddings", False))
-    tensors = {name: value.detach().cpu().contiguous() for name, value in state_dict.items()
-               if not (tied and name == "lm_head.weight")}
-    save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-    dtype = next((t.dtype for t in tensors.values() if t.is_floating_point()), None)
-    save_hf_config(hf_config, tmp, stop_ids=stop_ids or stop_token_ids(tokenizer), dtype=dtype)
-    tokenizer.save_pretrained(tmp)
-    for key, value in (extra or {}).items():
-        (tmp / f"{key}.json").write_text(json.dumps(value, indent=1), encoding="utf-8")
+    write_model_folder(tmp, hf_config, state_dict, tokenizer, stop_ids=stop_ids, extra=extra)
     _publish(tmp, path)
     return path
 

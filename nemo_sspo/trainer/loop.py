@@ -16,9 +16,11 @@ and scores; it broadcasts the rollout to the replica's other TP/PP ranks.
 
 What the loss config asks of the trainer (:class:`nemo_sspo.algorithms.losses.PolicyLossConfig`):
 ``segmentation`` / ``segment_k`` pick the segment ids; ``advantage_std_normalisation`` the group
-advantage; ``kl_coef > 0`` keeps a frozen Megatron copy of the initial policy and adds its
-``ref_logprobs`` to the batch (nothing is built when it is 0); ``advantage_source == "critic"``
-trains the SPPO critic (:mod:`nemo_sspo.trainer.critic`).
+advantage; DCPO's ``smooth_advantages`` mixes each prompt's group statistics with those of its
+earlier visits (a per-prompt history kept identical on every rank and saved in checkpoints);
+``kl_coef > 0`` keeps a frozen Megatron copy of the initial policy and adds its ``ref_logprobs`` to
+the batch (nothing is built when it is 0); ``advantage_source == "critic"`` trains the SPPO critic
+(:mod:`nemo_sspo.trainer.critic`).
 
 Around the steps: ``rollout.tis_cap`` multiplies each token's loss by a truncated importance weight
 pi_old / pi_rollout (:mod:`nemo_sspo.rollout.tis`); ``eval.every_n_steps`` evaluates the rollout
@@ -41,7 +43,13 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from nemo_sspo.algorithms import group_advantages, segment_ids
+from nemo_sspo.algorithms import (
+    PromptRewardStats,
+    group_advantages,
+    segment_ids,
+    smooth_group_advantages,
+    zero_variance_groups,
+)
 from nemo_sspo.algorithms.batch import concat_policy_batches, pack_critic_batch, pack_rollouts
 from nemo_sspo.algorithms.critic import critic_advantages
 from nemo_sspo.algorithms.losses import make_policy_loss
@@ -181,6 +189,9 @@ class GRPOTrainer:
             checkpoint = load_hf_checkpoint(cfg.model.source, cache_dir=cfg.model.cache_dir)
         hf_config, state_dict, tokenizer = checkpoint
         self.hf_config, self.tokenizer = hf_config, tokenizer
+        source = cfg.model.source
+        # The one stop list: the engines and every model folder written (hf_checkpoint, best/, interrupted).
+        self.stop_ids = stop_token_ids(tokenizer, None if source in SOURCES else resolve_model_dir(source))
         self.model, self.optimizer = _wrap(self._megatron_policy(state_dict), cfg.optim)
         self.ref_model = self._build_reference(state_dict) if needs.reference_policy else None
         self.critic = self._build_critic(state_dict) if needs.advantage_source == "critic" else None
@@ -201,6 +212,8 @@ class GRPOTrainer:
                              output_chunk_size=cfg.parallel.output_chunk_size)
         self.layout = micro_batch_layout(cfg.parallel)
         self.completed_steps, self.best = 0, BestEval()
+        self.advantage_history: dict[str, PromptRewardStats] = {}
+        """Per-prompt reward stats of DCPO's smooth standardisation (the same on every rank)."""
         if resume_path is not None:
             self._resume(resume_path)
         self.logger = MetricsLogger(cfg.trainer.output_dir, cfg.trainer.max_steps, enabled=dist.get_rank() == 0,
@@ -237,14 +250,13 @@ class GRPOTrainer:
         loading ``model.source``'s folder itself (``engine_model_dir``); both are refitted after every
         step. Both stop at the model's stop list (``nemo_sspo.models.hf_folder.stop_token_ids``).
         """
-        ro, source = self.cfg.rollout, self.cfg.model.source
-        sampling = dict(max_new_tokens=ro.max_new_tokens, temperature=ro.temperature, top_p=ro.top_p)
-        model_dir = (engine_model_dir(source, cache_dir=self.cfg.model.cache_dir) if ro.backend == "vllm"
-                     else None if source in SOURCES else resolve_model_dir(source))
-        sampling["stop_token_ids"] = stop_token_ids(self.tokenizer, model_dir)
+        ro = self.cfg.rollout
+        sampling = dict(max_new_tokens=ro.max_new_tokens, temperature=ro.temperature, top_p=ro.top_p,
+                        stop_token_ids=self.stop_ids)
         if ro.backend == "vllm":
             self.engine = VLLMRolloutEngine.build(
-                model_dir, self.tokenizer, vllm_config=ro.vllm,
+                engine_model_dir(self.cfg.model.source, cache_dir=self.cfg.model.cache_dir), self.tokenizer,
+                vllm_config=ro.vllm,
                 seed=self.cfg.trainer.seed, truncation_corrected=ro.tis_cap is not None, **sampling)
         else:
             self.engine = HFRolloutEngine(build_hf_model(self.hf_config, state_dict), self.tokenizer,
@@ -268,23 +280,46 @@ class GRPOTrainer:
     def compute_advantages(self, rollout: Rollout) -> tuple[torch.Tensor, dict[str, MetricPair]]:
         """``[B]`` float32 advantages and their metric pairs.
 
-        Group-relative (``group_advantages``, std normalisation per the loss config), or for a
-        critic loss A = r - sigmoid(V(prompt)) with the critic before its update (collective over
-        the critic's layout; ranks off the last pipeline stage, which never read advantages, get 0).
+        Group-relative (``group_advantages``, std normalisation per the loss config), or DCPO's smooth
+        standardisation over each prompt's visits (:meth:`_smooth_advantages`) when the loss asks for
+        it, or for a critic loss A = r - sigmoid(V(prompt)) with the critic before its update
+        (collective over the critic's layout; ranks off the last pipeline stage, which never read
+        advantages, get 0).
         """
         group = self.cfg.rollout.samples_per_prompt
         if self.critic is None:
-            # Groups with equal task rewards carry no signal whatever their shaped rewards (the
-            # dynamic-sampling filter and its round-limit warning rely on this; config: reward).
-            advantages, stats = group_advantages(rollout.rewards, group, task_rewards=rollout.task_rewards,
-                                                 normalize_std=self.loss.requirements.normalize_std)
-            groups = rollout.rewards.numel() / group
-            frac = stats["advantages/zero_variance_group_frac"]
-            return advantages, {"advantages/zero_variance_group_frac": mean_pair(frac * groups, groups)}
+            needs = self.loss.requirements
+            if needs.smooth_advantages:
+                advantages = self._smooth_advantages(rollout)
+            else:
+                # Groups with equal task rewards carry no signal whatever their shaped rewards (the
+                # dynamic-sampling filter and its round-limit warning rely on this; config: reward).
+                advantages, _ = group_advantages(rollout.rewards, group, task_rewards=rollout.task_rewards,
+                                                 normalize_std=needs.normalize_std)
+            zero = zero_variance_groups(rollout.task_rewards, group)
+            return advantages, {"advantages/zero_variance_group_frac": mean_pair(float(zero.sum()), zero.numel())}
         value_logits = self.critic.predict(self._critic_batch(rollout))
         if value_logits is None:
             return torch.zeros_like(rollout.rewards), {}
         return critic_advantages(rollout.rewards, value_logits, group), {}
+
+    def _smooth_advantages(self, rollout: Rollout) -> torch.Tensor:
+        """This rank's rows of DCPO's smooth standardisation (``smooth_group_advantages``).
+
+        Every rank runs it over the step's groups of all data-parallel ranks, gathered in slot order
+        (collective over the data-parallel group), so each rank's history takes the same updates in
+        the same order, whatever the data-parallel size.
+        """
+        keys, rewards, g = rollout.prompt_keys, rollout.rewards.tolist(), self.groups
+        if g.dp_size > 1:
+            parts = [None] * g.dp_size
+            dist.all_gather_object(parts, (keys, rewards), group=g.dp_group)
+            keys, rewards = [k for ks, _ in parts for k in ks], [r for _, rs in parts for r in rs]
+        advantages, self.advantage_history = smooth_group_advantages(
+            torch.tensor(rewards, dtype=torch.float32), self.cfg.rollout.samples_per_prompt, keys,
+            self.advantage_history, normalize_std=self.loss.requirements.normalize_std)
+        rows = rollout.rewards.numel()
+        return advantages[g.dp_rank * rows:(g.dp_rank + 1) * rows]
 
     def _critic_batch(self, rollout: Rollout):
         """The critic's prompts and BCE targets (the 0/1 task rewards)."""
@@ -427,8 +462,12 @@ class GRPOTrainer:
         drawn = self.sampler.problems_drawn if self.sampler is not None else 0
         box = [drawn]  # rank 0 is a generator; other model-parallel ranks draw nothing
         dist.broadcast_object_list(box, src=0)
+        history = None
+        if self.loss.requirements.smooth_advantages:
+            history = {key: [st.visits, st.mean, st.std] for key, st in self.advantage_history.items()}
         state = TrainerState(step=step, problems_drawn=box[0], seed=tr.seed, world_size=dist.get_world_size(),
-                             best_eval_mean=self.best.mean, best_eval_step=self.best.step)
+                             best_eval_mean=self.best.mean, best_eval_step=self.best.step,
+                             advantage_history=history)
         save_checkpoint(Path(tr.output_dir) / CHECKPOINTS_DIR, state, self._checkpointed_models(),
                         keep=tr.keep_checkpoints)
 
@@ -440,6 +479,12 @@ class GRPOTrainer:
             self.sampler.fast_forward(state.problems_drawn)
         self.completed_steps = state.step
         self.best = BestEval(state.best_eval_mean, state.best_eval_step)
+        if self.loss.requirements.smooth_advantages:
+            if state.advantage_history is None and dist.get_rank() == 0:
+                logger.warning("checkpoint %s holds no per-prompt reward history (written without "
+                               "loss.params.smooth_advantages): every prompt restarts at its first visit", path)
+            self.advantage_history = {key: PromptRewardStats(int(visits), float(mean), float(std))
+                                      for key, (visits, mean, std) in (state.advantage_history or {}).items()}
         self.refit()
         if dist.get_rank() == 0:
             logger.warning("resumed from %s after step %d", path, state.step)
@@ -448,8 +493,7 @@ class GRPOTrainer:
         """The current policy as a Hugging Face folder ``output_dir/name`` (collective export, rank 0 writes)."""
         state = export_hf_state_dict(self.model.module, self.hf_config, dst_rank=self.groups.mp_src_rank)
         if dist.get_rank() == 0:
-            write_hf_checkpoint(Path(self.cfg.trainer.output_dir) / name, self.hf_config, state, self.tokenizer, extra,
-                                stop_ids=getattr(self.engine, "stop_token_ids", None))
+            self._write_hf(name, state, extra)
 
     def _save_interrupted(self) -> None:
         """After a failed step: rank 0 writes the rollout model (the last completed step's policy) to
@@ -461,8 +505,12 @@ class GRPOTrainer:
             logger.warning("no hf_checkpoint_interrupted with rollout.backend=%s; resume from the last checkpoint "
                            "(trainer.checkpoint_interval)", self.cfg.rollout.backend)
             return
-        write_hf_checkpoint(Path(self.cfg.trainer.output_dir) / "hf_checkpoint_interrupted", self.hf_config,
-                            self.engine.model.state_dict(), self.tokenizer)
+        self._write_hf("hf_checkpoint_interrupted", self.engine.model.state_dict())
+
+    def _write_hf(self, name: str, state: dict, extra: dict | None = None) -> None:
+        """Writes ``output_dir/name`` with the run's stop list (every model folder of a run goes through here)."""
+        write_hf_checkpoint(Path(self.cfg.trainer.output_dir) / name, self.hf_config, state, self.tokenizer, extra,
+                            stop_ids=self.stop_ids)
 
     def fit(self) -> list[dict[str, float]]:
         """Runs steps ``completed_steps + 1 .. trainer.max_steps``; returns the per-step metrics (same on

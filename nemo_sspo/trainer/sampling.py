@@ -44,7 +44,7 @@ from nemo_sspo.parallel.metrics import collective_device
 from nemo_sspo.rollout import RolloutBatch
 from nemo_sspo.trainer.batch import concat_rollouts
 
-__all__ = ["Rollout", "RolloutSampler", "generation_seed"]
+__all__ = ["Rollout", "RolloutSampler", "generation_seed", "prompt_key"]
 
 logger = logging.getLogger(__name__)
 
@@ -59,6 +59,7 @@ class Rollout:
         rewards: ``[B]`` float32, ``task_rewards`` plus overlong shaping (what advantages use).
         rounds: generation rounds of this step (the same on every rank).
         generated_groups: groups this rank generated this step (>= P/dp with dynamic sampling).
+        prompt_keys: ``P/dp`` stable keys of the groups' problems, in slot order (:func:`prompt_key`).
     """
 
     batch: RolloutBatch
@@ -66,6 +67,7 @@ class Rollout:
     rewards: torch.Tensor
     rounds: int
     generated_groups: int
+    prompt_keys: list[str]
 
 
 def generation_seed(seed: int, step: int, round_: int, slot: int) -> int:
@@ -73,6 +75,15 @@ def generation_seed(seed: int, step: int, round_: int, slot: int) -> int:
     four numbers only (never of the data-parallel split)."""
     digest = hashlib.blake2b(f"{seed}/{step}/{round_}/{slot}".encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") & (2**63 - 1)
+
+
+def prompt_key(question: str) -> str:
+    """A stable key of a problem: 32 hex digits of a hash of its text.
+
+    The same in every process and run, and short enough to keep one entry per training problem in a
+    checkpoint.
+    """
+    return hashlib.blake2b(question.encode(), digest_size=16).hexdigest()
 
 
 class RolloutSampler:
@@ -113,6 +124,7 @@ class RolloutSampler:
         ro = self.cfg.rollout
         max_rounds = ro.max_sampling_rounds if ro.dynamic_sampling else 1
         slots: list[tuple[RolloutBatch, torch.Tensor, bool] | None] = [None] * self.slots_per_rank
+        keys: list[str | None] = [None] * self.slots_per_rank
         open_slots = list(range(ro.prompts_per_step))
         rounds = generated = 0
         while open_slots and rounds < max_rounds:
@@ -120,8 +132,9 @@ class RolloutSampler:
             self.problems_drawn += len(problems)
             mine = [(slot, problem) for slot, problem in zip(open_slots, problems)
                     if self.first_slot <= slot < self.first_slot + self.slots_per_rank]
-            for slot, group in zip((slot for slot, _ in mine), self._generate(step, rounds, mine)):
+            for (slot, problem), group in zip(mine, self._generate(step, rounds, mine)):
                 slots[slot - self.first_slot] = group
+                keys[slot - self.first_slot] = prompt_key(problem.question)
             generated += len(mine)
             rounds += 1
             open_slots = self._open_slots(slots) if ro.dynamic_sampling else []
@@ -135,7 +148,7 @@ class RolloutSampler:
         batch = concat_rollouts([part for part, _, _ in slots], pad_id=self.tokenizer.pad_token_id)
         task_rewards = torch.cat([rewards for _, rewards, _ in slots])
         return Rollout(batch=batch, task_rewards=task_rewards, rewards=task_rewards + self._shaping(batch),
-                       rounds=rounds, generated_groups=generated)
+                       rounds=rounds, generated_groups=generated, prompt_keys=keys)
 
     def _generate(self, step: int, round_: int, work: list) -> list[tuple[RolloutBatch, torch.Tensor, bool]]:
         """``(responses, task rewards [G] float32, has reward variance)`` per ``(slot, problem)``;

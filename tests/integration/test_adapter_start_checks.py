@@ -30,7 +30,8 @@ def nemo_rl(monkeypatch):
 _BAD = [("dr_grpo", None, r"max_response_length"),
         ("grpo", {"kl_coef": 0.1}, r"kl_coef=0.1.*no reference log-probs"),
         ("grpo", {"entropy_coef": 0.01}, r"entropy_coef=0.01"),
-        ("sspo", None, r"tables=")]
+        ("sspo", None, r"tables="),
+        ("dcpo", {"smooth_advantages": True}, r"smooth_advantages=True.*no per-prompt reward history")]
 
 
 @pytest.mark.parametrize("name, config, match", _BAD)

@@ -50,9 +50,9 @@ def test_hf_writer_round_trips_and_replaces(tmp_path):
     config, state, tokenizer = load_hf_checkpoint("tiny-random-llama")
     target = tmp_path / "best"
     write_hf_checkpoint(target, config, {**state, "lm_head.weight": state["model.embed_tokens.weight"]}, tokenizer,
-                        extra={"best": {"step": 3}})
+                        extra={"best": {"step": 3}}, stop_ids=[0, 2])
     doubled = {k: 2 * v for k, v in state.items()}
-    write_hf_checkpoint(target, config, doubled, tokenizer)  # replaces the folder as a whole
+    write_hf_checkpoint(target, config, doubled, tokenizer, stop_ids=[0, 2])  # replaces the folder as a whole
     _, loaded, _ = load_hf_checkpoint(str(target))
     assert loaded.keys() == state.keys()  # tied head dropped, as the package convention says
     assert all(torch.equal(loaded[k], doubled[k]) for k in state)

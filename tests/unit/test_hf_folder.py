@@ -56,7 +56,8 @@ def test_written_folders_load_in_transformers_with_the_same_weights(tiny, tmp_pa
     config.quantization_config = {"quant_method": "gguf"}  # as the GGUF-derived SmolLM2 config had
     try:
         if writer == "write_hf_checkpoint":
-            folder = write_hf_checkpoint(tmp_path / "hf_checkpoint", config, state_dict, tokenizer)
+            folder = write_hf_checkpoint(tmp_path / "hf_checkpoint", config, state_dict, tokenizer,
+                                         stop_ids=stop_token_ids(tokenizer))
         else:
             # a cache root of its own, sharing the SmolLM2 tokenizer files (no 30 s GGUF conversion)
             (tmp_path / "smollm2-135m-instruct").symlink_to(default_cache_root() / "smollm2-135m-instruct")

@@ -172,3 +172,21 @@ def test_load_weight_buckets_equals_one_load_and_sets_every_parameter_once(tiny)
 def test_bad_settings(engine, tiny, kwargs, name):
     with pytest.raises(ValueError, match=name):
         HFRolloutEngine(engine.model, tiny[2], **kwargs)
+
+
+def test_nan_logprob_from_the_hf_engine_is_refused_naming_row_and_position(tiny, monkeypatch):
+    """An fp16 engine whose logits overflow yields NaN scores; the HF engine's results pass the same
+    check as vLLM's (nemo_sspo.rollout.hf_engine.check_engine_outputs). Row 1, position 0 is poisoned."""
+    config, state_dict, tokenizer = tiny
+    engine = HFRolloutEngine(build_hf_model(config, state_dict), tokenizer, max_new_tokens=3, temperature=1.0)
+    sampled = HFRolloutEngine._sampled_logprobs
+
+    def poisoned(scores, response_ids):
+        logprobs = sampled(scores, response_ids)
+        logprobs[1, 0] = float("nan")
+        return logprobs
+
+    monkeypatch.setattr(engine, "_sampled_logprobs", poisoned)
+    with pytest.raises(ValueError, match=r"rollout engine 'hf' returned log-prob nan for token id \d+ at row 1, "
+                                         r"response position 0"):
+        engine.generate(PROMPTS, seed=3)

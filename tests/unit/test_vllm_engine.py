@@ -22,6 +22,8 @@ from nemo_sspo.rollout.vllm_engine import (
     vllm_sampling_kwargs,
 )
 
+VOCAB = 49152  # the tiny random Llama's embedding rows (SmolLM2's vocabulary)
+
 
 @pytest.fixture(scope="module")
 def tokenizer():
@@ -63,7 +65,8 @@ def test_outputs_become_a_padded_rollout_batch(tokenizer):
     prompt_mask[1] = True
     outputs = [_request([11, 12, eos], [-0.5, -1.0, -0.25], "stop"),  # stopped at EOS (kept, as HF does)
                _request([13, 14, 15, 16], [-2.0, -0.1, -0.2, -0.3], "length")]  # hit max_tokens
-    batch = rollout_batch_from_outputs(outputs, prompt_ids, prompt_mask, tokenizer, [eos])
+    batch = rollout_batch_from_outputs(outputs, prompt_ids, prompt_mask, tokenizer, [eos], vocab_size=len(tokenizer),
+                                       max_new_tokens=4)
     assert batch.response_ids.tolist() == [[11, 12, eos, pad], [13, 14, 15, 16]]
     assert batch.response_mask.tolist() == [[True, True, True, False], [True] * 4]
     assert batch.truncated.tolist() == [False, True]
@@ -83,17 +86,59 @@ def test_second_end_id_ends_the_response():
     assert stops == [151643, 151645] and qwen.eos_token_id in stops
     ids = torch.tensor([[1, 2]])
     outputs = [_request([40, 41, 151643, 50, 51], [-1.0] * 5, "length")]  # ran on past the end id
-    batch = rollout_batch_from_outputs(outputs, ids, ids > 0, qwen, stops)
+    batch = rollout_batch_from_outputs(outputs, ids, ids > 0, qwen, stops, vocab_size=151936, max_new_tokens=5)
     assert batch.response_mask.sum().item() == 3 and batch.truncated.tolist() == [False]
     assert batch.response_ids.tolist() == [[40, 41, 151643]]
 
 
 def test_missing_logprobs_and_aborted_requests_are_refused(tokenizer):
-    for broken, match in [(SimpleNamespace(token_ids=[1], logprobs=None, finish_reason="stop"), "logprobs=0"),
-                          (_completion([1], [-1.0], "abort"), "abort")]:
+    wrong_token = SimpleNamespace(token_ids=[1, 3], logprobs=[{1: SimpleNamespace(logprob=-1.0)},
+                                                             {4: SimpleNamespace(logprob=-1.0)}], finish_reason="stop")
+    for broken, match in [(SimpleNamespace(token_ids=[1], logprobs=None, finish_reason="stop"), "row 0: .*logprobs=0"),
+                          (_completion([1], [-1.0], "abort"), "row 0: .*abort"),
+                          (wrong_token, "row 0, response position 1: no log-prob for the sampled token 3")]:
         with pytest.raises(ValueError, match=match):
             rollout_batch_from_outputs([SimpleNamespace(outputs=[broken])], torch.ones(1, 2, dtype=torch.long),
-                                       torch.ones(1, 2, dtype=torch.bool), tokenizer, [2])
+                                       torch.ones(1, 2, dtype=torch.bool), tokenizer, [2], vocab_size=len(tokenizer),
+                                       max_new_tokens=4)
+
+
+def _convert(tokenizer, outputs, *, max_new_tokens=4):
+    ids = torch.ones(len(outputs), 2, dtype=torch.long)
+    return rollout_batch_from_outputs(outputs, ids, ids > 0, tokenizer, [tokenizer.eos_token_id], vocab_size=VOCAB,
+                                      max_new_tokens=max_new_tokens)
+
+
+@pytest.mark.parametrize("bad_logprob", [float("nan"), float("inf"), float("-inf"), 0.25])
+def test_non_finite_or_positive_logprob_is_refused_naming_row_position_and_engine(tokenizer, bad_logprob):
+    # trl #6166: vLLM returned NaN for one token. Row 1, response position 2 is the bad entry; on main
+    # it was accepted and the TIS weight, the loss and the gap metric became NaN.
+    outputs = [_request([11, 12, 13], [-0.5, -1.0, -0.25], "length"),
+               _request([14, 15, 16, 17], [-0.1, -0.2, bad_logprob, -0.3], "length")]
+    with pytest.raises(ValueError, match=r"rollout engine 'vllm' returned log-prob .* token id 16 at row 1, "
+                                         r"response position 2: .* finite and <= 0"):
+        _convert(tokenizer, outputs)
+    # A log-prob of exactly 0 (a certain token) is valid; values past the first stop id are never read.
+    eos = tokenizer.eos_token_id
+    ok = _convert(tokenizer, [_request([11, eos, 13], [0.0, -1.0, bad_logprob], "length")])
+    assert ok.rollout_logprobs.tolist() == [[0.0, -1.0]]
+
+
+@pytest.mark.parametrize("bad_id", [-1, VOCAB])
+def test_token_id_outside_the_vocabulary_is_refused(tokenizer, bad_id):
+    outputs = [_request([11, bad_id], [-0.5, -1.0], "length")]
+    with pytest.raises(ValueError, match=rf"'vllm' returned token id {bad_id} at row 0, response position 1: "
+                                         rf"outside the model's vocabulary \[0, {VOCAB}\)"):
+        _convert(tokenizer, outputs)
+    # The last valid row of a padded vocabulary (ids the tokenizer never decodes) passes.
+    assert _convert(tokenizer, [_request([11, VOCAB - 1], [-0.5, -1.0], "length")]).response_ids.tolist() == [
+        [11, VOCAB - 1]]
+
+
+def test_response_over_the_length_cap_is_refused(tokenizer):
+    outputs = [_request([11, 12], [-0.5, -1.0], "length"), _request([11, 12, 13], [-0.5, -1.0, -2.0], "length")]
+    with pytest.raises(ValueError, match=r"'vllm' returned 3 tokens for row 1, more than rollout.max_new_tokens=2"):
+        _convert(tokenizer, outputs, max_new_tokens=2)
 
 
 class _FakeLLM:
@@ -124,7 +169,7 @@ class _FakeLLM:
 def test_engine_generates_per_row_seeds_and_keeps_the_global_rngs(monkeypatch, tokenizer):
     monkeypatch.setitem(sys.modules, "vllm", SimpleNamespace(SamplingParams=lambda **kwargs: kwargs))
     llm = _FakeLLM()
-    engine = VLLMRolloutEngine(llm, tokenizer, max_new_tokens=2, temperature=1.0)
+    engine = VLLMRolloutEngine(llm, tokenizer, vocab_size=VOCAB, max_new_tokens=2, temperature=1.0)
     states = random.getstate(), np.random.get_state()[1].copy(), torch.get_rng_state()
     batch = engine.generate(["a b", "a b c"], seed=7)
     assert random.getstate() == states[0] and (np.random.get_state()[1] == states[1]).all()
@@ -140,7 +185,8 @@ def test_engine_generates_per_row_seeds_and_keeps_the_global_rngs(monkeypatch, t
 
 def test_refit_reloads_whole_buckets_adds_the_tied_head_and_resets_the_prefix_cache(tokenizer):
     llm = _FakeLLM()
-    engine = VLLMRolloutEngine(llm, tokenizer, max_new_tokens=2, temperature=1.0, tied_embeddings=True)
+    engine = VLLMRolloutEngine(llm, tokenizer, vocab_size=VOCAB, max_new_tokens=2, temperature=1.0,
+                               tied_embeddings=True)
     embed = torch.ones(3, 2)
     engine.load_weights({"model.embed_tokens.weight": embed, "model.norm.weight": torch.ones(2)})
     assert llm.calls == [("reload_weights", ["model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"]),
@@ -153,9 +199,10 @@ def test_refit_reloads_whole_buckets_adds_the_tied_head_and_resets_the_prefix_ca
 
 def test_sleep_only_when_enabled_and_woken_before_refit(tokenizer):
     llm = _FakeLLM()
-    VLLMRolloutEngine(llm, tokenizer, max_new_tokens=2, temperature=1.0).sleep()
+    VLLMRolloutEngine(llm, tokenizer, vocab_size=VOCAB, max_new_tokens=2, temperature=1.0).sleep()
     assert llm.calls == []  # sleep mode off (the CPU default): nothing
-    engine = VLLMRolloutEngine(llm, tokenizer, max_new_tokens=2, temperature=1.0, sleep_between_steps=True)
+    engine = VLLMRolloutEngine(llm, tokenizer, vocab_size=VOCAB, max_new_tokens=2, temperature=1.0,
+                               sleep_between_steps=True)
     engine.sleep()
     engine.load_weights({"model.norm.weight": torch.ones(2)})
     assert [c[0] for c in llm.calls] == ["sleep", "wake_up", "reload_weights", "reset_prefix_cache"]

@@ -23,11 +23,13 @@ given ("token-mean" here; the paper's equation writes a per-response token sum i
 "seq-mean-token-sum" gives). The paper's table uses eps_low 0.16, eps_high 0.2 (set them to
 compare).
 
-Not here: DCPO's smooth advantage standardisation (paper section 4.2, code
-``compute_dcpo_outcome_advantage``), which mixes each prompt's current-step group statistics with
-its statistics accumulated over all earlier steps. It needs per-prompt reward history kept across
-steps, data-parallel ranks and checkpoints, which the trainer does not keep; advantages here are
-the plain group-standardised ones.
+DCPO's smooth advantage standardisation (paper section 4.2, code ``compute_dcpo_outcome_advantage``;
+``nemo_sspo.algorithms.advantages.smooth_group_advantages``) mixes each prompt's current-step group
+statistics with its statistics accumulated over all earlier visits. ``smooth_advantages`` switches
+it on; the trainer then keeps the per-prompt history (the same on every data-parallel rank, saved in
+checkpoints). Off by default, as shipped: run_base.sh passes
+``reward_model.use_old_mean.enable=${USE_OLD_MEAN_ENABLE:-False}`` and run_dcpo.sh never sets it,
+so the shipped run's advantages are the plain group z-scores; the paper's SAS results need it on.
 """
 
 from __future__ import annotations
@@ -99,9 +101,14 @@ class DCPOLossConfig(PolicyLossConfig):
     """Dual-clip constant c > 1 for A < 0 tokens (run_dcpo.sh: clip_ratio_c 10); None disables."""
     aggregation: str = "token-mean"
     """The code's "only-token-mean" (module docstring)."""
+    smooth_advantages: bool = False
+    """Smooth advantage standardisation over each prompt's visits (module docstring; the code's
+    ``reward_model.use_old_mean.enable``, False in the shipped run); needs >= 2 samples per prompt."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        if not isinstance(self.smooth_advantages, bool):
+            raise config_error(self, f"smooth_advantages={self.smooth_advantages!r} must be true or false")
         check_eps(self, "eps_low", "eps_high")
         check_dual_clip(self)
         if self.ratio_max < 1.0:

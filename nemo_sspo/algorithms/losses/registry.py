@@ -43,6 +43,8 @@ class LossRequirements:
         advantage_source: "group" (group-relative advantages) or "critic" (SPPO's learned
             prompt value: A = r - sigmoid(V)).
         normalize_std: divide group-centred rewards by the group std (``group_advantages``).
+        smooth_advantages: group advantages by DCPO's smooth standardisation over each prompt's
+            visits (``smooth_group_advantages``); the host keeps the per-prompt history.
         reference_policy: keep a frozen reference policy and pass ``ref_logprobs``.
         current_entropy: pass the current-policy entropy ``entropy`` (entropy bonus).
         old_entropy: the loss reads ``old_entropy`` (SSPO's bounds); others only report it.
@@ -52,6 +54,7 @@ class LossRequirements:
     segment_k: int | None
     advantage_source: str
     normalize_std: bool
+    smooth_advantages: bool
     reference_policy: bool
     current_entropy: bool
     old_entropy: bool
@@ -89,6 +92,7 @@ class LossRecord:
             segment_k=getattr(config, "segment_k", None),
             advantage_source=self.advantage_source,
             normalize_std=config.advantage_std_normalisation,
+            smooth_advantages=getattr(config, "smooth_advantages", False),
             reference_policy=config.kl_coef > 0,
             current_entropy=config.entropy_coef > 0,
             old_entropy=self.reads_old_entropy,
