@@ -64,10 +64,11 @@ if [ -n "$BUNDLE" ]; then
   "$BASE" -c 'import site; print("\n".join(site.getsitepackages()))' > "$(echo "$WORK"/venv/lib/python3*/site-packages)/base.pth"
   PY=$WORK/venv/bin/python
   start=$SECONDS
-  "$PY" -m pip install -q --no-index --no-deps --find-links "$BUNDLE/wheels" "$BUNDLE"/wheels/*.whl || {
+  "$PY" -m pip install -q --no-compile --no-index --no-deps --find-links "$BUNDLE/wheels" "$BUNDLE"/wheels/*.whl || {
     echo "FAIL bundle install: pip could not install $BUNDLE/wheels offline"; exit 1; }
-  # Every requirement of a bundle wheel is installed (or, in the dry run, provided by the GPU machine).
-  "$PY" - "$BUNDLE/wheels" "$DRY" $MACHINE_PROVIDES <<'EOF' || status=1
+  # Every requirement of a bundle wheel is installed (or, in the dry run, provided by the GPU machine);
+  # nothing else runs from an incomplete bundle.
+  "$PY" - "$BUNDLE/wheels" "$DRY" $MACHINE_PROVIDES <<'EOF' || exit 1
 import importlib.metadata as md, pathlib, re, sys
 try:
     from packaging.requirements import Requirement
