@@ -240,6 +240,8 @@ LOGGERS = ("console", "jsonl", "tensorboard", "wandb", "mlflow")
 
 @dataclass
 class WandbConfig:
+    """``trainer.wandb``: the Weights & Biases run (``wandb`` in ``trainer.loggers``)."""
+
     project: str = "nemo_sspo"
     """W&B project of the run."""
     entity: str | None = None
@@ -253,6 +255,8 @@ class WandbConfig:
 
 @dataclass
 class MlflowConfig:
+    """``trainer.mlflow``: the MLflow run (``mlflow`` in ``trainer.loggers``)."""
+
     tracking_uri: str | None = None
     """MLflow tracking store; null = a local SQLite store ``sqlite:///<output_dir>/mlflow.db`` with artifacts
     in ``output_dir/mlflow_artifacts`` (browse with ``mlflow ui --backend-store-uri <that uri>``); or a

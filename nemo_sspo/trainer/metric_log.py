@@ -1,9 +1,11 @@
-"""Per-step metric output, to the loggers ``trainer.loggers`` selects: ``console`` (a progress bar and
-one line per step), ``jsonl`` (``metrics.jsonl``), ``tensorboard`` (events under ``tensorboard/``),
+"""Per-step metric output to the loggers that ``trainer.loggers`` selects.
+
+``console`` (a progress bar and one line per step), ``jsonl`` (``metrics.jsonl``), ``tensorboard`` (events under ``tensorboard/``),
 ``wandb`` and ``mlflow`` (:mod:`nemo_sspo.trainer.trackers`). At the end: a reward/entropy plot
 (``reward_entropy.png``, also sent to the trackers) and the run's throughput summary
 (:func:`nemo_sspo.trainer.throughput.summarize_throughput`: printed, written to
-``throughput_summary.json`` and sent to the trackers). Only the logging rank writes."""
+``throughput_summary.json`` and sent to the trackers). Only the logging rank writes.
+"""
 
 from __future__ import annotations
 
@@ -69,6 +71,7 @@ class MetricsLogger:
     def __init__(self, output_dir: str | Path, total_steps: int, *, enabled: bool,
                  resume_step: int | None = None, trainer: TrainerConfig | None = None,
                  params: dict | None = None) -> None:
+        """Opens the selected loggers (class docstring); nothing when not ``enabled``."""
         self.enabled = enabled
         self.output_dir = Path(output_dir)
         self.history: list[dict[str, float]] = []

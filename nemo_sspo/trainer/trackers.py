@@ -59,6 +59,7 @@ class WandbTracker:
     """
 
     def __init__(self, output_dir: Path, cfg, params: dict[str, Any], *, resume: bool) -> None:
+        """Starts (or, resuming, continues) the run (class docstring)."""
         import wandb
 
         self._wandb = wandb
@@ -93,6 +94,7 @@ class MlflowTracker:
     _BATCH = 100  # MLflow's limit of params per log_batch call
 
     def __init__(self, output_dir: Path, cfg, params: dict[str, Any], *, resume: bool) -> None:
+        """Creates (or, resuming, reopens) the run and logs the parameters once (class docstring)."""
         from mlflow import MlflowClient
         from mlflow.entities import Metric, Param
 

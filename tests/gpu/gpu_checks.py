@@ -397,8 +397,10 @@ TRAIN_OVERRIDES = ["model.precision=bf16", "model.transformer_impl=local", "roll
 
 
 def shape_checkpoint(model_dir: str):
-    """``(hf_config, state_dict, tokenizer)`` of ``model_dir``'s shape with seeded random fp32 weights
-    (transformers' own initialisation), as ``load_hf_checkpoint`` returns them (tied output layer dropped)."""
+    """``(hf_config, state_dict, tokenizer)`` at ``model_dir``'s shape with seeded random fp32 weights.
+
+    transformers' own initialisation, returned as ``load_hf_checkpoint`` does (tied output layer dropped).
+    """
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from nemo_sspo.models.hf_checkpoint import load_tokenizer
@@ -419,8 +421,11 @@ def train_config(model_dir: str, output_dir: str):
 
 
 def check_train(model_dir: str) -> None:
-    """A Megatron local-spec bf16 policy at the folder's shape, HF-engine rollouts, 3 GRPO steps in this
-    process: step time by phase, tokens/s, peak memory and MFU (nemo_sspo.trainer.throughput)."""
+    """Megatron local-spec bf16 steps at the folder's shape with HF-engine rollouts.
+
+    3 GRPO steps in this process: step time by phase, tokens/s, peak memory and MFU
+    (nemo_sspo.trainer.throughput).
+    """
     from nemo_sspo.megatron import destroy_parallel
     from nemo_sspo.trainer import loop
 
@@ -448,8 +453,11 @@ def check_train(model_dir: str) -> None:
 
 
 def check_dry_run(model_dir: str) -> None:
-    """On a CPU host: everything the GPU checks import imports, the train check's config loads, and the
-    folder gives a model shape and a tokenizer that covers its vocabulary (what needs no GPU)."""
+    """What can be checked without a GPU, on a CPU host.
+
+    Everything the GPU checks import imports, the train check's config loads, and the folder gives a
+    model shape and a tokenizer that its vocabulary covers.
+    """
     from transformers import AutoConfig
 
     from nemo_sspo.models.hf_checkpoint import load_tokenizer

@@ -41,7 +41,7 @@ def test_run_writes_every_tracker_and_reports_throughput(monkeypatch, tmp_path):
     history = run(monkeypatch, tmp_path, ["trainer.loggers=[jsonl,tensorboard,wandb,mlflow]"],
                   checkpoint=checkpoint, capture=capture)
     assert [h["step"] for h in history] == [1, 2]
-    for record, rollout in zip(history, rollouts):
+    for record, rollout in zip(history, rollouts, strict=True):
         assert record["flops/train"] == pytest.approx(_independent_train_flops(checkpoint, rollout), rel=1e-12)
         tokens = float(rollout.batch.prompt_mask.sum() + rollout.batch.response_mask.sum())
         assert record["tokens/prompt"] + record["tokens/response"] == tokens
