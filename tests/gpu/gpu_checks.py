@@ -448,7 +448,7 @@ def check_train(model_dir: str) -> None:
            f"{summary['throughput/generation_tokens_per_s']:.0f} tokens/s, training "
            f"{summary['throughput/train_tokens_per_s']:.0f} tokens/s, {summary['throughput/tokens_per_s_per_gpu']:.0f} "
            f"tokens/s/GPU over the step; training {summary['throughput/train_tflops_per_gpu']:.1f} TFLOP/s, MFU "
-           f"{mfu:.4f}; peak memory {summary['memory/peak_allocated_gib']:.2f} GiB (limits: finite loss, "
+           f"{mfu:.4f}; peak memory {summary.get('memory/peak_allocated_gib', math.nan):.2f} GiB (limits: finite loss, "
            "0 < MFU < 1, peak memory measured)")
 
 
