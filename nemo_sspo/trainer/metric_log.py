@@ -120,17 +120,27 @@ class MetricsLogger:
             self._bar.write(_format_line(step, metrics))
 
     def close(self) -> None:
-        """Writes the plot and the throughput summary, sends both to the trackers, closes everything."""
+        """Writes the summary and the plot, sends both to the trackers, closes everything.
+
+        The trackers and files are closed even when the plot fails (its error then propagates), so a
+        W&B or MLflow run never stays open.
+        """
         if not self.enabled:
             return
         plot = last_step = None
-        if self.history:
-            plot, last_step = self.output_dir / "reward_entropy.png", self.history[-1]["step"]
-            plot_metrics(self.history, plot)
-            self.summary = summarize_throughput(self.history)
-        if self.summary:
-            (self.output_dir / "throughput_summary.json").write_text(json.dumps(self.summary, indent=1) + "\n",
-                                                                     encoding="utf-8")
+        try:
+            if self.history:
+                last_step = self.history[-1]["step"]
+                self.summary = summarize_throughput(self.history)
+                if self.summary:
+                    (self.output_dir / "throughput_summary.json").write_text(
+                        json.dumps(self.summary, indent=1) + "\n", encoding="utf-8")
+                plot_metrics(self.history, self.output_dir / "reward_entropy.png")
+                plot = self.output_dir / "reward_entropy.png"
+        finally:
+            self._close_loggers(plot, last_step)
+
+    def _close_loggers(self, plot: Path | None, last_step: int | None) -> None:
         for tracker in self._trackers:
             if self.summary:
                 tracker.log(last_step, self.summary)

@@ -99,3 +99,23 @@ def test_a_missing_tracker_package_names_the_fix(monkeypatch):
     with pytest.raises(ValueError, match="package mlflow-skinny is not installed: run `bash install.sh`"):
         load_config(overrides=["trainer.loggers=[jsonl,mlflow]"])
     assert load_config(overrides=["trainer.loggers=[jsonl,wandb]"]).trainer.loggers == ["jsonl", "wandb"]
+
+
+def test_a_failing_plot_still_writes_the_summary_and_closes_the_files(tmp_path, monkeypatch):
+    from nemo_sspo.trainer import metric_log
+
+    def broken(history, path):
+        raise ModuleNotFoundError("No module named 'matplotlib'")
+
+    monkeypatch.setattr(metric_log, "plot_metrics", broken)
+    out = tmp_path / "run"
+    log = MetricsLogger(out, 2, enabled=True, trainer=TrainerConfig(loggers=["jsonl", "tensorboard"]))
+    log.log(1, STEPS[1])
+    log.log(2, STEPS[2])
+    with pytest.raises(ModuleNotFoundError, match="matplotlib"):
+        log.close()
+    assert log._jsonl.closed
+    # The summary covers step 2 only (step 1 is left out).
+    assert json.loads((out / "throughput_summary.json").read_text()) == {
+        "summary/throughput/mfu": 0.25, "summary/timing/step_s": 2.0, "summary/steps": 1.0}
+    assert tensorboard_scalars(out / "tensorboard", "reward/mean") == [(1, 0.25), (2, 0.75)]
