@@ -22,6 +22,7 @@ def _bash(*args, env=None):
 
 @pytest.fixture(scope="module")
 def bundle(tmp_path_factory):
+    assert Path(PY312).is_file(), f"the dry run needs pyenv's Python 3.12.1 at {PY312} (on these machines)"
     folder = tmp_path_factory.mktemp("gpu") / "bundle"
     proc = _bash("tools/gpu_bundle.sh", str(folder), env={"PYTHON": str(ROOT / ".venv" / "bin" / "python")})
     assert proc.returncode == 0, proc.stderr[-3000:]
