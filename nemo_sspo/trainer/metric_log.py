@@ -1,5 +1,11 @@
-"""Per-step metric output: a progress bar, one console line per step, ``metrics.jsonl``,
-TensorBoard events, and a reward/entropy plot at the end. Only the logging rank writes."""
+"""Per-step metric output to the loggers that ``trainer.loggers`` selects.
+
+``console`` (a progress bar and one line per step), ``jsonl`` (``metrics.jsonl``), ``tensorboard`` (events under ``tensorboard/``),
+``wandb`` and ``mlflow`` (:mod:`nemo_sspo.trainer.trackers`). At the end: a reward/entropy plot
+(``reward_entropy.png``, also sent to the trackers) and the run's throughput summary
+(:func:`nemo_sspo.trainer.throughput.summarize_throughput`: printed, written to
+``throughput_summary.json`` and sent to the trackers). Only the logging rank writes.
+"""
 
 from __future__ import annotations
 
@@ -8,6 +14,10 @@ import math
 from pathlib import Path
 
 from tqdm.auto import tqdm
+
+from nemo_sspo.trainer.config import TrainerConfig
+from nemo_sspo.trainer.throughput import summarize_throughput
+from nemo_sspo.trainer.trackers import MlflowTracker, WandbTracker
 
 __all__ = ["MetricsLogger", "SUMMARY_KEYS", "plot_metrics"]
 
@@ -27,7 +37,10 @@ SUMMARY_KEYS = (
     ("critic/value_mean", "V", "{:.3f}"),
     ("timing/generation_s", "gen_s", "{:.1f}"),
     ("timing/train_s", "train_s", "{:.1f}"),
+    ("throughput/tokens_per_s_per_gpu", "tok/s/gpu", "{:.0f}"),
+    ("throughput/mfu", "mfu", "{:.3f}"),
 )
+_TRACKERS = {"wandb": WandbTracker, "mlflow": MlflowTracker}
 
 
 def _format_line(step: int, metrics: dict[str, float]) -> str:
@@ -39,60 +52,107 @@ def _format_line(step: int, metrics: dict[str, float]) -> str:
 
 
 class MetricsLogger:
-    """Writes one record per training step.
+    """Writes one record per training step to the selected loggers.
 
     Args:
-        output_dir: folder for ``metrics.jsonl``, ``tensorboard/`` and ``reward_entropy.png``.
+        output_dir: folder for ``metrics.jsonl``, ``tensorboard/``, the trackers' local folders and
+            ``reward_entropy.png``.
         total_steps: length of the progress bar.
         enabled: False on every rank but the logging one (nothing is written or shown).
         resume_step: continue a run resumed after this step: the records of steps up to it are kept
             (in ``history`` too, for the plot), later ones (written after the checkpoint by the
             interrupted run) are dropped, from ``metrics.jsonl`` and, via ``purge_step``, from
-            TensorBoard. None starts a new ``metrics.jsonl``.
+            TensorBoard; W&B and MLflow continue their run (MLflow keeps both values of a step the
+            interrupted run logged after its checkpoint). None starts a new ``metrics.jsonl``.
+        trainer: the ``trainer`` section: ``loggers``, ``wandb``, ``mlflow`` (None: its defaults).
+        params: the composed config as a nested dict, sent to W&B and MLflow as parameters.
     """
 
     def __init__(self, output_dir: str | Path, total_steps: int, *, enabled: bool,
-                 resume_step: int | None = None) -> None:
+                 resume_step: int | None = None, trainer: TrainerConfig | None = None,
+                 params: dict | None = None) -> None:
+        """Opens the selected loggers (class docstring); nothing when not ``enabled``."""
         self.enabled = enabled
         self.output_dir = Path(output_dir)
         self.history: list[dict[str, float]] = []
+        self.summary: dict[str, float] = {}
         if not enabled:
             return
-        from torch.utils.tensorboard import SummaryWriter
-
+        trainer = trainer or TrainerConfig()
+        self.loggers = tuple(trainer.loggers)
         self.output_dir.mkdir(parents=True, exist_ok=True)
         path = self.output_dir / "metrics.jsonl"
         if resume_step is not None:
             self.history = _records_up_to(path, resume_step)
-        self._jsonl = open(path, "w", encoding="utf-8")
-        for record in self.history:
-            self._jsonl.write(json.dumps(record) + "\n")
-        purge = None if resume_step is None else resume_step + 1
-        self._tb = SummaryWriter(log_dir=str(self.output_dir / "tensorboard"), purge_step=purge)
-        self._bar = tqdm(total=total_steps, initial=resume_step or 0, desc="train", unit="step", dynamic_ncols=True)
+        self._jsonl = self._tb = self._bar = None
+        if "jsonl" in self.loggers:
+            self._jsonl = open(path, "w", encoding="utf-8")
+            for record in self.history:
+                self._jsonl.write(json.dumps(record) + "\n")
+        if "tensorboard" in self.loggers:
+            from torch.utils.tensorboard import SummaryWriter
+
+            purge = None if resume_step is None else resume_step + 1
+            self._tb = SummaryWriter(log_dir=str(self.output_dir / "tensorboard"), purge_step=purge)
+        if "console" in self.loggers:
+            self._bar = tqdm(total=total_steps, initial=resume_step or 0, desc="train", unit="step",
+                             dynamic_ncols=True)
+        self._trackers = [
+            _TRACKERS[name](self.output_dir, getattr(trainer, name), params or {}, resume=resume_step is not None)
+            for name in self.loggers if name in _TRACKERS]
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         """Records ``metrics`` (flat name -> float) for ``step`` (1-based)."""
         self.history.append({"step": step, **metrics})
         if not self.enabled:
             return
-        self._jsonl.write(json.dumps({"step": step, **metrics}) + "\n")
-        self._jsonl.flush()
-        for key, value in metrics.items():
-            self._tb.add_scalar(key, value, step)
-        self._bar.update(1)
-        self._bar.set_postfix(reward=f"{metrics.get('reward/mean', math.nan):.3f}")
-        self._bar.write(_format_line(step, metrics))
+        if self._jsonl is not None:
+            self._jsonl.write(json.dumps({"step": step, **metrics}) + "\n")
+            self._jsonl.flush()
+        if self._tb is not None:
+            for key, value in metrics.items():
+                self._tb.add_scalar(key, value, step)
+        for tracker in self._trackers:
+            tracker.log(step, metrics)
+        if self._bar is not None:
+            self._bar.update(1)
+            self._bar.set_postfix(reward=f"{metrics.get('reward/mean', math.nan):.3f}")
+            self._bar.write(_format_line(step, metrics))
 
     def close(self) -> None:
-        """Closes the files and writes the reward/entropy plot."""
+        """Writes the summary and the plot, sends both to the trackers, closes everything.
+
+        The trackers and files are closed even when the plot fails (its error then propagates), so a
+        W&B or MLflow run never stays open.
+        """
         if not self.enabled:
             return
-        self._bar.close()
-        self._tb.close()
-        self._jsonl.close()
-        if self.history:
-            plot_metrics(self.history, self.output_dir / "reward_entropy.png")
+        plot = last_step = None
+        try:
+            if self.history:
+                last_step = self.history[-1]["step"]
+                self.summary = summarize_throughput(self.history)
+                if self.summary:
+                    (self.output_dir / "throughput_summary.json").write_text(
+                        json.dumps(self.summary, indent=1) + "\n", encoding="utf-8")
+                plot_metrics(self.history, self.output_dir / "reward_entropy.png")
+                plot = self.output_dir / "reward_entropy.png"
+        finally:
+            self._close_loggers(plot, last_step)
+
+    def _close_loggers(self, plot: Path | None, last_step: int | None) -> None:
+        for tracker in self._trackers:
+            if self.summary:
+                tracker.log(last_step, self.summary)
+            tracker.close(plot, last_step)
+        if self._bar is not None:
+            self._bar.close()
+            if self.summary:
+                print("run summary: " + " ".join(f"{key.removeprefix('summary/')}={value:.4g}"
+                                                 for key, value in self.summary.items()), flush=True)
+        for handle in (self._tb, self._jsonl):
+            if handle is not None:
+                handle.close()
 
 
 def _records_up_to(path: Path, step: int) -> list[dict[str, float]]:

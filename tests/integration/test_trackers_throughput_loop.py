@@ -1,0 +1,72 @@
+"""A 2-step run with trainer.loggers=[jsonl,tensorboard,wandb,mlflow]: every logger holds the run's
+per-step values (read back with each tracker's own reader), and the step's FLOPs, tokens/s and MFU
+equal a count made independently from the model's own weight matrices and the rollout's lengths."""
+
+import json
+
+import pytest
+import torch
+
+from nemo_sspo.models import load_hf_checkpoint
+from nemo_sspo.trainer.throughput import PEAK_TFLOPS_ENV
+from tests.integration._loop_runs import run
+from tests.unit._tracker_readers import mlflow_runs, tensorboard_scalars, wandb_history
+
+
+def _independent_train_flops(checkpoint, rollout) -> float:
+    """4 forward-pass equivalents (old log-probs 1, update forward 1 + backward 2) of the rollout:
+    2 FLOPs per weight of every decoder matrix per token, the tied output layer on response tokens,
+    and QK^T + AV over the causal pairs of each sequence."""
+    hf_config, state_dict, _ = checkpoint
+    matrices = sum(t.numel() for k, t in state_dict.items() if ".layers." in k and t.dim() == 2)
+    rb = rollout.batch
+    lengths = (rb.prompt_mask.sum(1) + rb.response_mask.sum(1)).double()
+    responses = float(rb.response_mask.sum())
+    pairs = float((lengths * (lengths + 1) / 2).sum())
+    attention = 4 * hf_config.num_hidden_layers * hf_config.hidden_size * pairs  # n_q * d = hidden here
+    return 4 * (2 * matrices * float(lengths.sum()) + attention + 2 * responses * hf_config.hidden_size
+                * hf_config.vocab_size)
+
+
+@pytest.mark.slow
+def test_run_writes_every_tracker_and_reports_throughput(monkeypatch, tmp_path):
+    checkpoint = load_hf_checkpoint("tiny-random-llama")
+    monkeypatch.setenv(PEAK_TFLOPS_ENV, "0.5")
+    rollouts = []
+
+    def capture(trainer):
+        inner = trainer.generate_and_score
+        trainer.generate_and_score = lambda step: rollouts.append(inner(step)) or rollouts[-1]
+
+    history = run(monkeypatch, tmp_path, ["trainer.loggers=[jsonl,tensorboard,wandb,mlflow]"],
+                  checkpoint=checkpoint, capture=capture)
+    assert [h["step"] for h in history] == [1, 2]
+    for record, rollout in zip(history, rollouts, strict=True):
+        assert record["flops/train"] == pytest.approx(_independent_train_flops(checkpoint, rollout), rel=1e-12)
+        tokens = float(rollout.batch.prompt_mask.sum() + rollout.batch.response_mask.sum())
+        assert record["tokens/prompt"] + record["tokens/response"] == tokens
+        assert record["throughput/tokens_per_s_per_gpu"] == pytest.approx(tokens / record["timing/step_s"])
+        assert record["throughput/generation_tokens_per_s"] == pytest.approx(
+            record["tokens/response"] / record["timing/generation_s"])
+        assert record["throughput/mfu"] == pytest.approx(record["flops/train"] / record["timing/train_s"] / 0.5e12)
+        # The step's time covers its phases.
+        phases = sum(record[f"timing/{p}_s"] for p in ("generation", "train", "refit"))
+        assert phases <= record["timing/step_s"] < phases + 1.0
+
+    keys = ("reward/mean", "policy/entropy", "throughput/mfu")
+    expected = {key: [(h["step"], h[key]) for h in history] for key in keys}
+    jsonl = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert {key: [(r["step"], r[key]) for r in jsonl] for key in keys} == expected
+    for key in keys:  # TensorBoard stores float32
+        assert tensorboard_scalars(tmp_path / "tensorboard", key) == [
+            (s, torch.tensor(v, dtype=torch.float32).item()) for s, v in expected[key]]
+    (wandb_run,) = (tmp_path / "wandb").glob("offline-run-*")
+    rows, config = wandb_history(wandb_run)
+    assert {key: [(r["_step"], r[key]) for r in rows if key in r] for key in keys} == expected
+    assert config["trainer"]["loggers"] == ["jsonl", "tensorboard", "wandb", "mlflow"]
+    client, (mlflow_run,) = mlflow_runs(tmp_path)
+    assert {key: [(m.step, m.value) for m in client.get_metric_history(mlflow_run.info.run_id, key)]
+            for key in keys} == expected
+    assert mlflow_run.data.params["rollout.samples_per_prompt"] == "2"
+    assert mlflow_run.data.params["loss.params.gamma"] == "1.75"
+    assert [a.path for a in client.list_artifacts(mlflow_run.info.run_id)] == ["reward_entropy.png"]
