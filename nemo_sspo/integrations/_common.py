@@ -155,7 +155,8 @@ def response_segment_ids(loss: BoundPolicyLoss, response_ids: torch.Tensor,
 
 def check_host_config(loss: BoundPolicyLoss, *, host: str, kl_hint: str, entropy_hint: str,
                       max_response_length: int | None = None, check_length: bool = True,
-                      tables: SegmentTables | None = None, check_tables: bool = True) -> None:
+                      tables: SegmentTables | None = None, check_tables: bool = True,
+                      reference_logprobs: bool = False) -> None:
     """Reject, at adapter construction, a loss config the host adapter cannot run.
 
     Host adapters pass neither reference log-probs nor a differentiable current entropy to the
@@ -170,13 +171,14 @@ def check_host_config(loss: BoundPolicyLoss, *, host: str, kl_hint: str, entropy
         kl_hint / entropy_hint: where the host's own KL / entropy settings are (or why none apply).
         max_response_length, check_length: L_max given to the adapter; check it when True.
         tables, check_tables: segment tables given to the adapter; check them when True.
+        reference_logprobs: the adapter passes reference log-probs (``kl_coef > 0`` is allowed).
 
     Raises:
         ValueError: naming the config field, the host and the fix.
     """
     config, needs = loss.config, loss.requirements
     name = type(config).__name__
-    if needs.reference_policy:
+    if needs.reference_policy and not reference_logprobs:
         raise ValueError(f"{name}.kl_coef={config.kl_coef}: the {host} adapter passes no reference "
                          f"log-probs to the loss, so set kl_coef=0 here. {kl_hint}")
     if needs.current_entropy:
@@ -260,20 +262,27 @@ def old_entropy(source: str, batch, current: torch.Tensor | None) -> torch.Tenso
 
 def host_loss_sums(loss: BoundPolicyLoss, *, logprobs: torch.Tensor, old_logprobs: torch.Tensor,
                    advantages: torch.Tensor, response_mask: torch.Tensor,
-                   response_ids: torch.Tensor, old_entropy: torch.Tensor,
-                   tables: SegmentTables | None, max_response_length: int | None):
+                   response_ids: torch.Tensor, old_entropy: torch.Tensor | None,
+                   tables: SegmentTables | None, max_response_length: int | None,
+                   ref_logprobs: torch.Tensor | None = None):
     """One micro-batch of a host: segment ids from the token ids, then
     :func:`nemo_sspo.algorithms.losses.policy_loss_sums` (all tensors ``[B, T]`` in the host's
     response frame, advantages ``[B]``).
 
+    ``old_entropy`` may be None for a loss that does not read it (``requirements.old_entropy``
+    False); ``ref_logprobs`` is needed only with ``kl_coef > 0``.
+
     Returns:
         ``(numerator, denominator, metrics)`` of ``policy_loss_sums``.
     """
+    def same_dtype(tensor):
+        return None if tensor is None else tensor.to(logprobs.dtype)
+
     inputs = LossInputs(
         logprobs=logprobs, old_logprobs=old_logprobs.to(logprobs.dtype), advantages=advantages,
         response_mask=response_mask,
         segment_ids=response_segment_ids(loss, response_ids, response_mask, tables),
-        old_entropy=old_entropy.to(logprobs.dtype),
+        old_entropy=same_dtype(old_entropy), ref_logprobs=same_dtype(ref_logprobs),
     )
     return policy_loss_sums(loss, inputs, max_response_length=max_response_length)
 
