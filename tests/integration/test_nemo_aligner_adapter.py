@@ -47,7 +47,8 @@ def _host_step(batch, rows, shard, **kwargs):
     for start in range(0, rows.stop - rows.start, MICRO):
         micro = slice(rows.start + start, rows.start + start + MICRO)
         loss_func = make_actor_loss_func(_actor_batch(batch, micro), loss_config=config,
-                                         tables=hb.tables(), vocab_size=hb.VOCAB, **kwargs)
+                                         tables=hb.tables(), vocab_size=hb.VOCAB,
+                                         old_entropy_source="batch", **kwargs)
         loss, reduced = loss_func(shard[start:start + MICRO])
         losses.append(loss)
         metrics.append({k: float(v) for k, v in reduced.items()})
@@ -144,7 +145,7 @@ def test_missing_keys_and_empty_micro_batch():
     actor = _actor_batch(batch, slice(0, 2))
     with pytest.raises(ValueError, match="prev_entropy"):
         make_actor_loss_func({k: v for k, v in actor.items() if k != "prev_entropy"},
-                             tp_group=None, dp_group=None)
+                             tp_group=None, dp_group=None, old_entropy_source="batch")
     # No valid token (all responses truncated): loss 0 with a zero gradient, as the host does.
     actor["is_end"] = torch.zeros(2)
     logits = batch["logits"][:2].clone().requires_grad_(True)
@@ -174,6 +175,7 @@ def test_current_entropy_source_and_example_section():
     current = make_actor_loss_func({k: v for k, v in actor.items() if k != "prev_entropy"},
                                    old_entropy_source=section["old_entropy_source"], **common)
     stored = make_actor_loss_func(actor, old_entropy_source="batch", **common)
+    assert section["old_entropy_source"] == "current"
     logits = batch["logits"][:4]
     assert float(current(logits)[0]) == pytest.approx(float(stored(logits)[0]), rel=RTOL)
 
