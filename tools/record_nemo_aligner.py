@@ -1,4 +1,4 @@
-"""Record NeMo-Aligner's own actor losses on fixed small batches, for tests/integration.
+r"""Record NeMo-Aligner's own actor losses on fixed small batches, for tests/integration.
 
 Runs the real actor code of NeMo-Aligner 0.7.0 (the PyPI wheel, ``pip download --no-deps
 nemo-aligner==0.7.0``, unzipped) and, optionally, of its unreleased GRPO branch (a ``git archive``
@@ -143,6 +143,7 @@ def _import_actor(root: Path, module: str, cls: str):
 
 
 def main() -> None:
+    """Run every case through the host actors and write the record."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--release", type=Path, required=True, help="unzipped 0.7.0 wheel")
     parser.add_argument("--grpo-branch", type=Path, help="source of the GRPO branch")

@@ -1,4 +1,4 @@
-"""Record NeMo-RL's own GRPO-family loss on fixed small batches, for tests/integration.
+r"""Record NeMo-RL's own GRPO-family loss on fixed small batches, for tests/integration.
 
 Runs the real host code, so it needs NeMo-RL's source and a venv that imports
 ``nemo_rl.algorithms.loss`` (NeMo-RL refuses transformers >= 5.12, so not this repository's venv;
@@ -121,7 +121,7 @@ def _packing(batch):
     cu_padded = torch.nn.functional.pad(padded.cumsum(0), (1, 0)).to(torch.int32)
     gen = torch.Generator().manual_seed(99)
     packed = 1.5 * torch.randn(1, int(cu_padded[-1]), VOCAB, generator=gen)  # padding rows random
-    for row, (start, length) in enumerate(zip(cu_padded[:-1].tolist(), lengths.tolist())):
+    for row, (start, length) in enumerate(zip(cu_padded[:-1].tolist(), lengths.tolist(), strict=True)):
         packed[0, start:start + length] = batch["logits"][row, :length]
     return packed, cu, cu_padded
 
@@ -154,8 +154,11 @@ def _host_loss(fields):
 
 
 def _grpo_train_keys(host_src: Path) -> list[str]:
-    """Keys grpo_train puts in train_data: the dict literal it builds plus each later
-    ``train_data["key"] = ...``, read from the host's source (not imported: grpo.py needs Ray)."""
+    """Keys grpo_train puts in train_data, read from the host's source.
+
+    The dict literal it builds plus each later ``train_data["key"] = ...`` (grpo.py is parsed,
+    not imported: it needs Ray).
+    """
     tree = ast.parse((host_src / "nemo_rl" / "algorithms" / "grpo.py").read_text())
     train = next(node for node in tree.body
                  if isinstance(node, ast.FunctionDef) and node.name == "grpo_train")
@@ -214,6 +217,7 @@ def _floats(values):
 
 
 def main() -> None:
+    """Run every case through the host and write the record."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--host-src", type=Path, required=True, help="NeMo-RL source checkout")
     parser.add_argument("--host-commit", required=True, help="the checkout's commit, recorded")

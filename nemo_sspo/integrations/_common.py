@@ -1,6 +1,8 @@
-"""Pieces every host adapter shares: host imports, per-response advantages, segment ids from
-token ids, the bound loss of a registered name, the old-entropy source, and the one per-micro-batch
-path (:func:`host_loss_sums`, i.e. ``nemo_sspo.algorithms.losses.policy_loss_sums``).
+"""Pieces every host adapter shares.
+
+Host imports, per-response advantages, segment ids from token ids, the bound loss of a registered
+name, the old-entropy source, and the one per-micro-batch path (:func:`host_loss_sums`, i.e.
+``nemo_sspo.algorithms.losses.policy_loss_sums``).
 
 No loss maths lives here. Old-policy entropy, in every adapter: ``old_entropy_source="batch"``
 reads the host batch's :data:`PREV_ENTROPY_KEY`, a tensor aligned exactly like that host's
@@ -159,18 +161,21 @@ def check_host_config(loss: BoundPolicyLoss, *, host: str, kl_hint: str, entropy
                       reference_logprobs: bool = False) -> None:
     """Reject, at adapter construction, a loss config the host adapter cannot run.
 
-    Host adapters pass neither reference log-probs nor a differentiable current entropy to the
-    loss, so ``kl_coef > 0`` / ``entropy_coef > 0`` would otherwise fail only at the first loss
-    call inside the host. Also checked (each when enabled): "constant-denominator" aggregation
+    Host adapters pass no differentiable current entropy to the loss (and most pass no reference
+    log-probs), so ``entropy_coef > 0`` / ``kl_coef > 0`` would otherwise fail only at the first
+    loss call inside the host. Also checked (each when enabled): "constant-denominator" aggregation
     without ``max_response_length >= 1``, and a segmentation that reads token texts without
     ``tables``.
 
     Args:
         loss: the bound loss.
         host: the host's name, for the messages.
-        kl_hint / entropy_hint: where the host's own KL / entropy settings are (or why none apply).
-        max_response_length, check_length: L_max given to the adapter; check it when True.
-        tables, check_tables: segment tables given to the adapter; check them when True.
+        kl_hint: where the host's own KL settings are (or why none apply).
+        entropy_hint: where the host's own entropy settings are (or why none apply).
+        max_response_length: L_max given to the adapter.
+        check_length: check ``max_response_length`` when True.
+        tables: segment tables given to the adapter.
+        check_tables: check ``tables`` when True.
         reference_logprobs: the adapter passes reference log-probs (``kl_coef > 0`` is allowed).
 
     Raises:
@@ -217,8 +222,9 @@ def bind_loss(loss_name: str, loss_config: Any | None) -> BoundPolicyLoss:
 
 def check_old_entropy_source(source: str, batch_keys, required_keys: tuple[str, ...],
                              host: str) -> None:
-    """``source`` is one of :data:`OLD_ENTROPY_SOURCES` and the batch has what it needs (when the
-    batch is known).
+    """Check ``source`` is one of :data:`OLD_ENTROPY_SOURCES` and the batch has what it needs.
+
+    The batch is checked only when it is known (``batch_keys`` not None).
 
     Raises:
         ValueError: naming the bad source or the missing keys and the fix.
@@ -236,8 +242,9 @@ def check_old_entropy_source(source: str, batch_keys, required_keys: tuple[str, 
 
 
 def old_entropy(source: str, batch, current: torch.Tensor | None) -> torch.Tensor:
-    """The old-policy entropy of :data:`OLD_ENTROPY_SOURCES` ``source``, aligned like the batch's
-    ``prev_logprobs``.
+    """The old-policy entropy of :data:`OLD_ENTROPY_SOURCES` ``source``.
+
+    Aligned like the batch's ``prev_logprobs``.
 
     Raises:
         ValueError: "current" without logits, a missing stored entropy, or one shaped unlike
@@ -265,9 +272,10 @@ def host_loss_sums(loss: BoundPolicyLoss, *, logprobs: torch.Tensor, old_logprob
                    response_ids: torch.Tensor, old_entropy: torch.Tensor | None,
                    tables: SegmentTables | None, max_response_length: int | None,
                    ref_logprobs: torch.Tensor | None = None):
-    """One micro-batch of a host: segment ids from the token ids, then
-    :func:`nemo_sspo.algorithms.losses.policy_loss_sums` (all tensors ``[B, T]`` in the host's
-    response frame, advantages ``[B]``).
+    """One micro-batch of a host: segment ids from the token ids, then the loss's sums.
+
+    That is :func:`nemo_sspo.algorithms.losses.policy_loss_sums`, all tensors ``[B, T]`` in the
+    host's response frame, advantages ``[B]``.
 
     ``old_entropy`` may be None for a loss that does not read it (``requirements.old_entropy``
     False); ``ref_logprobs`` is needed only with ``kl_coef > 0``.
@@ -372,6 +380,6 @@ def metric_pairs(metrics: dict[str, MetricPair]) -> dict[str, float]:
         return {}
     values = torch.stack([metrics[k].as_tensor(torch.float64) for k in keys]).tolist()
     out = {}
-    for key, (total, count) in zip(keys, values):
+    for key, (total, count) in zip(keys, values, strict=True):
         out[f"{key}/sum"], out[f"{key}/count"] = total, count
     return out

@@ -198,6 +198,7 @@ class NeMoRLPolicyLoss:
                  tables: SegmentTables | None = None, vocab_size: int | None = None,
                  old_entropy_source: str = "current", max_response_length: int | None = None,
                  use_fused_linear_logprobs: bool = False, chunk_size: int = 2048):
+        """Bind the loss and check it against what NeMo-RL passes (class docstring)."""
         loss_type, input_type, normalizer = _host_interfaces()
         self.loss = bind_loss(loss_name, loss_config)
         self.loss_config = self.loss.config

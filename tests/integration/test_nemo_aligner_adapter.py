@@ -171,6 +171,7 @@ def test_current_entropy_source_and_example_section():
                         "nemo_aligner", "sspo_grpo_actor.yaml")
     section = OmegaConf.to_container(OmegaConf.load(path).model.nemo_sspo)
     common = dict(loss_name=section["loss_name"], loss_config=section["config"],
+                  advantage_layout=section["advantage_layout"], mask_rule=section["mask_rule"],
                   tables=hb.tables(), tp_group=None, dp_group=None, vocab_size=hb.VOCAB)
     current = make_actor_loss_func({k: v for k, v in actor.items() if k != "prev_entropy"},
                                    old_entropy_source=section["old_entropy_source"], **common)

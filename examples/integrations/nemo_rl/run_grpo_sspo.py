@@ -1,5 +1,7 @@
-"""NeMo-RL's GRPO with a nemo_sspo loss (SSPO by default): NeMo-RL's own launcher steps, with the
-loss object swapped between ``setup()`` and ``grpo_train()``.
+r"""NeMo-RL's GRPO with a nemo_sspo loss (SSPO by default).
+
+NeMo-RL's own launcher steps, with the loss object swapped between ``setup()`` and
+``grpo_train()``.
 
 Run it inside a NeMo-RL checkout's environment with nemo_sspo importable (``pip install
 --no-deps -e /path/to/nemo_sspo``):
