@@ -61,6 +61,30 @@ def test_nemo_rl_accepts_runnable_settings(nemo_rl):
     assert "reference_policy_logprobs" in nemo_rl("grpo", {"kl_coef": 0.1}).required_keys
 
 
+def test_nemo_rl_zero_global_normaliser_gives_zero_loss_and_gradient(nemo_rl):
+    """No valid token anywhere (global counts 0): loss 0 and a zero gradient, on both inputs."""
+    torch.manual_seed(0)
+    B, S, V = 2, 6, 8
+    token_mask = torch.zeros(B, S)
+    token_mask[:, 3:] = 1
+    data = {"input_ids": torch.randint(0, V, (B, S)), "token_mask": token_mask,
+            "sample_mask": torch.zeros(B), "advantages": torch.tensor([1.0, -1.0])[:, None] *
+            token_mask, "prev_logprobs": -torch.rand(B, S)}
+    zero = {"global_valid_seqs": torch.tensor(0.0), "global_valid_toks": torch.tensor(0.0)}
+    logits = torch.randn(B, S, V, requires_grad=True)
+    for loss_fn, key in ((nemo_rl("grpo", {"aggregation": "token-mean"}), "next_token_logprobs"),
+                         (nemo_rl("grpo", {"aggregation": "seq-mean-token-mean"}),
+                          "next_token_logprobs"),
+                         (nemo_rl("sspo", {"segmentation": "fixed_k", "segment_k": 2}), "logits")):
+        logprobs = torch.log_softmax(logits[:, :-1], -1).gather(
+            -1, data["input_ids"][:, 1:, None])[..., 0]
+        inputs = {key: logits if key == "logits" else logprobs}
+        loss, metrics = loss_fn(data, **zero, **inputs)
+        (grad,) = torch.autograd.grad(loss, logits)
+        assert loss.item() == 0.0 and metrics["loss"] == 0.0
+        assert torch.equal(grad, torch.zeros_like(grad))
+
+
 def _aligner_batch():
     B, S = 2, 6
     return {"response_tokens": torch.randint(0, 8, (B, S)), "mask": torch.ones(B, S - 1),

@@ -250,17 +250,6 @@ def test_batch_and_input_errors_name_the_fix(nemo_rl):
         nemo_rl.NeMoRLPolicyLoss("sspo", old_entropy_source="data")
 
 
-def test_zero_global_normaliser_gives_zero_loss_and_gradient(nemo_rl):
-    batch = hb.global_batch(6)
-    data = _host_data(batch, slice(0, 2))
-    data["sample_mask"] = torch.zeros(2)
-    logits = batch["logits"][:2].clone().requires_grad_(True)
-    loss, metrics = nemo_rl.NeMoRLPolicyLoss("sspo", tables=hb.tables())(
-        data, torch.tensor(0.0), torch.tensor(0.0), logits=logits)
-    (grad,) = torch.autograd.grad(loss, logits)
-    assert float(loss.detach()) == 0.0 and metrics["loss"] == 0.0 and not grad.any()
-
-
 class _MasterConfig:
     """NeMo-RL's MasterConfig as the launcher sees it: attribute access only (a pydantic model;
     ``master_config["nemo_sspo"]`` raises TypeError), dict-valued policy, model-valued
