@@ -85,9 +85,12 @@ def _on_policy(batch):
 
 
 def _worker(tp_rank, world_size):
-    """One TP rank under Megatron's parallel_state; plays DP rank 0 then 1, two micro-batches
-    each; SSPO takes the logits path (the last micro-batch's logits carry 2 padding positions, as
-    a packed host hands them), GRPO the log-prob path."""
+    """One TP rank under Megatron's parallel_state, playing DP rank 0 then 1.
+
+    Two micro-batches each; SSPO takes the logits path (the last micro-batch's logits carry 2
+    padding positions, as a packed host hands them), GRPO the log-prob path. Last, SSPO on a
+    DTensor sharded over the vocabulary (the DTensor worker's logits).
+    """
     from megatron.core import parallel_state
 
     from nemo_sspo.megatron.parallel_setup import initialize_parallel
@@ -122,6 +125,16 @@ def _worker(tp_rank, world_size):
         (sspo_total + grpo_total).backward()
         results.append({"sspo": (float(sspo_total.detach()), shard.grad),
                         "grpo": (float(grpo_total.detach()), full.grad)})
+    # DTensor worker: logits sharded over the vocabulary on a device mesh, no Megatron group.
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    local = batch["logits"][:MICRO, :, columns].clone().requires_grad_(True)
+    logits = DTensor.from_local(local, init_device_mesh("cpu", (TP,)), [Shard(2)])
+    loss, _ = sspo(_host_data(batch, slice(0, MICRO), entropy_key=False), valid_seqs, valid_toks,
+                   logits=logits)
+    loss.backward()
+    results.append({"dtensor": (float(loss.detach()), local.grad)})
     return results
 
 
@@ -130,6 +143,16 @@ def test_logits_path_under_megatron_tp2_and_logprob_path(run_distributed):
     batch = hb.global_batch()
     mask = _effective_mask(batch)
     per_rank = hb.ROWS // DP
+    seqs, _ = _global_counts(batch)
+    config = get_policy_loss("sspo").config_cls()
+    num, _, logits, _ = hb.native_loss("sspo", config, _on_policy(batch), slice(0, MICRO),
+                                       mask[:MICRO])
+    (num / seqs).backward()
+    for tp in range(TP):  # the DTensor worker's vocabulary shards
+        loss, grad = by_tp[tp][DP]["dtensor"]
+        assert loss == pytest.approx(float((num / seqs).detach()), rel=RTOL)
+        cols = slice(tp * hb.VOCAB_PADDED // TP, (tp + 1) * hb.VOCAB_PADDED // TP)
+        torch.testing.assert_close(grad, logits.grad[:, :, cols], rtol=RTOL, atol=ATOL)
     for name, fields, source in (("sspo", {}, _on_policy(batch)),
                                  ("grpo", {"aggregation": "token-mean", "dual_clip_c": 3.0},
                                   batch)):
