@@ -187,18 +187,23 @@ class _ToyTokenizer:
 
 
 def _sspo_through_host(batch, keys):
-    """Our SSPO adapter driven by the host's own wrappers on a batch with exactly ``keys``."""
+    """Our SSPO adapter, built from the shipped recipe's ``nemo_sspo`` section, driven by the
+    host's own wrappers on a batch with exactly ``keys``."""
+    from omegaconf import OmegaConf
+
     from nemo_sspo.integrations.nemo_rl import NeMoRLPolicyLoss
 
-    loss_fn = NeMoRLPolicyLoss.from_config({"loss_name": "sspo", "config": {"alpha": 0.1,
-                                                                          "gamma": 2.2}},
-                                           tokenizer=_ToyTokenizer())
+    recipe = OmegaConf.load(Path(__file__).parents[1] / "examples" / "integrations" / "nemo_rl"
+                            / "sspo_grpo.yaml")
+    section = OmegaConf.to_container(recipe.nemo_sspo)
+    loss_fn = NeMoRLPolicyLoss.from_config(section, tokenizer=_ToyTokenizer())
     only_keys = {k: v for k, v in batch.items() if k in keys}
     only_keys["logits"] = batch["logits"]
     assert set(only_keys) - {"logits"} == set(keys), sorted(set(keys) - set(only_keys))
     loss, metrics, grad = _unpacked(loss_fn, only_keys, [slice(0, 2), slice(2, ROWS)])
     packed = _packed(loss_fn, only_keys, fused=False)
-    return {"input_type": loss_fn.input_type.value, "loss_type": loss_fn.loss_type.value,
+    return {"section": section, "input_type": loss_fn.input_type.value,
+            "loss_type": loss_fn.loss_type.value,
             "loss": loss, "metrics": metrics, "grad": _figures(grad),
             "packed_loss": packed[0], "packed_grad": _figures(packed[3])}
 

@@ -221,10 +221,11 @@ def bind_loss(loss_name: str, loss_config: Any | None) -> BoundPolicyLoss:
 
 
 def check_old_entropy_source(source: str, batch_keys, required_keys: tuple[str, ...],
-                             host: str) -> None:
+                             host: str, *, reads_entropy: bool = True) -> None:
     """Check ``source`` is one of :data:`OLD_ENTROPY_SOURCES` and the batch has what it needs.
 
-    The batch is checked only when it is known (``batch_keys`` not None).
+    The batch is checked only when it is known (``batch_keys`` not None); it needs
+    :data:`PREV_ENTROPY_KEY` only for ``source="batch"`` with a loss that ``reads_entropy``.
 
     Raises:
         ValueError: naming the bad source or the missing keys and the fix.
@@ -233,12 +234,13 @@ def check_old_entropy_source(source: str, batch_keys, required_keys: tuple[str, 
         raise ValueError(f"old_entropy_source={source!r}; valid: {OLD_ENTROPY_SOURCES}")
     if batch_keys is None:
         return
-    needed = required_keys + ((PREV_ENTROPY_KEY,) if source == "batch" else ())
+    needed = required_keys + ((PREV_ENTROPY_KEY,) if source == "batch" and reads_entropy else ())
     missing = [key for key in needed if key not in batch_keys]
     if missing:
-        raise ValueError(f"batch lacks {missing}; the {host} batch needs {list(required_keys)}; "
-                         f"add {PREV_ENTROPY_KEY!r} (aligned like prev_logprobs) in the log-prob "
-                         "pass, or pass old_entropy_source='current'")
+        advice = (f"; add {PREV_ENTROPY_KEY!r} (aligned like prev_logprobs) in the log-prob pass, "
+                  "or pass old_entropy_source='current'" if PREV_ENTROPY_KEY in missing else "")
+        raise ValueError(f"batch lacks {missing}; the {host} batch needs {list(required_keys)}"
+                         f"{advice}")
 
 
 def old_entropy(source: str, batch, current: torch.Tensor | None) -> torch.Tensor:

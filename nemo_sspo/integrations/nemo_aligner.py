@@ -178,8 +178,9 @@ def make_actor_loss_func(
     loss = bind_loss(loss_name, loss_config)
     needs = loss.requirements
     required = _REQUIRED_KEYS[advantage_layout]
-    check_old_entropy_source(old_entropy_source if needs.old_entropy else "current", batch,
-                             required, f"NeMo-Aligner {advantage_layout!r} actor")
+    check_old_entropy_source(old_entropy_source, batch, required,
+                             f"NeMo-Aligner {advantage_layout!r} actor",
+                             reads_entropy=needs.old_entropy)
     check_host_config(
         loss, host="NeMo-Aligner", max_response_length=max_response_length, tables=tables,
         kl_hint="NeMo-Aligner's KL penalty (ppo.initial_policy_kl_penalty) is folded into "

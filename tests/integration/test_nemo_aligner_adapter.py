@@ -1,7 +1,8 @@
 """NeMo-Aligner adapter called as NeMo-Aligner's Megatron actor calls its ``loss_func``.
 
-NeMo-Aligner cannot run here (it needs NeMo 2.x-era containers: NeMo toolkit NLP collection,
-Apex, TransformerEngine), so its calling convention is reproduced: the actor batch keys in its
+The full NeMo-Aligner actor cannot run here (it needs NeMo 2.x-era containers: NeMo toolkit NLP
+collection, Apex, TransformerEngine); its own loss_func was recorded instead
+(test_nemo_aligner_recorded.py). This file reproduces its calling convention under parallelism: the actor batch keys in its
 layout ([B, S - 1] target-frame tensors, ``is_end``), ``loss_func(parallel_logits)`` per
 micro-batch on vocab-sharded logits, Megatron's schedule averaging the micro-batch losses, DDP
 averaging gradients over data-parallel ranks, and metrics reduced over the data-parallel group.

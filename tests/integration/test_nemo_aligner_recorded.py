@@ -101,3 +101,15 @@ def test_grpo_branch_zero_advantage_rule():
     with pytest.raises(ValueError, match="mask_rule='grpo_branch' reads batch\\['advantages'\\]"):
         make_actor_loss_func(batch, loss_name="grpo", tp_group=None, dp_group=None,
                              advantage_layout="reinforce", mask_rule="grpo_branch")
+
+
+def test_reinforce_batch_missing_key_is_named_without_entropy_advice():
+    _, batch, _ = _case("reinforce_actor")
+    del batch["baseline"]
+    with pytest.raises(ValueError, match=r"lacks \['baseline'\]; the NeMo-Aligner 'reinforce' "
+                                         r"actor batch needs .*'baseline'\]$"):
+        make_actor_loss_func(batch, loss_name="grpo", tp_group=None, dp_group=None,
+                             advantage_layout="reinforce")
+    with pytest.raises(ValueError, match="old_entropy_source='data'"):
+        make_actor_loss_func(batch, loss_name="grpo", tp_group=None, dp_group=None,
+                             old_entropy_source="data")

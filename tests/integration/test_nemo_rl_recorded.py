@@ -130,14 +130,14 @@ def test_packed_cases_match_recorded_host(nemo_rl, name):
     assert not packed.grad[0, pad_row:starts[1]].any()
 
 
-def _native_sspo(batch, rows):
+def _native_sspo(batch, rows, fields):
     """Our native SSPO on float64 full-vocabulary logits: (numerator, logits leaf)."""
     logits = batch["logits"][rows].clone().requires_grad_(True)
     ids = batch["input_ids"][rows]
     mask = (batch["token_mask"][rows, 1:] * batch["sample_mask"][rows, None]).bool()
     logp = torch.log_softmax(logits[:, :-1], -1)
     entropy = -(logp.exp() * logp).sum(-1).detach()
-    loss = make_policy_loss("sspo", build_policy_loss_config("sspo", {"alpha": 0.1, "gamma": 2.2}))
+    loss = make_policy_loss("sspo", build_policy_loss_config("sspo", fields))
     segments = segment_ids("newline", ids[:, 1:], mask, build_segment_tables(_ToyTokenizer()))
     inputs = LossInputs(logprobs=logp.gather(-1, ids[:, 1:, None])[..., 0],
                         old_logprobs=batch["prev_logprobs"][rows, 1:],
@@ -148,23 +148,28 @@ def _native_sspo(batch, rows):
 
 
 def test_sspo_on_exactly_grpo_train_keys_through_host_wrappers(nemo_rl):
-    """SSPO (logits path, old entropy from the on-policy logits) on a batch with exactly the keys
-    grpo_train builds: the recorded run inside NeMo-RL's own wrappers, the same call here, and
-    our native loss on the whole batch agree."""
+    """The shipped recipe's SSPO on a batch with exactly the keys grpo_train builds.
+
+    Logits path, old entropy from the on-policy logits: the recorded run inside NeMo-RL's own
+    wrappers, the same call here, and our native loss on the whole batch agree.
+    """
+    from omegaconf import OmegaConf
     keys = RECORD["grpo_train_batch_keys"]
     assert {"input_ids", "token_mask", "sample_mask", "advantages", "prev_logprobs",
             "generation_logprobs", "input_lengths", "reference_policy_logprobs"} == set(keys)
     host = RECORD["sspo_through_host"]
     assert (host["input_type"], host["loss_type"]) == ("logit", "sequence_level")
     batch = _batch(keys)
-    section = {"loss_name": "sspo", "config": {"alpha": 0.1, "gamma": 2.2}}
+    recipe = Path(__file__).parents[2] / "examples" / "integrations" / "nemo_rl" / "sspo_grpo.yaml"
+    section = OmegaConf.to_container(OmegaConf.load(recipe).nemo_sspo)
+    assert section == host["section"] and section["loss_name"] == "sspo"
     loss_fn = nemo_rl.NeMoRLPolicyLoss.from_config(section, tokenizer=_ToyTokenizer())
     seqs, toks = _global_counts(batch)
     logits = batch["logits"].clone().requires_grad_(True)
     total = sum(loss_fn(_data(batch, rows), seqs, toks, logits=logits[rows])[0]
                 for rows in (slice(0, 2), slice(2, None)))
     total.backward()
-    numerator, native_logits = _native_sspo(batch, slice(None))
+    numerator, native_logits = _native_sspo(batch, slice(None), section["config"])
     (numerator / seqs).backward()
     assert float(total.detach()) == pytest.approx(float((numerator / seqs).detach()), rel=1e-12)
     torch.testing.assert_close(logits.grad, native_logits.grad, rtol=1e-9, atol=1e-12)

@@ -31,9 +31,10 @@ from omegaconf import OmegaConf
 from nemo_sspo.algorithms.segmentation import build_segment_tables
 from nemo_sspo.integrations.nemo_aligner import PREV_ENTROPY_KEY, make_actor_loss_func
 
-# Keys the last pipeline stage reads (the first stage reads tokens and positions).
+# Keys the last pipeline stage reads (the first stage reads tokens and positions); the REINFORCE
+# batch brings rewards_with_kl and baseline instead of advantages and prev_logprobs.
 _LAST_STAGE_KEYS = ("response_tokens", "advantages", "mask", "prev_logprobs", "is_end",
-                    PREV_ENTROPY_KEY)
+                    "rewards_with_kl", "baseline", PREV_ENTROPY_KEY)
 
 
 class SSPOActorModel(MegatronGPTActorModel):
