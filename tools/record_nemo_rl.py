@@ -39,8 +39,8 @@ RESPONSE_LENGTHS = (6, 3, 5, 1)  # tokens after the prompt; row 3 is also masked
 NEWLINE_ID = 5  # the toy tokenizer of the SSPO case decodes this id with a newline
 PACK_ALIGN = 4  # packed sequences are padded to a multiple of this (cu_seqlens_q_padded)
 
-# name -> (host ClippedPGLossConfig fields, our loss name, our config fields). Every host config
-# sets reference_policy_kl_penalty=0 (its default 0.01 adds a reference-KL term ours leaves out).
+# name -> (host ClippedPGLossConfig fields, our loss name, our config fields). Host configs set
+# reference_policy_kl_penalty=0 unless they say otherwise (its default is 0.01).
 CASES = {
     "grpo_token": ({"token_level_loss": True}, "grpo", {"aggregation": "token-mean"}),
     "grpo_sequence": ({"token_level_loss": False}, "grpo",
@@ -55,6 +55,10 @@ CASES = {
              {"eps_low": 0.1, "eps_high": 0.15}),
     "cispo": ({"token_level_loss": True, "use_cispo": True, "ratio_clip_min": 1.0,
                "ratio_clip_max": 4.0}, "cispo", {}),
+    # The host's k3 reference KL (its default clamps, inactive at these log-ratios) and ours.
+    "reference_kl": ({"token_level_loss": True, "reference_policy_kl_penalty": 0.05,
+                      "reference_policy_kl_type": "k3"}, "grpo",
+                     {"aggregation": "token-mean", "kl_coef": 0.05, "kl_estimator": "k3"}),
 }
 
 
@@ -79,7 +83,7 @@ def _batch(seed: int) -> dict[str, torch.Tensor]:
         "advantages": advantages[:, None].expand(ROWS, LENGTH).contiguous(),
         "prev_logprobs": prev,
         "generation_logprobs": prev + 0.05 * torch.randn(prev.shape, generator=gen) * token_mask,
-        "reference_policy_logprobs": torch.zeros(ROWS, LENGTH),
+        "reference_policy_logprobs": prev - 0.4 * torch.rand(prev.shape, generator=gen) * token_mask,
         "logits": logits,
     }
 
@@ -150,7 +154,7 @@ def _packed(loss_fn, batch, fused: bool):
 def _host_loss(fields):
     from nemo_rl.algorithms.loss import ClippedPGLossConfig, ClippedPGLossFn
 
-    return ClippedPGLossFn(ClippedPGLossConfig(reference_policy_kl_penalty=0.0, **fields))
+    return ClippedPGLossFn(ClippedPGLossConfig(**{"reference_policy_kl_penalty": 0.0, **fields}))
 
 
 def _grpo_train_keys(host_src: Path) -> list[str]:

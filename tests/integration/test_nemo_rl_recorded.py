@@ -33,7 +33,8 @@ from nemo_sspo.algorithms.segmentation import build_segment_tables, segment_ids
 
 RECORD = json.loads((Path(__file__).parent / "data" / "nemo_rl_recorded.json").read_text())
 LOSS_ATOL, GRAD_ATOL = 2e-6, 1e-6
-_UNPACKED = [name for name in RECORD["cases"] if not name.startswith("packed")]
+_UNPACKED = [name for name in RECORD["cases"]
+             if not name.startswith("packed") and name != "reference_kl"]
 
 
 @pytest.fixture
@@ -101,6 +102,31 @@ def test_unpacked_cases_match_recorded_host(nemo_rl, name):
     torch.testing.assert_close(logits.grad, torch.tensor(case["grad"], dtype=torch.float64),
                                rtol=0, atol=GRAD_ATOL)
     assert metrics["num_valid_samples"] == case["metrics"][-1]["num_valid_samples"]
+
+
+def test_reference_kl_value_matches_and_gradient_differs_by_the_score_term(nemo_rl):
+    """GRPO token-mean with a k3 reference KL (coefficient 0.05).
+
+    The loss values agree. The gradients differ by design: NeMo-RL multiplies the per-token k3
+    by exp(log pi - sg(log pi)) (value 1; its docs cite arXiv 2506.09477), which adds the
+    score-function term coef * k3_t * grad log pi_t / N; ours differentiates k3 alone. Adding
+    that term, computed here from the batch, to our gradient gives the host's.
+    """
+    case = RECORD["cases"]["reference_kl"]
+    loss_fn = nemo_rl.NeMoRLPolicyLoss(case["loss_name"], case["config"])
+    batch = _batch()
+    seqs, toks = _global_counts(batch)
+    logits = batch["logits"].clone().requires_grad_(True)
+    logprobs = _logprobs(logits, batch["input_ids"])
+    loss, _ = loss_fn(_data(batch, slice(None)), seqs, toks, next_token_logprobs=logprobs)
+    assert float(loss.detach()) == pytest.approx(case["loss"], abs=LOSS_ATOL)
+    mask = batch["token_mask"][:, 1:] * batch["sample_mask"][:, None]
+    log_ratio = (batch["reference_policy_logprobs"][:, 1:] - logprobs).detach()
+    k3 = torch.exp(log_ratio) - 1 - log_ratio
+    score = case["config"]["kl_coef"] * (k3 * logprobs * mask).sum() / toks
+    (loss + score).backward()
+    torch.testing.assert_close(logits.grad, torch.tensor(case["grad"], dtype=torch.float64),
+                               rtol=0, atol=GRAD_ATOL)
 
 
 @pytest.mark.parametrize("name", ["packed", "packed_fused"])
