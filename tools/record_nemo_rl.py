@@ -191,8 +191,10 @@ class _ToyTokenizer:
 
 
 def _sspo_through_host(batch, keys):
-    """Our SSPO adapter, built from the shipped recipe's ``nemo_sspo`` section, driven by the
-    host's own wrappers on a batch with exactly ``keys``."""
+    """Our SSPO adapter driven by the host's own wrappers on a batch with exactly ``keys``.
+
+    Built from the shipped recipe's ``nemo_sspo`` section.
+    """
     from omegaconf import OmegaConf
 
     from nemo_sspo.integrations.nemo_rl import NeMoRLPolicyLoss

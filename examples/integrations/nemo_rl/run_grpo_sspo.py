@@ -39,7 +39,9 @@ def load_master_config() -> MasterConfig:
     if cli:
         config = parse_hydra_overrides(config, cli)
     master_config = MasterConfig(**OmegaConf.to_container(config, resolve=True))
-    if master_config.grpo.async_grpo.enabled or (master_config.data_plane or {}).get("enabled"):
+    async_grpo = master_config.grpo.async_grpo
+    if (async_grpo is not None and async_grpo.enabled) or (
+            (master_config.data_plane or {}).get("enabled")):
         raise ValueError("this launcher runs NeMo-RL's synchronous grpo_train only: set "
                          "grpo.async_grpo.enabled=false and data_plane.enabled=false")
     return master_config
