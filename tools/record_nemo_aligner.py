@@ -2,15 +2,17 @@ r"""Record NeMo-Aligner's own actor losses on fixed small batches, for tests/int
 
 Runs the real actor code of NeMo-Aligner 0.7.0 (the PyPI wheel, ``pip download --no-deps
 nemo-aligner==0.7.0``, unzipped) and, optionally, of its unreleased GRPO branch (a ``git archive``
-of NVIDIA/NeMo-Aligner's ``geshen/llama_combo``). The actors import NeMo toolkit and Lightning,
-which do not install on CPU: this script stands in for exactly two framework packages, ``nemo``
-and ``lightning`` (every name a placeholder class, plus NeMo's data-parallel loss averaging,
-which the actor's ``loss_func`` calls), and a CUDA-less ``Tensor.cuda``. Megatron-Core is real
-(``pip install --no-deps megatron-core``), with a one-rank gloo group, so the host's own
-vocab-parallel log-prob autograd function runs. Writes figures only.
+of NVIDIA/NeMo-Aligner's ``geshen/llama_combo``). The actors import NeMo toolkit, Lightning and
+TensorRT-LLM, which do not install on CPU: this script stands in for those three packages,
+``nemo``, ``lightning`` and ``tensorrt_llm`` (plus ``pytorch_lightning``, Lightning's old name,
+which the 2024 branch imports): every name is a placeholder class, except NeMo's data-parallel
+loss averaging, which the actor's ``loss_func`` calls. ``Tensor.cuda`` becomes a no-op.
+Megatron-Core is real (``pip install --no-deps megatron-core==0.16.1``; the branch's one renamed
+import is aliased), with a one-rank gloo group, so the host's own vocab-parallel log-prob
+autograd function runs. Writes figures only.
 
-    PYTHONPATH=. /path/to/venv/bin/python tools/record_nemo_aligner.py \\
-        --release /path/to/nemo_aligner-0.7.0 --grpo-branch /path/to/aligner-grpo-branch \\
+    PYTHONPATH=. /path/to/venv/bin/python tools/record_nemo_aligner.py \
+        --release /path/to/nemo_aligner-0.7.0 --grpo-branch /path/to/aligner-grpo-branch \
         --grpo-branch-commit 7b3805a --out tests/integration/data/nemo_aligner_recorded.json
 
 Cases: the 0.7.0 PPO actor on a GRPO-style batch (A_i broadcast, one truncated response), on a

@@ -6,8 +6,8 @@ docs/integrations.md lists the packages). Writes figures only: the batches, and 
 host's config, our equivalent loss config, the host's loss, metrics and gradient with respect to
 the logits. No host code is copied into the output.
 
-    PYTHONPATH=/path/to/NeMo-RL:. /path/to/nemorl-venv/bin/python tools/record_nemo_rl.py \\
-        --host-src /path/to/NeMo-RL --host-commit 7ea279a \\
+    PYTHONPATH=/path/to/NeMo-RL:. /path/to/nemorl-venv/bin/python tools/record_nemo_rl.py \
+        --host-src /path/to/NeMo-RL --host-commit 7ea279a \
         --out tests/integration/data/nemo_rl_recorded.json
 
 Cases (all through the host's own input preparation, ``prepare_loss_input`` on a one-rank

@@ -6,8 +6,8 @@ NeMo-RL's own launcher steps, with the loss object swapped between ``setup()`` a
 Run it inside a NeMo-RL checkout's environment with nemo_sspo importable (``pip install
 --no-deps -e /path/to/nemo_sspo``):
 
-    uv run python /path/to/nemo_sspo/examples/integrations/nemo_rl/run_grpo_sspo.py \\
-        --config examples/configs/grpo_math_1B.yaml \\
+    uv run python /path/to/nemo_sspo/examples/integrations/nemo_rl/run_grpo_sspo.py \
+        --config examples/configs/grpo_math_1B.yaml \
         --overrides /path/to/nemo_sspo/examples/integrations/nemo_rl/sspo_grpo.yaml [key=value ...]
 
 Written against NeMo-RL 7ea279a (``examples/run_grpo.py`` there, synchronous trainer). Not run
