@@ -12,7 +12,7 @@ the logits. No host code is copied into the output.
 
 Cases (all through the host's own input preparation, ``prepare_loss_input`` on a one-rank
 vocab-parallel gloo group, and its wrappers): GRPO token- and sequence-level, dual clip, DAPO's
-clip-higher, GSPO, CISPO; one batch split into two micro-batches with the global
+clip-higher, GSPO, CISPO, GRPO with a k3 reference KL; one batch split into two micro-batches with the global
 ``global_valid_*`` counts; packed sequences through ``SequencePackingLossWrapper`` and through
 ``SequencePackingFusionLossWrapper``. Also recorded: the host's enum values, the keys
 ``grpo_train`` puts in its training batch (read from the host's ``grpo.py`` source), and our SSPO
