@@ -199,9 +199,21 @@ def test_sspo_on_exactly_grpo_train_keys_through_host_wrappers(nemo_rl):
     (numerator / seqs).backward()
     assert float(total.detach()) == pytest.approx(float((numerator / seqs).detach()), rel=1e-12)
     torch.testing.assert_close(logits.grad, native_logits.grad, rtol=1e-9, atol=1e-12)
-    for recorded_loss, recorded_grad in ((host["loss"], host["grad"]),
-                                         (host["packed_loss"], None)):
-        assert recorded_loss == pytest.approx(float(total.detach()), abs=LOSS_ATOL)
-        if recorded_grad is not None:
-            torch.testing.assert_close(torch.tensor(recorded_grad, dtype=torch.float64),
-                                       logits.grad, rtol=0, atol=GRAD_ATOL)
+    assert host["loss"] == pytest.approx(float(total.detach()), abs=LOSS_ATOL)
+    torch.testing.assert_close(torch.tensor(host["grad"], dtype=torch.float64), logits.grad,
+                               rtol=0, atol=GRAD_ATOL)
+    # Packed: SequencePackingLossWrapper handed each padded logits slice with unpadded data.
+    packing = RECORD["packing"]
+    packed = torch.tensor(packing["logits"], dtype=torch.float64).requires_grad_(True)
+    starts, lengths = packing["cu_seqlens_q_padded"], batch["input_lengths"].tolist()
+    packed_total = 0.0
+    for row, length in enumerate(lengths):
+        data = {key: (value[row:row + 1, :length] if value.dim() > 1 else value[row:row + 1])
+                for key, value in _data(batch, slice(None)).items()}
+        packed_total = packed_total + loss_fn(data, seqs, toks,
+                                              logits=packed[:, starts[row]:starts[row + 1]])[0]
+    packed_total.backward()
+    assert host["packed_loss"] == pytest.approx(float(total.detach()), abs=LOSS_ATOL)
+    assert float(packed_total.detach()) == pytest.approx(float(total.detach()), rel=1e-12)
+    torch.testing.assert_close(packed.grad, torch.tensor(host["packed_grad"], dtype=torch.float64),
+                               rtol=0, atol=GRAD_ATOL)
