@@ -1,6 +1,8 @@
-"""Pieces every host adapter shares: host imports, per-response advantages, segment ids from
-token ids, the bound loss of a registered name, the old-entropy source, and the one per-micro-batch
-path (:func:`host_loss_sums`, i.e. ``nemo_sspo.algorithms.losses.policy_loss_sums``).
+"""Pieces every host adapter shares.
+
+Host imports, per-response advantages, segment ids from token ids, the bound loss of a registered
+name, the old-entropy source, and the one per-micro-batch path (:func:`host_loss_sums`, i.e.
+``nemo_sspo.algorithms.losses.policy_loss_sums``).
 
 No loss maths lives here. Old-policy entropy, in every adapter: ``old_entropy_source="batch"``
 reads the host batch's :data:`PREV_ENTROPY_KEY`, a tensor aligned exactly like that host's
@@ -155,28 +157,33 @@ def response_segment_ids(loss: BoundPolicyLoss, response_ids: torch.Tensor,
 
 def check_host_config(loss: BoundPolicyLoss, *, host: str, kl_hint: str, entropy_hint: str,
                       max_response_length: int | None = None, check_length: bool = True,
-                      tables: SegmentTables | None = None, check_tables: bool = True) -> None:
+                      tables: SegmentTables | None = None, check_tables: bool = True,
+                      reference_logprobs: bool = False) -> None:
     """Reject, at adapter construction, a loss config the host adapter cannot run.
 
-    Host adapters pass neither reference log-probs nor a differentiable current entropy to the
-    loss, so ``kl_coef > 0`` / ``entropy_coef > 0`` would otherwise fail only at the first loss
-    call inside the host. Also checked (each when enabled): "constant-denominator" aggregation
+    Host adapters pass no differentiable current entropy to the loss (and most pass no reference
+    log-probs), so ``entropy_coef > 0`` / ``kl_coef > 0`` would otherwise fail only at the first
+    loss call inside the host. Also checked (each when enabled): "constant-denominator" aggregation
     without ``max_response_length >= 1``, and a segmentation that reads token texts without
     ``tables``.
 
     Args:
         loss: the bound loss.
         host: the host's name, for the messages.
-        kl_hint / entropy_hint: where the host's own KL / entropy settings are (or why none apply).
-        max_response_length, check_length: L_max given to the adapter; check it when True.
-        tables, check_tables: segment tables given to the adapter; check them when True.
+        kl_hint: where the host's own KL settings are (or why none apply).
+        entropy_hint: where the host's own entropy settings are (or why none apply).
+        max_response_length: L_max given to the adapter.
+        check_length: check ``max_response_length`` when True.
+        tables: segment tables given to the adapter.
+        check_tables: check ``tables`` when True.
+        reference_logprobs: the adapter passes reference log-probs (``kl_coef > 0`` is allowed).
 
     Raises:
         ValueError: naming the config field, the host and the fix.
     """
     config, needs = loss.config, loss.requirements
     name = type(config).__name__
-    if needs.reference_policy:
+    if needs.reference_policy and not reference_logprobs:
         raise ValueError(f"{name}.kl_coef={config.kl_coef}: the {host} adapter passes no reference "
                          f"log-probs to the loss, so set kl_coef=0 here. {kl_hint}")
     if needs.smooth_advantages:
@@ -218,9 +225,11 @@ def bind_loss(loss_name: str, loss_config: Any | None) -> BoundPolicyLoss:
 
 
 def check_old_entropy_source(source: str, batch_keys, required_keys: tuple[str, ...],
-                             host: str) -> None:
-    """``source`` is one of :data:`OLD_ENTROPY_SOURCES` and the batch has what it needs (when the
-    batch is known).
+                             host: str, *, reads_entropy: bool = True) -> None:
+    """Check ``source`` is one of :data:`OLD_ENTROPY_SOURCES` and the batch has what it needs.
+
+    The batch is checked only when it is known (``batch_keys`` not None); it needs
+    :data:`PREV_ENTROPY_KEY` only for ``source="batch"`` with a loss that ``reads_entropy``.
 
     Raises:
         ValueError: naming the bad source or the missing keys and the fix.
@@ -229,17 +238,19 @@ def check_old_entropy_source(source: str, batch_keys, required_keys: tuple[str, 
         raise ValueError(f"old_entropy_source={source!r}; valid: {OLD_ENTROPY_SOURCES}")
     if batch_keys is None:
         return
-    needed = required_keys + ((PREV_ENTROPY_KEY,) if source == "batch" else ())
+    needed = required_keys + ((PREV_ENTROPY_KEY,) if source == "batch" and reads_entropy else ())
     missing = [key for key in needed if key not in batch_keys]
     if missing:
-        raise ValueError(f"batch lacks {missing}; the {host} batch needs {list(required_keys)}; "
-                         f"add {PREV_ENTROPY_KEY!r} (aligned like prev_logprobs) in the log-prob "
-                         "pass, or pass old_entropy_source='current'")
+        advice = (f"; add {PREV_ENTROPY_KEY!r} (aligned like prev_logprobs) in the log-prob pass, "
+                  "or pass old_entropy_source='current'" if PREV_ENTROPY_KEY in missing else "")
+        raise ValueError(f"batch lacks {missing}; the {host} batch needs {list(required_keys)}"
+                         f"{advice}")
 
 
 def old_entropy(source: str, batch, current: torch.Tensor | None) -> torch.Tensor:
-    """The old-policy entropy of :data:`OLD_ENTROPY_SOURCES` ``source``, aligned like the batch's
-    ``prev_logprobs``.
+    """The old-policy entropy of :data:`OLD_ENTROPY_SOURCES` ``source``.
+
+    Aligned like the batch's ``prev_logprobs``.
 
     Raises:
         ValueError: "current" without logits, a missing stored entropy, or one shaped unlike
@@ -264,20 +275,28 @@ def old_entropy(source: str, batch, current: torch.Tensor | None) -> torch.Tenso
 
 def host_loss_sums(loss: BoundPolicyLoss, *, logprobs: torch.Tensor, old_logprobs: torch.Tensor,
                    advantages: torch.Tensor, response_mask: torch.Tensor,
-                   response_ids: torch.Tensor, old_entropy: torch.Tensor,
-                   tables: SegmentTables | None, max_response_length: int | None):
-    """One micro-batch of a host: segment ids from the token ids, then
-    :func:`nemo_sspo.algorithms.losses.policy_loss_sums` (all tensors ``[B, T]`` in the host's
-    response frame, advantages ``[B]``).
+                   response_ids: torch.Tensor, old_entropy: torch.Tensor | None,
+                   tables: SegmentTables | None, max_response_length: int | None,
+                   ref_logprobs: torch.Tensor | None = None):
+    """One micro-batch of a host: segment ids from the token ids, then the loss's sums.
+
+    That is :func:`nemo_sspo.algorithms.losses.policy_loss_sums`, all tensors ``[B, T]`` in the
+    host's response frame, advantages ``[B]``.
+
+    ``old_entropy`` may be None for a loss that does not read it (``requirements.old_entropy``
+    False); ``ref_logprobs`` is needed only with ``kl_coef > 0``.
 
     Returns:
         ``(numerator, denominator, metrics)`` of ``policy_loss_sums``.
     """
+    def same_dtype(tensor):
+        return None if tensor is None else tensor.to(logprobs.dtype)
+
     inputs = LossInputs(
         logprobs=logprobs, old_logprobs=old_logprobs.to(logprobs.dtype), advantages=advantages,
         response_mask=response_mask,
         segment_ids=response_segment_ids(loss, response_ids, response_mask, tables),
-        old_entropy=old_entropy.to(logprobs.dtype),
+        old_entropy=same_dtype(old_entropy), ref_logprobs=same_dtype(ref_logprobs),
     )
     return policy_loss_sums(loss, inputs, max_response_length=max_response_length)
 
@@ -367,6 +386,6 @@ def metric_pairs(metrics: dict[str, MetricPair]) -> dict[str, float]:
         return {}
     values = torch.stack([metrics[k].as_tensor(torch.float64) for k in keys]).tolist()
     out = {}
-    for key, (total, count) in zip(keys, values):
+    for key, (total, count) in zip(keys, values, strict=True):
         out[f"{key}/sum"], out[f"{key}/count"] = total, count
     return out

@@ -1,5 +1,5 @@
 """Regression tests: host adapters reject settings they cannot run when they are built (not at
-the first loss call), NeMo-RL returns 0 for a zero global normaliser, verl rejects float ids."""
+the first loss call); verl rejects float ids."""
 
 from __future__ import annotations
 
@@ -18,11 +18,25 @@ class _LossType(enum.Enum):
     SEQUENCE_LEVEL = "sequence_level"
 
 
+class _LossInputType(enum.Enum):
+    LOGIT = "logit"
+    LOGPROB = "logprob"
+
+
+class _MetricNormalizer(enum.Enum):
+    TOKENS = "tokens"
+    SEQUENCES = "sequences"
+    NONE = "none"
+
+
 @pytest.fixture
 def nemo_rl(monkeypatch):
-    for name in ("nemo_rl", "nemo_rl.algorithms", "nemo_rl.algorithms.interfaces"):
+    leaf = "nemo_rl.algorithms.loss.interfaces"
+    for name in ("nemo_rl", "nemo_rl.algorithms", "nemo_rl.algorithms.loss", leaf):
         monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
-    sys.modules["nemo_rl.algorithms.interfaces"].LossType = _LossType
+    sys.modules[leaf].LossType = _LossType
+    sys.modules[leaf].LossInputType = _LossInputType
+    sys.modules[leaf].MetricNormalizer = _MetricNormalizer
     from nemo_sspo.integrations.nemo_rl import NeMoRLPolicyLoss
     return NeMoRLPolicyLoss
 
@@ -32,9 +46,11 @@ _BAD = [("dr_grpo", None, r"max_response_length"),
         ("grpo", {"entropy_coef": 0.01}, r"entropy_coef=0.01"),
         ("sspo", None, r"tables="),
         ("dcpo", {"smooth_advantages": True}, r"smooth_advantages=True.*no per-prompt reward history")]
+# NeMo-RL passes reference_policy_logprobs, so kl_coef > 0 is runnable there.
+_BAD_NEMO_RL = [case for case in _BAD if "kl_coef" not in (case[1] or {})]
 
 
-@pytest.mark.parametrize("name, config, match", _BAD)
+@pytest.mark.parametrize("name, config, match", _BAD_NEMO_RL)
 def test_nemo_rl_rejects_at_init(nemo_rl, name, config, match):
     with pytest.raises(ValueError, match=match):
         nemo_rl(name, config)
@@ -43,24 +59,30 @@ def test_nemo_rl_rejects_at_init(nemo_rl, name, config, match):
 def test_nemo_rl_accepts_runnable_settings(nemo_rl):
     nemo_rl("dr_grpo", max_response_length=8)
     nemo_rl("grpo")
+    assert "reference_policy_logprobs" in nemo_rl("grpo", {"kl_coef": 0.1}).required_keys
 
 
 def test_nemo_rl_zero_global_normaliser_gives_zero_loss_and_gradient(nemo_rl):
+    """No valid token anywhere (global counts 0): loss 0 and a zero gradient, on both inputs."""
     torch.manual_seed(0)
     B, S, V = 2, 6, 8
     token_mask = torch.zeros(B, S)
     token_mask[:, 3:] = 1
     data = {"input_ids": torch.randint(0, V, (B, S)), "token_mask": token_mask,
             "sample_mask": torch.zeros(B), "advantages": torch.tensor([1.0, -1.0])[:, None] *
-            token_mask, "prev_logprobs": -torch.rand(B, S), "prev_entropy": torch.rand(B, S)}
+            token_mask, "prev_logprobs": -torch.rand(B, S)}
+    zero = {"global_valid_seqs": torch.tensor(0.0), "global_valid_toks": torch.tensor(0.0)}
     logits = torch.randn(B, S, V, requires_grad=True)
-    for aggregation, normaliser in (("token-mean", "global_valid_toks"),
-                                    ("seq-mean-token-mean", "global_valid_seqs")):
-        loss_fn = nemo_rl("grpo", {"aggregation": aggregation})
-        kwargs = {"global_valid_seqs": torch.tensor(0.0), "global_valid_toks": torch.tensor(0.0)}
-        loss, metrics = loss_fn(logits, data, **kwargs)
-        assert loss.item() == 0.0 and metrics["loss"] == 0.0, normaliser
+    for loss_fn, key in ((nemo_rl("grpo", {"aggregation": "token-mean"}), "next_token_logprobs"),
+                         (nemo_rl("grpo", {"aggregation": "seq-mean-token-mean"}),
+                          "next_token_logprobs"),
+                         (nemo_rl("sspo", {"segmentation": "fixed_k", "segment_k": 2}), "logits")):
+        logprobs = torch.log_softmax(logits[:, :-1], -1).gather(
+            -1, data["input_ids"][:, 1:, None])[..., 0]
+        inputs = {key: logits if key == "logits" else logprobs}
+        loss, metrics = loss_fn(data, **zero, **inputs)
         (grad,) = torch.autograd.grad(loss, logits)
+        assert loss.item() == 0.0 and metrics["loss"] == 0.0
         assert torch.equal(grad, torch.zeros_like(grad))
 
 

@@ -1,7 +1,8 @@
 """NeMo-Aligner adapter called as NeMo-Aligner's Megatron actor calls its ``loss_func``.
 
-NeMo-Aligner cannot run here (it needs NeMo 2.x-era containers: NeMo toolkit NLP collection,
-Apex, TransformerEngine), so its calling convention is reproduced: the actor batch keys in its
+The full NeMo-Aligner actor cannot run here (it needs NeMo 2.x-era containers: NeMo toolkit NLP
+collection, Apex, TransformerEngine); its own loss_func was recorded instead
+(test_nemo_aligner_recorded.py). This file reproduces its calling convention under parallelism: the actor batch keys in its
 layout ([B, S - 1] target-frame tensors, ``is_end``), ``loss_func(parallel_logits)`` per
 micro-batch on vocab-sharded logits, Megatron's schedule averaging the micro-batch losses, DDP
 averaging gradients over data-parallel ranks, and metrics reduced over the data-parallel group.
@@ -47,7 +48,8 @@ def _host_step(batch, rows, shard, **kwargs):
     for start in range(0, rows.stop - rows.start, MICRO):
         micro = slice(rows.start + start, rows.start + start + MICRO)
         loss_func = make_actor_loss_func(_actor_batch(batch, micro), loss_config=config,
-                                         tables=hb.tables(), vocab_size=hb.VOCAB, **kwargs)
+                                         tables=hb.tables(), vocab_size=hb.VOCAB,
+                                         old_entropy_source="batch", **kwargs)
         loss, reduced = loss_func(shard[start:start + MICRO])
         losses.append(loss)
         metrics.append({k: float(v) for k, v in reduced.items()})
@@ -144,7 +146,7 @@ def test_missing_keys_and_empty_micro_batch():
     actor = _actor_batch(batch, slice(0, 2))
     with pytest.raises(ValueError, match="prev_entropy"):
         make_actor_loss_func({k: v for k, v in actor.items() if k != "prev_entropy"},
-                             tp_group=None, dp_group=None)
+                             tp_group=None, dp_group=None, old_entropy_source="batch")
     # No valid token (all responses truncated): loss 0 with a zero gradient, as the host does.
     actor["is_end"] = torch.zeros(2)
     logits = batch["logits"][:2].clone().requires_grad_(True)
@@ -170,10 +172,12 @@ def test_current_entropy_source_and_example_section():
                         "nemo_aligner", "sspo_grpo_actor.yaml")
     section = OmegaConf.to_container(OmegaConf.load(path).model.nemo_sspo)
     common = dict(loss_name=section["loss_name"], loss_config=section["config"],
+                  advantage_layout=section["advantage_layout"], mask_rule=section["mask_rule"],
                   tables=hb.tables(), tp_group=None, dp_group=None, vocab_size=hb.VOCAB)
     current = make_actor_loss_func({k: v for k, v in actor.items() if k != "prev_entropy"},
                                    old_entropy_source=section["old_entropy_source"], **common)
     stored = make_actor_loss_func(actor, old_entropy_source="batch", **common)
+    assert section["old_entropy_source"] == "current"
     logits = batch["logits"][:4]
     assert float(current(logits)[0]) == pytest.approx(float(stored(logits)[0]), rel=RTOL)
 

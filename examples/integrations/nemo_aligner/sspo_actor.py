@@ -1,10 +1,13 @@
 """A NeMo-Aligner actor trained with a nemo_sspo loss (SSPO by default).
 
-Written against NeMo-Aligner 0.7.0's ``MegatronGPTActorModel`` (the actor of its PPO and of the
-experimental GRPO trainer) and not run here: NeMo-Aligner needs the NeMo container
-(examples/integrations/nemo_aligner/Dockerfile). Use it in place of ``MegatronGPTActorModel`` in
-the GRPO training script (same ``load_from_nemo`` call), with the ``model.nemo_sspo`` section of
-sspo_grpo_actor.yaml in the actor config.
+NeMo-Aligner is deprecated and released no GRPO: for new work use NeMo-RL
+(examples/integrations/nemo_rl). This subclass of 0.7.0's ``MegatronGPTActorModel`` serves the
+unreleased GRPO branch's trainer (``advantage_layout: tokens``, ``mask_rule: grpo_branch`` to keep
+its zero-advantage rule) and 0.7.0's PPO trainer (``advantage_layout: gae``, token-unit
+token-mean losses only). Not run here: the full actor needs the NeMo container
+(examples/integrations/nemo_aligner/Dockerfile); its loss was checked against the real actors'
+(docs/integrations.md). Use it in place of ``MegatronGPTActorModel`` in the training script (same
+``load_from_nemo`` call), with the ``model.nemo_sspo`` section of sspo_grpo_actor.yaml.
 
 Only the training loss changes: generation, rewards, advantages and the log-prob pass are the
 host's. With ``old_entropy_source: current`` nothing else is needed (exact when each rollout batch
@@ -28,22 +31,29 @@ from omegaconf import OmegaConf
 from nemo_sspo.algorithms.segmentation import build_segment_tables
 from nemo_sspo.integrations.nemo_aligner import PREV_ENTROPY_KEY, make_actor_loss_func
 
-# Keys the last pipeline stage reads (the first stage reads tokens and positions).
+# Keys the last pipeline stage reads (the first stage reads tokens and positions); the REINFORCE
+# batch brings rewards_with_kl and baseline instead of advantages and prev_logprobs.
 _LAST_STAGE_KEYS = ("response_tokens", "advantages", "mask", "prev_logprobs", "is_end",
-                    PREV_ENTROPY_KEY)
+                    "rewards_with_kl", "baseline", PREV_ENTROPY_KEY)
 
 
 class SSPOActorModel(MegatronGPTActorModel):
+    """``MegatronGPTActorModel`` whose training loss is a nemo_sspo loss (``cfg.nemo_sspo``)."""
+
     def __init__(self, cfg, trainer):
+        """Read the ``nemo_sspo`` section and build the tokenizer's segment tables."""
         super().__init__(cfg, trainer=trainer)
         section = OmegaConf.to_container(cfg.nemo_sspo, resolve=True)
         self._sspo_loss_name = section["loss_name"]
         self._sspo_loss_config = section["config"]
-        self._sspo_entropy_source = section["old_entropy_source"]
+        self._sspo_options = {key: section[key] for key in
+                              ("old_entropy_source", "advantage_layout", "mask_rule")
+                              if key in section}
         # NeMo's AutoTokenizer wraps the Hugging Face tokenizer in `.tokenizer`.
         self._sspo_tables = build_segment_tables(self.tokenizer.tokenizer)
 
     def get_actor_forward_output_and_loss_func(self):
+        """The host's forward step with the nemo_sspo ``loss_func``."""
         def fwd_output_and_loss_func(data_iterator, model):
             batch = next(data_iterator)
             if parallel_state.get_pipeline_model_parallel_world_size() == 1:
@@ -66,7 +76,7 @@ class SSPOActorModel(MegatronGPTActorModel):
                 tables=self._sspo_tables,
                 tp_group=parallel_state.get_tensor_model_parallel_group(),
                 dp_group=parallel_state.get_data_parallel_group(),
-                old_entropy_source=self._sspo_entropy_source,
+                **self._sspo_options,
             )
             return parallel_logits, loss_func
 
