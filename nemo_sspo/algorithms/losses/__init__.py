@@ -18,7 +18,7 @@ from nemo_sspo.algorithms.losses.covariance import (
     select_random_covariance_tokens,
 )
 from nemo_sspo.algorithms.losses.geometric import GMPOLossConfig, SoftSeqPOLossConfig
-from nemo_sspo.algorithms.losses.inputs import LossInputs, LossOutput, PolicyLoss
+from nemo_sspo.algorithms.losses.inputs import LossInputs, LossOutput, LossRequirements, PolicyLoss
 from nemo_sspo.algorithms.losses.ratio_clip import (
     DAPOLossConfig,
     DrGRPOLossConfig,
@@ -31,7 +31,6 @@ from nemo_sspo.algorithms.losses.ratio_clip import (
 )
 from nemo_sspo.algorithms.losses.registry import (
     LossRecord,
-    LossRequirements,
     build_policy_loss_config,
     get_policy_loss,
     make_policy_loss,

@@ -32,16 +32,17 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
+from typing import Protocol
 
 import torch
 
-from nemo_sspo.algorithms.losses.base import LossTerms, PolicyLossConfig, config_error
+from nemo_sspo.algorithms.losses.base import LossTerms, PolicyLossConfig, check_eps, config_error
 from nemo_sspo.algorithms.losses.inputs import LossInputs
 from nemo_sspo.algorithms.losses.ratio_clip import (
     FixedBounds,
-    GRPOLossConfig,
     HardClip,
     RatioEngine,
+    check_dual_clip,
     unclipped,
 )
 from nemo_sspo.algorithms.losses.registry import LossRecord, register_policy_loss
@@ -165,7 +166,7 @@ def _check_fraction(config) -> None:
 
 
 @dataclass
-class ClipCovLossConfig(GRPOLossConfig):
+class ClipCovLossConfig(PolicyLossConfig):
     """Clip-Cov (arXiv 2505.22617; code PRIME-RL/Entropy-Mechanism-of-RL): GRPO objective, loss set
     to 0 on randomly drawn high-covariance tokens the clip has not cut (module docstring)."""
 
@@ -173,6 +174,9 @@ class ClipCovLossConfig(GRPOLossConfig):
     """Lower clip 1 - eps_low (recipe clip_ratio_low = 1: lower bound 0, never binds)."""
     eps_high: float = 1.0
     """Upper clip 1 + eps_high (recipe clip_ratio_high = 1: ratio clipped above 2)."""
+    dual_clip_c: float | None = None
+    """Dual-clip constant c > 1 for A < 0 tokens (the recipe's clip_ratio_c is not read by
+    Clip-Cov's loss); None disables."""
     aggregation: str = "token-mean"
     """The recipe's loss_agg_mode."""
     select_fraction: float = 2e-4
@@ -185,7 +189,10 @@ class ClipCovLossConfig(GRPOLossConfig):
     """Seed of the random draw among eligible tokens (ours; the official code is unseeded)."""
 
     def __post_init__(self) -> None:
+        """Check the shared fields, the clip, the fraction and the covariance band."""
         super().__post_init__()
+        check_eps(self, "eps_low", "eps_high")
+        check_dual_clip(self)
         _check_fraction(self)
         if self.cov_min >= self.cov_max:
             raise config_error(self, f"cov_min={self.cov_min} >= cov_max={self.cov_max}: the open "
@@ -247,13 +254,22 @@ class KLCovSelection:
         return replace(terms, per_token_loss=torch.where(selected, loss + penalty, loss)), selected
 
 
+class TokenSelection(Protocol):
+    """A covariance rule applied to the engine's terms: ``selection(inputs, terms)`` returns the
+    changed terms and the ``[B, T]`` bool mask of selected tokens."""
+
+    def __call__(self, inputs: LossInputs, terms: LossTerms) -> tuple[LossTerms, torch.Tensor]:
+        """The terms with the rule applied, and which tokens it selected."""
+        ...
+
+
 @dataclass(frozen=True)
 class CovarianceObjective:
     """The engine's objective with a covariance selection applied on top; adds the metric
     ``policy/cov_selected_frac`` (selected tokens / valid tokens)."""
 
     engine: RatioEngine
-    selection: object
+    selection: TokenSelection
 
     def __call__(self, inputs: LossInputs, segments: torch.Tensor) -> LossTerms:
         terms, selected = self.selection(inputs, self.engine(inputs, segments))

@@ -35,7 +35,7 @@ import torch
 from nemo_sspo.algorithms.losses.base import PolicyLossConfig, config_error
 from nemo_sspo.algorithms.losses.ratio_clip import RatioEngine, TokenTransform, unclipped
 from nemo_sspo.algorithms.losses.registry import LossRecord, register_policy_loss
-from nemo_sspo.algorithms.losses.soft_gates import SoftGateFields, gate_temperature, get_soft_gate
+from nemo_sspo.algorithms.losses.soft_gates import check_gate, gate_temperature, get_soft_gate
 
 
 @dataclass
@@ -56,12 +56,24 @@ class GMPOLossConfig(PolicyLossConfig):
 
 
 @dataclass
-class SoftSeqPOLossConfig(SoftGateFields):
+class SoftSeqPOLossConfig(PolicyLossConfig):
     """Soft Sequence PO (arXiv 2602.19327): geometric mean of soft-gated token ratios.
 
-    The gate's placement, normalisation and the defaults (``SoftGateFields``: sigmoid gate,
-    tau_pos = tau_neg = 1) are ours (module docstring).
+    The gate's placement, normalisation and the defaults (sigmoid gate, tau_pos = tau_neg = 1) are
+    ours (module docstring).
     """
+
+    gate: str = "sigmoid"
+    """Gate family (``soft_gate_names()``); ours."""
+    tau_pos: float = 1.0
+    """Gate temperature for A > 0; ours."""
+    tau_neg: float = 1.0
+    """Gate temperature for A <= 0; ours."""
+
+    def __post_init__(self) -> None:
+        """Check the shared fields, the gate and its temperatures."""
+        super().__post_init__()
+        check_gate(self)
 
 
 @dataclass(frozen=True)

@@ -58,6 +58,7 @@ gradient is 0.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -107,6 +108,30 @@ class BoundsContext:
     old_logprobs: torch.Tensor
 
 
+class Transform(Protocol):
+    """phi, the engine's per-token transform: ``transform(log_ratio [B, T], adv [B, 1])``."""
+
+    def __call__(self, log_ratio: torch.Tensor, adv: torch.Tensor) -> TokenTransform:
+        """The transformed log-ratio of every token (differentiable) and its flags."""
+        ...
+
+
+class Bounds(Protocol):
+    """Clip bounds of :class:`HardClip`: ``bounds(context) -> (b_low, b_high)``, each ``[B, T]``."""
+
+    def __call__(self, context: BoundsContext) -> tuple[torch.Tensor, torch.Tensor]:
+        """Lower and upper ratio bound at every token (no gradient)."""
+        ...
+
+
+class SurrogateFn(Protocol):
+    """psi, the engine's surrogate: ``surrogate(ratio [B, T], adv [B, 1], context) -> Surrogate``."""
+
+    def __call__(self, ratio: torch.Tensor, adv: torch.Tensor, context: BoundsContext) -> Surrogate:
+        """The per-token objective to maximise (differentiable) and its clip flags."""
+        ...
+
+
 def identity_transform(log_ratio: torch.Tensor, adv: torch.Tensor) -> TokenTransform:
     """phi(d) = d (every loss but GMPO and Soft Sequence PO)."""
     return TokenTransform(log_ratio)
@@ -131,7 +156,7 @@ class HardClip:
     ``bounds(context) -> (b_low, b_high)`` ``[B, T]``.
     """
 
-    bounds: object
+    bounds: Bounds
     dual_clip_c: float | None = None
 
     def __call__(self, ratio: torch.Tensor, adv: torch.Tensor, context: BoundsContext) -> Surrogate:
@@ -165,8 +190,8 @@ class RatioEngine:
         token_gradient: GSPO-token's per-token gradient through the segment ratio.
     """
 
-    surrogate: object
-    transform: object = identity_transform
+    surrogate: SurrogateFn
+    transform: Transform = identity_transform
     token_gradient: bool = False
 
     def __call__(self, inputs: LossInputs, segments: torch.Tensor) -> LossTerms:
@@ -246,23 +271,45 @@ class GRPOLossConfig(PolicyLossConfig):
 
 
 @dataclass
-class DrGRPOLossConfig(GRPOLossConfig):
+class DrGRPOLossConfig(PolicyLossConfig):
     """Dr. GRPO (arXiv 2503.20783): GRPO's clip, constant denominator L_max, advantages r - mean."""
 
     aggregation: str = "constant-denominator"
     """Sum of token losses / L_max per response, averaged over responses (section 3.2)."""
     advantage_std_normalisation: bool = False
     """Dr. GRPO drops the group-std division of the advantage (A = r - mean_g r)."""
+    eps_low: float = 0.2
+    """Lower clip: the ratio is clipped below at 1 - eps_low (GRPO's)."""
+    eps_high: float = 0.2
+    """Upper clip: the ratio is clipped above at 1 + eps_high (GRPO's)."""
+    dual_clip_c: float | None = None
+    """Dual-clip constant c > 1 bounding the loss of negative-advantage tokens; None disables."""
+
+    def __post_init__(self) -> None:
+        """Check the shared fields, the clip range and the dual clip."""
+        super().__post_init__()
+        check_eps(self, "eps_low", "eps_high")
+        check_dual_clip(self)
 
 
 @dataclass
-class DAPOLossConfig(GRPOLossConfig):
+class DAPOLossConfig(PolicyLossConfig):
     """DAPO (arXiv 2503.14476 eq. 8): decoupled clip-higher bounds, token-level mean."""
 
-    eps_high: float = 0.28
-    """Upper clip 1 + eps_high ("clip-higher", section 3.1); eps_low stays 0.2."""
     aggregation: str = "token-mean"
     """Token-level policy-gradient loss (section 3.3)."""
+    eps_low: float = 0.2
+    """Lower clip 1 - eps_low (section 3.1 keeps GRPO's 0.2)."""
+    eps_high: float = 0.28
+    """Upper clip 1 + eps_high ("clip-higher", section 3.1)."""
+    dual_clip_c: float | None = None
+    """Dual-clip constant c > 1 bounding the loss of negative-advantage tokens; None disables."""
+
+    def __post_init__(self) -> None:
+        """Check the shared fields, the clip range and the dual clip."""
+        super().__post_init__()
+        check_eps(self, "eps_low", "eps_high")
+        check_dual_clip(self)
 
 
 @dataclass
@@ -301,7 +348,7 @@ class SSPOFixedClipConfig(PolicyLossConfig):
 
 
 @dataclass
-class LPOLossConfig(SSPOFixedClipConfig):
+class LPOLossConfig(PolicyLossConfig):
     """LPO (Ling 2.0 report, arXiv 2510.22115, section 4.2.2): sentence ratio, clip 1 -/+ 0.03,
     token-mean aggregation.
 
@@ -313,18 +360,26 @@ class LPOLossConfig(SSPOFixedClipConfig):
     eps_high=0.2``.
     """
 
+    aggregation: str = "token-mean"
+    """The report's 1 / sum_i |y_i| normalisation: every token weighs the same across the batch."""
     segmentation: str = "pause_punctuation"
     """Sentence unit: split after pause punctuation (report section 4.2.2)."""
+    segment_k: int | None = None
+    """Tokens per segment for segmentation "fixed_k"; None otherwise."""
     eps_low: float = 0.03
     """Lower clip of the sentence ratio: 1 - eps (report: eps = 0.03)."""
     eps_high: float = 0.03
     """Upper clip of the sentence ratio: 1 + eps (symmetric, report: eps = 0.03)."""
-    aggregation: str = "token-mean"
-    """The report's 1 / sum_i |y_i| normalisation: every token weighs the same across the batch."""
+
+    def __post_init__(self) -> None:
+        """Check the shared fields, the segment unit and the clip range."""
+        super().__post_init__()
+        check_segmentation(self)
+        check_eps(self, "eps_low", "eps_high")
 
 
 @dataclass
-class SequencePPOLossConfig(SSPOFixedClipConfig):
+class SequencePPOLossConfig(PolicyLossConfig):
     """SPPO, sequence-level PPO (arXiv 2604.08865): PPO's clipped ratio objective whose advantage is
     one scalar per response, A_i = r_i - sigmoid(V(x_i)), with V a learned value of the prompt alone
     (a critic trained by binary cross-entropy on the 0/1 reward; the trainer computes A_i because
@@ -337,16 +392,25 @@ class SequencePPOLossConfig(SSPOFixedClipConfig):
     docs/pitfalls.md#p5) is our variant.
     """
 
+    aggregation: str = "token-mean"
+    """verl's default loss_agg_mode, kept by the official runs."""
     segmentation: str = "token"
     """Ratio unit (``nemo_sspo.algorithms.segmentation.SEGMENTATIONS``): "token" (PPO) or "response"."""
+    segment_k: int | None = None
+    """Tokens per segment for segmentation "fixed_k"; None otherwise."""
+    eps_low: float = 0.2
+    """Lower clip: 1 - eps_low (verl's clip_ratio_low default)."""
+    eps_high: float = 0.2
+    """Upper clip: 1 + eps_high (verl's clip_ratio_high default)."""
     dual_clip_c: float | None = 3.0
     """Dual-clip constant c > 1: the loss of an A < 0 token is at most -c A (verl's clip_ratio_c
     default, which the official runs keep); None disables."""
-    aggregation: str = "token-mean"
-    """verl's default loss_agg_mode, kept by the official runs."""
 
     def __post_init__(self) -> None:
+        """Check the shared fields, the segment unit, the clip range and the dual clip."""
         super().__post_init__()
+        check_segmentation(self)
+        check_eps(self, "eps_low", "eps_high")
         check_dual_clip(self)
 
 

@@ -15,7 +15,9 @@ import dataclasses
 import difflib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
+
+import torch
 
 from nemo_sspo.algorithms.losses.base import (
     LossTerms,
@@ -24,42 +26,21 @@ from nemo_sspo.algorithms.losses.base import (
     finish_policy_loss,
     resolve_segments,
 )
-from nemo_sspo.algorithms.losses.inputs import LossInputs, LossOutput
+from nemo_sspo.algorithms.losses.inputs import LossInputs, LossOutput, LossRequirements
 
-Objective = Callable[[LossInputs, Any], LossTerms]
-"""``objective(inputs, segments [B, T] int64) -> LossTerms``: a loss's per-token term, no extras."""
+class Objective(Protocol):
+    """What a loss's builder returns: ``objective(inputs, segments) -> LossTerms``."""
+
+    def __call__(self, inputs: LossInputs, segments: torch.Tensor) -> LossTerms:
+        """The per-token term of one micro-batch (no KL or entropy term: those are shared).
+
+        Args:
+            inputs: the micro-batch.
+            segments: ``[B, T]`` int64 ratio-segment ids of the loss's unit (-1 masked).
+        """
+        ...
 
 ADVANTAGE_SOURCES = ("group", "critic")
-
-
-@dataclass(frozen=True)
-class LossRequirements:
-    """What a configured loss needs from its host, read in one place.
-
-    Attributes:
-        segmentation: ratio unit (``nemo_sspo.algorithms.segmentation.SEGMENTATIONS``); the host
-            builds ``LossInputs.segment_ids`` with it unless it is "token" or "response".
-        segment_k: tokens per segment for "fixed_k", else None.
-        advantage_source: "group" (group-relative advantages) or "critic" (SPPO's learned
-            prompt value: A = r - sigmoid(V)).
-        normalize_std: divide group-centred rewards by the group std (``group_advantages``).
-        reference_policy: keep a frozen reference policy and pass ``ref_logprobs``.
-        current_entropy: pass the current-policy entropy ``entropy`` (entropy bonus).
-        old_entropy: the loss reads ``old_entropy`` (SSPO's bounds); others only report it.
-    """
-
-    segmentation: str
-    segment_k: int | None
-    advantage_source: str
-    normalize_std: bool
-    reference_policy: bool
-    current_entropy: bool
-    old_entropy: bool
-
-    @property
-    def needs_segment_ids(self) -> bool:
-        """Whether ``LossInputs.segment_ids`` must be given (units not computed from the mask)."""
-        return self.segmentation not in ("token", "response")
 
 
 @dataclass(frozen=True)
@@ -138,11 +119,17 @@ def register_policy_loss(record: LossRecord) -> LossRecord:
     """Add ``record`` to the registry; returns it.
 
     Raises:
-        ValueError: the name is taken, the advantage source is unknown, or ``unit`` is None for a
+        ValueError: the name is taken, the config class is not a dataclass whose only base is
+            ``PolicyLossConfig``, the advantage source is unknown, or ``unit`` is None for a
             config class without a ``segmentation`` field.
     """
     if record.name in _REGISTRY:
         raise ValueError(f"policy loss {record.name!r} is already registered; pick another name")
+    if record.config_cls.__bases__ != (PolicyLossConfig,) or not dataclasses.is_dataclass(
+            record.config_cls):
+        raise ValueError(f"loss {record.name!r}: {record.config_cls.__name__} must be a dataclass "
+                         "whose only base is PolicyLossConfig (list every field the loss reads "
+                         "in it, even those another loss has too)")
     if record.advantage_source not in ADVANTAGE_SOURCES:
         raise ValueError(f"advantage_source={record.advantage_source!r}; valid: "
                          f"{ADVANTAGE_SOURCES}")
