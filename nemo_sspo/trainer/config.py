@@ -3,7 +3,7 @@
 Each section is a dataclass registered in Hydra's ConfigStore; the YAML files under ``nemo_sspo/conf/`` are
 merged onto ``OmegaConf.structured(TrainConfig)``, so a misspelt key or a wrong type fails when the
 config is loaded. Two sections take their schema from the layer that reads them: ``loss.params`` is
-the selected loss's own config dataclass (group ``loss``: node ``<name>_schema`` per registered loss)
+the selected loss's own config dataclass (group ``loss``: node ``<name>`` per registered loss)
 and ``data.options`` the selected source's options dataclass (group ``data``: ``<source>_schema``),
 so every loss and source field can be overridden without Hydra's ``+``.
 
@@ -55,6 +55,8 @@ __all__ = [
     "TrainConfig",
     "validate",
     "build_loss_config",
+    "register_config_nodes",
+    "resolve_loss_settings",
     "schema",
     "at_key",
 ]
@@ -161,11 +163,12 @@ class RolloutConfig:
     ``min(pi_old(y_t) / pi_rollout(y_t), tis_cap)`` (trainer over rollout-engine probability, a
     constant), correcting the gap between the engine's and the trainer's log-probs (bf16 vLLM
     kernels, or ``top_p < 1``). Must be >= 1 (e.g. 2.0); null = off."""
-    dynamic_sampling: bool = False
+    dynamic_sampling: bool | None = None
     """DAPO dynamic sampling (arXiv 2503.14476 sec. 3.2): refill every prompt group whose task rewards are
     all equal (before overlong shaping; DAPO filters on accuracy) with a fresh prompt until each of the
     step's groups has task-reward variance or ``max_sampling_rounds`` rounds have run (see
-    ``nemo_sspo.trainer.sampling``). ``loss=dapo`` turns it on."""
+    ``nemo_sspo.trainer.sampling``). null: as the loss asks (``LossRequirements.dynamic_sampling``: on
+    for ``loss=dapo``, off otherwise), resolved when the config is loaded; true/false force it."""
     max_sampling_rounds: int = 8
     """Generation rounds per step with ``dynamic_sampling`` (the first included). At the limit the step
     trains on the full batch, the groups still without variance taking advantage 0, and says so."""
@@ -208,8 +211,10 @@ class LossSection:
     name: str = "sspo"
     """Registered policy-loss name (``nemo_sspo.algorithms.losses.policy_loss_names()``): sspo (default),
     sspo_fixed_clip, grpo, dr_grpo, dapo, gspo, gspo_token, lpo, dcpo, gmpo, sapo, soft_seq_po, cispo,
-    clip_cov, kl_cov, sppo (sequence-level PPO with a critic, see ``critic``). Select it as a group
-    (``loss=grpo``) so that ``params`` come from ``nemo_sspo/conf/loss/<name>.yaml``."""
+    clip_cov, kl_cov, sppo (sequence-level PPO with a critic, see ``critic``), or one registered by a
+    module of ``plugins``. Select it as a group (``loss=grpo``): every registered loss has a node
+    ``loss/<name>`` made from its config dataclass (:func:`register_config_nodes`), and variants
+    are YAML files under ``nemo_sspo/conf/loss/`` (``loss=sspo_7b``)."""
     params: Any = field(default_factory=SSPOLossConfig)
     """That loss's own config dataclass (its schema comes with the group ``loss=<name>``; e.g.
     ``loss.params.gamma``, ``aggregation``, ``segmentation``, ``kl_coef``). The trainer also reads ``segmentation`` / ``segment_k`` (segment
@@ -286,6 +291,22 @@ class TrainConfig:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     critic: CriticConfig = field(default_factory=CriticConfig)
+    plugins: list[str] = field(default_factory=list)
+    """Python modules (dotted names on ``sys.path``, or ``.py`` file paths) imported before the config
+    is composed, so that the losses, rewards, rollout engines and prompt sources they register can be
+    selected (``plugins=[my_lab.losses] loss=my_loss``); installed packages can instead declare an
+    entry point in the group ``nemo_sspo.plugins`` (:mod:`nemo_sspo.trainer.plugins`)."""
+
+
+def resolve_loss_settings(cfg: TrainConfig) -> None:
+    """Fill the settings left null for the loss to decide (``rollout.dynamic_sampling``), in place.
+
+    Raises:
+        ValueError: unknown ``loss.name`` (lists the registered ones).
+    """
+    if cfg.rollout.dynamic_sampling is None:
+        record = at_key("loss.name: ", lambda: get_policy_loss(cfg.loss.name))
+        cfg.rollout.dynamic_sampling = record.requirements(build_loss_config(cfg.loss)).dynamic_sampling
 
 
 def build_loss_config(section: LossSection) -> Any:
@@ -517,14 +538,23 @@ def schema() -> TrainConfig:
     return TrainConfig(data=DataConfig(options=None), loss=LossSection(params=None))
 
 
-def _register() -> None:
-    """``train_schema``, and one schema node per loss (group ``loss``) and per prompt source (group ``data``)."""
+def register_config_nodes() -> None:
+    """Store ``train_schema``, one node ``loss/<name>`` per registered loss (its config dataclass's
+    defaults; Hydra lists each loss once) and one ``data/<source>_schema`` per prompt source.
+
+    Called on import and again by :func:`nemo_sspo.cli.load_config` after the ``plugins`` are
+    imported, so that their losses are selectable too (storing a node again replaces it).
+    """
     store = ConfigStore.instance()
     store.store(name="train_schema", node=schema())
-    for name in policy_loss_names():
-        store.store(group="loss", name=f"{name}_schema", node=LossSection(name=name, params=get_policy_loss(name).config_cls()))
+    names = policy_loss_names()
+    for stale in [key for key in store.repo.get("loss", {}) if key.removesuffix(".yaml") not in names]:
+        del store.repo["loss"][stale]  # a loss unregistered since (plug-ins, tests): no choice left behind
+    for name in names:
+        store.store(group="loss", name=name,
+                    node=LossSection(name=name, params=get_policy_loss(name).config_cls()))
     for source, options in SOURCE_OPTIONS.items():
         store.store(group="data", name=f"{source}_schema", node=DataConfig(source=source, options=options))
 
 
-_register()
+register_config_nodes()

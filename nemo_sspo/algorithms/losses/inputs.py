@@ -125,6 +125,8 @@ class LossRequirements:
         reference_policy: keep a frozen reference policy and pass ``ref_logprobs``.
         current_entropy: pass the current-policy entropy ``entropy`` (entropy bonus).
         old_entropy: the loss reads ``old_entropy`` (SSPO's bounds); others only report it.
+        dynamic_sampling: the method refills prompt groups whose rewards are all equal (DAPO,
+            arXiv 2503.14476 section 3.2); the trainer does so unless its config says otherwise.
     """
 
     segmentation: str
@@ -134,6 +136,7 @@ class LossRequirements:
     reference_policy: bool
     current_entropy: bool
     old_entropy: bool
+    dynamic_sampling: bool = False
 
     @property
     def needs_segment_ids(self) -> bool:

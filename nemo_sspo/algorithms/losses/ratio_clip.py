@@ -31,8 +31,9 @@ Losses on this engine (segment unit / bounds / aggregation):
 - ``dr_grpo`` (arXiv 2503.20783 section 3.2): as grpo with the constant denominator L_max
   ("constant-denominator") and advantages without std normalisation
   (``advantage_std_normalisation = False``, read by the trainer).
-- ``dapo`` (arXiv 2503.14476 eq. 8): token / clip-higher [0.8, 1.28] / token-mean. Dynamic
-  sampling and overlong shaping are in ``nemo_sspo.algorithms.dynamic_sampling`` and
+- ``dapo`` (arXiv 2503.14476 eq. 8): token / clip-higher [0.8, 1.28] / token-mean. Its record
+  asks the host for dynamic sampling (``LossRequirements.dynamic_sampling``); the refill and the
+  overlong shaping are in ``nemo_sspo.algorithms.dynamic_sampling`` and
   ``nemo_sspo.algorithms.reward_shaping``.
 - ``gspo`` (arXiv 2507.18071 eqs. 5-7): response / [1 - 3e-4, 1 + 4e-4]; ``gspo_token``: the same
   with ``token_gradient`` (equal to gspo whenever the advantage is constant over a response, as it
@@ -425,7 +426,7 @@ def _fixed_clip_dual(config) -> RatioEngine:
 for _record in (
     LossRecord("grpo", GRPOLossConfig, _fixed_clip_dual, unit="token"),
     LossRecord("dr_grpo", DrGRPOLossConfig, _fixed_clip_dual, unit="token"),
-    LossRecord("dapo", DAPOLossConfig, _fixed_clip_dual, unit="token"),
+    LossRecord("dapo", DAPOLossConfig, _fixed_clip_dual, unit="token", dynamic_sampling=True),
     LossRecord("gspo", GSPOLossConfig, _fixed_clip, unit="response"),
     LossRecord("gspo_token", GSPOLossConfig,
                lambda c: RatioEngine(HardClip(FixedBounds(c.eps_low, c.eps_high)), token_gradient=True),

@@ -54,6 +54,7 @@ class LossRecord:
         unit: the fixed ratio unit, or None when ``config_cls`` has a ``segmentation`` field.
         advantage_source: one of :data:`ADVANTAGE_SOURCES`.
         reads_old_entropy: the objective reads ``LossInputs.old_entropy``.
+        dynamic_sampling: the method refills zero-variance prompt groups (DAPO).
     """
 
     name: str
@@ -62,6 +63,7 @@ class LossRecord:
     unit: str | None = None
     advantage_source: str = "group"
     reads_old_entropy: bool = False
+    dynamic_sampling: bool = False
 
     def requirements(self, config: PolicyLossConfig) -> LossRequirements:
         """The host-facing needs of this loss under ``config``."""
@@ -73,6 +75,7 @@ class LossRecord:
             reference_policy=config.kl_coef > 0,
             current_entropy=config.entropy_coef > 0,
             old_entropy=self.reads_old_entropy,
+            dynamic_sampling=self.dynamic_sampling,
         )
 
 
