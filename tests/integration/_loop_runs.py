@@ -10,6 +10,7 @@ from __future__ import annotations
 from nemo_sspo.cli import load_config
 from nemo_sspo.megatron import destroy_parallel
 from nemo_sspo.trainer import loop
+from tests.unit.loss_cases import hand_aggregate
 
 TINY = [
     "model=tiny_random", "data.template=qwen-math", "trainer.max_steps=2", "rollout.prompts_per_step=2",
@@ -60,22 +61,10 @@ def record_updates(monkeypatch, store):
 
 
 def on_policy_loss(batch, aggregation: str, max_response_length: int) -> tuple[float, float]:
-    """(loss, denominator) of a mini-batch whose ratios are all 1: every token's loss is -A_i,
-    reduced by hand per aggregation mode (docs/algorithms.md), with L_i = response tokens of row i
-    and R = rows with L_i >= 1."""
-    lengths = batch.loss_mask.sum(1).double()
-    adv = batch.advantages.double()
-    responses = float((lengths > 0).sum())
-    signed = float((adv * lengths).sum())  # sum_i L_i A_i
-    if aggregation == "token-mean":
-        return -signed / float(lengths.sum()), float(lengths.sum())
-    if aggregation == "seq-mean-token-mean":
-        return -float(adv[lengths > 0].sum()) / responses, responses
-    if aggregation == "seq-mean-token-sum":
-        return -signed / responses, responses
-    if aggregation == "constant-denominator":
-        return -signed / max_response_length / responses, responses
-    raise ValueError(aggregation)
+    """(loss, denominator) of a mini-batch whose ratios are all 1 under a ratio loss: every token's
+    loss is -A_i, reduced by hand (``tests.unit.loss_cases.hand_aggregate``)."""
+    per_token = -batch.advantages.double()[:, None].expand(batch.loss_mask.shape)
+    return hand_aggregate(per_token, batch.loss_mask, aggregation, max_response_length)
 
 
 def make_trainer(monkeypatch, tmp_path, overrides, *, checkpoint=None, reward=ParityReward):

@@ -101,6 +101,13 @@ def test_hydra_lists_every_loss_once_from_the_registry():
                for name in ("grpo", "cispo"))
 
 
+@pytest.mark.parametrize("name", policy_loss_names())
+def test_every_registered_loss_loads_as_a_group(name):
+    # loss=<name> composes the node made from the loss's config class: its defaults, its name.
+    cfg = load_config(overrides=[f"loss={name}"])
+    assert cfg.loss.name == name and cfg.loss.params == get_policy_loss(name).config_cls()
+
+
 def test_dapo_asks_for_dynamic_sampling_and_the_config_can_refuse():
     assert load_config(overrides=["loss=dapo"]).rollout.dynamic_sampling is True
     assert load_config(overrides=["loss=grpo"]).rollout.dynamic_sampling is False

@@ -30,9 +30,9 @@ from nemo_sspo.algorithms.losses import (
     unregister_soft_gate,
 )
 from nemo_sspo.algorithms.losses.metrics import ENTROPY_BAND_KEYS
+from tests.unit.loss_cases import LOSS_CASES
 
-ALL_NAMES = ["cispo", "clip_cov", "dapo", "dcpo", "dr_grpo", "gmpo", "grpo", "gspo", "gspo_token",
-             "kl_cov", "lpo", "sapo", "soft_seq_po", "sppo", "sspo", "sspo_fixed_clip"]
+ALL_NAMES = sorted(LOSS_CASES)  # the one table of per-loss hand values
 
 
 def _call(name, config, logprobs, old, advantages, mask, segment_ids, old_entropy, **optional):
