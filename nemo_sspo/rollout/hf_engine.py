@@ -205,6 +205,16 @@ class HFRolloutEngine:
             del bucket  # release it before the iterator produces the next one
         check_state_dict_keys(self.model, dict.fromkeys(seen))
 
+    def sleep(self) -> None:
+        """Nothing to free: the model stays where it is (``RolloutEngine`` protocol)."""
+
+    def wake_up(self) -> None:
+        """Nothing to undo (``RolloutEngine`` protocol)."""
+
+    def hf_state_dict(self) -> dict[str, torch.Tensor]:
+        """The model's current (refitted) weights under HF names."""
+        return self.model.state_dict()
+
     def _response_mask(self, response_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``[B, T]`` mask up to and including the first stop id, and ``[B]`` truncated flags.
 

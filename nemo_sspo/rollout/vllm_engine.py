@@ -354,6 +354,10 @@ class VLLMRolloutEngine:
                 del weights
             self.llm.reset_prefix_cache()
 
+    def hf_state_dict(self) -> None:
+        """None: the engine's weights cannot be read back (``RolloutEngine`` protocol)."""
+        return None
+
     def sleep(self) -> None:
         """Frees the engine's GPU memory for training (``LLM.sleep(level=1)``: weights offloaded to host
         memory, KV cache discarded) when ``sleep_between_steps``; otherwise nothing."""

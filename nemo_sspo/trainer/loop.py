@@ -2,7 +2,7 @@
 
 One step reads top to bottom as named phases::
 
-    sample prompts -> generate (rollout engine, current weights) -> score (math-verify)
+    sample prompts -> generate (rollout engine, current weights) -> score (the reward)
     [-> refill zero-variance groups: DAPO dynamic sampling] -> advantages (group-relative, or
     r - sigmoid(V) from the SPPO critic) -> segment ids (the loss's segmentation) -> old (and
     reference) log-probs/entropy (Megatron, forward only) -> mini-batch updates -> critic update
@@ -66,14 +66,12 @@ from nemo_sspo.megatron.training import (
     wrap_for_training,
 )
 from nemo_sspo.evaluation import MEAN_KEY
-from nemo_sspo.models import build_hf_model, load_hf_checkpoint
-from nemo_sspo.models.hf_checkpoint import SOURCES, engine_model_dir, resolve_model_dir
-from nemo_sspo.models.hf_folder import stop_token_ids
+from nemo_sspo.models import load_hf_checkpoint
 from nemo_sspo.metrics import MetricPair, mean_pair, merge_metric_sums
 from nemo_sspo.parallel.data_balance import balance_across_data_parallel
 from nemo_sspo.parallel.metrics import reduce_metric_sums
-from nemo_sspo.rewards import MathVerifyReward
-from nemo_sspo.rollout import HFRolloutEngine, VLLMRolloutEngine, truncated_is_weights
+from nemo_sspo.rewards import Reward, build_reward
+from nemo_sspo.rollout import EngineContext, RolloutEngine, build_rollout_engine, truncated_is_weights
 from nemo_sspo.trainer.checkpoint import (
     CHECKPOINTS_DIR,
     TrainerState,
@@ -149,7 +147,8 @@ def _wrap(model, optim_cfg):
 
 class GRPOTrainer:
     """Builds the policy (and, as the loss asks, its frozen reference and the SPPO critic), the
-    rollout engine, reward and logger from a validated :class:`TrainConfig`.
+    rollout engine, reward and logger from a validated :class:`TrainConfig`; the reward and the
+    engine may be passed in instead (NeMo-RL's ``grpo_train`` takes them the same way).
 
     Args:
         cfg: the run's config, validated at load time (``nemo_sspo.cli.load_config``).
@@ -158,6 +157,11 @@ class GRPOTrainer:
         checkpoint: ``(hf_config, state_dict, tokenizer)`` of ``cfg.model.source`` as returned by
             ``load_hf_checkpoint`` (several trainers in one process can share one load; the state
             dict is copied, never modified); None loads it.
+        reward: a :class:`nemo_sspo.rewards.Reward` to score with (closed by :meth:`close`); None
+            builds ``reward.name`` from the reward registry. Used on generating ranks only.
+        engine: a :class:`nemo_sspo.rollout.RolloutEngine` holding the initial policy weights;
+            None builds ``rollout.backend`` from the engine registry. Used on generating ranks only
+            (the first model-parallel rank of each data-parallel replica).
 
     Raises:
         ValueError: a GPU-only setting on a CPU host (:func:`nemo_sspo.trainer.device.check_host`), a parallel
@@ -165,7 +169,8 @@ class GRPOTrainer:
             tokenizer differs from the policy's, or a ``trainer.resume`` checkpoint that does not fit.
     """
 
-    def __init__(self, cfg: TrainConfig, groups: ParallelGroups, checkpoint=None) -> None:
+    def __init__(self, cfg: TrainConfig, groups: ParallelGroups, checkpoint=None, *,
+                 reward: Reward | None = None, engine: RolloutEngine | None = None) -> None:
         self.cfg = cfg
         check_host(cfg)
         resume_path = resolve_resume(cfg.trainer.resume, cfg.trainer.output_dir)
@@ -187,7 +192,7 @@ class GRPOTrainer:
         self.is_generator = self.groups.mp_rank == 0
         self.engine = self.reward = self.sampler = None
         if self.is_generator:
-            self._build_rollout(state_dict, prompts)
+            self._build_rollout(state_dict, prompts, reward, engine)
         self.tables = None
         if needs.segmentation not in TABLE_FREE_SEGMENTATIONS:
             # The model's vocabulary can exceed the tokenizer's (e.g. Qwen2.5: 151,936 rows vs
@@ -230,28 +235,20 @@ class GRPOTrainer:
         model = build_value_model(hf_config, state_dict, num_layers=cr.num_layers, **_model_options(self.cfg.model))
         return Critic(*_wrap(model, cr.optim), cr.micro_batch_size)
 
-    def _build_rollout(self, state_dict, prompts) -> None:
-        """Rollout engine, reward pool and sampler, on generating ranks only.
-
-        ``rollout.backend=hf``: an HF copy of the policy on the training device. ``vllm``: an engine
-        loading ``model.source``'s folder itself (``engine_model_dir``); both are refitted after every
-        step. Both stop at the model's stop list (``nemo_sspo.models.hf_folder.stop_token_ids``).
-        """
-        ro, source = self.cfg.rollout, self.cfg.model.source
-        sampling = dict(max_new_tokens=ro.max_new_tokens, temperature=ro.temperature, top_p=ro.top_p)
-        model_dir = (engine_model_dir(source, cache_dir=self.cfg.model.cache_dir) if ro.backend == "vllm"
-                     else None if source in SOURCES else resolve_model_dir(source))
-        sampling["stop_token_ids"] = stop_token_ids(self.tokenizer, model_dir)
-        if ro.backend == "vllm":
-            self.engine = VLLMRolloutEngine.build(
-                model_dir, self.tokenizer, vllm_config=ro.vllm,
-                seed=self.cfg.trainer.seed, truncation_corrected=ro.tis_cap is not None, **sampling)
-        else:
-            self.engine = HFRolloutEngine(build_hf_model(self.hf_config, state_dict), self.tokenizer,
-                                          device=training_device(), **sampling)
-        self.reward = MathVerifyReward(num_workers=self.cfg.reward.num_workers, timeout_s=self.cfg.reward.timeout_s)
+    def _build_rollout(self, state_dict, prompts, reward: Reward | None, engine: RolloutEngine | None) -> None:
+        """Rollout engine, reward and sampler, on generating ranks only: the ones passed in, else
+        ``rollout.backend`` and ``reward.name`` from their registries (``nemo_sspo.rollout``,
+        ``nemo_sspo.rewards``). The engine is refitted after every step."""
+        cfg = self.cfg
+        if engine is None:
+            context = EngineContext(hf_config=self.hf_config, state_dict=state_dict, tokenizer=self.tokenizer,
+                                    model_source=cfg.model.source, cache_dir=cfg.model.cache_dir,
+                                    rollout=cfg.rollout, seed=cfg.trainer.seed, device=training_device())
+            engine = build_rollout_engine(cfg.rollout.backend, context)
+        self.engine = engine
+        self.reward = reward if reward is not None else build_reward(cfg.reward.name, cfg.reward)
         self.sampler = RolloutSampler(engine=self.engine, reward=self.reward, prompts=prompts,
-                                      tokenizer=self.tokenizer, cfg=self.cfg, groups=self.groups)
+                                      tokenizer=self.tokenizer, cfg=cfg, groups=self.groups)
 
     # ---- phases -------------------------------------------------------------------------------
     def generate_and_score(self, step: int) -> Rollout:
@@ -373,8 +370,8 @@ class GRPOTrainer:
         timer = _Timer()
         with timer.time("generation"):
             rollout = self.generate_and_score(step)
-            if isinstance(self.engine, VLLMRolloutEngine):
-                self.engine.sleep()  # rollout.vllm.enable_sleep_mode on GPU: memory freed until the refit
+            if self.is_generator:
+                self.engine.sleep()  # e.g. rollout.vllm.enable_sleep_mode on GPU: memory freed until the refit
         with timer.time("train"):
             batch, batch_sums = self.prepare_batch(rollout)
             sums, grad_norm = self.update(batch)
@@ -456,12 +453,14 @@ class GRPOTrainer:
         vLLM engine's weights cannot be read back: resume from the last checkpoint instead."""
         if dist.get_rank() != 0 or not self.cfg.trainer.save_hf_checkpoint:
             return
-        if not isinstance(self.engine, HFRolloutEngine):
-            logger.warning("no hf_checkpoint_interrupted with rollout.backend=%s; resume from the last checkpoint "
-                           "(trainer.checkpoint_interval)", self.cfg.rollout.backend)
+        state = self.engine.hf_state_dict() if self.engine is not None else None
+        if state is None:
+            logger.warning("no hf_checkpoint_interrupted: the rollout engine's weights cannot be read back "
+                           "(rollout.backend=%s); resume from the last checkpoint (trainer.checkpoint_interval)",
+                           self.cfg.rollout.backend)
             return
         write_hf_checkpoint(Path(self.cfg.trainer.output_dir) / "hf_checkpoint_interrupted", self.hf_config,
-                            self.engine.model.state_dict(), self.tokenizer)
+                            state, self.tokenizer)
 
     def fit(self) -> list[dict[str, float]]:
         """Runs steps ``completed_steps + 1 .. trainer.max_steps``; returns the per-step metrics (same on

@@ -2,13 +2,14 @@
 
 Sized for 2 CPU cores: the Qwen-Math template (~60 prompt tokens instead of ~185 for chat-boxed),
 8-token responses, 2 x 2 responses per step, one checkpoint load per test module, no HF checkpoint.
-The math-verify reward pool is replaced by a stub (``loop.MathVerifyReward`` is monkeypatched).
+The math-verify reward pool is replaced by a stub reward passed to the trainer (``reward=``).
 """
 
 from __future__ import annotations
 
 from nemo_sspo.cli import load_config
 from nemo_sspo.megatron import destroy_parallel
+from nemo_sspo.rewards import register_reward
 from nemo_sspo.trainer import loop
 from tests.unit.loss_cases import hand_aggregate
 
@@ -30,6 +31,11 @@ class ParityReward:
 
     def close(self):
         pass
+
+
+PARITY_REWARD = "test_parity"
+"""``reward.name`` of :class:`ParityReward` (registered on import), for runs configured by overrides alone."""
+register_reward(PARITY_REWARD, lambda section: ParityReward())
 
 
 class OddAnswerReward(ParityReward):
@@ -68,11 +74,11 @@ def on_policy_loss(batch, aggregation: str, max_response_length: int) -> tuple[f
 
 
 def make_trainer(monkeypatch, tmp_path, overrides, *, checkpoint=None, reward=ParityReward):
-    """A :class:`loop.GRPOTrainer` on ``TINY + overrides`` writing to ``tmp_path``; call
-    ``destroy_parallel()`` when done (``run`` does)."""
-    monkeypatch.setattr(loop, "MathVerifyReward", reward)
+    """A :class:`loop.GRPOTrainer` on ``TINY + overrides`` writing to ``tmp_path``, scoring with a
+    ``reward()`` it is given (no math-verify pool); call ``destroy_parallel()`` when done (``run`` does)."""
     cfg = load_config(overrides=[*TINY, f"trainer.output_dir={tmp_path}", *overrides])
-    return loop.GRPOTrainer(cfg, loop.start_parallel(cfg.parallel, cfg.trainer.seed), checkpoint=checkpoint)
+    return loop.GRPOTrainer(cfg, loop.start_parallel(cfg.parallel, cfg.trainer.seed), checkpoint=checkpoint,
+                            reward=reward())
 
 
 def run(monkeypatch, tmp_path, overrides, *, checkpoint=None, reward=ParityReward, capture=None):
