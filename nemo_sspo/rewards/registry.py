@@ -3,7 +3,7 @@
 A reward is any object with the :class:`Reward` interface (a callable over decoded responses and
 gold answers, and ``close``). It is registered as a *builder* that receives the ``reward`` config
 section, so it can read its settings (``num_workers`` for math-verify; a user reward reads
-``reward.options``, a free mapping of its own keys). ``math_verify`` (the default) is registered
+``reward.options``, a mapping of its own keys, or None). ``math_verify`` (the default) is registered
 here; a user module registers its own and is named by the config key ``plugins``.
 """
 

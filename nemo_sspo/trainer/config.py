@@ -182,9 +182,9 @@ class RewardConfig:
     name: str = "math_verify"
     """Registered reward (``nemo_sspo.rewards.reward_names()``; a ``plugins`` module may add one):
     ``math_verify`` scores the last ``\\boxed{}`` answer against the gold answer with math-verify (0/1)."""
-    options: dict[str, Any] = field(default_factory=dict)
-    """Settings of a user reward, read by its builder (``reward.options={scale: 2}``); math_verify reads
-    none."""
+    options: Any = None
+    """Settings of a user reward as one mapping, read by its builder (``reward.options={tolerance: 0.5}``,
+    given whole); null for none. math_verify reads none."""
     num_workers: int = 2
     """math_verify: processes scoring answers (its timeouts need each worker's main thread)."""
     timeout_s: float = 5.0
