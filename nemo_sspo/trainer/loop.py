@@ -42,7 +42,7 @@ import torch
 import torch.distributed as dist
 
 from nemo_sspo.algorithms import group_advantages, segment_ids
-from nemo_sspo.algorithms.batch import concat_policy_batches, pack_critic_batch, pack_rollouts
+from nemo_sspo.algorithms.batch import PolicyBatch, concat_policy_batches, pack_critic_batch
 from nemo_sspo.algorithms.critic import critic_advantages
 from nemo_sspo.algorithms.losses import make_policy_loss
 from nemo_sspo.algorithms.segmentation import TABLE_FREE_SEGMENTATIONS, build_segment_tables
@@ -91,7 +91,7 @@ from nemo_sspo.trainer.critic import Critic
 from nemo_sspo.trainer.device import check_host, training_device
 from nemo_sspo.trainer.metric_log import MetricsLogger
 from nemo_sspo.trainer.periodic_eval import BEST_DIR, BestEval, evaluate_engine
-from nemo_sspo.trainer.rollout_metrics import rollout_logprobs, rollout_metric_sums
+from nemo_sspo.trainer.rollout_metrics import rollout_metric_sums
 from nemo_sspo.trainer.sampling import Rollout, RolloutSampler
 
 __all__ = ["GRPOTrainer", "Rollout", "start_parallel"]
@@ -303,9 +303,7 @@ class GRPOTrainer:
         needs = self.loss.requirements
         segments = segment_ids(needs.segmentation, rb.response_ids, rb.response_mask, self.tables,
                                k=needs.segment_k)
-        batch = pack_rollouts(rb.prompt_ids, rb.prompt_mask, rb.response_ids, rb.response_mask,
-                              segments, advantages, pad_id=self.tokenizer.pad_token_id)
-        batch = replace(batch, rollout_logprobs=rollout_logprobs(rollout, batch))
+        batch = PolicyBatch.from_rollout(rb, segments, advantages, pad_id=self.tokenizer.pad_token_id)
         if not self.layout.fixed and self.groups.dp_size > 1:
             batch = self._balanced(batch)
         batch = compute_old_logprobs(self.model, batch, self.spec, self.layout)
