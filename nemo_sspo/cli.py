@@ -38,6 +38,9 @@ def load_config(config_name: str = DEFAULT_CONFIG_NAME, overrides: list[str] | N
     (:func:`nemo_sspo.trainer.config.validate`), so a bad value fails in the first second.
 
     Args:
+        config_name: the primary YAML file's name (without ``.yaml``) in ``config_dir``.
+        overrides: Hydra overrides (``trainer.max_steps=2``, ``loss=grpo``, ``plugins=[my_loss.py]``).
+        config_dir: the folder of the YAML files.
         command: ``train`` checks the parallel layout against :func:`launch_world_size`; ``eval``
             (one process, no Megatron model) does not read the layout.
 
@@ -89,7 +92,8 @@ def load_config(config_name: str = DEFAULT_CONFIG_NAME, overrides: list[str] | N
 
 def _plugins_named(config_name: str, overrides: list[str], config_dir: Path) -> list[str]:
     """The ``plugins`` of a ``plugins=...`` override, else of the primary YAML file, read before
-    composing (a plugin may register the very loss the overrides select)."""
+    composing (a plugin may register the very loss the overrides select).
+    """
     from hydra.core.override_parser.overrides_parser import OverridesParser
     from omegaconf import OmegaConf
 
@@ -104,7 +108,8 @@ def _plugins_named(config_name: str, overrides: list[str], config_dir: Path) -> 
 
 def _hydra_error_message(config_name: str, err: Exception, overrides: list[str], compose_typed) -> str:
     """Hydra's error, or, for an override of a key that does not exist, which key was meant (Hydra
-    would suggest '+', which adds a key no dataclass field reads)."""
+    would suggest '+', which adds a key no dataclass field reads).
+    """
     from nemo_sspo.trainer.config import unknown_key_message
 
     match = re.search(r"Could not override '([^']+)'", str(err))

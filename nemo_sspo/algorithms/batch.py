@@ -113,7 +113,8 @@ class PolicyBatch:
 
     def narrow(self, width: int) -> "PolicyBatch":
         """The first ``width`` columns of every ``[B, S]`` field (views; ``[B]`` fields and None stay):
-        drops right padding when ``width`` is at least the longest row."""
+        drops right padding when ``width`` is at least the longest row.
+        """
         return PolicyBatch(**{f.name: v[:, :width] if isinstance(v := getattr(self, f.name), torch.Tensor)
                               and v.dim() == 2 else v for f in fields(self)})
 
@@ -126,7 +127,8 @@ _PADDING = {"segment_ids": -1, "tis_weights": 1.0}
 
 def pad_cat(tensors: list[torch.Tensor], value, *, left: bool = False) -> torch.Tensor:
     """Concatenates ``[B_k, L_k]`` tensors along rows, padding the columns to ``max L_k`` with
-    ``value`` (on the left when ``left``, else on the right)."""
+    ``value`` (on the left when ``left``, else on the right).
+    """
     width = max(t.shape[1] for t in tensors)
     padded = []
     for t in tensors:
@@ -217,8 +219,10 @@ def pack_rollouts(
     """Builds a :class:`PolicyBatch` (old log-probs/entropy zero, filled in later).
 
     Args:
-        prompt_ids: [B, P] int64, LEFT-padded prompts; prompt_mask: [B, P] bool.
-        response_ids: [B, T] int64, RIGHT-padded responses; response_mask: [B, T] bool.
+        prompt_ids: [B, P] int64, LEFT-padded prompts.
+        prompt_mask: [B, P] bool, True on prompt tokens.
+        response_ids: [B, T] int64, RIGHT-padded responses.
+        response_mask: [B, T] bool, True on response tokens.
         segment_ids: [B, T] int64 segment ids of the loss's segmentation in the response frame
             (-1 at padding).
         advantages: [B] float32.

@@ -1,7 +1,7 @@
-"""Greedy Avg@1 on the paper's math benchmarks, scored by math-verify.
+r"""Greedy Avg@1 on the paper's math benchmarks, scored by math-verify.
 
 Avg@1 with greedy decoding is the fraction of a benchmark's problems whose single greedy response
-has a last ``\\boxed{}`` answer that math-verify finds equal to the gold answer
+has a last ``\boxed{}`` answer that math-verify finds equal to the gold answer
 (:func:`nemo_sspo.rewards.score_response`). The summary ``eval/mean`` is the unweighted mean over
 the benchmarks (each benchmark weighs the same, as in the paper's "Avg." column).
 """
@@ -117,7 +117,7 @@ def evaluate(
             _LOG.info("eval %s: %d/%d correct (%.1f%%) in %.0f s", name, int(sum(scores)), len(scores),
                       100 * results[metric_key(name)], time.perf_counter() - start)
             rows += [{"benchmark": name, "id": r.id, "answer": r.answer, "response": text, "correct": score}
-                     for r, text, score in zip(records, responses, scores)]
+                     for r, text, score in zip(records, responses, scores, strict=True)]
     finally:
         if own_reward:
             reward.close()

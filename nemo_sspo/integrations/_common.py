@@ -167,9 +167,12 @@ def check_host_config(loss: BoundPolicyLoss, *, host: str, kl_hint: str, entropy
     Args:
         loss: the bound loss.
         host: the host's name, for the messages.
-        kl_hint / entropy_hint: where the host's own KL / entropy settings are (or why none apply).
-        max_response_length, check_length: L_max given to the adapter; check it when True.
-        tables, check_tables: segment tables given to the adapter; check them when True.
+        kl_hint: where the host's own KL settings are (or why none apply).
+        entropy_hint: where the host's own entropy settings are (or why none apply).
+        max_response_length: L_max given to the adapter.
+        check_length: check ``max_response_length`` against the aggregation mode.
+        tables: segment tables given to the adapter.
+        check_tables: check ``tables`` against the segmentation.
 
     Raises:
         ValueError: naming the config field, the host and the fix.
@@ -363,6 +366,6 @@ def metric_pairs(metrics: dict[str, MetricPair]) -> dict[str, float]:
         return {}
     values = torch.stack([metrics[k].as_tensor(torch.float64) for k in keys]).tolist()
     out = {}
-    for key, (total, count) in zip(keys, values):
+    for key, (total, count) in zip(keys, values, strict=True):
         out[f"{key}/sum"], out[f"{key}/count"] = total, count
     return out

@@ -211,8 +211,9 @@ class NeMoRLPolicyLoss:
             data: the micro-batch (keys in the module docstring).
             global_valid_seqs: 0-d count of valid responses in the global batch.
             global_valid_toks: 0-d count of valid response tokens in the global batch.
-            vocab_parallel_rank / vocab_parallel_group: tensor-parallel rank and group of the
-                logits shard (None: full vocabulary on this rank).
+            vocab_parallel_rank: tensor-parallel rank of the logits shard (None: full vocabulary
+                on this rank).
+            vocab_parallel_group: tensor-parallel group of the logits shard (None: full vocabulary).
             context_parallel_group: must be None or of size 1 (context parallelism is not
                 supported: the sequence would be split across ranks).
             next_token_logprobs: ``[B, S - 1]`` log-probs from the host (2026 protocol).

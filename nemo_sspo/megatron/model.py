@@ -177,6 +177,9 @@ def transformer_config_from_hf(
     ``build_policy_model`` passes it to ``GPTModel``.
 
     Args:
+        hf_config: a Llama / Qwen2 Hugging Face config.
+        tp_size: tensor-parallel size (must divide the head counts).
+        pp_size: pipeline-parallel size (must divide the layer count).
         precision: ``"fp32"`` or ``"bf16"`` (``params_dtype``, ``pipeline_dtype`` and the ``bf16``
             flag; config key ``model.precision``).
         fp8: None (off), ``"e4m3"`` or ``"hybrid"`` (e4m3 forward, e5m2 gradients): Megatron's
@@ -301,9 +304,11 @@ def build_policy_model(
     ``model.transformer_impl``. On a CUDA host the whole stage is on the current CUDA device.
 
     Args:
-        precision, fp8, fp8_recipe: as :func:`transformer_config_from_hf` (keys ``model.precision``,
-            ``model.fp8``, ``model.fp8_recipe``). A BF16 model still needs Megatron's
-            ``Float16Module`` / mixed-precision optimizer around it for training.
+        hf_config: a Llama / Qwen2 Hugging Face config.
+        precision: as :func:`transformer_config_from_hf` (key ``model.precision``). A BF16 model
+            still needs Megatron's ``Float16Module`` / mixed-precision optimizer around it for training.
+        fp8: as :func:`transformer_config_from_hf` (key ``model.fp8``).
+        fp8_recipe: as :func:`transformer_config_from_hf` (key ``model.fp8_recipe``).
         transformer_impl: ``"auto"``, ``"local"`` or ``"transformer_engine"``; see
             :func:`resolve_transformer_impl` (key ``model.transformer_impl``).
 
@@ -466,7 +471,8 @@ def forward_logits(
 def _forward_thd(model: torch.nn.Module, input_ids: torch.Tensor,
                  sequence_lengths: torch.Tensor) -> torch.Tensor:
     """A packed row [1, S] through the TransformerEngine spec in the THD layout (module
-    :mod:`nemo_sspo.megatron.packed_seq`); the last stage's logits are cut back to S positions."""
+    :mod:`nemo_sspo.megatron.packed_seq`); the last stage's logits are cut back to S positions.
+    """
     gpt = unwrap_model(model)
     width = input_ids.shape[1]
     total = padded_width(width, thd_alignment(gpt.config))
@@ -528,7 +534,8 @@ def forward_hidden(
 def output_weight(model: torch.nn.Module) -> torch.Tensor:
     """This rank's vocab shard of the output weight ``[V_local, H]`` on the last stage: the word
     embedding when input and output embeddings are tied (its copy on the last stage under PP),
-    the output layer's own weight otherwise."""
+    the output layer's own weight otherwise.
+    """
     gpt = unwrap_model(model)
     if gpt.share_embeddings_and_output_weights:
         return gpt.shared_embedding_or_output_weight()

@@ -146,7 +146,7 @@ def forward_logprobs(model, batch: PolicyBatch, spec: LossSpec, layout: MicroBat
 def _reassemble(shape, micro_batches: list, parts: list[torch.Tensor]) -> torch.Tensor:
     """``[B, S]`` float32 on the host from per-micro-batch ``[b, S_b]`` results at their rows."""
     out = torch.zeros(shape, dtype=torch.float32)
-    for micro, part in zip(micro_batches, parts):
+    for micro, part in zip(micro_batches, parts, strict=True):
         out[micro.rows, : part.shape[1]] = part.cpu()
     return out
 
@@ -165,7 +165,7 @@ def compute_old_logprobs(model, batch: PolicyBatch, spec: LossSpec, layout: Micr
 
 
 def compute_ref_logprobs(ref_model, batch: PolicyBatch, spec: LossSpec, layout: MicroBatchLayout) -> PolicyBatch:
-    """log pi_ref of the targets under the frozen reference policy (the reference-KL term).
+    """The log pi_ref of the targets under the frozen reference policy (the reference-KL term).
 
     Returns:
         ``batch`` with ``ref_logprobs`` [B, S] float32 (0 outside the mask) on the last pipeline
@@ -195,13 +195,15 @@ def accumulate_gradients(model, micro_batches: list, forward_step_func: Callable
 
 def compute_gradients(model, batch: PolicyBatch, spec: LossSpec, layout: MicroBatchLayout) -> dict[str, torch.Tensor]:
     """The policy loss's gradients over ``batch`` cut into micro-batches by ``layout`` (see
-    :func:`accumulate_gradients`, whose metric sums it returns)."""
+    :func:`accumulate_gradients`, whose metric sums it returns).
+    """
     return accumulate_gradients(model, layout.plan(batch), policy_forward_step(spec, compute_loss=True))
 
 
 def apply_optimizer_step(optimizer) -> float:
     """Steps ``optimizer`` on the accumulated gradients; returns the global gradient norm before
-    clipping (float)."""
+    clipping (float).
+    """
     with cpu_device_context():
         _, grad_norm, _ = optimizer.step()
         if grad_norm is None:

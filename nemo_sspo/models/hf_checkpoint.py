@@ -279,7 +279,8 @@ def _ensure_smollm2_cache(target: Path) -> Path:
 
 def _write_folder_once(target: Path, write) -> Path:
     """Runs ``write(tmp)`` on a temporary sibling folder and renames it to ``target``, so a reader
-    never sees a half-written folder; a losing concurrent writer discards its copy."""
+    never sees a half-written folder; a losing concurrent writer discards its copy.
+    """
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
     try:

@@ -105,7 +105,8 @@ def clean_hf_config(hf_config: PretrainedConfig, dtype: torch.dtype | None = Non
 def save_hf_config(hf_config: PretrainedConfig, folder: str | Path, *, stop_ids: list[int],
                    dtype: torch.dtype | None = None) -> None:
     """Writes ``config.json`` (:func:`clean_hf_config`) and ``generation_config.json`` (``eos_token_id``:
-    ``stop_ids``, ``bos``/``pad`` from the config) into ``folder``, which must exist."""
+    ``stop_ids``, ``bos``/``pad`` from the config) into ``folder``, which must exist.
+    """
     config = clean_hf_config(hf_config, dtype)
     config.save_pretrained(folder)
     generation = GenerationConfig(bos_token_id=getattr(config, "bos_token_id", None),
@@ -116,7 +117,8 @@ def save_hf_config(hf_config: PretrainedConfig, folder: str | Path, *, stop_ids:
 
 def repair_config_file(folder: str | Path) -> bool:
     """Rewrites ``folder/config.json`` in place (atomically) if it still has a ``quantization_config`` or
-    lacks ``architectures`` (caches written by earlier versions); returns whether it changed."""
+    lacks ``architectures`` (caches written by earlier versions); returns whether it changed.
+    """
     path = Path(folder) / "config.json"
     data = json.loads(path.read_text(encoding="utf-8"))
     if "quantization_config" not in data and data.get("architectures"):

@@ -25,7 +25,8 @@ __all__ = ["balance_across_data_parallel"]
 
 def _rows(batch: PolicyBatch, rows: list[int], lengths: list[int]) -> PolicyBatch:
     """Copies of ``rows`` cut to their longest (an index tensor copies: a pickled view would send
-    its whole storage)."""
+    its whole storage).
+    """
     width = max((lengths[r] for r in rows), default=0)
     return batch.narrow(width).select(torch.tensor(rows, dtype=torch.long))
 

@@ -1,6 +1,7 @@
 """Rollout engines: transformers ``generate`` (CPU) and vLLM (GPU, imported lazily), with weight refit
 from the policy, behind one interface and a registry (``rollout.backend``); truncated importance
-sampling for the engine/trainer log-prob gap."""
+sampling for the engine/trainer log-prob gap.
+"""
 
 from nemo_sspo.rollout.engines import (
     EngineContext,

@@ -38,7 +38,8 @@ class RolloutEngine(Protocol):
 
     def generate(self, prompts: list[str], *, seed: int) -> RolloutBatch:
         """One sampled response per rendered prompt; the same seed, prompts and weights give the
-        same responses, and the global RNGs are left as they were."""
+        same responses, and the global RNGs are left as they were.
+        """
         ...
 
     def load_weight_buckets(self, buckets: Iterable[dict[str, torch.Tensor]]) -> None:
@@ -55,7 +56,8 @@ class RolloutEngine(Protocol):
 
     def hf_state_dict(self) -> dict[str, torch.Tensor] | None:
         """The engine's current weights under HF names, or None when they cannot be read back
-        (then a failed run keeps no ``hf_checkpoint_interrupted``)."""
+        (then a failed run keeps no ``hf_checkpoint_interrupted``).
+        """
         ...
 
 

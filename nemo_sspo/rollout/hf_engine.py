@@ -71,7 +71,8 @@ def finish_rollout_batch(tokenizer, prompt_ids: torch.Tensor, prompt_mask: torch
                          response_mask: torch.Tensor, truncated: torch.Tensor,
                          logprobs: torch.Tensor) -> RolloutBatch:
     """A :class:`RolloutBatch` from CPU tensors: writes the pad id and log-prob 0 outside
-    ``response_mask`` (``response_ids`` is modified in place) and decodes the texts."""
+    ``response_mask`` (``response_ids`` is modified in place) and decodes the texts.
+    """
     response_ids[~response_mask] = tokenizer.pad_token_id
     # where, not multiply: a filtered (top-k/top-p) pad position has log-prob -inf and -inf * 0 = NaN.
     logprobs = torch.where(response_mask, logprobs.float(), 0.0)

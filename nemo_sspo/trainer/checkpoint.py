@@ -202,8 +202,12 @@ def write_hf_checkpoint(path: str | Path, hf_config, state_dict: dict[str, torch
     files. Not collective: call it on one rank.
 
     Args:
+        path: the folder to write (replaced when it exists).
+        hf_config: the model's Hugging Face config.
         state_dict: HF names (as ``export_hf_state_dict``); ``lm_head.weight`` is dropped when the
             embeddings are tied (the convention of ``nemo_sspo.models``). Tensors may live on any device.
+        tokenizer: saved beside the weights.
+        extra: name -> JSON-serialisable value, each written as ``<name>.json``; None for none.
         stop_ids: the model's stop list (default: ``stop_token_ids(tokenizer)``).
 
     Returns:

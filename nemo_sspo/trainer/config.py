@@ -66,6 +66,8 @@ __all__ = [
 
 @dataclass
 class ModelConfig:
+    """``model``: the checkpoint and the policy's precision."""
+
     source: str = "smollm2-135m-instruct"
     """Checkpoint to start from: a built-in name (``nemo_sspo.models.SOURCES``), a local Hugging Face
     model directory, or a hub id (``Qwen/Qwen2.5-Math-1.5B``) found in the local HF cache."""
@@ -84,6 +86,8 @@ class ModelConfig:
 
 @dataclass
 class ParallelConfig:
+    """``parallel``: the Megatron layout and the micro-batch shape."""
+
     tensor_model_parallel_size: int = 1
     """TP: splits attention heads, MLP and the vocabulary; must divide query and key/value heads."""
     pipeline_model_parallel_size: int = 1
@@ -109,6 +113,8 @@ class ParallelConfig:
 
 @dataclass
 class DataConfig:
+    """``data``: the prompt source, its options and the prompt template."""
+
     source: str = "word_problems"
     """Prompt source name (``nemo_sspo.data.build_prompt_source``)."""
     template: str = "chat-boxed"
@@ -120,6 +126,8 @@ class DataConfig:
 
 @dataclass
 class VLLMConfig:
+    """``rollout.vllm``: the vLLM engine's settings."""
+
     tensor_parallel_size: int = 1
     """GPUs (or CPU worker processes) per vLLM engine (vLLM's own tensor parallelism, independent of the trainer's)."""
     gpu_memory_utilization: float = 0.5
@@ -140,6 +148,8 @@ class VLLMConfig:
 
 @dataclass
 class RolloutConfig:
+    """``rollout``: prompts and samples per step, sampling, the engine and its refit."""
+
     prompts_per_step: int = 2
     """Distinct prompts sampled per training step."""
     samples_per_prompt: int = 8
@@ -179,6 +189,8 @@ class RolloutConfig:
 
 @dataclass
 class RewardConfig:
+    """``reward``: the reward's name, its settings and the overlong shaping."""
+
     name: str = "math_verify"
     """Registered reward (``nemo_sspo.rewards.reward_names()``; a ``plugins`` module may add one):
     ``math_verify`` scores the last ``\\boxed{}`` answer against the gold answer with math-verify (0/1)."""
@@ -204,6 +216,8 @@ class RewardConfig:
 
 @dataclass
 class OptimConfig:
+    """``optim`` (and ``critic.optim``): the Adam optimizer."""
+
     lr: float = 2e-5
     """Adam learning rate."""
     weight_decay: float = 0.0
@@ -217,6 +231,8 @@ class OptimConfig:
 
 @dataclass
 class LossSection:
+    """``loss``: the registered policy loss and its config dataclass."""
+
     name: str = "sspo"
     """Registered policy-loss name (``nemo_sspo.algorithms.losses.policy_loss_names()``): sspo (default),
     sspo_fixed_clip, grpo, dr_grpo, dapo, gspo, gspo_token, lpo, dcpo, gmpo, sapo, soft_seq_po, cispo,
@@ -233,6 +249,8 @@ class LossSection:
 
 @dataclass
 class CriticConfig:
+    """``critic``: the SPPO critic (read by losses whose advantage source is the critic)."""
+
     source: str | None = None
     """Checkpoint of the SPPO critic's trunk (as ``model.source``; same tokenizer as the policy); null =
     ``model.source``. Read only by losses whose ``advantage_source`` is ``critic`` (``loss=sppo``)."""
@@ -246,6 +264,8 @@ class CriticConfig:
 
 @dataclass
 class TrainerConfig:
+    """``trainer``: steps, updates per step, seed, outputs, checkpoints and resume."""
+
     max_steps: int = 12
     """Training steps; each is one rollout of prompts_per_step x samples_per_prompt responses."""
     minibatches_per_step: int = 2
@@ -272,6 +292,8 @@ class TrainerConfig:
 
 @dataclass
 class EvalConfig:
+    """``eval``: benchmarks and their greedy decoding."""
+
     benchmarks: list[str] = field(default_factory=lambda: list(PAPER_BENCHMARKS))
     """Datasets scored by greedy Avg@1 (names of ``nemo_sspo.data.MATH_DATASETS``); the paper's five by default."""
     data_dir: str | None = None
@@ -290,6 +312,8 @@ class EvalConfig:
 
 @dataclass
 class TrainConfig:
+    """A whole run's config: one field per section."""
+
     model: ModelConfig = field(default_factory=ModelConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -336,7 +360,8 @@ def build_loss_config(section: LossSection) -> Any:
 def at_key(prefix: str, call: Callable[[], Any]) -> Any:
     """Runs a lower layer's call; its ``ValueError``, which names the layer's own argument, is re-raised
     with the config key path in front (``at_key("model.", ...)``: ``precision='x'`` becomes
-    ``model.precision='x'``). Returns what ``call`` returns."""
+    ``model.precision='x'``). Returns what ``call`` returns.
+    """
     try:
         return call()
     except ValueError as err:
@@ -531,7 +556,8 @@ def unknown_key_message(path: str, loss_name: str | None) -> str:
 
 def find_unknown_key(raw: Any, typed: Any, prefix: str = "") -> str | None:
     """The first key path of the composed ``raw`` mapping that the typed config does not hold (a key
-    added with Hydra's ``+`` that no dataclass field takes), or None."""
+    added with Hydra's ``+`` that no dataclass field takes), or None.
+    """
     if not isinstance(raw, dict):
         return None
     for key, value in raw.items():
@@ -548,7 +574,8 @@ def find_unknown_key(raw: Any, typed: Any, prefix: str = "") -> str | None:
 def schema() -> TrainConfig:
     """The ``train_schema`` node: :class:`TrainConfig` with ``loss.params`` and ``data.options`` left
     open (None), so that the selected group's dataclass fills them instead of being merged into the
-    defaults' SSPO / word-problem dataclasses (OmegaConf refuses to merge one dataclass into another)."""
+    defaults' SSPO / word-problem dataclasses (OmegaConf refuses to merge one dataclass into another).
+    """
     return TrainConfig(data=DataConfig(options=None), loss=LossSection(params=None))
 
 

@@ -238,7 +238,8 @@ class GRPOTrainer:
     def _build_rollout(self, state_dict, prompts, reward: Reward | None, engine: RolloutEngine | None) -> None:
         """Rollout engine, reward and sampler, on generating ranks only: the ones passed in, else
         ``rollout.backend`` and ``reward.name`` from their registries (``nemo_sspo.rollout``,
-        ``nemo_sspo.rewards``). The engine is refitted after every step."""
+        ``nemo_sspo.rewards``). The engine is refitted after every step.
+        """
         cfg = self.cfg
         if engine is None:
             context = EngineContext(hf_config=self.hf_config, state_dict=state_dict, tokenizer=self.tokenizer,
@@ -253,7 +254,8 @@ class GRPOTrainer:
     # ---- phases -------------------------------------------------------------------------------
     def generate_and_score(self, step: int) -> Rollout:
         """This rank's prompt groups, generated and scored (with dynamic sampling if configured);
-        shared across the replica's TP/PP ranks."""
+        shared across the replica's TP/PP ranks.
+        """
         rollout = self.sampler.collect(step) if self.is_generator else None
         g = self.groups
         if g.mp_size == 1:
@@ -321,7 +323,8 @@ class GRPOTrainer:
         """Each mini-batch's rows (the consecutive blocks :meth:`update` steps on) spread over the
         data-parallel ranks by tokens, every rank keeping its row count
         (:func:`nemo_sspo.parallel.data_balance.balance_across_data_parallel`): the forward passes
-        and the update then cost every rank about the same."""
+        and the update then cost every rank about the same.
+        """
         size = batch.input_ids.shape[0] // self.cfg.trainer.minibatches_per_step
         return concat_policy_batches([
             balance_across_data_parallel(batch.select(slice(start, start + size)), self.groups.dp_group)
@@ -354,7 +357,8 @@ class GRPOTrainer:
 
     def refit(self) -> None:
         """Streams the updated Megatron weights into the rollout engine, bucket by bucket
-        (``rollout.refit_bucket_mb``), gathered only on the generating rank (collective over TP/PP)."""
+        (``rollout.refit_bucket_mb``), gathered only on the generating rank (collective over TP/PP).
+        """
         buckets = iter_hf_weight_buckets(self.model.module, self.hf_config, self.cfg.rollout.refit_bucket_mb << 20,
                                          dst_rank=self.groups.mp_src_rank)
         if self.is_generator:
@@ -393,7 +397,8 @@ class GRPOTrainer:
     # ---- evaluation and checkpoints ----------------------------------------------------------------
     def maybe_evaluate(self, step: int) -> dict[str, float]:
         """Every ``eval.every_n_steps`` steps: the benchmarks on the engine's current weights, and a
-        new ``best/`` when ``eval/mean`` improves (collective). Returns the eval metrics ({} otherwise)."""
+        new ``best/`` when ``eval/mean`` improves (collective). Returns the eval metrics ({} otherwise).
+        """
         every = self.cfg.eval.every_n_steps
         if every == 0 or step % every:
             return {}
@@ -428,7 +433,8 @@ class GRPOTrainer:
 
     def _resume(self, path: Path) -> None:
         """Restores a checkpoint (module docstring of :mod:`nemo_sspo.trainer.checkpoint`) and refits
-        the rollout engine with the restored policy."""
+        the rollout engine with the restored policy.
+        """
         state = load_checkpoint(path, self._checkpointed_models(), seed=self.cfg.trainer.seed)
         if self.sampler is not None:
             self.sampler.fast_forward(state.problems_drawn)
@@ -448,7 +454,8 @@ class GRPOTrainer:
     def _save_interrupted(self) -> None:
         """After a failed step: rank 0 writes the rollout model (the last completed step's policy) to
         ``output_dir/hf_checkpoint_interrupted`` without collectives (other ranks may be gone). The
-        vLLM engine's weights cannot be read back: resume from the last checkpoint instead."""
+        vLLM engine's weights cannot be read back: resume from the last checkpoint instead.
+        """
         if dist.get_rank() != 0 or not self.cfg.trainer.save_hf_checkpoint:
             return
         state = self.engine.hf_state_dict() if self.engine is not None else None
@@ -486,6 +493,7 @@ class GRPOTrainer:
         return self.logger.history
 
     def close(self) -> None:
+        """Close the metric logger and the reward (its worker processes)."""
         self.logger.close()
         if self.reward is not None:
             self.reward.close()

@@ -1,5 +1,6 @@
 """Per-step metric output: a progress bar, one console line per step, ``metrics.jsonl``,
-TensorBoard events, and a reward/entropy plot at the end. Only the logging rank writes."""
+TensorBoard events, and a reward/entropy plot at the end. Only the logging rank writes.
+"""
 
 from __future__ import annotations
 

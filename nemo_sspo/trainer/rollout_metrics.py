@@ -1,6 +1,7 @@
 """Per-step statistics of a rollout as ``"mean"`` metric pairs (:mod:`nemo_sspo.metrics`): rewards,
 lengths, truncation, dynamic-sampling rounds, and the gap between the rollout engine's and the
-trainer's log-probs."""
+trainer's log-probs.
+"""
 
 from __future__ import annotations
 

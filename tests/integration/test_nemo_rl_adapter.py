@@ -154,7 +154,7 @@ def test_loss_matches_native_under_tp2_with_global_normalisers(run_distributed):
         assert 0 < clipped < count  # the inputs clip some tokens, not all
     # token_logprobs_and_entropy: NeMo-RL layout [B, S] with column 0 empty.
     ref_lp, ref_ent = hb.full_vocab_logprobs_entropy(batch["logits"], batch["ids"])
-    for (tp, dp), result in results.items():
+    for (_tp, dp), result in results.items():
         rows = slice(dp * per_rank, (dp + 1) * per_rank)
         logprobs, entropy = result["helper"]
         torch.testing.assert_close(logprobs[:, 1:], ref_lp[rows], rtol=RTOL, atol=ATOL)

@@ -32,7 +32,7 @@ def test_updates_change_weights_and_refit_follows(monkeypatch, tmp_path):
     assert step1["optim/grad_norm"] > 0
     assert step1["policy/approx_kl_k3"] > 0  # the second mini-batch saw updated weights
     # the rollout engine holds exactly the policy's weights, and they moved away from the start
-    for name, value in initial.items():
+    for name in initial:
         assert torch.equal(rollout[name], policy[name]), name
     moved = max(float((policy[n] - initial[n]).abs().max()) for n in initial)
     assert moved > 1e-4

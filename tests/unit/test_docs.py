@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from nemo_sspo.algorithms.losses import LossInputs, compute_policy_loss, get_policy_loss, policy_loss_names
-from nemo_sspo.cli import DEFAULT_CONFIG_DIR, load_config, main
+from nemo_sspo.cli import DEFAULT_CONFIG_DIR, load_config
 from nemo_sspo.data import SOURCE_OPTIONS
 from nemo_sspo.rewards import reward_names, unregister_reward
 from nemo_sspo.rollout import rollout_engine_names, unregister_rollout_engine

@@ -147,3 +147,17 @@ def test_eval_subcommand_reports_bad_settings_with_their_key(capsys):
     assert "eval.limit_per_benchmark must be >= 1" in capsys.readouterr().err
     assert main(["eval", "eval.benchmarks=[math500,gsm9k]"]) == 2
     assert "eval.benchmarks has unknown names ['gsm9k']" in capsys.readouterr().err
+
+
+def test_exported_stop_token_ids_is_the_model_stop_list():
+    # nemo_sspo.evaluation.stop_token_ids used to raise NameError (a stale copy read an undefined
+    # list). A tokenizer with EOS 2 and "<|im_end|>" at 7: the stop list is [2, 7].
+    from nemo_sspo.evaluation import stop_token_ids
+
+    class _Tokenizer:
+        eos_token_id = 2
+
+        def get_vocab(self):
+            return {"a": 0, "<|im_end|>": 7, "b": 9}
+
+    assert stop_token_ids(_Tokenizer()) == [2, 7]

@@ -4,7 +4,6 @@ selectable with ``loss=<name>``, Hydra lists every loss once, and the registry k
 from __future__ import annotations
 
 import sys
-import textwrap
 from dataclasses import dataclass
 
 import pytest

@@ -77,7 +77,8 @@ def check_numeric_fields(config) -> None:
 
 def check_eps(config, low_name: str, high_name: str) -> None:
     """Check ``0 <= config.<low_name> <= 1`` and ``config.<high_name> >= 0`` (ratio bounds
-    ``1 - low`` >= 0 and ``1 + high``)."""
+    ``1 - low`` >= 0 and ``1 + high``).
+    """
     low, high = getattr(config, low_name), getattr(config, high_name)
     if not 0.0 <= low <= 1.0 or high < 0.0:
         raise config_error(config, f"{low_name}={low}, {high_name}={high}: need 0 <= {low_name} "

@@ -54,6 +54,7 @@ class CISPOObjective:
     config: CISPOLossConfig
 
     def __call__(self, inputs: LossInputs, segments: torch.Tensor) -> LossTerms:
+        """CISPO's per-token terms of one micro-batch (token segments)."""
         logprobs, mask = inputs.logprobs, inputs.response_mask
         zero = torch.zeros((), dtype=logprobs.dtype, device=logprobs.device)
         own_logprobs = torch.where(mask, logprobs, zero)

@@ -81,7 +81,8 @@ def _quota(fraction: float, response_mask: torch.Tensor) -> torch.Tensor:
 
 def _pick_highest(key: torch.Tensor, eligible: torch.Tensor, quota: torch.Tensor):
     """``[B, T]`` bool: the ``quota`` eligible positions with the highest ``key`` (fewer if fewer are
-    eligible). Ties keep the earlier position (row-major). No host synchronisation."""
+    eligible). Ties keep the earlier position (row-major). No host synchronisation.
+    """
     flat = torch.where(eligible, key, torch.full_like(key, -math.inf)).reshape(-1)
     order = torch.sort(flat, descending=True, stable=True).indices
     rank = torch.empty_like(order)
@@ -108,9 +109,12 @@ def select_high_covariance_tokens(
     the quota may be.
 
     Args:
-        logprobs, advantages, response_mask: as :func:`token_covariance`.
+        logprobs: ``[B, T]`` float, log pi_theta of the sampled tokens (read without gradient).
+        advantages: ``[B]`` float, one advantage per response.
+        response_mask: ``[B, T]`` bool.
         fraction: share of the N valid tokens to select, in [0, 1].
-        cov_min, cov_max: open eligibility band of Cov_t.
+        cov_min: lower edge of the open eligibility band of Cov_t.
+        cov_max: upper edge of the open eligibility band of Cov_t.
 
     Returns:
         ``(selected [B, T] bool, covariance [B, T] float)``; covariance is 0 at masked positions.
@@ -141,9 +145,12 @@ def select_random_covariance_tokens(
     the result depends only on the inputs and the seed, not on the device.
 
     Args:
-        logprobs, advantages, response_mask: as :func:`token_covariance`.
+        logprobs: ``[B, T]`` float, log pi_theta of the sampled tokens (read without gradient).
+        advantages: ``[B]`` float, one advantage per response.
+        response_mask: ``[B, T]`` bool.
         fraction: share of the N valid tokens to select, in [0, 1].
-        cov_min, cov_max: open eligibility band of Cov_t.
+        cov_min: lower edge of the open eligibility band of Cov_t.
+        cov_max: upper edge of the open eligibility band of Cov_t.
         exclude: ``[B, T]`` bool, tokens that may not be selected (those the clip already cut).
         seed: seed of the key generator.
 
@@ -168,7 +175,8 @@ def _check_fraction(config) -> None:
 @dataclass
 class ClipCovLossConfig(PolicyLossConfig):
     """Clip-Cov (arXiv 2505.22617; code PRIME-RL/Entropy-Mechanism-of-RL): GRPO objective, loss set
-    to 0 on randomly drawn high-covariance tokens the clip has not cut (module docstring)."""
+    to 0 on randomly drawn high-covariance tokens the clip has not cut (module docstring).
+    """
 
     eps_low: float = 1.0
     """Lower clip 1 - eps_low (recipe clip_ratio_low = 1: lower bound 0, never binds)."""
@@ -202,7 +210,8 @@ class ClipCovLossConfig(PolicyLossConfig):
 @dataclass
 class KLCovLossConfig(PolicyLossConfig):
     """KL-Cov (arXiv 2505.22617; code PRIME-RL/Entropy-Mechanism-of-RL): unclipped objective plus
-    the |log r| penalty on the highest-covariance tokens."""
+    the |log r| penalty on the highest-covariance tokens.
+    """
 
     aggregation: str = "token-mean"
     """The recipe's loss_agg_mode."""
@@ -226,6 +235,7 @@ class ClipCovSelection:
     config: ClipCovLossConfig
 
     def __call__(self, inputs: LossInputs, terms: LossTerms) -> tuple[LossTerms, torch.Tensor]:
+        """The terms with the drawn tokens' loss set to 0, and the ``[B, T]`` selection."""
         c = self.config
         selected, _ = select_random_covariance_tokens(
             inputs.logprobs, inputs.advantages, inputs.response_mask, c.select_fraction,
@@ -243,6 +253,7 @@ class KLCovSelection:
     config: KLCovLossConfig
 
     def __call__(self, inputs: LossInputs, terms: LossTerms) -> tuple[LossTerms, torch.Tensor]:
+        """The terms with beta |log r| added at the selected tokens, and the ``[B, T]`` selection."""
         selected, _ = select_high_covariance_tokens(inputs.logprobs, inputs.advantages,
                                                     inputs.response_mask,
                                                     self.config.select_fraction)
@@ -256,7 +267,8 @@ class KLCovSelection:
 
 class TokenSelection(Protocol):
     """A covariance rule applied to the engine's terms: ``selection(inputs, terms)`` returns the
-    changed terms and the ``[B, T]`` bool mask of selected tokens."""
+    changed terms and the ``[B, T]`` bool mask of selected tokens.
+    """
 
     def __call__(self, inputs: LossInputs, terms: LossTerms) -> tuple[LossTerms, torch.Tensor]:
         """The terms with the rule applied, and which tokens it selected."""
@@ -266,12 +278,14 @@ class TokenSelection(Protocol):
 @dataclass(frozen=True)
 class CovarianceObjective:
     """The engine's objective with a covariance selection applied on top; adds the metric
-    ``policy/cov_selected_frac`` (selected tokens / valid tokens)."""
+    ``policy/cov_selected_frac`` (selected tokens / valid tokens).
+    """
 
     engine: RatioEngine
     selection: TokenSelection
 
     def __call__(self, inputs: LossInputs, segments: torch.Tensor) -> LossTerms:
+        """The engine's terms after the selection, with ``policy/cov_selected_frac``."""
         terms, selected = self.selection(inputs, self.engine(inputs, segments))
         extra = {"policy/cov_selected_frac": mean_pair(selected.sum(), inputs.response_mask.sum())}
         return replace(terms, extra_metrics={**terms.extra_metrics, **extra})

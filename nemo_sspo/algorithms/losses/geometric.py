@@ -41,7 +41,8 @@ from nemo_sspo.algorithms.losses.soft_gates import check_gate, gate_temperature,
 @dataclass
 class GMPOLossConfig(PolicyLossConfig):
     """GMPO (arXiv 2507.20673): geometric mean of token ratios clipped in log space (defaults from
-    the authors' verl example, examples/gmpo_trainer)."""
+    the authors' verl example, examples/gmpo_trainer).
+    """
 
     log_clip_low: float = 0.4
     """Token log-ratios of A < 0 responses are clipped below at -log_clip_low (ratio e^-0.4)."""
@@ -83,6 +84,7 @@ class LogSpaceClip:
     config: GMPOLossConfig
 
     def __call__(self, log_ratio: torch.Tensor, adv: torch.Tensor) -> TokenTransform:
+        """phi(d) clipped in log space on the side of the advantage's sign, with the clip flags."""
         low, high = self.config.log_clip_low, self.config.log_clip_high
         positive, negative = adv > 0, adv < 0
         clipped = torch.where(positive, log_ratio.clamp(max=high),
@@ -100,6 +102,7 @@ class SoftGateTransform:
     config: SoftSeqPOLossConfig
 
     def __call__(self, log_ratio: torch.Tensor, adv: torch.Tensor) -> TokenTransform:
+        """phi(d) = g(d; tau) and the gate's slope as the gradient factor."""
         gate, tau = get_soft_gate(self.config.gate), gate_temperature(self.config, adv)
         with torch.no_grad():
             weight = gate.slope(log_ratio, tau)

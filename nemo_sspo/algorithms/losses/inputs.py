@@ -162,4 +162,5 @@ class PolicyLoss(Protocol):
     requirements: LossRequirements
 
     def __call__(self, inputs: LossInputs) -> LossOutput:
+        """Per-token loss (value to minimise) and metrics of one micro-batch."""
         ...

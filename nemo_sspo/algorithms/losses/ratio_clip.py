@@ -78,7 +78,8 @@ from nemo_sspo.algorithms.ratios import LOG_RATIO_CLAMP, segment_mean
 @dataclass(frozen=True)
 class TokenTransform:
     """phi(d_t) of the engine, ``[B, T]``: transformed log-ratio (differentiable), tokens whose
-    log-ratio was clipped below / above (bool or None), and the gate's gradient factor (or None)."""
+    log-ratio was clipped below / above (bool or None), and the gate's gradient factor (or None).
+    """
 
     log_ratio: torch.Tensor
     clip_low: torch.Tensor | None = None
@@ -89,7 +90,8 @@ class TokenTransform:
 @dataclass(frozen=True)
 class Surrogate:
     """psi of the engine, ``[B, T]``: objective (differentiable, to maximise), clip flags, bounds
-    (None when the surrogate has none) and the soft gate's gradient factor (or None)."""
+    (None when the surrogate has none) and the soft gate's gradient factor (or None).
+    """
 
     objective: torch.Tensor
     clip_low: torch.Tensor
@@ -103,7 +105,8 @@ class Surrogate:
 @dataclass(frozen=True)
 class BoundsContext:
     """What bounds may depend on, ``[B, T]``, no gradient: the segment's mean old-policy entropy
-    H_ij (SSPO eq. 13; None without old entropy) and the token's old log-prob (DCPO)."""
+    H_ij (SSPO eq. 13; None without old entropy) and the token's old log-prob (DCPO).
+    """
 
     segment_entropy: torch.Tensor | None
     old_logprobs: torch.Tensor
@@ -146,6 +149,7 @@ class FixedBounds:
     eps_high: float
 
     def __call__(self, context: BoundsContext) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(1 - eps_low, 1 + eps_high)`` broadcast to ``[B, T]``."""
         shape = context.old_logprobs
         return torch.full_like(shape, 1.0 - self.eps_low), torch.full_like(shape, 1.0 + self.eps_high)
 
@@ -161,6 +165,7 @@ class HardClip:
     dual_clip_c: float | None = None
 
     def __call__(self, ratio: torch.Tensor, adv: torch.Tensor, context: BoundsContext) -> Surrogate:
+        """The clipped objective (and dual clip) at every token, with its clip flags and bounds."""
         b_low, b_high = (b.to(ratio.dtype) for b in self.bounds(context))
         objective = torch.minimum(ratio * adv, torch.clamp(ratio, b_low, b_high) * adv)
         with torch.no_grad():
@@ -175,7 +180,7 @@ class HardClip:
 
 
 def unclipped(ratio: torch.Tensor, adv: torch.Tensor, context: BoundsContext) -> Surrogate:
-    """psi = s A with no clip (GMPO and Soft Sequence PO clip or gate inside phi instead)."""
+    """The surrogate psi = s A with no clip (GMPO and Soft Sequence PO clip or gate inside phi instead)."""
     none = torch.zeros(ratio.shape, dtype=torch.bool, device=ratio.device)
     return Surrogate(ratio * adv, none, none, none)
 
@@ -196,6 +201,7 @@ class RatioEngine:
     token_gradient: bool = False
 
     def __call__(self, inputs: LossInputs, segments: torch.Tensor) -> LossTerms:
+        """The shared objective's per-token terms of one micro-batch (module docstring)."""
         logprobs, mask = inputs.logprobs, inputs.response_mask
         zero = torch.zeros((), dtype=logprobs.dtype, device=logprobs.device)
         log_ratio = torch.where(mask, logprobs - inputs.old_logprobs.detach(), zero)
@@ -316,7 +322,8 @@ class DAPOLossConfig(PolicyLossConfig):
 @dataclass
 class GSPOLossConfig(PolicyLossConfig):
     """GSPO and GSPO-token (arXiv 2507.18071): sequence ratio exp(mean_t d_t) with a tight fixed
-    clip (GSPO-token differs only in its gradient path, fixed at registration)."""
+    clip (GSPO-token differs only in its gradient path, fixed at registration).
+    """
 
     eps_low: float = 3e-4
     """Lower clip of the sequence ratio: 1 - eps_low (sequence ratios stay near 1,

@@ -130,7 +130,7 @@ class GatedConfig(Protocol):
 
 
 def gate_temperature(config: GatedConfig, adv: torch.Tensor) -> torch.Tensor:
-    """tau per row: tau_pos where A > 0, else tau_neg (``adv`` ``[B, 1]``)."""
+    """The temperature tau per row: tau_pos where A > 0, else tau_neg (``adv`` ``[B, 1]``)."""
     return torch.where(adv > 0, torch.full_like(adv, config.tau_pos),
                        torch.full_like(adv, config.tau_neg))
 
@@ -159,6 +159,7 @@ class SoftGateSurrogate:
     config: GatedConfig
 
     def __call__(self, ratio: torch.Tensor, adv: torch.Tensor, context: BoundsContext) -> Surrogate:
+        """The surrogate psi = A (1 + g(r - 1)) at every token, with the gate's slope as gradient factor."""
         gate, tau = get_soft_gate(self.config.gate), gate_temperature(self.config, adv)
         none = torch.zeros(ratio.shape, dtype=torch.bool, device=ratio.device)
         objective = adv * (1.0 + gate.value(ratio - 1.0, tau))
