@@ -44,7 +44,7 @@ class TransformersEvalEngine:
 
     def __init__(self, model, tokenizer, *, batch_size: int = 8, stop_token_ids: Sequence[int] | None = None) -> None:
         if batch_size < 1:
-            raise ValueError(f"eval.batch_size={batch_size} must be >= 1")
+            raise ValueError(f"batch_size={batch_size} must be >= 1")
         if tokenizer.pad_token_id is None:
             raise ValueError("the tokenizer has no pad token: set tokenizer.pad_token = tokenizer.eos_token")
         self.model = model.eval()

@@ -364,7 +364,7 @@ def iter_hf_weight_buckets(model: torch.nn.Module, hf_config: Any, bucket_bytes:
         ValueError: ``bucket_bytes <= 0``, or ``dst_rank`` outside this rank's model-parallel group.
     """
     if bucket_bytes <= 0:
-        raise ValueError(f"bucket_bytes={bucket_bytes} must be > 0 (set rollout.refit_bucket_mb > 0)")
+        raise ValueError(f"bucket_bytes={bucket_bytes} must be > 0")
     gpt = unwrap_model(model)
     groups = get_parallel_groups()
     plan = _export_plan(gpt, hf_config, groups)

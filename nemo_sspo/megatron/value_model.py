@@ -27,11 +27,11 @@ def truncate_layers(hf_config, state_dict: dict[str, torch.Tensor], num_layers: 
     """The checkpoint's first ``num_layers`` decoder layers: ``(hf_config copy, state dict subset)``.
 
     Raises:
-        ValueError: ``num_layers`` outside ``[1, num_hidden_layers]`` (names ``critic.num_layers``).
+        ValueError: ``num_layers`` outside ``[1, num_hidden_layers]`` (names ``num_layers``).
     """
     total = hf_config.num_hidden_layers
     if not 1 <= num_layers <= total:
-        raise ValueError(f"critic.num_layers={num_layers} must be in [1, {total}] (the checkpoint's layers)")
+        raise ValueError(f"num_layers={num_layers} must be in [1, {total}] (the checkpoint's layers)")
     config = copy.deepcopy(hf_config)
     config.num_hidden_layers = num_layers
     if getattr(config, "layer_types", None):

@@ -358,14 +358,17 @@ def build_loss_config(section: LossSection) -> Any:
 
 
 def at_key(prefix: str, call: Callable[[], Any]) -> Any:
-    """Runs a lower layer's call; its ``ValueError``, which names the layer's own argument, is re-raised
-    with the config key path in front (``at_key("model.", ...)``: ``precision='x'`` becomes
-    ``model.precision='x'``). Returns what ``call`` returns.
+    """Runs a lower layer's call; its ``ValueError`` (or ``FileNotFoundError``), which names the layer's
+    own argument, is re-raised as the same type with the config key path in front (``at_key("model.",
+    ...)``: ``precision='x'`` becomes ``model.precision='x'``). Returns what ``call`` returns.
+
+    The one place where lower layers' messages get YAML keys (tests/unit/test_config_keys_below.py
+    keeps the layers below the trainer free of them).
     """
     try:
         return call()
-    except ValueError as err:
-        raise ValueError(f"{prefix}{err}") from None
+    except (ValueError, FileNotFoundError) as err:
+        raise type(err)(f"{prefix}{err}") from None
 
 
 def _require(ok: bool, message: str) -> None:

@@ -183,7 +183,7 @@ class GRPOTrainer:
         prompts = at_key("data.options.", lambda: build_prompt_source(cfg.data.source, seed=cfg.trainer.seed,
                                                                       **asdict(cfg.data.options)))
         if checkpoint is None:
-            checkpoint = load_hf_checkpoint(cfg.model.source, cache_dir=cfg.model.cache_dir)
+            checkpoint = at_key("model.", lambda: load_hf_checkpoint(cfg.model.source, cache_dir=cfg.model.cache_dir))
         hf_config, state_dict, tokenizer = checkpoint
         self.hf_config, self.tokenizer = hf_config, tokenizer
         self.model, self.optimizer = _wrap(self._megatron_policy(state_dict), cfg.optim)
@@ -228,11 +228,13 @@ class GRPOTrainer:
         cr = self.cfg.critic
         hf_config = self.hf_config
         if cr.source is not None:
-            hf_config, state_dict, tokenizer = load_hf_checkpoint(cr.source, cache_dir=self.cfg.model.cache_dir)
+            hf_config, state_dict, tokenizer = at_key("critic.", lambda: load_hf_checkpoint(
+                cr.source, cache_dir=self.cfg.model.cache_dir))
             if tokenizer.get_vocab() != self.tokenizer.get_vocab():
                 raise ValueError(f"critic.source={cr.source!r} has another tokenizer than model.source="
                                  f"{self.cfg.model.source!r}; the critic reads the policy's prompt tokens")
-        model = build_value_model(hf_config, state_dict, num_layers=cr.num_layers, **_model_options(self.cfg.model))
+        model = at_key("critic.", lambda: build_value_model(hf_config, state_dict, num_layers=cr.num_layers,
+                                                            **_model_options(self.cfg.model)))
         return Critic(*_wrap(model, cr.optim), cr.micro_batch_size)
 
     def _build_rollout(self, state_dict, prompts, reward: Reward | None, engine: RolloutEngine | None) -> None:
