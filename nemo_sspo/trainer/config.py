@@ -166,6 +166,9 @@ class RolloutConfig:
     ``rollout.vllm``). ``nemo-sspo eval`` uses the same backend (hf or vllm)."""
     vllm: VLLMConfig = field(default_factory=VLLMConfig)
     """vLLM engine settings, read only when ``backend`` is ``vllm``."""
+    engine_options: Any = None
+    """Settings of a user engine as one mapping, read by its builder from ``EngineContext.rollout``
+    (``rollout.engine_options={seed_offset: 7}``, given whole); null for none. hf and vllm read none."""
     refit_bucket_mb: int = 256
     """Refit after each step streams the policy to the rollout engine in buckets of whole decoder
     layers of at most this many MiB (at least one layer; embeddings and final norm / head in their own

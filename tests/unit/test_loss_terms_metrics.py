@@ -56,8 +56,9 @@ def test_registry_holds_the_family():
         assert isinstance(loss.requirements.segmentation, str)
         assert loss.requirements.segmentation == (record.unit or config.segmentation)
         assert config.advantage_std_normalisation in (True, False)
-        # Each config names its paper (LPO: the Ling 2.0 report, arXiv 2510.22115).
-        assert "arXiv" in config_cls.__doc__, name
+        # Each config names its source: a paper (LPO: the Ling 2.0 report, arXiv 2510.22115), or
+        # says the method is ours.
+        assert "arXiv" in config_cls.__doc__ or "ours" in config_cls.__doc__, name
         assert type(loss).__call__.__doc__ and "minimise" in type(loss).__call__.__doc__
 
 
