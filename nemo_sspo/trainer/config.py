@@ -35,6 +35,7 @@ from nemo_sspo.algorithms.losses import (
     get_policy_loss,
     policy_loss_names,
 )
+from nemo_sspo.algorithms.losses.registry import losses_with_field
 from nemo_sspo.algorithms.micro_batches import MicroBatchLayout
 from nemo_sspo.data import MATH_DATASETS, PAPER_BENCHMARKS, SOURCE_OPTIONS, TEMPLATES
 from nemo_sspo.data.tasks import WordProblemOptions
@@ -546,7 +547,10 @@ def unknown_key_message(path: str, loss_name: str | None) -> str:
         try:
             build_policy_loss_config(loss_name, {parts[2]: None}, where="loss.params")
         except ValueError as err:
-            return str(err)
+            switch = (f". To switch to loss {loss_name!r}, select its group (`loss={loss_name}`), which "
+                      "replaces loss.params with its defaults, rather than setting loss.name"
+                      if losses_with_field(parts[2], besides=loss_name) else "")
+            return f"{err}{switch}"
     node: Any = TrainConfig
     for depth, part in enumerate(parts):
         hints = get_type_hints(node) if is_dataclass(node) else {}

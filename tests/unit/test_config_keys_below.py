@@ -14,10 +14,9 @@ ROOT = Path(__file__).resolve().parents[2]
 LOWER_LAYERS = ("metrics", "algorithms", "parallel", "megatron", "models", "data", "rewards", "rollout", "evaluation")
 _KEY = re.compile(r"\b((?:model|parallel|data|rollout|reward|optim|loss|trainer|eval|critic)\.[a-z_]+(?:\.[a-z_]+)*)")
 # Files still holding YAML keys, with how many lines do: the micro-batch, model-build, packing and
-# vLLM modules (work in flight elsewhere), the loss registry's trainer hints, and the eval
-# command's own config reader. The count may only go down; a file not listed may hold none.
+# vLLM modules (work in flight elsewhere) and the eval command's own config reader. The count may
+# only go down; a file not listed may hold none.
 PENDING = {
-    "nemo_sspo/algorithms/losses/registry.py": 2,
     "nemo_sspo/algorithms/micro_batches.py": 1,
     "nemo_sspo/megatron/model.py": 9,
     "nemo_sspo/megatron/packed_seq.py": 1,

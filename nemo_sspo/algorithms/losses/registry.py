@@ -184,8 +184,14 @@ def _field_names(config_cls: type) -> list[str]:
         config_cls) else []
 
 
+def losses_with_field(field_name: str, *, besides: str | None = None) -> list[str]:
+    """Sorted names of the registered losses whose config class has ``field_name`` (``besides`` left out)."""
+    return sorted(name for name, record in _REGISTRY.items()
+                  if name != besides and field_name in _field_names(record.config_cls))
+
+
 def build_policy_loss_config(name: str, params: Mapping[str, Any] | None = None, *,
-                             where: str = "loss.params") -> Any:
+                             where: str = "params") -> Any:
     """Instantiate the config dataclass registered under ``name`` from the mapping ``params``.
 
     Unknown keys are reported before the class is built, so the message names the key itself:
@@ -194,9 +200,8 @@ def build_policy_loss_config(name: str, params: Mapping[str, Any] | None = None,
       GRPO's "token") when it is the only kind of unknown key: says the unit is fixed and names
       the losses where it is a field;
     - any other unknown key: lists the config's fields (``dataclasses.fields``) with a close-match
-      suggestion (``difflib``), and, only when the key is a field of another registered loss's
-      config, the hint to select the loss as a group (``loss=<name>``) rather than setting
-      ``loss.name`` (the params of the previous loss were left in place).
+      suggestion (``difflib``), and, when the key is a field of other registered losses' configs,
+      names them (the params of another loss were kept: the config layer adds how to switch).
 
     Values are then checked by the config's own ``__post_init__`` (wrong types and non-finite
     numbers name the field, e.g. ``GRPOLossConfig.eps_low='abc'``).
@@ -204,8 +209,8 @@ def build_policy_loss_config(name: str, params: Mapping[str, Any] | None = None,
     Args:
         name: registered loss name.
         params: field overrides; None or empty for the class defaults.
-        where: how the caller's user spells the mapping (``loss.params`` in the trainer's YAML,
-            ``loss_config`` in an adapter), used in the messages.
+        where: how the caller's user spells the mapping (the trainer's config passes its YAML key,
+            an adapter ``loss_config``), used in the messages.
 
     Raises:
         ValueError: unknown loss name, unknown key, or the config's own validation.
@@ -218,10 +223,8 @@ def build_policy_loss_config(name: str, params: Mapping[str, Any] | None = None,
     if unknown:
         # A key other than segmentation/segment_k says more (e.g. SSPO's params left under GRPO).
         key = next((k for k in unknown if k not in ("segmentation", "segment_k")), unknown[0])
-        others = {other: _field_names(rec.config_cls) for other, rec in _REGISTRY.items()
-                  if other != name}
         if key in ("segmentation", "segment_k"):
-            configurable = sorted(o for o, names in others.items() if key in names)
+            configurable = losses_with_field(key, besides=name)
             unit = record.unit
             raise ValueError(
                 f"{where}.{key}: the ratio unit of loss {name!r} ({config_cls.__name__}) is fixed "
@@ -235,10 +238,8 @@ def build_policy_loss_config(name: str, params: Mapping[str, Any] | None = None,
                    + f" Valid fields: {', '.join(valid)}")
         if len(unknown) > 1:
             message += f". Other unknown keys: {[k for k in unknown if k != key]}"
-        owners = sorted(o for o, names in others.items() if key in names)
+        owners = losses_with_field(key, besides=name)
         if owners:
-            message += (f". {key!r} is a field of the losses {owners}, not of {name!r}: to switch "
-                        f"to loss {name!r} select its group (`loss={name}`), which replaces "
-                        f"{where} with its defaults, rather than setting loss.name")
+            message += f". {key!r} is a field of the losses {owners}, not of {name!r}"
         raise ValueError(message)
     return config_cls(**params)
