@@ -73,12 +73,13 @@ def on_policy_loss(batch, aggregation: str, max_response_length: int) -> tuple[f
     return hand_aggregate(per_token, batch.loss_mask, aggregation, max_response_length)
 
 
-def make_trainer(monkeypatch, tmp_path, overrides, *, checkpoint=None, reward=ParityReward):
+def make_trainer(monkeypatch, tmp_path, overrides, *, checkpoint=None, reward=ParityReward, engine=None):
     """A :class:`loop.GRPOTrainer` on ``TINY + overrides`` writing to ``tmp_path``, scoring with a
-    ``reward()`` it is given (no math-verify pool); call ``destroy_parallel()`` when done (``run`` does)."""
+    ``reward()`` it is given (no math-verify pool) and generating with ``engine`` (None: the
+    configured one); call ``destroy_parallel()`` when done (``run`` does)."""
     cfg = load_config(overrides=[*TINY, f"trainer.output_dir={tmp_path}", *overrides])
     return loop.GRPOTrainer(cfg, loop.start_parallel(cfg.parallel, cfg.trainer.seed), checkpoint=checkpoint,
-                            reward=reward())
+                            reward=reward(), engine=engine)
 
 
 def run(monkeypatch, tmp_path, overrides, *, checkpoint=None, reward=ParityReward, capture=None):

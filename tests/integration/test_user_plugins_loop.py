@@ -79,3 +79,36 @@ def test_user_reward_and_engine_by_config_alone(plugin_file, tmp_path):
     steps = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     # HalfReward over 4 rows [0, 0.5, 0, 0.5]: mean 0.25 in both steps.
     assert [s["reward/mean"] for s in steps] == [0.25, 0.25]
+
+
+def test_injected_engine_is_the_one_the_trainer_uses(tmp_path, monkeypatch):
+    # GRPOTrainer(engine=...): an engine object passed in is generated with and refitted, no
+    # registry involved. It wraps a transformers engine on the same initial weights.
+    from nemo_sspo.megatron import destroy_parallel
+    from nemo_sspo.models import build_hf_model, load_hf_checkpoint
+    from nemo_sspo.rollout import HFRolloutEngine, RolloutEngine
+    from tests.integration._loop_runs import make_trainer
+
+    checkpoint = load_hf_checkpoint("tiny-random-llama")
+    hf_config, state_dict, tokenizer = checkpoint
+    calls = []
+
+    class Recording(HFRolloutEngine):
+        def generate(self, prompts, *, seed):
+            calls.append("generate")
+            return super().generate(prompts, seed=seed)
+
+        def load_weight_buckets(self, buckets):
+            calls.append("refit")
+            super().load_weight_buckets(buckets)
+
+    engine = Recording(build_hf_model(hf_config, state_dict), tokenizer, max_new_tokens=8, temperature=0.7)
+    assert isinstance(engine, RolloutEngine)
+    trainer = make_trainer(monkeypatch, tmp_path, [], checkpoint=checkpoint, engine=engine)
+    try:
+        assert trainer.engine is engine
+        trainer.fit()
+    finally:
+        destroy_parallel()
+    # Per step: one generate per prompt group (2), then one refit.
+    assert calls == ["generate", "generate", "refit"] * 2
