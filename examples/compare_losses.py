@@ -129,7 +129,7 @@ def _plots(runs, output: Path) -> None:
     panels = (("reward/mean", "mean reward"), ("policy/entropy", "old-policy token entropy (nats)"),
               ("policy/clipfrac_tokens", "clip fraction (tokens)"))
     fig, axes = plt.subplots(1, len(panels), figsize=(14, 3.8))
-    for ax, (key, label) in zip(axes, panels):
+    for ax, (key, label) in zip(axes, panels, strict=True):
         for name, history in runs.items():
             ax.plot([h["step"] for h in history], [h.get(key, math.nan) for h in history], marker="o", ms=3, label=name)
         ax.set(xlabel="step", title=label)

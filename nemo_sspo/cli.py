@@ -38,6 +38,9 @@ def load_config(config_name: str = DEFAULT_CONFIG_NAME, overrides: list[str] | N
     (:func:`nemo_sspo.trainer.config.validate`), so a bad value fails in the first second.
 
     Args:
+        config_name: the primary YAML file's name (without ``.yaml``) in ``config_dir``.
+        overrides: Hydra overrides (``trainer.max_steps=2``, ``loss=grpo``, ``plugins=[my_loss.py]``).
+        config_dir: the folder of the YAML files.
         command: ``train`` checks the parallel layout against :func:`launch_world_size`; ``eval``
             (one process, no Megatron model) does not read the layout.
 
@@ -49,9 +52,20 @@ def load_config(config_name: str = DEFAULT_CONFIG_NAME, overrides: list[str] | N
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
-    from nemo_sspo.trainer.config import find_unknown_key, schema, unknown_key_message, validate
+    from nemo_sspo.trainer.config import (
+        find_unknown_key,
+        register_config_nodes,
+        resolve_loss_settings,
+        schema,
+        unknown_key_message,
+        validate,
+    )
+    from nemo_sspo.trainer.plugins import load_entry_point_plugins, load_plugins
 
     overrides = list(overrides or [])
+    load_entry_point_plugins()
+    load_plugins(_plugins_named(config_name, overrides, Path(config_dir)))
+    register_config_nodes()
 
     def compose_typed(items: list[str]):
         with initialize_config_dir(config_dir=str(Path(config_dir).resolve()), version_base=None):
@@ -63,16 +77,39 @@ def load_config(config_name: str = DEFAULT_CONFIG_NAME, overrides: list[str] | N
         raw, cfg = compose_typed(overrides)
     except (HydraException, OmegaConfBaseException) as err:
         raise ValueError(_hydra_error_message(config_name, err, overrides, compose_typed)) from err
+    if set(cfg.plugins) - set(_plugins_named(config_name, overrides, Path(config_dir))):
+        # Named by a YAML further down the defaults list: import them, then compose again.
+        load_plugins(cfg.plugins)
+        register_config_nodes()
+        raw, cfg = compose_typed(overrides)
     unknown = find_unknown_key(raw, cfg)
     if unknown:  # a key added with '+' that no field takes: Hydra keeps it, the dataclasses drop it
         raise ValueError(f"invalid config {config_name!r}: {unknown_key_message(unknown, cfg.loss.name)}")
+    resolve_loss_settings(cfg)
     validate(cfg, world_size=launch_world_size() if command == "train" else None)
     return cfg
 
 
+def _plugins_named(config_name: str, overrides: list[str], config_dir: Path) -> list[str]:
+    """The ``plugins`` of a ``plugins=...`` override, else of the primary YAML file, read before
+    composing (a plugin may register the very loss the overrides select).
+    """
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from omegaconf import OmegaConf
+
+    for item in overrides:
+        if item.split("=", 1)[0].lstrip("+") == "plugins":
+            value = OverridesParser.create().parse_overrides([item])[0].value()
+            return [value] if isinstance(value, str) else list(value or [])
+    primary = config_dir / f"{config_name}.yaml"
+    named = OmegaConf.load(primary).get("plugins") if primary.is_file() else None
+    return list(named or [])
+
+
 def _hydra_error_message(config_name: str, err: Exception, overrides: list[str], compose_typed) -> str:
     """Hydra's error, or, for an override of a key that does not exist, which key was meant (Hydra
-    would suggest '+', which adds a key no dataclass field reads)."""
+    would suggest '+', which adds a key no dataclass field reads).
+    """
     from nemo_sspo.trainer.config import unknown_key_message
 
     match = re.search(r"Could not override '([^']+)'", str(err))

@@ -9,13 +9,30 @@ prediction of token ``j + 1`` of ``input_ids`` (Megatron returns logits at every
 from __future__ import annotations
 
 from dataclasses import dataclass, fields, replace
+from typing import Protocol
 
 import torch
 
 from nemo_sspo.algorithms.critic import critic_targets
 
-__all__ = ["CriticBatch", "PolicyBatch", "concat_policy_batches", "pack_critic_batch", "pack_rollouts",
+__all__ = ["CriticBatch", "PolicyBatch", "RolloutTensors", "concat_policy_batches", "pack_critic_batch", "pack_rollouts",
            "pack_tokens", "pad_cat", "response_to_target_frame"]
+
+
+class RolloutTensors(Protocol):
+    """The response-frame tensors :meth:`PolicyBatch.from_rollout` reads (a rollout engine's batch).
+
+    Attributes:
+        prompt_ids: ``[B, P]`` int64, left-padded prompts; prompt_mask: ``[B, P]`` bool.
+        response_ids: ``[B, T]`` int64, right-padded responses; response_mask: ``[B, T]`` bool.
+        rollout_logprobs: ``[B, T]`` float32, the engine's log-probs of the sampled tokens.
+    """
+
+    prompt_ids: torch.Tensor
+    prompt_mask: torch.Tensor
+    response_ids: torch.Tensor
+    response_mask: torch.Tensor
+    rollout_logprobs: torch.Tensor
 
 
 @dataclass
@@ -59,6 +76,30 @@ class PolicyBatch:
     lengths: torch.Tensor | None = None
     rollout_logprobs: torch.Tensor | None = None
 
+    @classmethod
+    def from_rollout(cls, rollout: RolloutTensors, segment_ids: torch.Tensor, advantages: torch.Tensor, *,
+                     pad_id: int) -> "PolicyBatch":
+        """The one way from a scored rollout to a batch: its rows packed into the target frame
+        (:func:`pack_rollouts`) with the engine's log-probs placed there too (``rollout_logprobs``).
+
+        Args:
+            rollout: the response-frame tensors of the rollout (a ``nemo_sspo.rollout.RolloutBatch``).
+            segment_ids: ``[B, T]`` int64 segment ids of the loss's unit, response frame (-1 at padding).
+            advantages: ``[B]`` float32.
+            pad_id: token id written at padding positions.
+
+        Returns:
+            the batch, old log-probs and entropies still zero (the trainer fills them).
+
+        Raises:
+            ValueError: leading dimensions disagree (names the argument).
+        """
+        batch = pack_rollouts(rollout.prompt_ids, rollout.prompt_mask, rollout.response_ids,
+                              rollout.response_mask, segment_ids, advantages, pad_id=pad_id)
+        engine_logprobs = response_to_target_frame(rollout.rollout_logprobs, rollout.prompt_mask,
+                                                   batch.loss_mask.shape[1])
+        return replace(batch, rollout_logprobs=engine_logprobs)
+
     def select(self, rows: slice) -> "PolicyBatch":
         """Rows ``rows`` of every tensor field, as a new batch (views, no copy; None stays None)."""
         return PolicyBatch(**{f.name: None if getattr(self, f.name) is None else getattr(self, f.name)[rows]
@@ -72,7 +113,8 @@ class PolicyBatch:
 
     def narrow(self, width: int) -> "PolicyBatch":
         """The first ``width`` columns of every ``[B, S]`` field (views; ``[B]`` fields and None stay):
-        drops right padding when ``width`` is at least the longest row."""
+        drops right padding when ``width`` is at least the longest row.
+        """
         return PolicyBatch(**{f.name: v[:, :width] if isinstance(v := getattr(self, f.name), torch.Tensor)
                               and v.dim() == 2 else v for f in fields(self)})
 
@@ -85,7 +127,8 @@ _PADDING = {"segment_ids": -1, "tis_weights": 1.0}
 
 def pad_cat(tensors: list[torch.Tensor], value, *, left: bool = False) -> torch.Tensor:
     """Concatenates ``[B_k, L_k]`` tensors along rows, padding the columns to ``max L_k`` with
-    ``value`` (on the left when ``left``, else on the right)."""
+    ``value`` (on the left when ``left``, else on the right).
+    """
     width = max(t.shape[1] for t in tensors)
     padded = []
     for t in tensors:
@@ -176,8 +219,10 @@ def pack_rollouts(
     """Builds a :class:`PolicyBatch` (old log-probs/entropy zero, filled in later).
 
     Args:
-        prompt_ids: [B, P] int64, LEFT-padded prompts; prompt_mask: [B, P] bool.
-        response_ids: [B, T] int64, RIGHT-padded responses; response_mask: [B, T] bool.
+        prompt_ids: [B, P] int64, LEFT-padded prompts.
+        prompt_mask: [B, P] bool, True on prompt tokens.
+        response_ids: [B, T] int64, RIGHT-padded responses.
+        response_mask: [B, T] bool, True on response tokens.
         segment_ids: [B, T] int64 segment ids of the loss's segmentation in the response frame
             (-1 at padding).
         advantages: [B] float32.

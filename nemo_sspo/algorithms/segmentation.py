@@ -1,18 +1,18 @@
-"""Segmentation of responses into the units of a segment-level importance ratio.
+r"""Segmentation of responses into the units of a segment-level importance ratio.
 
-SSPO (arXiv 2511.04256, section 3) splits each response at line breaks ("\\n" or "\\n\\n"). BPE
-tokenizers merge newlines with their neighbours (Qwen2.5 has '.\\n\\n', ':\\n\\n', ')\\n', ...), so a
-boundary is any token whose *decoded text* contains a newline, never the single id of "\\n". Such a
+SSPO (arXiv 2511.04256, section 3) splits each response at line breaks ("\n" or "\n\n"). BPE
+tokenizers merge newlines with their neighbours (Qwen2.5 has '.\n\n', ':\n\n', ')\n', ...), so a
+boundary is any token whose *decoded text* contains a newline, never the single id of "\n". Such a
 token closes its segment; the next valid token opens a new one.
 
 Strategies (:data:`SEGMENTATIONS`, selected by a loss config's ``segmentation`` field):
 
-- ``"newline"`` (default): a token whose text contains "\\n" closes its segment.
-- ``"double_newline"``: only blank lines split. A blank line is "\\n", optional spaces/tabs,
-  "\\n". A token whose text contains one closes its segment, and so does a token starting (after
-  spaces/tabs) with "\\n" right after a token ending (before spaces/tabs) with "\\n": a blank line
-  the tokenizer split over two tokens, e.g. Qwen2.5's '.\\n' + ' \\n'. Runs of three or more separate
-  "\\n" tokens can give one-token segments; BPE vocabularies usually hold such runs as one token.
+- ``"newline"`` (default): a token whose text contains "\n" closes its segment.
+- ``"double_newline"``: only blank lines split. A blank line is "\n", optional spaces/tabs,
+  "\n". A token whose text contains one closes its segment, and so does a token starting (after
+  spaces/tabs) with "\n" right after a token ending (before spaces/tabs) with "\n": a blank line
+  the tokenizer split over two tokens, e.g. Qwen2.5's '.\n' + ' \n'. Runs of three or more separate
+  "\n" tokens can give one-token segments; BPE vocabularies usually hold such runs as one token.
 - ``"sentence"``: a token closes its segment when its text holds '.', '!' or '?' followed by white
   space, or ends with one of them while the next token (adjacent position, also valid) starts with
   white space. Newlines alone do not split; "e.g. " does (no abbreviation list).
@@ -68,13 +68,13 @@ def _decoded_vocabulary(tokenizer) -> list[str]:
 
 @dataclass(frozen=True)
 class SegmentTables:
-    """Per-vocabulary-id flags read by the table-based strategies; each a ``[V_tok]`` bool tensor.
+    r"""Per-vocabulary-id flags read by the table-based strategies; each a ``[V_tok]`` bool tensor.
 
     Attributes:
-        newline: decoded text contains "\\n".
-        double_newline: text contains a blank line ("\\n", optional spaces/tabs, "\\n").
-        starts_newline: text starts with "\\n" after optional spaces/tabs.
-        ends_newline: text ends with "\\n" before optional spaces/tabs.
+        newline: decoded text contains "\n".
+        double_newline: text contains a blank line ("\n", optional spaces/tabs, "\n").
+        starts_newline: text starts with "\n" after optional spaces/tabs.
+        ends_newline: text ends with "\n" before optional spaces/tabs.
         sentence_end: text contains '.', '!' or '?' followed by a white-space character.
         ends_punctuation: text ends with '.', '!' or '?'.
         starts_space: text starts with a white-space character.

@@ -1,4 +1,4 @@
-"""The paper's math data: MATH level 3-5 training set and the evaluation benchmarks, read by path.
+r"""The paper's math data: MATH level 3-5 training set and the evaluation benchmarks, read by path.
 
 The files are not shipped with the package (see ``docs/data.md``): four of the eight have no stated
 licence. They are read from a data directory given in the config (``data.options.data_dir`` for
@@ -9,7 +9,7 @@ sha256, and warns when a file differs from the published copy.
 
 Gold answers are kept verbatim except for one normalisation: math-mode ``$`` delimiters are
 removed (OlympiadBench stores 266 answers as ``"$2^{1009}$"`` and multi-part ones as
-``"-1$,$2$,$-2"``; Qwen2.5-Math's harness strips them too), escaped ``\\$`` (currency) is kept.
+``"-1$,$2$,$-2"``; Qwen2.5-Math's harness strips them too), escaped ``\$`` (currency) is kept.
 Numeric forms such as AMC's ``"27.0"`` or AIME's ``"025"`` need no change: the math-verify
 reward compares numerically.
 """
@@ -91,6 +91,7 @@ def resolve_data_dir(data_dir: str | None, key: str) -> Path:
     """``data_dir``, or ``$NEMO_SSPO_DATA_DIR`` when it is None/empty, as an existing directory.
 
     Args:
+        data_dir: the folder given, or None for ``$NEMO_SSPO_DATA_DIR``.
         key: the config key that holds ``data_dir`` (named in the error message).
 
     Raises:
@@ -110,9 +111,9 @@ def resolve_data_dir(data_dir: str | None, key: str) -> Path:
 
 
 def normalize_gold(answer: str) -> str:
-    """The gold answer without math-mode ``$`` delimiters (``\\$`` is kept) and surrounding blanks.
+    r"""The gold answer without math-mode ``$`` delimiters (``\$`` is kept) and surrounding blanks.
 
-    A sentence period after a closing delimiter goes too (``"$(-\\infty, 0)$."`` -> ``"(-\\infty, 0)"``).
+    A sentence period after a closing delimiter goes too (``"$(-\infty, 0)$."`` -> ``"(-\infty, 0)"``).
     """
     text = answer.strip()
     if text.endswith("$."):

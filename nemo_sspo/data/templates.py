@@ -27,22 +27,22 @@ TEMPLATES = ("qwen-math", "chat-boxed", "chat-cot")
 
 
 def render_prompt(tokenizer, question: str, template: str) -> str:
-    """The rendered prompt for ``question``; the rollout engine adds no special tokens to it.
+    r"""The rendered prompt for ``question``; the rollout engine adds no special tokens to it.
 
     Templates:
         ``"qwen-math"``: the paper's Qwen-Math prompt (:data:`QWEN_MATH_TEMPLATE`):
-        ``"<|im_start|>system\\nPlease reason step by step, and put your final answer within
-        \\boxed{}.<|im_end|>\\n<|im_start|>user\\n{question}<|im_end|>\\n<|im_start|>assistant\\n"``.
+        ``"<|im_start|>system\nPlease reason step by step, and put your final answer within
+        \boxed{}.<|im_end|>\n<|im_start|>user\n{question}<|im_end|>\n<|im_start|>assistant\n"``.
         The ChatML markers are special tokens of the Qwen2.5 (and SmolLM2) tokenizers; the text
         is the same for base and instruct models and ``tokenizer`` is unused.
         ``"chat-boxed"``: ``tokenizer.apply_chat_template`` over a short tutor system message,
         one worked example (user question + assistant answer, :data:`CHAT_BOXED_EXAMPLE`), then
-        the user message ``"{question}\\n" + CHAT_BOXED_INSTRUCTION`` (one step per line, final
-        answer in ``\\boxed{}``), with the assistant turn opened.
+        the user message ``"{question}\n" + CHAT_BOXED_INSTRUCTION`` (one step per line, final
+        answer in ``\boxed{}``), with the assistant turn opened.
         ``"chat-cot"``: ``tokenizer.apply_chat_template`` over one user message
-        ``"{question}\\n" + QWEN_MATH_INSTRUCTION``, no system message, assistant turn opened
+        ``"{question}\n" + QWEN_MATH_INSTRUCTION``, no system message, assistant turn opened
         (the math prompt the DeepSeek-R1-Distill and Qwen3 model cards recommend; their own
-        templates then open the reasoning block, e.g. R1-Distill's ``<think>\\n``).
+        templates then open the reasoning block, e.g. R1-Distill's ``<think>\n``).
 
     Raises:
         ValueError: unknown ``template``, or ``"chat-boxed"`` with a tokenizer lacking a chat template.

@@ -1,7 +1,7 @@
-"""Greedy Avg@1 on the paper's math benchmarks, scored by math-verify.
+r"""Greedy Avg@1 on the paper's math benchmarks, scored by math-verify.
 
 Avg@1 with greedy decoding is the fraction of a benchmark's problems whose single greedy response
-has a last ``\\boxed{}`` answer that math-verify finds equal to the gold answer
+has a last ``\boxed{}`` answer that math-verify finds equal to the gold answer
 (:func:`nemo_sspo.rewards.score_response`). The summary ``eval/mean`` is the unweighted mean over
 the benchmarks (each benchmark weighs the same, as in the paper's "Avg." column).
 """
@@ -65,6 +65,7 @@ def evaluate(
     benchmarks: Sequence[str] = PAPER_BENCHMARKS,
     *,
     data_dir: str | None = None,
+    data_dir_key: str = "data_dir",
     limit: int | None = None,
     max_new_tokens: int = 3000,
     template: str = "qwen-math",
@@ -80,7 +81,9 @@ def evaluate(
             (e.g. global rank 0); it does no collective communication.
         tokenizer: the model's tokenizer (for rendering templates and the transformers backend).
         benchmarks: names in ``nemo_sspo.data.MATH_DATASETS`` (default: the paper's five).
-        data_dir: folder of the JSONL files; None reads ``$NEMO_SSPO_DATA_DIR`` (key ``eval.data_dir``).
+        data_dir: folder of the JSONL files; None reads ``$NEMO_SSPO_DATA_DIR``.
+        data_dir_key: how the caller's user spells ``data_dir`` (``eval.data_dir`` in the YAML), for
+            the messages.
         limit: score only the first ``limit`` problems of each benchmark, in file order (the same
             subset every time); None scores all.
         max_new_tokens: greedy response length cap (the paper: 3,000).
@@ -97,14 +100,14 @@ def evaluate(
 
     Raises:
         ValueError: an empty benchmark list, ``limit < 1``, an unknown benchmark or template,
-            or a missing data directory/file (naming ``eval.data_dir``).
+            or a missing data directory/file (naming ``data_dir_key``).
     """
     if not benchmarks:
-        raise ValueError("eval.benchmarks is empty; name at least one benchmark")
+        raise ValueError("benchmarks is empty; name at least one benchmark")
     if limit is not None and limit < 1:
-        raise ValueError(f"eval.limit_per_benchmark={limit} must be >= 1, or None for every problem")
+        raise ValueError(f"limit={limit} must be >= 1, or None for every problem")
     engine = as_eval_engine(model_or_engine, tokenizer, batch_size)
-    sets = {name: load_math_dataset(name, data_dir, key="eval.data_dir")[:limit] for name in benchmarks}
+    sets = {name: load_math_dataset(name, data_dir, key=data_dir_key)[:limit] for name in benchmarks}
     own_reward = reward is None
     reward = MathVerifyReward(num_workers=2) if own_reward else reward
     rows: list[dict[str, Any]] = []
@@ -117,7 +120,7 @@ def evaluate(
             _LOG.info("eval %s: %d/%d correct (%.1f%%) in %.0f s", name, int(sum(scores)), len(scores),
                       100 * results[metric_key(name)], time.perf_counter() - start)
             rows += [{"benchmark": name, "id": r.id, "answer": r.answer, "response": text, "correct": score}
-                     for r, text, score in zip(records, responses, scores)]
+                     for r, text, score in zip(records, responses, scores, strict=True)]
     finally:
         if own_reward:
             reward.close()

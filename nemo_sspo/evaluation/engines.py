@@ -22,17 +22,10 @@ __all__ = ["EvalEngine", "TransformersEvalEngine", "VLLMEvalEngine", "stop_token
 
 
 class EvalEngine(Protocol):
+    """A greedy decoder for evaluation: rendered prompts in, decoded responses out."""
     def generate_greedy(self, prompts: Sequence[str], max_new_tokens: int) -> list[str]:
         """One greedy (temperature 0) response per rendered prompt, decoded without special tokens."""
         ...
-
-
-def stop_token_ids(tokenizer) -> list[int]:
-    """The tokenizer's EOS id plus the ids of ``<|im_end|>`` / ``<|endoftext|>`` when it has them."""
-    ids = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
-    vocab = tokenizer.get_vocab()
-    ids += [vocab[token] for token in _STOP_TOKENS if token in vocab]
-    return sorted(set(ids))
 
 
 class TransformersEvalEngine:
@@ -51,7 +44,7 @@ class TransformersEvalEngine:
 
     def __init__(self, model, tokenizer, *, batch_size: int = 8, stop_token_ids: Sequence[int] | None = None) -> None:
         if batch_size < 1:
-            raise ValueError(f"eval.batch_size={batch_size} must be >= 1")
+            raise ValueError(f"batch_size={batch_size} must be >= 1")
         if tokenizer.pad_token_id is None:
             raise ValueError("the tokenizer has no pad token: set tokenizer.pad_token = tokenizer.eos_token")
         self.model = model.eval()
@@ -61,6 +54,7 @@ class TransformersEvalEngine:
 
     @torch.no_grad()
     def generate_greedy(self, prompts: Sequence[str], max_new_tokens: int) -> list[str]:
+        """One greedy response per prompt, in batches of ``batch_size`` (special tokens removed)."""
         config = GenerationConfig(do_sample=False, max_new_tokens=max_new_tokens,
                                   pad_token_id=self.tokenizer.pad_token_id,
                                   eos_token_id=list(self.stop_token_ids))
@@ -115,6 +109,7 @@ class VLLMEvalEngine:
         self.stop_token_ids = sorted(stop_token_ids)
 
     def generate_greedy(self, prompts: Sequence[str], max_new_tokens: int) -> list[str]:
+        """One greedy response per prompt from the vLLM engine (special tokens removed)."""
         params = self._vllm.SamplingParams(temperature=0.0, max_tokens=max_new_tokens,
                                            stop_token_ids=list(self.stop_token_ids))
         with self._preserve():

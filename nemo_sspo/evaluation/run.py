@@ -68,7 +68,7 @@ def run_eval(cfg) -> dict[str, float]:
     engine, tokenizer = build_eval_engine(cfg)
     out = Path(ev.output_dir)
     with MathVerifyReward(num_workers=cfg.reward.num_workers, timeout_s=cfg.reward.timeout_s) as reward:
-        results = evaluate(engine, tokenizer, ev.benchmarks, data_dir=ev.data_dir, limit=ev.limit_per_benchmark,
+        results = evaluate(engine, tokenizer, ev.benchmarks, data_dir=ev.data_dir, data_dir_key="eval.data_dir", limit=ev.limit_per_benchmark,
                            max_new_tokens=ev.max_new_tokens, template=cfg.data.template, reward=reward,
                            samples_path=out / "samples.jsonl")
     summary = {"results": results, "problems": counts, "model_source": cfg.model.source,

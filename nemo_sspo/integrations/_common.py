@@ -173,9 +173,9 @@ def check_host_config(loss: BoundPolicyLoss, *, host: str, kl_hint: str, entropy
         kl_hint: where the host's own KL settings are (or why none apply).
         entropy_hint: where the host's own entropy settings are (or why none apply).
         max_response_length: L_max given to the adapter.
-        check_length: check ``max_response_length`` when True.
+        check_length: check ``max_response_length`` against the aggregation mode.
         tables: segment tables given to the adapter.
-        check_tables: check ``tables`` when True.
+        check_tables: check ``tables`` against the segmentation.
         reference_logprobs: the adapter passes reference log-probs (``kl_coef > 0`` is allowed).
 
     Raises:

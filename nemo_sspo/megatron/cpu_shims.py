@@ -73,16 +73,20 @@ class CpuRNGStatesTracker:
         self.seeds_: set[int] = set()
 
     def is_initialized(self) -> bool:
+        """Whether any RNG state was added (Megatron's tracker interface)."""
         return bool(self.states_)
 
     def reset(self) -> None:
+        """Forget every RNG state."""
         self.states_ = {}
         self.seeds_ = set()
 
     def get_states(self) -> dict[str, torch.Tensor]:
+        """Copies of the RNG states by name."""
         return {name: state.clone() for name, state in self.states_.items()}
 
     def set_states(self, states: dict[str, torch.Tensor]) -> None:
+        """Replace the RNG states (``get_states`` output)."""
         self.states_ = dict(states)
 
     def add(self, name: str, seed: int) -> None:

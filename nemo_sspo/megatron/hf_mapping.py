@@ -72,7 +72,8 @@ _QK_NORM_KEYS = ("q_norm", "k_norm")
 
 def _layer_keys(hf_config: Any) -> list[str]:
     """Short names of one HF decoder layer's parameters, in HF order (q/k/v biases for Qwen2,
-    q/k norms for Qwen3)."""
+    q/k norms for Qwen3).
+    """
     absent = (() if has_qkv_bias(hf_config) else _BIAS_KEYS) + (
         () if has_qk_norm(hf_config) else _QK_NORM_KEYS)
     return [key for key in _HF_LAYER if key not in absent]
@@ -80,7 +81,8 @@ def _layer_keys(hf_config: Any) -> list[str]:
 
 def expected_hf_keys(hf_config: Any) -> list[str]:
     """HF parameter names of a Llama, Qwen2 or Qwen3 model, in HF order (``lm_head`` also when
-    tied, as transformers 5 ``state_dict()`` lists it)."""
+    tied, as transformers 5 ``state_dict()`` lists it).
+    """
     keys = [_EMBED]
     names = [_HF_LAYER[key] for key in _layer_keys(hf_config)]
     for layer in range(hf_config.num_hidden_layers):
@@ -255,7 +257,8 @@ def _export_layer(params: dict, prefix: str, hf_prefix: str, hf_config, groups) 
 class _Unit:
     """One piece of the streamed export: ``kind`` "embed" (embeddings; with tied embeddings also
     ``lm_head``), "layer" (one whole decoder layer) or "final" (final norm, or untied ``lm_head``),
-    owned by pipeline stage ``stage``; ``index`` is the global layer number for layers."""
+    owned by pipeline stage ``stage``; ``index`` is the global layer number for layers.
+    """
 
     kind: str
     stage: int
@@ -320,7 +323,8 @@ def _recv_tensors(src: int, device) -> dict[str, torch.Tensor]:
 
 def _unit_at_dst(gpt, params, unit: _Unit, plan: _Plan, hf_config, groups, dst: int, dst_tp: int):
     """``unit``'s HF tensors on rank ``dst`` (None on every other rank): gathered over TP on the owning
-    stage, then sent point to point from that stage's TP rank ``dst_tp`` when it is not ``dst``."""
+    stage, then sent point to point from that stage's TP rank ``dst_tp`` when it is not ``dst``.
+    """
     me = dist.get_rank()
     tensors = _export_unit(gpt, params, unit, hf_config, groups) if unit.stage == groups.pp_rank else None
     src = plan.rank_at[(unit.stage, dst_tp)]
@@ -375,7 +379,7 @@ def iter_hf_weight_buckets(model: torch.nn.Module, hf_config: Any, bucket_bytes:
         ValueError: ``bucket_bytes <= 0``, or ``dst_rank`` outside this rank's model-parallel group.
     """
     if bucket_bytes <= 0:
-        raise ValueError(f"bucket_bytes={bucket_bytes} must be > 0 (set rollout.refit_bucket_mb > 0)")
+        raise ValueError(f"bucket_bytes={bucket_bytes} must be > 0")
     gpt = unwrap_model(model)
     groups = get_parallel_groups()
     plan = _export_plan(gpt, hf_config, groups)
@@ -426,6 +430,8 @@ def export_hf_state_dict(model: torch.nn.Module, hf_config: Any, *,
     this holds the whole model at once.
 
     Args:
+        model: this rank's Megatron policy stage (unwrapped).
+        hf_config: its Hugging Face config (names and shapes of the HF weights).
         dst_rank: global rank in this rank's model-parallel group that receives the dict (others
             get ``{}``), e.g. ``mp_src_rank`` to write a checkpoint; None = every rank.
     """

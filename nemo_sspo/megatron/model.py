@@ -114,7 +114,8 @@ def has_qkv_bias(hf_config: Any) -> bool:
 
 def has_qk_norm(hf_config: Any) -> bool:
     """True for Qwen3: an RMSNorm over ``head_dim`` applied to every query and key head before RoPE
-    (HF ``q_norm`` / ``k_norm``; Megatron ``qk_layernorm``); False for Llama and Qwen2."""
+    (HF ``q_norm`` / ``k_norm``; Megatron ``qk_layernorm``); False for Llama and Qwen2.
+    """
     return model_type(hf_config) == "qwen3"
 
 
@@ -189,6 +190,9 @@ def transformer_config_from_hf(
     ``build_policy_model`` passes it to ``GPTModel``.
 
     Args:
+        hf_config: a Llama / Qwen2 Hugging Face config.
+        tp_size: tensor-parallel size (must divide the head counts).
+        pp_size: pipeline-parallel size (must divide the layer count).
         precision: ``"fp32"`` or ``"bf16"`` (``params_dtype``, ``pipeline_dtype`` and the ``bf16``
             flag; config key ``model.precision``).
         fp8: None (off), ``"e4m3"`` or ``"hybrid"`` (e4m3 forward, e5m2 gradients): Megatron's
@@ -315,9 +319,11 @@ def build_policy_model(
     ``model.transformer_impl``. On a CUDA host the whole stage is on the current CUDA device.
 
     Args:
-        precision, fp8, fp8_recipe: as :func:`transformer_config_from_hf` (keys ``model.precision``,
-            ``model.fp8``, ``model.fp8_recipe``). A BF16 model still needs Megatron's
-            ``Float16Module`` / mixed-precision optimizer around it for training.
+        hf_config: a Llama / Qwen2 Hugging Face config.
+        precision: as :func:`transformer_config_from_hf` (key ``model.precision``). A BF16 model
+            still needs Megatron's ``Float16Module`` / mixed-precision optimizer around it for training.
+        fp8: as :func:`transformer_config_from_hf` (key ``model.fp8``).
+        fp8_recipe: as :func:`transformer_config_from_hf` (key ``model.fp8_recipe``).
         transformer_impl: ``"auto"``, ``"local"`` or ``"transformer_engine"``; see
             :func:`resolve_transformer_impl` (key ``model.transformer_impl``).
 
@@ -371,8 +377,8 @@ def parameter_counts(hf_config: Any, *, tp_size: int, pp_size: int, precision: s
 
     Args:
         hf_config: a HF config :func:`transformer_config_from_hf` accepts.
-        tp_size, pp_size: the layout (``parallel.tensor_model_parallel_size`` /
-            ``pipeline_model_parallel_size``).
+        tp_size: tensor-parallel size of the layout (``parallel.tensor_model_parallel_size``).
+        pp_size: pipeline-parallel size of the layout (``parallel.pipeline_model_parallel_size``).
         precision: as :func:`build_policy_model` (does not change the counts).
 
     Returns:
@@ -566,7 +572,8 @@ def _rotary_at(model: torch.nn.Module, positions: torch.Tensor):
 def _forward_thd(model: torch.nn.Module, input_ids: torch.Tensor,
                  sequence_lengths: torch.Tensor) -> torch.Tensor:
     """A packed row [1, S] through the TransformerEngine spec in the THD layout (module
-    :mod:`nemo_sspo.megatron.packed_seq`); the last stage's logits are cut back to S positions."""
+    :mod:`nemo_sspo.megatron.packed_seq`); the last stage's logits are cut back to S positions.
+    """
     gpt = unwrap_model(model)
     width = input_ids.shape[1]
     total = padded_width(width, thd_alignment(gpt.config))
@@ -628,7 +635,8 @@ def forward_hidden(
 def output_weight(model: torch.nn.Module) -> torch.Tensor:
     """This rank's vocab shard of the output weight ``[V_local, H]`` on the last stage: the word
     embedding when input and output embeddings are tied (its copy on the last stage under PP),
-    the output layer's own weight otherwise."""
+    the output layer's own weight otherwise.
+    """
     gpt = unwrap_model(model)
     if gpt.share_embeddings_and_output_weights:
         return gpt.shared_embedding_or_output_weight()

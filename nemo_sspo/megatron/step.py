@@ -108,7 +108,8 @@ class LossSpec:
 
 def _target_rows(output: torch.Tensor, micro: MicroBatch) -> torch.Tensor:
     """``[N, X]`` rows of the last stage's output ``[R, S_in, X]`` at the micro-batch's loss
-    positions, in ``micro.batch.loss_mask`` order (through ``token_index`` when packed)."""
+    positions, in ``micro.batch.loss_mask`` order (through ``token_index`` when packed).
+    """
     mask = micro.batch.loss_mask
     if micro.token_index is None:
         return output[mask]
@@ -117,7 +118,8 @@ def _target_rows(output: torch.Tensor, micro: MicroBatch) -> torch.Tensor:
 
 def _token_stats(output: torch.Tensor, micro: MicroBatch, spec: LossSpec, model):
     """Log-probs and entropies [b, S_b] float32 of the masked targets, from the last stage's
-    output: logits [R, S_in, V_local], or hidden states [R, S_in, H] with the fused output layer."""
+    output: logits [R, S_in, V_local], or hidden states [R, S_in, H] with the fused output layer.
+    """
     batch = micro.batch
     mask = batch.loss_mask
     rows = _target_rows(output, micro)

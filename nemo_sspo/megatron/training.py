@@ -182,7 +182,7 @@ def forward_logprobs(model, batch: PolicyBatch, spec: LossSpec, layout: MicroBat
 def _reassemble(shape, micro_batches: list, parts: list[torch.Tensor]) -> torch.Tensor:
     """``[B, S]`` float32 on the host from per-micro-batch ``[b, S_b]`` results at their rows."""
     out = torch.zeros(shape, dtype=torch.float32)
-    for micro, part in zip(micro_batches, parts):
+    for micro, part in zip(micro_batches, parts, strict=True):
         out[micro.rows, : part.shape[1]] = part.cpu()
     return out
 
@@ -205,7 +205,7 @@ def compute_old_logprobs(model, batch: PolicyBatch, spec: LossSpec, layout: Micr
 
 def compute_ref_logprobs(ref_model, batch: PolicyBatch, spec: LossSpec, layout: MicroBatchLayout, *,
                          dp_group) -> PolicyBatch:
-    """log pi_ref of the targets under the frozen reference policy (the reference-KL term).
+    """The log pi_ref of the targets under the frozen reference policy (the reference-KL term).
 
     Runs :func:`forward_logprobs` (``dp_group`` as there).
 
@@ -248,7 +248,8 @@ def compute_gradients(model, batch: PolicyBatch, spec: LossSpec, layout: MicroBa
 
 def apply_optimizer_step(optimizer) -> float:
     """Steps ``optimizer`` on the accumulated gradients; returns the global gradient norm before
-    clipping (float)."""
+    clipping (float).
+    """
     with cpu_device_context():
         _, grad_norm, _ = optimizer.step()
         if grad_norm is None:

@@ -27,11 +27,11 @@ def truncate_layers(hf_config, state_dict: dict[str, torch.Tensor], num_layers: 
     """The checkpoint's first ``num_layers`` decoder layers: ``(hf_config copy, state dict subset)``.
 
     Raises:
-        ValueError: ``num_layers`` outside ``[1, num_hidden_layers]`` (names ``critic.num_layers``).
+        ValueError: ``num_layers`` outside ``[1, num_hidden_layers]`` (names ``num_layers``).
     """
     total = hf_config.num_hidden_layers
     if not 1 <= num_layers <= total:
-        raise ValueError(f"critic.num_layers={num_layers} must be in [1, {total}] (the checkpoint's layers)")
+        raise ValueError(f"num_layers={num_layers} must be in [1, {total}] (the checkpoint's layers)")
     config = copy.deepcopy(hf_config)
     config.num_hidden_layers = num_layers
     if getattr(config, "layer_types", None):
@@ -74,7 +74,8 @@ class ValueModel(torch.nn.Module):
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None):
         """Megatron distributed-checkpoint state (``nemo_sspo.trainer.checkpoint``): the GPTModel's
-        own sharded state under ``module.``, and the value head (replicated over TP) under ``value_head.``."""
+        own sharded state under ``module.``, and the value head (replicated over TP) under ``value_head.``.
+        """
         from megatron.core.transformer.utils import sharded_state_dict_default
 
         state = self.module.sharded_state_dict(prefix=f"{prefix}module.", sharded_offsets=sharded_offsets,
@@ -85,6 +86,9 @@ class ValueModel(torch.nn.Module):
         return state
 
     def forward(self, input_ids, position_ids, attention_mask):
+        """This stage's output: hidden states off the last pipeline stage, else ``[B, S]`` value logits
+        (the scalar head at every position).
+        """
         hidden = self.module(input_ids, position_ids, attention_mask)
         if self.value_head is None:
             return hidden
@@ -96,7 +100,8 @@ def build_value_model(hf_config, state_dict: dict[str, torch.Tensor], *, num_lay
     """This rank's critic stage (current parallel state), loaded from HF weights.
 
     Args:
-        hf_config, state_dict: a Llama / Qwen2 checkpoint (``load_hf_checkpoint``).
+        hf_config: the critic checkpoint's Llama / Qwen2 config (``load_hf_checkpoint``).
+        state_dict: its HF weights (not modified).
         num_layers: keep the first N decoder layers (:func:`truncate_layers`); None keeps all.
         **model_options: ``precision``, ``fp8``, ``fp8_recipe``, ``transformer_impl`` of
             ``build_policy_model`` (the policy's ``model.*`` settings).

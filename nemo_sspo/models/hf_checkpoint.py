@@ -158,7 +158,7 @@ def resolve_model_dir(source: str) -> Path:
         return path
     if not _HUB_ID.match(source) or source.startswith((".", "/", "~")):
         raise ValueError(
-            f"model.source={source!r} is not a built-in source ({', '.join(SOURCES)}), an existing "
+            f"source={source!r} is not a built-in source ({', '.join(SOURCES)}), an existing "
             "directory, or a Hugging Face hub id like 'Qwen/Qwen2.5-Math-1.5B'"
         )
     from huggingface_hub import snapshot_download
@@ -168,21 +168,21 @@ def resolve_model_dir(source: str) -> Path:
         return Path(snapshot_download(source, allow_patterns=_HUB_FILES, local_files_only=offline))
     except Exception as err:  # LocalEntryNotFoundError, network errors: one message with the fix
         raise FileNotFoundError(
-            f"model.source={source!r}: not found in the local Hugging Face cache"
+            f"source={source!r}: not found in the local Hugging Face cache"
             f"{' (HF_HUB_OFFLINE is set)' if offline else ''} ({type(err).__name__}); download it "
             "with `huggingface-cli download` on a machine with network access, or pass its "
-            "directory as model.source"
+            "directory as the source"
         ) from err
 
 
 def _load_model_dir(path: Path) -> tuple[PretrainedConfig, dict[str, torch.Tensor], object]:
     """``(config, state_dict, tokenizer)`` from a HF model directory with safetensors weights."""
     if not (path / "config.json").is_file():
-        raise ValueError(f"model.source={str(path)!r} has no config.json; give a Hugging Face model directory")
+        raise ValueError(f"source={str(path)!r} has no config.json; give a Hugging Face model directory")
     config = AutoConfig.from_pretrained(path)
     if config.model_type not in _MODEL_TYPES:
         raise ValueError(
-            f"model.source={str(path)!r} is a {config.model_type!r} model; supported architectures: "
+            f"source={str(path)!r} is a {config.model_type!r} model; supported architectures: "
             f"{', '.join(_MODEL_TYPES)}"
         )
     index = path / "model.safetensors.index.json"
@@ -192,7 +192,7 @@ def _load_model_dir(path: Path) -> tuple[PretrainedConfig, dict[str, torch.Tenso
         files = [path / name for name in sorted(set(json.loads(index.read_text())["weight_map"].values()))]
     else:
         raise ValueError(
-            f"model.source={str(path)!r} has no {WEIGHTS_FILE} or model.safetensors.index.json "
+            f"source={str(path)!r} has no {WEIGHTS_FILE} or model.safetensors.index.json "
             "(only safetensors weights are read; convert .bin checkpoints with transformers' save_pretrained)"
         )
     state_dict: dict[str, torch.Tensor] = {}
@@ -291,7 +291,8 @@ def _ensure_smollm2_cache(target: Path) -> Path:
 
 def _write_folder_once(target: Path, write) -> Path:
     """Runs ``write(tmp)`` on a temporary sibling folder and renames it to ``target``, so a reader
-    never sees a half-written folder; a losing concurrent writer discards its copy."""
+    never sees a half-written folder; a losing concurrent writer discards its copy.
+    """
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
     try:

@@ -166,7 +166,8 @@ def write_model_folder(folder: str | Path, hf_config: PretrainedConfig, state_di
 
 def repair_config_file(folder: str | Path) -> bool:
     """Rewrites ``folder/config.json`` in place (atomically) if it still has a ``quantization_config`` or
-    lacks ``architectures`` (caches written by earlier versions); returns whether it changed."""
+    lacks ``architectures`` (caches written by earlier versions); returns whether it changed.
+    """
     path = Path(folder) / "config.json"
     data = json.loads(path.read_text(encoding="utf-8"))
     if "quantization_config" not in data and data.get("architectures"):

@@ -52,7 +52,8 @@ def agree_micro_batch_count(count: int, dp_group) -> int:
 
 def _rows(batch: PolicyBatch, rows: list[int], lengths: list[int]) -> PolicyBatch:
     """Copies of ``rows`` cut to their longest (an index tensor copies: a pickled view would send
-    its whole storage)."""
+    its whole storage).
+    """
     width = max((lengths[r] for r in rows), default=0)
     return batch.narrow(width).select(torch.tensor(rows, dtype=torch.long))
 

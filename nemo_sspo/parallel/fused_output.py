@@ -118,7 +118,7 @@ class _FusedLinearLogprobsEntropy(torch.autograd.Function):
                                            vocab_start, n_valid, inv_temp, acc,
                                            layout_error is not None))
         if pieces:
-            logprobs, entropy, raw_max, log_sum_exp = (torch.cat(parts) for parts in zip(*pieces))
+            logprobs, entropy, raw_max, log_sum_exp = (torch.cat(parts) for parts in zip(*pieces, strict=True))
         else:
             logprobs = entropy = raw_max = log_sum_exp = hidden.new_zeros(0, dtype=acc)
         check_finite_outputs(lambda row: _chunk_logits(hidden[row : row + 1], valid)[0], targets,

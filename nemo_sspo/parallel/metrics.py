@@ -24,7 +24,8 @@ __all__ = ["collective_device", "reduce_metric_sums"]
 
 def collective_device(group) -> torch.device:
     """Where tensors for a collective over ``group`` must live: the current CUDA device for NCCL,
-    the CPU otherwise (gloo)."""
+    the CPU otherwise (gloo).
+    """
     if dist.get_backend(group) == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
@@ -32,7 +33,8 @@ def collective_device(group) -> torch.device:
 
 def _all_reduce(kinds: list[str], stacked: torch.Tensor, dp_group) -> torch.Tensor:
     """SUM of counts and additive totals, MIN/MAX of extreme values; ``stacked`` [K, 2] float64
-    (total, count) of pairs of ``kinds``."""
+    (total, count) of pairs of ``kinds``.
+    """
     is_min = torch.tensor([k == "min" for k in kinds], dtype=torch.bool, device=stacked.device)
     is_max = torch.tensor([k == "max" for k in kinds], dtype=torch.bool, device=stacked.device)
     extreme = is_min | is_max
@@ -72,7 +74,7 @@ def _union_of_keys(kinds: dict[str, str], stacked: torch.Tensor, dp_group
     union = dict(sorted(union.items()))
     if list(union) == list(kinds):
         return kinds, stacked
-    rows = {key: row for key, row in zip(kinds, stacked)}
+    rows = {key: row for key, row in zip(kinds, stacked, strict=True)}
     zero = torch.zeros(2, dtype=stacked.dtype)
     return union, torch.stack([rows.get(key, zero) for key in union])
 
@@ -117,7 +119,7 @@ def reduce_metric_sums(
             kinds, stacked = _union_of_keys(kinds, stacked, dp_group)
             stacked = _all_reduce(list(kinds.values()), stacked, dp_group)
         result = summarize_metric_pairs({key: MetricPair(row[0], row[1], kind)
-                                         for (key, kind), row in zip(kinds.items(), stacked)})
+                                         for (key, kind), row in zip(kinds.items(), stacked, strict=True)})
     if pp_group is not None and dist.get_world_size(pp_group) > 1:
         box = [result]
         dist.broadcast_object_list(box, src=last_stage_rank, group=pp_group)

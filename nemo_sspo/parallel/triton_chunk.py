@@ -129,7 +129,8 @@ def _tile(n_cols: int, tile: int | None) -> int:
 
 def _check_column_offsets(*tensors: torch.Tensor) -> None:
     """Column offsets ``col * stride`` are int32 in the kernels (only the row offset is widened):
-    refuse a layout where they would overflow rather than read the wrong memory."""
+    refuse a layout where they would overflow rather than read the wrong memory.
+    """
     for t in tensors:
         if (t.shape[1] - 1) * abs(t.stride(1)) >= 2**31:
             raise ValueError(f"a [rows, {t.shape[1]}] tensor with column stride {t.stride(1)} has "

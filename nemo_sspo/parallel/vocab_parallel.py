@@ -287,7 +287,8 @@ def _local_stats(block: torch.Tensor, inv_temp: float, acc: torch.dtype) -> torc
 
 def _shard_partials(logits, n_valid, inv_temp, acc):
     """``[rows, 3]`` local statistics of one chunk: one Triton kernel over the chunk, or torch in
-    cache-sized blocks of rows."""
+    cache-sized blocks of rows.
+    """
     rows = logits.shape[0]
     if n_valid == 0:  # every column of this shard is padding: contributes nothing
         local = torch.zeros(rows, 3, dtype=acc, device=logits.device)
@@ -472,7 +473,7 @@ class _VocabParallelLogprobsEntropy(torch.autograd.Function):
             for s in range(0, logits.shape[0], chunk_size)
         ]
         if pieces:
-            logprobs, entropy, raw_max, log_sum_exp = (torch.cat(parts) for parts in zip(*pieces))
+            logprobs, entropy, raw_max, log_sum_exp = (torch.cat(parts) for parts in zip(*pieces, strict=True))
         else:
             logprobs = entropy = raw_max = log_sum_exp = logits.new_zeros(0, dtype=acc)
         check_finite_outputs(lambda row: logits[row], targets, logprobs, entropy, vocab_start,

@@ -1,4 +1,4 @@
-"""Binary math reward: the last ``\\boxed{}`` answer checked against the gold answer by math-verify.
+r"""Binary math reward: the last ``\boxed{}`` answer checked against the gold answer by math-verify.
 
 math-verify enforces its timeouts with ``signal.alarm``, which only works in a process's main
 thread (docs/pitfalls.md#p16: from a thread, parsing raises and every answer scores 0). Scoring therefore
@@ -27,10 +27,10 @@ _GRACE_S = 5.0  # parent-side slack on top of the workers' own deadlines (proces
 
 
 def extract_last_boxed(text: str) -> str | None:
-    """Content of the last complete ``\\boxed{...}`` (or ``\\fbox{...}``) in ``text``, else None.
+    r"""Content of the last complete ``\boxed{...}`` (or ``\fbox{...}``) in ``text``, else None.
 
     Braces are matched by depth counting, so nested groups survive (docs/pitfalls.md#p17):
-    ``"\\boxed{\\frac{1}{2}}"`` -> ``"\\frac{1}{2}"``. An opening whose braces never close (a
+    ``"\boxed{\frac{1}{2}}"`` -> ``"\frac{1}{2}"``. An opening whose braces never close (a
     truncated response) is skipped in favour of the previous complete one.
     """
     for opening in reversed(list(_BOX_OPENING.finditer(text))):
@@ -54,12 +54,12 @@ def _braced_content(text: str, open_index: int) -> str | None:
 
 
 def parse_gold(answer: str) -> list:
-    """math-verify's parse of a gold answer written as bare LaTeX (``"2\\sqrt{2}"``, ``"(3,-1)"``).
+    r"""math-verify's parse of a gold answer written as bare LaTeX (``"2\sqrt{2}"``, ``"(3,-1)"``).
 
-    Gold answers in the math datasets carry no ``$`` or ``\\boxed`` delimiters, and math-verify's
-    default extraction misreads many of them when parsed bare (``"2\\sqrt{2}"`` -> 2,
+    Gold answers in the math datasets carry no ``$`` or ``\boxed`` delimiters, and math-verify's
+    default extraction misreads many of them when parsed bare (``"2\sqrt{2}"`` -> 2,
     ``"1,2"`` -> 1.2, ``"(3,-1)"`` -> nothing). The answer is therefore parsed as the content of a
-    ``\\boxed{}``, like the prediction; only when that yields no mathematical object (just the
+    ``\boxed{}``, like the prediction; only when that yields no mathematical object (just the
     string itself, e.g. ``"-1./3"``) is the bare parse used instead. Surrounding ``$`` are dropped
     first. Call under a deadline (math-verify's own timeouts are disabled here).
     """
@@ -80,12 +80,12 @@ def _has_math(parsed: list) -> bool:
 
 
 def _parse_boxed(content: str) -> list:
-    """math-verify's parse of ``\\boxed{content}``; a percentage is read as its number.
+    r"""math-verify's parse of ``\boxed{content}``; a percentage is read as its number.
 
-    math-verify returns only the raw string for ``"17.5\\%"``, which then never equals anything,
-    so when the first parse finds no mathematical object the ``%`` / ``\\%`` signs are dropped
-    (the same rule for gold and prediction: ``"8 \\%"`` == ``"8"``). A bare scientific literal
-    (``"3.83e35"``, which LaTeX parsing reads as 3.83 * e * 35) becomes ``3.83\\times10^{35}``.
+    math-verify returns only the raw string for ``"17.5\%"``, which then never equals anything,
+    so when the first parse finds no mathematical object the ``%`` / ``\%`` signs are dropped
+    (the same rule for gold and prediction: ``"8 \%"`` == ``"8"``). A bare scientific literal
+    (``"3.83e35"``, which LaTeX parsing reads as 3.83 * e * 35) becomes ``3.83\times10^{35}``.
     """
     from math_verify import parse
 
@@ -119,7 +119,7 @@ def score_response(response: str, answer: str) -> float:
 
 
 def _precision_for(parsed: list) -> dict[str, int]:
-    """math-verify's ``float_rounding`` / ``numeric_precision`` scaled to the answers' magnitude.
+    r"""math-verify's ``float_rounding`` / ``numeric_precision`` scaled to the answers' magnitude.
 
     Both settings are absolute: a decimal literal is rounded to ``float_rounding`` (default 6)
     decimal places, and any other difference is evaluated to ``numeric_precision`` (default 15)
@@ -130,7 +130,7 @@ def _precision_for(parsed: list) -> dict[str, int]:
     and ``float_rounding`` reaching the 6th significant digit (``5 - e`` places) but never fewer
     than the default 6 places, so ``0.333333`` still matches ``1/3``. Answers whose numbers are
     all ``>= 1`` keep the defaults: large integers stay exact (``10^{20}+1 != 10^{20}``) and a
-    15-digit decimal like Minerva's ``3.83e35`` still matches ``3.83\\times10^{35}``.
+    15-digit decimal like Minerva's ``3.83e35`` still matches ``3.83\times10^{35}``.
 
     Args:
         parsed: math-verify parse results (sympy objects; strings are ignored).
@@ -145,7 +145,8 @@ def _precision_for(parsed: list) -> dict[str, int]:
 
 def _numbers_in(parsed):
     """The numeric sub-expressions of parsed answers: the answer itself, or the numbers inside
-    a tuple, set, interval, matrix, equation or expression with symbols (``2x + 10^{-30}``)."""
+    a tuple, set, interval, matrix, equation or expression with symbols (``2x + 10^{-30}``).
+    """
     from sympy import Basic, MatrixBase
 
     for item in parsed:
@@ -235,7 +236,7 @@ class MathVerifyReward:
         if self._pool is None:
             raise RuntimeError("MathVerifyReward is closed; create a new one")
         jobs = [self._pool.apply_async(_score_with_deadline, (self._scorer, r, a, self.timeout_s))
-                for r, a in zip(responses, answers)]
+                for r, a in zip(responses, answers, strict=True)]
         rounds = math.ceil(len(jobs) / self.num_workers)
         deadline = time.monotonic() + rounds * self.timeout_s + _GRACE_S
         scores, stuck = [], False

@@ -1,8 +1,29 @@
 """Rollout engines: transformers ``generate`` (CPU) and vLLM (GPU, imported lazily), with weight refit
-from the policy; truncated importance sampling for the engine/trainer log-prob gap."""
+from the policy, behind one interface and a registry (``rollout.backend``); truncated importance
+sampling for the engine/trainer log-prob gap.
+"""
 
+from nemo_sspo.rollout.engines import (
+    EngineContext,
+    RolloutEngine,
+    build_rollout_engine,
+    register_rollout_engine,
+    rollout_engine_names,
+    unregister_rollout_engine,
+)
 from nemo_sspo.rollout.hf_engine import HFRolloutEngine, RolloutBatch
 from nemo_sspo.rollout.tis import truncated_is_weights
 from nemo_sspo.rollout.vllm_engine import VLLMRolloutEngine
 
-__all__ = ["HFRolloutEngine", "RolloutBatch", "VLLMRolloutEngine", "truncated_is_weights"]
+__all__ = [
+    "EngineContext",
+    "HFRolloutEngine",
+    "RolloutBatch",
+    "RolloutEngine",
+    "VLLMRolloutEngine",
+    "build_rollout_engine",
+    "register_rollout_engine",
+    "rollout_engine_names",
+    "truncated_is_weights",
+    "unregister_rollout_engine",
+]

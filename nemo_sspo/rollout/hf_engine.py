@@ -100,7 +100,7 @@ def check_engine_outputs(response_ids: torch.Tensor, response_mask: torch.Tensor
     if too_long.numel():
         row = int(too_long[0])
         raise ValueError(f"{where} returned {int(lengths[row])} tokens for row {row}, more than "
-                         f"rollout.max_new_tokens={max_new_tokens}; the engine ignored its length cap")
+                         f"max_new_tokens={max_new_tokens}; the engine ignored its length cap")
     bad = _first(response_mask & ((response_ids < 0) | (response_ids >= vocab_size)))
     if bad is not None:
         raise ValueError(f"{where} returned token id {int(response_ids[bad])} at row {bad[0]}, response position "
@@ -280,6 +280,16 @@ class HFRolloutEngine:
             seen.update(bucket)
             del bucket  # release it before the iterator produces the next one
         check_state_dict_keys(self.model, dict.fromkeys(seen))
+
+    def sleep(self) -> None:
+        """Nothing to free: the model stays where it is (``RolloutEngine`` protocol)."""
+
+    def wake_up(self) -> None:
+        """Nothing to undo (``RolloutEngine`` protocol)."""
+
+    def hf_state_dict(self) -> dict[str, torch.Tensor]:
+        """The model's current (refitted) weights under HF names."""
+        return self.model.state_dict()
 
     def _response_mask(self, response_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``[B, T]`` mask up to and including the first stop id, and ``[B]`` truncated flags.

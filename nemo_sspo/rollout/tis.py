@@ -43,7 +43,7 @@ def truncated_is_weights(old_logprobs: torch.Tensor, rollout_logprobs: torch.Ten
         ValueError: ``cap < 1`` or shapes that differ.
     """
     if cap < 1:
-        raise ValueError(f"rollout.tis_cap={cap} must be >= 1")
+        raise ValueError(f"cap={cap} must be >= 1 (a cap below 1 would shrink on-policy tokens too)")
     if not old_logprobs.shape == rollout_logprobs.shape == mask.shape:
         raise ValueError(f"old_logprobs {tuple(old_logprobs.shape)}, rollout_logprobs "
                          f"{tuple(rollout_logprobs.shape)} and mask {tuple(mask.shape)} must have one shape")

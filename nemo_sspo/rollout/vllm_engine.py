@@ -97,7 +97,8 @@ def import_vllm():
 def preserve_process_state() -> Iterator[None]:
     """Saves and restores what vLLM changes in the calling process: the global RNG states (Python,
     NumPy, torch CPU and every CUDA device), ``torch.set_num_threads`` (vLLM's CPU worker replaces it
-    with a no-op) and the thread count."""
+    with a no-op) and the thread count.
+    """
     py_state, np_state, cpu_state = random.getstate(), np.random.get_state(), torch.get_rng_state()
     cuda_states = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
     set_num_threads, threads = torch.set_num_threads, torch.get_num_threads()
@@ -134,7 +135,8 @@ def _scoped_env(values: dict[str, str], defaults: dict[str, str]) -> Iterator[No
 
 def resolve_dtype(dtype: str) -> str:
     """``rollout.vllm.dtype``: ``"auto"`` is float32 on a CPU host (bf16 is slower there, and the
-    trainer's CPU path is fp32) and bfloat16 with CUDA; other names pass through."""
+    trainer's CPU path is fp32) and bfloat16 with CUDA; other names pass through.
+    """
     if dtype != "auto":
         return dtype
     return "bfloat16" if torch.cuda.is_available() else "float32"
@@ -150,10 +152,13 @@ def build_llm(model_dir: str | Path, *, seed: int, tensor_parallel_size: int = 1
     Args:
         model_dir: a folder ``transformers`` and vLLM both load (``nemo_sspo.models.hf_checkpoint.engine_model_dir``).
         seed: engine seed (``trainer.seed``).
-        tensor_parallel_size, gpu_memory_utilization, dtype, max_model_len, enforce_eager,
-        cpu_kv_cache_gib, enable_sleep_mode: the ``rollout.vllm`` settings. On CPU the KV cache is
-            ``cpu_kv_cache_gib`` GiB and ``gpu_memory_utilization`` / ``enable_sleep_mode`` are not
-            used (vLLM's CPU worker has no sleep mode).
+        tensor_parallel_size: vLLM's own tensor parallelism.
+        gpu_memory_utilization: share of each GPU vLLM may take (GPU only).
+        dtype: model dtype, ``"auto"`` for :func:`resolve_dtype`.
+        max_model_len: prompt + response token limit; None: the model's.
+        enforce_eager: disable CUDA graphs.
+        cpu_kv_cache_gib: KV cache size in GiB on CPU.
+        enable_sleep_mode: build with sleep mode (GPU only; vLLM's CPU worker has none).
         logprobs_mode: vLLM's ``logprobs_mode`` (None: vLLM's default, for greedy evaluation).
 
     Raises:
@@ -204,7 +209,8 @@ def _row_seed(seed: int, row: int) -> int:
 
 def _completion_tensors(completion, stop_ids: frozenset[int], row: int) -> tuple[list[int], list[float], bool]:
     """``(token ids, sampled-token log-probs, truncated)`` of row ``row``'s vLLM ``CompletionOutput``; the
-    ids end at (and include) the first stop id, as the HF engine's response mask does."""
+    ids end at (and include) the first stop id, as the HF engine's response mask does.
+    """
     token_ids = list(completion.token_ids)
     where = f"rollout engine 'vllm', row {row}"
     if completion.logprobs is None:
@@ -234,7 +240,8 @@ def rollout_batch_from_outputs(outputs: Sequence[Any], prompt_ids: torch.Tensor,
     Args:
         outputs: ``B`` objects with ``.outputs[0]`` carrying ``token_ids``, ``logprobs`` and
             ``finish_reason`` (module docstring).
-        prompt_ids, prompt_mask: ``[B, P]`` the LEFT-padded prompts the requests were built from.
+        prompt_ids: ``[B, P]`` int64, the LEFT-padded prompts the requests were built from.
+        prompt_mask: ``[B, P]`` bool, True on their prompt tokens.
         tokenizer: for the pad id and the texts.
         stop_token_ids: the stop list: a response ends at (and includes) its first stop id.
         vocab_size: rows of the model's embedding; every returned id must be below it.
@@ -316,6 +323,8 @@ class VLLMRolloutEngine:
         """A new engine for the HF model folder ``model_dir`` (its initial weights).
 
         Args:
+            model_dir: a folder ``transformers`` and vLLM both load.
+            tokenizer: the trainer's tokenizer (pad id required).
             vllm_config: the ``rollout.vllm`` section (the keyword arguments of :func:`build_llm`).
             seed: engine seed (``trainer.seed``).
             stop_token_ids: the stop list (default: the tokenizer's and ``model_dir``'s generation config's).
@@ -336,11 +345,12 @@ class VLLMRolloutEngine:
     def generate(self, prompts: list[str], *, seed: int) -> RolloutBatch:
         """One sampled response per prompt (repeat a prompt G times for a group); see
         :meth:`HFRolloutEngine.generate`. Row ``b`` is seeded ``(seed + b) mod 2^63``; the global RNGs
-        are left as they were."""
+        are left as they were.
+        """
         vllm = import_vllm()
         self.wake_up()
         prompt_ids, prompt_mask = encode_prompts(self.tokenizer, prompts)
-        requests = [{"prompt_token_ids": ids[mask].tolist()} for ids, mask in zip(prompt_ids, prompt_mask)]
+        requests = [{"prompt_token_ids": ids[mask].tolist()} for ids, mask in zip(prompt_ids, prompt_mask, strict=True)]
         params = [vllm.SamplingParams(**vllm_sampling_kwargs(seed=_row_seed(seed, b), **self._sampling))
                   for b in range(len(requests))]
         with preserve_process_state():
@@ -351,7 +361,8 @@ class VLLMRolloutEngine:
 
     def load_weights(self, hf_state_dict: dict[str, torch.Tensor]) -> None:
         """Refit: loads ``hf_state_dict`` (HF names, as ``export_hf_state_dict`` returns; every weight of
-        the model) into vLLM's model in one ``reload_weights`` call and resets the prefix cache."""
+        the model) into vLLM's model in one ``reload_weights`` call and resets the prefix cache.
+        """
         self.load_weight_buckets([hf_state_dict])
 
     def load_weight_buckets(self, buckets: Iterable[dict[str, torch.Tensor]]) -> None:
@@ -374,9 +385,14 @@ class VLLMRolloutEngine:
                 del weights
             self.llm.reset_prefix_cache()
 
+    def hf_state_dict(self) -> None:
+        """None: the engine's weights cannot be read back (``RolloutEngine`` protocol)."""
+        return None
+
     def sleep(self) -> None:
         """Frees the engine's GPU memory for training (``LLM.sleep(level=1)``: weights offloaded to host
-        memory, KV cache discarded) when ``sleep_between_steps``; otherwise nothing."""
+        memory, KV cache discarded) when ``sleep_between_steps``; otherwise nothing.
+        """
         if self.sleep_between_steps and not self._asleep:
             self.llm.sleep(level=1)
             self._asleep = True

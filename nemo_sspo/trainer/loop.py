@@ -2,7 +2,7 @@
 
 One step reads top to bottom as named phases::
 
-    sample prompts -> generate (rollout engine, current weights) -> score (math-verify)
+    sample prompts -> generate (rollout engine, current weights) -> score (the reward)
     [-> refill zero-variance groups: DAPO dynamic sampling] -> advantages (group-relative, or
     r - sigmoid(V) from the SPPO critic) -> segment ids (the loss's segmentation) -> old (and
     reference) log-probs/entropy (Megatron, forward only) -> mini-batch updates -> critic update
@@ -50,7 +50,7 @@ from nemo_sspo.algorithms import (
     smooth_group_advantages,
     zero_variance_groups,
 )
-from nemo_sspo.algorithms.batch import concat_policy_batches, pack_critic_batch, pack_rollouts
+from nemo_sspo.algorithms.batch import PolicyBatch, concat_policy_batches, pack_critic_batch
 from nemo_sspo.algorithms.critic import critic_advantages
 from nemo_sspo.algorithms.losses import make_policy_loss
 from nemo_sspo.algorithms.segmentation import TABLE_FREE_SEGMENTATIONS, build_segment_tables
@@ -74,14 +74,14 @@ from nemo_sspo.megatron.training import (
     wrap_for_training,
 )
 from nemo_sspo.evaluation import MEAN_KEY
-from nemo_sspo.models import build_hf_model, load_hf_checkpoint
-from nemo_sspo.models.hf_checkpoint import SOURCES, engine_model_dir, resolve_model_dir
+from nemo_sspo.models import load_hf_checkpoint
+from nemo_sspo.models.hf_checkpoint import SOURCES, resolve_model_dir
 from nemo_sspo.models.hf_folder import stop_token_ids
 from nemo_sspo.metrics import MetricPair, mean_pair, merge_metric_sums
 from nemo_sspo.parallel.data_balance import balance_across_data_parallel
 from nemo_sspo.parallel.metrics import reduce_metric_sums
-from nemo_sspo.rewards import MathVerifyReward
-from nemo_sspo.rollout import HFRolloutEngine, VLLMRolloutEngine, truncated_is_weights
+from nemo_sspo.rewards import Reward, build_reward
+from nemo_sspo.rollout import EngineContext, RolloutEngine, build_rollout_engine, truncated_is_weights
 from nemo_sspo.trainer.checkpoint import (
     CHECKPOINTS_DIR,
     TrainerState,
@@ -101,7 +101,7 @@ from nemo_sspo.trainer.critic import Critic
 from nemo_sspo.trainer.device import check_host, training_device
 from nemo_sspo.trainer.metric_log import MetricsLogger
 from nemo_sspo.trainer.periodic_eval import BEST_DIR, BestEval, evaluate_engine
-from nemo_sspo.trainer.rollout_metrics import rollout_logprobs, rollout_metric_sums
+from nemo_sspo.trainer.rollout_metrics import rollout_metric_sums
 from nemo_sspo.trainer.sampling import Rollout, RolloutSampler
 from nemo_sspo.trainer.throughput import ModelShape, peak_tflops, step_work_sums, throughput_metrics
 
@@ -158,7 +158,8 @@ def _wrap(model, optim_cfg):
 
 class GRPOTrainer:
     """Builds the policy (and, as the loss asks, its frozen reference and the SPPO critic), the
-    rollout engine, reward and logger from a validated :class:`TrainConfig`.
+    rollout engine, reward and logger from a validated :class:`TrainConfig`; the reward and the
+    engine may be passed in instead (NeMo-RL's ``grpo_train`` takes them the same way).
 
     Args:
         cfg: the run's config, validated at load time (``nemo_sspo.cli.load_config``).
@@ -167,6 +168,11 @@ class GRPOTrainer:
         checkpoint: ``(hf_config, state_dict, tokenizer)`` of ``cfg.model.source`` as returned by
             ``load_hf_checkpoint`` (several trainers in one process can share one load; the state
             dict is copied, never modified); None loads it.
+        reward: a :class:`nemo_sspo.rewards.Reward` to score with (closed by :meth:`close`); None
+            builds ``reward.name`` from the reward registry. Used on generating ranks only.
+        engine: a :class:`nemo_sspo.rollout.RolloutEngine` holding the initial policy weights;
+            None builds ``rollout.backend`` from the engine registry. Used on generating ranks only
+            (the first model-parallel rank of each data-parallel replica).
 
     Raises:
         ValueError: a GPU-only setting on a CPU host (:func:`nemo_sspo.trainer.device.check_host`), a parallel
@@ -174,7 +180,8 @@ class GRPOTrainer:
             tokenizer differs from the policy's, or a ``trainer.resume`` checkpoint that does not fit.
     """
 
-    def __init__(self, cfg: TrainConfig, groups: ParallelGroups, checkpoint=None) -> None:
+    def __init__(self, cfg: TrainConfig, groups: ParallelGroups, checkpoint=None, *,
+                 reward: Reward | None = None, engine: RolloutEngine | None = None) -> None:
         self.cfg = cfg
         check_host(cfg)
         self.peak_tflops = peak_tflops(torch.cuda.get_device_name() if torch.cuda.is_available() else None,
@@ -189,7 +196,7 @@ class GRPOTrainer:
         prompts = at_key("data.options.", lambda: build_prompt_source(cfg.data.source, seed=cfg.trainer.seed,
                                                                       **asdict(cfg.data.options)))
         if checkpoint is None:
-            checkpoint = load_hf_checkpoint(cfg.model.source, cache_dir=cfg.model.cache_dir)
+            checkpoint = at_key("model.", lambda: load_hf_checkpoint(cfg.model.source, cache_dir=cfg.model.cache_dir))
         hf_config, state_dict, tokenizer = checkpoint
         self.hf_config, self.tokenizer = hf_config, tokenizer
         source = cfg.model.source
@@ -202,7 +209,7 @@ class GRPOTrainer:
         self.is_generator = self.groups.mp_rank == 0
         self.engine = self.reward = self.sampler = None
         if self.is_generator:
-            self._build_rollout(state_dict, prompts)
+            self._build_rollout(state_dict, prompts, reward, engine)
         self.tables = None
         if needs.segmentation not in TABLE_FREE_SEGMENTATIONS:
             # The model's vocabulary can exceed the tokenizer's (e.g. Qwen2.5: 151,936 rows vs
@@ -241,39 +248,37 @@ class GRPOTrainer:
         cr = self.cfg.critic
         hf_config = self.hf_config
         if cr.source is not None:
-            hf_config, state_dict, tokenizer = load_hf_checkpoint(cr.source, cache_dir=self.cfg.model.cache_dir)
+            hf_config, state_dict, tokenizer = at_key("critic.", lambda: load_hf_checkpoint(
+                cr.source, cache_dir=self.cfg.model.cache_dir))
             if tokenizer.get_vocab() != self.tokenizer.get_vocab():
                 raise ValueError(f"critic.source={cr.source!r} has another tokenizer than model.source="
                                  f"{self.cfg.model.source!r}; the critic reads the policy's prompt tokens")
-        model = build_value_model(hf_config, state_dict, num_layers=cr.num_layers, **_model_options(self.cfg.model))
+        model = at_key("critic.", lambda: build_value_model(hf_config, state_dict, num_layers=cr.num_layers,
+                                                            **_model_options(self.cfg.model)))
         return Critic(*_wrap(model, cr.optim), cr.micro_batch_size)
 
-    def _build_rollout(self, state_dict, prompts) -> None:
-        """Rollout engine, reward pool and sampler, on generating ranks only.
-
-        ``rollout.backend=hf``: an HF copy of the policy on the training device. ``vllm``: an engine
-        loading ``model.source``'s folder itself (``engine_model_dir``); both are refitted after every
-        step. Both stop at the model's stop list (``nemo_sspo.models.hf_folder.stop_token_ids``).
+    def _build_rollout(self, state_dict, prompts, reward: Reward | None, engine: RolloutEngine | None) -> None:
+        """Rollout engine, reward and sampler, on generating ranks only: the ones passed in, else
+        ``rollout.backend`` and ``reward.name`` from their registries (``nemo_sspo.rollout``,
+        ``nemo_sspo.rewards``). The engine is refitted after every step.
         """
-        ro = self.cfg.rollout
-        sampling = dict(max_new_tokens=ro.max_new_tokens, temperature=ro.temperature, top_p=ro.top_p,
-                        stop_token_ids=self.stop_ids)
-        if ro.backend == "vllm":
-            self.engine = VLLMRolloutEngine.build(
-                engine_model_dir(self.cfg.model.source, cache_dir=self.cfg.model.cache_dir), self.tokenizer,
-                vllm_config=ro.vllm,
-                seed=self.cfg.trainer.seed, truncation_corrected=ro.tis_cap is not None, **sampling)
-        else:
-            self.engine = HFRolloutEngine(build_hf_model(self.hf_config, state_dict), self.tokenizer,
-                                          device=training_device(), **sampling)
-        self.reward = MathVerifyReward(num_workers=self.cfg.reward.num_workers, timeout_s=self.cfg.reward.timeout_s)
+        cfg = self.cfg
+        if engine is None:
+            context = EngineContext(hf_config=self.hf_config, state_dict=state_dict, tokenizer=self.tokenizer,
+                                    model_source=cfg.model.source, cache_dir=cfg.model.cache_dir,
+                                    rollout=cfg.rollout, seed=cfg.trainer.seed, device=training_device(),
+                                    stop_ids=self.stop_ids)
+            engine = build_rollout_engine(cfg.rollout.backend, context)
+        self.engine = engine
+        self.reward = reward if reward is not None else build_reward(cfg.reward.name, cfg.reward)
         self.sampler = RolloutSampler(engine=self.engine, reward=self.reward, prompts=prompts,
-                                      tokenizer=self.tokenizer, cfg=self.cfg, groups=self.groups)
+                                      tokenizer=self.tokenizer, cfg=cfg, groups=self.groups)
 
     # ---- phases -------------------------------------------------------------------------------
     def generate_and_score(self, step: int) -> Rollout:
         """This rank's prompt groups, generated and scored (with dynamic sampling if configured);
-        shared across the replica's TP/PP ranks."""
+        shared across the replica's TP/PP ranks.
+        """
         rollout = self.sampler.collect(step) if self.is_generator else None
         g = self.groups
         if g.mp_size == 1:
@@ -346,9 +351,7 @@ class GRPOTrainer:
         needs = self.loss.requirements
         segments = segment_ids(needs.segmentation, rb.response_ids, rb.response_mask, self.tables,
                                k=needs.segment_k)
-        batch = pack_rollouts(rb.prompt_ids, rb.prompt_mask, rb.response_ids, rb.response_mask,
-                              segments, advantages, pad_id=self.tokenizer.pad_token_id)
-        batch = replace(batch, rollout_logprobs=rollout_logprobs(rollout, batch))
+        batch = PolicyBatch.from_rollout(rb, segments, advantages, pad_id=self.tokenizer.pad_token_id)
         if not self.layout.fixed and self.groups.dp_size > 1:
             batch = self._balanced(batch)
         dp_group = self.groups.dp_group
@@ -367,7 +370,8 @@ class GRPOTrainer:
         """Each mini-batch's rows (the consecutive blocks :meth:`update` steps on) spread over the
         data-parallel ranks by tokens, every rank keeping its row count
         (:func:`nemo_sspo.parallel.data_balance.balance_across_data_parallel`): the forward passes
-        and the update then cost every rank about the same."""
+        and the update then cost every rank about the same.
+        """
         size = batch.input_ids.shape[0] // self.cfg.trainer.minibatches_per_step
         return concat_policy_batches([
             balance_across_data_parallel(batch.select(slice(start, start + size)), self.groups.dp_group)
@@ -400,7 +404,8 @@ class GRPOTrainer:
 
     def refit(self) -> None:
         """Streams the updated Megatron weights into the rollout engine, bucket by bucket
-        (``rollout.refit_bucket_mb``), gathered only on the generating rank (collective over TP/PP)."""
+        (``rollout.refit_bucket_mb``), gathered only on the generating rank (collective over TP/PP).
+        """
         buckets = iter_hf_weight_buckets(self.model.module, self.hf_config, self.cfg.rollout.refit_bucket_mb << 20,
                                          dst_rank=self.groups.mp_src_rank)
         if self.is_generator:
@@ -417,8 +422,8 @@ class GRPOTrainer:
             torch.cuda.reset_peak_memory_stats()
         with timer.time("generation"):
             rollout = self.generate_and_score(step)
-            if isinstance(self.engine, VLLMRolloutEngine):
-                self.engine.sleep()  # rollout.vllm.enable_sleep_mode on GPU: memory freed until the refit
+            if self.is_generator:
+                self.engine.sleep()  # e.g. rollout.vllm.enable_sleep_mode on GPU: memory freed until the refit
         with timer.time("train"):
             batch, batch_sums = self.prepare_batch(rollout)
             sums, grad_norm = self.update(batch)
@@ -450,7 +455,8 @@ class GRPOTrainer:
     # ---- evaluation and checkpoints ----------------------------------------------------------------
     def maybe_evaluate(self, step: int) -> dict[str, float]:
         """Every ``eval.every_n_steps`` steps: the benchmarks on the engine's current weights, and a
-        new ``best/`` when ``eval/mean`` improves (collective). Returns the eval metrics ({} otherwise)."""
+        new ``best/`` when ``eval/mean`` improves (collective). Returns the eval metrics ({} otherwise).
+        """
         every = self.cfg.eval.every_n_steps
         if every == 0 or step % every:
             return {}
@@ -489,7 +495,8 @@ class GRPOTrainer:
 
     def _resume(self, path: Path) -> None:
         """Restores a checkpoint (module docstring of :mod:`nemo_sspo.trainer.checkpoint`) and refits
-        the rollout engine with the restored policy."""
+        the rollout engine with the restored policy.
+        """
         state = load_checkpoint(path, self._checkpointed_models(), seed=self.cfg.trainer.seed)
         if self.sampler is not None:
             self.sampler.fast_forward(state.problems_drawn)
@@ -514,14 +521,17 @@ class GRPOTrainer:
     def _save_interrupted(self) -> None:
         """After a failed step: rank 0 writes the rollout model (the last completed step's policy) to
         ``output_dir/hf_checkpoint_interrupted`` without collectives (other ranks may be gone). The
-        vLLM engine's weights cannot be read back: resume from the last checkpoint instead."""
+        vLLM engine's weights cannot be read back: resume from the last checkpoint instead.
+        """
         if dist.get_rank() != 0 or not self.cfg.trainer.save_hf_checkpoint:
             return
-        if not isinstance(self.engine, HFRolloutEngine):
-            logger.warning("no hf_checkpoint_interrupted with rollout.backend=%s; resume from the last checkpoint "
-                           "(trainer.checkpoint_interval)", self.cfg.rollout.backend)
+        state = self.engine.hf_state_dict() if self.engine is not None else None
+        if state is None:
+            logger.warning("no hf_checkpoint_interrupted: the rollout engine's weights cannot be read back "
+                           "(rollout.backend=%s); resume from the last checkpoint (trainer.checkpoint_interval)",
+                           self.cfg.rollout.backend)
             return
-        self._write_hf("hf_checkpoint_interrupted", self.engine.model.state_dict())
+        self._write_hf("hf_checkpoint_interrupted", state)
 
     def _write_hf(self, name: str, state: dict, extra: dict | None = None) -> None:
         """Writes ``output_dir/name`` with the run's stop list (every model folder of a run goes through here)."""
@@ -554,6 +564,7 @@ class GRPOTrainer:
         return self.logger.history
 
     def close(self) -> None:
+        """Close the metric logger and the reward (its worker processes)."""
         self.logger.close()
         if self.reward is not None:
             self.reward.close()

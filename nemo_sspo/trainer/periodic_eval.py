@@ -61,7 +61,7 @@ def evaluate_engine(engine, tokenizer, eval_cfg, reward, *, template: str, sampl
     if dist.get_rank() == 0:
         ev = eval_cfg
         try:
-            outcome = evaluate(engine, tokenizer, ev.benchmarks, data_dir=ev.data_dir, limit=ev.limit_per_benchmark,
+            outcome = evaluate(engine, tokenizer, ev.benchmarks, data_dir=ev.data_dir, data_dir_key="eval.data_dir", limit=ev.limit_per_benchmark,
                                max_new_tokens=ev.max_new_tokens, template=template,
                                batch_size=ev.batch_size, reward=reward, samples_path=Path(samples_path))
         except Exception as err:  # noqa: BLE001 - re-raised on every rank below

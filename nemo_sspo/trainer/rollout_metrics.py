@@ -1,24 +1,15 @@
 """Per-step statistics of a rollout as ``"mean"`` metric pairs (:mod:`nemo_sspo.metrics`): rewards,
 lengths, truncation, dynamic-sampling rounds, and the gap between the rollout engine's and the
-trainer's log-probs."""
+trainer's log-probs.
+"""
 
 from __future__ import annotations
 
-import torch
-
 from nemo_sspo.algorithms import select_nonzero_variance_groups
-from nemo_sspo.algorithms.batch import response_to_target_frame
 from nemo_sspo.metrics import MetricPair, mean_pair
 from nemo_sspo.trainer.sampling import Rollout
 
-__all__ = ["rollout_logprobs", "rollout_metric_sums"]
-
-
-def rollout_logprobs(rollout: Rollout, batch) -> torch.Tensor:
-    """The engine's log-probs of the sampled tokens in the batch's target frame, ``[B, S]`` float32
-    (0 outside ``batch.loss_mask``)."""
-    rb = rollout.batch
-    return response_to_target_frame(rb.rollout_logprobs, rb.prompt_mask, batch.loss_mask.shape[1])
+__all__ = ["rollout_metric_sums"]
 
 
 def rollout_metric_sums(rollout: Rollout, batch, *, samples_per_prompt: int,

@@ -72,7 +72,8 @@ class Rollout:
 
 def generation_seed(seed: int, step: int, round_: int, slot: int) -> int:
     """Sampling seed of slot ``slot``'s group in round ``round_`` of ``step``: a 63-bit hash of the
-    four numbers only (never of the data-parallel split)."""
+    four numbers only (never of the data-parallel split).
+    """
     digest = hashlib.blake2b(f"{seed}/{step}/{round_}/{slot}".encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") & (2**63 - 1)
 
@@ -120,7 +121,8 @@ class RolloutSampler:
 
     def collect(self, step: int) -> Rollout:
         """The step's rollout for this rank's slots (collective over the generators when dynamic
-        sampling is on)."""
+        sampling is on).
+        """
         ro = self.cfg.rollout
         max_rounds = ro.max_sampling_rounds if ro.dynamic_sampling else 1
         slots: list[tuple[RolloutBatch, torch.Tensor, bool] | None] = [None] * self.slots_per_rank
@@ -130,9 +132,9 @@ class RolloutSampler:
         while open_slots and rounds < max_rounds:
             problems = self.prompts.sample(len(open_slots))
             self.problems_drawn += len(problems)
-            mine = [(slot, problem) for slot, problem in zip(open_slots, problems)
+            mine = [(slot, problem) for slot, problem in zip(open_slots, problems, strict=True)
                     if self.first_slot <= slot < self.first_slot + self.slots_per_rank]
-            for (slot, problem), group in zip(mine, self._generate(step, rounds, mine)):
+            for (slot, problem), group in zip(mine, self._generate(step, rounds, mine), strict=True):
                 slots[slot - self.first_slot] = group
                 keys[slot - self.first_slot] = prompt_key(problem.question)
             generated += len(mine)
@@ -152,7 +154,8 @@ class RolloutSampler:
 
     def _generate(self, step: int, round_: int, work: list) -> list[tuple[RolloutBatch, torch.Tensor, bool]]:
         """``(responses, task rewards [G] float32, has reward variance)`` per ``(slot, problem)``;
-        one reward call for the whole round."""
+        one reward call for the whole round.
+        """
         group = self.cfg.rollout.samples_per_prompt
         parts = []
         for slot, problem in work:
@@ -165,7 +168,7 @@ class RolloutSampler:
         answers = [problem.answer for _, problem in work for _ in range(group)]
         rewards = torch.tensor(self.reward(texts, answers), dtype=torch.float32)
         varied = set(select_nonzero_variance_groups(rewards, group).tolist())
-        return [(part, r, k in varied) for k, (part, r) in enumerate(zip(parts, rewards.split(group)))]
+        return [(part, r, k in varied) for k, (part, r) in enumerate(zip(parts, rewards.split(group), strict=True))]
 
     def _open_slots(self, slots) -> list[int]:
         """Global indices of the slots whose group has no reward variance, over all generators."""

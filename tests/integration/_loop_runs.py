@@ -2,14 +2,16 @@
 
 Sized for 2 CPU cores: the Qwen-Math template (~60 prompt tokens instead of ~185 for chat-boxed),
 8-token responses, 2 x 2 responses per step, one checkpoint load per test module, no HF checkpoint.
-The math-verify reward pool is replaced by a stub (``loop.MathVerifyReward`` is monkeypatched).
+The math-verify reward pool is replaced by a stub reward passed to the trainer (``reward=``).
 """
 
 from __future__ import annotations
 
 from nemo_sspo.cli import load_config
 from nemo_sspo.megatron import destroy_parallel
+from nemo_sspo.rewards import register_reward
 from nemo_sspo.trainer import loop
+from tests.unit.loss_cases import hand_aggregate
 
 TINY = [
     "model=tiny_random", "data.template=qwen-math", "trainer.max_steps=2", "rollout.prompts_per_step=2",
@@ -29,6 +31,11 @@ class ParityReward:
 
     def close(self):
         pass
+
+
+PARITY_REWARD = "test_parity"
+"""``reward.name`` of :class:`ParityReward` (registered on import), for runs configured by overrides alone."""
+register_reward(PARITY_REWARD, lambda section: ParityReward())
 
 
 class OddAnswerReward(ParityReward):
@@ -60,30 +67,19 @@ def record_updates(monkeypatch, store):
 
 
 def on_policy_loss(batch, aggregation: str, max_response_length: int) -> tuple[float, float]:
-    """(loss, denominator) of a mini-batch whose ratios are all 1: every token's loss is -A_i,
-    reduced by hand per aggregation mode (docs/algorithms.md), with L_i = response tokens of row i
-    and R = rows with L_i >= 1."""
-    lengths = batch.loss_mask.sum(1).double()
-    adv = batch.advantages.double()
-    responses = float((lengths > 0).sum())
-    signed = float((adv * lengths).sum())  # sum_i L_i A_i
-    if aggregation == "token-mean":
-        return -signed / float(lengths.sum()), float(lengths.sum())
-    if aggregation == "seq-mean-token-mean":
-        return -float(adv[lengths > 0].sum()) / responses, responses
-    if aggregation == "seq-mean-token-sum":
-        return -signed / responses, responses
-    if aggregation == "constant-denominator":
-        return -signed / max_response_length / responses, responses
-    raise ValueError(aggregation)
+    """(loss, denominator) of a mini-batch whose ratios are all 1 under a ratio loss: every token's
+    loss is -A_i, reduced by hand (``tests.unit.loss_cases.hand_aggregate``)."""
+    per_token = -batch.advantages.double()[:, None].expand(batch.loss_mask.shape)
+    return hand_aggregate(per_token, batch.loss_mask, aggregation, max_response_length)
 
 
-def make_trainer(monkeypatch, tmp_path, overrides, *, checkpoint=None, reward=ParityReward):
-    """A :class:`loop.GRPOTrainer` on ``TINY + overrides`` writing to ``tmp_path``; call
-    ``destroy_parallel()`` when done (``run`` does)."""
-    monkeypatch.setattr(loop, "MathVerifyReward", reward)
+def make_trainer(monkeypatch, tmp_path, overrides, *, checkpoint=None, reward=ParityReward, engine=None):
+    """A :class:`loop.GRPOTrainer` on ``TINY + overrides`` writing to ``tmp_path``, scoring with a
+    ``reward()`` it is given (no math-verify pool) and generating with ``engine`` (None: the
+    configured one); call ``destroy_parallel()`` when done (``run`` does)."""
     cfg = load_config(overrides=[*TINY, f"trainer.output_dir={tmp_path}", *overrides])
-    return loop.GRPOTrainer(cfg, loop.start_parallel(cfg.parallel, cfg.trainer.seed), checkpoint=checkpoint)
+    return loop.GRPOTrainer(cfg, loop.start_parallel(cfg.parallel, cfg.trainer.seed), checkpoint=checkpoint,
+                            reward=reward(), engine=engine)
 
 
 def run(monkeypatch, tmp_path, overrides, *, checkpoint=None, reward=ParityReward, capture=None):

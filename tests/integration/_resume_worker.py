@@ -31,15 +31,13 @@ def main(out: Path) -> None:
     import torch.distributed as dist
 
     from nemo_sspo.models import load_hf_checkpoint
-    from nemo_sspo.trainer import loop
-    from tests.integration._loop_runs import ParityReward
+    from tests.integration._loop_runs import PARITY_REWARD
 
-    loop.MathVerifyReward = ParityReward
     # One process group for both trainers: torchrun's store does not support a second rendezvous
     # after destroy_process_group (initialize_parallel reuses an existing group and leaves it alone).
     dist.init_process_group("gloo")
     tiny = load_hf_checkpoint("tiny-random-llama")
-    common = ["parallel.tensor_model_parallel_size=2", "trainer.max_steps=3", "trainer.checkpoint_interval=2"]
+    common = [f"reward.name={PARITY_REWARD}", "parallel.tensor_model_parallel_size=2", "trainer.max_steps=3", "trainer.checkpoint_interval=2"]
     straight = _fit([*common, f"trainer.output_dir={out / 'straight'}"], tiny)
     step2 = out / "straight" / "checkpoints" / "step_000002"
     resumed = _fit([*common, f"trainer.output_dir={out / 'resumed'}", f"trainer.resume={step2}"], tiny)

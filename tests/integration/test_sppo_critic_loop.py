@@ -80,3 +80,14 @@ def test_critic_and_reference_match_a_single_process(run_distributed, single_pro
         for key in keys:
             assert ranks[0][step][key] == ranks[1][step][key], key  # every rank logs the same value
             assert ranks[0][step][key] == pytest.approx(single_process[step][key], rel=1e-4, abs=1e-6), (step, key)
+
+
+def test_bad_critic_source_is_named_by_its_own_key(monkeypatch, tmp_path):
+    # The checkpoint loader names its argument (source=...); the trainer adds the key the value came
+    # from. Before, a missing critic folder was reported as model.source=..., the policy's key.
+    missing = tmp_path / "no_such_critic"
+    with pytest.raises(ValueError, match=rf"^critic\.source='{missing}' is not a built-in source"):
+        try:
+            make_trainer(monkeypatch, tmp_path, [*SPPO, f"critic.source={missing}"])
+        finally:
+            destroy_parallel()

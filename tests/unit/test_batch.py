@@ -37,6 +37,28 @@ def test_pack_rollouts_hand_layout():
     assert b.advantages.tolist() == [1.0, -1.0, 0.0]
 
 
+def test_from_rollout_places_engine_logprobs_at_the_target_columns():
+    # The layout of test_pack_rollouts_hand_layout; engine log-probs of the sampled tokens
+    # (response frame): row 0 [-0.1, -0.2, -0.3], row 1 [-0.4, pad, pad], row 2 empty. Response
+    # token t of a row with prompt length P sits at target column P - 1 + t: row 0 (P = 2) at
+    # columns 1, 2, 3; row 1 (P = 3) at column 2; 0 elsewhere.
+    from nemo_sspo.rollout import RolloutBatch
+
+    prompt_ids = torch.tensor([[PAD, 5, 6], [4, 5, 6], [PAD, PAD, 1]])
+    response_ids = torch.tensor([[7, 8, 9], [3, PAD, PAD], [PAD, PAD, PAD]])
+    response_mask = torch.tensor([[1, 1, 1], [1, 0, 0], [0, 0, 0]], dtype=torch.bool)
+    engine = torch.tensor([[-0.1, -0.2, -0.3], [-0.4, 9.0, 9.0], [9.0, 9.0, 9.0]])
+    rollout = RolloutBatch(prompt_ids=prompt_ids, prompt_mask=prompt_ids != PAD, response_ids=response_ids,
+                           response_mask=response_mask, truncated=torch.zeros(3, dtype=torch.bool),
+                           response_texts=["", "", ""], rollout_logprobs=torch.where(response_mask, engine, 0.0))
+    segments = torch.tensor([[0, 0, 1], [0, -1, -1], [-1, -1, -1]])
+    b = PolicyBatch.from_rollout(rollout, segments, torch.tensor([1.0, -1.0, 0.0]), pad_id=PAD)
+    expected = torch.tensor([[0, -0.1, -0.2, -0.3, 0], [0, 0, -0.4, 0, 0], [0] * 5])
+    assert torch.equal(b.rollout_logprobs, expected)
+    assert b.loss_mask.tolist() == [[False, True, True, True, False], [False, False, True, False, False],
+                                    [False] * 5]
+
+
 def test_concat_rollouts_pads_prompts_left_and_responses_right():
     from nemo_sspo.rollout import RolloutBatch
     from nemo_sspo.trainer.batch import concat_rollouts

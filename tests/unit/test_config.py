@@ -65,6 +65,7 @@ def test_defaults_are_the_cpu_demo():
     # conf/sspo_smollm2_cpu.yaml only selects groups, so it equals the dataclass defaults.
     cfg = load_config()
     defaults = TrainConfig()
+    defaults.rollout.dynamic_sampling = False  # null resolved at load time: SSPO asks for none
     for section in ("model", "rollout", "reward", "optim", "trainer", "eval", "critic"):
         assert getattr(cfg, section) == getattr(defaults, section), section
     assert (cfg.rollout.prompts_per_step, cfg.rollout.max_new_tokens, cfg.trainer.max_steps) == (2, 64, 12)

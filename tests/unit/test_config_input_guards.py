@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 
 import pytest
 import torch
@@ -18,6 +19,7 @@ from nemo_sspo.algorithms.losses import (
     select_high_covariance_tokens,
 )
 from nemo_sspo.algorithms.critic import critic_advantages, critic_targets
+from nemo_sspo.trainer.config import unknown_key_message
 
 
 def _numeric_fields(config_cls):
@@ -62,7 +64,7 @@ def test_kl_coef_true_is_not_one():
 
 def test_misspelt_param_names_field_lists_valid_and_suggests():
     with pytest.raises(ValueError) as err:
-        build_policy_loss_config("grpo", {"kl_coeff": 0.05})
+        build_policy_loss_config("grpo", {"kl_coeff": 0.05}, where="loss.params")
     msg = str(err.value)
     assert "loss.params.kl_coeff" in msg and "did you mean 'kl_coef'" in msg
     valid = [f.name for f in dataclasses.fields(get_policy_loss("grpo").config_cls)]
@@ -71,9 +73,13 @@ def test_misspelt_param_names_field_lists_valid_and_suggests():
 
 
 def test_group_hint_only_when_key_belongs_to_another_loss():
-    with pytest.raises(ValueError, match=r"'gamma' is a field of the losses \['sspo'\].*"
-                                         r"`loss=grpo`.*rather than setting loss.name"):
+    # The registry names the owners in its own terms; the config layer adds the YAML hint.
+    with pytest.raises(ValueError, match=r"^params\.gamma: .*'gamma' is a field of the losses \['sspo'\], "
+                                         r"not of 'grpo'$"):
         build_policy_loss_config("grpo", {"gamma": 2.2})
+    assert re.search(r"^loss\.params\.gamma: .*\['sspo'\].*`loss=grpo`.*rather than setting loss\.name$",
+                     unknown_key_message("loss.params.gamma", "grpo"))
+    assert "loss=" not in unknown_key_message("loss.params.no_such_key", "grpo")
     with pytest.raises(ValueError) as err:
         build_policy_loss_config("grpo", {"no_such_key": 1})
     assert "loss.name" not in str(err.value) and "did you mean" not in str(err.value)

@@ -78,5 +78,5 @@ def test_truncate_layers_keeps_the_first_layers():
     assert config2.num_hidden_layers == 1 and config2.layer_types == ["full_attention"]
     assert config.num_hidden_layers == 3  # the original is untouched
     assert sorted(state2) == ["model.embed_tokens.weight", "model.layers.0.mlp.w", "model.norm.weight"]
-    with pytest.raises(ValueError, match="critic.num_layers=4"):
+    with pytest.raises(ValueError, match="num_layers=4 must be in"):
         truncate_layers(config, state, 4)

@@ -102,12 +102,15 @@ def test_limit_takes_the_first_problems_in_file_order(data_dir, reward):
     assert results[metric_key("math500")] == 1.0  # the wrong third answer is outside the subset
 
 
-def test_evaluate_errors_name_the_config_key(data_dir, monkeypatch):
+def test_evaluate_errors_name_their_arguments(data_dir, monkeypatch):
+    # The function names its own arguments; a caller passes how its user spells data_dir.
     monkeypatch.delenv("NEMO_SSPO_DATA_DIR", raising=False)
     engine = _CannedEngine({})
-    with pytest.raises(ValueError, match="eval.data_dir is not set"):
+    with pytest.raises(ValueError, match="^data_dir is not set"):
         evaluate(engine, None, ["math500"])
-    with pytest.raises(ValueError, match="eval.limit_per_benchmark=0"):
+    with pytest.raises(ValueError, match="eval.data_dir is not set"):
+        evaluate(engine, None, ["math500"], data_dir_key="eval.data_dir")
+    with pytest.raises(ValueError, match="^limit=0"):
         evaluate(engine, None, ["math500"], data_dir=str(data_dir), limit=0)
     with pytest.raises(ValueError, match="valid: math_train"):
         evaluate(engine, None, ["gsm9k"], data_dir=str(data_dir))
@@ -147,3 +150,17 @@ def test_eval_subcommand_reports_bad_settings_with_their_key(capsys):
     assert "eval.limit_per_benchmark must be >= 1" in capsys.readouterr().err
     assert main(["eval", "eval.benchmarks=[math500,gsm9k]"]) == 2
     assert "eval.benchmarks has unknown names ['gsm9k']" in capsys.readouterr().err
+
+
+def test_exported_stop_token_ids_is_the_model_stop_list():
+    # nemo_sspo.evaluation.stop_token_ids used to raise NameError (a stale copy read an undefined
+    # list). A tokenizer with EOS 2 and "<|im_end|>" at 7: the stop list is [2, 7].
+    from nemo_sspo.evaluation import stop_token_ids
+
+    class _Tokenizer:
+        eos_token_id = 2
+
+        def get_vocab(self):
+            return {"a": 0, "<|im_end|>": 7, "b": 9}
+
+    assert stop_token_ids(_Tokenizer()) == [2, 7]

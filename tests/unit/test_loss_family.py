@@ -1,7 +1,7 @@
 """The comparison family of policy losses: hand-worked values, float64 references written from each
 paper's formula (Python loops, never the code under test), identities between losses, and the
 failure classes of docs/pitfalls.md that concern losses (docs/pitfalls.md#p1, #p3, #p12) for every
-registered name.
+registered name, whose hand values come from one table (tests/unit/loss_cases.py).
 
 Helpers: `_loss` calls a registered loss with old log-probs `old` (default 0, so logprobs are the
 token log-ratios) and returns (per-token loss, numerator, denominator, d(num/den)/d logprobs,
@@ -21,6 +21,7 @@ from nemo_sspo.algorithms.losses import (
     make_policy_loss,
     policy_loss_names,
 )
+from tests.unit.loss_cases import E20, LOSS_CASES, hand_aggregate, loss_case, token_weights
 
 LN3 = math.log(3.0)
 
@@ -540,9 +541,10 @@ def test_matches_float64_reference(name, params, reference, seed):
     assert (num / den).item() == pytest.approx(-objective.item(), abs=1e-12)
     assert torch.allclose(grad, ref_grad, atol=1e-12, rtol=0)
     # Not degenerate: clip losses clip some tokens but not all; cov losses select some.
-    if name in ("grpo", "dr_grpo", "dapo", "gspo", "gspo_token", "lpo", "dcpo", "gmpo", "cispo"):
+    case = loss_case(name)
+    if case.clips_random_batch:
         assert 0 < _frac(metrics["policy/clipfrac_tokens"]) < 1
-    if name in ("clip_cov", "kl_cov"):
+    if case.selects_random_batch:
         assert metrics["policy/cov_selected_frac"].total >= 1
 
 
@@ -613,81 +615,41 @@ def test_sspo_segmentation_response_equals_gspo_bounds_aside():
 
 # ----------------------------------------------------------------------------- pitfalls
 
-ON_POLICY_NAMES = [n for n in policy_loss_names() if n != "cispo"]  # CISPO's value holds log pi
+def test_every_registered_loss_has_a_row_of_hand_values():
+    missing = [name for name in policy_loss_names() if name not in LOSS_CASES]
+    assert not missing, f"add {missing} to tests/unit/loss_cases.py LOSS_CASES"
+    assert sorted(LOSS_CASES) == policy_loss_names()  # no row for a loss that no longer exists
 
 
-@pytest.mark.parametrize("name", ON_POLICY_NAMES)
-def test_ratio_one_gives_minus_advantage(name):
-    # docs/pitfalls.md#p1: on-policy (ratio 1) every per-token loss is -A. Under seq-mean-token-mean
-    # the p1 batch (lengths [2, 4], A [+1, -1]) has loss 0, under token-mean (-2 + 4) / 6 = 1/3.
+@pytest.mark.parametrize("name", policy_loss_names())
+def test_ratio_one_gives_the_policy_gradient(name):
+    # docs/pitfalls.md#p1: on-policy (ratio 1) every token's gradient is -A_i times the token's
+    # aggregation weight, whatever the loss; the per-token value is the row's on_policy_value
+    # (-A for ratio losses). The p1 batch: lengths [2, 4], A [+1, -1], log pi -1 everywhere.
+    case = loss_case(name)
     mask = torch.tensor([[1, 1, 0, 0], [1, 1, 1, 1]], dtype=torch.bool)
-    logprobs = torch.full((2, 4), -1.0)
-    loss, num, den, _, _ = _loss(name, logprobs, torch.tensor([1.0, -1.0]), mask,
-                                 old=logprobs.clone(), l_max=4)
-    assert torch.allclose(loss, torch.where(mask, torch.tensor([[-1.0], [1.0]]), 0.0), atol=1e-6)
+    logprobs, adv = torch.full((2, 4), -1.0, dtype=torch.float64), torch.tensor([1.0, -1.0])
+    loss, num, den, grad, _ = _loss(name, logprobs, adv, mask, old=logprobs.clone(), l_max=4)
+    expected = torch.where(mask, case.on_policy_value(adv.double(), logprobs), 0.0)
+    torch.testing.assert_close(loss, expected, rtol=0, atol=1e-12)
     mode = get_policy_loss(name).config_cls().aggregation
-    expected = {"seq-mean-token-mean": 0.0, "token-mean": 1 / 3,
-                "constant-denominator": (-2 / 4 + 4 / 4) / 2}[mode]
-    assert (num / den).item() == pytest.approx(expected, abs=1e-6)
+    value, count = hand_aggregate(expected, mask, mode, 4)
+    assert (num / den).item() == pytest.approx(value, abs=1e-12) and den.item() == count
+    weights = token_weights(mask, mode, 4)
+    torch.testing.assert_close(grad, -adv.double()[:, None] * weights, rtol=0, atol=1e-12)
 
 
-# The docs/pitfalls.md#p3 case: 2 rows x 3 tokens, old log-prob -120, log-prob -20, so every
-# token log-ratio d = 100 and every segment / response mean is 100 too; old entropy 1, one segment
-# per row. The mean log-ratio is clamped at LOG_RATIO_CLAMP = 20 before exp: s = e^20 =
-# 4.851651954e8 for every ratio unit, and the clamp passes no gradient. Per-token loss -psi(s, A)
-# by hand from docs/algorithms.md, with each loss's default config:
-E20 = math.exp(20.0)
-# A = +1: s is above every upper bound, so psi = b_high * A (the clipped branch, no gradient).
-P3_LOSS_AT_PLUS_ONE = {
-    "grpo": -1.2, "dr_grpo": -1.2, "sppo": -1.2, "sspo_fixed_clip": -1.2,  # -(1 + eps_high 0.2)
-    "dapo": -1.28,                       # clip-higher eps_high 0.28
-    "gspo": -1.0004, "gspo_token": -1.0004,  # eps_high 4e-4
-    "lpo": -1.03,                        # eps 0.03
-    "clip_cov": -2.0,                    # eps_high 1 (all Cov_t = 0: outside the band (1, 5))
-    "sspo": -1.75,                       # b_high = min(1 + alpha + H, gamma) = min(1 + 0 + 1, 1.75)
-    # q = pi_old = e^-120: b_high = min(0.5 + 0.5 sqrt(1 + 4 * 0.28 / q), r_max) = r_max = 10.
-    "dcpo": -10.0,
-    "gmpo": -math.exp(0.4),              # phi(d) = min(d, 0.4) = 0.4 per token -> s = e^0.4
-    # phi(d) = (2 / tau) tanh(tau d / 2) = 2 tanh(50) = 2 (tau_pos 1) -> s = e^2, unclipped.
-    "soft_seq_po": -math.exp(2.0),
-    # psi = A (1 + (2 / tau) tanh(tau (s - 1) / 2)) = 1 + 2 tanh(2.4e8) = 3 (tau_pos 1).
-    "sapo": -3.0,
-    "kl_cov": -E20,                      # unclipped psi = s A (+ the penalty below)
-    # CISPO: -sg(clip(s, 1 - 1, 1 + 4)) A log pi_theta = -5 * 1 * (-20) = 100.
-    "cispo": 100.0,
-}
-# A = -1: s is above every lower bound, so min(s A, clip(s) A) = s A = -e^20 (loss e^20) unless a
-# dual clip caps it at -c A, or the surrogate is bounded by construction.
-P3_LOSS_AT_MINUS_ONE = {
-    **{name: E20 for name in P3_LOSS_AT_PLUS_ONE},
-    "dcpo": 10.0,                        # dual clip c = 10
-    "sppo": 3.0,                         # dual clip c = 3
-    "soft_seq_po": math.exp(2.0),        # tau_neg 1: s = e^2 as above, psi = -e^2
-    "sapo": 1.0 + 2.0 / 1.05,            # tau_neg 1.05: psi = -(1 + 2 / 1.05)
-    "cispo": -100.0,                     # -5 * (-1) * (-20)
-}
-
-
-def _p3_expected(name, advantage):
-    """(per-token loss [2, 3], d(num/den)/d logprobs [2, 3]) of the p3 case, float64, by hand.
-
-    Every aggregation mode divides by 6 here (token-mean: 6 tokens; seq-mean-token-mean: 2 rows of
-    3; constant-denominator: 2 rows x L_max = 3), so the gradient of token t is d loss_t / d lp_t / 6.
-    """
-    value = {0.0: 0.0, 1.0: P3_LOSS_AT_PLUS_ONE[name], -1.0: P3_LOSS_AT_MINUS_ONE[name]}[advantage]
+def _p3_expected(name, advantage, mode):
+    """(per-token loss [2, 3], d(num/den)/d logprobs [2, 3]) of the P3 case, float64, from the
+    loss's row (tests/unit/loss_cases.py) and the aggregation's token weights (by hand)."""
+    case = loss_case(name)
+    value = {0.0: 0.0, 1.0: case.p3_plus, -1.0: case.p3_minus}[advantage]
     loss = torch.full((2, 3), value, dtype=torch.float64)
-    grad = torch.zeros(2, 3, dtype=torch.float64)  # clamp and clip: no gradient
-    if name == "cispo":  # the detached weight 5 times A log pi keeps d loss / d lp = -5 A
-        grad.fill_(-5.0 * advantage / 6)
-    if name == "kl_cov":
-        # Every Cov_t = (lp - mean lp)(A - mean A) = 0; quota max(1, floor(2e-3 * 6)) = 1 token,
-        # the tie keeps the first position (0, 0), which gets beta |d| = 1 * 100 on top, with
-        # d/d lp = beta sign(d) = 1.
-        loss[0, 0] += 100.0
-        grad[0, 0] = 1.0 / 6
-    # soft_seq_po: the exact gradient A e^2 sech^2(50) / 6 is about 1.8e-43 (the gate is flat),
-    # compared with atol below.
-    return loss, grad
+    grad = torch.full((2, 3), case.p3_grad_per_advantage * advantage, dtype=torch.float64)
+    extra_loss, extra_grad = case.p3_first_token
+    loss[0, 0] += extra_loss
+    grad[0, 0] += extra_grad
+    return loss, grad * token_weights(torch.ones(2, 3, dtype=torch.bool), mode, 3)
 
 
 @pytest.mark.parametrize("name", policy_loss_names())
@@ -698,11 +660,13 @@ def test_p3_huge_log_ratio_loss_values(name, advantage):
     loss, num, den, _, _ = _loss(name, old + 100.0, torch.full((2,), advantage), mask, old=old,
                                  segments=torch.zeros(2, 3, dtype=torch.long),
                                  old_entropy=torch.ones(2, 3))
-    expected, _ = _p3_expected(name, advantage)
+    mode = get_policy_loss(name).config_cls().aggregation
+    expected, _ = _p3_expected(name, advantage, mode)
     # rtol 1e-7: float32 holds e^20 as 485165184 (2.4e-8 relative) and the kl_cov penalty of 100
     # is 2e-7 relative, so the tolerance (48.5 at e^20) still sees it.
     torch.testing.assert_close(loss.double(), expected, rtol=1e-7, atol=1e-6)
-    assert (num / den).item() == pytest.approx(expected.mean().item(), rel=1e-7, abs=1e-6)
+    value, _ = hand_aggregate(expected, mask, mode, 3)
+    assert (num / den).item() == pytest.approx(value, rel=1e-7, abs=1e-6)
     inputs = LossInputs(logprobs=old + 100.0, old_logprobs=old, advantages=torch.full((2,), advantage),
                         response_mask=mask, segment_ids=torch.zeros(2, 3, dtype=torch.long),
                         old_entropy=torch.ones(2, 3))
@@ -719,7 +683,7 @@ def test_p3_huge_log_ratio_gradients(name, advantage):
     old = torch.full((2, 3), -120.0)
     _, _, _, grad, _ = _loss(name, old + 100.0, torch.full((2,), advantage), mask, old=old,
                              segments=torch.zeros(2, 3, dtype=torch.long), old_entropy=torch.ones(2, 3))
-    _, expected = _p3_expected(name, advantage)
+    _, expected = _p3_expected(name, advantage, get_policy_loss(name).config_cls().aggregation)
     torch.testing.assert_close(grad.double(), expected, rtol=1e-6, atol=1e-30)
 
 
@@ -736,7 +700,9 @@ def test_p12_empty_response_and_nan_padding(name):
                                     segments=torch.where(mask, 0, -1), old_entropy=entropy)
     assert loss[1].abs().sum() == 0 and loss[0, 2] == 0
     assert grad[1].abs().sum() == 0 and grad[0, 2] == 0
-    assert den.item() == (2.0 if get_policy_loss(name).config_cls().aggregation == "token-mean" else 1.0)
+    # The denominator counts row 0 only (2 tokens or 1 response, per the mode), never the empty row.
+    assert den.item() == hand_aggregate(torch.ones(2, 3), mask, get_policy_loss(name).config_cls().aggregation,
+                                        3)[1]
     # Second computation: row 0 alone, without the empty row or the padding column (same L_max 3).
     # Padding must change nothing: the same per-token loss, numerator, gradient and metrics.
     clean = dict(old=old[:1, :2], segments=torch.zeros(1, 2, dtype=torch.long),

@@ -30,9 +30,9 @@ from nemo_sspo.algorithms.losses import (
     unregister_soft_gate,
 )
 from nemo_sspo.algorithms.losses.metrics import ENTROPY_BAND_KEYS
+from tests.unit.loss_cases import LOSS_CASES
 
-ALL_NAMES = ["cispo", "clip_cov", "dapo", "dcpo", "dr_grpo", "gmpo", "grpo", "gspo", "gspo_token",
-             "kl_cov", "lpo", "sapo", "soft_seq_po", "sppo", "sspo", "sspo_fixed_clip"]
+ALL_NAMES = sorted(LOSS_CASES)  # the one table of per-loss hand values
 
 
 def _call(name, config, logprobs, old, advantages, mask, segment_ids, old_entropy, **optional):
@@ -56,8 +56,9 @@ def test_registry_holds_the_family():
         assert isinstance(loss.requirements.segmentation, str)
         assert loss.requirements.segmentation == (record.unit or config.segmentation)
         assert config.advantage_std_normalisation in (True, False)
-        # Each config names its paper (LPO: the Ling 2.0 report, arXiv 2510.22115).
-        assert "arXiv" in config_cls.__doc__, name
+        # Each config names its source: a paper (LPO: the Ling 2.0 report, arXiv 2510.22115), or
+        # says the method is ours.
+        assert "arXiv" in config_cls.__doc__ or "ours" in config_cls.__doc__, name
         assert type(loss).__call__.__doc__ and "minimise" in type(loss).__call__.__doc__
 
 

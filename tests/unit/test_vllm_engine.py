@@ -137,7 +137,7 @@ def test_token_id_outside_the_vocabulary_is_refused(tokenizer, bad_id):
 
 def test_response_over_the_length_cap_is_refused(tokenizer):
     outputs = [_request([11, 12], [-0.5, -1.0], "length"), _request([11, 12, 13], [-0.5, -1.0, -2.0], "length")]
-    with pytest.raises(ValueError, match=r"'vllm' returned 3 tokens for row 1, more than rollout.max_new_tokens=2"):
+    with pytest.raises(ValueError, match=r"'vllm' returned 3 tokens for row 1, more than max_new_tokens=2"):
         _convert(tokenizer, outputs, max_new_tokens=2)
 
 

@@ -158,7 +158,7 @@ TRAIN = ["model=smollm2_135m", "rollout.backend=vllm", "rollout.vllm.enforce_eag
          "trainer.save_hf_checkpoint=false"]
 
 
-def test_train_loop_refits_vllm_after_each_optimizer_step(monkeypatch, tmp_path):
+def test_train_loop_refits_vllm_after_each_optimizer_step(tmp_path):
     # In-process run with a reward that varies, so the update moves the weights; the default chat
     # prompt (> 128 tokens, a shared system prefix) makes step 2 reuse step 1's prefix blocks unless
     # the refit resets the prefix cache. The gap is the trainer's (Megatron fp32) log-probs against
@@ -168,9 +168,8 @@ def test_train_loop_refits_vllm_after_each_optimizer_step(monkeypatch, tmp_path)
     from nemo_sspo.trainer import loop
     from tests.integration._loop_runs import ParityReward
 
-    monkeypatch.setattr(loop, "MathVerifyReward", ParityReward)
     cfg = load_config(overrides=TRAIN + ["optim.lr=1e-3", "rollout.tis_cap=2.0", f"trainer.output_dir={tmp_path}"])
-    trainer = loop.GRPOTrainer(cfg, loop.start_parallel(cfg.parallel, cfg.trainer.seed))
+    trainer = loop.GRPOTrainer(cfg, loop.start_parallel(cfg.parallel, cfg.trainer.seed), reward=ParityReward())
     try:
         step1, step2 = trainer.fit()
         policy = export_hf_state_dict(trainer.model.module, trainer.hf_config)

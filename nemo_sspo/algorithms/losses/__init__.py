@@ -2,10 +2,13 @@
 
 One call for plain tensors: ``compute_policy_loss(name, LossInputs(...), **params)``. Hosts that
 reduce over micro-batches bind a loss once (:func:`make_policy_loss`) and call
-:func:`policy_loss_sums` per micro-batch. Registered names: grpo, dr_grpo, dapo, gspo, gspo_token,
-sspo, sspo_fixed_clip, lpo, sppo, dcpo, gmpo, sapo, soft_seq_po (the segment-ratio engine,
-:class:`RatioEngine`), cispo, clip_cov and kl_cov. Importing this package registers them.
+:func:`policy_loss_sums` per micro-batch. The registered names are :func:`policy_loss_names`
+(docs/algorithms.md has the table). Importing this package imports every module in it, and each
+loss module registers its losses, so a new loss is one new module (docs/extending.md).
 """
+
+import importlib
+import pkgutil
 
 from nemo_sspo.algorithms.losses.adaptive_bounds import DCPOLossConfig, SSPOLossConfig
 from nemo_sspo.algorithms.losses.api import compute_policy_loss, policy_loss_sums
@@ -18,7 +21,7 @@ from nemo_sspo.algorithms.losses.covariance import (
     select_random_covariance_tokens,
 )
 from nemo_sspo.algorithms.losses.geometric import GMPOLossConfig, SoftSeqPOLossConfig
-from nemo_sspo.algorithms.losses.inputs import LossInputs, LossOutput, PolicyLoss
+from nemo_sspo.algorithms.losses.inputs import LossInputs, LossOutput, LossRequirements, PolicyLoss
 from nemo_sspo.algorithms.losses.ratio_clip import (
     DAPOLossConfig,
     DrGRPOLossConfig,
@@ -31,7 +34,6 @@ from nemo_sspo.algorithms.losses.ratio_clip import (
 )
 from nemo_sspo.algorithms.losses.registry import (
     LossRecord,
-    LossRequirements,
     build_policy_loss_config,
     get_policy_loss,
     make_policy_loss,
@@ -48,6 +50,9 @@ from nemo_sspo.algorithms.losses.soft_gates import (
     unregister_soft_gate,
 )
 from nemo_sspo.algorithms.ratios import LOG_RATIO_CLAMP
+
+for _module in pkgutil.iter_modules(__path__):
+    importlib.import_module(f"{__name__}.{_module.name}")  # registers the losses it defines
 
 __all__ = [
     "LOG_RATIO_CLAMP",

@@ -89,7 +89,8 @@ class SSPOLossConfig(PolicyLossConfig):
 @dataclass
 class DCPOLossConfig(PolicyLossConfig):
     """DCPO (arXiv 2509.02333, code lime-RL/DCPO): token ratio with bounds from the old token
-    probability, dual clip for A < 0 (module docstring; defaults from the shipped run)."""
+    probability, dual clip for A < 0 (module docstring; defaults from the shipped run).
+    """
 
     eps_low: float = 0.2
     """Lower budget: (1 - r) r q <= eps_low; 0 <= eps_low <= 1 (run_base.sh: 0.2)."""
@@ -122,6 +123,7 @@ class EntropyAdaptiveBounds:
     config: SSPOLossConfig
 
     def __call__(self, context: BoundsContext) -> tuple[torch.Tensor, torch.Tensor]:
+        """SSPO's (b_low, b_high) at every token from its segment's entropy (eqs. 14-15)."""
         c = self.config
         return entropy_adaptive_bounds(context.segment_entropy, alpha=c.alpha, beta=c.beta,
                                        gamma=c.gamma, lower=c.lower_bound)
@@ -134,6 +136,7 @@ class OldProbabilityBounds:
     config: DCPOLossConfig
 
     def __call__(self, context: BoundsContext) -> tuple[torch.Tensor, torch.Tensor]:
+        """DCPO's (b_low, b_high) at every token from its old probability (module docstring)."""
         c = self.config
         old_prob = torch.exp(context.old_logprobs).clamp(min=torch.finfo(context.old_logprobs.dtype).tiny)
         b_high = (0.5 + 0.5 * torch.sqrt(1.0 + 4.0 * c.eps_high / old_prob)).clamp(max=c.ratio_max)

@@ -17,7 +17,7 @@ mode like the policy term.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 
 import torch
 
@@ -26,6 +26,7 @@ from nemo_sspo.algorithms.aggregation import AGGREGATION_MODES
 from nemo_sspo.algorithms.kl import KL_ESTIMATORS, kl_estimate
 from nemo_sspo.algorithms.losses.inputs import LossInputs
 from nemo_sspo.algorithms.losses.metrics import policy_metrics
+from nemo_sspo.algorithms.ratios import segment_mean
 from nemo_sspo.algorithms.segmentation import SEGMENTATIONS, mask_segment_ids
 from nemo_sspo.metrics import mean_pair
 
@@ -76,7 +77,8 @@ def check_numeric_fields(config) -> None:
 
 def check_eps(config, low_name: str, high_name: str) -> None:
     """Check ``0 <= config.<low_name> <= 1`` and ``config.<high_name> >= 0`` (ratio bounds
-    ``1 - low`` >= 0 and ``1 + high``)."""
+    ``1 - low`` >= 0 and ``1 + high``).
+    """
     low, high = getattr(config, low_name), getattr(config, high_name)
     if not 0.0 <= low <= 1.0 or high < 0.0:
         raise config_error(config, f"{low_name}={low}, {high_name}={high}: need 0 <= {low_name} "
@@ -207,18 +209,22 @@ def check_optional_inputs(config: PolicyLossConfig, inputs: LossInputs) -> None:
 class LossTerms:
     """A loss's per-token result before the additive terms; all ``[B, T]``.
 
+    Only the first five fields are required: an objective without clip bounds, a gate or a
+    selection leaves the rest at their defaults (no token clipped, no gradient zeroed).
+
     Attributes:
         per_token_loss: value to minimise (differentiable), 0 at masked positions.
         response_mask: bool, valid tokens.
         segments: int64 ids of the loss's ratio segments (-1 masked).
-        segment_length: float, token count of each token's segment (0 masked).
-        segment_entropy: float, mean old-policy entropy over each token's segment (eq. 13), or
-            None when the inputs carry no old entropy.
         log_ratio: detached token log-ratio d_t = log pi_theta - log pi_old (0 masked).
-        ratio: detached ratio the loss applies to each token (segment/sequence/token ratio).
+        ratio: detached ratio (or weight) the loss applies to each token.
+        segment_length: float, token count of each token's segment (0 masked); None: counted
+            from ``segments``.
+        segment_entropy: float, mean old-policy entropy over each token's segment (eq. 13), or
+            None: computed from ``LossInputs.old_entropy`` when the inputs carry it.
         clip_low / clip_high / clip_dual: bool, the token's ratio (or its IS weight) was clipped
-            at the lower / upper bound, or the dual clip was active.
-        grad_zero: bool, the loss's clip/selection removed the token's gradient.
+            at the lower / upper bound, or the dual clip was active; None: never.
+        grad_zero: bool, the loss's clip/selection removed the token's gradient; None: never.
         b_low / b_high: clip bounds at each token, or None for losses without bounds.
         gate_weight: factor by which a soft gate scales the token's gradient, or None.
         extra_metrics: loss-specific ``MetricPair`` s (:mod:`nemo_sspo.metrics`).
@@ -227,18 +233,29 @@ class LossTerms:
     per_token_loss: torch.Tensor
     response_mask: torch.Tensor
     segments: torch.Tensor
-    segment_length: torch.Tensor
-    segment_entropy: torch.Tensor | None
     log_ratio: torch.Tensor
     ratio: torch.Tensor
-    clip_low: torch.Tensor
-    clip_high: torch.Tensor
-    clip_dual: torch.Tensor
-    grad_zero: torch.Tensor
+    segment_length: torch.Tensor | None = None
+    segment_entropy: torch.Tensor | None = None
+    clip_low: torch.Tensor | None = None
+    clip_high: torch.Tensor | None = None
+    clip_dual: torch.Tensor | None = None
+    grad_zero: torch.Tensor | None = None
     b_low: torch.Tensor | None = None
     b_high: torch.Tensor | None = None
     gate_weight: torch.Tensor | None = None
     extra_metrics: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        """Fill the defaulted flags (all False) and the segment lengths (from ``segments``)."""
+        never = torch.zeros_like(self.response_mask)
+        for name in ("clip_low", "clip_high", "clip_dual", "grad_zero"):
+            if getattr(self, name) is None:
+                object.__setattr__(self, name, never)
+        if self.segment_length is None:
+            ones = self.response_mask.to(self.ratio.dtype)
+            object.__setattr__(self, "segment_length",
+                               segment_mean(ones, self.segments, self.response_mask)[1])
 
 
 def finish_policy_loss(terms: LossTerms, config: PolicyLossConfig,
@@ -252,6 +269,9 @@ def finish_policy_loss(terms: LossTerms, config: PolicyLossConfig,
     per_token = terms.per_token_loss
     zero = torch.zeros((), dtype=per_token.dtype, device=per_token.device)
     old_entropy = None if inputs.old_entropy is None else inputs.old_entropy.detach()
+    if old_entropy is not None and terms.segment_entropy is None:
+        entropy, _ = segment_mean(old_entropy, terms.segments, mask)
+        terms = replace(terms, segment_entropy=entropy)
     metrics = policy_metrics(terms, old_entropy)
     tokens = mask.sum()
     if inputs.ref_logprobs is not None:

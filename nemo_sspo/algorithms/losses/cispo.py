@@ -54,6 +54,7 @@ class CISPOObjective:
     config: CISPOLossConfig
 
     def __call__(self, inputs: LossInputs, segments: torch.Tensor) -> LossTerms:
+        """CISPO's per-token terms of one micro-batch (token segments)."""
         logprobs, mask = inputs.logprobs, inputs.response_mask
         zero = torch.zeros((), dtype=logprobs.dtype, device=logprobs.device)
         own_logprobs = torch.where(mask, logprobs, zero)
@@ -62,23 +63,14 @@ class CISPOObjective:
         low, high = 1.0 - self.config.eps_low_is, 1.0 + self.config.eps_high_is
         weight = ratio.clamp(low, high)
         adv = inputs.advantages.detach().to(logprobs.dtype).unsqueeze(1)
-        never = torch.zeros_like(mask)
-        entropy = None
-        if inputs.old_entropy is not None:
-            entropy = torch.where(mask, inputs.old_entropy.detach().to(logprobs.dtype), zero)
         return LossTerms(
             per_token_loss=torch.where(mask, -weight * adv * own_logprobs, zero),
             response_mask=mask,
             segments=segments,
-            segment_length=mask.to(logprobs.dtype),
-            segment_entropy=entropy,
             log_ratio=log_ratio,
             ratio=weight,
             clip_low=(ratio < low) & mask,
             clip_high=(ratio > high) & mask,
-            clip_dual=never,
-            grad_zero=never,
         )
-
 
 register_policy_loss(LossRecord("cispo", CISPOLossConfig, CISPOObjective, unit="token"))

@@ -32,16 +32,17 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
+from typing import Protocol
 
 import torch
 
-from nemo_sspo.algorithms.losses.base import LossTerms, PolicyLossConfig, config_error
+from nemo_sspo.algorithms.losses.base import LossTerms, PolicyLossConfig, check_eps, config_error
 from nemo_sspo.algorithms.losses.inputs import LossInputs
 from nemo_sspo.algorithms.losses.ratio_clip import (
     FixedBounds,
-    GRPOLossConfig,
     HardClip,
     RatioEngine,
+    check_dual_clip,
     unclipped,
 )
 from nemo_sspo.algorithms.losses.registry import LossRecord, register_policy_loss
@@ -80,7 +81,8 @@ def _quota(fraction: float, response_mask: torch.Tensor) -> torch.Tensor:
 
 def _pick_highest(key: torch.Tensor, eligible: torch.Tensor, quota: torch.Tensor):
     """``[B, T]`` bool: the ``quota`` eligible positions with the highest ``key`` (fewer if fewer are
-    eligible). Ties keep the earlier position (row-major). No host synchronisation."""
+    eligible). Ties keep the earlier position (row-major). No host synchronisation.
+    """
     flat = torch.where(eligible, key, torch.full_like(key, -math.inf)).reshape(-1)
     order = torch.sort(flat, descending=True, stable=True).indices
     rank = torch.empty_like(order)
@@ -107,9 +109,12 @@ def select_high_covariance_tokens(
     the quota may be.
 
     Args:
-        logprobs, advantages, response_mask: as :func:`token_covariance`.
+        logprobs: ``[B, T]`` float, log pi_theta of the sampled tokens (read without gradient).
+        advantages: ``[B]`` float, one advantage per response.
+        response_mask: ``[B, T]`` bool.
         fraction: share of the N valid tokens to select, in [0, 1].
-        cov_min, cov_max: open eligibility band of Cov_t.
+        cov_min: lower edge of the open eligibility band of Cov_t.
+        cov_max: upper edge of the open eligibility band of Cov_t.
 
     Returns:
         ``(selected [B, T] bool, covariance [B, T] float)``; covariance is 0 at masked positions.
@@ -140,9 +145,12 @@ def select_random_covariance_tokens(
     the result depends only on the inputs and the seed, not on the device.
 
     Args:
-        logprobs, advantages, response_mask: as :func:`token_covariance`.
+        logprobs: ``[B, T]`` float, log pi_theta of the sampled tokens (read without gradient).
+        advantages: ``[B]`` float, one advantage per response.
+        response_mask: ``[B, T]`` bool.
         fraction: share of the N valid tokens to select, in [0, 1].
-        cov_min, cov_max: open eligibility band of Cov_t.
+        cov_min: lower edge of the open eligibility band of Cov_t.
+        cov_max: upper edge of the open eligibility band of Cov_t.
         exclude: ``[B, T]`` bool, tokens that may not be selected (those the clip already cut).
         seed: seed of the key generator.
 
@@ -165,14 +173,18 @@ def _check_fraction(config) -> None:
 
 
 @dataclass
-class ClipCovLossConfig(GRPOLossConfig):
+class ClipCovLossConfig(PolicyLossConfig):
     """Clip-Cov (arXiv 2505.22617; code PRIME-RL/Entropy-Mechanism-of-RL): GRPO objective, loss set
-    to 0 on randomly drawn high-covariance tokens the clip has not cut (module docstring)."""
+    to 0 on randomly drawn high-covariance tokens the clip has not cut (module docstring).
+    """
 
     eps_low: float = 1.0
     """Lower clip 1 - eps_low (recipe clip_ratio_low = 1: lower bound 0, never binds)."""
     eps_high: float = 1.0
     """Upper clip 1 + eps_high (recipe clip_ratio_high = 1: ratio clipped above 2)."""
+    dual_clip_c: float | None = None
+    """Dual-clip constant c > 1 for A < 0 tokens (the recipe's clip_ratio_c is not read by
+    Clip-Cov's loss); None disables."""
     aggregation: str = "token-mean"
     """The recipe's loss_agg_mode."""
     select_fraction: float = 2e-4
@@ -185,7 +197,10 @@ class ClipCovLossConfig(GRPOLossConfig):
     """Seed of the random draw among eligible tokens (ours; the official code is unseeded)."""
 
     def __post_init__(self) -> None:
+        """Check the shared fields, the clip, the fraction and the covariance band."""
         super().__post_init__()
+        check_eps(self, "eps_low", "eps_high")
+        check_dual_clip(self)
         _check_fraction(self)
         if self.cov_min >= self.cov_max:
             raise config_error(self, f"cov_min={self.cov_min} >= cov_max={self.cov_max}: the open "
@@ -195,7 +210,8 @@ class ClipCovLossConfig(GRPOLossConfig):
 @dataclass
 class KLCovLossConfig(PolicyLossConfig):
     """KL-Cov (arXiv 2505.22617; code PRIME-RL/Entropy-Mechanism-of-RL): unclipped objective plus
-    the |log r| penalty on the highest-covariance tokens."""
+    the |log r| penalty on the highest-covariance tokens.
+    """
 
     aggregation: str = "token-mean"
     """The recipe's loss_agg_mode."""
@@ -219,6 +235,7 @@ class ClipCovSelection:
     config: ClipCovLossConfig
 
     def __call__(self, inputs: LossInputs, terms: LossTerms) -> tuple[LossTerms, torch.Tensor]:
+        """The terms with the drawn tokens' loss set to 0, and the ``[B, T]`` selection."""
         c = self.config
         selected, _ = select_random_covariance_tokens(
             inputs.logprobs, inputs.advantages, inputs.response_mask, c.select_fraction,
@@ -236,6 +253,7 @@ class KLCovSelection:
     config: KLCovLossConfig
 
     def __call__(self, inputs: LossInputs, terms: LossTerms) -> tuple[LossTerms, torch.Tensor]:
+        """The terms with beta |log r| added at the selected tokens, and the ``[B, T]`` selection."""
         selected, _ = select_high_covariance_tokens(inputs.logprobs, inputs.advantages,
                                                     inputs.response_mask,
                                                     self.config.select_fraction)
@@ -247,15 +265,27 @@ class KLCovSelection:
         return replace(terms, per_token_loss=torch.where(selected, loss + penalty, loss)), selected
 
 
+class TokenSelection(Protocol):
+    """A covariance rule applied to the engine's terms: ``selection(inputs, terms)`` returns the
+    changed terms and the ``[B, T]`` bool mask of selected tokens.
+    """
+
+    def __call__(self, inputs: LossInputs, terms: LossTerms) -> tuple[LossTerms, torch.Tensor]:
+        """The terms with the rule applied, and which tokens it selected."""
+        ...
+
+
 @dataclass(frozen=True)
 class CovarianceObjective:
     """The engine's objective with a covariance selection applied on top; adds the metric
-    ``policy/cov_selected_frac`` (selected tokens / valid tokens)."""
+    ``policy/cov_selected_frac`` (selected tokens / valid tokens).
+    """
 
     engine: RatioEngine
-    selection: object
+    selection: TokenSelection
 
     def __call__(self, inputs: LossInputs, segments: torch.Tensor) -> LossTerms:
+        """The engine's terms after the selection, with ``policy/cov_selected_frac``."""
         terms, selected = self.selection(inputs, self.engine(inputs, segments))
         extra = {"policy/cov_selected_frac": mean_pair(selected.sum(), inputs.response_mask.sum())}
         return replace(terms, extra_metrics={**terms.extra_metrics, **extra})

@@ -35,13 +35,14 @@ import torch
 from nemo_sspo.algorithms.losses.base import PolicyLossConfig, config_error
 from nemo_sspo.algorithms.losses.ratio_clip import RatioEngine, TokenTransform, unclipped
 from nemo_sspo.algorithms.losses.registry import LossRecord, register_policy_loss
-from nemo_sspo.algorithms.losses.soft_gates import SoftGateFields, gate_temperature, get_soft_gate
+from nemo_sspo.algorithms.losses.soft_gates import check_gate, gate_temperature, get_soft_gate
 
 
 @dataclass
 class GMPOLossConfig(PolicyLossConfig):
     """GMPO (arXiv 2507.20673): geometric mean of token ratios clipped in log space (defaults from
-    the authors' verl example, examples/gmpo_trainer)."""
+    the authors' verl example, examples/gmpo_trainer).
+    """
 
     log_clip_low: float = 0.4
     """Token log-ratios of A < 0 responses are clipped below at -log_clip_low (ratio e^-0.4)."""
@@ -56,12 +57,24 @@ class GMPOLossConfig(PolicyLossConfig):
 
 
 @dataclass
-class SoftSeqPOLossConfig(SoftGateFields):
+class SoftSeqPOLossConfig(PolicyLossConfig):
     """Soft Sequence PO (arXiv 2602.19327): geometric mean of soft-gated token ratios.
 
-    The gate's placement, normalisation and the defaults (``SoftGateFields``: sigmoid gate,
-    tau_pos = tau_neg = 1) are ours (module docstring).
+    The gate's placement, normalisation and the defaults (sigmoid gate, tau_pos = tau_neg = 1) are
+    ours (module docstring).
     """
+
+    gate: str = "sigmoid"
+    """Gate family (``soft_gate_names()``); ours."""
+    tau_pos: float = 1.0
+    """Gate temperature for A > 0; ours."""
+    tau_neg: float = 1.0
+    """Gate temperature for A <= 0; ours."""
+
+    def __post_init__(self) -> None:
+        """Check the shared fields, the gate and its temperatures."""
+        super().__post_init__()
+        check_gate(self)
 
 
 @dataclass(frozen=True)
@@ -71,6 +84,7 @@ class LogSpaceClip:
     config: GMPOLossConfig
 
     def __call__(self, log_ratio: torch.Tensor, adv: torch.Tensor) -> TokenTransform:
+        """phi(d) clipped in log space on the side of the advantage's sign, with the clip flags."""
         low, high = self.config.log_clip_low, self.config.log_clip_high
         positive, negative = adv > 0, adv < 0
         clipped = torch.where(positive, log_ratio.clamp(max=high),
@@ -88,6 +102,7 @@ class SoftGateTransform:
     config: SoftSeqPOLossConfig
 
     def __call__(self, log_ratio: torch.Tensor, adv: torch.Tensor) -> TokenTransform:
+        """phi(d) = g(d; tau) and the gate's slope as the gradient factor."""
         gate, tau = get_soft_gate(self.config.gate), gate_temperature(self.config, adv)
         with torch.no_grad():
             weight = gate.slope(log_ratio, tau)

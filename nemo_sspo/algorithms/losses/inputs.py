@@ -22,7 +22,7 @@ import torch
 
 from nemo_sspo.metrics import MetricPair
 
-__all__ = ["LossInputs", "LossOutput", "PolicyLoss"]
+__all__ = ["LossInputs", "LossOutput", "LossRequirements", "PolicyLoss"]
 
 _BT_FIELDS = ("old_logprobs", "response_mask", "segment_ids", "old_entropy", "ref_logprobs",
               "entropy", "token_weights")
@@ -111,16 +111,59 @@ class LossOutput:
     metrics: dict[str, MetricPair] = field(default_factory=dict)
 
 
+@dataclass(frozen=True)
+class LossRequirements:
+    """What a configured loss needs from its host, read in one place.
+
+    Attributes:
+        segmentation: ratio unit (``nemo_sspo.algorithms.segmentation.SEGMENTATIONS``); the host
+            builds ``LossInputs.segment_ids`` with it unless it is "token" or "response".
+        segment_k: tokens per segment for "fixed_k", else None.
+        advantage_source: "group" (group-relative advantages) or "critic" (SPPO's learned
+            prompt value: A = r - sigmoid(V)).
+        normalize_std: divide group-centred rewards by the group std (``group_advantages``).
+        reference_policy: keep a frozen reference policy and pass ``ref_logprobs``.
+        current_entropy: pass the current-policy entropy ``entropy`` (entropy bonus).
+        old_entropy: the loss reads ``old_entropy`` (SSPO's bounds); others only report it.
+        dynamic_sampling: the method refills prompt groups whose rewards are all equal (DAPO,
+            arXiv 2503.14476 section 3.2); the trainer does so unless its config says otherwise.
+        smooth_advantages: group advantages by DCPO's smooth standardisation over each prompt's
+            visits (``smooth_group_advantages``); the host keeps the per-prompt history.
+    """
+
+    segmentation: str
+    segment_k: int | None
+    advantage_source: str
+    normalize_std: bool
+    reference_policy: bool
+    current_entropy: bool
+    old_entropy: bool
+    dynamic_sampling: bool = False
+    smooth_advantages: bool = False
+
+    @property
+    def needs_segment_ids(self) -> bool:
+        """Whether ``LossInputs.segment_ids`` must be given (units not computed from the mask)."""
+        return self.segmentation not in ("token", "response")
+
+
 @runtime_checkable
 class PolicyLoss(Protocol):
     """A policy loss bound to its config: ``loss(inputs) -> LossOutput``.
 
-    ``config`` carries at least the shared fields of
-    :class:`nemo_sspo.algorithms.losses.PolicyLossConfig` (``aggregation`` picks the reduction).
+    Attributes:
+        config: carries at least the shared fields of
+            :class:`nemo_sspo.algorithms.losses.PolicyLossConfig` (``aggregation`` picks the
+            reduction).
+        requirements: what the loss needs from its host (:class:`LossRequirements`): a trainer or
+            adapter reads only this, never the loss's name.
+
     Registered losses are built with :func:`nemo_sspo.algorithms.losses.make_policy_loss`.
     """
 
     config: Any
+    requirements: LossRequirements
 
     def __call__(self, inputs: LossInputs) -> LossOutput:
+        """Per-token loss (value to minimise) and metrics of one micro-batch."""
         ...

@@ -82,7 +82,7 @@ class _Weights:
 
 
 def _raw_ratios(terms) -> dict[str, torch.Tensor]:
-    """exp of the mean token log-ratio over each token, loss segment and response."""
+    """The exp of the mean token log-ratio over each token, loss segment and response."""
     mask, log_ratio = terms.response_mask, terms.log_ratio
     whole = mask_segment_ids("response", mask)
     segment_log, _ = segment_mean(log_ratio, terms.segments, mask)
@@ -97,7 +97,7 @@ def _raw_ratios(terms) -> dict[str, torch.Tensor]:
 def _entropy_bands(weights: _Weights, segment_entropy: torch.Tensor) -> dict[str, MetricPair]:
     edges = (-torch.inf, *ENTROPY_BAND_EDGES, torch.inf)
     out = {}
-    for key, low, high in zip(ENTROPY_BAND_KEYS, edges[:-1], edges[1:]):
+    for key, low, high in zip(ENTROPY_BAND_KEYS, edges[:-1], edges[1:], strict=True):
         inside = (segment_entropy >= low) & (segment_entropy < high)
         out[key] = weights.mean(inside, "segments")
     return out
@@ -106,7 +106,8 @@ def _entropy_bands(weights: _Weights, segment_entropy: torch.Tensor) -> dict[str
 @torch.no_grad()
 def policy_metrics(terms, old_entropy: torch.Tensor | None) -> dict[str, MetricPair]:
     """All keys of the module docstring from a loss's ``LossTerms``, as detached pairs.
-    Without ``old_entropy`` (``[B, T]`` or None) the entropy keys and bands are left out."""
+    Without ``old_entropy`` (``[B, T]`` or None) the entropy keys and bands are left out.
+    """
     mask = terms.response_mask
     weights = _Weights(mask, terms.segment_length)
     flags = {"low": terms.clip_low, "high": terms.clip_high, "dual": terms.clip_dual}

@@ -31,8 +31,9 @@ Losses on this engine (segment unit / bounds / aggregation):
 - ``dr_grpo`` (arXiv 2503.20783 section 3.2): as grpo with the constant denominator L_max
   ("constant-denominator") and advantages without std normalisation
   (``advantage_std_normalisation = False``, read by the trainer).
-- ``dapo`` (arXiv 2503.14476 eq. 8): token / clip-higher [0.8, 1.28] / token-mean. Dynamic
-  sampling and overlong shaping are in ``nemo_sspo.algorithms.dynamic_sampling`` and
+- ``dapo`` (arXiv 2503.14476 eq. 8): token / clip-higher [0.8, 1.28] / token-mean. Its record
+  asks the host for dynamic sampling (``LossRequirements.dynamic_sampling``); the refill and the
+  overlong shaping are in ``nemo_sspo.algorithms.dynamic_sampling`` and
   ``nemo_sspo.algorithms.reward_shaping``.
 - ``gspo`` (arXiv 2507.18071 eqs. 5-7): response / [1 - 3e-4, 1 + 4e-4]; ``gspo_token``: the same
   with ``token_gradient`` (equal to gspo whenever the advantage is constant over a response, as it
@@ -58,6 +59,7 @@ gradient is 0.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -76,7 +78,8 @@ from nemo_sspo.algorithms.ratios import LOG_RATIO_CLAMP, segment_mean
 @dataclass(frozen=True)
 class TokenTransform:
     """phi(d_t) of the engine, ``[B, T]``: transformed log-ratio (differentiable), tokens whose
-    log-ratio was clipped below / above (bool or None), and the gate's gradient factor (or None)."""
+    log-ratio was clipped below / above (bool or None), and the gate's gradient factor (or None).
+    """
 
     log_ratio: torch.Tensor
     clip_low: torch.Tensor | None = None
@@ -87,7 +90,8 @@ class TokenTransform:
 @dataclass(frozen=True)
 class Surrogate:
     """psi of the engine, ``[B, T]``: objective (differentiable, to maximise), clip flags, bounds
-    (None when the surrogate has none) and the soft gate's gradient factor (or None)."""
+    (None when the surrogate has none) and the soft gate's gradient factor (or None).
+    """
 
     objective: torch.Tensor
     clip_low: torch.Tensor
@@ -101,10 +105,35 @@ class Surrogate:
 @dataclass(frozen=True)
 class BoundsContext:
     """What bounds may depend on, ``[B, T]``, no gradient: the segment's mean old-policy entropy
-    H_ij (SSPO eq. 13; None without old entropy) and the token's old log-prob (DCPO)."""
+    H_ij (SSPO eq. 13; None without old entropy) and the token's old log-prob (DCPO).
+    """
 
     segment_entropy: torch.Tensor | None
     old_logprobs: torch.Tensor
+
+
+class Transform(Protocol):
+    """phi, the engine's per-token transform: ``transform(log_ratio [B, T], adv [B, 1])``."""
+
+    def __call__(self, log_ratio: torch.Tensor, adv: torch.Tensor) -> TokenTransform:
+        """The transformed log-ratio of every token (differentiable) and its flags."""
+        ...
+
+
+class Bounds(Protocol):
+    """Clip bounds of :class:`HardClip`: ``bounds(context) -> (b_low, b_high)``, each ``[B, T]``."""
+
+    def __call__(self, context: BoundsContext) -> tuple[torch.Tensor, torch.Tensor]:
+        """Lower and upper ratio bound at every token (no gradient)."""
+        ...
+
+
+class SurrogateFn(Protocol):
+    """psi, the engine's surrogate: ``surrogate(ratio [B, T], adv [B, 1], context) -> Surrogate``."""
+
+    def __call__(self, ratio: torch.Tensor, adv: torch.Tensor, context: BoundsContext) -> Surrogate:
+        """The per-token objective to maximise (differentiable) and its clip flags."""
+        ...
 
 
 def identity_transform(log_ratio: torch.Tensor, adv: torch.Tensor) -> TokenTransform:
@@ -120,6 +149,7 @@ class FixedBounds:
     eps_high: float
 
     def __call__(self, context: BoundsContext) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(1 - eps_low, 1 + eps_high)`` broadcast to ``[B, T]``."""
         shape = context.old_logprobs
         return torch.full_like(shape, 1.0 - self.eps_low), torch.full_like(shape, 1.0 + self.eps_high)
 
@@ -131,10 +161,11 @@ class HardClip:
     ``bounds(context) -> (b_low, b_high)`` ``[B, T]``.
     """
 
-    bounds: object
+    bounds: Bounds
     dual_clip_c: float | None = None
 
     def __call__(self, ratio: torch.Tensor, adv: torch.Tensor, context: BoundsContext) -> Surrogate:
+        """The clipped objective (and dual clip) at every token, with its clip flags and bounds."""
         b_low, b_high = (b.to(ratio.dtype) for b in self.bounds(context))
         objective = torch.minimum(ratio * adv, torch.clamp(ratio, b_low, b_high) * adv)
         with torch.no_grad():
@@ -149,7 +180,7 @@ class HardClip:
 
 
 def unclipped(ratio: torch.Tensor, adv: torch.Tensor, context: BoundsContext) -> Surrogate:
-    """psi = s A with no clip (GMPO and Soft Sequence PO clip or gate inside phi instead)."""
+    """The surrogate psi = s A with no clip (GMPO and Soft Sequence PO clip or gate inside phi instead)."""
     none = torch.zeros(ratio.shape, dtype=torch.bool, device=ratio.device)
     return Surrogate(ratio * adv, none, none, none)
 
@@ -165,11 +196,12 @@ class RatioEngine:
         token_gradient: GSPO-token's per-token gradient through the segment ratio.
     """
 
-    surrogate: object
-    transform: object = identity_transform
+    surrogate: SurrogateFn
+    transform: Transform = identity_transform
     token_gradient: bool = False
 
     def __call__(self, inputs: LossInputs, segments: torch.Tensor) -> LossTerms:
+        """The shared objective's per-token terms of one micro-batch (module docstring)."""
         logprobs, mask = inputs.logprobs, inputs.response_mask
         zero = torch.zeros((), dtype=logprobs.dtype, device=logprobs.device)
         log_ratio = torch.where(mask, logprobs - inputs.old_logprobs.detach(), zero)
@@ -246,29 +278,52 @@ class GRPOLossConfig(PolicyLossConfig):
 
 
 @dataclass
-class DrGRPOLossConfig(GRPOLossConfig):
+class DrGRPOLossConfig(PolicyLossConfig):
     """Dr. GRPO (arXiv 2503.20783): GRPO's clip, constant denominator L_max, advantages r - mean."""
 
     aggregation: str = "constant-denominator"
     """Sum of token losses / L_max per response, averaged over responses (section 3.2)."""
     advantage_std_normalisation: bool = False
     """Dr. GRPO drops the group-std division of the advantage (A = r - mean_g r)."""
+    eps_low: float = 0.2
+    """Lower clip: the ratio is clipped below at 1 - eps_low (GRPO's)."""
+    eps_high: float = 0.2
+    """Upper clip: the ratio is clipped above at 1 + eps_high (GRPO's)."""
+    dual_clip_c: float | None = None
+    """Dual-clip constant c > 1 bounding the loss of negative-advantage tokens; None disables."""
+
+    def __post_init__(self) -> None:
+        """Check the shared fields, the clip range and the dual clip."""
+        super().__post_init__()
+        check_eps(self, "eps_low", "eps_high")
+        check_dual_clip(self)
 
 
 @dataclass
-class DAPOLossConfig(GRPOLossConfig):
+class DAPOLossConfig(PolicyLossConfig):
     """DAPO (arXiv 2503.14476 eq. 8): decoupled clip-higher bounds, token-level mean."""
 
-    eps_high: float = 0.28
-    """Upper clip 1 + eps_high ("clip-higher", section 3.1); eps_low stays 0.2."""
     aggregation: str = "token-mean"
     """Token-level policy-gradient loss (section 3.3)."""
+    eps_low: float = 0.2
+    """Lower clip 1 - eps_low (section 3.1 keeps GRPO's 0.2)."""
+    eps_high: float = 0.28
+    """Upper clip 1 + eps_high ("clip-higher", section 3.1)."""
+    dual_clip_c: float | None = None
+    """Dual-clip constant c > 1 bounding the loss of negative-advantage tokens; None disables."""
+
+    def __post_init__(self) -> None:
+        """Check the shared fields, the clip range and the dual clip."""
+        super().__post_init__()
+        check_eps(self, "eps_low", "eps_high")
+        check_dual_clip(self)
 
 
 @dataclass
 class GSPOLossConfig(PolicyLossConfig):
     """GSPO and GSPO-token (arXiv 2507.18071): sequence ratio exp(mean_t d_t) with a tight fixed
-    clip (GSPO-token differs only in its gradient path, fixed at registration)."""
+    clip (GSPO-token differs only in its gradient path, fixed at registration).
+    """
 
     eps_low: float = 3e-4
     """Lower clip of the sequence ratio: 1 - eps_low (sequence ratios stay near 1,
@@ -301,7 +356,7 @@ class SSPOFixedClipConfig(PolicyLossConfig):
 
 
 @dataclass
-class LPOLossConfig(SSPOFixedClipConfig):
+class LPOLossConfig(PolicyLossConfig):
     """LPO (Ling 2.0 report, arXiv 2510.22115, section 4.2.2): sentence ratio, clip 1 -/+ 0.03,
     token-mean aggregation.
 
@@ -313,18 +368,26 @@ class LPOLossConfig(SSPOFixedClipConfig):
     eps_high=0.2``.
     """
 
+    aggregation: str = "token-mean"
+    """The report's 1 / sum_i |y_i| normalisation: every token weighs the same across the batch."""
     segmentation: str = "pause_punctuation"
     """Sentence unit: split after pause punctuation (report section 4.2.2)."""
+    segment_k: int | None = None
+    """Tokens per segment for segmentation "fixed_k"; None otherwise."""
     eps_low: float = 0.03
     """Lower clip of the sentence ratio: 1 - eps (report: eps = 0.03)."""
     eps_high: float = 0.03
     """Upper clip of the sentence ratio: 1 + eps (symmetric, report: eps = 0.03)."""
-    aggregation: str = "token-mean"
-    """The report's 1 / sum_i |y_i| normalisation: every token weighs the same across the batch."""
+
+    def __post_init__(self) -> None:
+        """Check the shared fields, the segment unit and the clip range."""
+        super().__post_init__()
+        check_segmentation(self)
+        check_eps(self, "eps_low", "eps_high")
 
 
 @dataclass
-class SequencePPOLossConfig(SSPOFixedClipConfig):
+class SequencePPOLossConfig(PolicyLossConfig):
     """SPPO, sequence-level PPO (arXiv 2604.08865): PPO's clipped ratio objective whose advantage is
     one scalar per response, A_i = r_i - sigmoid(V(x_i)), with V a learned value of the prompt alone
     (a critic trained by binary cross-entropy on the 0/1 reward; the trainer computes A_i because
@@ -337,16 +400,25 @@ class SequencePPOLossConfig(SSPOFixedClipConfig):
     docs/pitfalls.md#p5) is our variant.
     """
 
+    aggregation: str = "token-mean"
+    """verl's default loss_agg_mode, kept by the official runs."""
     segmentation: str = "token"
     """Ratio unit (``nemo_sspo.algorithms.segmentation.SEGMENTATIONS``): "token" (PPO) or "response"."""
+    segment_k: int | None = None
+    """Tokens per segment for segmentation "fixed_k"; None otherwise."""
+    eps_low: float = 0.2
+    """Lower clip: 1 - eps_low (verl's clip_ratio_low default)."""
+    eps_high: float = 0.2
+    """Upper clip: 1 + eps_high (verl's clip_ratio_high default)."""
     dual_clip_c: float | None = 3.0
     """Dual-clip constant c > 1: the loss of an A < 0 token is at most -c A (verl's clip_ratio_c
     default, which the official runs keep); None disables."""
-    aggregation: str = "token-mean"
-    """verl's default loss_agg_mode, kept by the official runs."""
 
     def __post_init__(self) -> None:
+        """Check the shared fields, the segment unit, the clip range and the dual clip."""
         super().__post_init__()
+        check_segmentation(self)
+        check_eps(self, "eps_low", "eps_high")
         check_dual_clip(self)
 
 
@@ -361,7 +433,7 @@ def _fixed_clip_dual(config) -> RatioEngine:
 for _record in (
     LossRecord("grpo", GRPOLossConfig, _fixed_clip_dual, unit="token"),
     LossRecord("dr_grpo", DrGRPOLossConfig, _fixed_clip_dual, unit="token"),
-    LossRecord("dapo", DAPOLossConfig, _fixed_clip_dual, unit="token"),
+    LossRecord("dapo", DAPOLossConfig, _fixed_clip_dual, unit="token", dynamic_sampling=True),
     LossRecord("gspo", GSPOLossConfig, _fixed_clip, unit="response"),
     LossRecord("gspo_token", GSPOLossConfig,
                lambda c: RatioEngine(HardClip(FixedBounds(c.eps_low, c.eps_high)), token_gradient=True),

@@ -15,7 +15,9 @@ import dataclasses
 import difflib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
+
+import torch
 
 from nemo_sspo.algorithms.losses.base import (
     LossTerms,
@@ -24,45 +26,21 @@ from nemo_sspo.algorithms.losses.base import (
     finish_policy_loss,
     resolve_segments,
 )
-from nemo_sspo.algorithms.losses.inputs import LossInputs, LossOutput
+from nemo_sspo.algorithms.losses.inputs import LossInputs, LossOutput, LossRequirements
 
-Objective = Callable[[LossInputs, Any], LossTerms]
-"""``objective(inputs, segments [B, T] int64) -> LossTerms``: a loss's per-token term, no extras."""
+class Objective(Protocol):
+    """What a loss's builder returns: ``objective(inputs, segments) -> LossTerms``."""
+
+    def __call__(self, inputs: LossInputs, segments: torch.Tensor) -> LossTerms:
+        """The per-token term of one micro-batch (no KL or entropy term: those are shared).
+
+        Args:
+            inputs: the micro-batch.
+            segments: ``[B, T]`` int64 ratio-segment ids of the loss's unit (-1 masked).
+        """
+        ...
 
 ADVANTAGE_SOURCES = ("group", "critic")
-
-
-@dataclass(frozen=True)
-class LossRequirements:
-    """What a configured loss needs from its host, read in one place.
-
-    Attributes:
-        segmentation: ratio unit (``nemo_sspo.algorithms.segmentation.SEGMENTATIONS``); the host
-            builds ``LossInputs.segment_ids`` with it unless it is "token" or "response".
-        segment_k: tokens per segment for "fixed_k", else None.
-        advantage_source: "group" (group-relative advantages) or "critic" (SPPO's learned
-            prompt value: A = r - sigmoid(V)).
-        normalize_std: divide group-centred rewards by the group std (``group_advantages``).
-        smooth_advantages: group advantages by DCPO's smooth standardisation over each prompt's
-            visits (``smooth_group_advantages``); the host keeps the per-prompt history.
-        reference_policy: keep a frozen reference policy and pass ``ref_logprobs``.
-        current_entropy: pass the current-policy entropy ``entropy`` (entropy bonus).
-        old_entropy: the loss reads ``old_entropy`` (SSPO's bounds); others only report it.
-    """
-
-    segmentation: str
-    segment_k: int | None
-    advantage_source: str
-    normalize_std: bool
-    smooth_advantages: bool
-    reference_policy: bool
-    current_entropy: bool
-    old_entropy: bool
-
-    @property
-    def needs_segment_ids(self) -> bool:
-        """Whether ``LossInputs.segment_ids`` must be given (units not computed from the mask)."""
-        return self.segmentation not in ("token", "response")
 
 
 @dataclass(frozen=True)
@@ -76,6 +54,7 @@ class LossRecord:
         unit: the fixed ratio unit, or None when ``config_cls`` has a ``segmentation`` field.
         advantage_source: one of :data:`ADVANTAGE_SOURCES`.
         reads_old_entropy: the objective reads ``LossInputs.old_entropy``.
+        dynamic_sampling: the method refills zero-variance prompt groups (DAPO).
     """
 
     name: str
@@ -84,6 +63,7 @@ class LossRecord:
     unit: str | None = None
     advantage_source: str = "group"
     reads_old_entropy: bool = False
+    dynamic_sampling: bool = False
 
     def requirements(self, config: PolicyLossConfig) -> LossRequirements:
         """The host-facing needs of this loss under ``config``."""
@@ -96,6 +76,7 @@ class LossRecord:
             reference_policy=config.kl_coef > 0,
             current_entropy=config.entropy_coef > 0,
             old_entropy=self.reads_old_entropy,
+            dynamic_sampling=self.dynamic_sampling,
         )
 
 
@@ -142,11 +123,17 @@ def register_policy_loss(record: LossRecord) -> LossRecord:
     """Add ``record`` to the registry; returns it.
 
     Raises:
-        ValueError: the name is taken, the advantage source is unknown, or ``unit`` is None for a
+        ValueError: the name is taken, the config class is not a dataclass whose only base is
+            ``PolicyLossConfig``, the advantage source is unknown, or ``unit`` is None for a
             config class without a ``segmentation`` field.
     """
     if record.name in _REGISTRY:
         raise ValueError(f"policy loss {record.name!r} is already registered; pick another name")
+    if record.config_cls.__bases__ != (PolicyLossConfig,) or not dataclasses.is_dataclass(
+            record.config_cls):
+        raise ValueError(f"loss {record.name!r}: {record.config_cls.__name__} must be a dataclass "
+                         "whose only base is PolicyLossConfig (list every field the loss reads "
+                         "in it, even those another loss has too)")
     if record.advantage_source not in ADVANTAGE_SOURCES:
         raise ValueError(f"advantage_source={record.advantage_source!r}; valid: "
                          f"{ADVANTAGE_SOURCES}")
@@ -198,8 +185,14 @@ def _field_names(config_cls: type) -> list[str]:
         config_cls) else []
 
 
+def losses_with_field(field_name: str, *, besides: str | None = None) -> list[str]:
+    """Sorted names of the registered losses whose config class has ``field_name`` (``besides`` left out)."""
+    return sorted(name for name, record in _REGISTRY.items()
+                  if name != besides and field_name in _field_names(record.config_cls))
+
+
 def build_policy_loss_config(name: str, params: Mapping[str, Any] | None = None, *,
-                             where: str = "loss.params") -> Any:
+                             where: str = "params") -> Any:
     """Instantiate the config dataclass registered under ``name`` from the mapping ``params``.
 
     Unknown keys are reported before the class is built, so the message names the key itself:
@@ -208,9 +201,8 @@ def build_policy_loss_config(name: str, params: Mapping[str, Any] | None = None,
       GRPO's "token") when it is the only kind of unknown key: says the unit is fixed and names
       the losses where it is a field;
     - any other unknown key: lists the config's fields (``dataclasses.fields``) with a close-match
-      suggestion (``difflib``), and, only when the key is a field of another registered loss's
-      config, the hint to select the loss as a group (``loss=<name>``) rather than setting
-      ``loss.name`` (the params of the previous loss were left in place).
+      suggestion (``difflib``), and, when the key is a field of other registered losses' configs,
+      names them (the params of another loss were kept: the config layer adds how to switch).
 
     Values are then checked by the config's own ``__post_init__`` (wrong types and non-finite
     numbers name the field, e.g. ``GRPOLossConfig.eps_low='abc'``).
@@ -218,8 +210,8 @@ def build_policy_loss_config(name: str, params: Mapping[str, Any] | None = None,
     Args:
         name: registered loss name.
         params: field overrides; None or empty for the class defaults.
-        where: how the caller's user spells the mapping (``loss.params`` in the trainer's YAML,
-            ``loss_config`` in an adapter), used in the messages.
+        where: how the caller's user spells the mapping (the trainer's config passes its YAML key,
+            an adapter ``loss_config``), used in the messages.
 
     Raises:
         ValueError: unknown loss name, unknown key, or the config's own validation.
@@ -232,10 +224,8 @@ def build_policy_loss_config(name: str, params: Mapping[str, Any] | None = None,
     if unknown:
         # A key other than segmentation/segment_k says more (e.g. SSPO's params left under GRPO).
         key = next((k for k in unknown if k not in ("segmentation", "segment_k")), unknown[0])
-        others = {other: _field_names(rec.config_cls) for other, rec in _REGISTRY.items()
-                  if other != name}
         if key in ("segmentation", "segment_k"):
-            configurable = sorted(o for o, names in others.items() if key in names)
+            configurable = losses_with_field(key, besides=name)
             unit = record.unit
             raise ValueError(
                 f"{where}.{key}: the ratio unit of loss {name!r} ({config_cls.__name__}) is fixed "
@@ -249,10 +239,8 @@ def build_policy_loss_config(name: str, params: Mapping[str, Any] | None = None,
                    + f" Valid fields: {', '.join(valid)}")
         if len(unknown) > 1:
             message += f". Other unknown keys: {[k for k in unknown if k != key]}"
-        owners = sorted(o for o, names in others.items() if key in names)
+        owners = losses_with_field(key, besides=name)
         if owners:
-            message += (f". {key!r} is a field of the losses {owners}, not of {name!r}: to switch "
-                        f"to loss {name!r} select its group (`loss={name}`), which replaces "
-                        f"{where} with its defaults, rather than setting loss.name")
+            message += f". {key!r} is a field of the losses {owners}, not of {name!r}"
         raise ValueError(message)
     return config_cls(**params)

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -107,35 +108,35 @@ register_soft_gate("sigmoid", SoftGate(_sigmoid_value, _sigmoid_slope))
 register_soft_gate("arctan", SoftGate(_arctan_value, _arctan_slope))
 
 
-@dataclass
-class SoftGateFields(PolicyLossConfig):
-    """Gate family and temperatures of the gated losses (SAPO, Soft Sequence PO); the defaults
-    here are Soft Sequence PO's, which are ours (``geometric`` module docstring)."""
+def check_gate(config) -> None:
+    """Check a gated loss's ``gate`` (a registered name) and temperatures ``tau_pos``, ``tau_neg``.
 
-    gate: str = "sigmoid"
-    """Gate family (``soft_gate_names()``)."""
-    tau_pos: float = 1.0
-    """Gate temperature for A > 0."""
-    tau_neg: float = 1.0
-    """Gate temperature for A <= 0."""
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if self.gate not in _GATES:
-            raise config_error(self, f"gate={self.gate!r}; registered: {soft_gate_names()}")
-        if self.tau_pos <= 0.0 or self.tau_neg <= 0.0:
-            raise config_error(self, f"tau_pos={self.tau_pos}, tau_neg={self.tau_neg}: both "
-                                     "temperatures must be > 0")
+    Raises:
+        ValueError: ``<ConfigClass>.gate=...`` unknown, or a temperature <= 0.
+    """
+    if config.gate not in _GATES:
+        raise config_error(config, f"gate={config.gate!r}; registered: {soft_gate_names()}")
+    if config.tau_pos <= 0.0 or config.tau_neg <= 0.0:
+        raise config_error(config, f"tau_pos={config.tau_pos}, tau_neg={config.tau_neg}: both "
+                                   "temperatures must be > 0")
 
 
-def gate_temperature(config: SoftGateFields, adv: torch.Tensor) -> torch.Tensor:
-    """tau per row: tau_pos where A > 0, else tau_neg (``adv`` ``[B, 1]``)."""
+class GatedConfig(Protocol):
+    """What a soft gate reads from its loss's config (SAPO, Soft Sequence PO)."""
+
+    gate: str
+    tau_pos: float
+    tau_neg: float
+
+
+def gate_temperature(config: GatedConfig, adv: torch.Tensor) -> torch.Tensor:
+    """The temperature tau per row: tau_pos where A > 0, else tau_neg (``adv`` ``[B, 1]``)."""
     return torch.where(adv > 0, torch.full_like(adv, config.tau_pos),
                        torch.full_like(adv, config.tau_neg))
 
 
 @dataclass
-class SAPOLossConfig(SoftGateFields):
+class SAPOLossConfig(PolicyLossConfig):
     """SAPO (arXiv 2511.20347): token ratio through a soft gate instead of the clip."""
 
     gate: str = "sigmoid"
@@ -145,14 +146,20 @@ class SAPOLossConfig(SoftGateFields):
     tau_neg: float = 1.05
     """Gate temperature for A <= 0 (paper default 1.05: negative tokens decay faster)."""
 
+    def __post_init__(self) -> None:
+        """Check the shared fields, the gate and its temperatures."""
+        super().__post_init__()
+        check_gate(self)
+
 
 @dataclass(frozen=True)
 class SoftGateSurrogate:
     """SAPO's psi = A (1 + g(r - 1)) with gate weight g'(r - 1) (module docstring)."""
 
-    config: SoftGateFields
+    config: GatedConfig
 
     def __call__(self, ratio: torch.Tensor, adv: torch.Tensor, context: BoundsContext) -> Surrogate:
+        """The surrogate psi = A (1 + g(r - 1)) at every token, with the gate's slope as gradient factor."""
         gate, tau = get_soft_gate(self.config.gate), gate_temperature(self.config, adv)
         none = torch.zeros(ratio.shape, dtype=torch.bool, device=ratio.device)
         objective = adv * (1.0 + gate.value(ratio - 1.0, tau))

@@ -1,0 +1,163 @@
+"""The rollout-engine interface the trainer uses, and the name -> builder registry behind
+``rollout.backend``.
+
+An engine generates seeded samples for rendered prompts and takes refitted weights in buckets
+(:class:`RolloutEngine`). It is registered as a builder that receives an :class:`EngineContext`
+(the initial HF checkpoint, the tokenizer and the ``rollout`` section), so the trainer holds no
+per-engine branch: ``hf`` (transformers ``generate``) and ``vllm`` are registered here, and a user
+module registers its own and is named by the config key ``plugins``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+
+from nemo_sspo.models import build_hf_model
+from nemo_sspo.models.hf_checkpoint import engine_model_dir
+from nemo_sspo.rollout.hf_engine import HFRolloutEngine, RolloutBatch
+from nemo_sspo.rollout.vllm_engine import VLLMRolloutEngine
+
+__all__ = ["EngineContext", "RolloutEngine", "build_rollout_engine", "register_rollout_engine",
+           "rollout_engine_names", "unregister_rollout_engine"]
+
+
+@runtime_checkable
+class RolloutEngine(Protocol):
+    """What the trainer calls on its rollout engine.
+
+    Attributes:
+        stop_token_ids: the ids that end a response (also written to saved checkpoints).
+    """
+
+    stop_token_ids: list[int]
+
+    def generate(self, prompts: list[str], *, seed: int) -> RolloutBatch:
+        """One sampled response per rendered prompt; the same seed, prompts and weights give the
+        same responses, and the global RNGs are left as they were.
+        """
+        ...
+
+    def load_weight_buckets(self, buckets: Iterable[dict[str, torch.Tensor]]) -> None:
+        """Refit: HF-named weight buckets of the updated policy, consumed one at a time."""
+        ...
+
+    def sleep(self) -> None:
+        """Free the engine's memory between generation and refit (a no-op where it does not apply)."""
+        ...
+
+    def wake_up(self) -> None:
+        """Undo :meth:`sleep` (a no-op where it does not apply)."""
+        ...
+
+    def hf_state_dict(self) -> dict[str, torch.Tensor] | None:
+        """The engine's current weights under HF names, or None when they cannot be read back
+        (then a failed run keeps no ``hf_checkpoint_interrupted``).
+        """
+        ...
+
+
+@dataclass(frozen=True)
+class EngineContext:
+    """What an engine builder may use.
+
+    Attributes:
+        hf_config: the policy's Hugging Face config.
+        state_dict: the initial policy weights under HF names (not to be modified).
+        tokenizer: the policy's tokenizer.
+        model_source: ``model.source`` (a built-in name, a model folder or a hub id).
+        cache_dir: ``model.cache_dir``.
+        rollout: the ``rollout`` config section (sampling settings, ``vllm``, ``tis_cap``).
+        seed: ``trainer.seed``.
+        device: the training device (the trainer's CUDA device, or the CPU).
+        stop_ids: the model's stop list (``nemo_sspo.models.hf_folder.stop_token_ids``), the one
+            the trainer also writes into every model folder.
+    """
+
+    hf_config: Any
+    state_dict: dict[str, torch.Tensor]
+    tokenizer: Any
+    model_source: str
+    cache_dir: str | None
+    rollout: Any
+    seed: int
+    device: torch.device
+    stop_ids: list[int]
+
+
+EngineBuilder = Callable[[EngineContext], RolloutEngine]
+"""``build(context) -> RolloutEngine``."""
+
+_ENGINES: dict[str, EngineBuilder] = {}
+
+
+def register_rollout_engine(name: str, build: EngineBuilder) -> EngineBuilder:
+    """Make ``rollout.backend=<name>`` build its engine with ``build``; returns ``build``.
+
+    Raises:
+        ValueError: the name is taken.
+    """
+    if name in _ENGINES:
+        raise ValueError(f"rollout engine {name!r} is already registered; pick another name")
+    _ENGINES[name] = build
+    return build
+
+
+def unregister_rollout_engine(name: str) -> EngineBuilder:
+    """Remove and return the builder of ``name`` (tests and plug-ins that register temporarily).
+
+    Raises:
+        ValueError: unknown name.
+    """
+    _builder(name)
+    return _ENGINES.pop(name)
+
+
+def rollout_engine_names() -> list[str]:
+    """Sorted names of the registered rollout engines."""
+    return sorted(_ENGINES)
+
+
+def _builder(name: str) -> EngineBuilder:
+    if name not in _ENGINES:
+        raise ValueError(f"backend={name!r} is not a registered rollout engine; registered: "
+                         f"{rollout_engine_names()} (a module that registers one is loaded with the "
+                         "config key plugins)")
+    return _ENGINES[name]
+
+
+def build_rollout_engine(name: str, context: EngineContext) -> RolloutEngine:
+    """The engine registered as ``name``, built from ``context``.
+
+    Raises:
+        ValueError: unknown ``name``, or the builder's own checks.
+    """
+    return _builder(name)(context)
+
+
+def sampling_settings(rollout: Any) -> dict[str, Any]:
+    """The engines' sampling keyword arguments from the ``rollout`` section."""
+    return dict(max_new_tokens=rollout.max_new_tokens, temperature=rollout.temperature, top_p=rollout.top_p)
+
+
+def _build_hf(context: EngineContext) -> HFRolloutEngine:
+    """A transformers copy of the policy on the training device, stopping at the model's list."""
+    return HFRolloutEngine(build_hf_model(context.hf_config, context.state_dict), context.tokenizer,
+                           device=context.device, stop_token_ids=context.stop_ids,
+                           **sampling_settings(context.rollout))
+
+
+def _build_vllm(context: EngineContext) -> VLLMRolloutEngine:
+    """A vLLM engine loading the model folder itself (``engine_model_dir``)."""
+    model_dir = engine_model_dir(context.model_source, cache_dir=context.cache_dir)
+    ro = context.rollout
+    return VLLMRolloutEngine.build(model_dir, context.tokenizer, vllm_config=ro.vllm, seed=context.seed,
+                                   truncation_corrected=ro.tis_cap is not None,
+                                   stop_token_ids=context.stop_ids, **sampling_settings(ro))
+
+
+register_rollout_engine("hf", _build_hf)
+register_rollout_engine("vllm", _build_vllm)

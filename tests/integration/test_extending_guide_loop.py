@@ -1,0 +1,23 @@
+"""docs/extending.md's reward, prompt source and rollout engine, loaded from the guide's own files,
+train two steps in ``nemo-sspo train`` by config alone."""
+
+import json
+
+import pytest
+
+from nemo_sspo.cli import main
+from tests.integration._loop_runs import TINY
+from tests.unit.test_docs import guide_files, _module  # noqa: F401 - the fixture is used by name
+
+
+@pytest.mark.slow
+def test_guide_reward_engine_and_prompts_train_by_config_alone(guide_files, tmp_path):  # noqa: F811
+    plugins = ",".join(str(guide_files[name]) for name in ("my_reward.py", "my_engine.py", "my_prompts.py"))
+    out = tmp_path / "run"
+    assert main(["train", f"plugins=[{plugins}]", "reward.name=exact_number", "rollout.backend=timed_hf",
+                 "data=countdown_schema", "data.options.start=7", *TINY, f"trainer.output_dir={out}"]) == 0
+    steps = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [s["step"] for s in steps] == [1, 2]
+    # The guide's engine generated every group: 2 steps x 2 prompt groups, each timed.
+    throughput = _module(guide_files["my_engine.py"]).THROUGHPUT
+    assert len(throughput) == 4 and all(t > 0 for t in throughput)
