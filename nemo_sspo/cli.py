@@ -31,7 +31,7 @@ def launch_world_size() -> int:
 
 
 def load_config(config_name: str = DEFAULT_CONFIG_NAME, overrides: list[str] | None = None,
-                config_dir: str | Path = DEFAULT_CONFIG_DIR, *, command: str = "train"):
+                config_dir: str | Path = DEFAULT_CONFIG_DIR, *, command: str = "train", check_model: bool = False):
     """Composes a YAML config with overrides into a typed, validated :class:`TrainConfig`.
 
     Every check of the config runs here, before any process group, model or data exists
@@ -40,9 +40,14 @@ def load_config(config_name: str = DEFAULT_CONFIG_NAME, overrides: list[str] | N
     Args:
         command: ``train`` checks the parallel layout against :func:`launch_world_size`; ``eval``
             (one process, no Megatron model) does not read the layout.
+        check_model: also check the layout against ``model.source``'s config.json
+            (:func:`nemo_sspo.trainer.config.check_model_layout`; reads no weights, but the model must
+            be at hand). The CLI sets it for every run.
 
     Raises:
-        ValueError: an unknown key, a wrong type, or a failed check, naming the key path.
+        ValueError: an unknown key, a wrong type (with OmegaConf's reason), or a failed check, naming
+            the key path.
+        FileNotFoundError: ``model.source`` cannot be found (``check_model``).
     """
     from hydra import compose, initialize_config_dir
     from hydra.errors import HydraException
@@ -66,7 +71,13 @@ def load_config(config_name: str = DEFAULT_CONFIG_NAME, overrides: list[str] | N
     unknown = find_unknown_key(raw, cfg)
     if unknown:  # a key added with '+' that no field takes: Hydra keeps it, the dataclasses drop it
         raise ValueError(f"invalid config {config_name!r}: {unknown_key_message(unknown, cfg.loss.name)}")
-    validate(cfg, world_size=launch_world_size() if command == "train" else None)
+    world_size = launch_world_size() if command == "train" else None
+    validate(cfg, world_size=world_size)
+    if check_model:
+        from nemo_sspo.models import load_hf_config
+        from nemo_sspo.trainer.config import check_model_layout
+
+        check_model_layout(cfg, load_hf_config(cfg.model.source, cache_dir=cfg.model.cache_dir), world_size)
     return cfg
 
 
@@ -77,7 +88,7 @@ def _hydra_error_message(config_name: str, err: Exception, overrides: list[str],
 
     match = re.search(r"Could not override '([^']+)'", str(err))
     if not match:
-        return f"invalid config {config_name!r}: {err}"
+        return f"invalid config {config_name!r}: {err}{_omegaconf_reason(err)}"
     path = match.group(1)
     rest = [item for item in overrides if item.split("=", 1)[0].lstrip("+~") != path]
     try:
@@ -85,6 +96,17 @@ def _hydra_error_message(config_name: str, err: Exception, overrides: list[str],
     except Exception:  # noqa: BLE001 - the other overrides are broken too: no loss-specific hint
         loss_name = None
     return f"invalid config {config_name!r}: {unknown_key_message(path, loss_name)}"
+
+
+def _omegaconf_reason(err: Exception) -> str:
+    """``": <reason>"`` from the OmegaConf error under a Hydra one (``Error merging override
+    trainer.max_steps=two`` hides ``Value 'two' of type 'str' could not be converted to Integer``)."""
+    from omegaconf.errors import OmegaConfBaseException
+
+    cause = err.__cause__
+    if not isinstance(cause, OmegaConfBaseException) or not getattr(cause, "msg", None):
+        return ""
+    return f": {cause.msg.splitlines()[0]}"  # the rest repeats the key and names internal classes
 
 
 def _parse(argv: list[str]) -> argparse.Namespace:
@@ -140,8 +162,9 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     try:
-        cfg = load_config(args.config_name, args.overrides, args.config_dir, command=args.command)
-    except ValueError as err:
+        cfg = load_config(args.config_name, args.overrides, args.config_dir, command=args.command,
+                          check_model=not args.print_config)
+    except (ValueError, FileNotFoundError) as err:
         print(f"nemo-sspo: {err}", file=sys.stderr)
         return 2
     if args.print_config:
