@@ -78,6 +78,7 @@ from nemo_sspo.trainer.checkpoint import (
     CHECKPOINTS_DIR,
     TrainerState,
     load_checkpoint,
+    prepare_output_dir,
     resolve_resume,
     save_checkpoint,
     write_hf_checkpoint,
@@ -94,6 +95,7 @@ from nemo_sspo.trainer.device import check_host, training_device
 from nemo_sspo.trainer.metric_log import MetricsLogger
 from nemo_sspo.trainer.periodic_eval import BEST_DIR, BestEval, evaluate_engine
 from nemo_sspo.trainer.rollout_metrics import rollout_logprobs, rollout_metric_sums
+from nemo_sspo.trainer.run_config import composed_config, write_config
 from nemo_sspo.trainer.sampling import Rollout, RolloutSampler
 
 __all__ = ["GRPOTrainer", "Rollout", "start_parallel"]
@@ -122,16 +124,6 @@ def start_parallel(parallel_cfg: ParallelConfig, seed: int) -> ParallelGroups:
     initialize_parallel(tp_size=parallel_cfg.tensor_model_parallel_size,
                         pp_size=parallel_cfg.pipeline_model_parallel_size, seed=seed)
     return get_parallel_groups()
-
-
-def _check_output_dir(trainer_cfg) -> None:
-    """Refuses to overwrite an earlier run's metrics unless ``trainer.overwrite_output_dir``."""
-    earlier = Path(trainer_cfg.output_dir) / "metrics.jsonl"
-    if earlier.exists() and earlier.stat().st_size > 0 and not trainer_cfg.overwrite_output_dir:
-        raise ValueError(
-            f"trainer.output_dir={trainer_cfg.output_dir!r} holds an earlier run ({earlier}); choose "
-            "another trainer.output_dir or set trainer.overwrite_output_dir=true"
-        )
 
 
 def _model_options(model_cfg) -> dict:
@@ -170,7 +162,8 @@ class GRPOTrainer:
         check_host(cfg)
         resume_path = resolve_resume(cfg.trainer.resume, cfg.trainer.output_dir)
         if resume_path is None:
-            _check_output_dir(cfg.trainer)
+            prepare_output_dir(cfg.trainer, is_writer=dist.get_rank() == 0)
+        self.config = composed_config(cfg)  # saved with the run and its checkpoints, compared on resume
         self.groups = groups
         self.loss = make_policy_loss(cfg.loss.name, build_loss_config(cfg.loss))
         needs = self.loss.requirements
@@ -205,6 +198,8 @@ class GRPOTrainer:
             self._resume(resume_path)
         self.logger = MetricsLogger(cfg.trainer.output_dir, cfg.trainer.max_steps, enabled=dist.get_rank() == 0,
                                     resume_step=self.completed_steps if resume_path is not None else None)
+        if self.logger.enabled:
+            write_config(cfg.trainer.output_dir, self.config)
 
     def _megatron_policy(self, state_dict):
         """This rank's Megatron policy stage holding the HF weights (not wrapped)."""
@@ -429,12 +424,12 @@ class GRPOTrainer:
         state = TrainerState(step=step, problems_drawn=box[0], seed=tr.seed, world_size=dist.get_world_size(),
                              best_eval_mean=self.best.mean, best_eval_step=self.best.step)
         save_checkpoint(Path(tr.output_dir) / CHECKPOINTS_DIR, state, self._checkpointed_models(),
-                        keep=tr.keep_checkpoints)
+                        config=self.config, keep=tr.keep_checkpoints)
 
     def _resume(self, path: Path) -> None:
         """Restores a checkpoint (module docstring of :mod:`nemo_sspo.trainer.checkpoint`) and refits
         the rollout engine with the restored policy."""
-        state = load_checkpoint(path, self._checkpointed_models(), seed=self.cfg.trainer.seed)
+        state = load_checkpoint(path, self._checkpointed_models(), config=self.config)
         if self.sampler is not None:
             self.sampler.fast_forward(state.problems_drawn)
         self.completed_steps = state.step
