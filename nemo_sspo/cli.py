@@ -155,6 +155,16 @@ def _quiet_known_warnings() -> None:
         warnings.filterwarnings("ignore", message=pattern)
 
 
+def _stopped(err, trainer, output_dir: str) -> str:
+    """The line saying where a run stopped by a signal left off (``trainer`` None: while starting)."""
+    from nemo_sspo.trainer.interrupt import stop_message
+
+    if trainer is None:
+        return stop_message(err, completed_steps=None, output_dir=output_dir, interrupted_dir=None)
+    return stop_message(err, completed_steps=trainer.completed_steps, output_dir=output_dir,
+                        interrupted_dir=trainer.interrupted_dir, policy_step=trainer.engine_step)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``nemo-sspo`` console script; returns the process exit code."""
     args = _parse(sys.argv[1:] if argv is None else argv)
@@ -175,14 +185,21 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "eval":
         return _evaluate(cfg)
     from nemo_sspo.megatron import destroy_parallel
+    from nemo_sspo.trainer.interrupt import RunInterrupted, stop_on_signals
     from nemo_sspo.trainer.loop import GRPOTrainer, start_parallel
 
+    trainer = None
     try:
-        trainer = GRPOTrainer(cfg, start_parallel(cfg.parallel, cfg.trainer.seed))
-        history = trainer.fit()
+        with stop_on_signals():  # SIGINT/SIGTERM: abandon the step, save what is safe, exit cleanly
+            trainer = GRPOTrainer(cfg, start_parallel(cfg.parallel, cfg.trainer.seed))
+            history = trainer.fit()
     except ValueError as err:
         print(f"nemo-sspo: {err}", file=sys.stderr)
         return 2
+    except RunInterrupted as err:
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(f"nemo-sspo: {_stopped(err, trainer, cfg.trainer.output_dir)}", file=sys.stderr)
+        return err.exit_code
     finally:
         destroy_parallel()
     if trainer.logger.enabled:

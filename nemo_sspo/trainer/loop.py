@@ -92,6 +92,7 @@ from nemo_sspo.trainer.config import (
 )
 from nemo_sspo.trainer.critic import Critic
 from nemo_sspo.trainer.device import check_host, training_device
+from nemo_sspo.trainer.interrupt import deferred_signals
 from nemo_sspo.trainer.metric_log import MetricsLogger
 from nemo_sspo.trainer.periodic_eval import BEST_DIR, BestEval, evaluate_engine
 from nemo_sspo.trainer.rollout_metrics import rollout_logprobs, rollout_metric_sums
@@ -194,6 +195,8 @@ class GRPOTrainer:
                              output_chunk_size=cfg.parallel.output_chunk_size)
         self.layout = micro_batch_layout(cfg.parallel)
         self.completed_steps, self.best = 0, BestEval()
+        self.engine_step = 0  # the step whose update the rollout engine holds (saved if a step fails)
+        self.interrupted_dir: Path | None = None  # set when fit stops early (hf_checkpoint_interrupted)
         if resume_path is not None:
             self._resume(resume_path)
         self.logger = MetricsLogger(cfg.trainer.output_dir, cfg.trainer.max_steps, enabled=dist.get_rank() == 0,
@@ -380,6 +383,7 @@ class GRPOTrainer:
             sums.update(critic_sums)
         with timer.time("refit"):
             self.refit()
+        self.engine_step = step
         if self.groups.is_last_stage:
             sums.update(batch_sums)
             sums.update(rollout_metric_sums(rollout, batch, samples_per_prompt=self.cfg.rollout.samples_per_prompt,
@@ -435,6 +439,7 @@ class GRPOTrainer:
         self.completed_steps = state.step
         self.best = BestEval(state.best_eval_mean, state.best_eval_step)
         self.refit()
+        self.engine_step = state.step
         if dist.get_rank() == 0:
             logger.warning("resumed from %s after step %d", path, state.step)
 
@@ -445,18 +450,20 @@ class GRPOTrainer:
             write_hf_checkpoint(Path(self.cfg.trainer.output_dir) / name, self.hf_config, state, self.tokenizer, extra,
                                 stop_ids=getattr(self.engine, "stop_token_ids", None))
 
-    def _save_interrupted(self) -> None:
-        """After a failed step: rank 0 writes the rollout model (the last completed step's policy) to
-        ``output_dir/hf_checkpoint_interrupted`` without collectives (other ranks may be gone). The
-        vLLM engine's weights cannot be read back: resume from the last checkpoint instead."""
+    def _save_interrupted(self) -> Path | None:
+        """After a failed or stopped step: rank 0 writes the rollout model (the policy after step
+        ``engine_step``: the last completed step, or the abandoned one when it stopped after its
+        refit) to ``output_dir/hf_checkpoint_interrupted`` without collectives (other ranks may be
+        gone); returns that folder, or None where nothing was written. The vLLM engine's weights
+        cannot be read back: resume from the last checkpoint instead."""
         if dist.get_rank() != 0 or not self.cfg.trainer.save_hf_checkpoint:
-            return
+            return None
         if not isinstance(self.engine, HFRolloutEngine):
             logger.warning("no hf_checkpoint_interrupted with rollout.backend=%s; resume from the last checkpoint "
                            "(trainer.checkpoint_interval)", self.cfg.rollout.backend)
-            return
-        write_hf_checkpoint(Path(self.cfg.trainer.output_dir) / "hf_checkpoint_interrupted", self.hf_config,
-                            self.engine.model.state_dict(), self.tokenizer)
+            return None
+        return write_hf_checkpoint(Path(self.cfg.trainer.output_dir) / "hf_checkpoint_interrupted", self.hf_config,
+                                   self.engine.model.state_dict(), self.tokenizer)
 
     def fit(self) -> list[dict[str, float]]:
         """Runs steps ``completed_steps + 1 .. trainer.max_steps``; returns the per-step metrics (same on
@@ -470,12 +477,13 @@ class GRPOTrainer:
             for step in range(self.completed_steps + 1, self.cfg.trainer.max_steps + 1):
                 metrics = self.train_step(step)
                 metrics.update(self.maybe_evaluate(step))
-                self.logger.log(step, metrics)
-                self.maybe_checkpoint(step)
-                self.completed_steps = step
+                with deferred_signals():  # a stop signal waits: the step's record, checkpoint and count agree
+                    self.logger.log(step, metrics)
+                    self.maybe_checkpoint(step)
+                    self.completed_steps = step
         except BaseException:
             if self.logger.history:
-                self._save_interrupted()
+                self.interrupted_dir = self._save_interrupted()
             raise
         finally:
             self.close()
