@@ -1,8 +1,10 @@
-"""Command line: ``nemo-sspo train|eval [--config-name NAME] [--config-dir DIR] [key=value ...]``.
+"""Command line: ``nemo-sspo train|eval [--config-name NAME] [--config-dir DIR] [key=value ...]``
+and ``nemo-sspo data prepare --out DIR``.
 
 ``train`` runs GRPO-family training; ``eval`` scores ``model.source`` by greedy Avg@1 on
 ``eval.benchmarks`` (e.g. ``nemo-sspo eval model=smollm2_135m data.template=qwen-math
-eval.limit_per_benchmark=8 eval.data_dir=/path/to/data``).
+eval.limit_per_benchmark=8 eval.data_dir=/path/to/data``); ``data prepare`` writes the paper's math
+datasets into a folder from their public sources (:mod:`nemo_sspo.data.prepare`).
 
 Configs are Hydra YAML files under ``nemo_sspo/conf/`` (shipped inside the package) (default ``sspo_smollm2_cpu``) composed over the
 structured schema of :mod:`nemo_sspo.trainer.config`; overrides use Hydra syntax
@@ -122,7 +124,30 @@ def _parse(argv: list[str]) -> argparse.Namespace:
         command.add_argument("--print-config", action="store_true", help="print the composed config and exit")
         example = {"train": "trainer.max_steps=2", "eval": "eval.limit_per_benchmark=4"}[name]
         command.add_argument("overrides", nargs="*", help=f"Hydra overrides, e.g. {example}")
+    data = sub.add_parser("data", help="the paper's math datasets").add_subparsers(dest="action", required=True)
+    prepare = data.add_parser("prepare", help="download the training and evaluation sets from their public "
+                              "sources into a folder, each checked against its published sha256 and row count")
+    prepare.add_argument("--out", required=True, help="the data folder (then export NEMO_SSPO_DATA_DIR=<it>)")
+    prepare.add_argument("--source", default=None, help="a local folder instead of the download: a mirror "
+                         "<owner>/<repo>/<commit>/<path> of the source files, or prepared JSONL files "
+                         "(default: $NEMO_SSPO_DATA_SOURCE, else download)")
+    prepare.add_argument("--only", nargs="+", default=None, metavar="NAME", help="these datasets only")
     return parser.parse_args(argv)
+
+
+def _prepare_data(args: argparse.Namespace) -> int:
+    """``nemo-sspo data prepare``: writes the datasets, one line per file, then where they are."""
+    from nemo_sspo.data.math_datasets import DATA_DIR_ENV
+    from nemo_sspo.data.prepare import prepare_datasets
+
+    try:
+        written = prepare_datasets(args.out, names=args.only, source=args.source)
+    except (ValueError, OSError, ImportError) as err:
+        print(f"nemo-sspo: {err}", file=sys.stderr)
+        return 2
+    folder = Path(args.out).expanduser().resolve()
+    print(f"datasets written to {folder}: {', '.join(written)}; use them with: export {DATA_DIR_ENV}={folder}")
+    return 0
 
 
 def _evaluate(cfg) -> int:
@@ -168,6 +193,8 @@ def _stopped(err, trainer, output_dir: str) -> str:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``nemo-sspo`` console script; returns the process exit code."""
     args = _parse(sys.argv[1:] if argv is None else argv)
+    if args.command == "data":
+        return _prepare_data(args)
     _quiet_known_warnings()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
