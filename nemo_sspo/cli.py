@@ -228,6 +228,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"nemo-sspo: {_stopped(err, trainer, cfg.trainer.output_dir)}", file=sys.stderr)
         return err.exit_code
     finally:
+        if trainer is not None:
+            trainer.shutdown_engine()
         destroy_parallel()
     if trainer.logger.enabled:
         print(f"done: {len(history)} steps, outputs in {cfg.trainer.output_dir}")

@@ -95,7 +95,7 @@ from nemo_sspo.trainer.device import check_host, training_device
 from nemo_sspo.trainer.interrupt import deferred_signals
 from nemo_sspo.trainer.metric_log import MetricsLogger
 from nemo_sspo.trainer.periodic_eval import BEST_DIR, BestEval, evaluate_engine
-from nemo_sspo.trainer.rollout_metrics import rollout_logprobs, rollout_metric_sums
+from nemo_sspo.trainer.rollout_metrics import TruncationWatch, rollout_logprobs, rollout_metric_sums
 from nemo_sspo.trainer.run_config import composed_config, write_config
 from nemo_sspo.trainer.sampling import Rollout, RolloutSampler
 
@@ -473,9 +473,13 @@ class GRPOTrainer:
         ``output_dir/hf_checkpoint_interrupted`` before the error propagates (metrics.jsonl already
         holds every completed step). At the end the policy goes to ``output_dir/hf_checkpoint``.
         """
+        truncation = TruncationWatch(self.cfg.rollout.max_new_tokens)
         try:
             for step in range(self.completed_steps + 1, self.cfg.trainer.max_steps + 1):
                 metrics = self.train_step(step)
+                warning = truncation.check(step, metrics)
+                if warning and self.logger.enabled:
+                    logger.warning(warning)
                 metrics.update(self.maybe_evaluate(step))
                 with deferred_signals():  # a stop signal waits: the step's record, checkpoint and count agree
                     self.logger.log(step, metrics)
@@ -495,4 +499,10 @@ class GRPOTrainer:
         self.logger.close()
         if self.reward is not None:
             self.reward.close()
+
+    def shutdown_engine(self) -> None:
+        """Stops a vLLM engine (:meth:`VLLMRolloutEngine.shutdown`: it ends torch.distributed, so only
+        once this process runs no more collectives); the CLI calls it before ``destroy_parallel``."""
+        if isinstance(self.engine, VLLMRolloutEngine):
+            self.engine.shutdown()
 
