@@ -102,7 +102,8 @@ def _hydra_error_message(config_name: str, err: Exception, overrides: list[str],
 
 def _omegaconf_reason(err: Exception) -> str:
     """``": <reason>"`` from the OmegaConf error under a Hydra one (``Error merging override
-    trainer.max_steps=two`` hides ``Value 'two' of type 'str' could not be converted to Integer``)."""
+    trainer.max_steps=two`` hides ``Value 'two' of type 'str' could not be converted to Integer``).
+    """
     from omegaconf.errors import OmegaConfBaseException
 
     cause = err.__cause__

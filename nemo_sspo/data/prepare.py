@@ -39,8 +39,9 @@ _QWEN = ("QwenLM/Qwen2.5-Math", "a45202bd16f1ec06f433442dc1152d0074773465")
 
 @dataclass(frozen=True)
 class RawSource:
-    """One published source file: ``repo`` (owner/name) at ``commit``, ``path`` in it, its git blob
-    hash (sha1 of ``"blob <size>\\0" + content``) and the converter to our rows."""
+    r"""One published source file: ``repo`` (owner/name) at ``commit``, ``path`` in it, its git blob
+    hash (sha1 of ``"blob <size>\0" + content``) and the converter to our rows.
+    """
 
     repo: str
     commit: str
@@ -59,7 +60,7 @@ def _jsonl(raw: bytes) -> list[dict]:
 
 
 def _last_boxed(text: str) -> str:
-    """The content of the last ``\\boxed{...}`` or ``\\fbox{...}`` of ``text`` (balanced braces)."""
+    r"""The content of the last ``\boxed{...}`` or ``\fbox{...}`` of ``text`` (balanced braces)."""
     start = max(text.rfind("\\boxed{"), text.rfind("\\fbox{"))
     if start < 0:
         raise ValueError("solution has no \\boxed{} answer")

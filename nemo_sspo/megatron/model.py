@@ -117,8 +117,10 @@ def check_architecture(hf_config: Any, tp_size: int, pp_size: int, *, tp_name: s
 
     Args:
         hf_config: a transformers Llama / Qwen2 config (only its fields are read).
-        tp_size, pp_size: tensor- and pipeline-parallel sizes.
-        tp_name, pp_name: the names of those sizes in messages (the caller's argument or config key).
+        tp_size: tensor-parallel size.
+        pp_size: pipeline-parallel size.
+        tp_name: the name of ``tp_size`` in messages (the caller's argument or config key).
+        pp_name: the name of ``pp_size`` in messages.
 
     Raises:
         ValueError: naming the field and the valid sizes, when num_attention_heads or

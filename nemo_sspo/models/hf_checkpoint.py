@@ -134,7 +134,8 @@ def load_hf_config(source: str, *, cache_dir: str | None = None) -> PretrainedCo
     """The model config of ``source`` without reading its weights (for checks before a run starts).
 
     Args:
-        source, cache_dir: as :func:`load_hf_checkpoint`, which returns the same config.
+        source: as :func:`load_hf_checkpoint`, which returns the same config.
+        cache_dir: as :func:`load_hf_checkpoint`.
 
     Returns:
         A directory's or hub snapshot's ``config.json``; for SmolLM2 the cached ``config.json`` or,

@@ -192,7 +192,8 @@ def _score_with_deadline(scorer, response: str, answer: str, timeout_s: float) -
 def _warm_up_worker() -> None:
     """Pool initializer: pay the ~1 s sympy import while the trainer is busy elsewhere, and leave
     Ctrl-C to the trainer (the terminal sends SIGINT to every process of the job; a worker killed
-    by it while holding the task queue's lock would hang the pool's shutdown)."""
+    by it while holding the task queue's lock would hang the pool's shutdown).
+    """
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     import math_verify  # noqa: F401
 

@@ -123,7 +123,8 @@ def preserve_process_state() -> Iterator[None]:
 @contextmanager
 def _quiet_partial_reload() -> Iterator[None]:
     """Raises vLLM's reload loggers to ERROR for one refit (their warnings name the layers a bucket
-    does not hold); every weight still arrives over the buckets (``tests/vllm`` compares log-probs)."""
+    does not hold); every weight still arrives over the buckets (``tests/vllm`` compares log-probs).
+    """
     loggers = [logging.getLogger(name) for name in _PARTIAL_RELOAD_LOGGERS]
     levels = [log.level for log in loggers]
     for log in loggers:
@@ -131,7 +132,7 @@ def _quiet_partial_reload() -> Iterator[None]:
     try:
         yield
     finally:
-        for log, level in zip(loggers, levels):
+        for log, level in zip(loggers, levels, strict=True):
             log.setLevel(level)
 
 
@@ -379,7 +380,8 @@ class VLLMRolloutEngine:
         """Stops the in-process engine now. vLLM's teardown ends torch.distributed in this process
         (its own groups, then the default group), so call it after the last collective and before the
         trainer's groups are destroyed; left to vLLM's exit-time finalizer, it would run after them and
-        fail on a group that no longer exists (``Invalid process group specified``, with a traceback)."""
+        fail on a group that no longer exists (``Invalid process group specified``, with a traceback).
+        """
         self.llm.llm_engine.engine_core.shutdown()
 
     def sleep(self) -> None:

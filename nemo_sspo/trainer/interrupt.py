@@ -55,7 +55,8 @@ def _handle(signum: int, _frame) -> None:
 @contextmanager
 def stop_on_signals():
     """Within the block, SIGINT and SIGTERM raise :class:`RunInterrupted` (main thread only; elsewhere
-    the block runs with the handlers unchanged). The previous handlers are restored on exit."""
+    the block runs with the handlers unchanged). The previous handlers are restored on exit.
+    """
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -71,7 +72,8 @@ def stop_on_signals():
 @contextmanager
 def deferred_signals():
     """A signal arriving within the block is held until the block ends, then raised (a save that
-    must not stop half way)."""
+    must not stop half way).
+    """
     _deferring.set()
     try:
         yield

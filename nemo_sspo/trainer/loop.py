@@ -455,7 +455,8 @@ class GRPOTrainer:
         ``engine_step``: the last completed step, or the abandoned one when it stopped after its
         refit) to ``output_dir/hf_checkpoint_interrupted`` without collectives (other ranks may be
         gone); returns that folder, or None where nothing was written. The vLLM engine's weights
-        cannot be read back: resume from the last checkpoint instead."""
+        cannot be read back: resume from the last checkpoint instead.
+        """
         if dist.get_rank() != 0 or not self.cfg.trainer.save_hf_checkpoint:
             return None
         if not isinstance(self.engine, HFRolloutEngine):
@@ -502,7 +503,8 @@ class GRPOTrainer:
 
     def shutdown_engine(self) -> None:
         """Stops a vLLM engine (:meth:`VLLMRolloutEngine.shutdown`: it ends torch.distributed, so only
-        once this process runs no more collectives); the CLI calls it before ``destroy_parallel``."""
+        once this process runs no more collectives); the CLI calls it before ``destroy_parallel``.
+        """
         if isinstance(self.engine, VLLMRolloutEngine):
             self.engine.shutdown()
 

@@ -53,7 +53,8 @@ def write_config(folder: str | Path, config: dict[str, Any]) -> Path:
 
 def read_config(folder: str | Path) -> dict[str, Any] | None:
     """``folder/config.yaml`` as nested dicts, or None when the folder has none (a checkpoint written
-    before configs were saved)."""
+    before configs were saved).
+    """
     from omegaconf import OmegaConf
 
     path = Path(folder) / RUN_CONFIG_FILE
