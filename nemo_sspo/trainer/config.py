@@ -242,7 +242,9 @@ class TrainerConfig:
     output_dir: str = "outputs/sspo_smollm2_cpu"
     """metrics.jsonl, TensorBoard events, the reward/entropy plot and checkpoints go here."""
     overwrite_output_dir: bool = False
-    """Allow a run to replace the metrics and checkpoints of an earlier run in ``output_dir``."""
+    """Start over in an ``output_dir`` holding an earlier run: deletes that run's outputs (metrics,
+    TensorBoard events, checkpoints, model folders: ``nemo_sspo.trainer.checkpoint.RUN_OUTPUTS``)
+    before the first step. Without it such a folder is refused (continue it with ``resume=auto``)."""
     save_hf_checkpoint: bool = True
     """Write the final policy as a Hugging Face checkpoint to ``output_dir/hf_checkpoint`` (also on a crash)."""
     checkpoint_interval: int = 0
@@ -254,7 +256,9 @@ class TrainerConfig:
     resume: str | None = None
     """Resume from a checkpoint: a ``step_<N>`` folder, a ``checkpoints`` folder (its ``latest``), or
     ``auto`` (``output_dir/checkpoints/latest`` if it exists, else start fresh); null = start fresh.
-    The config must match the checkpoint's (model, layout, data, seed)."""
+    The checkpoint's ``config.yaml`` must match this run's on the model, parallel layout and world
+    size, batch shape, data and seed (``nemo_sspo.trainer.run_config.RESUME_KEYS``); a resume that
+    differs is refused with the keys."""
 
 
 @dataclass
