@@ -1,8 +1,10 @@
-"""Command line: ``nemo-sspo train|eval [--config-name NAME] [--config-dir DIR] [key=value ...]``.
+"""Command line: ``nemo-sspo train|eval [--config-name NAME] [--config-dir DIR] [key=value ...]``
+and ``nemo-sspo data prepare --out DIR``.
 
 ``train`` runs GRPO-family training; ``eval`` scores ``model.source`` by greedy Avg@1 on
 ``eval.benchmarks`` (e.g. ``nemo-sspo eval model=smollm2_135m data.template=qwen-math
-eval.limit_per_benchmark=8 eval.data_dir=/path/to/data``).
+eval.limit_per_benchmark=8 eval.data_dir=/path/to/data``); ``data prepare`` writes the paper's math
+datasets into a folder from their public sources (:mod:`nemo_sspo.data.prepare`).
 
 Configs are Hydra YAML files under ``nemo_sspo/conf/`` (shipped inside the package) (default ``sspo_smollm2_cpu``) composed over the
 structured schema of :mod:`nemo_sspo.trainer.config`; overrides use Hydra syntax
@@ -31,7 +33,7 @@ def launch_world_size() -> int:
 
 
 def load_config(config_name: str = DEFAULT_CONFIG_NAME, overrides: list[str] | None = None,
-                config_dir: str | Path = DEFAULT_CONFIG_DIR, *, command: str = "train"):
+                config_dir: str | Path = DEFAULT_CONFIG_DIR, *, command: str = "train", check_model: bool = False):
     """Composes a YAML config with overrides into a typed, validated :class:`TrainConfig`.
 
     Every check of the config runs here, before any process group, model or data exists
@@ -43,9 +45,14 @@ def load_config(config_name: str = DEFAULT_CONFIG_NAME, overrides: list[str] | N
         config_dir: the folder of the YAML files.
         command: ``train`` checks the parallel layout against :func:`launch_world_size`; ``eval``
             (one process, no Megatron model) does not read the layout.
+        check_model: also check the layout against ``model.source``'s config.json
+            (:func:`nemo_sspo.trainer.config.check_model_layout`; reads no weights, but the model must
+            be at hand). The CLI sets it for every run.
 
     Raises:
-        ValueError: an unknown key, a wrong type, or a failed check, naming the key path.
+        ValueError: an unknown key, a wrong type (with OmegaConf's reason), or a failed check, naming
+            the key path.
+        FileNotFoundError: ``model.source`` cannot be found (``check_model``).
     """
     from hydra import compose, initialize_config_dir
     from hydra.errors import HydraException
@@ -86,7 +93,13 @@ def load_config(config_name: str = DEFAULT_CONFIG_NAME, overrides: list[str] | N
     if unknown:  # a key added with '+' that no field takes: Hydra keeps it, the dataclasses drop it
         raise ValueError(f"invalid config {config_name!r}: {unknown_key_message(unknown, cfg.loss.name)}")
     resolve_loss_settings(cfg)
-    validate(cfg, world_size=launch_world_size() if command == "train" else None)
+    world_size = launch_world_size() if command == "train" else None
+    validate(cfg, world_size=world_size)
+    if check_model:
+        from nemo_sspo.models import load_hf_config
+        from nemo_sspo.trainer.config import check_model_layout
+
+        check_model_layout(cfg, load_hf_config(cfg.model.source, cache_dir=cfg.model.cache_dir), world_size)
     return cfg
 
 
@@ -114,7 +127,7 @@ def _hydra_error_message(config_name: str, err: Exception, overrides: list[str],
 
     match = re.search(r"Could not override '([^']+)'", str(err))
     if not match:
-        return f"invalid config {config_name!r}: {err}"
+        return f"invalid config {config_name!r}: {err}{_omegaconf_reason(err)}"
     path = match.group(1)
     rest = [item for item in overrides if item.split("=", 1)[0].lstrip("+~") != path]
     try:
@@ -122,6 +135,18 @@ def _hydra_error_message(config_name: str, err: Exception, overrides: list[str],
     except Exception:  # noqa: BLE001 - the other overrides are broken too: no loss-specific hint
         loss_name = None
     return f"invalid config {config_name!r}: {unknown_key_message(path, loss_name)}"
+
+
+def _omegaconf_reason(err: Exception) -> str:
+    """``": <reason>"`` from the OmegaConf error under a Hydra one (``Error merging override
+    trainer.max_steps=two`` hides ``Value 'two' of type 'str' could not be converted to Integer``).
+    """
+    from omegaconf.errors import OmegaConfBaseException
+
+    cause = err.__cause__
+    if not isinstance(cause, OmegaConfBaseException) or not getattr(cause, "msg", None):
+        return ""
+    return f": {cause.msg.splitlines()[0]}"  # the rest repeats the key and names internal classes
 
 
 def _parse(argv: list[str]) -> argparse.Namespace:
@@ -137,7 +162,30 @@ def _parse(argv: list[str]) -> argparse.Namespace:
         command.add_argument("--print-config", action="store_true", help="print the composed config and exit")
         example = {"train": "trainer.max_steps=2", "eval": "eval.limit_per_benchmark=4"}[name]
         command.add_argument("overrides", nargs="*", help=f"Hydra overrides, e.g. {example}")
+    data = sub.add_parser("data", help="the paper's math datasets").add_subparsers(dest="action", required=True)
+    prepare = data.add_parser("prepare", help="download the training and evaluation sets from their public "
+                              "sources into a folder, each checked against its published sha256 and row count")
+    prepare.add_argument("--out", required=True, help="the data folder (then export NEMO_SSPO_DATA_DIR=<it>)")
+    prepare.add_argument("--source", default=None, help="a local folder instead of the download: a mirror "
+                         "<owner>/<repo>/<commit>/<path> of the source files, or prepared JSONL files "
+                         "(default: $NEMO_SSPO_DATA_SOURCE, else download)")
+    prepare.add_argument("--only", nargs="+", default=None, metavar="NAME", help="these datasets only")
     return parser.parse_args(argv)
+
+
+def _prepare_data(args: argparse.Namespace) -> int:
+    """``nemo-sspo data prepare``: writes the datasets, one line per file, then where they are."""
+    from nemo_sspo.data.math_datasets import DATA_DIR_ENV
+    from nemo_sspo.data.prepare import prepare_datasets
+
+    try:
+        written = prepare_datasets(args.out, names=args.only, source=args.source)
+    except (ValueError, OSError, ImportError) as err:
+        print(f"nemo-sspo: {err}", file=sys.stderr)
+        return 2
+    folder = Path(args.out).expanduser().resolve()
+    print(f"datasets written to {folder}: {', '.join(written)}; use them with: export {DATA_DIR_ENV}={folder}")
+    return 0
 
 
 def _evaluate(cfg) -> int:
@@ -170,15 +218,28 @@ def _quiet_known_warnings() -> None:
         warnings.filterwarnings("ignore", message=pattern)
 
 
+def _stopped(err, trainer, output_dir: str) -> str:
+    """The line saying where a run stopped by a signal left off (``trainer`` None: while starting)."""
+    from nemo_sspo.trainer.interrupt import stop_message
+
+    if trainer is None:
+        return stop_message(err, completed_steps=None, output_dir=output_dir, interrupted_dir=None)
+    return stop_message(err, completed_steps=trainer.completed_steps, output_dir=output_dir,
+                        interrupted_dir=trainer.interrupted_dir, policy_step=trainer.engine_step)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``nemo-sspo`` console script; returns the process exit code."""
     args = _parse(sys.argv[1:] if argv is None else argv)
+    if args.command == "data":
+        return _prepare_data(args)
     _quiet_known_warnings()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     try:
-        cfg = load_config(args.config_name, args.overrides, args.config_dir, command=args.command)
-    except ValueError as err:
+        cfg = load_config(args.config_name, args.overrides, args.config_dir, command=args.command,
+                          check_model=not args.print_config)
+    except (ValueError, FileNotFoundError) as err:
         print(f"nemo-sspo: {err}", file=sys.stderr)
         return 2
     if args.print_config:
@@ -189,15 +250,24 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "eval":
         return _evaluate(cfg)
     from nemo_sspo.megatron import destroy_parallel
+    from nemo_sspo.trainer.interrupt import RunInterrupted, stop_on_signals
     from nemo_sspo.trainer.loop import GRPOTrainer, start_parallel
 
+    trainer = None
     try:
-        trainer = GRPOTrainer(cfg, start_parallel(cfg.parallel, cfg.trainer.seed))
-        history = trainer.fit()
+        with stop_on_signals():  # SIGINT/SIGTERM: abandon the step, save what is safe, exit cleanly
+            trainer = GRPOTrainer(cfg, start_parallel(cfg.parallel, cfg.trainer.seed))
+            history = trainer.fit()
     except ValueError as err:
         print(f"nemo-sspo: {err}", file=sys.stderr)
         return 2
+    except RunInterrupted as err:
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(f"nemo-sspo: {_stopped(err, trainer, cfg.trainer.output_dir)}", file=sys.stderr)
+        return err.exit_code
     finally:
+        if trainer is not None:
+            trainer.shutdown_engine()
         destroy_parallel()
     if trainer.logger.enabled:
         print(f"done: {len(history)} steps, outputs in {cfg.trainer.output_dir}")

@@ -26,6 +26,7 @@ from pathlib import Path
 
 __all__ = [
     "DATA_DIR_ENV",
+    "PREPARE_COMMAND",
     "MATH_DATASETS",
     "PAPER_BENCHMARKS",
     "MathDatasetFile",
@@ -39,6 +40,9 @@ _MATH_DOLLAR = re.compile(r"(?<!\\)\$")  # a $ not preceded by a backslash
 
 DATA_DIR_ENV = "NEMO_SSPO_DATA_DIR"
 """Environment variable naming the data directory when the config leaves it null."""
+
+PREPARE_COMMAND = "nemo-sspo data prepare --out {dir}"
+"""The command that writes the data folder (:mod:`nemo_sspo.data.prepare`), named by the errors."""
 
 
 @dataclass(frozen=True)
@@ -100,13 +104,14 @@ def resolve_data_dir(data_dir: str | None, key: str) -> Path:
     chosen = data_dir or os.environ.get(DATA_DIR_ENV)
     if not chosen:
         raise ValueError(
-            f"{key} is not set and ${DATA_DIR_ENV} is empty: point one of them at the folder of "
-            "math JSONL files (see docs/data.md), e.g. "
-            f"{key}=/path/to/shared/data or export {DATA_DIR_ENV}=/path/to/shared/data"
+            f"{key} is not set and ${DATA_DIR_ENV} is empty: prepare the math data once with "
+            f"`{PREPARE_COMMAND.format(dir='/path/to/data')}`, then set {key}=/path/to/data or export "
+            f"{DATA_DIR_ENV}=/path/to/data (docs/data.md)"
         )
     path = Path(chosen).expanduser()
     if not path.is_dir():
-        raise ValueError(f"{key}={str(chosen)!r} is not a directory; it must hold the math JSONL files")
+        raise ValueError(f"{key}={str(chosen)!r} is not a directory; create it with "
+                         f"`{PREPARE_COMMAND.format(dir=chosen)}`")
     return path
 
 
@@ -145,7 +150,8 @@ def load_math_dataset(name: str, data_dir: str | None = None, *, key: str = "dat
     spec = MATH_DATASETS[name]
     path = resolve_data_dir(data_dir, key) / spec.file
     if not path.is_file():
-        raise ValueError(f"{key}: {path} does not exist; the folder must hold {spec.file} (see docs/data.md)")
+        raise ValueError(f"{key}: {path} does not exist; write it with "
+                         f"`{PREPARE_COMMAND.format(dir=path.parent)} --only {name}` (docs/data.md)")
     raw = path.read_bytes()
     if hashlib.sha256(raw).hexdigest() != spec.sha256:
         warnings.warn(f"{path} differs from the published {spec.file} (sha256 mismatch; expected "

@@ -17,6 +17,7 @@ shard has ``V_local = V_padded / tp`` rows. Padded rows of the embedding and out
 from __future__ import annotations
 
 import importlib.util
+import math
 import warnings
 from contextlib import contextmanager
 from typing import Any
@@ -50,6 +51,7 @@ __all__ = [
     "parameter_counts",
     "resolve_transformer_impl",
     "transformer_config_from_hf",
+    "check_architecture",
     "unwrap_model",
     "uses_transformer_engine",
     "vocab_shard",
@@ -119,7 +121,24 @@ def has_qk_norm(hf_config: Any) -> bool:
     return model_type(hf_config) == "qwen3"
 
 
-def _validate_architecture(hf_config: Any, tp_size: int, pp_size: int) -> None:
+def check_architecture(hf_config: Any, tp_size: int, pp_size: int, *, tp_name: str = "tp_size",
+                       pp_name: str = "pp_size") -> None:
+    """Checks that ``hf_config`` maps onto Megatron's GPTModel under a TP x PP layout (the one copy
+    of these checks; the config layer runs it at load time from the model's config.json alone).
+
+    Args:
+        hf_config: a transformers Llama / Qwen2 / Qwen3 config (only its fields are read).
+        tp_size: tensor-parallel size.
+        pp_size: pipeline-parallel size.
+        tp_name: the name of ``tp_size`` in messages (the caller's argument or config key).
+        pp_name: the name of ``pp_size`` in messages.
+
+    Raises:
+        ValueError: naming the field and the valid sizes, when num_attention_heads or
+            num_key_value_heads is not divisible by ``tp_size``, num_hidden_layers not divisible by
+            ``pp_size``; or for an unsupported architecture, Llama / Qwen3 biases, a non-silu
+            activation, sliding-window attention or scaled RoPE.
+    """
     kind = model_type(hf_config)
     if getattr(hf_config, "hidden_act", "silu") != "silu":
         raise ValueError(
@@ -137,18 +156,25 @@ def _validate_architecture(hf_config: Any, tp_size: int, pp_size: int) -> None:
                 "hf_config.use_sliding_window=True (sliding-window layers) is not supported: Megatron's "
                 "GPTModel here uses full causal attention in every layer"
             )
+    _rope_theta(hf_config)
     heads, kv_heads = hf_config.num_attention_heads, hf_config.num_key_value_heads
     for field, count in (("num_attention_heads", heads), ("num_key_value_heads", kv_heads)):
         if count % tp_size:
             raise ValueError(
-                f"{field}={count} is not divisible by tp_size={tp_size}: "
-                "choose a tp_size dividing it"
+                f"{tp_name}={tp_size} does not divide the model's {field}={count} (heads {heads}, key/value "
+                f"heads {kv_heads}): use one of {_divisors(math.gcd(heads, kv_heads))}"
             )
-    if hf_config.num_hidden_layers % pp_size:
+    layers = hf_config.num_hidden_layers
+    if layers % pp_size:
         raise ValueError(
-            f"num_hidden_layers={hf_config.num_hidden_layers} is not divisible by "
-            f"pp_size={pp_size}: choose a pp_size dividing it"
+            f"{pp_name}={pp_size} does not divide the model's num_hidden_layers={layers}: use one of "
+            f"{_divisors(layers)}"
         )
+
+
+def _divisors(n: int) -> str:
+    """``"1, 2, 4"`` for 4: the sizes that split ``n`` evenly."""
+    return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
 
 
 def check_model_options(*, precision: str, fp8: str | None, fp8_recipe: str,
@@ -209,8 +235,7 @@ def transformer_config_from_hf(
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     dtype = check_model_options(precision=precision, fp8=fp8, fp8_recipe=fp8_recipe)
-    _validate_architecture(hf_config, tp_size, pp_size)
-    _rope_theta(hf_config)
+    check_architecture(hf_config, tp_size, pp_size)
     kwargs = dict(
         num_layers=hf_config.num_hidden_layers,
         hidden_size=hf_config.hidden_size,

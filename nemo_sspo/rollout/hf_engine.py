@@ -291,6 +291,9 @@ class HFRolloutEngine:
         """The model's current (refitted) weights under HF names."""
         return self.model.state_dict()
 
+    def shutdown(self) -> None:
+        """Nothing to release: the model is an ordinary module (``RolloutEngine`` protocol)."""
+
     def _response_mask(self, response_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``[B, T]`` mask up to and including the first stop id, and ``[B]`` truncated flags.
 

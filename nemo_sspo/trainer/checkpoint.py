@@ -7,12 +7,14 @@ Layout under ``<output_dir>/checkpoints``::
         policy/                 megatron.core.dist_checkpointing (torch_dist): model + optimizer
         critic/                 the same for the SPPO critic (loss=sppo only)
         rng/rank_00000.pt       per-rank RNG states (python, numpy, torch CPU and CUDA, Megatron tracker)
+        config.yaml             the run's composed config (compared on resume: ``RESUME_KEYS``)
         trainer_state.json      :class:`TrainerState`, written last
     latest                      the name of the newest complete checkpoint ("step_000004")
 
 Model and optimizer go through Megatron's distributed checkpointing (``sharded_state_dict`` of the
 model and ``optimizer.sharded_state_dict(model_sharded_state_dict)``): every tensor is saved once
-(its main replica) with its global offsets, so a checkpoint can be loaded under another TP/PP layout.
+(its main replica) with its global offsets (so the format itself could be read under another TP/PP
+layout; a resume refuses one all the same, see below).
 Measured with megatron-core 0.16.1: it works on CPU/gloo (TP=2 tested) and on CUDA (BF16 with the
 mixed-precision optimizer, one H200), with three properties of its writer (``FileSystemWriterAsync``):
 the first save of a process starts a multiprocessing Manager, a *spawned* helper process that
@@ -28,6 +30,11 @@ Atomicity: every rank writes into ``.step_000004.tmp``; after a barrier rank 0 w
 ``latest`` naming the previous complete checkpoint; a stale ``.tmp`` folder is removed by the next
 save. (Assumes a shared filesystem with atomic rename, as dist_checkpointing does.)
 
+Resume check: a resumed run must have the checkpoint's model, parallel layout and world size, batch
+shape, data stream and seed (``nemo_sspo.trainer.run_config.RESUME_KEYS``, compared with the
+checkpoint's ``config.yaml``; every differing key is listed). An exact continuation needs them: the
+RNG states are per rank, and the data-parallel size decides which responses share a mini-batch.
+
 Data position: prompt sources are seeded streams whose state depends only on the number of
 problems drawn so far (``RolloutSampler.problems_drawn``); resuming replays that many draws. Sampling
 seeds derive from ``(trainer.seed, step, round, slot)`` (:mod:`nemo_sspo.trainer.sampling`), so with
@@ -39,7 +46,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import logging
 import os
 import random
 import shutil
@@ -52,26 +58,33 @@ import torch
 import torch.distributed as dist
 
 from nemo_sspo.megatron.cpu_shims import cpu_device_context
+from nemo_sspo.trainer.periodic_eval import BEST_DIR
+from nemo_sspo.trainer.run_config import RUN_CONFIG_FILE, read_config, resume_mismatches, write_config
 
 __all__ = [
     "CHECKPOINTS_DIR",
     "LATEST_FILE",
+    "RUN_OUTPUTS",
     "STATE_FILE",
     "TrainerState",
     "checkpoint_name",
     "load_checkpoint",
+    "prepare_output_dir",
     "resolve_resume",
     "save_checkpoint",
     "write_hf_checkpoint",
 ]
-
-logger = logging.getLogger(__name__)
 
 CHECKPOINTS_DIR = "checkpoints"
 """Sub-folder of ``trainer.output_dir`` holding the checkpoints and ``latest``."""
 LATEST_FILE = "latest"
 STATE_FILE = "trainer_state.json"
 _RNG_DIR = "rng"
+
+RUN_OUTPUTS = ("metrics.jsonl", "tensorboard", "reward_entropy.png", CHECKPOINTS_DIR, "hf_checkpoint",
+               "hf_checkpoint_interrupted", BEST_DIR, "eval", RUN_CONFIG_FILE)
+"""What a training run writes into ``trainer.output_dir`` (``trainer.overwrite_output_dir=true``
+deletes these and nothing else)."""
 
 
 @dataclass
@@ -229,14 +242,53 @@ def write_hf_checkpoint(path: str | Path, hf_config, state_dict: dict[str, torch
     return path
 
 
+def prepare_output_dir(trainer_cfg: Any, *, is_writer: bool) -> None:
+    """Before a run that does not resume: refuses a folder holding an earlier run unless
+    ``trainer.overwrite_output_dir``, which deletes that run's outputs (:data:`RUN_OUTPUTS`: its
+    checkpoints too, so a later ``trainer.resume=auto`` cannot continue the old weights).
+
+    Args:
+        trainer_cfg: the ``trainer`` section.
+        is_writer: this rank deletes (rank 0; the others only check).
+
+    Raises:
+        ValueError: an earlier run's ``metrics.jsonl`` is there and overwriting is off; names
+            ``trainer.resume=auto`` first when a checkpoint exists.
+    """
+    out = Path(trainer_cfg.output_dir)
+    earlier = out / "metrics.jsonl"
+    held = earlier.is_file() and earlier.stat().st_size > 0
+    has_checkpoint = (out / CHECKPOINTS_DIR / LATEST_FILE).is_file()  # what trainer.resume=auto continues
+    if not held and not has_checkpoint:
+        return
+    if not trainer_cfg.overwrite_output_dir:
+        where = f"trainer.output_dir={trainer_cfg.output_dir!r} holds an earlier run ({earlier if held else out / CHECKPOINTS_DIR})"
+        if has_checkpoint:
+            raise ValueError(f"{where}; continue it with trainer.resume=auto, start it over with "
+                             "trainer.overwrite_output_dir=true (deletes its metrics and checkpoints), or choose "
+                             "another trainer.output_dir")
+        raise ValueError(f"{where} without a checkpoint to resume from; start it over with "
+                         "trainer.overwrite_output_dir=true (deletes its metrics), or choose another "
+                         "trainer.output_dir")
+    if is_writer:
+        for name in RUN_OUTPUTS:
+            path = out / name
+            if path.is_dir():
+                shutil.rmtree(path)
+            elif path.exists():
+                path.unlink()
+
+
 def save_checkpoint(root: str | Path, state: TrainerState, models: dict[str, tuple[Any, Any]], *,
-                    keep: int = 0) -> Path:
+                    config: dict[str, Any], keep: int = 0) -> Path:
     """Writes a checkpoint of step ``state.step`` atomically (module docstring). Collective: every
     rank calls it with its own model chunks.
 
     Args:
         root: the checkpoints folder (``<output_dir>/checkpoints``).
         state: the trainer state (written by rank 0, last).
+        config: the run's composed config (``nemo_sspo.trainer.run_config.composed_config``), saved
+            as ``config.yaml`` for the resume check.
         models: name -> ``(DDP-wrapped model chunk, Megatron optimizer)``, e.g. ``{"policy": ...,
             "critic": ...}``; each gets its own dist_checkpointing sub-folder.
         keep: number of newest checkpoints kept after this one is published (0 = all).
@@ -258,6 +310,7 @@ def save_checkpoint(root: str | Path, state: TrainerState, models: dict[str, tup
     torch.save(_rng_state(), _rng_file(tmp, _rank()))
     _barrier()
     if _rank() == 0:
+        write_config(tmp, config)
         _write_text_atomic(tmp / STATE_FILE, json.dumps(dataclasses.asdict(state), indent=1))
         _publish(tmp, root / name)
         _write_text_atomic(root / LATEST_FILE, name)
@@ -297,36 +350,40 @@ def resolve_resume(resume: str | None, output_dir: str | Path) -> Path | None:
     return path
 
 
-def load_checkpoint(path: str | Path, models: dict[str, tuple[Any, Any]], *, seed: int) -> TrainerState:
+def load_checkpoint(path: str | Path, models: dict[str, tuple[Any, Any]], *, config: dict[str, Any]) -> TrainerState:
     """Restores the models, optimizers and this rank's RNG states from ``path``. Collective.
 
     Args:
         path: a complete checkpoint folder (:func:`resolve_resume`).
-        models: as for :func:`save_checkpoint`, built with the checkpoint's architecture (TP/PP may
-            differ: dist_checkpointing reshards).
-        seed: this run's ``trainer.seed``.
+        models: as for :func:`save_checkpoint`, built with the checkpoint's architecture.
+        config: this run's composed config; its ``RESUME_KEYS`` (model, layout, batch shape, data,
+            seed) must equal the checkpoint's, and the world size the checkpoint's.
 
     Returns:
         The saved :class:`TrainerState`.
 
     Raises:
-        ValueError: ``seed`` differs from the checkpoint's, or a model has no folder in it (e.g. a
-            critic loss resumed from a run without one).
+        ValueError: listing every key that differs from the checkpoint's config (a checkpoint
+            without ``config.yaml``, written by an earlier version, is checked on the seed only), a
+            different world size, or a model without a folder in it.
     """
     path = Path(path)
     state = TrainerState(**json.loads((path / STATE_FILE).read_text(encoding="utf-8")))
-    if state.seed != seed:
-        raise ValueError(f"trainer.seed={seed} differs from the checkpoint's ({state.seed}, {path}); resume "
-                         "with the seed the run started with")
+    saved = read_config(path)
+    if saved is None:
+        saved = {"trainer": {"seed": state.seed}}
+        config = {"trainer": {"seed": config["trainer"]["seed"]}}
+    differ = resume_mismatches(saved, config)
+    world_size = dist.get_world_size() if dist.is_initialized() else 1
+    if world_size != state.world_size:
+        differ.append(f"world size (processes): checkpoint {state.world_size}, now {world_size}")
+    if differ:
+        raise ValueError(f"trainer.resume: checkpoint {path} was written by a run with another config:\n  "
+                         + "\n  ".join(differ) + f"\nresume with the settings in {path / RUN_CONFIG_FILE} (only "
+                         "those keys must match), or start a new run in another trainer.output_dir")
     for key, (model, optimizer) in models.items():
         if not (path / key).is_dir():
             raise ValueError(f"checkpoint {path} has no {key!r} state; was it written with another loss config?")
         _load_sharded(path / key, model, optimizer)
-    rng_file = _rng_file(path, _rank())
-    world_size = dist.get_world_size() if dist.is_initialized() else 1
-    if world_size == state.world_size and rng_file.is_file():
-        _set_rng_state(torch.load(rng_file, weights_only=False))
-    elif _rank() == 0:
-        logger.warning("resuming %d processes from a checkpoint of %d: RNG states are not restored (sampling "
-                       "seeds still derive from trainer.seed and the step)", world_size, state.world_size)
+    _set_rng_state(torch.load(_rng_file(path, _rank()), weights_only=False))
     return state

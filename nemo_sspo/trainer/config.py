@@ -40,7 +40,7 @@ from nemo_sspo.algorithms.losses.registry import losses_with_field
 from nemo_sspo.algorithms.micro_batches import MicroBatchLayout
 from nemo_sspo.data import MATH_DATASETS, PAPER_BENCHMARKS, SOURCE_OPTIONS, TEMPLATES
 from nemo_sspo.data.tasks import WordProblemOptions
-from nemo_sspo.megatron.model import check_model_options
+from nemo_sspo.megatron.model import check_architecture, check_model_options
 from nemo_sspo.rewards import reward_names
 from nemo_sspo.rollout import rollout_engine_names
 
@@ -61,6 +61,7 @@ __all__ = [
     "WandbConfig",
     "MlflowConfig",
     "validate",
+    "check_model_layout",
     "build_loss_config",
     "register_config_nodes",
     "resolve_loss_settings",
@@ -316,7 +317,9 @@ class TrainerConfig:
     output_dir: str = "outputs/sspo_smollm2_cpu"
     """metrics.jsonl, TensorBoard events, the reward/entropy plot and checkpoints go here."""
     overwrite_output_dir: bool = False
-    """Allow a run to replace the metrics and checkpoints of an earlier run in ``output_dir``."""
+    """Start over in an ``output_dir`` holding an earlier run: deletes that run's outputs (metrics,
+    TensorBoard events, checkpoints, model folders: ``nemo_sspo.trainer.checkpoint.RUN_OUTPUTS``)
+    before the first step. Without it such a folder is refused (continue it with ``resume=auto``)."""
     save_hf_checkpoint: bool = True
     """Write the final policy as a Hugging Face checkpoint to ``output_dir/hf_checkpoint`` (also on a crash)."""
     checkpoint_interval: int = 0
@@ -328,7 +331,9 @@ class TrainerConfig:
     resume: str | None = None
     """Resume from a checkpoint: a ``step_<N>`` folder, a ``checkpoints`` folder (its ``latest``), or
     ``auto`` (``output_dir/checkpoints/latest`` if it exists, else start fresh); null = start fresh.
-    The config must match the checkpoint's (model, layout, data, seed)."""
+    The checkpoint's ``config.yaml`` must match this run's on the model, parallel layout and world
+    size, batch shape, data and seed (``nemo_sspo.trainer.run_config.RESUME_KEYS``); a resume that
+    differs is refused with the keys."""
     loggers: list[str] = field(default_factory=lambda: ["console", "jsonl", "tensorboard"])
     """Where per-step metrics go (``nemo_sspo.trainer.metric_log``), any of ``console`` (progress bar and
     one line per step), ``jsonl`` (``output_dir/metrics.jsonl``; resuming needs it), ``tensorboard``
@@ -511,6 +516,48 @@ def _validate_loggers(tr: TrainerConfig) -> None:
         _require(name not in tr.loggers or importlib.util.find_spec(module) is not None,
                  f"trainer.loggers has {name!r} but the package {package} is not installed: run `bash install.sh` "
                  f"(or pip install --no-deps -r constraints/trackers.txt), or remove {name!r} from trainer.loggers")
+
+
+def check_model_layout(cfg: TrainConfig, hf_config: Any, world_size: int | None = 1) -> None:
+    """The layout facts of ``model.source``'s config.json against the config (heads and key/value
+    heads by the trainer's and vLLM's tensor parallelism, layers by pipeline stages and the critic's
+    layers, the engine's context length), so a layout the model cannot take fails before any weight
+    is read.
+
+    Args:
+        cfg: the composed, validated config.
+        hf_config: the model's config (``nemo_sspo.models.load_hf_config``: no weights read).
+        world_size: as :func:`validate`; None (``nemo-sspo eval``: no Megatron model) skips the
+            trainer's layout.
+
+    Raises:
+        ValueError: naming the config key, the model's field and the sizes that would work.
+    """
+    source = f"model.source={cfg.model.source!r}: "
+    par, ro = cfg.parallel, cfg.rollout
+    if world_size is not None:
+        at_key(source, lambda: check_architecture(
+            hf_config, par.tensor_model_parallel_size, par.pipeline_model_parallel_size,
+            tp_name="parallel.tensor_model_parallel_size", pp_name="parallel.pipeline_model_parallel_size"))
+        layers = cfg.critic.num_layers
+        _require(layers is None or layers <= hf_config.num_hidden_layers,
+                 f"critic.num_layers={layers} exceeds the {hf_config.num_hidden_layers} layers of "
+                 f"{source[:-2]}; use at most that, or null for all")
+    if ro.backend != "vllm":
+        return
+    heads, kv_heads, vtp = hf_config.num_attention_heads, hf_config.num_key_value_heads, ro.vllm.tensor_parallel_size
+    # vLLM shards query heads and either shards or replicates key/value heads.
+    _require(heads % vtp == 0 and (kv_heads % vtp == 0 or vtp % kv_heads == 0),
+             f"rollout.vllm.tensor_parallel_size={vtp} does not split the {heads} heads / {kv_heads} key/value "
+             f"heads of {source[:-2]}: use a size dividing {heads} that divides or is a multiple of {kv_heads}")
+    context = hf_config.max_position_embeddings
+    _require(ro.vllm.max_model_len is None or ro.vllm.max_model_len <= context,
+             f"rollout.vllm.max_model_len={ro.vllm.max_model_len} exceeds max_position_embeddings={context} of "
+             f"{source[:-2]}; use at most {context}, or null")
+    limit = ro.vllm.max_model_len or context
+    _require(ro.max_new_tokens < limit,
+             f"rollout.max_new_tokens={ro.max_new_tokens} leaves no room for a prompt in vLLM's context of "
+             f"{limit} tokens ({source[:-2]}); lower it or raise rollout.vllm.max_model_len")
 
 
 def micro_batch_layout(par: ParallelConfig) -> MicroBatchLayout:

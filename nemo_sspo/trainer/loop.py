@@ -86,6 +86,7 @@ from nemo_sspo.trainer.checkpoint import (
     CHECKPOINTS_DIR,
     TrainerState,
     load_checkpoint,
+    prepare_output_dir,
     resolve_resume,
     save_checkpoint,
     write_hf_checkpoint,
@@ -99,9 +100,11 @@ from nemo_sspo.trainer.config import (
 )
 from nemo_sspo.trainer.critic import Critic
 from nemo_sspo.trainer.device import check_host, training_device
+from nemo_sspo.trainer.interrupt import deferred_signals
 from nemo_sspo.trainer.metric_log import MetricsLogger
 from nemo_sspo.trainer.periodic_eval import BEST_DIR, BestEval, evaluate_engine
-from nemo_sspo.trainer.rollout_metrics import rollout_metric_sums
+from nemo_sspo.trainer.rollout_metrics import TruncationWatch, rollout_metric_sums
+from nemo_sspo.trainer.run_config import composed_config, write_config
 from nemo_sspo.trainer.sampling import Rollout, RolloutSampler
 from nemo_sspo.trainer.throughput import ModelShape, peak_tflops, step_work_sums, throughput_metrics
 
@@ -131,16 +134,6 @@ def start_parallel(parallel_cfg: ParallelConfig, seed: int) -> ParallelGroups:
     initialize_parallel(tp_size=parallel_cfg.tensor_model_parallel_size,
                         pp_size=parallel_cfg.pipeline_model_parallel_size, seed=seed)
     return get_parallel_groups()
-
-
-def _check_output_dir(trainer_cfg) -> None:
-    """Refuses to overwrite an earlier run's metrics unless ``trainer.overwrite_output_dir``."""
-    earlier = Path(trainer_cfg.output_dir) / "metrics.jsonl"
-    if earlier.exists() and earlier.stat().st_size > 0 and not trainer_cfg.overwrite_output_dir:
-        raise ValueError(
-            f"trainer.output_dir={trainer_cfg.output_dir!r} holds an earlier run ({earlier}); choose "
-            "another trainer.output_dir or set trainer.overwrite_output_dir=true"
-        )
 
 
 def _model_options(model_cfg) -> dict:
@@ -188,7 +181,8 @@ class GRPOTrainer:
                                        cfg.model.precision, cfg.model.fp8 is not None)
         resume_path = resolve_resume(cfg.trainer.resume, cfg.trainer.output_dir)
         if resume_path is None:
-            _check_output_dir(cfg.trainer)
+            prepare_output_dir(cfg.trainer, is_writer=dist.get_rank() == 0)
+        self.config = composed_config(cfg)  # saved with the run and its checkpoints, compared on resume
         self.groups = groups
         self.loss = make_policy_loss(cfg.loss.name, build_loss_config(cfg.loss))
         needs = self.loss.requirements
@@ -225,11 +219,15 @@ class GRPOTrainer:
         self.completed_steps, self.best = 0, BestEval()
         self.advantage_history: dict[str, PromptRewardStats] = {}
         """Per-prompt reward stats of DCPO's smooth standardisation (the same on every rank)."""
+        self.engine_step = 0  # the step whose update the rollout engine holds (saved if a step fails)
+        self.interrupted_dir: Path | None = None  # set when fit stops early (hf_checkpoint_interrupted)
         if resume_path is not None:
             self._resume(resume_path)
         self.logger = MetricsLogger(cfg.trainer.output_dir, cfg.trainer.max_steps, enabled=dist.get_rank() == 0,
                                     resume_step=self.completed_steps if resume_path is not None else None,
                                     trainer=cfg.trainer, params=asdict(cfg))
+        if self.logger.enabled:
+            write_config(cfg.trainer.output_dir, self.config)
 
     def _megatron_policy(self, state_dict):
         """This rank's Megatron policy stage holding the HF weights (not wrapped)."""
@@ -434,6 +432,7 @@ class GRPOTrainer:
             sums.update(critic_sums)
         with timer.time("refit"):
             self.refit()
+        self.engine_step = step
         if self.groups.is_last_stage:
             sums.update(batch_sums)
             sums.update(rollout_metric_sums(rollout, batch, samples_per_prompt=self.cfg.rollout.samples_per_prompt,
@@ -491,13 +490,13 @@ class GRPOTrainer:
                              best_eval_mean=self.best.mean, best_eval_step=self.best.step,
                              advantage_history=history)
         save_checkpoint(Path(tr.output_dir) / CHECKPOINTS_DIR, state, self._checkpointed_models(),
-                        keep=tr.keep_checkpoints)
+                        config=self.config, keep=tr.keep_checkpoints)
 
     def _resume(self, path: Path) -> None:
         """Restores a checkpoint (module docstring of :mod:`nemo_sspo.trainer.checkpoint`) and refits
         the rollout engine with the restored policy.
         """
-        state = load_checkpoint(path, self._checkpointed_models(), seed=self.cfg.trainer.seed)
+        state = load_checkpoint(path, self._checkpointed_models(), config=self.config)
         if self.sampler is not None:
             self.sampler.fast_forward(state.problems_drawn)
         self.completed_steps = state.step
@@ -509,6 +508,7 @@ class GRPOTrainer:
             self.advantage_history = {key: PromptRewardStats(int(visits), float(mean), float(std))
                                       for key, (visits, mean, std) in (state.advantage_history or {}).items()}
         self.refit()
+        self.engine_step = state.step
         if dist.get_rank() == 0:
             logger.warning("resumed from %s after step %d", path, state.step)
 
@@ -518,25 +518,27 @@ class GRPOTrainer:
         if dist.get_rank() == 0:
             self._write_hf(name, state, extra)
 
-    def _save_interrupted(self) -> None:
-        """After a failed step: rank 0 writes the rollout model (the last completed step's policy) to
-        ``output_dir/hf_checkpoint_interrupted`` without collectives (other ranks may be gone). The
-        vLLM engine's weights cannot be read back: resume from the last checkpoint instead.
+    def _save_interrupted(self) -> Path | None:
+        """After a failed or stopped step: rank 0 writes the rollout model (the policy after step
+        ``engine_step``: the last completed step, or the abandoned one when it stopped after its
+        refit) to ``output_dir/hf_checkpoint_interrupted`` without collectives (other ranks may be
+        gone); returns that folder, or None where nothing was written. The vLLM engine's weights
+        cannot be read back: resume from the last checkpoint instead.
         """
         if dist.get_rank() != 0 or not self.cfg.trainer.save_hf_checkpoint:
-            return
+            return None
         state = self.engine.hf_state_dict() if self.engine is not None else None
         if state is None:
             logger.warning("no hf_checkpoint_interrupted: the rollout engine's weights cannot be read back "
                            "(rollout.backend=%s); resume from the last checkpoint (trainer.checkpoint_interval)",
                            self.cfg.rollout.backend)
-            return
-        self._write_hf("hf_checkpoint_interrupted", state)
+            return None
+        return self._write_hf("hf_checkpoint_interrupted", state)
 
-    def _write_hf(self, name: str, state: dict, extra: dict | None = None) -> None:
+    def _write_hf(self, name: str, state: dict, extra: dict | None = None) -> Path:
         """Writes ``output_dir/name`` with the run's stop list (every model folder of a run goes through here)."""
-        write_hf_checkpoint(Path(self.cfg.trainer.output_dir) / name, self.hf_config, state, self.tokenizer, extra,
-                            stop_ids=self.stop_ids)
+        return write_hf_checkpoint(Path(self.cfg.trainer.output_dir) / name, self.hf_config, state, self.tokenizer,
+                                   extra, stop_ids=self.stop_ids)
 
     def fit(self) -> list[dict[str, float]]:
         """Runs steps ``completed_steps + 1 .. trainer.max_steps``; returns the per-step metrics (same on
@@ -546,16 +548,21 @@ class GRPOTrainer:
         ``output_dir/hf_checkpoint_interrupted`` before the error propagates (metrics.jsonl already
         holds every completed step). At the end the policy goes to ``output_dir/hf_checkpoint``.
         """
+        truncation = TruncationWatch(self.cfg.rollout.max_new_tokens)
         try:
             for step in range(self.completed_steps + 1, self.cfg.trainer.max_steps + 1):
                 metrics = self.train_step(step)
+                warning = truncation.check(step, metrics)
+                if warning and self.logger.enabled:
+                    logger.warning(warning)
                 metrics.update(self.maybe_evaluate(step))
-                self.logger.log(step, metrics)
-                self.maybe_checkpoint(step)
-                self.completed_steps = step
+                with deferred_signals():  # a stop signal waits: the step's record, checkpoint and count agree
+                    self.logger.log(step, metrics)
+                    self.maybe_checkpoint(step)
+                    self.completed_steps = step
         except BaseException:
             if self.logger.history:
-                self._save_interrupted()
+                self.interrupted_dir = self._save_interrupted()
             raise
         finally:
             self.close()
@@ -568,4 +575,10 @@ class GRPOTrainer:
         self.logger.close()
         if self.reward is not None:
             self.reward.close()
+
+    def shutdown_engine(self) -> None:
+        """Stops the rollout engine (``RolloutEngine.shutdown``: vLLM's ends torch.distributed, so only
+        once this process runs no more collectives); the CLI calls it before ``destroy_parallel``.
+        """
+        self.engine.shutdown()
 

@@ -9,7 +9,7 @@ from nemo_sspo.algorithms import select_nonzero_variance_groups
 from nemo_sspo.metrics import MetricPair, mean_pair
 from nemo_sspo.trainer.sampling import Rollout
 
-__all__ = ["rollout_metric_sums"]
+__all__ = ["TruncationWatch", "rollout_metric_sums"]
 
 
 def rollout_metric_sums(rollout: Rollout, batch, *, samples_per_prompt: int,
@@ -51,3 +51,28 @@ def rollout_metric_sums(rollout: Rollout, batch, *, samples_per_prompt: int,
         gap = (batch.rollout_logprobs - batch.old_logprobs)[mask].abs()
         sums["rollout/trainer_logprob_gap_abs"] = mean_pair(float(gap.sum()), float(gap.numel()))
     return sums
+
+
+class TruncationWatch:
+    """Says when most responses of a step hit the length cap: they rarely end in an answer, so they
+    score 0, their groups get advantage 0 and the step teaches nothing, silently (a GSM8K run at 64
+    new tokens truncates every response). Once per run; ``response/truncated_frac`` has every step.
+
+    Args:
+        max_new_tokens: ``rollout.max_new_tokens``.
+        threshold: the truncated share above which it warns (more than half by default).
+    """
+
+    def __init__(self, max_new_tokens: int, threshold: float = 0.5) -> None:
+        self.max_new_tokens, self.threshold = max_new_tokens, threshold
+        self.warned = False
+
+    def check(self, step: int, metrics: dict[str, float]) -> str | None:
+        """The warning for ``step``'s metrics (``response/truncated_frac``), or None."""
+        frac = metrics.get("response/truncated_frac")
+        if self.warned or frac is None or frac <= self.threshold:
+            return None
+        self.warned = True
+        return (f"step {step}: {frac:.0%} of the responses reached rollout.max_new_tokens={self.max_new_tokens} "
+                "without a stop token; truncated responses rarely hold an answer, so they score 0 and teach "
+                "nothing: raise rollout.max_new_tokens (warned once; response/truncated_frac tracks it)")

@@ -55,6 +55,10 @@ def test_two_step_run_writes_finite_metrics(tmp_path):
     assert (out / "hf_checkpoint" / "config.json").is_file()
     assert any(p.name.startswith("events.out.tfevents") for p in (out / "tensorboard").iterdir())
     assert "step   2" in proc.stdout + proc.stderr
+    # every response ran to the 24-token cap (above): one warning, at step 1
+    assert proc.stderr.count("of the responses reached rollout.max_new_tokens=24 without a stop token") == 1
+    assert "step 1: 100% of the responses reached" in proc.stderr
+    assert (out / "config.yaml").is_file()  # the composed config is saved with the run
 
 
 def test_bad_override_exits_with_a_clear_message(tmp_path):

@@ -51,6 +51,9 @@ class CountingEngine:
     def hf_state_dict(self):
         return self.inner.hf_state_dict()
 
+    def shutdown(self):
+        self.inner.shutdown()
+
 
 register_reward("user_half", lambda section: HalfReward())
 register_rollout_engine("user_counting", lambda context: CountingEngine(build_rollout_engine("hf", context)))

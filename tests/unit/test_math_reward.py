@@ -143,3 +143,24 @@ def test_distinct_tiny_or_huge_values_score_zero(pred, gold):
 ])
 def test_equal_values_written_differently_score_one(pred, gold):
     assert math_reward.score_response(f"\\boxed{{{pred}}}", gold) == 1.0
+
+
+def test_close_returns_when_workers_died_holding_the_queue_lock(monkeypatch):
+    """SIGTERM to every process of a job (Slurm) kills the idle workers, one of which holds the task
+    queue's lock while it waits for work; Pool.terminate() then waited for that lock forever. close()
+    gives up after timeout_s + grace (0.5 + 0.5 s here) and kills what is left."""
+    import os
+    import signal
+    import threading
+
+    monkeypatch.setattr(math_reward, "_GRACE_S", 0.5)
+    reward = MathVerifyReward(num_workers=2, timeout_s=0.5)
+    reward(["\\boxed{1}", "\\boxed{2}"], ["1", "1"])  # both workers took a task and wait for the next
+    time.sleep(0.5)
+    for worker in reward._pool._pool:
+        os.kill(worker.pid, signal.SIGKILL)
+    closer = threading.Thread(target=reward.close, daemon=True)
+    start = time.monotonic()
+    closer.start()
+    closer.join(30)
+    assert not closer.is_alive() and time.monotonic() - start < 10

@@ -26,5 +26,5 @@ def test_parameter_counts_of_qwen3_8b_by_hand():
     # = 308,224 norm weights are replicated; the other 8,190,735,360 - 1,244,659,712 - 308,224 =
     # 6,945,767,424 are split in four: 1,736,441,856 per rank.
     assert parameter_counts(config, tp_size=4, pp_size=1) == [[1_736_441_856 + 311_427_072 + 308_224] * 4]
-    with pytest.raises(ValueError, match="num_key_value_heads=8 is not divisible by tp_size=16"):
+    with pytest.raises(ValueError, match="tp_size=16 does not divide the model.s num_key_value_heads=8"):
         parameter_counts(config, tp_size=16, pp_size=1)

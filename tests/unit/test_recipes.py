@@ -40,6 +40,9 @@ def test_recipe_has_the_paper_setting(name):
     assert cfg.eval.every_n_steps == 10 and cfg.eval.max_new_tokens == 3000
     assert cfg.model.source == f"Qwen/Qwen2.5-Math-{size.upper()[:-1]}B" and cfg.model.precision == "bf16"
     assert cfg.loss.name == loss and cfg.trainer.output_dir == f"outputs/{name}"
+    # periodic resumable checkpoints at every evaluation, continued by rerunning the same command
+    tr = cfg.trainer
+    assert (tr.checkpoint_interval, tr.keep_checkpoints, tr.resume) == (10, 2, "auto")
     if loss == "sspo":
         assert {k: getattr(cfg.loss.params, k) for k in ("alpha", "beta", "gamma")} == SSPO_BOUNDS[size]
     else:  # a baseline shares everything but the loss

@@ -1,0 +1,89 @@
+"""The composed config saved with a run, and the comparison a resume must pass.
+
+``<output_dir>/config.yaml`` is the composed config of the run (every key, defaults included, as
+``nemo-sspo train --print-config`` prints it); each checkpoint holds a copy, so a resume from any
+folder is compared with the run that wrote it (:func:`resume_mismatches`).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+__all__ = [
+    "RESUME_KEYS",
+    "RUN_CONFIG_FILE",
+    "composed_config",
+    "read_config",
+    "resume_mismatches",
+    "write_config",
+]
+
+RUN_CONFIG_FILE = "config.yaml"
+"""The composed config, in ``trainer.output_dir`` and in every checkpoint folder."""
+
+RESUME_KEYS = (
+    "model.source", "model.precision", "model.fp8", "model.fp8_recipe", "model.transformer_impl",
+    "parallel.tensor_model_parallel_size", "parallel.pipeline_model_parallel_size",
+    "rollout.prompts_per_step", "rollout.samples_per_prompt", "rollout.max_new_tokens",
+    "trainer.minibatches_per_step", "trainer.seed", "data", "loss.name",
+)
+"""Config keys (a section name covers all of its keys) that a resumed run must share with the
+checkpoint: the weights' model and layout, the batch shape, the data stream and the seed. Others may
+change on resume: ``trainer.max_steps`` (run longer), micro-batch sizes and token budgets (memory),
+output and logging settings, learning rate and loss parameters."""
+
+
+def composed_config(cfg: Any) -> dict[str, Any]:
+    """The typed config as plain nested dicts and lists (what ``--print-config`` prints)."""
+    from omegaconf import OmegaConf
+
+    return OmegaConf.to_container(OmegaConf.structured(cfg))
+
+
+def write_config(folder: str | Path, config: dict[str, Any]) -> Path:
+    """Writes ``config`` as ``folder/config.yaml``; returns the path."""
+    from omegaconf import OmegaConf
+
+    path = Path(folder) / RUN_CONFIG_FILE
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(OmegaConf.to_yaml(OmegaConf.create(config)), encoding="utf-8")
+    return path
+
+
+def read_config(folder: str | Path) -> dict[str, Any] | None:
+    """``folder/config.yaml`` as nested dicts, or None when the folder has none (a checkpoint written
+    before configs were saved).
+    """
+    from omegaconf import OmegaConf
+
+    path = Path(folder) / RUN_CONFIG_FILE
+    return OmegaConf.to_container(OmegaConf.load(path)) if path.is_file() else None
+
+
+def _flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
+    if not isinstance(tree, dict):
+        return {prefix[:-1]: tree}
+    flat: dict[str, Any] = {}
+    for key, value in tree.items():
+        flat.update(_flatten(value, f"{prefix}{key}."))
+    return flat
+
+
+def resume_mismatches(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
+    """The :data:`RESUME_KEYS` whose values differ, as ``"key: checkpoint <a>, now <b>"`` lines
+    (keys in order; a key present on one side only counts as different).
+
+    Args:
+        saved: the checkpoint's composed config (:func:`read_config`).
+        current: this run's (:func:`composed_config`).
+    """
+    old, new = _flatten(saved), _flatten(current)
+    missing = object()
+    return [f"{key}: checkpoint {old.get(key, '(absent)')!r}, now {new.get(key, '(absent)')!r}"
+            for key in sorted(set(old) | set(new))
+            if _must_match(key) and old.get(key, missing) != new.get(key, missing)]
+
+
+def _must_match(key: str) -> bool:
+    return any(key == name or key.startswith(f"{name}.") for name in RESUME_KEYS)

@@ -1,0 +1,112 @@
+"""Runs that are safe to resume: the composed config saved with each run and compared on resume,
+and an output folder that a new run either refuses or clears completely."""
+
+import json
+from types import SimpleNamespace
+
+import pytest
+
+from nemo_sspo.cli import load_config
+from nemo_sspo.trainer.checkpoint import STATE_FILE, load_checkpoint, prepare_output_dir, resolve_resume
+from nemo_sspo.trainer.run_config import composed_config, read_config, resume_mismatches, write_config
+
+
+def _checkpoint(folder, config, *, seed=1234, world_size=1):
+    folder.mkdir(parents=True)
+    (folder / STATE_FILE).write_text(json.dumps({"step": 2, "problems_drawn": 4, "seed": seed,
+                                                 "world_size": world_size}))
+    if config is not None:
+        write_config(folder, config)
+    return folder
+
+
+def test_config_round_trips_through_yaml(tmp_path):
+    config = composed_config(load_config(overrides=["loss=grpo", "trainer.max_steps=3"]))
+    write_config(tmp_path, config)
+    assert read_config(tmp_path) == config
+    assert config["trainer"]["max_steps"] == 3 and config["loss"]["name"] == "grpo"
+    assert read_config(tmp_path / "elsewhere") is None
+
+
+def test_resume_lists_every_changed_layout_model_and_batch_key():
+    saved = composed_config(load_config())
+    now = composed_config(load_config(overrides=[
+        "parallel.tensor_model_parallel_size=3", "model=tiny_random", "rollout.prompts_per_step=4",
+        "data.options.pool_size=4",
+        # allowed to change on resume: run length, memory knobs, learning rate, where outputs go
+        "trainer.max_steps=20", "parallel.micro_batch_size=2", "optim.lr=1e-5", "trainer.output_dir=/tmp/x"],
+        command="eval"))  # eval: no world-size check of the layout here
+    assert resume_mismatches(saved, now) == [
+        "data.options.pool_size: checkpoint 8, now 4",
+        "model.source: checkpoint 'smollm2-135m-instruct', now 'tiny-random-llama'",
+        "parallel.tensor_model_parallel_size: checkpoint 1, now 3",
+        "rollout.prompts_per_step: checkpoint 2, now 4",
+    ]
+    assert resume_mismatches(saved, saved) == []
+
+
+def test_load_checkpoint_refuses_another_config_before_reading_weights(tmp_path):
+    saved = composed_config(load_config())
+    now = composed_config(load_config(overrides=["rollout.samples_per_prompt=4", "trainer.seed=7"]))
+    folder = _checkpoint(tmp_path / "step_000002", saved, world_size=2)
+    # models={} and no rng/ folder: reaching the weights would fail otherwise.
+    with pytest.raises(ValueError) as err:
+        load_checkpoint(folder, {}, config=now)
+    message = str(err.value)
+    assert "rollout.samples_per_prompt: checkpoint 8, now 4" in message
+    assert "trainer.seed: checkpoint 1234, now 7" in message
+    assert "world size (processes): checkpoint 2, now 1" in message
+    assert str(folder / "config.yaml") in message
+
+
+def test_checkpoint_without_saved_config_is_checked_on_its_seed(tmp_path):
+    folder = _checkpoint(tmp_path / "step_000002", None, seed=99)
+    with pytest.raises(ValueError, match="trainer.seed: checkpoint 99, now 1234"):
+        load_checkpoint(folder, {}, config=composed_config(load_config()))
+
+
+def _earlier_run(out, *, checkpoint):
+    out.mkdir()
+    (out / "metrics.jsonl").write_text('{"step": 1}\n')
+    (out / "tensorboard").mkdir()
+    (out / "tensorboard" / "events.out.tfevents.1").write_text("x")
+    (out / "notes.txt").write_text("mine")  # not a run output: never deleted
+    if checkpoint:
+        _checkpoint(out / "checkpoints" / "step_000004", {"trainer": {"seed": 1234}})
+        (out / "checkpoints" / "latest").write_text("step_000004")
+
+
+def _trainer(out, overwrite):
+    return SimpleNamespace(output_dir=str(out), overwrite_output_dir=overwrite)
+
+
+def test_earlier_run_with_a_checkpoint_is_refused_naming_resume_first(tmp_path):
+    out = tmp_path / "run"
+    _earlier_run(out, checkpoint=True)
+    with pytest.raises(ValueError) as err:
+        prepare_output_dir(_trainer(out, False), is_writer=True)
+    message = str(err.value)
+    assert "holds an earlier run" in message
+    fixes = [message.index(fix) for fix in ("trainer.resume=auto", "trainer.overwrite_output_dir=true",
+                                            "another trainer.output_dir")]
+    assert fixes == sorted(fixes)
+    assert (out / "metrics.jsonl").read_text() == '{"step": 1}\n'  # nothing touched
+
+
+def test_earlier_run_without_checkpoint_does_not_suggest_resume(tmp_path):
+    out = tmp_path / "run"
+    _earlier_run(out, checkpoint=False)
+    with pytest.raises(ValueError, match="without a checkpoint to resume from") as err:
+        prepare_output_dir(_trainer(out, False), is_writer=True)
+    assert "trainer.resume" not in str(err.value)
+
+
+def test_overwrite_removes_the_old_checkpoints_so_auto_resume_starts_fresh(tmp_path):
+    out = tmp_path / "run"
+    _earlier_run(out, checkpoint=True)
+    assert resolve_resume("auto", out) == out / "checkpoints" / "step_000004"
+    prepare_output_dir(_trainer(out, True), is_writer=False)  # other ranks only check
+    assert (out / "checkpoints" / "latest").is_file()
+    prepare_output_dir(_trainer(out, True), is_writer=True)
+    assert resolve_resume("auto", out) is None
+    assert sorted(p.name for p in out.iterdir()) == ["notes.txt"]
