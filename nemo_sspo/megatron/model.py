@@ -1,4 +1,4 @@
-"""Megatron-Core ``GPTModel`` built from a Hugging Face Llama, Qwen2 or Qwen3 (dense) config.
+"""Megatron-Core ``GPTModel`` built from a Hugging Face Llama, Qwen2, Qwen3 or Qwen3-MoE config.
 
 Layer implementation by environment (``resolve_transformer_impl``): the TransformerEngine spec
 (BF16, optional FP8 with a recipe from the config) when a CUDA device and the ``transformer-engine``
@@ -28,6 +28,7 @@ from nemo_sspo.megatron.cpu_shims import (
     cpu_config_overrides,
     cpu_device_context,
 )
+from nemo_sspo.megatron.moe import moe_config_kwargs, validate_moe
 from nemo_sspo.megatron.packed_seq import packed_seq_params, padded_width, thd_alignment
 from nemo_sspo.megatron.parallel_setup import get_parallel_groups
 
@@ -53,7 +54,7 @@ __all__ = [
 ]
 
 MAKE_VOCAB_SIZE_DIVISIBLE_BY = 128
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "qwen3_moe")
 """HF ``model_type`` values the config translation and weight mapping cover."""
 PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16}
 """``model.precision`` name -> parameter dtype."""
@@ -110,18 +111,19 @@ def has_qkv_bias(hf_config: Any) -> bool:
 
 
 def has_qk_norm(hf_config: Any) -> bool:
-    """True for Qwen3: an RMSNorm over ``head_dim`` applied to every query and key head before RoPE
-    (HF ``q_norm`` / ``k_norm``; Megatron ``qk_layernorm``); False for Llama and Qwen2."""
-    return model_type(hf_config) == "qwen3"
+    """True for Qwen3 and Qwen3-MoE: an RMSNorm over ``head_dim`` applied to every query and key
+    head before RoPE (HF ``q_norm`` / ``k_norm``; Megatron ``qk_layernorm``); False for Llama and Qwen2."""
+    return model_type(hf_config) in ("qwen3", "qwen3_moe")
 
 
-def _validate_architecture(hf_config: Any, tp_size: int, pp_size: int) -> None:
+def _validate_architecture(hf_config: Any, tp_size: int, pp_size: int, ep_size: int = 1) -> None:
     kind = model_type(hf_config)
+    validate_moe(hf_config, ep_size)
     if getattr(hf_config, "hidden_act", "silu") != "silu":
         raise ValueError(
             f"hf_config.hidden_act={hf_config.hidden_act!r}: only 'silu' (SwiGLU) is supported"
         )
-    if kind in ("llama", "qwen3"):
+    if kind in ("llama", "qwen3", "qwen3_moe"):
         for flag in ("attention_bias", "mlp_bias"):
             if getattr(hf_config, flag, False):
                 raise ValueError(f"hf_config.{flag}=True is not supported: the {kind} mapping has "
@@ -175,13 +177,15 @@ def transformer_config_from_hf(
     precision: str = "fp32",
     fp8: str | None = None,
     fp8_recipe: str = "delayed",
+    ep_size: int = 1,
 ):
-    """Megatron ``TransformerConfig`` equivalent to a HF Llama, Qwen2 or Qwen3 (dense) config.
+    """Megatron ``TransformerConfig`` equivalent to a HF Llama, Qwen2, Qwen3 or Qwen3-MoE config.
 
     Maps GQA (num_query_groups = num_key_value_heads), SwiGLU (gated_linear_unit + silu), RMSNorm
     (eps = rms_norm_eps), biases (Qwen2: ``add_qkv_bias=True``; no other linear has a bias),
     Qwen3's per-head q/k RMSNorm (``qk_layernorm=True``, same eps), kv_channels = head_dim (Qwen3
-    sets it apart from hidden / heads), dropout 0; CPU shims add their overrides (fp32 pipeline p2p, no fused
+    sets it apart from hidden / heads), Qwen3-MoE's sparse MLP in every layer (router and experts:
+    :func:`nemo_sspo.megatron.moe.moe_config_kwargs`), dropout 0; CPU shims add their overrides (fp32 pipeline p2p, no fused
     kernels) when no GPU is present. The rotary base is not a TransformerConfig field:
     ``build_policy_model`` passes it to ``GPTModel``.
 
@@ -192,17 +196,20 @@ def transformer_config_from_hf(
             ``fp8`` field, used by TransformerEngine layers only (config key ``model.fp8``).
         fp8_recipe: Megatron's ``fp8_recipe``: ``"delayed"``, ``"tensorwise"``, ``"mxfp8"``
             (Blackwell only) or ``"blockwise"`` (config key ``model.fp8_recipe``).
+        ep_size: expert-model-parallel size (config key ``parallel.expert_model_parallel_size``);
+            must be 1 for dense models and divide ``num_experts`` for Qwen3-MoE.
 
     Raises:
         ValueError: naming the field, when num_attention_heads or num_key_value_heads is not
             divisible by tp_size, num_hidden_layers not divisible by pp_size, the config uses an
             unsupported architecture, Llama biases, a non-silu activation, sliding-window attention
-            or scaled RoPE; or naming the ``model.*`` key of a bad precision setting.
+            or scaled RoPE; MoE layouts refused by :func:`nemo_sspo.megatron.moe.validate_moe`; or
+            naming the ``model.*`` key of a bad precision setting.
     """
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     dtype = check_model_options(precision=precision, fp8=fp8, fp8_recipe=fp8_recipe)
-    _validate_architecture(hf_config, tp_size, pp_size)
+    _validate_architecture(hf_config, tp_size, pp_size, ep_size)
     _rope_theta(hf_config)
     kwargs = dict(
         num_layers=hf_config.num_hidden_layers,
@@ -228,6 +235,7 @@ def transformer_config_from_hf(
         fp8=fp8,
         fp8_recipe=fp8_recipe,
     )
+    kwargs.update(moe_config_kwargs(hf_config, ep_size))
     kwargs.update(cpu_config_overrides())
     return TransformerConfig(**kwargs)
 
@@ -287,10 +295,13 @@ def _layer_spec(config, impl: str):
     """Local (pure Megatron) layer spec, or the TransformerEngine spec (imported lazily)."""
     from megatron.core.models.gpt import gpt_layer_specs
 
+    # num_experts=None builds the dense MLP; with experts, SequentialMLP (one MLP per local expert).
     if impl == "local":
-        return gpt_layer_specs.get_gpt_layer_local_spec(normalization=config.normalization,
+        return gpt_layer_specs.get_gpt_layer_local_spec(num_experts=config.num_moe_experts,
+                                                        normalization=config.normalization,
                                                         qk_layernorm=config.qk_layernorm)
-    return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=config.qk_layernorm)
+    return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(num_experts=config.num_moe_experts,
+                                                                      qk_layernorm=config.qk_layernorm)
 
 
 def build_policy_model(
@@ -327,7 +338,7 @@ def build_policy_model(
     groups = get_parallel_groups()
     config = transformer_config_from_hf(
         hf_config, tp_size=groups.tp_size, pp_size=groups.pp_size, precision=precision, fp8=fp8,
-        fp8_recipe=fp8_recipe,
+        fp8_recipe=fp8_recipe, ep_size=groups.ep_size,
     )
     check_model_options(precision=precision, fp8=fp8, fp8_recipe=fp8_recipe, transformer_impl=transformer_impl)
     impl = resolve_transformer_impl(transformer_impl, fp8)

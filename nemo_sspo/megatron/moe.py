@@ -1,0 +1,110 @@
+"""Qwen3-MoE on Megatron-Core: the router / expert settings and their checks.
+
+HF ``Qwen3MoeSparseMoeBlock`` (transformers 5.24) routes each token as follows: router logits
+``z = W_r x`` ([E] per token, W_r = ``mlp.gate.weight`` [E, H]), probabilities ``p = softmax(z)``
+in fp32, the top-k experts by ``p``, and weights ``p_topk`` (``norm_topk_prob=False``) or
+``p_topk / sum(p_topk)`` (``norm_topk_prob=True``). The block returns
+``sum_k w_k * expert_k(x)`` with SwiGLU experts of width ``moe_intermediate_size``; there is no
+shared expert. Megatron's ``TopKRouter`` with the softmax score function gives the same weights:
+
+- ``moe_router_pre_softmax=True``: softmax over all E logits, then top-k = ``norm_topk_prob=False``;
+- ``moe_router_pre_softmax=False``: top-k logits, then softmax over those k. Since
+  ``softmax(z)_i / sum_{j in topk} softmax(z)_j = exp(z_i) / sum_{j in topk} exp(z_j)``, this is
+  ``norm_topk_prob=True``.
+
+Tokens reach the experts through Megatron's ``allgather`` token dispatcher (all-gather and
+reduce-scatter over the expert-tensor-and-model-parallel group), which runs over gloo on CPU;
+its ``alltoall`` dispatcher creates a CUDA stream at construction.
+
+Expert parallelism (EP, ``parallel.expert_model_parallel_size``): EP rank ``r`` holds experts
+``[r*E/EP, (r+1)*E/EP)`` of every MoE layer as ``mlp.experts.local_experts.{i}`` (global expert
+``r*E/EP + i``). Expert weights are split over TP as the dense MLP (expert tensor parallel size =
+TP, Megatron's default). The EP ranks are carved out of the data-parallel ranks (Megatron's
+tp-cp-ep-dp-pp order): with TP x PP = 1 and world 2, EP 2 means two data-parallel replicas whose
+tokens meet in the experts.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["MOE_MODEL_TYPES", "global_expert", "is_moe", "moe_config_kwargs", "num_experts", "validate_moe"]
+
+MOE_MODEL_TYPES = ("qwen3_moe",)
+"""HF ``model_type`` values with sparse (mixture-of-experts) MLP layers."""
+
+
+def is_moe(hf_config: Any) -> bool:
+    """True for a mixture-of-experts config (``model_type`` in :data:`MOE_MODEL_TYPES`)."""
+    return getattr(hf_config, "model_type", None) in MOE_MODEL_TYPES
+
+
+def num_experts(hf_config: Any) -> int:
+    """``num_experts`` of a Qwen3-MoE config (transformers 5 also calls it ``num_local_experts``)."""
+    return int(getattr(hf_config, "num_experts", None) or hf_config.num_local_experts)
+
+
+def validate_moe(hf_config: Any, ep_size: int) -> None:
+    """Refuses MoE configs the mapping does not cover, or an EP size that does not split the experts.
+
+    Args:
+        hf_config: a HF config; dense configs pass only with ``ep_size == 1``.
+        ep_size: expert-model-parallel size (``parallel.expert_model_parallel_size``).
+
+    Raises:
+        ValueError: naming the field: ``ep_size > 1`` for a dense model; ``decoder_sparse_step != 1``
+            or a non-empty ``mlp_only_layers`` (dense MLP layers between sparse ones); a top-k
+            outside ``[1, num_experts]``; ``num_experts`` not divisible by ``ep_size``.
+    """
+    if not is_moe(hf_config):
+        if ep_size != 1:
+            raise ValueError(f"parallel.expert_model_parallel_size={ep_size} needs a mixture-of-experts "
+                             f"model (one of {', '.join(MOE_MODEL_TYPES)}); set it to 1 for "
+                             f"model_type={getattr(hf_config, 'model_type', 'llama')!r}")
+        return
+    step = getattr(hf_config, "decoder_sparse_step", 1)
+    dense_layers = list(getattr(hf_config, "mlp_only_layers", None) or [])
+    if step != 1 or dense_layers:
+        raise ValueError(f"hf_config.decoder_sparse_step={step} / mlp_only_layers={dense_layers} is not "
+                         "supported: every layer must be sparse (decoder_sparse_step=1, mlp_only_layers=[])")
+    experts, top_k = num_experts(hf_config), int(hf_config.num_experts_per_tok)
+    if not 1 <= top_k <= experts:
+        raise ValueError(f"hf_config.num_experts_per_tok={top_k} must lie in [1, num_experts={experts}]")
+    if experts % ep_size:
+        raise ValueError(f"hf_config.num_experts={experts} is not divisible by "
+                         f"parallel.expert_model_parallel_size={ep_size}: choose a size dividing it")
+
+
+def moe_config_kwargs(hf_config: Any, ep_size: int) -> dict[str, Any]:
+    """``TransformerConfig`` fields of a Qwen3-MoE config (empty for a dense config).
+
+    The router weights are HF's (see the module docstring for the ``norm_topk_prob`` equivalence);
+    the router runs in fp32 as HF's softmax. The auxiliary load-balancing loss is off in Megatron
+    (``moe_router_load_balancing_type="none"``): HF adds it only when asked for router logits
+    with labels, and the RL loss here does not include it.
+
+    Raises:
+        ValueError: as :func:`validate_moe`.
+    """
+    validate_moe(hf_config, ep_size)
+    if not is_moe(hf_config):
+        return {}
+    return dict(
+        num_moe_experts=num_experts(hf_config),
+        moe_router_topk=int(hf_config.num_experts_per_tok),
+        moe_ffn_hidden_size=int(hf_config.moe_intermediate_size),
+        moe_router_score_function="softmax",
+        moe_router_pre_softmax=not bool(hf_config.norm_topk_prob),
+        moe_router_dtype="fp32",
+        moe_router_load_balancing_type="none",
+        moe_aux_loss_coeff=0.0,
+        moe_token_dispatcher_type="allgather",
+        moe_grouped_gemm=False,
+        moe_shared_expert_intermediate_size=None,
+        expert_model_parallel_size=ep_size,
+    )
+
+
+def global_expert(local_index: int, ep_rank: int, local_experts: int) -> int:
+    """Global expert id of this EP rank's ``local_experts.{local_index}`` (contiguous blocks)."""
+    return ep_rank * local_experts + local_index
