@@ -28,7 +28,7 @@ from nemo_sspo.megatron.cpu_shims import (
     cpu_config_overrides,
     cpu_device_context,
 )
-from nemo_sspo.megatron.moe import moe_config_kwargs, validate_moe
+from nemo_sspo.megatron.moe import even_token_dispatch, moe_config_kwargs, validate_moe
 from nemo_sspo.megatron.packed_seq import packed_seq_params, padded_width, thd_alignment
 from nemo_sspo.megatron.parallel_setup import get_parallel_groups
 
@@ -356,6 +356,7 @@ def build_policy_model(
             position_embedding_type="rope",
             rotary_base=_rope_theta(hf_config),
         )
+    even_token_dispatch(model)  # MoE: ranks of a TP x EP group may hold different token counts
     if torch.cuda.is_available():
         # As Megatron-LM's get_model: modules built outside Megatron's init helpers (the local
         # spec's torch norms) start on the CPU even when the linear layers were built on the GPU.

@@ -14,7 +14,11 @@ shared expert. Megatron's ``TopKRouter`` with the softmax score function gives t
 
 Tokens reach the experts through Megatron's ``allgather`` token dispatcher (all-gather and
 reduce-scatter over the expert-tensor-and-model-parallel group), which runs over gloo on CPU;
-its ``alltoall`` dispatcher creates a CUDA stream at construction.
+its ``alltoall`` dispatcher creates a CUDA stream at construction. Megatron's all-gather assumes
+every rank of that group holds as many tokens as the others, which RL micro-batches (padded to
+their own longest row, token budgets, packing) do not: :func:`even_token_dispatch` gives each MoE
+layer a dispatcher that pads the token rows to the group's largest count with rows routed to no
+expert, and drops them again after the combine.
 
 Expert parallelism (EP, ``parallel.expert_model_parallel_size``): EP rank ``r`` holds experts
 ``[r*E/EP, (r+1)*E/EP)`` of every MoE layer as ``mlp.experts.local_experts.{i}`` (global expert
@@ -26,9 +30,21 @@ tokens meet in the experts.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
-__all__ = ["MOE_MODEL_TYPES", "global_expert", "is_moe", "moe_config_kwargs", "num_experts", "validate_moe"]
+import torch
+import torch.distributed as dist
+
+__all__ = [
+    "MOE_MODEL_TYPES",
+    "even_token_dispatch",
+    "global_expert",
+    "is_moe",
+    "moe_config_kwargs",
+    "num_experts",
+    "validate_moe",
+]
 
 MOE_MODEL_TYPES = ("qwen3_moe",)
 """HF ``model_type`` values with sparse (mixture-of-experts) MLP layers."""
@@ -81,7 +97,8 @@ def moe_config_kwargs(hf_config: Any, ep_size: int) -> dict[str, Any]:
     The router weights are HF's (see the module docstring for the ``norm_topk_prob`` equivalence);
     the router runs in fp32 as HF's softmax. The auxiliary load-balancing loss is off in Megatron
     (``moe_router_load_balancing_type="none"``): HF adds it only when asked for router logits
-    with labels, and the RL loss here does not include it.
+    with labels, and the RL loss here does not include it. Every router can record or replay its
+    top-k (:mod:`nemo_sspo.megatron.router_replay`); until asked to, it routes as usual.
 
     Raises:
         ValueError: as :func:`validate_moe`.
@@ -102,9 +119,65 @@ def moe_config_kwargs(hf_config: Any, ep_size: int) -> dict[str, Any]:
         moe_grouped_gemm=False,
         moe_shared_expert_intermediate_size=None,
         expert_model_parallel_size=ep_size,
+        moe_enable_routing_replay=True,  # routers get a RouterReplay (plain routing until told)
     )
 
 
 def global_expert(local_index: int, ep_rank: int, local_experts: int) -> int:
     """Global expert id of this EP rank's ``local_experts.{local_index}`` (contiguous blocks)."""
     return ep_rank * local_experts + local_index
+
+
+def _pad_rows(tensor: torch.Tensor, rows: int) -> torch.Tensor:
+    """``tensor`` [N, ...] with ``rows - N`` zero (False) rows appended."""
+    return torch.cat([tensor, tensor.new_zeros(rows - tensor.shape[0], *tensor.shape[1:])])
+
+
+@functools.cache
+def _even_dispatcher_class():
+    """Megatron's all-gather dispatcher, padded to equal token counts over its TP x EP group."""
+    from megatron.core.transformer.moe.token_dispatcher import MoEAllGatherTokenDispatcher
+
+    class EvenTokenAllGatherDispatcher(MoEAllGatherTokenDispatcher):
+        """Pads this rank's tokens to the TP x EP group's largest count before the all-gather.
+
+        A padded row carries zero hidden state, zero probabilities and an all-False routing map,
+        so no expert sees it and the combine gives it zeros; ``token_combine`` cuts the rows back
+        to this rank's count. One scalar all-reduce (max) per layer and forward.
+        """
+
+        def token_dispatch(self, hidden_states, probs):
+            self.local_tokens = hidden_states.shape[0]
+            if self.tp_size > 1 or self.ep_size > 1:
+                most = torch.tensor([self.local_tokens], device=hidden_states.device)
+                dist.all_reduce(most, op=dist.ReduceOp.MAX, group=self.tp_ep_group)
+                rows = int(most)
+                if rows > self.local_tokens:
+                    hidden_states, probs = _pad_rows(hidden_states, rows), _pad_rows(probs, rows)
+                    self.routing_map = _pad_rows(self.routing_map, rows)
+            return super().token_dispatch(hidden_states, probs)
+
+        def token_combine(self, hidden_states):
+            return super().token_combine(hidden_states)[: self.local_tokens]
+
+    return EvenTokenAllGatherDispatcher
+
+
+def even_token_dispatch(model: torch.nn.Module) -> int:
+    """Gives every MoE layer of ``model`` the padded all-gather dispatcher (see the module
+    docstring); returns the number of layers changed (0 for a dense model).
+
+    The dispatcher's class is switched in place to a subclass that only overrides
+    ``token_dispatch`` / ``token_combine``, so the state Megatron set up (groups, expert indices)
+    is kept as is.
+    """
+    from megatron.core.transformer.moe.token_dispatcher import MoEAllGatherTokenDispatcher
+
+    even = _even_dispatcher_class()
+    changed = 0
+    for module in model.modules():
+        dispatcher = getattr(module, "token_dispatcher", None)
+        if type(dispatcher) is MoEAllGatherTokenDispatcher:
+            dispatcher.__class__ = even
+            changed += 1
+    return changed

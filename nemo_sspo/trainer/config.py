@@ -84,6 +84,10 @@ class ParallelConfig:
     """TP: splits attention heads, MLP and the vocabulary; must divide query and key/value heads."""
     pipeline_model_parallel_size: int = 1
     """PP: splits the layers into stages; must divide the layer count."""
+    expert_model_parallel_size: int = 1
+    """EP (mixture-of-experts models only): splits each MoE layer's experts over this many
+    data-parallel replicas (Megatron carves the EP ranks out of DP); must divide the data-parallel
+    size and the expert count."""
     micro_batch_size: int = 4
     """Responses per forward/backward pass; a mini-batch is split into micro-batches (grad accumulation).
     Read when ``max_tokens_per_micro_batch`` is null."""
@@ -342,6 +346,10 @@ def validate(cfg: TrainConfig, world_size: int | None = 1) -> None:
         f"parallel.pipeline_model_parallel_size = {model_parallel}; change one of them or --nproc-per-node",
     )
     dp = world_size // model_parallel
+    ep = par.expert_model_parallel_size
+    _require(ep >= 1 and dp % ep == 0,
+             f"parallel.expert_model_parallel_size={ep} must be >= 1 and divide the data-parallel size {dp} "
+             "(world size / (tensor x pipeline model-parallel size)): the EP ranks are data-parallel replicas")
     _require(ro.prompts_per_step >= 1, "rollout.prompts_per_step must be >= 1")
     _require(ro.samples_per_prompt >= 1, "rollout.samples_per_prompt must be >= 1")
     _require(

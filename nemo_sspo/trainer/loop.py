@@ -120,7 +120,8 @@ def start_parallel(parallel_cfg: ParallelConfig, seed: int) -> ParallelGroups:
         ValueError: Megatron's parallel state is already initialised.
     """
     initialize_parallel(tp_size=parallel_cfg.tensor_model_parallel_size,
-                        pp_size=parallel_cfg.pipeline_model_parallel_size, seed=seed)
+                        pp_size=parallel_cfg.pipeline_model_parallel_size, seed=seed,
+                        ep_size=parallel_cfg.expert_model_parallel_size)
     return get_parallel_groups()
 
 

@@ -1,0 +1,146 @@
+"""Router replay on Megatron's MoE routers (megatron-core's RouterReplay), single process.
+
+References are independent of Megatron: transformers' ``Qwen3MoeForCausalLM`` in float64, whose
+router's top-k indices are read with a forward hook (recording), or whose router is replaced by
+HF's own weighting formula applied to given indices (replay: softmax over all experts, the given
+experts' probabilities renormalised, as ``norm_topk_prob=True``). Model B is model A with its
+router weights redrawn, so B's own routes differ from A's on most tokens: replaying A's routes in B
+must give the forced-route reference, and B's plain routing must not.
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+from nemo_sspo.megatron import (
+    build_policy_model,
+    destroy_parallel,
+    forward_logits,
+    initialize_parallel,
+    load_hf_into_megatron,
+)
+from nemo_sspo.megatron.router_replay import (
+    clear_routes,
+    record_routes,
+    recorded_routes,
+    replay_routes,
+    routing_agreement,
+)
+from nemo_sspo.models import split_expert_weights
+
+VOCAB, SEQ, BATCH, EXPERTS, TOP_K = 100, 7, 2, 8, 2
+
+
+def _hf_model(seed: int, router_seed: int) -> Qwen3MoeForCausalLM:
+    config = Qwen3MoeConfig(
+        hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_experts=EXPERTS,
+        num_experts_per_tok=TOP_K, norm_topk_prob=True, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=32, vocab_size=VOCAB, tie_word_embeddings=False,
+        max_position_embeddings=32, rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+    torch.manual_seed(seed)
+    model = Qwen3MoeForCausalLM(config).eval()
+    generator = torch.Generator().manual_seed(router_seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("mlp.gate.weight"):
+                param.copy_(0.5 * torch.randn(param.shape, generator=generator))
+    model.config._experts_implementation = "eager"  # grouped_mm has no float64 kernel
+    return model.double()
+
+
+def _hf_routes(model: Qwen3MoeForCausalLM, ids: torch.Tensor) -> torch.Tensor:
+    """[B, S, L, k] top-k indices of transformers' own routers (forward hooks on ``mlp.gate``)."""
+    seen = []
+    hooks = [layer.mlp.gate.register_forward_hook(lambda _m, _i, out: seen.append(out[2]))
+             for layer in model.model.layers]
+    with torch.no_grad():
+        model(ids)
+    for hook in hooks:
+        hook.remove()
+    return torch.stack([indices.view(*ids.shape, -1) for indices in seen], dim=2)
+
+
+def _forced_logits(model: Qwen3MoeForCausalLM, ids: torch.Tensor, routes: torch.Tensor) -> torch.Tensor:
+    """transformers' logits with every router forced to ``routes`` [B, S, L, k] (HF's weighting)."""
+    originals = []
+    for index, layer in enumerate(model.model.layers):
+        gate = layer.mlp.gate
+        chosen = routes[:, :, index].reshape(-1, routes.shape[-1])  # HF rows are batch-first
+
+        def forced(hidden, gate=gate, chosen=chosen):
+            logits = F.linear(hidden.reshape(-1, gate.hidden_dim), gate.weight)
+            weights = torch.softmax(logits, dim=-1).gather(1, chosen)
+            return logits, weights / weights.sum(dim=-1, keepdim=True), chosen
+
+        originals.append(gate.forward)
+        gate.forward = forced
+    try:
+        with torch.no_grad():
+            return model(ids).logits
+    finally:
+        for layer, original in zip(model.model.layers, originals):
+            layer.mlp.gate.forward = original
+
+
+def _relative(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    return float((actual.double() - expected).abs().max() / expected.abs().max())
+
+
+def _megatron(hf_model: Qwen3MoeForCausalLM):
+    model = build_policy_model(hf_model.config).eval()
+    load_hf_into_megatron(model, split_expert_weights({k: v.float() for k, v in hf_model.state_dict().items()}),
+                          hf_model.config)
+    return model
+
+
+@pytest.fixture(scope="module")
+def parallel_1():
+    initialize_parallel(tp_size=1, pp_size=1, seed=3)
+    yield
+    destroy_parallel()
+
+
+def test_recorded_routes_are_transformers_routes_and_replay_forces_them(parallel_1):
+    ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(4))
+    positions = torch.arange(SEQ).expand(BATCH, SEQ)
+    mask = torch.ones(BATCH, SEQ, dtype=torch.bool)
+    hf_a, hf_b = _hf_model(0, router_seed=1), _hf_model(0, router_seed=2)  # B: A with other routers
+    model_a, model_b = _megatron(hf_a), _megatron(hf_b)
+
+    record_routes(model_a)
+    with torch.no_grad():
+        forward_logits(model_a, ids, positions)
+    routes_a = recorded_routes(model_a, BATCH, SEQ)
+    clear_routes(model_a)
+    assert routes_a.shape == (BATCH, SEQ, 2, TOP_K)
+    # 2 * 7 tokens x 2 layers, every top-2 set as transformers' float64 router chose it
+    assert routing_agreement(routes_a, _hf_routes(hf_a, ids), mask).tolist() == [28.0, 28.0]
+    matching, counted = routing_agreement(_hf_routes(hf_b, ids), routes_a, mask).tolist()
+    assert matching / counted < 0.5  # B's own routers disagree with A on most (token, layer) pairs
+
+    expected = _forced_logits(hf_b, ids, routes_a)
+    with torch.no_grad():
+        plain = forward_logits(model_b, ids, positions)[..., :VOCAB]
+        replay_routes(model_b, routes_a)
+        replayed = forward_logits(model_b, ids, positions)[..., :VOCAB]
+        clear_routes(model_b)
+        after = forward_logits(model_b, ids, positions)[..., :VOCAB]
+    assert _relative(replayed, expected) < 1e-5
+    assert _relative(plain, expected) > 1e-3  # without replay, B's own routes give other logits
+    assert torch.equal(after, plain)  # clear_routes restores plain routing
+
+
+def test_replay_refuses_routes_of_another_layer_count(parallel_1):
+    model = _megatron(_hf_model(0, router_seed=1))
+    with pytest.raises(ValueError, match=r"routes must be \[B, S, L=2, k\], got \(2, 7, 3, 2\)"):
+        replay_routes(model, torch.zeros(2, 7, 3, 2, dtype=torch.long))
+
+
+def test_routing_agreement_counts_matching_sets_on_masked_tokens():
+    # 1 row, 3 tokens, 1 layer, top-2; token 0: {1, 2} vs {2, 1} match (order ignored), token 1:
+    # {0, 3} vs {0, 2} differ, token 2 masked out -> 1 match of 2 counted pairs
+    routes = torch.tensor([[[[1, 2]], [[0, 3]], [[4, 5]]]])
+    other = torch.tensor([[[[2, 1]], [[0, 2]], [[6, 7]]]])
+    mask = torch.tensor([[True, True, False]])
+    assert routing_agreement(routes, other, mask).tolist() == [1.0, 2.0]
