@@ -20,22 +20,47 @@ engine chose.
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
 from nemo_sspo.megatron.model import unwrap_model
+from nemo_sspo.megatron.moe import is_moe
 
 __all__ = [
     "ROUTER_REPLAY_MODES",
+    "check_router_replay",
     "clear_routes",
+    "micro_batch_routes",
     "moe_routers",
     "record_routes",
     "recorded_routes",
     "replay_routes",
+    "recording_forward_step",
+    "replaying_forward_step",
     "routing_agreement",
+    "write_micro_batch_routes",
 ]
 
 ROUTER_REPLAY_MODES = ("none", "r2", "r3")
 """``model.router_replay`` values: no replay, replay the old-policy forward's routes, replay the engine's."""
+
+
+def check_router_replay(mode: str, hf_config=None) -> None:
+    """Checks ``model.router_replay`` (and, given the model's HF config, that it has MoE layers).
+
+    Raises:
+        ValueError: naming ``model.router_replay``: an unknown mode, ``r3`` (not built yet: the
+            engine's routes do not travel with the rollout), or replay for a dense model.
+    """
+    if mode not in ROUTER_REPLAY_MODES:
+        raise ValueError(f"model.router_replay={mode!r} is unknown; valid: {', '.join(ROUTER_REPLAY_MODES)}")
+    if mode == "r3":
+        raise ValueError("model.router_replay='r3' (replaying the rollout engine's routes) is not supported "
+                         "yet; use r2 (the old-policy forward's routes) or none")
+    if mode != "none" and hf_config is not None and not is_moe(hf_config):
+        raise ValueError(f"model.router_replay={mode!r} needs a mixture-of-experts model; "
+                         f"model_type={getattr(hf_config, 'model_type', 'llama')!r} has no router: set it to none")
 
 
 def moe_routers(model: torch.nn.Module) -> list:
@@ -129,3 +154,65 @@ def routing_agreement(routes: torch.Tensor, other: torch.Tensor, mask: torch.Ten
     same = (routes.sort(dim=-1).values == other.sort(dim=-1).values).all(dim=-1)  # [B, S, L]
     counted = mask[..., None].expand_as(same)
     return torch.stack([(same & counted).sum(), counted.sum()]).double()
+
+
+def _packed_valid(micro) -> torch.Tensor:
+    """``[b, S_b]`` bool: the positions of a packed micro-batch's rows that its packed row holds."""
+    width = micro.batch.input_ids.shape[1]
+    return torch.arange(width)[None, :] < micro.sequence_lengths[:, None]
+
+
+def micro_batch_routes(micro) -> torch.Tensor:
+    """The routes of a micro-batch's model input ``[R, S_in, L, k]`` from its rows' ``batch.routes``
+    (a packed row lays its sequences' routes end to end, as its token ids).
+
+    Raises:
+        ValueError: the micro-batch's batch has no ``routes``.
+    """
+    routes = micro.batch.routes
+    if routes is None:
+        raise ValueError("router replay: this micro-batch carries no routes (PolicyBatch.routes is None)")
+    if micro.sequence_lengths is None:
+        return routes
+    return routes[_packed_valid(micro)][None]
+
+
+def write_micro_batch_routes(out: torch.Tensor, micro, routes: torch.Tensor) -> None:
+    """Writes a micro-batch's recorded input routes ``[R, S_in, L, k]`` at its rows of ``out``
+    ``[B, S, L, k]`` (the inverse of :func:`micro_batch_routes`)."""
+    if micro.sequence_lengths is not None:
+        rows = routes.new_zeros(*micro.batch.input_ids.shape, *routes.shape[2:])
+        rows[_packed_valid(micro)] = routes[0]
+        routes = rows
+    out[micro.rows, : routes.shape[1]] = routes.to(out.device)
+
+
+def recording_forward_step(forward_step: Callable, recorded: list) -> Callable:
+    """``forward_step`` that records each micro-batch's routes: appends ``(micro, routes)`` to
+    ``recorded`` once the micro-batch's forward has run (routers reset afterwards)."""
+
+    def step(data_iterator, model):
+        micro = next(data_iterator)
+        record_routes(model)
+        try:
+            output = forward_step(iter([micro]), model)
+            recorded.append((micro, recorded_routes(model, *micro.input_ids.shape)))
+        finally:
+            clear_routes(model)
+        return output
+
+    return step
+
+
+def replaying_forward_step(forward_step: Callable) -> Callable:
+    """``forward_step`` whose forward routes every token to its ``micro.batch.routes`` experts."""
+
+    def step(data_iterator, model):
+        micro = next(data_iterator)
+        replay_routes(model, micro_batch_routes(micro))
+        try:
+            return forward_step(iter([micro]), model)
+        finally:
+            clear_routes(model)
+
+    return step

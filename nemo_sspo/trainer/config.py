@@ -39,6 +39,7 @@ from nemo_sspo.algorithms.micro_batches import MicroBatchLayout
 from nemo_sspo.data import MATH_DATASETS, PAPER_BENCHMARKS, SOURCE_OPTIONS, TEMPLATES
 from nemo_sspo.data.tasks import WordProblemOptions
 from nemo_sspo.megatron.model import check_model_options
+from nemo_sspo.megatron.router_replay import check_router_replay
 
 __all__ = [
     "ModelConfig",
@@ -76,6 +77,10 @@ class ModelConfig:
     transformer_impl: str = "auto"
     """Layer implementation: ``auto`` (TransformerEngine when CUDA and transformer-engine are present,
     else local), ``local`` or ``transformer_engine`` (fails clearly when unavailable)."""
+    router_replay: str = "none"
+    """Mixture-of-experts models: ``none`` (every forward routes with its own routers) or ``r2`` (the
+    training forwards route each token to the experts the old-policy forward chose,
+    ``nemo_sspo.megatron.router_replay``). ``r3`` (the rollout engine's routes) is not built yet."""
 
 
 @dataclass
@@ -462,6 +467,7 @@ def _validate_model_rollout_eval(cfg: TrainConfig) -> None:
     m, ev, vl = cfg.model, cfg.eval, cfg.rollout.vllm
     at_key("model.", lambda: check_model_options(precision=m.precision, fp8=m.fp8, fp8_recipe=m.fp8_recipe,
                                              transformer_impl=m.transformer_impl))
+    check_router_replay(m.router_replay)
     _require(cfg.rollout.backend in ("hf", "vllm"), f"rollout.backend={cfg.rollout.backend!r} is unknown; valid: hf, vllm")
     _require(vl.tensor_parallel_size >= 1, "rollout.vllm.tensor_parallel_size must be >= 1")
     _require(0 < vl.gpu_memory_utilization <= 1, "rollout.vllm.gpu_memory_utilization must be in (0, 1]")

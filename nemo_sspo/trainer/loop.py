@@ -57,6 +57,7 @@ from nemo_sspo.megatron import (
     load_hf_into_megatron,
     vocab_shard,
 )
+from nemo_sspo.megatron.router_replay import check_router_replay
 from nemo_sspo.megatron.step import LossSpec
 from nemo_sspo.megatron.value_model import build_value_model
 from nemo_sspo.megatron.training import (
@@ -209,6 +210,7 @@ class GRPOTrainer:
 
     def _megatron_policy(self, state_dict):
         """This rank's Megatron policy stage holding the HF weights (not wrapped)."""
+        check_router_replay(self.cfg.model.router_replay, self.hf_config)
         model = build_policy_model(self.hf_config, **_model_options(self.cfg.model))
         load_hf_into_megatron(model, state_dict, self.hf_config)
         return model
@@ -312,7 +314,8 @@ class GRPOTrainer:
         batch = replace(batch, rollout_logprobs=rollout_logprobs(rollout, batch))
         if not self.layout.fixed and self.groups.dp_size > 1:
             batch = self._balanced(batch)
-        batch = compute_old_logprobs(self.model, batch, self.spec, self.layout)
+        batch = compute_old_logprobs(self.model, batch, self.spec, self.layout,
+                                     record_routes=self.cfg.model.router_replay == "r2")
         if self.ref_model is not None:
             batch = compute_ref_logprobs(self.ref_model, batch, self.spec, self.layout)
         cap = self.cfg.rollout.tis_cap

@@ -144,3 +144,60 @@ def test_routing_agreement_counts_matching_sets_on_masked_tokens():
     other = torch.tensor([[[[2, 1]], [[0, 2]], [[6, 7]]]])
     mask = torch.tensor([[True, True, False]])
     assert routing_agreement(routes, other, mask).tolist() == [1.0, 2.0]
+
+
+LENGTHS = [7, 4, 6, 3]  # valid tokens per row of a right-padded [4, 7] batch
+
+
+def _policy_batch() -> "PolicyBatch":
+    from nemo_sspo.algorithms.batch import PolicyBatch
+
+    rows = len(LENGTHS)
+    ids = torch.randint(1, VOCAB, (rows, SEQ), generator=torch.Generator().manual_seed(9))
+    positions = torch.arange(SEQ).expand(rows, SEQ)
+    lengths = torch.tensor(LENGTHS)
+    valid = positions < lengths[:, None]
+    ids = torch.where(valid, ids, 0)
+    targets = torch.cat([ids[:, 1:], torch.zeros(rows, 1, dtype=torch.long)], dim=1)
+    loss_mask = (positions >= 1) & (positions < lengths[:, None] - 1)  # responses after a 2-token prompt
+    zeros = torch.zeros(rows, SEQ)
+    return PolicyBatch(input_ids=ids, position_ids=positions.contiguous(), targets=targets, loss_mask=loss_mask,
+                       segment_ids=torch.where(loss_mask, 0, -1), old_logprobs=zeros, old_entropy=zeros,
+                       advantages=torch.ones(rows), lengths=lengths)
+
+
+@pytest.mark.parametrize("layout", [dict(micro_batch_size=2), dict(max_tokens=14), dict(max_tokens=14, pack=True)],
+                         ids=["fixed", "token-budget", "packed"])
+def test_r2_routes_stay_with_their_rows_and_training_forwards_replay_them(parallel_1, layout):
+    from dataclasses import replace
+
+    from nemo_sspo.algorithms.losses import GRPOLossConfig, make_policy_loss
+    from nemo_sspo.algorithms.micro_batches import MicroBatchLayout
+    from nemo_sspo.megatron.step import LossSpec
+    from nemo_sspo.megatron.training import compute_old_logprobs, forward_logprobs
+
+    spec = LossSpec(loss=make_policy_loss("grpo", GRPOLossConfig(aggregation="token-mean")), tp_group=None,
+                    vocab_start=0, vocab_size=VOCAB, temperature=1.0, max_response_length=SEQ,
+                    output_chunk_size=None)
+    plan = MicroBatchLayout(**layout)
+    hf_a, hf_b = _hf_model(0, router_seed=1), _hf_model(0, router_seed=2)
+    batch = compute_old_logprobs(_megatron(hf_a), _policy_batch(), spec, plan, record_routes=True)
+    assert batch.routes.shape == (len(LENGTHS), SEQ, 2, TOP_K)
+    with torch.no_grad():
+        model_b = _megatron(hf_b)
+        replayed, _ = forward_logprobs(model_b, batch, spec, plan)
+        plain, _ = forward_logprobs(model_b, replace(batch, routes=None), spec, plan)
+    for row, length in enumerate(LENGTHS):
+        # Each row alone through transformers (float64): A's own routes are what was recorded at
+        # the row's valid tokens, wherever the layout put the row (sorted by length, packed).
+        ids = batch.input_ids[row : row + 1, :length]
+        routes = batch.routes[row : row + 1, :length]
+        valid = torch.ones(1, length, dtype=torch.bool)
+        assert routing_agreement(routes, _hf_routes(hf_a, ids), valid).tolist() == [2.0 * length] * 2
+        # B replaying A's routes = transformers' B forced to them, at every response token
+        logprobs = torch.log_softmax(_forced_logits(hf_b, ids, routes), dim=-1)
+        mask = batch.loss_mask[row, :length]
+        expected = logprobs[0].gather(1, batch.targets[row, :length, None])[:, 0][mask]
+        assert (replayed[row, :length][mask].double() - expected).abs().max() < 1e-5, row
+        assert batch.old_logprobs[row][~batch.loss_mask[row]].abs().max() == 0
+    assert (plain - replayed).abs().max() > 1e-3  # B's own routers: other log-probs
