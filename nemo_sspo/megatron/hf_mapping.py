@@ -306,12 +306,12 @@ def _export_experts(params: dict, prefix: str, hf_config, groups: ParallelGroups
     mlps = [_export_mlp(params[f"{prefix}mlp.experts.local_experts.{i}.linear_fc1.weight"],
                         params[f"{prefix}mlp.experts.local_experts.{i}.linear_fc2.weight"], groups)
             for i in range(local)]
-    stacked = [torch.stack(parts) for parts in zip(*mlps)]  # gate, up, down: [E_local, ...]
+    stacked = [torch.stack(parts) for parts in zip(*mlps, strict=True)]  # gate, up, down: [E_local, ...]
     if groups.ep_size > 1:
         stacked = [_gather_ep(tensor, groups) for tensor in stacked]
     values = {}
     for expert in range(num_experts(hf_config)):
-        values.update(zip(_expert_names(expert), (tensor[expert] for tensor in stacked)))
+        values.update(zip(_expert_names(expert), (tensor[expert] for tensor in stacked), strict=True))
     return values
 
 
@@ -337,7 +337,7 @@ def _export_layer(params: dict, prefix: str, hf_prefix: str, hf_config, groups) 
         values["router"] = get("router").clone()
         experts = _export_experts(params, prefix, hf_config, groups)
     else:
-        values.update(zip(_DENSE_MLP_KEYS, _export_mlp(get("fc1"), get("fc2"), groups)))
+        values.update(zip(_DENSE_MLP_KEYS, _export_mlp(get("fc1"), get("fc2"), groups), strict=True))
         experts = {}
     if has_qkv_bias(hf_config):
         q_bias, k_bias, v_bias = _split_qkv(_gather_tp(get("qkv_bias"), 0, groups), hf_config)

@@ -164,10 +164,9 @@ def _even_dispatcher_class():
 
 
 def even_token_dispatch(model: torch.nn.Module) -> int:
-    """Gives every MoE layer of ``model`` the padded all-gather dispatcher (see the module
-    docstring); returns the number of layers changed (0 for a dense model).
+    """Gives every MoE layer of ``model`` the padded all-gather dispatcher (module docstring).
 
-    The dispatcher's class is switched in place to a subclass that only overrides
+    Returns the number of layers changed (0 for a dense model). The dispatcher's class is switched in place to a subclass that only overrides
     ``token_dispatch`` / ``token_combine``, so the state Megatron set up (groups, expert indices)
     is kept as is.
     """

@@ -139,7 +139,8 @@ def routing_agreement(routes: torch.Tensor, other: torch.Tensor, mask: torch.Ten
     """Share of (token, layer) pairs whose top-k expert sets match (order inside the top-k ignored).
 
     Args:
-        routes, other: ``[B, S, L, k]`` int64 expert ids (e.g. trainer and engine routes).
+        routes: ``[B, S, L, k]`` int64 expert ids (e.g. the trainer's routes).
+        other: ``[B, S, L, k]`` int64 expert ids to compare with (e.g. the engine's routes).
         mask: ``[B, S]`` bool, the tokens to count (e.g. response tokens).
 
     Returns:
@@ -163,8 +164,9 @@ def _packed_valid(micro) -> torch.Tensor:
 
 
 def micro_batch_routes(micro) -> torch.Tensor:
-    """The routes of a micro-batch's model input ``[R, S_in, L, k]`` from its rows' ``batch.routes``
-    (a packed row lays its sequences' routes end to end, as its token ids).
+    """The routes ``[R, S_in, L, k]`` of a micro-batch's model input, from its rows' ``batch.routes``.
+
+    A packed row lays its sequences' routes end to end, as its token ids.
 
     Raises:
         ValueError: the micro-batch's batch has no ``routes``.
@@ -178,8 +180,10 @@ def micro_batch_routes(micro) -> torch.Tensor:
 
 
 def write_micro_batch_routes(out: torch.Tensor, micro, routes: torch.Tensor) -> None:
-    """Writes a micro-batch's recorded input routes ``[R, S_in, L, k]`` at its rows of ``out``
-    ``[B, S, L, k]`` (the inverse of :func:`micro_batch_routes`)."""
+    """Writes a micro-batch's recorded routes ``[R, S_in, L, k]`` at its rows of ``out`` ``[B, S, L, k]``.
+
+    The inverse of :func:`micro_batch_routes`.
+    """
     if micro.sequence_lengths is not None:
         rows = routes.new_zeros(*micro.batch.input_ids.shape, *routes.shape[2:])
         rows[_packed_valid(micro)] = routes[0]
@@ -188,8 +192,11 @@ def write_micro_batch_routes(out: torch.Tensor, micro, routes: torch.Tensor) -> 
 
 
 def recording_forward_step(forward_step: Callable, recorded: list) -> Callable:
-    """``forward_step`` that records each micro-batch's routes: appends ``(micro, routes)`` to
-    ``recorded`` once the micro-batch's forward has run (routers reset afterwards)."""
+    """``forward_step`` that records each micro-batch's routes.
+
+    Appends ``(micro, routes)`` to ``recorded`` once the micro-batch's forward has run (the routers
+    are reset afterwards).
+    """
 
     def step(data_iterator, model):
         micro = next(data_iterator)

@@ -61,9 +61,17 @@ def fuse_expert_weights(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.
 
 
 def split_expert_weights(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Inverse of :func:`fuse_expert_weights`: fused ``gate_up_proj`` / ``down_proj`` -> per-expert
-    names, experts in order (gate, up, down of expert 0, then expert 1, ...), in place of
-    ``gate_up_proj``. Other entries pass unchanged; the per-expert tensors are views.
+    """Inverse of :func:`fuse_expert_weights`: fused experts -> per-expert checkpoint names.
+
+    ``gate_up_proj`` / ``down_proj`` become the experts in order (gate, up, down of expert 0, then
+    expert 1, ...), in place of ``gate_up_proj``. Other entries pass unchanged; the per-expert
+    tensors are views.
+
+    Args:
+        state_dict: HF names -> tensors, as transformers' ``state_dict()`` of a Qwen3-MoE model.
+
+    Returns:
+        A new dict with per-expert names.
 
     Raises:
         ValueError: a ``gate_up_proj`` without its ``down_proj`` (or with an odd row count).

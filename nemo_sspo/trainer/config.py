@@ -344,6 +344,7 @@ def validate(cfg: TrainConfig, world_size: int | None = 1) -> None:
         par.tensor_model_parallel_size >= 1 and par.pipeline_model_parallel_size >= 1,
         "parallel.tensor_model_parallel_size and parallel.pipeline_model_parallel_size must be >= 1",
     )
+    builds_model = world_size is not None
     world_size = model_parallel if world_size is None else world_size
     _require(
         world_size % model_parallel == 0,
@@ -352,7 +353,7 @@ def validate(cfg: TrainConfig, world_size: int | None = 1) -> None:
     )
     dp = world_size // model_parallel
     ep = par.expert_model_parallel_size
-    _require(ep >= 1 and dp % ep == 0,
+    _require(ep >= 1 and (dp % ep == 0 or not builds_model),
              f"parallel.expert_model_parallel_size={ep} must be >= 1 and divide the data-parallel size {dp} "
              "(world size / (tensor x pipeline model-parallel size)): the EP ranks are data-parallel replicas")
     _require(ro.prompts_per_step >= 1, "rollout.prompts_per_step must be >= 1")

@@ -42,7 +42,7 @@ def test_ep2_r2_training_steps_equal_ep1(run_distributed, tmp_path):
         history, routes = ep2[rank]
         # 2 steps x 2 mini-batches; 2 rows per mini-batch on each rank, 2 MoE layers, top-2
         assert len(routes) == 4 and all(shape[0] == 2 and shape[2:] == (2, 2) for shape in routes), routes
-        for step, (with_ep, without) in enumerate(zip(history, ep1[rank][0]), start=1):
+        for step, (with_ep, without) in enumerate(zip(history, ep1[rank][0], strict=True), start=1):
             if step == 1:  # the parity reward varies within step 1's groups: a real update
                 assert with_ep["optim/grad_norm"] > 1e-3
             for key in ("loss/policy", "optim/grad_norm"):

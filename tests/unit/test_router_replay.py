@@ -79,7 +79,7 @@ def _forced_logits(model: Qwen3MoeForCausalLM, ids: torch.Tensor, routes: torch.
         with torch.no_grad():
             return model(ids).logits
     finally:
-        for layer, original in zip(model.model.layers, originals):
+        for layer, original in zip(model.model.layers, originals, strict=True):
             layer.mlp.gate.forward = original
 
 
@@ -149,7 +149,7 @@ def test_routing_agreement_counts_matching_sets_on_masked_tokens():
 LENGTHS = [7, 4, 6, 3]  # valid tokens per row of a right-padded [4, 7] batch
 
 
-def _policy_batch() -> "PolicyBatch":
+def _policy_batch():
     from nemo_sspo.algorithms.batch import PolicyBatch
 
     rows = len(LENGTHS)
