@@ -1,4 +1,4 @@
-"""Qwen3-MoE under expert parallelism: EP 2 (world 2) and EP 2 x TP 2 (world 4) over gloo.
+"""Qwen3-MoE under model parallelism: TP 2, PP 2 and EP 2 (world 2), EP 2 x TP 2 (world 4) over gloo.
 
 The reference is transformers' ``Qwen3MoeForCausalLM`` on the full model in one process, in
 float64 (eager experts loop). Megatron's EP ranks are data-parallel replicas for the dense part,
@@ -6,7 +6,8 @@ so each replica feeds its own batch (seeded by its data-parallel rank, and of it
 tokens per row on replica 0, 4 on replica 1, as RL micro-batches padded to their own longest row)
 and the all-gather token dispatcher brings both replicas' tokens to every expert (padded to equal
 counts, ``nemo_sspo.megatron.moe.even_token_dispatch``); each rank's logits are checked against
-the reference on its own batch. Checks per layout:
+the reference on its own batch. Layouts (tp, ep, pp): (1, 2, 1), (2, 1, 1), (1, 1, 2) at world 2
+and (2, 2, 1) at world 4. Checks per layout:
 
 1. the TP-gathered fp32 logits equal the float64 reference (rtol/atol 1e-5);
 2. each EP rank holds only its block of experts (global ids ``ep_rank * E / EP + i``), loaded from
@@ -25,6 +26,7 @@ from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
 from nemo_sspo.megatron import (
     build_policy_model,
+    cpu_device_context,
     destroy_parallel,
     export_hf_state_dict,
     forward_logits,
@@ -57,23 +59,36 @@ def _hf_model() -> Qwen3MoeForCausalLM:
 
 
 def _full_logits(model, ids) -> torch.Tensor:
-    """This replica's full-vocabulary logits [B, S, V_padded] (TP all-gather)."""
+    """This replica's full-vocabulary logits [B, S, V_padded] (pipeline schedule, TP all-gather)."""
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
     groups = get_parallel_groups()
-    with torch.no_grad():
-        local = forward_logits(model, ids, torch.arange(ids.shape[1]).expand_as(ids))
+    collected = []
+
+    def forward_step(data_iterator, stage_model):
+        batch = next(data_iterator)
+        output = forward_logits(stage_model, batch, torch.arange(batch.shape[1]).expand_as(batch))
+        return output, lambda out: (collected.append(out.detach()) or out.sum() * 0.0, {})
+
+    with cpu_device_context(), torch.no_grad():
+        get_forward_backward_func()(
+            forward_step_func=forward_step, data_iterator=iter([ids]), model=[model], num_microbatches=1,
+            seq_length=ids.shape[1], micro_batch_size=ids.shape[0], forward_only=True)
+    local = collected[0] if groups.is_last_stage else torch.empty(*ids.shape, 128)
+    dist.broadcast(local, src=groups.pp_last_rank, group=groups.pp_group)
     shards = [torch.empty_like(local) for _ in range(groups.tp_size)]
     dist.all_gather(shards, local.contiguous(), group=groups.tp_group)
     return torch.cat(shards, dim=-1)
 
 
-def _check_layout(tp: int, ep: int) -> dict:
+def _check_layout(tp: int, ep: int, pp: int = 1) -> dict:
     torch.manual_seed(1234)  # the same HF weights on every rank
     hf_model = _hf_model()
     config, hf_state = hf_model.config, split_expert_weights(hf_model.state_dict())
-    initialize_parallel(tp_size=tp, pp_size=1, seed=7, ep_size=ep)
+    initialize_parallel(tp_size=tp, pp_size=pp, seed=7, ep_size=ep)
     try:
         groups = get_parallel_groups()
-        assert (groups.ep_size, groups.dp_size) == (ep, ep)  # the EP ranks are the DP replicas
+        assert groups.ep_size == ep and groups.dp_size == dist.get_world_size() // (tp * pp)  # EP splits DP
         seq = SEQ - 2 * groups.dp_rank  # unequal token counts across the EP group
         ids = torch.randint(0, VOCAB, (BATCH, seq), generator=torch.Generator().manual_seed(10 + groups.dp_rank))
         with torch.no_grad():
@@ -81,10 +96,10 @@ def _check_layout(tp: int, ep: int) -> dict:
             hf_model.float()
         model = build_policy_model(config).eval()
         load_hf_into_megatron(model, hf_state, config)
-        local = EXPERTS // ep
-        fc2 = model.decoder.layers[1].mlp.experts.local_experts[local - 1].linear_fc2.weight
+        local, layer = EXPERTS // ep, model.decoder.layers[-1]
+        fc2 = layer.mlp.experts.local_experts[local - 1].linear_fc2.weight
         last_expert = groups.ep_rank * local + local - 1
-        down = hf_state[f"model.layers.1.mlp.experts.{last_expert}.down_proj.weight"]
+        down = hf_state[f"model.layers.{layer.layer_number - 1}.mlp.experts.{last_expert}.down_proj.weight"]
         assert torch.equal(fc2, down.chunk(tp, dim=1)[groups.tp_rank])
         full = _full_logits(model, ids)
         torch.testing.assert_close(full[..., :VOCAB].double(), expected, atol=1e-5, rtol=1e-5)
@@ -106,17 +121,18 @@ def _check_layout(tp: int, ep: int) -> dict:
         destroy_parallel()
 
 
-def _ep2(rank: int, world_size: int) -> dict:
-    return _check_layout(tp=1, ep=2)
+def _world_2(rank: int, world_size: int) -> dict:
+    return {layout: _check_layout(*layout) for layout in ((1, 2, 1), (2, 1, 1), (1, 1, 2))}  # (tp, ep, pp)
 
 
 def _ep2_tp2(rank: int, world_size: int) -> dict:
     return _check_layout(tp=2, ep=2)
 
 
-def test_ep2_logits_export_and_streamed_refit(run_distributed):
-    results = run_distributed(_ep2, 2, timeout_s=300)
-    assert all(result["rel_diff"] < 1e-5 for result in results), results
+def test_ep2_tp2_and_pp2_logits_export_and_streamed_refit(run_distributed):
+    results = run_distributed(_world_2, 2, timeout_s=400)
+    assert all(len(result) == 3 for result in results)
+    assert all(value["rel_diff"] < 1e-5 for result in results for value in result.values()), results
 
 
 def test_ep2_x_tp2_logits_export_and_streamed_refit(run_distributed):
