@@ -23,14 +23,17 @@ from __future__ import annotations
 from typing import Callable
 
 import torch
+import torch.distributed as dist
 
 from nemo_sspo.megatron.model import unwrap_model
 from nemo_sspo.megatron.moe import is_moe
+from nemo_sspo.metrics import MetricPair
 
 __all__ = [
     "ROUTER_REPLAY_MODES",
     "check_router_replay",
     "clear_routes",
+    "expert_load_pair",
     "micro_batch_routes",
     "moe_routers",
     "record_routes",
@@ -224,3 +227,32 @@ def replaying_forward_step(forward_step: Callable) -> Callable:
             clear_routes(model)
 
     return step
+
+
+def expert_load_pair(routes: torch.Tensor, lengths: torch.Tensor, num_experts: int, *, dp_group) -> MetricPair:
+    """Expert load balance of a step: the most-loaded expert's token count over the mean count.
+
+    Counted per MoE layer over the valid input tokens of every data-parallel rank (one all-reduce
+    over ``dp_group``), then the worst layer of this pipeline stage. 1.0 is a perfect balance and
+    ``E / k`` means every token went to the same k experts. The formula is ours (a max / mean load
+    ratio, as MoE papers report expert load).
+
+    Args:
+        routes: ``[B, S, L, k]`` int64 routes of this rank's rows (``PolicyBatch.routes``).
+        lengths: ``[B]`` int64 valid input tokens per row.
+        num_experts: E.
+        dp_group: the data-parallel group whose ranks' tokens are counted together.
+
+    Returns:
+        A ``"max"`` metric pair (combines across pipeline stages as the worst layer); count 0 when no
+        rank has a valid token.
+    """
+    valid = torch.arange(routes.shape[1])[None, :] < lengths[:, None]
+    chosen = routes[valid]  # [N, L, k]
+    counts = torch.stack([torch.bincount(chosen[:, layer].reshape(-1), minlength=num_experts)
+                          for layer in range(routes.shape[2])]).double()  # [L, E]
+    dist.all_reduce(counts, group=dp_group)
+    if counts.sum() == 0:
+        return MetricPair(torch.zeros(()), torch.zeros(()), "max")
+    ratio = counts.max(dim=-1).values / counts.mean(dim=-1)
+    return MetricPair(ratio.max().float(), torch.ones(()), "max")

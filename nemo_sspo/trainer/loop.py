@@ -57,7 +57,8 @@ from nemo_sspo.megatron import (
     load_hf_into_megatron,
     vocab_shard,
 )
-from nemo_sspo.megatron.router_replay import check_router_replay
+from nemo_sspo.megatron.moe import num_experts
+from nemo_sspo.megatron.router_replay import check_router_replay, expert_load_pair
 from nemo_sspo.megatron.step import LossSpec
 from nemo_sspo.megatron.value_model import build_value_model
 from nemo_sspo.megatron.training import (
@@ -316,6 +317,9 @@ class GRPOTrainer:
             batch = self._balanced(batch)
         batch = compute_old_logprobs(self.model, batch, self.spec, self.layout,
                                      record_routes=self.cfg.model.router_replay == "r2")
+        if batch.routes is not None:
+            sums["moe/expert_load_max_over_mean"] = expert_load_pair(
+                batch.routes, batch.row_lengths(), num_experts(self.hf_config), dp_group=self.groups.dp_group)
         if self.ref_model is not None:
             batch = compute_ref_logprobs(self.ref_model, batch, self.spec, self.layout)
         cap = self.cfg.rollout.tis_cap

@@ -45,5 +45,6 @@ def test_ep2_r2_training_steps_equal_ep1(run_distributed, tmp_path):
         for step, (with_ep, without) in enumerate(zip(history, ep1[rank][0], strict=True), start=1):
             if step == 1:  # the parity reward varies within step 1's groups: a real update
                 assert with_ep["optim/grad_norm"] > 1e-3
-            for key in ("loss/policy", "optim/grad_norm"):
+            assert 1.0 <= with_ep["moe/expert_load_max_over_mean"] <= 4.0  # 8 experts, top-2: at most 8 / 2
+            for key in ("loss/policy", "optim/grad_norm", "moe/expert_load_max_over_mean"):
                 assert math.isclose(with_ep[key], without[key], rel_tol=1e-5, abs_tol=1e-7), (step, key)

@@ -201,3 +201,16 @@ def test_r2_routes_stay_with_their_rows_and_training_forwards_replay_them(parall
         assert (replayed[row, :length][mask].double() - expected).abs().max() < 1e-5, row
         assert batch.old_logprobs[row][~batch.loss_mask[row]].abs().max() == 0
     assert (plain - replayed).abs().max() > 1e-3  # B's own routers: other log-probs
+
+
+def test_expert_load_counts_valid_tokens_of_the_worst_layer(parallel_1):
+    from nemo_sspo.megatron import get_parallel_groups
+    from nemo_sspo.megatron.router_replay import expert_load_pair
+
+    # 2 rows x 3 tokens, 2 layers, top-2, 4 experts; row 1 has 1 valid token (the rest is padding).
+    # Layer 0, valid tokens {0,1} {0,2} {0,3} | {1,2}: counts [3, 2, 2, 1], mean 2 -> 1.5.
+    # Layer 1: {0,1} {2,3} {0,1} | {2,3}: counts [2, 2, 2, 2] -> 1.0. Worst layer: 1.5.
+    routes = torch.tensor([[[[0, 1], [0, 1]], [[0, 2], [2, 3]], [[0, 3], [0, 1]]],
+                           [[[1, 2], [2, 3]], [[3, 3], [3, 3]], [[3, 3], [3, 3]]]])
+    pair = expert_load_pair(routes, torch.tensor([3, 1]), 4, dp_group=get_parallel_groups().dp_group)
+    assert (pair.kind, float(pair.total), float(pair.count)) == ("max", 1.5, 1.0)
