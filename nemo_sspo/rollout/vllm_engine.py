@@ -259,8 +259,10 @@ def rollout_batch_from_outputs(outputs: Sequence[Any], prompt_ids: torch.Tensor,
 
 
 def _repack_cpu_moe_experts(model: torch.nn.Module) -> int:
-    """Re-runs the CPU MoE kernel's expert prepacking on every MoE layer of a vLLM model after a
-    refit (module docstring); returns the number of layers repacked (0 for a dense model)."""
+    """Re-runs the CPU MoE kernel's expert prepacking on every MoE layer of a vLLM model after a refit.
+
+    See the module docstring. Returns the number of layers repacked (0 for a dense model).
+    """
     repacked = 0
     for module in model.modules():
         kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
