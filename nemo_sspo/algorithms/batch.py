@@ -61,6 +61,9 @@ class PolicyBatch:
             (0 outside the mask), or None. Carried with the rows so that whatever rank a row moves
             to (``nemo_sspo.parallel.data_balance``) reads its own engine log-probs (TIS weights,
             the trainer-vs-engine gap metric).
+        routes: [B, S, L, k] int64 MoE routes (mixture-of-experts models with
+            ``model.router_replay``): the k experts of input token ``(b, s)`` in MoE layer ``l`` of
+            this rank's pipeline stage, which the training forwards replay; or None.
     """
 
     input_ids: torch.Tensor
@@ -75,6 +78,7 @@ class PolicyBatch:
     tis_weights: torch.Tensor | None = None
     lengths: torch.Tensor | None = None
     rollout_logprobs: torch.Tensor | None = None
+    routes: torch.Tensor | None = None
 
     @classmethod
     def from_rollout(cls, rollout: RolloutTensors, segment_ids: torch.Tensor, advantages: torch.Tensor, *,
@@ -112,11 +116,11 @@ class PolicyBatch:
         return torch.full((self.input_ids.shape[0],), self.input_ids.shape[1], dtype=torch.long)
 
     def narrow(self, width: int) -> "PolicyBatch":
-        """The first ``width`` columns of every ``[B, S]`` field (views; ``[B]`` fields and None stay):
-        drops right padding when ``width`` is at least the longest row.
+        """The first ``width`` columns of every ``[B, S, ...]`` field (views; ``[B]`` fields and None
+        stay): drops right padding when ``width`` is at least the longest row.
         """
         return PolicyBatch(**{f.name: v[:, :width] if isinstance(v := getattr(self, f.name), torch.Tensor)
-                              and v.dim() == 2 else v for f in fields(self)})
+                              and v.dim() >= 2 else v for f in fields(self)})
 
 
 # What the columns past a row's end hold in each 2-D field (pack_rollouts's padding, except token ids:
@@ -126,13 +130,14 @@ _PADDING = {"segment_ids": -1, "tis_weights": 1.0}
 
 
 def pad_cat(tensors: list[torch.Tensor], value, *, left: bool = False) -> torch.Tensor:
-    """Concatenates ``[B_k, L_k]`` tensors along rows, padding the columns to ``max L_k`` with
+    """Concatenates ``[B_k, L_k, ...]`` tensors along rows, padding dim 1 to ``max L_k`` with
     ``value`` (on the left when ``left``, else on the right).
     """
     width = max(t.shape[1] for t in tensors)
     padded = []
     for t in tensors:
-        pad = (width - t.shape[1], 0) if left else (0, width - t.shape[1])
+        inner = [0, 0] * (t.dim() - 2)  # F.pad lists the last dimension first
+        pad = inner + ([width - t.shape[1], 0] if left else [0, width - t.shape[1]])
         padded.append(torch.nn.functional.pad(t, pad, value=value))
     return torch.cat(padded)
 

@@ -1,4 +1,4 @@
-"""Megatron-Core adapter: parallel setup, GPTModel from HF Llama / Qwen2 / Qwen3 configs (local spec on CPU,
+"""Megatron-Core adapter: parallel setup, GPTModel from HF Llama / Qwen2 / Qwen3 / Qwen3-MoE configs (local spec on CPU,
 TransformerEngine spec on GPU), HF<->Megatron weights.
 
 Only this package (and the trainer) reads Megatron's global ``parallel_state``; functions in

@@ -35,6 +35,12 @@ Shims (measured with megatron-core 0.16.1 + torch 2.13.0 CPU build, and 0.19.2 +
    the optimizer module's reference to it is replaced by :func:`_clip_grads_cpu`, which applies the
    same coefficient ``max_norm / (total_norm + 1e-6)`` when it is below 1. The total norm itself
    is still Megatron's (all-reduced over the model-parallel ranks).
+7. MoE router without TransformerEngine: megatron-core 0.16.1's ``moe_utils`` imports
+   ``te_general_gemm`` only when TransformerEngine imports, yet its router gating reads the name
+   unconditionally (``NameError``). Where the name is missing it is set to None, the value
+   Megatron's own check (``te_general_gemm is not None``) expects for "no TransformerEngine", so
+   the router takes its ``torch.mm`` path. This one also applies on a GPU host without
+   TransformerEngine; with TransformerEngine the name exists and nothing changes.
 """
 
 from __future__ import annotations
@@ -131,11 +137,16 @@ def _clip_grads_cpu(parameters, max_norm: float, total_norm: float, use_decouple
 
 
 def apply_cpu_shims() -> bool:
-    """Install shims 1, 2 and 6 (idempotent). Returns True when they were needed (no CUDA).
+    """Install shims 1, 2 and 6 (no CUDA) and 7 (no TransformerEngine) (idempotent). Returns True
+    when the CPU shims were needed (no CUDA).
 
     Must run before ``model_parallel_cuda_manual_seed``: Megatron's ``initialize_rng_tracker``
     keeps an already-initialised tracker, so the CPU tracker installed here is the one it seeds.
     """
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
     if not needs_cpu_shims():
         return False
     from megatron.core.optimizer import optimizer as megatron_optimizer

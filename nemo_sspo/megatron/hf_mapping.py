@@ -1,5 +1,5 @@
-"""HF Llama / Qwen2 / Qwen3 <-> Megatron-Core GPTModel weight mapping under tensor and pipeline
-parallelism.
+"""HF Llama / Qwen2 / Qwen3 / Qwen3-MoE <-> Megatron-Core GPTModel weight mapping under tensor,
+pipeline and expert parallelism.
 
 Megatron layouts (per decoder layer; H = hidden, d = head_dim, G = num_key_value_heads,
 Q = num_attention_heads / G query heads per group, F = intermediate_size):
@@ -15,6 +15,14 @@ Q = num_attention_heads / G query heads per group, F = intermediate_size):
 - ``mlp.linear_fc1.weight`` [2F, H]: each TP rank holds [gate shard; up shard] (the gated MLP
   chunks its local output in two), i.e. each half is sliced separately.
 - ``mlp.linear_fc2.weight`` [H, F]: row-parallel, sliced on dim 1.
+- Qwen3-MoE, per layer: ``mlp.router.weight`` [E, H] (HF ``mlp.gate.weight``, replicated), and per
+  local expert i of EP rank r (global expert e = r * E / EP + i, see :mod:`nemo_sspo.megatron.moe`)
+  ``mlp.experts.local_experts.{i}.linear_fc1.weight`` / ``linear_fc2.weight`` laid out and TP-sliced
+  as the dense ``linear_fc1`` / ``linear_fc2`` with F = ``moe_intermediate_size``. HF names are the
+  per-expert ones of checkpoints on disk and of vLLM's ``load_weights``
+  (``mlp.experts.{e}.gate_proj.weight``, ``up_proj``, ``down_proj``), not the fused 3-D
+  parameters transformers 5 holds in memory (:func:`nemo_sspo.models.fuse_expert_weights`
+  converts).
 - RMSNorm weights: ``input_layernorm`` / ``pre_mlp_layernorm`` (local spec), or the norms fused
   into ``linear_qkv.layer_norm_weight`` / ``linear_fc1.layer_norm_weight`` (TransformerEngine spec).
 - Embedding / output layer: [V_padded, H], sliced on dim 0; padded rows are zero.
@@ -31,6 +39,7 @@ import torch
 import torch.distributed as dist
 
 from nemo_sspo.megatron.model import has_qk_norm, has_qkv_bias, padded_vocab_size, unwrap_model
+from nemo_sspo.megatron.moe import global_expert, is_moe, num_experts
 from nemo_sspo.megatron.parallel_setup import ParallelGroups, get_parallel_groups
 
 __all__ = ["export_hf_state_dict", "expected_hf_keys", "iter_hf_weight_buckets", "load_hf_into_megatron"]
@@ -49,6 +58,8 @@ _HF_LAYER = {
     "gate": "mlp.gate_proj.weight",
     "up": "mlp.up_proj.weight",
     "down": "mlp.down_proj.weight",
+    "experts": "",  # Qwen3-MoE: the per-expert names of _expert_names, then the router
+    "router": "mlp.gate.weight",
     "ln1": "input_layernorm.weight",
     "ln2": "post_attention_layernorm.weight",
 }
@@ -61,6 +72,7 @@ _MEG_LAYER = {
     "k_norm": ("self_attention.k_layernorm.weight",),
     "fc1": ("mlp.linear_fc1.weight",),
     "fc2": ("mlp.linear_fc2.weight",),
+    "router": ("mlp.router.weight",),
     "ln1": ("input_layernorm.weight", "self_attention.linear_qkv.layer_norm_weight"),
     "ln2": ("pre_mlp_layernorm.weight", "mlp.linear_fc1.layer_norm_weight"),
 }
@@ -68,23 +80,44 @@ _MEG_LAYER = {
 
 _BIAS_KEYS = ("q_bias", "k_bias", "v_bias")
 _QK_NORM_KEYS = ("q_norm", "k_norm")
+_DENSE_MLP_KEYS = ("gate", "up", "down")
+_MOE_KEYS = ("experts", "router")
+_EXPERT_PROJ = ("gate_proj", "up_proj", "down_proj")
 
 
 def _layer_keys(hf_config: Any) -> list[str]:
     """Short names of one HF decoder layer's parameters, in HF order (q/k/v biases for Qwen2,
-    q/k norms for Qwen3).
+    q/k norms for Qwen3 and Qwen3-MoE, experts and router instead of the dense MLP for Qwen3-MoE).
     """
     absent = (() if has_qkv_bias(hf_config) else _BIAS_KEYS) + (
-        () if has_qk_norm(hf_config) else _QK_NORM_KEYS)
+        () if has_qk_norm(hf_config) else _QK_NORM_KEYS) + (
+        _DENSE_MLP_KEYS if is_moe(hf_config) else _MOE_KEYS)
     return [key for key in _HF_LAYER if key not in absent]
 
 
+def _expert_names(expert: int) -> list[str]:
+    """HF names of expert ``expert``'s weights within a layer: gate, up, down projections."""
+    return [f"mlp.experts.{expert}.{proj}.weight" for proj in _EXPERT_PROJ]
+
+
+def _layer_names(hf_config: Any) -> list[str]:
+    """HF parameter names of one decoder layer (without the ``model.layers.{i}.`` prefix), in order."""
+    names = []
+    for key in _layer_keys(hf_config):
+        if key == "experts":
+            names += [name for expert in range(num_experts(hf_config)) for name in _expert_names(expert)]
+        else:
+            names.append(_HF_LAYER[key])
+    return names
+
+
 def expected_hf_keys(hf_config: Any) -> list[str]:
-    """HF parameter names of a Llama, Qwen2 or Qwen3 model, in HF order (``lm_head`` also when
-    tied, as transformers 5 ``state_dict()`` lists it).
+    """HF parameter names of a Llama, Qwen2, Qwen3 or Qwen3-MoE model, in HF order (``lm_head``
+    also when tied, as transformers 5 ``state_dict()`` lists it; Qwen3-MoE experts one by one, as
+    checkpoints store them).
     """
     keys = [_EMBED]
-    names = [_HF_LAYER[key] for key in _layer_keys(hf_config)]
+    names = _layer_names(hf_config)
     for layer in range(hf_config.num_hidden_layers):
         keys += [f"model.layers.{layer}.{name}" for name in names]
     return keys + [_NORM, _LM_HEAD]
@@ -145,13 +178,43 @@ def _split_qkv(qkv: torch.Tensor, hf_config: Any) -> tuple[torch.Tensor, ...]:
     return q.reshape(-1, *rest), k.reshape(-1, *rest), v.reshape(-1, *rest)
 
 
+def _mlp_targets(gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor, fc1: str, fc2: str,
+                 groups: ParallelGroups) -> dict:
+    """One SwiGLU MLP (dense, or one expert): fc1 = [gate shard; up shard], fc2 sliced on dim 1."""
+    return {fc1: torch.cat([_shard(gate, 0, groups), _shard(up, 0, groups)], dim=0),
+            fc2: _shard(down, 1, groups)}
+
+
+def _moe_targets(hf: dict, hf_prefix: str, prefix: str, params: dict, groups: ParallelGroups) -> dict:
+    """Router (replicated) and this EP rank's experts of one Qwen3-MoE layer."""
+    targets = {_resolve(params, prefix, _MEG_LAYER["router"]): hf[hf_prefix + _HF_LAYER["router"]]}
+    local = _local_expert_count(params, prefix)
+    for index in range(local):
+        names = _expert_names(global_expert(index, groups.ep_rank, local))
+        expert = f"{prefix}mlp.experts.local_experts.{index}."
+        targets.update(_mlp_targets(*(hf[hf_prefix + name] for name in names), expert + "linear_fc1.weight",
+                                    expert + "linear_fc2.weight", groups))
+    return targets
+
+
+def _local_expert_count(params: dict, prefix: str) -> int:
+    """Number of ``mlp.experts.local_experts.{i}`` in layer ``prefix`` of this rank's model."""
+    start = f"{prefix}mlp.experts.local_experts."
+    return len({name[len(start):].split(".")[0] for name in params if name.startswith(start)})
+
+
 def _layer_targets(hf: dict, hf_layer: int, prefix: str, params: dict, hf_config, groups) -> dict:
+    hf_prefix = f"model.layers.{hf_layer}."
+
     def get(key: str) -> torch.Tensor:
-        return hf[f"model.layers.{hf_layer}.{_HF_LAYER[key]}"]
+        return hf[hf_prefix + _HF_LAYER[key]]
 
     qkv = _fuse_qkv(get("q"), get("k"), get("v"), hf_config)
-    fc1 = torch.cat([_shard(get("gate"), 0, groups), _shard(get("up"), 0, groups)], dim=0)
-    targets = {}
+    if is_moe(hf_config):
+        targets = _moe_targets(hf, hf_prefix, prefix, params, groups)
+    else:
+        targets = _mlp_targets(get("gate"), get("up"), get("down"), _resolve(params, prefix, _MEG_LAYER["fc1"]),
+                               _resolve(params, prefix, _MEG_LAYER["fc2"]), groups)
     if has_qkv_bias(hf_config):
         qkv_bias = _fuse_qkv(get("q_bias"), get("k_bias"), get("v_bias"), hf_config)
         targets[_resolve(params, prefix, _MEG_LAYER["qkv_bias"])] = _shard(qkv_bias, 0, groups)
@@ -160,8 +223,6 @@ def _layer_targets(hf: dict, hf_layer: int, prefix: str, params: dict, hf_config
     return targets | {
         _resolve(params, prefix, _MEG_LAYER["qkv"]): _shard(qkv, 0, groups),
         _resolve(params, prefix, _MEG_LAYER["proj"]): _shard(get("o"), 1, groups),
-        _resolve(params, prefix, _MEG_LAYER["fc1"]): fc1,
-        _resolve(params, prefix, _MEG_LAYER["fc2"]): _shard(get("down"), 1, groups),
         _resolve(params, prefix, _MEG_LAYER["ln1"]): get("ln1"),
         _resolve(params, prefix, _MEG_LAYER["ln2"]): get("ln2"),
     }
@@ -188,10 +249,12 @@ def _megatron_targets(gpt, hf: dict, hf_config: Any, params: dict, groups: Paral
 def load_hf_into_megatron(
     model: torch.nn.Module, hf_state_dict: dict[str, torch.Tensor], hf_config: Any
 ) -> None:
-    """Copy a full HF Llama / Qwen2 / Qwen3 state dict into this rank's (TP shard, PP stage) Megatron model.
+    """Copy a full HF Llama / Qwen2 / Qwen3 / Qwen3-MoE state dict into this rank's (TP shard, PP
+    stage, EP experts) Megatron model.
 
     Every rank passes the full HF dict; each copies only its slices (see module docstring), cast
-    to the parameter's dtype and device. No communication.
+    to the parameter's dtype and device. No communication. Qwen3-MoE experts use the per-expert
+    checkpoint names (``model.layers.{l}.mlp.experts.{e}.gate_proj.weight``, ...).
 
     Raises:
         ValueError: listing missing / unexpected HF keys, Megatron parameters the mapping does not
@@ -229,28 +292,63 @@ def _gather_tp(tensor: torch.Tensor, dim: int | None, groups: ParallelGroups):
     return shards[0] if len(shards) == 1 else torch.cat(shards, dim=dim)
 
 
+def _export_mlp(fc1: torch.Tensor, fc2: torch.Tensor, groups: ParallelGroups) -> tuple[torch.Tensor, ...]:
+    """Full (gate, up, down) of one SwiGLU MLP from this rank's fc1 / fc2 shards (TP gathers)."""
+    halves = [shard.chunk(2, dim=0) for shard in _gather_tp(fc1.detach(), None, groups)]
+    gate = torch.cat([gate for gate, _ in halves], dim=0)
+    up = torch.cat([up for _, up in halves], dim=0)
+    return gate, up, _gather_tp(fc2.detach(), 1, groups)
+
+
+def _export_experts(params: dict, prefix: str, hf_config, groups: ParallelGroups) -> dict:
+    """All experts of one Qwen3-MoE layer, by per-expert HF name: each EP rank gathers its local
+    experts over TP, then one all-gather over the EP group assembles the layer's E experts (only
+    this layer's: the streamed export holds one layer's experts at a time).
+    """
+    local = _local_expert_count(params, prefix)
+    mlps = [_export_mlp(params[f"{prefix}mlp.experts.local_experts.{i}.linear_fc1.weight"],
+                        params[f"{prefix}mlp.experts.local_experts.{i}.linear_fc2.weight"], groups)
+            for i in range(local)]
+    stacked = [torch.stack(parts) for parts in zip(*mlps, strict=True)]  # gate, up, down: [E_local, ...]
+    if groups.ep_size > 1:
+        stacked = [_gather_ep(tensor, groups) for tensor in stacked]
+    values = {}
+    for expert in range(num_experts(hf_config)):
+        values.update(zip(_expert_names(expert), (tensor[expert] for tensor in stacked), strict=True))
+    return values
+
+
+def _gather_ep(tensor: torch.Tensor, groups: ParallelGroups) -> torch.Tensor:
+    """[E_local, ...] on every EP rank -> [E, ...] in EP-rank order (the global expert order)."""
+    shards = [torch.empty_like(tensor) for _ in range(groups.ep_size)]
+    dist.all_gather(shards, tensor.contiguous(), group=groups.ep_group)
+    return torch.cat(shards, dim=0)
+
+
 def _export_layer(params: dict, prefix: str, hf_prefix: str, hf_config, groups) -> dict:
     def get(key: str) -> torch.Tensor:
         return params[_resolve(params, prefix, _MEG_LAYER[key])].detach()
 
     q, k, v = _split_qkv(_gather_tp(get("qkv"), 0, groups), hf_config)
-    fc1_shards = _gather_tp(get("fc1"), None, groups)
-    halves = [shard.chunk(2, dim=0) for shard in fc1_shards]
     values = {
         "q": q, "k": k, "v": v,
         "o": _gather_tp(get("proj"), 1, groups),
-        "gate": torch.cat([gate for gate, _ in halves], dim=0),
-        "up": torch.cat([up for _, up in halves], dim=0),
-        "down": _gather_tp(get("fc2"), 1, groups),
         "ln1": get("ln1").clone(),
         "ln2": get("ln2").clone(),
     }
+    if is_moe(hf_config):
+        values["router"] = get("router").clone()
+        experts = _export_experts(params, prefix, hf_config, groups)
+    else:
+        values.update(zip(_DENSE_MLP_KEYS, _export_mlp(get("fc1"), get("fc2"), groups), strict=True))
+        experts = {}
     if has_qkv_bias(hf_config):
         q_bias, k_bias, v_bias = _split_qkv(_gather_tp(get("qkv_bias"), 0, groups), hf_config)
         values.update(q_bias=q_bias, k_bias=k_bias, v_bias=v_bias)
     if has_qk_norm(hf_config):
         values.update({key: get(key).clone() for key in _QK_NORM_KEYS})
-    return {hf_prefix + _HF_LAYER[key]: values[key] for key in _layer_keys(hf_config)}  # HF order
+    named = {_HF_LAYER[key]: values[key] for key in _layer_keys(hf_config) if key != "experts"} | experts
+    return {hf_prefix + name: named[name] for name in _layer_names(hf_config)}  # HF order
 
 
 @dataclass(frozen=True)
@@ -347,7 +445,7 @@ def _nbytes(tensors: dict[str, torch.Tensor]) -> int:
 
 def iter_hf_weight_buckets(model: torch.nn.Module, hf_config: Any, bucket_bytes: int, *,
                            dst_rank: int | None = None) -> Iterator[dict[str, torch.Tensor]]:
-    """Streamed export for refit: the HF Llama / Qwen2 / Qwen3 weights as buckets of whole decoder layers,
+    """Streamed export for refit: the HF Llama / Qwen2 / Qwen3 / Qwen3-MoE weights as buckets of whole decoder layers,
     gathered only on rank ``dst_rank`` (where the replica's rollout engine lives).
 
     Collective: every rank of the model-parallel group must iterate it to the end (the TP gathers,
@@ -355,7 +453,11 @@ def iter_hf_weight_buckets(model: torch.nn.Module, hf_config: Any, bucket_bytes:
     stages run as it is iterated, in the same order on every rank). Unit by unit in HF order
     (embeddings, layers 0..L-1, final norm / head), the owning stage gathers the TP shards
     (all_gather over tp_group) and, when it is another stage, its TP rank matching ``dst_rank``'s
-    sends them to ``dst_rank`` (send / recv).
+    sends them to ``dst_rank`` (send / recv). Qwen3-MoE under expert parallelism: each EP rank
+    contributes its own experts of the layer being exported (one all-gather over ``ep_group`` per
+    layer, run by every rank of the stage since each is the ``dst_rank`` of its own replica or
+    feeds it), so no rank holds more than one layer's experts beyond its bucket; every rank of
+    the EP group must iterate too.
 
     Buckets (on ``dst_rank``): HF name -> tensor dicts in HF key order (a tied head right after the
     embeddings), tensors on the model's device and dtype, vocabulary padding dropped. The embeddings (with tied embeddings also
@@ -419,7 +521,7 @@ def _broadcast_tensors(tensors: dict[str, torch.Tensor] | None, src: int, group,
 
 def export_hf_state_dict(model: torch.nn.Module, hf_config: Any, *,
                          dst_rank: int | None = None) -> dict[str, torch.Tensor]:
-    """Inverse of ``load_hf_into_megatron``: the full HF Llama / Qwen2 / Qwen3 state dict.
+    """Inverse of ``load_hf_into_megatron``: the full HF Llama / Qwen2 / Qwen3 / Qwen3-MoE state dict.
 
     Collective: all ranks of the model-parallel group must call it. The weights are gathered with
     :func:`iter_hf_weight_buckets` (one path) onto ``dst_rank``; with ``dst_rank=None`` they are

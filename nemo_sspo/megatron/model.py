@@ -1,4 +1,4 @@
-"""Megatron-Core ``GPTModel`` built from a Hugging Face Llama, Qwen2 or Qwen3 (dense) config.
+"""Megatron-Core ``GPTModel`` built from a Hugging Face Llama, Qwen2, Qwen3 or Qwen3-MoE config.
 
 Layer implementation by environment (``resolve_transformer_impl``): the TransformerEngine spec
 (BF16, optional FP8 with a recipe from the config) when a CUDA device and the ``transformer-engine``
@@ -31,6 +31,7 @@ from nemo_sspo.megatron.cpu_shims import (
     cpu_config_overrides,
     cpu_device_context,
 )
+from nemo_sspo.megatron.moe import even_token_dispatch, is_moe, moe_config_kwargs, validate_moe
 from nemo_sspo.megatron.packed_seq import packed_seq_params, padded_width, thd_alignment
 from nemo_sspo.megatron.parallel_setup import destroy_parallel, get_parallel_groups, initialize_parallel
 
@@ -58,7 +59,7 @@ __all__ = [
 ]
 
 MAKE_VOCAB_SIZE_DIVISIBLE_BY = 128
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "qwen3_moe")
 """HF ``model_type`` values the config translation and weight mapping cover."""
 PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16}
 """``model.precision`` name -> parameter dtype."""
@@ -115,36 +116,40 @@ def has_qkv_bias(hf_config: Any) -> bool:
 
 
 def has_qk_norm(hf_config: Any) -> bool:
-    """True for Qwen3: an RMSNorm over ``head_dim`` applied to every query and key head before RoPE
-    (HF ``q_norm`` / ``k_norm``; Megatron ``qk_layernorm``); False for Llama and Qwen2.
+    """True for Qwen3 and Qwen3-MoE: an RMSNorm over ``head_dim`` applied to every query and key
+    head before RoPE (HF ``q_norm`` / ``k_norm``; Megatron ``qk_layernorm``); False for Llama and Qwen2.
     """
-    return model_type(hf_config) == "qwen3"
+    return model_type(hf_config) in ("qwen3", "qwen3_moe")
 
 
-def check_architecture(hf_config: Any, tp_size: int, pp_size: int, *, tp_name: str = "tp_size",
-                       pp_name: str = "pp_size") -> None:
-    """Checks that ``hf_config`` maps onto Megatron's GPTModel under a TP x PP layout (the one copy
-    of these checks; the config layer runs it at load time from the model's config.json alone).
+def check_architecture(hf_config: Any, tp_size: int, pp_size: int, *, ep_size: int = 1,
+                       tp_name: str = "tp_size", pp_name: str = "pp_size", ep_name: str = "ep_size") -> None:
+    """Checks that ``hf_config`` maps onto Megatron's GPTModel under a TP x PP (x EP) layout (the one
+    copy of these checks; the config layer runs it at load time from the model's config.json alone).
 
     Args:
-        hf_config: a transformers Llama / Qwen2 / Qwen3 config (only its fields are read).
+        hf_config: a transformers Llama / Qwen2 / Qwen3 / Qwen3-MoE config (only its fields are read).
         tp_size: tensor-parallel size.
         pp_size: pipeline-parallel size.
+        ep_size: expert-parallel size (Qwen3-MoE only; 1 for dense models).
         tp_name: the name of ``tp_size`` in messages (the caller's argument or config key).
         pp_name: the name of ``pp_size`` in messages.
+        ep_name: the name of ``ep_size`` in messages.
 
     Raises:
         ValueError: naming the field and the valid sizes, when num_attention_heads or
             num_key_value_heads is not divisible by ``tp_size``, num_hidden_layers not divisible by
-            ``pp_size``; or for an unsupported architecture, Llama / Qwen3 biases, a non-silu
-            activation, sliding-window attention or scaled RoPE.
+            ``pp_size``; for an MoE layout the mapping does not cover (``validate_moe``); or for an
+            unsupported architecture, Llama / Qwen3 biases, a non-silu activation, sliding-window
+            attention or scaled RoPE.
     """
     kind = model_type(hf_config)
+    validate_moe(hf_config, ep_size, ep_name=ep_name)
     if getattr(hf_config, "hidden_act", "silu") != "silu":
         raise ValueError(
             f"hf_config.hidden_act={hf_config.hidden_act!r}: only 'silu' (SwiGLU) is supported"
         )
-    if kind in ("llama", "qwen3"):
+    if kind in ("llama", "qwen3", "qwen3_moe"):
         for flag in ("attention_bias", "mlp_bias"):
             if getattr(hf_config, flag, False):
                 raise ValueError(f"hf_config.{flag}=True is not supported: the {kind} mapping has "
@@ -205,13 +210,15 @@ def transformer_config_from_hf(
     precision: str = "fp32",
     fp8: str | None = None,
     fp8_recipe: str = "delayed",
+    ep_size: int = 1,
 ):
-    """Megatron ``TransformerConfig`` equivalent to a HF Llama, Qwen2 or Qwen3 (dense) config.
+    """Megatron ``TransformerConfig`` equivalent to a HF Llama, Qwen2, Qwen3 or Qwen3-MoE config.
 
     Maps GQA (num_query_groups = num_key_value_heads), SwiGLU (gated_linear_unit + silu), RMSNorm
     (eps = rms_norm_eps), biases (Qwen2: ``add_qkv_bias=True``; no other linear has a bias),
     Qwen3's per-head q/k RMSNorm (``qk_layernorm=True``, same eps), kv_channels = head_dim (Qwen3
-    sets it apart from hidden / heads), dropout 0; CPU shims add their overrides (fp32 pipeline p2p, no fused
+    sets it apart from hidden / heads), Qwen3-MoE's sparse MLP in every layer (router and experts:
+    :func:`nemo_sspo.megatron.moe.moe_config_kwargs`), dropout 0; CPU shims add their overrides (fp32 pipeline p2p, no fused
     kernels) when no GPU is present. The rotary base is not a TransformerConfig field:
     ``build_policy_model`` passes it to ``GPTModel``.
 
@@ -225,17 +232,20 @@ def transformer_config_from_hf(
             ``fp8`` field, used by TransformerEngine layers only (config key ``model.fp8``).
         fp8_recipe: Megatron's ``fp8_recipe``: ``"delayed"``, ``"tensorwise"``, ``"mxfp8"``
             (Blackwell only) or ``"blockwise"`` (config key ``model.fp8_recipe``).
+        ep_size: expert-model-parallel size (config key ``parallel.expert_model_parallel_size``);
+            must be 1 for dense models and divide ``num_experts`` for Qwen3-MoE.
 
     Raises:
         ValueError: naming the field, when num_attention_heads or num_key_value_heads is not
             divisible by tp_size, num_hidden_layers not divisible by pp_size, the config uses an
             unsupported architecture, Llama biases, a non-silu activation, sliding-window attention
-            or scaled RoPE; or naming the ``model.*`` key of a bad precision setting.
+            or scaled RoPE; MoE layouts refused by :func:`nemo_sspo.megatron.moe.validate_moe`; or
+            naming the ``model.*`` key of a bad precision setting.
     """
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     dtype = check_model_options(precision=precision, fp8=fp8, fp8_recipe=fp8_recipe)
-    check_architecture(hf_config, tp_size, pp_size)
+    check_architecture(hf_config, tp_size, pp_size, ep_size=ep_size)
     kwargs = dict(
         num_layers=hf_config.num_hidden_layers,
         hidden_size=hf_config.hidden_size,
@@ -260,6 +270,7 @@ def transformer_config_from_hf(
         fp8=fp8,
         fp8_recipe=fp8_recipe,
     )
+    kwargs.update(moe_config_kwargs(hf_config, ep_size))
     kwargs.update(cpu_config_overrides())
     return TransformerConfig(**kwargs)
 
@@ -319,10 +330,13 @@ def _layer_spec(config, impl: str):
     """Local (pure Megatron) layer spec, or the TransformerEngine spec (imported lazily)."""
     from megatron.core.models.gpt import gpt_layer_specs
 
+    # num_experts=None builds the dense MLP; with experts, SequentialMLP (one MLP per local expert).
     if impl == "local":
-        return gpt_layer_specs.get_gpt_layer_local_spec(normalization=config.normalization,
+        return gpt_layer_specs.get_gpt_layer_local_spec(num_experts=config.num_moe_experts,
+                                                        normalization=config.normalization,
                                                         qk_layernorm=config.qk_layernorm)
-    return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=config.qk_layernorm)
+    return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(num_experts=config.num_moe_experts,
+                                                                      qk_layernorm=config.qk_layernorm)
 
 
 def build_policy_model(
@@ -361,7 +375,7 @@ def build_policy_model(
     groups = get_parallel_groups()
     config = transformer_config_from_hf(
         hf_config, tp_size=groups.tp_size, pp_size=groups.pp_size, precision=precision, fp8=fp8,
-        fp8_recipe=fp8_recipe,
+        fp8_recipe=fp8_recipe, ep_size=groups.ep_size,
     )
     check_model_options(precision=precision, fp8=fp8, fp8_recipe=fp8_recipe, transformer_impl=transformer_impl)
     impl = resolve_transformer_impl(transformer_impl, fp8)
@@ -379,6 +393,7 @@ def build_policy_model(
             position_embedding_type="rope",
             rotary_base=_rope_theta(hf_config),
         )
+    even_token_dispatch(model)  # MoE: ranks of a TP x EP group may hold different token counts
     if torch.cuda.is_available():
         # As Megatron-LM's get_model: modules built outside Megatron's init helpers (the local
         # spec's torch norms) start on the CPU even when the linear layers were built on the GPU.
@@ -410,9 +425,13 @@ def parameter_counts(hf_config: Any, *, tp_size: int, pp_size: int, precision: s
         ``counts[pp_rank][tp_rank]``: number of parameters (elements) on that rank.
 
     Raises:
-        ValueError: as :func:`transformer_config_from_hf` for this layout, or Megatron's parallel
-            state already initialised (the count builds its own TP = PP = 1 model).
+        ValueError: as :func:`transformer_config_from_hf` for this layout, a mixture-of-experts
+            config (its expert split is not counted), or Megatron's parallel state already
+            initialised (the count builds its own TP = PP = 1 model).
     """
+    if is_moe(hf_config):
+        raise ValueError("parameter_counts covers dense models; the split of a mixture-of-experts model's "
+                         "experts over expert-parallel ranks is not counted here")
     transformer_config_from_hf(hf_config, tp_size=tp_size, pp_size=pp_size, precision=precision)
     initialize_parallel(tp_size=1, pp_size=1, seed=0)
     try:

@@ -28,7 +28,9 @@ class ParallelGroups:
 
     The model-parallel group holds the TP x PP ranks of one data-parallel replica; ``mp_src_rank``
     is its first member's global rank and ``pp_last_rank`` the global rank of this pipeline's last
-    stage (the sources of rollout and metric broadcasts).
+    stage (the sources of rollout and metric broadcasts). The expert-model-parallel group
+    (``ep_group``, size ``ep_size``; 1 for dense models) holds the ranks that split one MoE layer's
+    experts: same TP rank and pipeline stage, different data-parallel replicas.
     """
 
     tp_group: dist.ProcessGroup
@@ -47,6 +49,9 @@ class ParallelGroups:
     pp_last_rank: int
     is_first_stage: bool
     is_last_stage: bool
+    ep_group: dist.ProcessGroup
+    ep_rank: int
+    ep_size: int
 
 
 def _free_port() -> int:
@@ -73,18 +78,20 @@ def _init_process_group() -> None:
     _OWNS_PROCESS_GROUP = True
 
 
-def initialize_parallel(*, tp_size: int, pp_size: int, seed: int) -> None:
+def initialize_parallel(*, tp_size: int, pp_size: int, seed: int, ep_size: int = 1) -> None:
     """Set up torch.distributed, Megatron's model-parallel groups and its RNG tracker.
 
     Initialises the default process group if needed (gloo on CPU, nccl on GPU; from torchrun's env
     or as a 1-process group on a free local port), applies the CPU shims when no GPU is present,
-    calls ``parallel_state.initialize_model_parallel(tp_size, pp_size)``, seeds the default
+    calls ``parallel_state.initialize_model_parallel(tp_size, pp_size, ep_size)``, seeds the default
     generator with ``seed`` (identical on every rank, so CPU initialisation of the full weights
     agrees across TP ranks) and calls ``model_parallel_cuda_manual_seed(seed)`` (Megatron's
     per-TP-rank streams; the CPU tracker on CPU).
 
     The layout is the caller's to check against the world size (the trainer's config does, at load
-    time); Megatron itself refuses a world size that ``tp_size * pp_size`` does not divide.
+    time); Megatron itself refuses a world size that ``tp_size * pp_size`` does not divide, or
+    whose data-parallel size ``ep_size`` (expert parallelism, ``parallel.expert_model_parallel_size``)
+    does not divide.
 
     Raises:
         ValueError: if Megatron's parallel state is already initialised (call ``destroy_parallel``).
@@ -100,7 +107,8 @@ def initialize_parallel(*, tp_size: int, pp_size: int, seed: int) -> None:
         )
     apply_cpu_shims()
     parallel_state.initialize_model_parallel(
-        tensor_model_parallel_size=tp_size, pipeline_model_parallel_size=pp_size
+        tensor_model_parallel_size=tp_size, pipeline_model_parallel_size=pp_size,
+        expert_model_parallel_size=ep_size,
     )
     torch.manual_seed(seed)
     model_parallel_cuda_manual_seed(seed)
@@ -146,4 +154,7 @@ def get_parallel_groups() -> ParallelGroups:
         pp_last_rank=dist.get_global_rank(pp_group, dist.get_world_size(pp_group) - 1),
         is_first_stage=ps.is_pipeline_first_stage(),
         is_last_stage=ps.is_pipeline_last_stage(),
+        ep_group=ps.get_expert_model_parallel_group(),
+        ep_rank=ps.get_expert_model_parallel_rank(),
+        ep_size=ps.get_expert_model_parallel_world_size(),
     )

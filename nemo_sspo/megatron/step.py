@@ -15,6 +15,13 @@ loss sees, one micro-batch (as their official code does per micro-batch). Their 
 to TP and PP, but a different split of rows into micro-batches (micro-batch size, DP size)
 selects different tokens. ``tests/distributed/test_invariance.py`` pins both halves.
 
+Mixture-of-experts models (Qwen3-MoE) add no term to this contract: the objective is the policy
+loss alone, without Megatron's auxiliary load-balancing loss (switched off,
+:func:`nemo_sspo.megatron.moe.moe_config_kwargs`; its per-micro-batch, per-layer normalisation would
+depend on the micro-batch split as Clip-Cov's selection does). Expert parallelism only moves tokens
+between the replicas' experts, so the step is the EP 1 step: ``tests/integration/
+test_moe_expert_parallel_loop.py`` pins EP 2 against EP 1, with router replay R2.
+
 All tensors of a :class:`PolicyBatch` are in the *target frame*: position ``j`` holds the
 prediction of token ``j + 1`` of ``input_ids``.
 

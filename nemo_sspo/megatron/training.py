@@ -29,6 +29,11 @@ from megatron.core.utils import get_model_config
 from nemo_sspo.algorithms.batch import PolicyBatch
 from nemo_sspo.algorithms.micro_batches import MicroBatch, MicroBatchLayout, pad_micro_batches
 from nemo_sspo.megatron.cpu_shims import cpu_device_context
+from nemo_sspo.megatron.router_replay import (
+    recording_forward_step,
+    replaying_forward_step,
+    write_micro_batch_routes,
+)
 from nemo_sspo.megatron.step import LossSpec, policy_forward_step
 from nemo_sspo.metrics import merge_metric_sums
 from nemo_sspo.parallel.data_balance import agree_micro_batch_count
@@ -153,13 +158,25 @@ def plan_micro_batches(layout: MicroBatchLayout, batch: PolicyBatch, *, dp_group
     return pad_micro_batches(micro_batches, agree_micro_batch_count(len(micro_batches), dp_group))
 
 
-def forward_logprobs(model, batch: PolicyBatch, spec: LossSpec, layout: MicroBatchLayout, *, dp_group):
+def forward_logprobs(model, batch: PolicyBatch, spec: LossSpec, layout: MicroBatchLayout, *, dp_group,
+                     recorded: list | None = None):
     """Log-probs and entropies of ``batch.targets`` under ``model``, forward only, in eval mode.
 
     The model's train/eval mode is restored afterwards. ``layout`` cuts ``batch`` into
     micro-batches, padded to the same count on every data-parallel rank of ``dp_group``
     (:func:`plan_micro_batches`; None for one rank); each one's results are written back at its
-    rows.
+    rows. A batch carrying ``routes`` (router replay) routes every token of a MoE model to those
+    experts.
+
+    Args:
+        model: the policy (or reference) Megatron model stage.
+        batch: this rank's rows.
+        spec: what the forward step computes (log-probs, entropies).
+        layout: how ``batch`` is cut into micro-batches.
+        dp_group: the data-parallel process group, or None for one rank.
+        recorded: a list to receive ``(micro_batch, routes)`` of every micro-batch (MoE models:
+            the experts each input token went to, :func:`~nemo_sspo.megatron.router_replay.recording_forward_step`),
+            on every pipeline stage; None records nothing.
 
     Returns:
         ``(logprobs, entropy)``, each [B, S] float32 in the target frame (0 outside the mask), on
@@ -169,14 +186,21 @@ def forward_logprobs(model, batch: PolicyBatch, spec: LossSpec, layout: MicroBat
     was_training = model.training
     model.eval()
     micro_batches = plan_micro_batches(layout, batch, dp_group=dp_group)
+    step = _routed(policy_forward_step(spec, compute_loss=False), batch)
+    if recorded is not None:
+        step = recording_forward_step(step, recorded)
     with torch.no_grad():
-        outputs = run_schedule(model, micro_batches, policy_forward_step(spec, compute_loss=False),
-                               forward_only=True)
+        outputs = run_schedule(model, micro_batches, step, forward_only=True)
     model.train(was_training)
     if not outputs:
         return None
     return tuple(_reassemble(batch.loss_mask.shape, micro_batches, [o[key] for o in outputs])
                  for key in ("logprobs", "entropy"))
+
+
+def _routed(forward_step: Callable, batch: PolicyBatch) -> Callable:
+    """``forward_step``, replaying ``batch.routes`` when the batch carries routes."""
+    return forward_step if batch.routes is None else replaying_forward_step(forward_step)
 
 
 def _reassemble(shape, micro_batches: list, parts: list[torch.Tensor]) -> torch.Tensor:
@@ -188,16 +212,38 @@ def _reassemble(shape, micro_batches: list, parts: list[torch.Tensor]) -> torch.
 
 
 def compute_old_logprobs(model, batch: PolicyBatch, spec: LossSpec, layout: MicroBatchLayout, *,
-                         dp_group) -> PolicyBatch:
+                         dp_group, record_routes: bool = False) -> PolicyBatch:
     """Recomputes pi_old log-probs and entropies with the current weights (before any update).
 
     Runs :func:`forward_logprobs` (``dp_group`` as there).
 
+    Args:
+        model: the policy's Megatron model stage.
+        batch: this rank's rows.
+        spec: what the forward step computes.
+        layout: how ``batch`` is cut into micro-batches.
+        dp_group: as :func:`forward_logprobs`.
+        record_routes: router replay R2 (MoE models): keep the experts this forward chose for every
+            input token as ``batch.routes`` [B, S, L, k] (this stage's L MoE layers), which the
+            training forwards then replay.
+
     Returns:
         ``batch`` with ``old_logprobs`` and ``old_entropy`` [B, S] float32 filled on the last
-        pipeline stage (other stages return ``batch`` unchanged: they never read these fields).
+        pipeline stage (other stages return ``batch`` unchanged: they never read these fields),
+        and with R2 ``routes`` on every stage.
+
+    Raises:
+        ValueError: ``record_routes`` for a batch that already carries routes.
     """
-    stats = forward_logprobs(model, batch, spec, layout, dp_group=dp_group)
+    if record_routes and batch.routes is not None:
+        raise ValueError("compute_old_logprobs(record_routes=True) got a batch that already carries routes")
+    recorded = [] if record_routes else None
+    stats = forward_logprobs(model, batch, spec, layout, dp_group=dp_group, recorded=recorded)
+    if recorded:
+        routes = torch.zeros(*batch.input_ids.shape, *recorded[0][1].shape[2:], dtype=torch.long)
+        for micro, micro_routes in recorded:
+            write_micro_batch_routes(routes, micro, micro_routes)
+        batch = replace(batch, routes=routes)
     if stats is None:
         return batch
     return replace(batch, old_logprobs=stats[0], old_entropy=stats[1])
@@ -213,7 +259,9 @@ def compute_ref_logprobs(ref_model, batch: PolicyBatch, spec: LossSpec, layout: 
         ``batch`` with ``ref_logprobs`` [B, S] float32 (0 outside the mask) on the last pipeline
         stage; other stages return ``batch`` unchanged.
     """
-    stats = forward_logprobs(ref_model, batch, spec, layout, dp_group=dp_group)
+    # R2 replays the old-policy routes in the policy's training forwards only; the reference
+    # model routes with its own routers.
+    stats = forward_logprobs(ref_model, replace(batch, routes=None), spec, layout, dp_group=dp_group)
     return batch if stats is None else replace(batch, ref_logprobs=stats[0])
 
 
@@ -239,11 +287,12 @@ def compute_gradients(model, batch: PolicyBatch, spec: LossSpec, layout: MicroBa
                       dp_group) -> dict[str, torch.Tensor]:
     """The policy loss's gradients over ``batch`` cut into micro-batches by ``layout``.
 
-    As many micro-batches run on every rank of ``dp_group`` (:func:`plan_micro_batches`); see
-    :func:`accumulate_gradients`, whose metric sums it returns.
+    As many micro-batches run on every rank of ``dp_group`` (:func:`plan_micro_batches`); a batch
+    carrying ``routes`` replays them (router replay); see :func:`accumulate_gradients`, whose metric
+    sums it returns.
     """
     return accumulate_gradients(model, plan_micro_batches(layout, batch, dp_group=dp_group),
-                                policy_forward_step(spec, compute_loss=True))
+                                _routed(policy_forward_step(spec, compute_loss=True), batch))
 
 
 def apply_optimizer_step(optimizer) -> float:

