@@ -73,10 +73,13 @@ def load_config(config_name: str = DEFAULT_CONFIG_NAME, overrides: list[str] | N
 def _hydra_error_message(config_name: str, err: Exception, overrides: list[str], compose_typed) -> str:
     """Hydra's error, or, for an override of a key that does not exist, which key was meant (Hydra
     would suggest '+', which adds a key no dataclass field reads)."""
-    from nemo_sspo.trainer.config import unknown_key_message
+    from nemo_sspo.trainer.config import RENAMED_KEYS, unknown_key_message
 
     match = re.search(r"Could not override '([^']+)'", str(err))
     if not match:
+        renamed = re.search(r"full_key: (\S+)", str(err))  # a key an earlier release had, in a YAML file
+        if renamed and renamed.group(1) in RENAMED_KEYS:
+            return f"invalid config {config_name!r}: {unknown_key_message(renamed.group(1), None)}"
         return f"invalid config {config_name!r}: {err}"
     path = match.group(1)
     rest = [item for item in overrides if item.split("=", 1)[0].lstrip("+~") != path]

@@ -20,8 +20,10 @@ advantage; ``kl_coef > 0`` keeps a frozen Megatron copy of the initial policy an
 ``ref_logprobs`` to the batch (nothing is built when it is 0); ``advantage_source == "critic"``
 trains the SPPO critic (:mod:`nemo_sspo.trainer.critic`).
 
-Around the steps: ``rollout.tis_cap`` multiplies each token's loss by a truncated importance weight
-pi_old / pi_rollout (:mod:`nemo_sspo.rollout.tis`); ``eval.every_n_steps`` evaluates the rollout
+Around the steps: ``rollout.correction`` multiplies each token's loss by an importance weight of
+pi_old / pi_rollout, truncated or masked (:mod:`nemo_sspo.algorithms.off_policy`);
+``rollout.max_staleness`` trains step t on a rollout generated k steps earlier
+(:mod:`nemo_sspo.trainer.staleness`); ``eval.every_n_steps`` evaluates the rollout
 engine's weights and keeps the best step (:mod:`nemo_sspo.trainer.periodic_eval`);
 ``trainer.checkpoint_interval`` / ``trainer.resume`` save and restore the whole training state
 (:mod:`nemo_sspo.trainer.checkpoint`). On a CUDA host the policy lives on the GPU and each
@@ -45,6 +47,7 @@ from nemo_sspo.algorithms import group_advantages, segment_ids
 from nemo_sspo.algorithms.batch import concat_policy_batches, pack_critic_batch, pack_rollouts
 from nemo_sspo.algorithms.critic import critic_advantages
 from nemo_sspo.algorithms.losses import make_policy_loss
+from nemo_sspo.algorithms.off_policy import effective_sample_size, off_policy_weights
 from nemo_sspo.algorithms.segmentation import TABLE_FREE_SEGMENTATIONS, build_segment_tables
 from nemo_sspo.data import build_prompt_source
 from nemo_sspo.megatron import (
@@ -73,7 +76,7 @@ from nemo_sspo.metrics import MetricPair, mean_pair, merge_metric_sums
 from nemo_sspo.parallel.data_balance import balance_across_data_parallel
 from nemo_sspo.parallel.metrics import reduce_metric_sums
 from nemo_sspo.rewards import MathVerifyReward
-from nemo_sspo.rollout import HFRolloutEngine, VLLMRolloutEngine, truncated_is_weights
+from nemo_sspo.rollout import HFRolloutEngine, VLLMRolloutEngine
 from nemo_sspo.trainer.checkpoint import (
     CHECKPOINTS_DIR,
     TrainerState,
@@ -95,6 +98,7 @@ from nemo_sspo.trainer.metric_log import MetricsLogger
 from nemo_sspo.trainer.periodic_eval import BEST_DIR, BestEval, evaluate_engine
 from nemo_sspo.trainer.rollout_metrics import rollout_logprobs, rollout_metric_sums
 from nemo_sspo.trainer.sampling import Rollout, RolloutSampler
+from nemo_sspo.trainer.staleness import LockStepRollouts, VersionedRollout, version_lag_sums
 
 __all__ = ["GRPOTrainer", "Rollout", "start_parallel"]
 
@@ -201,6 +205,9 @@ class GRPOTrainer:
                              output_chunk_size=cfg.parallel.output_chunk_size)
         self.layout = micro_batch_layout(cfg.parallel)
         self.completed_steps, self.best = 0, BestEval()
+        # async (issue 21): rollouts generated k steps ahead, and the data position of the trained one.
+        self.in_flight = LockStepRollouts(cfg.rollout.max_staleness, cfg.trainer.max_steps)
+        self.problems_drawn = 0
         if resume_path is not None:
             self._resume(resume_path)
         self.logger = MetricsLogger(cfg.trainer.output_dir, cfg.trainer.max_steps, enabled=dist.get_rank() == 0,
@@ -245,7 +252,7 @@ class GRPOTrainer:
         if ro.backend == "vllm":
             self.engine = VLLMRolloutEngine.build(
                 model_dir, self.tokenizer, vllm_config=ro.vllm,
-                seed=self.cfg.trainer.seed, truncation_corrected=ro.tis_cap is not None, **sampling)
+                seed=self.cfg.trainer.seed, truncation_corrected=ro.correction != "none", **sampling)
         else:
             self.engine = HFRolloutEngine(build_hf_model(self.hf_config, state_dict), self.tokenizer,
                                           device=training_device(), **sampling)
@@ -296,10 +303,11 @@ class GRPOTrainer:
         """Advantages, segment ids and packing; with a token budget
         (``parallel.max_tokens_per_micro_batch``) each mini-batch's rows balanced by tokens across
         data-parallel ranks (:meth:`_balanced`); then pi_old (and pi_ref) log-probs from Megatron,
-        and the TIS weights when ``rollout.tis_cap`` is set (last pipeline stage).
+        and the off-policy correction weights unless ``rollout.correction`` is ``none`` (last pipeline
+        stage).
 
         Returns:
-            ``(PolicyBatch, advantage and TIS metric pairs)``.
+            ``(PolicyBatch, advantage and correction metric pairs)``.
         """
         rb = rollout.batch
         advantages, sums = self.compute_advantages(rollout)
@@ -314,12 +322,13 @@ class GRPOTrainer:
         batch = compute_old_logprobs(self.model, batch, self.spec, self.layout)
         if self.ref_model is not None:
             batch = compute_ref_logprobs(self.ref_model, batch, self.spec, self.layout)
-        cap = self.cfg.rollout.tis_cap
-        if cap is not None and self.groups.is_last_stage:
-            weights, tis_sums = truncated_is_weights(batch.old_logprobs, batch.rollout_logprobs,
-                                                     batch.loss_mask, cap)
+        ro = self.cfg.rollout
+        if ro.correction != "none" and self.groups.is_last_stage:
+            weights, correction_sums = off_policy_weights(
+                ro.correction, batch.old_logprobs, batch.rollout_logprobs, batch.loss_mask,
+                segment_ids=batch.segment_ids, cap=ro.correction_cap, low=ro.correction_low, high=ro.correction_high)
             batch = replace(batch, tis_weights=weights)
-            sums.update(tis_sums)
+            sums.update(correction_sums)
         return batch, sums
 
     def _balanced(self, batch):
@@ -368,11 +377,19 @@ class GRPOTrainer:
             for _ in buckets:  # yields nothing here; runs this rank's gathers and sends
                 pass
 
+    def _versioned_rollout(self, step: int, version: int) -> VersionedRollout:
+        """Step ``step``'s rollout from the engine's current weights, ``version`` updates in."""
+        rollout = self.generate_and_score(step)
+        drawn = self.sampler.problems_drawn if self.sampler is not None else 0
+        return VersionedRollout(rollout, version=version, problems_drawn=drawn)
+
     def train_step(self, step: int) -> dict[str, float]:
         """One step (module docstring); returns its metrics, the same on every rank."""
         timer = _Timer()
         with timer.time("generation"):
-            rollout = self.generate_and_score(step)
+            # The engine holds the weights after step - 1's update (refit at the end of every step).
+            versioned = self.in_flight.take(step, lambda ahead: self._versioned_rollout(ahead, version=step - 1))
+            rollout, self.problems_drawn = versioned.rollout, versioned.problems_drawn
             if isinstance(self.engine, VLLMRolloutEngine):
                 self.engine.sleep()  # rollout.vllm.enable_sleep_mode on GPU: memory freed until the refit
         with timer.time("train"):
@@ -387,10 +404,15 @@ class GRPOTrainer:
             self.refit()
         if self.groups.is_last_stage:
             sums.update(batch_sums)
+            if self.cfg.rollout.max_staleness > 0:
+                sums.update(version_lag_sums(versioned, step))
             sums.update(rollout_metric_sums(rollout, batch, samples_per_prompt=self.cfg.rollout.samples_per_prompt,
                                             shaped_rewards=self.cfg.reward.overlong_buffer_len > 0))
         metrics = reduce_metric_sums(sums, dp_group=self.groups.dp_group, pp_group=self.groups.pp_group,
                                      last_stage_rank=self.groups.pp_last_rank, is_last_stage=self.groups.is_last_stage)
+        ess = effective_sample_size(metrics)
+        if ess is not None:
+            metrics["rollout/is_ess"] = ess
         metrics.update(extra)
         metrics.update(timer.seconds)
         return metrics
@@ -423,8 +445,7 @@ class GRPOTrainer:
         tr = self.cfg.trainer
         if tr.checkpoint_interval == 0 or (step % tr.checkpoint_interval and step != tr.max_steps):
             return
-        drawn = self.sampler.problems_drawn if self.sampler is not None else 0
-        box = [drawn]  # rank 0 is a generator; other model-parallel ranks draw nothing
+        box = [self.problems_drawn]  # of the step just trained (later steps may be in flight); rank 0 generates
         dist.broadcast_object_list(box, src=0)
         state = TrainerState(step=step, problems_drawn=box[0], seed=tr.seed, world_size=dist.get_world_size(),
                              best_eval_mean=self.best.mean, best_eval_step=self.best.step)
@@ -442,6 +463,10 @@ class GRPOTrainer:
         self.refit()
         if dist.get_rank() == 0:
             logger.warning("resumed from %s after step %d", path, state.step)
+            if self.cfg.rollout.max_staleness > 0:
+                logger.warning("rollout.max_staleness=%d: generation restarts from the resumed weights, so steps "
+                               "%d.. train on fresher rollouts than an uninterrupted run (lag 0 at step %d)",
+                               self.cfg.rollout.max_staleness, state.step + 1, state.step + 1)
 
     def _save_hf(self, name: str, extra: dict | None = None) -> None:
         """The current policy as a Hugging Face folder ``output_dir/name`` (collective export, rank 0 writes)."""
