@@ -54,8 +54,11 @@ _K3_LOG_RATIO_MAX = 80.0
 
 def _unit_log_ratios(mode: str, log_ratio: torch.Tensor, mask: torch.Tensor,
                      segment_ids: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """The log-ratio of each token's correction unit, broadcast to its tokens (``[B, T]`` float64,
-    0 off the mask), and the unit mask (``[B, T]`` for token units, ``[B, 1]`` for responses)."""
+    """Each token's correction-unit log-ratio and the unit mask.
+
+    Returns ``[B, T]`` float64 log-ratios of the unit (token, segment or response) broadcast to its
+    tokens (0 off the mask), and the unit mask (``[B, T]`` for token units, ``[B, 1]`` for responses).
+    """
     if mode in _SEQUENCE_MODES:
         per_row = torch.where(mask, log_ratio, torch.zeros_like(log_ratio)).sum(dim=1, keepdim=True)
         return torch.where(mask, per_row, torch.zeros_like(log_ratio)), mask.any(dim=1, keepdim=True)

@@ -57,15 +57,17 @@ class LockStepRollouts:
         ValueError: ``max_staleness < 0``.
     """
 
-    def __init__(self, max_staleness: int, last_step: int) -> None:
+    def __init__(self, max_staleness: int, last_step: int) -> None:  # noqa: D107 - documented on the class
         if max_staleness < 0:
             raise ValueError(f"max_staleness={max_staleness} must be >= 0")
         self.max_staleness, self.last_step = max_staleness, last_step
         self._pending: dict[int, VersionedRollout] = {}
 
     def take(self, step: int, generate: Callable[[int], VersionedRollout]) -> VersionedRollout:
-        """The rollout step ``step`` trains on, after generating (with ``generate``, at the current
-        weights) those of steps ``step .. step + k`` not yet in flight, in step order.
+        """The rollout step ``step`` trains on.
+
+        First generates (with ``generate``, at the current weights) the rollouts of steps
+        ``step .. step + k`` not yet in flight, in step order.
 
         Args:
             step: the step about to train (1-based).
@@ -82,8 +84,10 @@ class LockStepRollouts:
 
 
 def version_lag_sums(versioned: VersionedRollout, step: int) -> dict[str, MetricPair]:
-    """``rollout/version_lag_mean`` and ``rollout/version_lag_max`` over this rank's samples: the
-    updates between the weights that generated each sample and those step ``step`` starts from.
+    """``rollout/version_lag_mean`` and ``rollout/version_lag_max`` over this rank's samples.
+
+    The lag of a sample is the number of updates between the weights that generated it and those
+    step ``step`` starts from.
 
     Args:
         versioned: the step's rollout and its version.
