@@ -155,10 +155,21 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "eval":
         return _evaluate(cfg)
     from nemo_sspo.megatron import destroy_parallel
-    from nemo_sspo.trainer.loop import GRPOTrainer, start_parallel
+    from nemo_sspo.trainer.loop import GRPOTrainer, run_rollout_rank, start_parallel
 
     try:
-        trainer = GRPOTrainer(cfg, start_parallel(cfg.parallel, cfg.trainer.seed))
+        split = None
+        if cfg.rollout.placement == "separate":
+            import datetime
+
+            from nemo_sspo.parallel.placement import split_launched_world
+
+            split = split_launched_world(cfg.rollout.num_ranks,
+                                         timeout=datetime.timedelta(seconds=cfg.rollout.peer_timeout_s))
+            if split.is_rollout:
+                run_rollout_rank(cfg, split)
+                return 0
+        trainer = GRPOTrainer(cfg, start_parallel(cfg.parallel, cfg.trainer.seed), split=split)
         history = trainer.fit()
     except ValueError as err:
         print(f"nemo-sspo: {err}", file=sys.stderr)

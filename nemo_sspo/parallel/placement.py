@@ -19,11 +19,13 @@ call fail after at most ``timeout`` instead of waiting forever.
 from __future__ import annotations
 
 import datetime
+import os
 from dataclasses import dataclass
 
+import torch
 import torch.distributed as dist
 
-__all__ = ["WorldSplit", "split_world"]
+__all__ = ["WorldSplit", "split_launched_world", "split_world"]
 
 
 @dataclass(frozen=True)
@@ -112,3 +114,25 @@ def split_world(store: dist.Store, *, rank: int, world_size: int, num_rollout_ra
                                       1 + num_rollout_ranks, timeout)
     return WorldSplit(rank=rank, world_size=world_size, num_rollout_ranks=num_rollout_ranks,
                       bridge=bridge, refit=refit)
+
+
+def split_launched_world(num_rollout_ranks: int, *, timeout: datetime.timedelta) -> WorldSplit:
+    """:func:`split_world` for a torchrun (or Slurm ``srun`` with the same variables) launch.
+
+    Reads ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR`` and ``MASTER_PORT``. Under torchrun the agent
+    hosts the rendezvous store and every rank connects to it; otherwise rank 0 hosts it. The default
+    groups use NCCL when CUDA is available, gloo otherwise.
+
+    Raises:
+        ValueError: a variable is missing, or as :func:`split_world`.
+    """
+    missing = [key for key in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if key not in os.environ]
+    if missing:
+        raise ValueError(f"rollout.placement=separate needs a torchrun launch ({', '.join(missing)} unset): "
+                         "start it with torchrun --nproc-per-node=<training ranks + rollout.num_ranks>")
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    hosts = rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size, is_master=hosts,
+                          timeout=timeout)
+    return split_world(store, rank=rank, world_size=world_size, num_rollout_ranks=num_rollout_ranks,
+                       timeout=timeout, backend="nccl" if torch.cuda.is_available() else "gloo")

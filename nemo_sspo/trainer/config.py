@@ -170,6 +170,17 @@ class RolloutConfig:
     as verl writes it: ``0.5_5.0``); TRL's ``sequence_mask`` is ``low=0, high=3``."""
     correction_high: float = 5.0
     """Upper edge (> ``correction_low``) of the ``*_mask`` band."""
+    placement: str = "colocated"
+    """``colocated``: every data-parallel replica generates, trains and refits in turn (in-process
+    refit). ``separate``: the last ``num_ranks`` processes of the launched world are rollout ranks
+    running the engine and the reward, the others train (``nemo_sspo.trainer.placement``); rollouts
+    and weights move between them as tensors over torch.distributed."""
+    num_ranks: int = 0
+    """Rollout ranks with ``placement: separate`` (1 for now); 0 with ``colocated``."""
+    peer_timeout_s: float = 1800.0
+    """``placement: separate``: longest wait, in seconds, for the other side (a step's rollout, a
+    refit). A rollout or training rank that died or hangs ends the run on every rank after at most
+    this long, with an error naming it (a dead peer's closed connection fails at once)."""
     max_staleness: int = 0
     """Lock-step staleness k: the rollout of step t is generated with the weights after step
     ``t - 1 - k`` (the first k+1 steps' rollouts with the initial weights), so a sample is at most k
@@ -337,7 +348,8 @@ def validate(cfg: TrainConfig, world_size: int | None = 1) -> None:
 
     Args:
         cfg: the composed config.
-        world_size: processes of the run, which the parallel layout must divide; None for a run that
+        world_size: processes launched; the training ranks among them (all but ``rollout.num_ranks``)
+            must be divisible by the parallel layout. None for a run that
             builds no Megatron model (``nemo-sspo eval``): one data-parallel replica.
 
     Raises:
@@ -349,7 +361,11 @@ def validate(cfg: TrainConfig, world_size: int | None = 1) -> None:
         par.tensor_model_parallel_size >= 1 and par.pipeline_model_parallel_size >= 1,
         "parallel.tensor_model_parallel_size and parallel.pipeline_model_parallel_size must be >= 1",
     )
-    world_size = model_parallel if world_size is None else world_size
+    if world_size is None:
+        world_size = model_parallel
+    else:
+        _validate_placement(ro, cfg, world_size)
+        world_size -= ro.num_ranks  # the training ranks
     _require(
         world_size % model_parallel == 0,
         f"world size {world_size} is not divisible by parallel.tensor_model_parallel_size x "
@@ -392,6 +408,26 @@ def validate(cfg: TrainConfig, world_size: int | None = 1) -> None:
              f"data.template={cfg.data.template!r} is unknown; valid: {', '.join(TEMPLATES)}")
     _validate_sampling_and_critic(cfg, dp, build_loss_config(cfg.loss))
     _validate_model_rollout_eval(cfg)
+
+
+def _validate_placement(ro: RolloutConfig, cfg: TrainConfig, world_size: int) -> None:
+    """``rollout.placement`` and ``rollout.num_ranks`` against the launched world."""
+    _require(ro.placement in PLACEMENTS,
+             f"rollout.placement={ro.placement!r} is unknown; valid: {', '.join(PLACEMENTS)}")
+    if ro.placement == "colocated":
+        _require(ro.num_ranks == 0, f"rollout.num_ranks={ro.num_ranks} needs rollout.placement=separate "
+                 "(colocated replicas generate themselves); set rollout.num_ranks=0")
+        return
+    _require(ro.peer_timeout_s > 0, f"rollout.peer_timeout_s={ro.peer_timeout_s} must be > 0 (seconds)")
+    _require(ro.num_ranks == 1, f"rollout.num_ranks={ro.num_ranks}: rollout.placement=separate runs one rollout "
+             "rank for now; set rollout.num_ranks=1")
+    _require(world_size > ro.num_ranks, f"rollout.num_ranks={ro.num_ranks} leaves no training rank in a world of "
+             f"{world_size} processes; launch more (--nproc-per-node) or use rollout.placement=colocated")
+    unsupported = {"rollout.backend=vllm": ro.backend == "vllm", "eval.every_n_steps > 0": cfg.eval.every_n_steps > 0,
+                   "trainer.resume": cfg.trainer.resume is not None}
+    for setting, used in unsupported.items():
+        _require(not used, f"rollout.placement=separate does not support {setting} yet; use "
+                 "rollout.placement=colocated for it")
 
 
 def _validate_correction(ro: RolloutConfig) -> None:
@@ -496,6 +532,9 @@ def _validate_model_rollout_eval(cfg: TrainConfig) -> None:
     _require(ev.batch_size >= 1, "eval.batch_size must be >= 1")
     _require(ev.every_n_steps >= 0, "eval.every_n_steps must be >= 0 (0 disables evaluation during training)")
 
+
+PLACEMENTS = ("colocated", "separate")
+"""Values of ``rollout.placement``."""
 
 RENAMED_KEYS = {
     "rollout.tis_cap": "use rollout.correction=token_tis with rollout.correction_cap=C (the same weight "

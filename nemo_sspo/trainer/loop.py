@@ -99,8 +99,11 @@ from nemo_sspo.trainer.periodic_eval import BEST_DIR, BestEval, evaluate_engine
 from nemo_sspo.trainer.rollout_metrics import rollout_logprobs, rollout_metric_sums
 from nemo_sspo.trainer.sampling import Rollout, RolloutSampler
 from nemo_sspo.trainer.staleness import LockStepRollouts, VersionedRollout, version_lag_sums
+from nemo_sspo.parallel.placement import WorldSplit
+from nemo_sspo.parallel.weight_broadcast import send_weight_buckets
+from nemo_sspo.trainer.placement import ONE_REPLICA, RolloutWorker, recv_rollout
 
-__all__ = ["GRPOTrainer", "Rollout", "start_parallel"]
+__all__ = ["GRPOTrainer", "Rollout", "build_rollout", "run_rollout_rank", "start_parallel"]
 
 logger = logging.getLogger(__name__)
 
@@ -151,6 +154,69 @@ def _wrap(model, optim_cfg):
                              adam_eps=optim_cfg.adam_eps, clip_grad=optim_cfg.clip_grad)
 
 
+def build_rollout(cfg: TrainConfig, hf_config, state_dict, tokenizer, prompts, groups):
+    """Rollout engine, reward pool and sampler of a generating rank.
+
+    ``rollout.backend=hf``: an HF copy of the policy on the training device. ``vllm``: an engine
+    loading ``model.source``'s folder itself (``engine_model_dir``); both are refitted after every
+    step. Both stop at the model's stop list (``nemo_sspo.models.hf_folder.stop_token_ids``).
+
+    Args:
+        cfg: the run's config.
+        hf_config: the policy's HF config.
+        state_dict: its HF weights (copied into the HF engine).
+        tokenizer: its tokenizer.
+        prompts: the prompt source.
+        groups: the sampler's data-parallel view (``dp_size``, ``dp_rank``, ``dp_group``).
+
+    Returns:
+        ``(engine, reward, sampler)``.
+    """
+    ro, source = cfg.rollout, cfg.model.source
+    sampling = dict(max_new_tokens=ro.max_new_tokens, temperature=ro.temperature, top_p=ro.top_p)
+    model_dir = (engine_model_dir(source, cache_dir=cfg.model.cache_dir) if ro.backend == "vllm"
+                 else None if source in SOURCES else resolve_model_dir(source))
+    sampling["stop_token_ids"] = stop_token_ids(tokenizer, model_dir)
+    if ro.backend == "vllm":
+        engine = VLLMRolloutEngine.build(model_dir, tokenizer, vllm_config=ro.vllm, seed=cfg.trainer.seed,
+                                         truncation_corrected=ro.correction != "none", **sampling)
+    else:
+        engine = HFRolloutEngine(build_hf_model(hf_config, state_dict), tokenizer, device=training_device(),
+                                 **sampling)
+    reward = MathVerifyReward(num_workers=cfg.reward.num_workers, timeout_s=cfg.reward.timeout_s)
+    sampler = RolloutSampler(engine=engine, reward=reward, prompts=prompts, tokenizer=tokenizer, cfg=cfg,
+                             groups=groups)
+    return engine, reward, sampler
+
+
+def run_rollout_rank(cfg: TrainConfig, split: WorldSplit, checkpoint=None) -> None:
+    """The rollout rank of ``rollout.placement: separate``: builds the engine, reward and prompt stream
+    and runs :class:`nemo_sspo.trainer.placement.RolloutWorker` until the last step's refit.
+
+    Args:
+        cfg: the run's validated config.
+        split: this rank's place in the split world (a rollout rank).
+        checkpoint: as :class:`GRPOTrainer`'s; None loads ``model.source``.
+
+    Raises:
+        RuntimeError: a training rank died or hung past the groups' timeout (naming it).
+    """
+    prompts = at_key("data.options.", lambda: build_prompt_source(cfg.data.source, seed=cfg.trainer.seed,
+                                                                  **asdict(cfg.data.options)))
+    if checkpoint is None:
+        checkpoint = load_hf_checkpoint(cfg.model.source, cache_dir=cfg.model.cache_dir)
+    hf_config, state_dict, tokenizer = checkpoint
+    model_parallel = cfg.parallel.tensor_model_parallel_size * cfg.parallel.pipeline_model_parallel_size
+    replicas = list(range(0, split.num_training_ranks, model_parallel))  # each replica's first rank
+    reward = None
+    try:
+        engine, reward, sampler = build_rollout(cfg, hf_config, state_dict, tokenizer, prompts, ONE_REPLICA)
+        RolloutWorker(cfg, split, engine, sampler, replicas).run()
+    finally:
+        if reward is not None:
+            reward.close()
+
+
 class GRPOTrainer:
     """Builds the policy (and, as the loss asks, its frozen reference and the SPPO critic), the
     rollout engine, reward and logger from a validated :class:`TrainConfig`.
@@ -162,6 +228,9 @@ class GRPOTrainer:
         checkpoint: ``(hf_config, state_dict, tokenizer)`` of ``cfg.model.source`` as returned by
             ``load_hf_checkpoint`` (several trainers in one process can share one load; the state
             dict is copied, never modified); None loads it.
+        split: with ``rollout.placement: separate``, this training rank's place in the split world
+            (:func:`nemo_sspo.parallel.placement.split_world`): no engine here, rollouts come from the
+            rollout rank and the refit is broadcast to it; None (colocated) otherwise.
 
     Raises:
         ValueError: a GPU-only setting on a CPU host (:func:`nemo_sspo.trainer.device.check_host`), a parallel
@@ -169,8 +238,9 @@ class GRPOTrainer:
             tokenizer differs from the policy's, or a ``trainer.resume`` checkpoint that does not fit.
     """
 
-    def __init__(self, cfg: TrainConfig, groups: ParallelGroups, checkpoint=None) -> None:
-        self.cfg = cfg
+    def __init__(self, cfg: TrainConfig, groups: ParallelGroups, checkpoint=None,  # noqa: D107
+                 split: WorldSplit | None = None) -> None:
+        self.cfg, self.split = cfg, split
         check_host(cfg)
         resume_path = resolve_resume(cfg.trainer.resume, cfg.trainer.output_dir)
         if resume_path is None:
@@ -188,7 +258,7 @@ class GRPOTrainer:
         self.model, self.optimizer = _wrap(self._megatron_policy(state_dict), cfg.optim)
         self.ref_model = self._build_reference(state_dict) if needs.reference_policy else None
         self.critic = self._build_critic(state_dict) if needs.advantage_source == "critic" else None
-        self.is_generator = self.groups.mp_rank == 0
+        self.is_generator = self.groups.mp_rank == 0 and split is None
         self.engine = self.reward = self.sampler = None
         if self.is_generator:
             self._build_rollout(state_dict, prompts)
@@ -238,27 +308,9 @@ class GRPOTrainer:
         return Critic(*_wrap(model, cr.optim), cr.micro_batch_size)
 
     def _build_rollout(self, state_dict, prompts) -> None:
-        """Rollout engine, reward pool and sampler, on generating ranks only.
-
-        ``rollout.backend=hf``: an HF copy of the policy on the training device. ``vllm``: an engine
-        loading ``model.source``'s folder itself (``engine_model_dir``); both are refitted after every
-        step. Both stop at the model's stop list (``nemo_sspo.models.hf_folder.stop_token_ids``).
-        """
-        ro, source = self.cfg.rollout, self.cfg.model.source
-        sampling = dict(max_new_tokens=ro.max_new_tokens, temperature=ro.temperature, top_p=ro.top_p)
-        model_dir = (engine_model_dir(source, cache_dir=self.cfg.model.cache_dir) if ro.backend == "vllm"
-                     else None if source in SOURCES else resolve_model_dir(source))
-        sampling["stop_token_ids"] = stop_token_ids(self.tokenizer, model_dir)
-        if ro.backend == "vllm":
-            self.engine = VLLMRolloutEngine.build(
-                model_dir, self.tokenizer, vllm_config=ro.vllm,
-                seed=self.cfg.trainer.seed, truncation_corrected=ro.correction != "none", **sampling)
-        else:
-            self.engine = HFRolloutEngine(build_hf_model(self.hf_config, state_dict), self.tokenizer,
-                                          device=training_device(), **sampling)
-        self.reward = MathVerifyReward(num_workers=self.cfg.reward.num_workers, timeout_s=self.cfg.reward.timeout_s)
-        self.sampler = RolloutSampler(engine=self.engine, reward=self.reward, prompts=prompts,
-                                      tokenizer=self.tokenizer, cfg=self.cfg, groups=self.groups)
+        """Rollout engine, reward pool and sampler, on generating ranks only (:func:`build_rollout`)."""
+        self.engine, self.reward, self.sampler = build_rollout(self.cfg, self.hf_config, state_dict, self.tokenizer,
+                                                               prompts, self.groups)
 
     # ---- phases -------------------------------------------------------------------------------
     def generate_and_score(self, step: int) -> Rollout:
@@ -368,10 +420,15 @@ class GRPOTrainer:
 
     def refit(self) -> None:
         """Streams the updated Megatron weights into the rollout engine, bucket by bucket
-        (``rollout.refit_bucket_mb``), gathered only on the generating rank (collective over TP/PP)."""
+        (``rollout.refit_bucket_mb``), gathered only on the generating rank (collective over TP/PP);
+        with ``placement: separate`` the first replica's export rank broadcasts them to the rollout rank."""
+        if self.split is not None and self.groups.dp_rank != 0:
+            return  # the first replica exports; the others hold the same weights
         buckets = iter_hf_weight_buckets(self.model.module, self.hf_config, self.cfg.rollout.refit_bucket_mb << 20,
                                          dst_rank=self.groups.mp_src_rank)
-        if self.is_generator:
+        if self.split is not None and dist.get_rank() == self.groups.mp_src_rank:
+            send_weight_buckets(buckets, group=self.split.refit, receivers=[self.split.world_size - 1])
+        elif self.is_generator:
             self.engine.load_weight_buckets(buckets)
         else:
             for _ in buckets:  # yields nothing here; runs this rank's gathers and sends
@@ -383,12 +440,26 @@ class GRPOTrainer:
         drawn = self.sampler.problems_drawn if self.sampler is not None else 0
         return VersionedRollout(rollout, version=version, problems_drawn=drawn)
 
+    def _received_rollout(self, step: int) -> VersionedRollout:
+        """``placement: separate``: step ``step``'s rollout from the rollout rank, shared across the replica."""
+        g = self.groups
+        versioned = None
+        if g.mp_rank == 0:
+            versioned = recv_rollout(src=self.split.world_size - 1, group=self.split.bridge, tag=step)
+        if g.mp_size == 1:
+            return versioned
+        box = [versioned]
+        dist.broadcast_object_list(box, src=g.mp_src_rank, group=g.mp_group)
+        return box[0]
+
     def train_step(self, step: int) -> dict[str, float]:
         """One step (module docstring); returns its metrics, the same on every rank."""
         timer = _Timer()
         with timer.time("generation"):
-            # The engine holds the weights after step - 1's update (refit at the end of every step).
-            versioned = self.in_flight.take(step, lambda ahead: self._versioned_rollout(ahead, version=step - 1))
+            if self.split is not None:
+                versioned = self._received_rollout(step)
+            else:  # the engine holds the weights after step - 1's update (refit at the end of every step)
+                versioned = self.in_flight.take(step, lambda ahead: self._versioned_rollout(ahead, version=step - 1))
             rollout, self.problems_drawn = versioned.rollout, versioned.problems_drawn
             if isinstance(self.engine, VLLMRolloutEngine):
                 self.engine.sleep()  # rollout.vllm.enable_sleep_mode on GPU: memory freed until the refit
