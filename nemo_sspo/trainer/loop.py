@@ -99,6 +99,7 @@ from nemo_sspo.trainer.periodic_eval import BEST_DIR, BestEval, evaluate_engine
 from nemo_sspo.trainer.rollout_metrics import rollout_logprobs, rollout_metric_sums
 from nemo_sspo.trainer.sampling import Rollout, RolloutSampler
 from nemo_sspo.trainer.staleness import LockStepRollouts, VersionedRollout, version_lag_sums
+from nemo_sspo.trainer.timeline import Timeline
 from nemo_sspo.parallel.placement import WorldSplit
 from nemo_sspo.parallel.weight_broadcast import send_weight_buckets
 from nemo_sspo.trainer.placement import ONE_REPLICA, RolloutWorker, recv_rollout
@@ -111,12 +112,14 @@ logger = logging.getLogger(__name__)
 class _Timer:
     def __init__(self) -> None:
         self.seconds: dict[str, float] = {}
+        self.windows: dict[str, tuple[float, float]] = {}  # unix start / end, for the timeline
 
     @contextmanager
     def time(self, name: str):
-        start = time.perf_counter()
+        start, wall = time.perf_counter(), time.time()
         yield
         self.seconds[f"timing/{name}_s"] = time.perf_counter() - start
+        self.windows[name] = (wall, time.time())
 
 
 def start_parallel(parallel_cfg: ParallelConfig, seed: int) -> ParallelGroups:
@@ -278,6 +281,7 @@ class GRPOTrainer:
         # async (issue 21): rollouts generated k steps ahead, and the data position of the trained one.
         self.in_flight = LockStepRollouts(cfg.rollout.max_staleness, cfg.trainer.max_steps)
         self.problems_drawn = 0
+        self.timeline = Timeline()
         if resume_path is not None:
             self._resume(resume_path)
         self.logger = MetricsLogger(cfg.trainer.output_dir, cfg.trainer.max_steps, enabled=dist.get_rank() == 0,
@@ -436,9 +440,10 @@ class GRPOTrainer:
 
     def _versioned_rollout(self, step: int, version: int) -> VersionedRollout:
         """Step ``step``'s rollout from the engine's current weights, ``version`` updates in."""
+        start = time.time()
         rollout = self.generate_and_score(step)
         drawn = self.sampler.problems_drawn if self.sampler is not None else 0
-        return VersionedRollout(rollout, version=version, problems_drawn=drawn)
+        return VersionedRollout(rollout, version=version, problems_drawn=drawn, generated=(start, time.time()))
 
     def _received_rollout(self, step: int) -> VersionedRollout:
         """``placement: separate``: step ``step``'s rollout from the rollout rank, shared across the replica."""
@@ -486,7 +491,20 @@ class GRPOTrainer:
             metrics["rollout/is_ess"] = ess
         metrics.update(extra)
         metrics.update(timer.seconds)
+        metrics["timing/rollout_generation_s"] = versioned.generated[1] - versioned.generated[0]
+        self._record_timeline(timer, versioned)
         return metrics
+
+    def _record_timeline(self, timer: _Timer, versioned: VersionedRollout) -> None:
+        """This step's phases and its rollout's generation window (:mod:`nemo_sspo.trainer.timeline`)."""
+        rollout_lane = "rollout rank" if self.split is not None else "training ranks"
+        self.timeline.add(rollout_lane, "generation", *versioned.generated)
+        for phase, window in timer.windows.items():
+            if phase == "generation":
+                if self.split is None:  # colocated: the rollouts' own windows above show this rank generating
+                    continue
+                phase = "wait"  # separate: waiting for the rollout rank
+            self.timeline.add("training ranks", phase, *window)
 
     # ---- evaluation and checkpoints ----------------------------------------------------------------
     def maybe_evaluate(self, step: int) -> dict[str, float]:
@@ -585,7 +603,10 @@ class GRPOTrainer:
         return self.logger.history
 
     def close(self) -> None:
+        """Closes the logger (writing its plots), draws ``timeline.png`` on rank 0, stops the reward pool."""
         self.logger.close()
+        if dist.get_rank() == 0:
+            self.timeline.plot(Path(self.cfg.trainer.output_dir) / "timeline.png")
         if self.reward is not None:
             self.reward.close()
 

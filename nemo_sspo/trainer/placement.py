@@ -12,15 +12,15 @@ training replica's first model-parallel rank its slots' rows, trimmed to their o
 colocated generator of those slots builds).
 
 Rollouts travel as plain tensors over the bridge group (:func:`send_rollout` / :func:`recv_rollout`):
-a header ``int64 [8]`` (rows, prompt width, response width, rounds, groups generated, policy
-version, data position, text bytes), then prompt ids / mask, response ids / mask, truncation flags,
+a header ``int64 [10]`` (rows, prompt width, response width, rounds, groups generated, policy
+version, data position, text bytes, generation start and end in unix microseconds), then prompt ids / mask, response ids / mask, truncation flags,
 engine log-probs, task and shaped rewards, response text lengths and bytes. Sends are asynchronous,
 so the rollout rank never waits for a trainer that is busy with an earlier step.
 """
 
 from __future__ import annotations
 
-import logging
+import time
 from dataclasses import dataclass
 
 import torch
@@ -34,9 +34,7 @@ from nemo_sspo.trainer.staleness import VersionedRollout
 
 __all__ = ["ONE_REPLICA", "RolloutWorker", "recv_rollout", "send_rollout", "slot_rows"]
 
-logger = logging.getLogger(__name__)
-
-_HEADER = 8
+_HEADER = 10
 
 
 def slot_rows(rollout: Rollout, start: int, stop: int) -> Rollout:
@@ -87,7 +85,8 @@ def send_rollout(versioned: VersionedRollout, *, dst: int, group: dist.ProcessGr
     r, rb = versioned.rollout, versioned.rollout.batch
     text = [t.encode() for t in rb.response_texts]
     header = torch.tensor([rb.prompt_ids.shape[0], rb.prompt_ids.shape[1], rb.response_ids.shape[1], r.rounds,
-                           r.generated_groups, versioned.version, versioned.problems_drawn, sum(map(len, text))],
+                           r.generated_groups, versioned.version, versioned.problems_drawn, sum(map(len, text)),
+                           *(round(t * 1e6) for t in versioned.generated)],
                           dtype=torch.int64)
     body = [rb.prompt_ids, rb.prompt_mask.to(torch.uint8), rb.response_ids, rb.response_mask.to(torch.uint8),
             rb.truncated.to(torch.uint8), rb.rollout_logprobs.float(), r.task_rewards.float(), r.rewards.float(),
@@ -105,7 +104,7 @@ def recv_rollout(*, src: int, group: dist.ProcessGroup, tag: int) -> VersionedRo
     """
     try:
         header = _recv(torch.zeros(_HEADER, dtype=torch.int64), src, group, tag)
-        rows, prompt_w, response_w, rounds, generated, version, drawn, text_bytes = header.tolist()
+        rows, prompt_w, response_w, rounds, generated, version, drawn, text_bytes, start, end = header.tolist()
         shapes = [((rows, prompt_w), torch.int64), ((rows, prompt_w), torch.uint8), ((rows, response_w), torch.int64),
                   ((rows, response_w), torch.uint8), ((rows,), torch.uint8), ((rows, response_w), torch.float32),
                   ((rows,), torch.float32), ((rows,), torch.float32), ((rows,), torch.int64),
@@ -123,7 +122,7 @@ def recv_rollout(*, src: int, group: dist.ProcessGroup, tag: int) -> VersionedRo
                          response_mask=response_mask.bool(), truncated=truncated.bool(), response_texts=texts,
                          rollout_logprobs=logprobs)
     rollout = Rollout(batch=batch, task_rewards=task, rewards=shaped, rounds=rounds, generated_groups=generated)
-    return VersionedRollout(rollout, version=version, problems_drawn=drawn)
+    return VersionedRollout(rollout, version=version, problems_drawn=drawn, generated=(start / 1e6, end / 1e6))
 
 
 def _recv(tensor: torch.Tensor, src: int, group: dist.ProcessGroup, tag: int) -> torch.Tensor:
@@ -163,10 +162,13 @@ class RolloutWorker:
         self._pending: list[_Sent] = []
 
     def _generate_and_send(self, step: int, version: int) -> None:
+        start = time.time()
         rollout = self.sampler.collect(step)
+        window = (start, time.time())
         rows = rollout.rewards.numel() // len(self.replica_ranks)
         for d, dst in enumerate(self.replica_ranks):
-            part = VersionedRollout(slot_rows(rollout, d * rows, (d + 1) * rows), version, self.sampler.problems_drawn)
+            part = VersionedRollout(slot_rows(rollout, d * rows, (d + 1) * rows), version, self.sampler.problems_drawn,
+                                    generated=window)
             self._pending.append(send_rollout(part, dst=dst, group=self.split.bridge, tag=step))
 
     def run(self) -> None:

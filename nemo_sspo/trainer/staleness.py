@@ -39,11 +39,13 @@ class VersionedRollout:
         version: updates behind the weights that generated it (0 = the initial weights).
         problems_drawn: the sampler's data position right after generating it (what a checkpoint
             taken once this rollout is trained must restore); 0 off generator ranks.
+        generated: unix seconds (start, end) of its generation and scoring, on the rank that ran them.
     """
 
     rollout: Rollout
     version: int
     problems_drawn: int
+    generated: tuple[float, float] = (0.0, 0.0)
 
 
 class LockStepRollouts:
