@@ -120,8 +120,9 @@ def split_launched_world(num_rollout_ranks: int, *, timeout: datetime.timedelta)
     """:func:`split_world` for a torchrun (or Slurm ``srun`` with the same variables) launch.
 
     Reads ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR`` and ``MASTER_PORT``. Under torchrun the agent
-    hosts the rendezvous store and every rank connects to it; otherwise rank 0 hosts it. The default
-    groups use NCCL when CUDA is available, gloo otherwise.
+    hosts the rendezvous store and every rank connects to it; otherwise rank 0 hosts it. With CUDA
+    each process takes GPU ``LOCAL_RANK`` (modulo the GPUs visible) and the default groups use NCCL;
+    gloo otherwise.
 
     Raises:
         ValueError: a variable is missing, or as :func:`split_world`.
@@ -131,6 +132,8 @@ def split_launched_world(num_rollout_ranks: int, *, timeout: datetime.timedelta)
         raise ValueError(f"rollout.placement=separate needs a torchrun launch ({', '.join(missing)} unset): "
                          "start it with torchrun --nproc-per-node=<training ranks + rollout.num_ranks>")
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
     hosts = rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size, is_master=hosts,
                           timeout=timeout)

@@ -7,7 +7,7 @@
 # TE spec and TransformerConfig.fp8). Expect the first GPU run to need small fixes; read its FAIL lines.
 #
 #   bash tests/gpu/run_checks.sh                 # every group (uses .venv/bin/python when present)
-#   bash tests/gpu/run_checks.sh kernels vllm    # only these groups: kernels (0), vllm (1, 2), te (3, 4)
+#   bash tests/gpu/run_checks.sh kernels vllm    # only these groups: kernels (0), vllm (1, 2), te (3, 4), async (5)
 #
 # Checks (each prints "PASS <name>: <numbers>", "FAIL <name>: <why>" or "SKIP <name>: <why>"):
 #   0. tests/gpu/gpu_checks.py fused (about a minute; NOT RUN YET either): the Triton kernels of the
@@ -28,6 +28,9 @@
 #      packed: max |log-prob diff| of a packed row vs the same 5 sequences right-padded, BF16 SmolLM2-135M (limit
 #      2e-2, or twice the alone-vs-padded bf16 noise floor if larger), also with the row padded to 16 tokens; an
 #      FP8 forward + backward on the packed row. Then a 2-step BF16 train run with parallel.pack_sequences=true.
+#   5. async (NOT RUN YET): a 3-step torchrun run with rollout.placement=separate on one GPU (training rank:
+#      BF16 policy, NCCL default group; rollout rank: the HF engine on the same GPU), rollout.max_staleness=1
+#      with token_tis; rollouts and the bucketed weight broadcast go over gloo with host tensors.
 # Exit status: 0 when nothing failed, 1 otherwise, 2 without a GPU or for an unknown group.
 set -u
 cd "$(dirname "$0")/../.."
@@ -35,9 +38,9 @@ PY=${PYTHON:-$([ -x .venv/bin/python ] && echo .venv/bin/python || echo python)}
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-8}
 status=0
 
-GROUPS_WANTED=${*:-kernels vllm te}
+GROUPS_WANTED=${*:-kernels vllm te async}
 for group in $GROUPS_WANTED; do  # a misspelt group would otherwise run nothing and report success
-  case $group in kernels|vllm|te) ;; *) echo "unknown group '$group': use kernels, vllm and/or te" >&2; exit 2;; esac
+  case $group in kernels|vllm|te|async) ;; *) echo "unknown group '$group': use kernels, vllm, te and/or async" >&2; exit 2;; esac
 done
 want() { [[ " $GROUPS_WANTED " == *" $1 "* ]]; }
 
@@ -88,6 +91,16 @@ if want te && [ "$IMPL" = transformer_engine ]; then
       model.transformer_impl=transformer_engine parallel.pack_sequences=true parallel.max_tokens_per_micro_batch=1024 \
       "trainer.output_dir=$OUT/packed"
   run "packed metrics" 30 "$PY" tests/gpu/gpu_checks.py metrics "$OUT/packed" 0.05
+fi
+
+if want async; then
+  run "async separate train" 240 "$PY" -m torch.distributed.run --nproc-per-node=2 -m nemo_sspo.cli train \
+      "${TRAIN[@]}" trainer.max_steps=3 rollout.backend=hf rollout.placement=separate rollout.num_ranks=1 \
+      rollout.max_staleness=1 rollout.correction=token_tis "trainer.output_dir=$OUT/async"
+  run "async metrics" 30 "$PY" -c "import json, sys; rows = [json.loads(l) for l in open(sys.argv[1])]; \
+assert [r['rollout/version_lag_mean'] for r in rows] == [0.0, 1.0, 1.0], rows; \
+print('PASS async: lag', [r['rollout/version_lag_mean'] for r in rows], 'ess', [round(r['rollout/is_ess'], 4) for r in rows])" \
+      "$OUT/async/metrics.jsonl"
 fi
 
 [ $status -eq 0 ] && echo "ALL GPU CHECKS PASSED" || echo "SOME GPU CHECKS FAILED (see FAIL lines)"
