@@ -423,8 +423,7 @@ def _validate_placement(ro: RolloutConfig, cfg: TrainConfig, world_size: int) ->
              "rank for now; set rollout.num_ranks=1")
     _require(world_size > ro.num_ranks, f"rollout.num_ranks={ro.num_ranks} leaves no training rank in a world of "
              f"{world_size} processes; launch more (--nproc-per-node) or use rollout.placement=colocated")
-    unsupported = {"rollout.backend=vllm": ro.backend == "vllm", "eval.every_n_steps > 0": cfg.eval.every_n_steps > 0,
-                   "trainer.resume": cfg.trainer.resume is not None}
+    unsupported = {"rollout.backend=vllm": ro.backend == "vllm", "eval.every_n_steps > 0": cfg.eval.every_n_steps > 0}
     for setting, used in unsupported.items():
         _require(not used, f"rollout.placement=separate does not support {setting} yet; use "
                  "rollout.placement=colocated for it")

@@ -74,7 +74,7 @@ from nemo_sspo.models.hf_checkpoint import SOURCES, engine_model_dir, resolve_mo
 from nemo_sspo.models.hf_folder import stop_token_ids
 from nemo_sspo.metrics import MetricPair, mean_pair, merge_metric_sums
 from nemo_sspo.parallel.data_balance import balance_across_data_parallel
-from nemo_sspo.parallel.metrics import reduce_metric_sums
+from nemo_sspo.parallel.metrics import collective_device, reduce_metric_sums
 from nemo_sspo.rewards import MathVerifyReward
 from nemo_sspo.rollout import HFRolloutEngine, VLLMRolloutEngine
 from nemo_sspo.trainer.checkpoint import (
@@ -102,7 +102,7 @@ from nemo_sspo.trainer.staleness import LockStepRollouts, VersionedRollout, vers
 from nemo_sspo.trainer.timeline import Timeline
 from nemo_sspo.parallel.placement import WorldSplit
 from nemo_sspo.parallel.weight_broadcast import send_weight_buckets
-from nemo_sspo.trainer.placement import ONE_REPLICA, RolloutWorker, recv_rollout
+from nemo_sspo.trainer.placement import ONE_REPLICA, RolloutWorker, recv_rollout, send_start
 
 __all__ = ["GRPOTrainer", "Rollout", "build_rollout", "run_rollout_rank", "start_parallel"]
 
@@ -284,6 +284,8 @@ class GRPOTrainer:
         self.timeline = Timeline()
         if resume_path is not None:
             self._resume(resume_path)
+        elif split is not None:
+            self._announce_start(0, 0)
         self.logger = MetricsLogger(cfg.trainer.output_dir, cfg.trainer.max_steps, enabled=dist.get_rank() == 0,
                                     resume_step=self.completed_steps if resume_path is not None else None)
 
@@ -422,21 +424,43 @@ class GRPOTrainer:
             sums = merge_metric_sums(sums, mb_sums)
         return sums, sum(norms) / len(norms)
 
-    def refit(self) -> None:
+    def refit(self) -> float | None:
         """Streams the updated Megatron weights into the rollout engine, bucket by bucket
-        (``rollout.refit_bucket_mb``), gathered only on the generating rank (collective over TP/PP);
-        with ``placement: separate`` the first replica's export rank broadcasts them to the rollout rank."""
-        if self.split is not None and self.groups.dp_rank != 0:
-            return  # the first replica exports; the others hold the same weights
+        (``rollout.refit_bucket_mb``), gathered only on the generating rank (collective over TP/PP).
+
+        With ``placement: separate`` the first replica's export rank broadcasts them to the rollout
+        rank (the other replicas hold the same weights and send nothing).
+
+        Returns:
+            With ``placement: separate``: seconds per GB of the broadcast, export included (the same
+            on every training rank); None colocated.
+        """
+        if self.split is not None:
+            return self._broadcast_refit()
         buckets = iter_hf_weight_buckets(self.model.module, self.hf_config, self.cfg.rollout.refit_bucket_mb << 20,
                                          dst_rank=self.groups.mp_src_rank)
-        if self.split is not None and dist.get_rank() == self.groups.mp_src_rank:
-            send_weight_buckets(buckets, group=self.split.refit, receivers=[self.split.world_size - 1])
-        elif self.is_generator:
+        if self.is_generator:
             self.engine.load_weight_buckets(buckets)
         else:
             for _ in buckets:  # yields nothing here; runs this rank's gathers and sends
                 pass
+        return None
+
+    def _broadcast_refit(self) -> float:
+        """The refit of ``placement: separate`` (:meth:`refit`); returns its seconds per GB."""
+        seconds_per_gb = torch.zeros(1, dtype=torch.float64)
+        if self.groups.dp_rank == 0:
+            buckets = iter_hf_weight_buckets(self.model.module, self.hf_config,
+                                             self.cfg.rollout.refit_bucket_mb << 20, dst_rank=self.groups.mp_src_rank)
+            if dist.get_rank() == self.groups.mp_src_rank:
+                stats = send_weight_buckets(buckets, group=self.split.refit, receivers=[self.split.world_size - 1])
+                seconds_per_gb[0] = stats.seconds_per_gb
+            else:
+                for _ in buckets:  # this rank's share of the gathers
+                    pass
+        on_device = seconds_per_gb.to(collective_device(None))
+        dist.broadcast(on_device, src=0)
+        return float(on_device.item())
 
     def _versioned_rollout(self, step: int, version: int) -> VersionedRollout:
         """Step ``step``'s rollout from the engine's current weights, ``version`` updates in."""
@@ -477,7 +501,9 @@ class GRPOTrainer:
                 critic_sums, extra["critic/grad_norm"] = self.critic.update(self._critic_batch(rollout))
             sums.update(critic_sums)
         with timer.time("refit"):
-            self.refit()
+            seconds_per_gb = self.refit()
+        if seconds_per_gb is not None:
+            extra["timing/refit_s_per_gb"] = seconds_per_gb
         if self.groups.is_last_stage:
             sums.update(batch_sums)
             if self.cfg.rollout.max_staleness > 0:
@@ -549,6 +575,8 @@ class GRPOTrainer:
             self.sampler.fast_forward(state.problems_drawn)
         self.completed_steps = state.step
         self.best = BestEval(state.best_eval_mean, state.best_eval_step)
+        if self.split is not None:
+            self._announce_start(state.step, state.problems_drawn)
         self.refit()
         if dist.get_rank() == 0:
             logger.warning("resumed from %s after step %d", path, state.step)
@@ -556,6 +584,12 @@ class GRPOTrainer:
                 logger.warning("rollout.max_staleness=%d: generation restarts from the resumed weights, so steps "
                                "%d.. train on fresher rollouts than an uninterrupted run (lag 0 at step %d)",
                                self.cfg.rollout.max_staleness, state.step + 1, state.step + 1)
+
+    def _announce_start(self, completed_steps: int, problems_drawn: int) -> None:
+        """``placement: separate``: tells the rollout rank where the run starts (the steps done and the data
+        position; a resumed run's weights follow with the refit)."""
+        if dist.get_rank() == 0:
+            send_start(completed_steps, problems_drawn, dst=self.split.world_size - 1, group=self.split.bridge)
 
     def _save_hf(self, name: str, extra: dict | None = None) -> None:
         """The current policy as a Hugging Face folder ``output_dir/name`` (collective export, rank 0 writes)."""

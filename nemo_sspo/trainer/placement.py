@@ -11,6 +11,11 @@ prompts and seeds as colocated generators, :mod:`nemo_sspo.trainer.sampling`) an
 training replica's first model-parallel rank its slots' rows, trimmed to their own padding (what a
 colocated generator of those slots builds).
 
+A run starts with training rank 0 telling the rollout rank the steps already done and the data
+position (:func:`send_start`). A resumed run then sends the resumed weights as a refit: the rollout
+rank replays the data position and generates the next steps from those weights (lag 0 at the first
+resumed step, whatever k), and logs that it did.
+
 Rollouts travel as plain tensors over the bridge group (:func:`send_rollout` / :func:`recv_rollout`):
 a header ``int64 [10]`` (rows, prompt width, response width, rounds, groups generated, policy
 version, data position, text bytes, generation start and end in unix microseconds), then prompt ids / mask, response ids / mask, truncation flags,
@@ -20,6 +25,7 @@ so the rollout rank never waits for a trainer that is busy with an earlier step.
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
 
@@ -32,7 +38,11 @@ from nemo_sspo.rollout import RolloutBatch
 from nemo_sspo.trainer.sampling import Rollout
 from nemo_sspo.trainer.staleness import VersionedRollout
 
-__all__ = ["ONE_REPLICA", "RolloutWorker", "recv_rollout", "send_rollout", "slot_rows"]
+__all__ = ["ONE_REPLICA", "RolloutWorker", "recv_rollout", "send_rollout", "send_start", "slot_rows"]
+
+logger = logging.getLogger(__name__)
+
+_START_TAG = 0  # step tags start at 1
 
 _HEADER = 10
 
@@ -125,6 +135,20 @@ def recv_rollout(*, src: int, group: dist.ProcessGroup, tag: int) -> VersionedRo
     return VersionedRollout(rollout, version=version, problems_drawn=drawn, generated=(start / 1e6, end / 1e6))
 
 
+def send_start(completed_steps: int, problems_drawn: int, *, dst: int, group: dist.ProcessGroup) -> None:
+    """Training rank 0 tells the rollout rank ``dst`` the steps already done and the data position
+    (both 0 for a fresh run; a resumed run's weights follow, as a refit).
+
+    Raises:
+        RuntimeError: naming ``dst``, when it died or did not listen within the group's timeout.
+    """
+    try:
+        group.send([torch.tensor([completed_steps, problems_drawn], dtype=torch.int64)], dst, _START_TAG).wait()
+    except RuntimeError as err:
+        raise RuntimeError(f"rollout rank {dst} did not take the start of the run (it died or hung past the "
+                           f"timeout): {err}") from err
+
+
 def _recv(tensor: torch.Tensor, src: int, group: dist.ProcessGroup, tag: int) -> torch.Tensor:
     group.recv([tensor], src, tag).wait()
     return tensor
@@ -178,8 +202,20 @@ class RolloutWorker:
             RuntimeError: a training rank died or hung past the groups' timeout (naming it).
         """
         last, k = self.cfg.trainer.max_steps, self.cfg.rollout.max_staleness
-        generated = 0
-        for step in range(1, last + 1):
+        try:
+            start = _recv(torch.zeros(2, dtype=torch.int64), 0, self.split.bridge, _START_TAG)
+        except RuntimeError as err:
+            raise RuntimeError(f"training rank 0 sent no start of the run (it died or hung past the timeout): "
+                               f"{err}") from err
+        done, drawn = start.tolist()
+        if done:  # a resumed run: its weights come as a refit; generation restarts from them
+            self.sampler.fast_forward(drawn)
+            self.engine.load_weight_buckets(receive_weight_buckets(group=self.split.refit))
+            logger.warning("resumed after step %d: generation restarts from the resumed weights (the first %d "
+                           "step(s) are fresher than in an uninterrupted run with rollout.max_staleness=%d)",
+                           done, min(k, last - done), k)
+        generated = done
+        for step in range(done + 1, last + 1):
             while generated < min(step + k, last):  # weights after step - 1's update are loaded
                 generated += 1
                 self._generate_and_send(generated, version=step - 1)
