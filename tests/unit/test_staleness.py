@@ -71,3 +71,52 @@ def test_bad_async_settings_fail_at_load(overrides, match):
 def test_staleness_with_a_correction_loads():
     cfg = load_config(overrides=["model=tiny_random", "rollout.max_staleness=2", "rollout.correction=segment_tis"])
     assert (cfg.rollout.max_staleness, cfg.rollout.correction) == (2, "segment_tis")
+
+
+@pytest.mark.parametrize("world, overrides, match", [
+    ("1", ["rollout.placement=separate", "rollout.num_ranks=1"], r"rollout\.num_ranks=1 leaves no training rank"),
+    ("3", ["rollout.placement=separate", "rollout.num_ranks=2"], r"rollout\.num_ranks=2: .* one rollout rank"),
+    ("2", ["rollout.num_ranks=1"], r"rollout\.num_ranks=1 needs rollout\.placement=separate"),
+    ("2", ["rollout.placement=remote"], r"rollout\.placement='remote' is unknown; valid: colocated, separate"),
+    ("2", ["rollout.placement=separate", "rollout.num_ranks=1", "rollout.backend=vllm"],
+     r"does not support rollout\.backend=vllm"),
+    ("2", ["rollout.placement=separate", "rollout.num_ranks=1", "rollout.peer_timeout_s=0"],
+     r"rollout\.peer_timeout_s=0\.0 must be > 0"),
+    # 3 training ranks + 1 rollout rank: the 2 prompts per step do not split over DP 3
+    ("4", ["rollout.placement=separate", "rollout.num_ranks=1"], r"data-parallel size \(3\)"),
+])
+def test_bad_placement_fails_at_load(monkeypatch, world, overrides, match):
+    monkeypatch.setenv("WORLD_SIZE", world)
+    with pytest.raises(ValueError, match=match):
+        load_config(overrides=["model=tiny_random", *overrides])
+
+
+def test_separate_placement_counts_only_training_ranks(monkeypatch):
+    # 2 training ranks (DP 2) + 1 rollout rank: the 2 prompts per step split over DP 2.
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    cfg = load_config(overrides=["model=tiny_random", "rollout.placement=separate", "rollout.num_ranks=1"])
+    assert (cfg.rollout.placement, cfg.rollout.num_ranks) == ("separate", 1)
+
+
+def test_slot_rows_trim_to_their_own_padding():
+    from nemo_sspo.rollout import RolloutBatch
+    from nemo_sspo.trainer.placement import slot_rows
+
+    # Row 0: prompt of 1 token (left-padded to 3), response of 3; row 1: prompt of 3, response of 1.
+    batch = RolloutBatch(
+        prompt_ids=torch.tensor([[0, 0, 5], [6, 7, 8]]), prompt_mask=torch.tensor([[False, False, True], [True] * 3]),
+        response_ids=torch.tensor([[1, 2, 3], [4, 0, 0]]), response_mask=torch.tensor([[True] * 3, [True, False, False]]),
+        truncated=torch.tensor([True, False]), response_texts=["abc", "d"],
+        rollout_logprobs=torch.tensor([[-1.0, -2.0, -3.0], [-4.0, 0.0, 0.0]]))
+    rollout = Rollout(batch=batch, task_rewards=torch.tensor([1.0, 0.0]), rewards=torch.tensor([0.5, 0.0]), rounds=2,
+                      generated_groups=3)
+    second = slot_rows(rollout, 1, 2)
+    # row 1 alone: prompt width 3 (no padding to drop), response width 1
+    assert second.batch.prompt_ids.tolist() == [[6, 7, 8]] and second.batch.response_ids.tolist() == [[4]]
+    assert second.batch.rollout_logprobs.tolist() == [[-4.0]] and second.batch.response_texts == ["d"]
+    first = slot_rows(rollout, 0, 1)
+    # row 0 alone: prompt width 1, response width 3
+    assert first.batch.prompt_ids.tolist() == [[5]] and first.batch.prompt_mask.tolist() == [[True]]
+    assert first.batch.response_ids.tolist() == [[1, 2, 3]] and first.batch.truncated.tolist() == [True]
+    assert (first.task_rewards.tolist(), first.rewards.tolist(), first.rounds, first.generated_groups) == \
+        ([1.0], [0.5], 2, 3)
