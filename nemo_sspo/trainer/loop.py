@@ -209,12 +209,10 @@ def run_rollout_rank(cfg: TrainConfig, split: WorldSplit, checkpoint=None) -> No
     if checkpoint is None:
         checkpoint = load_hf_checkpoint(cfg.model.source, cache_dir=cfg.model.cache_dir)
     hf_config, state_dict, tokenizer = checkpoint
-    model_parallel = cfg.parallel.tensor_model_parallel_size * cfg.parallel.pipeline_model_parallel_size
-    replicas = list(range(0, split.num_training_ranks, model_parallel))  # each replica's first rank
     reward = None
     try:
         engine, reward, sampler = build_rollout(cfg, hf_config, state_dict, tokenizer, prompts, ONE_REPLICA)
-        RolloutWorker(cfg, split, engine, sampler, replicas).run()
+        RolloutWorker(cfg, split, engine, sampler).run()
     finally:
         if reward is not None:
             reward.close()
@@ -586,10 +584,17 @@ class GRPOTrainer:
                                self.cfg.rollout.max_staleness, state.step + 1, state.step + 1)
 
     def _announce_start(self, completed_steps: int, problems_drawn: int) -> None:
-        """``placement: separate``: tells the rollout rank where the run starts (the steps done and the data
-        position; a resumed run's weights follow with the refit)."""
+        """``placement: separate``: tells the rollout rank where the run starts (the steps done, the data
+        position and each replica's receiving rank; a resumed run's weights follow with the refit).
+        Collective over the training ranks."""
+        g = self.groups
+        mine = torch.tensor([g.dp_rank if g.mp_rank == 0 else -1, dist.get_rank()], device=collective_device(None))
+        gathered = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
+        dist.all_gather(gathered, mine)
+        replicas = [rank for dp, rank in sorted(t.tolist() for t in gathered) if dp >= 0]  # in data-parallel order
         if dist.get_rank() == 0:
-            send_start(completed_steps, problems_drawn, dst=self.split.world_size - 1, group=self.split.bridge)
+            send_start(completed_steps, problems_drawn, replicas, dst=self.split.world_size - 1,
+                       group=self.split.bridge)
 
     def _save_hf(self, name: str, extra: dict | None = None) -> None:
         """The current policy as a Hugging Face folder ``output_dir/name`` (collective export, rank 0 writes)."""

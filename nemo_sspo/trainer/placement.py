@@ -135,15 +135,19 @@ def recv_rollout(*, src: int, group: dist.ProcessGroup, tag: int) -> VersionedRo
     return VersionedRollout(rollout, version=version, problems_drawn=drawn, generated=(start / 1e6, end / 1e6))
 
 
-def send_start(completed_steps: int, problems_drawn: int, *, dst: int, group: dist.ProcessGroup) -> None:
-    """Training rank 0 tells the rollout rank ``dst`` the steps already done and the data position
-    (both 0 for a fresh run; a resumed run's weights follow, as a refit).
+def send_start(completed_steps: int, problems_drawn: int, replicas: list[int], *, dst: int,
+               group: dist.ProcessGroup) -> None:
+    """Training rank 0 tells the rollout rank ``dst`` the steps already done, the data position (both
+    0 for a fresh run; a resumed run's weights follow, as a refit) and the world rank that receives
+    each data-parallel replica's rollouts (its first model-parallel rank), in data-parallel order.
 
     Raises:
         RuntimeError: naming ``dst``, when it died or did not listen within the group's timeout.
     """
+    message = torch.tensor([completed_steps, problems_drawn, len(replicas), *replicas], dtype=torch.int64)
     try:
-        group.send([torch.tensor([completed_steps, problems_drawn], dtype=torch.int64)], dst, _START_TAG).wait()
+        group.send([message[:3].clone()], dst, _START_TAG).wait()
+        group.send([message[3:].clone()], dst, _START_TAG).wait()
     except RuntimeError as err:
         raise RuntimeError(f"rollout rank {dst} did not take the start of the run (it died or hung past the "
                            f"timeout): {err}") from err
@@ -176,13 +180,11 @@ class RolloutWorker:
         engine: the rollout engine, holding the initial weights.
         sampler: a :class:`nemo_sspo.trainer.sampling.RolloutSampler` on ``engine`` built with
             ``groups=ONE_REPLICA`` (it generates every slot of a step).
-        replica_ranks: world rank of each training data-parallel replica's first model-parallel rank,
-            in data-parallel order.
     """
 
-    def __init__(self, cfg, split: WorldSplit, engine, sampler, replica_ranks: list[int]) -> None:  # noqa: D107
+    def __init__(self, cfg, split: WorldSplit, engine, sampler) -> None:  # noqa: D107
         self.cfg, self.split, self.engine, self.sampler = cfg, split, engine, sampler
-        self.replica_ranks = replica_ranks
+        self.replica_ranks: list[int] = []  # from the start message
         self._pending: list[_Sent] = []
 
     def _generate_and_send(self, step: int, version: int) -> None:
@@ -203,11 +205,12 @@ class RolloutWorker:
         """
         last, k = self.cfg.trainer.max_steps, self.cfg.rollout.max_staleness
         try:
-            start = _recv(torch.zeros(2, dtype=torch.int64), 0, self.split.bridge, _START_TAG)
+            done, drawn, replicas = _recv(torch.zeros(3, dtype=torch.int64), 0, self.split.bridge, _START_TAG).tolist()
+            self.replica_ranks = _recv(torch.zeros(replicas, dtype=torch.int64), 0, self.split.bridge,
+                                       _START_TAG).tolist()
         except RuntimeError as err:
             raise RuntimeError(f"training rank 0 sent no start of the run (it died or hung past the timeout): "
                                f"{err}") from err
-        done, drawn = start.tolist()
         if done:  # a resumed run: its weights come as a refit; generation restarts from them
             self.sampler.fast_forward(drawn)
             self.engine.load_weight_buckets(receive_weight_buckets(group=self.split.refit))
