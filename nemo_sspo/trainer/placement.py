@@ -137,9 +137,11 @@ def recv_rollout(*, src: int, group: dist.ProcessGroup, tag: int) -> VersionedRo
 
 def send_start(completed_steps: int, problems_drawn: int, replicas: list[int], *, dst: int,
                group: dist.ProcessGroup) -> None:
-    """Training rank 0 tells the rollout rank ``dst`` the steps already done, the data position (both
-    0 for a fresh run; a resumed run's weights follow, as a refit) and the world rank that receives
-    each data-parallel replica's rollouts (its first model-parallel rank), in data-parallel order.
+    """Training rank 0 tells the rollout rank ``dst`` where the run starts.
+
+    The message holds the steps already done, the data position (both 0 for a fresh run; a resumed
+    run's weights follow, as a refit) and the world rank that receives each data-parallel replica's
+    rollouts (its first model-parallel rank), in data-parallel order.
 
     Raises:
         RuntimeError: naming ``dst``, when it died or did not listen within the group's timeout.

@@ -16,7 +16,7 @@ def _run(max_staleness, last_step):
     for step in range(1, last_step + 1):
         version = step - 1  # the engine holds the weights after step - 1's update
 
-        def generate(ahead, version=version):
+        def generate(ahead, version=version, step=step):
             generated.append((step, ahead, version))
             return VersionedRollout(rollout=ahead, version=version, problems_drawn=10 * ahead)
 
