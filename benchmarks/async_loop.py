@@ -11,11 +11,11 @@ seed, so the same prompts), each with 2 cores in all:
 - ``c``: the same with ``max_staleness=1`` (the rollout rank generates step t + 1 while step t trains);
 - ``d``: ``max_staleness=2``.
 
-Per run, over steps 2..S (step 1 fills the pipeline and pays start-up costs), from the training
-rank's ``metrics.jsonl``: time per step (the trainer's wait + train + refit), response tokens per
-second, each side's busy share of the wall time (rollout: generating and scoring; training:
-train + refit) and its idle share, the mean version lag and the mean reward of the last two steps.
-Each run draws ``timeline.png`` beside ``reward_entropy.png`` in its output folder. The last line
+Per run, over the wall window from the end of step 1 (which fills the pipeline and pays start-up
+costs) to the end of step S, from the training rank's ``timeline.jsonl`` and ``metrics.jsonl``:
+time per step, response tokens per second, each side's busy share of the window (rollout:
+generating and scoring; training: train + refit) and its idle share, the mean version lag and the
+mean reward of the last two steps. Each run draws ``timeline.png`` beside ``reward_entropy.png``. The last line
 is ``bottleneck_busy=<c: busy time of the slower side / wall time> async_vs_sync=<a / c time per step>``.
 """
 
@@ -37,7 +37,11 @@ _VARIANTS = {
 }
 
 
-def _run(name: str, steps: int, out: Path) -> list[dict]:
+def _records(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def _run(name: str, steps: int, out: Path) -> tuple[list[dict], list[dict]]:
     processes, threads, overrides = _VARIANTS[name]
     folder = out / name
     env = dict(os.environ, OMP_NUM_THREADS=str(threads), HF_HUB_OFFLINE="1")
@@ -45,19 +49,25 @@ def _run(name: str, steps: int, out: Path) -> list[dict]:
     command = [*launcher, "-m", "nemo_sspo.cli", "train", f"trainer.max_steps={steps}",
                f"trainer.output_dir={folder}", *_COMMON, *overrides]
     subprocess.run(command, env=env, check=True, stdout=subprocess.DEVNULL)
-    return [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
+    return _records(folder / "metrics.jsonl"), _records(folder / "timeline.jsonl")
 
 
-def _summary(name: str, history: list[dict], responses_per_step: int) -> dict:
+def _busy(events: list[dict], phases: tuple[str, ...], start: float, end: float) -> float:
+    """Seconds of ``phases`` windows inside [start, end]."""
+    return sum(max(0.0, min(e["end"], end) - max(e["start"], start)) for e in events if e["phase"] in phases)
+
+
+def _summary(name: str, history: list[dict], events: list[dict], responses_per_step: int) -> dict:
     steady = history[1:]
-    wall = sum(h["timing/generation_s"] + h["timing/train_s"] + h["timing/refit_s"] + h.get("timing/critic_s", 0.0)
-               for h in steady)
+    trainer = [e for e in events if e["lane"] == "training ranks"]
+    start = max(e["end"] for e in trainer if e["step"] == 1)
+    end = max(e["end"] for e in trainer)
+    wall = end - start
     tokens = sum(h["response/length_mean"] * responses_per_step for h in steady)
-    generating = sum(h["timing/rollout_generation_s"] for h in steady)
-    training = sum(h["timing/train_s"] + h["timing/refit_s"] + h.get("timing/critic_s", 0.0) for h in steady)
     return {
         "variant": name, "step_s": wall / len(steady), "tokens_per_s": tokens / wall,
-        "rollout_busy": generating / wall, "train_busy": training / wall,
+        "rollout_busy": _busy(events, ("generation",), start, end) / wall,
+        "train_busy": _busy(trainer, ("train", "refit", "critic"), start, end) / wall,
         "lag": sum(h.get("rollout/version_lag_mean", 0.0) for h in steady) / len(steady),
         "reward": sum(h["reward/mean"] for h in history[-2:]) / 2,
     }
@@ -72,7 +82,7 @@ def main() -> None:
     if args.steps < 3:
         parser.error("--steps must be >= 3 (step 1 is excluded, the reward averages the last two)")
     responses = 2 * 8  # the default rollout.prompts_per_step x rollout.samples_per_prompt
-    rows = [_summary(name, _run(name, args.steps, args.out), responses) for name in _VARIANTS]
+    rows = [_summary(name, *_run(name, args.steps, args.out), responses) for name in _VARIANTS]
     print(f"{'variant':<8}{'s/step':>8}{'tok/s':>8}{'gen busy':>10}{'gen idle':>10}{'train busy':>12}"
           f"{'train idle':>12}{'lag':>6}{'reward':>8}")
     for r in rows:

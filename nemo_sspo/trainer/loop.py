@@ -516,19 +516,19 @@ class GRPOTrainer:
         metrics.update(extra)
         metrics.update(timer.seconds)
         metrics["timing/rollout_generation_s"] = versioned.generated[1] - versioned.generated[0]
-        self._record_timeline(timer, versioned)
+        self._record_timeline(step, timer, versioned)
         return metrics
 
-    def _record_timeline(self, timer: _Timer, versioned: VersionedRollout) -> None:
+    def _record_timeline(self, step: int, timer: _Timer, versioned: VersionedRollout) -> None:
         """This step's phases and its rollout's generation window (:mod:`nemo_sspo.trainer.timeline`)."""
         rollout_lane = "rollout rank" if self.split is not None else "training ranks"
-        self.timeline.add(rollout_lane, "generation", *versioned.generated)
+        self.timeline.add(rollout_lane, "generation", step, *versioned.generated)
         for phase, window in timer.windows.items():
             if phase == "generation":
                 if self.split is None:  # colocated: the rollouts' own windows above show this rank generating
                     continue
                 phase = "wait"  # separate: waiting for the rollout rank
-            self.timeline.add("training ranks", phase, *window)
+            self.timeline.add("training ranks", phase, step, *window)
 
     # ---- evaluation and checkpoints ----------------------------------------------------------------
     def maybe_evaluate(self, step: int) -> dict[str, float]:
@@ -645,7 +645,7 @@ class GRPOTrainer:
         """Closes the logger (writing its plots), draws ``timeline.png`` on rank 0, stops the reward pool."""
         self.logger.close()
         if dist.get_rank() == 0:
-            self.timeline.plot(Path(self.cfg.trainer.output_dir) / "timeline.png")
+            self.timeline.write(Path(self.cfg.trainer.output_dir))
         if self.reward is not None:
             self.reward.close()
 
