@@ -123,10 +123,13 @@ def _hydra_error_message(config_name: str, err: Exception, overrides: list[str],
     """Hydra's error, or, for an override of a key that does not exist, which key was meant (Hydra
     would suggest '+', which adds a key no dataclass field reads).
     """
-    from nemo_sspo.trainer.config import unknown_key_message
+    from nemo_sspo.trainer.config import RENAMED_KEYS, unknown_key_message
 
     match = re.search(r"Could not override '([^']+)'", str(err))
     if not match:
+        renamed = re.search(r"full_key: (\S+)", str(err))  # a key an earlier release had, in a YAML file
+        if renamed and renamed.group(1) in RENAMED_KEYS:
+            return f"invalid config {config_name!r}: {unknown_key_message(renamed.group(1), None)}"
         return f"invalid config {config_name!r}: {err}{_omegaconf_reason(err)}"
     path = match.group(1)
     rest = [item for item in overrides if item.split("=", 1)[0].lstrip("+~") != path]
@@ -251,12 +254,23 @@ def main(argv: list[str] | None = None) -> int:
         return _evaluate(cfg)
     from nemo_sspo.megatron import destroy_parallel
     from nemo_sspo.trainer.interrupt import RunInterrupted, stop_on_signals
-    from nemo_sspo.trainer.loop import GRPOTrainer, start_parallel
+    from nemo_sspo.trainer.loop import GRPOTrainer, run_rollout_rank, start_parallel
 
     trainer = None
     try:
         with stop_on_signals():  # SIGINT/SIGTERM: abandon the step, save what is safe, exit cleanly
-            trainer = GRPOTrainer(cfg, start_parallel(cfg.parallel, cfg.trainer.seed))
+            split = None
+            if cfg.rollout.placement == "separate":
+                import datetime
+
+                from nemo_sspo.parallel.placement import split_launched_world
+
+                split = split_launched_world(cfg.rollout.num_ranks,
+                                             timeout=datetime.timedelta(seconds=cfg.rollout.peer_timeout_s))
+                if split.is_rollout:
+                    run_rollout_rank(cfg, split)
+                    return 0
+            trainer = GRPOTrainer(cfg, start_parallel(cfg.parallel, cfg.trainer.seed), split=split)
             history = trainer.fit()
     except ValueError as err:
         print(f"nemo-sspo: {err}", file=sys.stderr)

@@ -52,9 +52,9 @@ class PolicyBatch:
         ref_logprobs: [B, S] float32, log pi_ref of the target tokens under the frozen reference
             policy (0 outside the mask), or None when the loss has no reference-KL term
             (``kl_coef == 0``).
-        tis_weights: [B, S] float32 truncated importance-sampling weights
-            (``nemo_sspo.rollout.tis``; 1 outside the mask) multiplying each token's loss, or None
-            (``rollout.tis_cap`` unset).
+        tis_weights: [B, S] float32 off-policy correction weights (truncated or masked importance
+            weights, ``nemo_sspo.algorithms.off_policy``; 1 outside the mask) multiplying each
+            token's loss, or None (``rollout.correction=none``).
         lengths: [B] int64 valid input tokens of each row (prompt + response; the rest is right
             padding), or None when every position of every row is valid.
         rollout_logprobs: [B, S] float32 log-probs of the target tokens under the rollout engine

@@ -1,6 +1,6 @@
 """Rollout engines: transformers ``generate`` (CPU) and vLLM (GPU, imported lazily), with weight refit
-from the policy, behind one interface and a registry (``rollout.backend``); truncated importance
-sampling for the engine/trainer log-prob gap.
+from the policy, behind one interface and a registry (``rollout.backend``). The correction of the
+engine/trainer log-prob gap is :mod:`nemo_sspo.algorithms.off_policy`.
 """
 
 from nemo_sspo.rollout.engines import (
@@ -12,7 +12,6 @@ from nemo_sspo.rollout.engines import (
     unregister_rollout_engine,
 )
 from nemo_sspo.rollout.hf_engine import HFRolloutEngine, RolloutBatch
-from nemo_sspo.rollout.tis import truncated_is_weights
 from nemo_sspo.rollout.vllm_engine import VLLMRolloutEngine
 
 __all__ = [
@@ -24,6 +23,5 @@ __all__ = [
     "build_rollout_engine",
     "register_rollout_engine",
     "rollout_engine_names",
-    "truncated_is_weights",
     "unregister_rollout_engine",
 ]

@@ -76,7 +76,7 @@ class EngineContext:
         tokenizer: the policy's tokenizer.
         model_source: ``model.source`` (a built-in name, a model folder or a hub id).
         cache_dir: ``model.cache_dir``.
-        rollout: the ``rollout`` config section (sampling settings, ``vllm``, ``tis_cap``).
+        rollout: the ``rollout`` config section (sampling settings, ``vllm``, ``correction``).
         seed: ``trainer.seed``.
         device: the training device (the trainer's CUDA device, or the CPU).
         stop_ids: the model's stop list (``nemo_sspo.models.hf_folder.stop_token_ids``), the one
@@ -161,7 +161,7 @@ def _build_vllm(context: EngineContext) -> VLLMRolloutEngine:
     model_dir = engine_model_dir(context.model_source, cache_dir=context.cache_dir)
     ro = context.rollout
     return VLLMRolloutEngine.build(model_dir, context.tokenizer, vllm_config=ro.vllm, seed=context.seed,
-                                   truncation_corrected=ro.tis_cap is not None,
+                                   truncation_corrected=ro.correction != "none",
                                    stop_token_ids=context.stop_ids, **sampling_settings(ro))
 
 

@@ -51,7 +51,7 @@ restored after building.
 
 Sampling settings that bias the rollout away from the policy the trainer scores (``top_p < 1``,
 ``top_k > 0``) are refused unless the caller corrects for them (``truncation_corrected=True``: the
-trainer sets it when ``rollout.tis_cap`` is set).
+trainer sets it unless ``rollout.correction`` is ``none``).
 """
 
 from __future__ import annotations
@@ -224,7 +224,7 @@ def vllm_sampling_kwargs(*, max_new_tokens: int, temperature: float, top_p: floa
     if (top_p < 1.0 or top_k > 0) and not truncation_corrected:
         raise ValueError(f"rollout.top_p={top_p} / top_k={top_k} with rollout.backend=vllm samples from a truncated "
                          "distribution the trainer does not score (docs/pitfalls.md#p14); use rollout.top_p=1.0, or set "
-                         "rollout.tis_cap to correct it by importance sampling")
+                         "rollout.correction (e.g. token_tis) to correct it by importance sampling")
     return dict(n=1, temperature=float(temperature), top_p=float(top_p), top_k=top_k if top_k > 0 else -1,
                 min_p=0.0, repetition_penalty=1.0, presence_penalty=0.0, frequency_penalty=0.0,
                 max_tokens=max_new_tokens, seed=seed, logprobs=0, stop_token_ids=sorted(set(stop_token_ids)))

@@ -38,6 +38,7 @@ from nemo_sspo.algorithms.losses import (
 )
 from nemo_sspo.algorithms.losses.registry import losses_with_field
 from nemo_sspo.algorithms.micro_batches import MicroBatchLayout
+from nemo_sspo.algorithms.off_policy import CORRECTIONS
 from nemo_sspo.data import MATH_DATASETS, PAPER_BENCHMARKS, SOURCE_OPTIONS, TEMPLATES
 from nemo_sspo.data.tasks import WordProblemOptions
 from nemo_sspo.megatron.model import check_architecture, check_model_options
@@ -189,11 +190,35 @@ class RolloutConfig:
     layers of at most this many MiB (at least one layer; embeddings and final norm / head in their own
     buckets), gathered only on the replica's generating rank (``nemo_sspo.megatron.iter_hf_weight_buckets``).
     Peak extra memory there: about one bucket plus one layer; one layer on the other ranks."""
-    tis_cap: float | None = None
-    """Truncated importance sampling (``nemo_sspo.rollout.tis``): multiply each token's policy loss by
-    ``min(pi_old(y_t) / pi_rollout(y_t), tis_cap)`` (trainer over rollout-engine probability, a
-    constant), correcting the gap between the engine's and the trainer's log-probs (bf16 vLLM
-    kernels, or ``top_p < 1``). Must be >= 1 (e.g. 2.0); null = off."""
+    correction: str = "none"
+    """Off-policy correction of the behaviour policy mu (the engine's log-probs) towards pi_old (the
+    trainer's recompute) multiplying each token's policy loss (``nemo_sspo.algorithms.off_policy``):
+    ``none``, ``token_tis``, ``sequence_tis``, ``segment_tis`` (ours: per segment of the loss),
+    ``token_mask``, ``sequence_mask``. Needed for ``top_p < 1``, for ``max_staleness > 0`` and for
+    engines whose kernels round differently (bf16 vLLM)."""
+    correction_cap: float = 2.0
+    """Truncation C >= 1 of the ``*_tis`` corrections (slime's ``--use-tis`` C = 2; verl's threshold 2.0)."""
+    correction_low: float = 0.5
+    """Lower edge (>= 0, on the ratio) of the band the ``*_mask`` corrections keep (IcePop, arXiv 2510.18855,
+    as verl writes it: ``0.5_5.0``); TRL's ``sequence_mask`` is ``low=0, high=3``."""
+    correction_high: float = 5.0
+    """Upper edge (> ``correction_low``) of the ``*_mask`` band."""
+    placement: str = "colocated"
+    """``colocated``: every data-parallel replica generates, trains and refits in turn (in-process
+    refit). ``separate``: the last ``num_ranks`` processes of the launched world are rollout ranks
+    running the engine and the reward, the others train (``nemo_sspo.trainer.placement``); rollouts
+    and weights move between them as tensors over torch.distributed."""
+    num_ranks: int = 0
+    """Rollout ranks with ``placement: separate`` (1 for now); 0 with ``colocated``."""
+    peer_timeout_s: float = 1800.0
+    """``placement: separate``: longest wait, in seconds, for the other side (a step's rollout, a
+    refit). A rollout or training rank that died or hangs ends the run on every rank after at most
+    this long, with an error naming it (a dead peer's closed connection fails at once)."""
+    max_staleness: int = 0
+    """Lock-step staleness k: the rollout of step t is generated with the weights after step
+    ``t - 1 - k`` (the first k+1 steps' rollouts with the initial weights), so a sample is at most k
+    updates old (``rollout/version_lag_mean``, ``_max``). 0 = on-policy. k > 0 needs a ``correction``
+    (``nemo_sspo.trainer.staleness``)."""
     dynamic_sampling: bool | None = None
     """DAPO dynamic sampling (arXiv 2503.14476 sec. 3.2): refill every prompt group whose task rewards are
     all equal (before overlong shaping; DAPO filters on accuracy) with a fresh prompt until each of the
@@ -445,7 +470,8 @@ def validate(cfg: TrainConfig, world_size: int | None = 1) -> None:
 
     Args:
         cfg: the composed config.
-        world_size: processes of the run, which the parallel layout must divide; None for a run that
+        world_size: processes launched; the training ranks among them (all but ``rollout.num_ranks``)
+            must be divisible by the parallel layout. None for a run that
             builds no Megatron model (``nemo-sspo eval``): one data-parallel replica.
 
     Raises:
@@ -458,7 +484,11 @@ def validate(cfg: TrainConfig, world_size: int | None = 1) -> None:
         "parallel.tensor_model_parallel_size and parallel.pipeline_model_parallel_size must be >= 1",
     )
     builds_model = world_size is not None
-    world_size = model_parallel if world_size is None else world_size
+    if world_size is None:
+        world_size = model_parallel
+    else:
+        _validate_placement(ro, cfg, world_size)
+        world_size -= ro.num_ranks  # the training ranks
     _require(
         world_size % model_parallel == 0,
         f"world size {world_size} is not divisible by parallel.tensor_model_parallel_size x "
@@ -482,12 +512,7 @@ def validate(cfg: TrainConfig, world_size: int | None = 1) -> None:
     _require(0 < ro.top_p <= 1, "rollout.top_p must be in (0, 1]")
     _require(ro.refit_bucket_mb > 0, f"rollout.refit_bucket_mb={ro.refit_bucket_mb} must be > 0 (MiB per refit "
              "bucket; 256 by default, a layer larger than it is sent alone)")
-    _require(ro.tis_cap is None or ro.tis_cap >= 1,
-             f"rollout.tis_cap={ro.tis_cap} must be >= 1 (a cap below 1 shrinks on-policy tokens too), or null for off")
-    _require(ro.top_p == 1 or ro.tis_cap is not None,
-             f"rollout.top_p={ro.top_p} samples from a renormalised nucleus, not from the policy the trainer "
-             "scores (docs/pitfalls.md#p14): the update would be silently off-policy. Set rollout.top_p=1.0, or set "
-             "rollout.tis_cap (e.g. 2.0) to reweight every token by pi_old / pi_rollout")
+    _validate_correction(ro)
     _require(tr.checkpoint_interval >= 0, "trainer.checkpoint_interval must be >= 0 (0 disables checkpoints)")
     _require(tr.keep_checkpoints >= 0, "trainer.keep_checkpoints must be >= 0 (0 keeps every checkpoint)")
     _require(tr.max_steps >= 1, "trainer.max_steps must be >= 1")
@@ -573,6 +598,45 @@ def check_model_layout(cfg: TrainConfig, hf_config: Any, world_size: int | None 
     _require(ro.max_new_tokens < limit,
              f"rollout.max_new_tokens={ro.max_new_tokens} leaves no room for a prompt in vLLM's context of "
              f"{limit} tokens ({source[:-2]}); lower it or raise rollout.vllm.max_model_len")
+
+
+def _validate_placement(ro: RolloutConfig, cfg: TrainConfig, world_size: int) -> None:
+    """``rollout.placement`` and ``rollout.num_ranks`` against the launched world."""
+    _require(ro.placement in PLACEMENTS,
+             f"rollout.placement={ro.placement!r} is unknown; valid: {', '.join(PLACEMENTS)}")
+    if ro.placement == "colocated":
+        _require(ro.num_ranks == 0, f"rollout.num_ranks={ro.num_ranks} needs rollout.placement=separate "
+                 "(colocated replicas generate themselves); set rollout.num_ranks=0")
+        return
+    _require(ro.peer_timeout_s > 0, f"rollout.peer_timeout_s={ro.peer_timeout_s} must be > 0 (seconds)")
+    _require(ro.num_ranks == 1, f"rollout.num_ranks={ro.num_ranks}: rollout.placement=separate runs one rollout "
+             "rank for now; set rollout.num_ranks=1")
+    _require(world_size > ro.num_ranks, f"rollout.num_ranks={ro.num_ranks} leaves no training rank in a world of "
+             f"{world_size} processes; launch more (--nproc-per-node) or use rollout.placement=colocated")
+    unsupported = {"rollout.backend=vllm": ro.backend == "vllm", "eval.every_n_steps > 0": cfg.eval.every_n_steps > 0}
+    for setting, used in unsupported.items():
+        _require(not used, f"rollout.placement=separate does not support {setting} yet; use "
+                 "rollout.placement=colocated for it")
+
+
+def _validate_correction(ro: RolloutConfig) -> None:
+    """``rollout.correction`` and its bounds; the settings that make rollouts off-policy need one."""
+    _require(ro.correction in CORRECTIONS,
+             f"rollout.correction={ro.correction!r} is unknown; valid: {', '.join(CORRECTIONS)}")
+    _require(ro.correction_cap >= 1, f"rollout.correction_cap={ro.correction_cap} must be >= 1 (a cap below 1 "
+             "shrinks on-policy tokens too; 2.0 by default)")
+    _require(0 <= ro.correction_low < ro.correction_high,
+             f"rollout.correction_low={ro.correction_low} and rollout.correction_high={ro.correction_high} must "
+             "satisfy 0 <= low < high (the band of ratios pi_old / mu the *_mask corrections keep, e.g. 0.5 and 5.0)")
+    _require(ro.max_staleness >= 0, f"rollout.max_staleness={ro.max_staleness} must be >= 0 (0 = on-policy)")
+    _require(ro.max_staleness == 0 or ro.correction != "none",
+             f"rollout.max_staleness={ro.max_staleness} trains on samples from older weights than pi_old, but "
+             "rollout.correction=none leaves that gap uncorrected: set rollout.correction (e.g. token_tis, or "
+             "segment_tis for SSPO) or rollout.max_staleness=0")
+    _require(ro.top_p == 1 or ro.correction != "none",
+             f"rollout.top_p={ro.top_p} samples from a renormalised nucleus, not from the policy the trainer "
+             "scores (docs/pitfalls.md#p14): the update would be silently off-policy. Set rollout.top_p=1.0, or set "
+             "rollout.correction (e.g. token_tis) to reweight every token by pi_old / pi_rollout")
 
 
 def micro_batch_layout(par: ParallelConfig) -> MicroBatchLayout:
@@ -664,6 +728,16 @@ def _validate_model_rollout_eval(cfg: TrainConfig) -> None:
     _require(ev.every_n_steps >= 0, "eval.every_n_steps must be >= 0 (0 disables evaluation during training)")
 
 
+PLACEMENTS = ("colocated", "separate")
+"""Values of ``rollout.placement``."""
+
+RENAMED_KEYS = {
+    "rollout.tis_cap": "use rollout.correction=token_tis with rollout.correction_cap=C (the same weight "
+                       "min(pi_old / pi_rollout, C))",
+}
+"""Keys of earlier releases and what replaced them (the error an old config gets at load)."""
+
+
 def unknown_key_message(path: str, loss_name: str | None) -> str:
     """Why ``path`` (e.g. ``trainer.max_stepz`` or ``loss.params.gamma``) is not a config key, with
     the closest valid key and, for loss params, which losses have that field.
@@ -671,6 +745,8 @@ def unknown_key_message(path: str, loss_name: str | None) -> str:
     The loss config's own message is used for ``loss.params.*``
     (``nemo_sspo.algorithms.losses.build_policy_loss_config``).
     """
+    if path in RENAMED_KEYS:
+        return f"{path} was removed: {RENAMED_KEYS[path]}"
     parts = path.split(".")
     if parts[:2] == ["loss", "params"] and len(parts) == 3 and loss_name:
         try:

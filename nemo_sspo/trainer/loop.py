@@ -22,8 +22,10 @@ earlier visits (a per-prompt history kept identical on every rank and saved in c
 the batch (nothing is built when it is 0); ``advantage_source == "critic"`` trains the SPPO critic
 (:mod:`nemo_sspo.trainer.critic`).
 
-Around the steps: ``rollout.tis_cap`` multiplies each token's loss by a truncated importance weight
-pi_old / pi_rollout (:mod:`nemo_sspo.rollout.tis`); ``eval.every_n_steps`` evaluates the rollout
+Around the steps: ``rollout.correction`` multiplies each token's loss by an importance weight of
+pi_old / pi_rollout, truncated or masked (:mod:`nemo_sspo.algorithms.off_policy`);
+``rollout.max_staleness`` trains step t on a rollout generated k steps earlier
+(:mod:`nemo_sspo.trainer.staleness`); ``eval.every_n_steps`` evaluates the rollout
 engine's weights and keeps the best step (:mod:`nemo_sspo.trainer.periodic_eval`);
 ``trainer.checkpoint_interval`` / ``trainer.resume`` save and restore the whole training state
 (:mod:`nemo_sspo.trainer.checkpoint`). On a CUDA host the policy lives on the GPU and each
@@ -53,6 +55,7 @@ from nemo_sspo.algorithms import (
 from nemo_sspo.algorithms.batch import PolicyBatch, concat_policy_batches, pack_critic_batch
 from nemo_sspo.algorithms.critic import critic_advantages
 from nemo_sspo.algorithms.losses import make_policy_loss
+from nemo_sspo.algorithms.off_policy import effective_sample_size, off_policy_weights
 from nemo_sspo.algorithms.segmentation import TABLE_FREE_SEGMENTATIONS, build_segment_tables
 from nemo_sspo.data import build_prompt_source
 from nemo_sspo.megatron import (
@@ -81,9 +84,9 @@ from nemo_sspo.models.hf_checkpoint import SOURCES, resolve_model_dir
 from nemo_sspo.models.hf_folder import stop_token_ids
 from nemo_sspo.metrics import MetricPair, mean_pair, merge_metric_sums
 from nemo_sspo.parallel.data_balance import balance_across_data_parallel
-from nemo_sspo.parallel.metrics import reduce_metric_sums
+from nemo_sspo.parallel.metrics import collective_device, reduce_metric_sums
 from nemo_sspo.rewards import Reward, build_reward
-from nemo_sspo.rollout import EngineContext, RolloutEngine, build_rollout_engine, truncated_is_weights
+from nemo_sspo.rollout import EngineContext, RolloutEngine, build_rollout_engine
 from nemo_sspo.trainer.checkpoint import (
     CHECKPOINTS_DIR,
     TrainerState,
@@ -109,8 +112,13 @@ from nemo_sspo.trainer.rollout_metrics import TruncationWatch, rollout_metric_su
 from nemo_sspo.trainer.run_config import composed_config, write_config
 from nemo_sspo.trainer.sampling import Rollout, RolloutSampler
 from nemo_sspo.trainer.throughput import ModelShape, peak_tflops, step_work_sums, throughput_metrics
+from nemo_sspo.trainer.staleness import LockStepRollouts, VersionedRollout, version_lag_sums
+from nemo_sspo.trainer.timeline import Timeline
+from nemo_sspo.parallel.placement import WorldSplit
+from nemo_sspo.parallel.weight_broadcast import send_weight_buckets
+from nemo_sspo.trainer.placement import ONE_REPLICA, RolloutWorker, recv_rollout, send_start
 
-__all__ = ["GRPOTrainer", "Rollout", "start_parallel"]
+__all__ = ["GRPOTrainer", "Rollout", "build_rollout", "run_rollout_rank", "start_parallel"]
 
 logger = logging.getLogger(__name__)
 
@@ -118,12 +126,14 @@ logger = logging.getLogger(__name__)
 class _Timer:
     def __init__(self) -> None:
         self.seconds: dict[str, float] = {}
+        self.windows: dict[str, tuple[float, float]] = {}  # unix start / end, for the timeline
 
     @contextmanager
     def time(self, name: str):
-        start = time.perf_counter()
+        start, wall = time.perf_counter(), time.time()
         yield
         self.seconds[f"timing/{name}_s"] = time.perf_counter() - start
+        self.windows[name] = (wall, time.time())
 
 
 def start_parallel(parallel_cfg: ParallelConfig, seed: int) -> ParallelGroups:
@@ -152,6 +162,74 @@ def _wrap(model, optim_cfg):
                              adam_eps=optim_cfg.adam_eps, clip_grad=optim_cfg.clip_grad)
 
 
+def run_stop_ids(cfg: TrainConfig, tokenizer) -> list[int]:
+    """The run's one stop list (``stop_token_ids`` of the tokenizer and ``model.source``'s folder): the
+    engines stop at it and every model folder the run writes carries it.
+    """
+    source = cfg.model.source
+    return stop_token_ids(tokenizer, None if source in SOURCES else resolve_model_dir(source))
+
+
+def build_rollout(cfg: TrainConfig, hf_config, state_dict, tokenizer, prompts, groups, *, stop_ids: list[int],
+                  reward: Reward | None = None, engine: RolloutEngine | None = None):
+    """Rollout engine, reward and sampler of a generating rank.
+
+    The engine and reward passed in, else ``rollout.backend`` and ``reward.name`` from their
+    registries (``nemo_sspo.rollout``, ``nemo_sspo.rewards``). The engine is refitted after every step.
+
+    Args:
+        cfg: the run's config.
+        hf_config: the policy's HF config.
+        state_dict: its HF weights (the initial weights of a built engine).
+        tokenizer: its tokenizer.
+        prompts: the prompt source.
+        groups: the sampler's data-parallel view (``dp_size``, ``dp_rank``, ``dp_group``).
+        stop_ids: the run's stop list (:func:`run_stop_ids`).
+        reward: a reward to score with, or None to build ``reward.name``.
+        engine: an engine holding the initial weights, or None to build ``rollout.backend``.
+
+    Returns:
+        ``(engine, reward, sampler)``.
+    """
+    if engine is None:
+        context = EngineContext(hf_config=hf_config, state_dict=state_dict, tokenizer=tokenizer,
+                                model_source=cfg.model.source, cache_dir=cfg.model.cache_dir, rollout=cfg.rollout,
+                                seed=cfg.trainer.seed, device=training_device(), stop_ids=stop_ids)
+        engine = build_rollout_engine(cfg.rollout.backend, context)
+    if reward is None:
+        reward = build_reward(cfg.reward.name, cfg.reward)
+    sampler = RolloutSampler(engine=engine, reward=reward, prompts=prompts, tokenizer=tokenizer, cfg=cfg,
+                             groups=groups)
+    return engine, reward, sampler
+
+
+def run_rollout_rank(cfg: TrainConfig, split: WorldSplit, checkpoint=None) -> None:
+    """The rollout rank of ``rollout.placement: separate``: builds the engine, reward and prompt stream
+    and runs :class:`nemo_sspo.trainer.placement.RolloutWorker` until the last step's refit.
+
+    Args:
+        cfg: the run's validated config.
+        split: this rank's place in the split world (a rollout rank).
+        checkpoint: as :class:`GRPOTrainer`'s; None loads ``model.source``.
+
+    Raises:
+        RuntimeError: a training rank died or hung past the groups' timeout (naming it).
+    """
+    prompts = at_key("data.options.", lambda: build_prompt_source(cfg.data.source, seed=cfg.trainer.seed,
+                                                                  **asdict(cfg.data.options)))
+    if checkpoint is None:
+        checkpoint = load_hf_checkpoint(cfg.model.source, cache_dir=cfg.model.cache_dir)
+    hf_config, state_dict, tokenizer = checkpoint
+    reward = None
+    try:
+        engine, reward, sampler = build_rollout(cfg, hf_config, state_dict, tokenizer, prompts, ONE_REPLICA,
+                                                stop_ids=run_stop_ids(cfg, tokenizer))
+        RolloutWorker(cfg, split, engine, sampler).run()
+    finally:
+        if reward is not None:
+            reward.close()
+
+
 class GRPOTrainer:
     """Builds the policy (and, as the loss asks, its frozen reference and the SPPO critic), the
     rollout engine, reward and logger from a validated :class:`TrainConfig`; the reward and the
@@ -169,6 +247,9 @@ class GRPOTrainer:
         engine: a :class:`nemo_sspo.rollout.RolloutEngine` holding the initial policy weights;
             None builds ``rollout.backend`` from the engine registry. Used on generating ranks only
             (the first model-parallel rank of each data-parallel replica).
+        split: with ``rollout.placement: separate``, this training rank's place in the split world
+            (:func:`nemo_sspo.parallel.placement.split_world`): no engine here, rollouts come from the
+            rollout rank and the refit is broadcast to it; None (colocated) otherwise.
 
     Raises:
         ValueError: a GPU-only setting on a CPU host (:func:`nemo_sspo.trainer.device.check_host`), a parallel
@@ -176,9 +257,10 @@ class GRPOTrainer:
             tokenizer differs from the policy's, or a ``trainer.resume`` checkpoint that does not fit.
     """
 
-    def __init__(self, cfg: TrainConfig, groups: ParallelGroups, checkpoint=None, *,
-                 reward: Reward | None = None, engine: RolloutEngine | None = None) -> None:
-        self.cfg = cfg
+    def __init__(self, cfg: TrainConfig, groups: ParallelGroups, checkpoint=None, *,  # noqa: D107
+                 reward: Reward | None = None, engine: RolloutEngine | None = None,
+                 split: WorldSplit | None = None) -> None:
+        self.cfg, self.split = cfg, split
         check_host(cfg)
         self.peak_tflops = peak_tflops(torch.cuda.get_device_name() if torch.cuda.is_available() else None,
                                        cfg.model.precision, cfg.model.fp8 is not None)
@@ -196,14 +278,13 @@ class GRPOTrainer:
             checkpoint = at_key("model.", lambda: load_hf_checkpoint(cfg.model.source, cache_dir=cfg.model.cache_dir))
         hf_config, state_dict, tokenizer = checkpoint
         self.hf_config, self.tokenizer = hf_config, tokenizer
-        source = cfg.model.source
         # The one stop list: the engines and every model folder written (hf_checkpoint, best/, interrupted).
-        self.stop_ids = stop_token_ids(tokenizer, None if source in SOURCES else resolve_model_dir(source))
+        self.stop_ids = run_stop_ids(cfg, tokenizer)
         self.shape = ModelShape.from_hf_config(hf_config)
         self.model, self.optimizer = _wrap(self._megatron_policy(state_dict), cfg.optim)
         self.ref_model = self._build_reference(state_dict) if needs.reference_policy else None
         self.critic = self._build_critic(state_dict) if needs.advantage_source == "critic" else None
-        self.is_generator = self.groups.mp_rank == 0
+        self.is_generator = self.groups.mp_rank == 0 and split is None
         self.engine = self.reward = self.sampler = None
         if self.is_generator:
             self._build_rollout(state_dict, prompts, reward, engine)
@@ -224,8 +305,14 @@ class GRPOTrainer:
         """Per-prompt reward stats of DCPO's smooth standardisation (the same on every rank)."""
         self.engine_step = 0  # the step whose update the rollout engine holds (saved if a step fails)
         self.interrupted_dir: Path | None = None  # set when fit stops early (hf_checkpoint_interrupted)
+        # async (issue 21): rollouts generated k steps ahead, and the data position of the trained one.
+        self.in_flight = LockStepRollouts(cfg.rollout.max_staleness, cfg.trainer.max_steps)
+        self.problems_drawn = 0
+        self.timeline = Timeline()
         if resume_path is not None:
             self._resume(resume_path)
+        elif split is not None:
+            self._announce_start(0, 0)
         self.logger = MetricsLogger(cfg.trainer.output_dir, cfg.trainer.max_steps, enabled=dist.get_rank() == 0,
                                     resume_step=self.completed_steps if resume_path is not None else None,
                                     trainer=cfg.trainer, params=asdict(cfg))
@@ -260,21 +347,10 @@ class GRPOTrainer:
         return Critic(*_wrap(model, cr.optim), cr.micro_batch_size)
 
     def _build_rollout(self, state_dict, prompts, reward: Reward | None, engine: RolloutEngine | None) -> None:
-        """Rollout engine, reward and sampler, on generating ranks only: the ones passed in, else
-        ``rollout.backend`` and ``reward.name`` from their registries (``nemo_sspo.rollout``,
-        ``nemo_sspo.rewards``). The engine is refitted after every step.
-        """
-        cfg = self.cfg
-        if engine is None:
-            context = EngineContext(hf_config=self.hf_config, state_dict=state_dict, tokenizer=self.tokenizer,
-                                    model_source=cfg.model.source, cache_dir=cfg.model.cache_dir,
-                                    rollout=cfg.rollout, seed=cfg.trainer.seed, device=training_device(),
-                                    stop_ids=self.stop_ids)
-            engine = build_rollout_engine(cfg.rollout.backend, context)
-        self.engine = engine
-        self.reward = reward if reward is not None else build_reward(cfg.reward.name, cfg.reward)
-        self.sampler = RolloutSampler(engine=self.engine, reward=self.reward, prompts=prompts,
-                                      tokenizer=self.tokenizer, cfg=cfg, groups=self.groups)
+        """Rollout engine, reward and sampler, on generating ranks only (:func:`build_rollout`)."""
+        self.engine, self.reward, self.sampler = build_rollout(
+            self.cfg, self.hf_config, state_dict, self.tokenizer, prompts, self.groups, stop_ids=self.stop_ids,
+            reward=reward, engine=engine)
 
     # ---- phases -------------------------------------------------------------------------------
     def generate_and_score(self, step: int) -> Rollout:
@@ -343,10 +419,11 @@ class GRPOTrainer:
         """Advantages, segment ids and packing; with a token budget
         (``parallel.max_tokens_per_micro_batch``) each mini-batch's rows balanced by tokens across
         data-parallel ranks (:meth:`_balanced`); then pi_old (and pi_ref) log-probs from Megatron,
-        and the TIS weights when ``rollout.tis_cap`` is set (last pipeline stage).
+        and the off-policy correction weights unless ``rollout.correction`` is ``none`` (last pipeline
+        stage).
 
         Returns:
-            ``(PolicyBatch, advantage and TIS metric pairs)``.
+            ``(PolicyBatch, advantage and correction metric pairs)``.
         """
         rb = rollout.batch
         advantages, sums = self.compute_advantages(rollout)
@@ -363,12 +440,13 @@ class GRPOTrainer:
                 batch.routes, batch.row_lengths(), num_experts(self.hf_config), dp_group=self.groups.dp_group)
         if self.ref_model is not None:
             batch = compute_ref_logprobs(self.ref_model, batch, self.spec, self.layout, dp_group=self.groups.dp_group)
-        cap = self.cfg.rollout.tis_cap
-        if cap is not None and self.groups.is_last_stage:
-            weights, tis_sums = truncated_is_weights(batch.old_logprobs, batch.rollout_logprobs,
-                                                     batch.loss_mask, cap)
+        ro = self.cfg.rollout
+        if ro.correction != "none" and self.groups.is_last_stage:
+            weights, correction_sums = off_policy_weights(
+                ro.correction, batch.old_logprobs, batch.rollout_logprobs, batch.loss_mask,
+                segment_ids=batch.segment_ids, cap=ro.correction_cap, low=ro.correction_low, high=ro.correction_high)
             batch = replace(batch, tis_weights=weights)
-            sums.update(tis_sums)
+            sums.update(correction_sums)
         return batch, sums
 
     def _balanced(self, batch):
@@ -407,10 +485,19 @@ class GRPOTrainer:
             sums = merge_metric_sums(sums, mb_sums)
         return sums, sum(norms) / len(norms)
 
-    def refit(self) -> None:
+    def refit(self) -> float | None:
         """Streams the updated Megatron weights into the rollout engine, bucket by bucket
         (``rollout.refit_bucket_mb``), gathered only on the generating rank (collective over TP/PP).
+
+        With ``placement: separate`` the first replica's export rank broadcasts them to the rollout
+        rank (the other replicas hold the same weights and send nothing).
+
+        Returns:
+            With ``placement: separate``: seconds per GB of the broadcast, export included (the same
+            on every training rank); None colocated.
         """
+        if self.split is not None:
+            return self._broadcast_refit()
         buckets = iter_hf_weight_buckets(self.model.module, self.hf_config, self.cfg.rollout.refit_bucket_mb << 20,
                                          dst_rank=self.groups.mp_src_rank)
         if self.is_generator:
@@ -418,6 +505,42 @@ class GRPOTrainer:
         else:
             for _ in buckets:  # yields nothing here; runs this rank's gathers and sends
                 pass
+        return None
+
+    def _broadcast_refit(self) -> float:
+        """The refit of ``placement: separate`` (:meth:`refit`); returns its seconds per GB."""
+        seconds_per_gb = torch.zeros(1, dtype=torch.float64)
+        if self.groups.dp_rank == 0:
+            buckets = iter_hf_weight_buckets(self.model.module, self.hf_config,
+                                             self.cfg.rollout.refit_bucket_mb << 20, dst_rank=self.groups.mp_src_rank)
+            if dist.get_rank() == self.groups.mp_src_rank:
+                stats = send_weight_buckets(buckets, group=self.split.refit, receivers=[self.split.world_size - 1])
+                seconds_per_gb[0] = stats.seconds_per_gb
+            else:
+                for _ in buckets:  # this rank's share of the gathers
+                    pass
+        on_device = seconds_per_gb.to(collective_device(None))
+        dist.broadcast(on_device, src=0)
+        return float(on_device.item())
+
+    def _versioned_rollout(self, step: int, version: int) -> VersionedRollout:
+        """Step ``step``'s rollout from the engine's current weights, ``version`` updates in."""
+        start = time.time()
+        rollout = self.generate_and_score(step)
+        drawn = self.sampler.problems_drawn if self.sampler is not None else 0
+        return VersionedRollout(rollout, version=version, problems_drawn=drawn, generated=(start, time.time()))
+
+    def _received_rollout(self, step: int) -> VersionedRollout:
+        """``placement: separate``: step ``step``'s rollout from the rollout rank, shared across the replica."""
+        g = self.groups
+        versioned = None
+        if g.mp_rank == 0:
+            versioned = recv_rollout(src=self.split.world_size - 1, group=self.split.bridge, tag=step)
+        if g.mp_size == 1:
+            return versioned
+        box = [versioned]
+        dist.broadcast_object_list(box, src=g.mp_src_rank, group=g.mp_group)
+        return box[0]
 
     def train_step(self, step: int) -> dict[str, float]:
         """One step (module docstring); returns its metrics, the same on every rank."""
@@ -426,8 +549,12 @@ class GRPOTrainer:
         if torch.cuda.is_available():
             torch.cuda.reset_peak_memory_stats()
         with timer.time("generation"):
-            rollout = self.generate_and_score(step)
-            if self.is_generator:
+            if self.split is not None:
+                versioned = self._received_rollout(step)
+            else:  # the engine holds the weights after step - 1's update (refit at the end of every step)
+                versioned = self.in_flight.take(step, lambda ahead: self._versioned_rollout(ahead, version=step - 1))
+            rollout, self.problems_drawn = versioned.rollout, versioned.problems_drawn
+            if self.engine is not None:
                 self.engine.sleep()  # e.g. rollout.vllm.enable_sleep_mode on GPU: memory freed until the refit
         with timer.time("train"):
             batch, batch_sums = self.prepare_batch(rollout)
@@ -438,10 +565,14 @@ class GRPOTrainer:
                 critic_sums, extra["critic/grad_norm"] = self.critic.update(self._critic_batch(rollout))
             sums.update(critic_sums)
         with timer.time("refit"):
-            self.refit()
+            seconds_per_gb = self.refit()
         self.engine_step = step
+        if seconds_per_gb is not None:
+            extra["timing/refit_s_per_gb"] = seconds_per_gb
         if self.groups.is_last_stage:
             sums.update(batch_sums)
+            if self.cfg.rollout.max_staleness > 0:
+                sums.update(version_lag_sums(versioned, step))
             sums.update(rollout_metric_sums(rollout, batch, samples_per_prompt=self.cfg.rollout.samples_per_prompt,
                                             shaped_rewards=self.cfg.reward.overlong_buffer_len > 0))
             rb = rollout.batch  # old log-probs (1), reference log-probs (1), update forward + backward (3)
@@ -449,6 +580,9 @@ class GRPOTrainer:
                                        forward_passes=4 + (self.ref_model is not None)))
         metrics = reduce_metric_sums(sums, dp_group=self.groups.dp_group, pp_group=self.groups.pp_group,
                                      last_stage_rank=self.groups.pp_last_rank, is_last_stage=self.groups.is_last_stage)
+        ess = effective_sample_size(metrics)
+        if ess is not None:
+            metrics["rollout/is_ess"] = ess
         metrics.update(extra)
         metrics.update(timer.seconds)
         metrics["timing/step_s"] = time.perf_counter() - step_start
@@ -456,7 +590,20 @@ class GRPOTrainer:
                                           peak=self.peak_tflops))
         if torch.cuda.is_available():
             metrics["memory/peak_allocated_gib"] = torch.cuda.max_memory_allocated() / 2**30
+        metrics["timing/rollout_generation_s"] = versioned.generated[1] - versioned.generated[0]
+        self._record_timeline(step, timer, versioned)
         return metrics
+
+    def _record_timeline(self, step: int, timer: _Timer, versioned: VersionedRollout) -> None:
+        """This step's phases and its rollout's generation window (:mod:`nemo_sspo.trainer.timeline`)."""
+        rollout_lane = "rollout rank" if self.split is not None else "training ranks"
+        self.timeline.add(rollout_lane, "generation", step, *versioned.generated)
+        for phase, window in timer.windows.items():
+            if phase == "generation":
+                if self.split is None:  # colocated: the rollouts' own windows above show this rank generating
+                    continue
+                phase = "wait"  # separate: waiting for the rollout rank
+            self.timeline.add("training ranks", phase, step, *window)
 
     # ---- evaluation and checkpoints ----------------------------------------------------------------
     def maybe_evaluate(self, step: int) -> dict[str, float]:
@@ -487,8 +634,7 @@ class GRPOTrainer:
         tr = self.cfg.trainer
         if tr.checkpoint_interval == 0 or (step % tr.checkpoint_interval and step != tr.max_steps):
             return
-        drawn = self.sampler.problems_drawn if self.sampler is not None else 0
-        box = [drawn]  # rank 0 is a generator; other model-parallel ranks draw nothing
+        box = [self.problems_drawn]  # of the step just trained (later steps may be in flight); rank 0 generates
         dist.broadcast_object_list(box, src=0)
         history = None
         if self.loss.requirements.smooth_advantages:
@@ -514,10 +660,30 @@ class GRPOTrainer:
                                "loss.params.smooth_advantages): every prompt restarts at its first visit", path)
             self.advantage_history = {key: PromptRewardStats(int(visits), float(mean), float(std))
                                       for key, (visits, mean, std) in (state.advantage_history or {}).items()}
+        if self.split is not None:
+            self._announce_start(state.step, state.problems_drawn)
         self.refit()
         self.engine_step = state.step
         if dist.get_rank() == 0:
             logger.warning("resumed from %s after step %d", path, state.step)
+            if self.cfg.rollout.max_staleness > 0:
+                logger.warning("rollout.max_staleness=%d: generation restarts from the resumed weights, so steps "
+                               "%d.. train on fresher rollouts than an uninterrupted run (lag 0 at step %d)",
+                               self.cfg.rollout.max_staleness, state.step + 1, state.step + 1)
+
+    def _announce_start(self, completed_steps: int, problems_drawn: int) -> None:
+        """``placement: separate``: tells the rollout rank where the run starts (the steps done, the data
+        position and each replica's receiving rank; a resumed run's weights follow with the refit).
+        Collective over the training ranks.
+        """
+        g = self.groups
+        mine = torch.tensor([g.dp_rank if g.mp_rank == 0 else -1, dist.get_rank()], device=collective_device(None))
+        gathered = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
+        dist.all_gather(gathered, mine)
+        replicas = [rank for dp, rank in sorted(t.tolist() for t in gathered) if dp >= 0]  # in data-parallel order
+        if dist.get_rank() == 0:
+            send_start(completed_steps, problems_drawn, replicas, dst=self.split.world_size - 1,
+                       group=self.split.bridge)
 
     def _save_hf(self, name: str, extra: dict | None = None) -> None:
         """The current policy as a Hugging Face folder ``output_dir/name`` (collective export, rank 0 writes)."""
@@ -578,14 +744,18 @@ class GRPOTrainer:
         return self.logger.history
 
     def close(self) -> None:
-        """Close the metric logger and the reward (its worker processes)."""
+        """Closes the logger (writing its plots), draws ``timeline.png`` on rank 0, stops the reward pool."""
         self.logger.close()
+        if dist.get_rank() == 0:
+            self.timeline.write(Path(self.cfg.trainer.output_dir))
         if self.reward is not None:
             self.reward.close()
 
     def shutdown_engine(self) -> None:
         """Stops the rollout engine (``RolloutEngine.shutdown``: vLLM's ends torch.distributed, so only
-        once this process runs no more collectives); the CLI calls it before ``destroy_parallel``.
+        once this process runs no more collectives); the CLI calls it before ``destroy_parallel``. Ranks
+        without an engine (other model-parallel ranks, training ranks of a separate placement) do nothing.
         """
-        self.engine.shutdown()
+        if self.engine is not None:
+            self.engine.shutdown()
 

@@ -7,7 +7,7 @@
 # packages (--system-site-packages), so the machine's torch is used and never replaced.
 #
 #   bash tests/gpu/run_checks.sh --bundle .gpu_bundle            # every group, from the bundle
-#   bash tests/gpu/run_checks.sh --bundle .gpu_bundle kernels    # only some groups: kernels train vllm te
+#   bash tests/gpu/run_checks.sh --bundle .gpu_bundle kernels    # only some groups: kernels train vllm te async
 #   bash tests/gpu/run_checks.sh --bundle .gpu_bundle --dry-run  # CPU: the bundle installs, the scripts import
 #   bash tests/gpu/run_checks.sh                                 # a full environment (.venv), no bundle
 #
@@ -24,9 +24,12 @@
 #   vllm (needs vLLM and SmolLM2's weights, i.e. a full environment; otherwise SKIP): tests/gpu/gpu_checks.py
 #      vllm (bf16 engine: log-prob gap, streamed refit, sleep/wake) and a 2-step train run with vLLM rollouts.
 #   te (needs TransformerEngine; otherwise SKIP): FP8 train step, THD packed log-probs, packed train step.
+#   async: a 3-step torchrun run with rollout.placement=separate on one GPU (training rank: BF16 policy,
+#      NCCL default group; rollout rank: the HF engine on the same GPU), rollout.max_staleness=1 with
+#      token_tis; rollouts and the bucketed weight broadcast go over gloo with host tensors.
 # Exit status: 0 when nothing failed, 1 otherwise, 2 without a GPU (real run) or for a bad argument.
 #
-# Run so far: the dry run on CPU (tests/unit/test_gpu_bundle.py). The kernels, train, vllm and te groups
+# Run so far: the dry run on CPU (tests/unit/test_gpu_bundle.py). The kernels, train, vllm, te and async groups
 # have NOT RUN on a GPU yet (none was lent to the sessions that wrote them): expect the first GPU run to
 # need small fixes; read its FAIL lines.
 set -u
@@ -36,11 +39,11 @@ while [ $# -gt 0 ]; do
   case $1 in
     --bundle) BUNDLE=${2:?--bundle needs a folder}; shift 2;;
     --dry-run) DRY=1; shift;;
-    kernels|train|vllm|te) GROUPS_WANTED="$GROUPS_WANTED $1"; shift;;
-    *) echo "unknown argument '$1': use --bundle DIR, --dry-run and groups kernels, train, vllm, te" >&2; exit 2;;
+    kernels|train|vllm|te|async) GROUPS_WANTED="$GROUPS_WANTED $1"; shift;;
+    *) echo "unknown argument '$1': use --bundle DIR, --dry-run and groups kernels, train, vllm, te, async" >&2; exit 2;;
   esac
 done
-GROUPS_WANTED=${GROUPS_WANTED:-kernels train vllm te}
+GROUPS_WANTED=${GROUPS_WANTED:-kernels train vllm te async}
 want() { [[ " $GROUPS_WANTED " == *" $1 "* ]]; }
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-8} HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false NO_VCS_VERSION=1
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
@@ -195,6 +198,16 @@ if want te; then
         "trainer.output_dir=$WORK/packed"
     run "packed metrics" 30 "$PY" tests/gpu/gpu_checks.py metrics "$WORK/packed" 0.05
   fi
+fi
+
+if want async; then
+  run "async separate train" 240 "$PY" -m torch.distributed.run --nproc-per-node=2 -m nemo_sspo.cli train \
+      "${TRAIN[@]}" trainer.max_steps=3 rollout.backend=hf rollout.placement=separate rollout.num_ranks=1 \
+      rollout.max_staleness=1 rollout.correction=token_tis "trainer.output_dir=$OUT/async"
+  run "async metrics" 30 "$PY" -c "import json, sys; rows = [json.loads(l) for l in open(sys.argv[1])]; \
+assert [r['rollout/version_lag_mean'] for r in rows] == [0.0, 1.0, 1.0], rows; \
+print('PASS async: lag', [r['rollout/version_lag_mean'] for r in rows], 'ess', [round(r['rollout/is_ess'], 4) for r in rows])" \
+      "$OUT/async/metrics.jsonl"
 fi
 
 [ $status -eq 0 ] && echo "ALL GPU CHECKS PASSED" || echo "SOME GPU CHECKS FAILED (see FAIL lines)"

@@ -68,7 +68,7 @@ def test_resume_matches_uninterrupted_run_and_failed_save_keeps_latest(monkeypat
     out = tmp_path / "run"
     overrides = [
         "trainer.max_steps=4", "trainer.checkpoint_interval=2", "trainer.keep_checkpoints=2",
-        "rollout.tis_cap=1.0", "eval.every_n_steps=2", "eval.benchmarks=[math500]", "eval.limit_per_benchmark=2",
+        "rollout.correction=token_tis", "rollout.correction_cap=1.0", "eval.every_n_steps=2", "eval.benchmarks=[math500]", "eval.limit_per_benchmark=2",
         "eval.max_new_tokens=8", f"eval.data_dir={_stub_benchmark(tmp_path / 'data')}",
     ]
     tis_inputs = []
@@ -81,9 +81,9 @@ def test_resume_matches_uninterrupted_run_and_failed_save_keeps_latest(monkeypat
     # TIS weight per token min(pi_old / pi_rollout, 1) from the logged log-probs, averaged by hand.
     for (old, engine, mask), record in zip(tis_inputs, straight):
         weights = torch.exp(old.double() - engine.double()).clamp(max=1.0)[mask]
-        assert record["rollout/tis_weight_mean"] == pytest.approx(float(weights.mean()), rel=1e-6)
-        assert record["rollout/tis_clipped_frac"] == pytest.approx(float((old > engine)[mask].float().mean()))
-    assert any(r["rollout/tis_clipped_frac"] > 0 for r in straight)  # HF and Megatron log-probs differ by rounding
+        assert record["rollout/is_weight"] == pytest.approx(float(weights.mean()), rel=1e-6)
+        assert record["rollout/is_truncated_frac"] == pytest.approx(float((old > engine)[mask].float().mean()))
+    assert any(r["rollout/is_truncated_frac"] > 0 for r in straight)  # HF and Megatron log-probs differ by rounding
     evaluated = [r for r in straight if "eval/mean" in r]
     assert [r["step"] for r in evaluated] == [2, 4]
     # best/ holds the first step with the highest eval/mean (a tie keeps the earlier step).

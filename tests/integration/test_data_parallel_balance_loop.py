@@ -13,7 +13,7 @@ from nemo_sspo.megatron import destroy_parallel
 from tests.integration._loop_runs import make_trainer, record_updates
 
 BUDGET = ["rollout.prompts_per_step=4", "trainer.minibatches_per_step=1",
-          "parallel.max_tokens_per_micro_batch=160", "rollout.tis_cap=1.5"]
+          "parallel.max_tokens_per_micro_batch=160", "rollout.correction=token_tis", "rollout.correction_cap=1.5"]
 
 
 def _first_step(rank, world_size, tmp_dir):
@@ -57,8 +57,8 @@ def test_balanced_data_parallel_step_equals_one_process(run_distributed, tmp_pat
         for rank in range(2):
             assert math.isclose(split[rank][0][key], single[0][key], rel_tol=1e-5, abs_tol=1e-7), key
     # The transformers engine and the trainer agree to float rounding, so the engine-vs-trainer
-    # gap is ~0 and every TIS weight ~1, but only if each row reads its own engine log-probs after
+    # gap is ~0 and every correction weight ~1, but only if each row reads its own engine log-probs after
     # moving (PolicyBatch.rollout_logprobs travels with it; another row's would be off by O(1)).
     for rank in range(2):
         assert split[rank][0]["rollout/trainer_logprob_gap_abs"] < 1e-4
-        assert abs(split[rank][0]["rollout/tis_weight_mean"] - 1.0) < 1e-4
+        assert abs(split[rank][0]["rollout/is_weight"] - 1.0) < 1e-4

@@ -71,7 +71,8 @@ def test_resumed_metrics_log_drops_records_after_the_checkpoint(tmp_path):
 
 @pytest.mark.parametrize("override, key", [
     ("rollout.top_p=0.9", "rollout.top_p"),
-    ("rollout.tis_cap=0.5", "rollout.tis_cap"),
+    ("rollout.correction_cap=0.5", "rollout.correction_cap"),
+    ("rollout.tis_cap=2.0", "rollout.correction=token_tis"),
     ("trainer.checkpoint_interval=-1", "trainer.checkpoint_interval"),
     ("trainer.keep_checkpoints=-1", "trainer.keep_checkpoints"),
 ])
@@ -80,8 +81,8 @@ def test_new_keys_are_validated(override, key):
         validate(load_config(overrides=["model=tiny_random", override]))
 
 
-def test_top_p_below_one_is_allowed_with_tis():
-    validate(load_config(overrides=["model=tiny_random", "rollout.top_p=0.9", "rollout.tis_cap=2.0"]))
+def test_top_p_below_one_is_allowed_with_a_correction():
+    validate(load_config(overrides=["model=tiny_random", "rollout.top_p=0.9", "rollout.correction=token_tis"]))
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks what a CPU-only host refuses")

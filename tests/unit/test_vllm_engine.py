@@ -51,7 +51,7 @@ def test_sampling_kwargs_are_neutral_except_temperature():
 
 @pytest.mark.parametrize("truncation", [dict(top_p=0.9), dict(top_k=20)])
 def test_truncated_sampling_is_refused_unless_corrected(truncation):
-    with pytest.raises(ValueError, match="rollout.tis_cap"):
+    with pytest.raises(ValueError, match="rollout.correction"):
         vllm_sampling_kwargs(max_new_tokens=4, temperature=1.0, seed=0, stop_token_ids=[2], **truncation)
     kwargs = vllm_sampling_kwargs(max_new_tokens=4, temperature=1.0, seed=0, stop_token_ids=[2],
                                   truncation_corrected=True, **truncation)

@@ -19,7 +19,8 @@ import torch
 from nemo_sspo.evaluation import TransformersEvalEngine, as_eval_engine
 from nemo_sspo.models import build_hf_model, load_hf_checkpoint
 from nemo_sspo.models.hf_checkpoint import engine_model_dir
-from nemo_sspo.rollout import VLLMRolloutEngine, truncated_is_weights
+from nemo_sspo.algorithms.off_policy import off_policy_weights
+from nemo_sspo.rollout import VLLMRolloutEngine
 from nemo_sspo.trainer.config import VLLMConfig
 
 TEMPERATURE = 0.7
@@ -135,11 +136,11 @@ def test_streamed_refit_gives_the_logprobs_of_a_full_refit(engine, tiny):
     assert torch.equal(streamed.rollout_logprobs, full.rollout_logprobs)
 
 
-def test_truncated_is_weights_are_one_on_policy(engine, tiny):
+def test_correction_weights_are_one_on_policy(engine, tiny):
     config, state_dict, _ = tiny
     batch = engine.generate(["Tom has 3 apples.", "What is 2 + 2?"], seed=3)
     trainer = _reference_logprobs(build_hf_model(config, state_dict), batch)
-    weights, _ = truncated_is_weights(trainer, batch.rollout_logprobs, batch.response_mask, 2.0)
+    weights, _ = off_policy_weights("token_tis", trainer, batch.rollout_logprobs, batch.response_mask, cap=2.0)
     on = weights[batch.response_mask]
     assert on.numel() > 0 and float((on - 1).abs().max()) < 1e-4
 
@@ -168,7 +169,7 @@ def test_train_loop_refits_vllm_after_each_optimizer_step(tmp_path):
     from nemo_sspo.trainer import loop
     from tests.integration._loop_runs import ParityReward
 
-    cfg = load_config(overrides=TRAIN + ["optim.lr=1e-3", "rollout.tis_cap=2.0", f"trainer.output_dir={tmp_path}"])
+    cfg = load_config(overrides=TRAIN + ["optim.lr=1e-3", "rollout.correction=token_tis", f"trainer.output_dir={tmp_path}"])
     trainer = loop.GRPOTrainer(cfg, loop.start_parallel(cfg.parallel, cfg.trainer.seed), reward=ParityReward())
     try:
         step1, step2 = trainer.fit()

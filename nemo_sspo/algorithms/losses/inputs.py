@@ -51,7 +51,7 @@ class LossInputs:
         entropy: ``[B, T]`` float, current-policy token entropy (with grad), or None. Required
             when the config's ``entropy_coef > 0``; reported as ``policy/entropy_current``.
         token_weights: ``[B, T]`` float multiplying each token's loss before aggregation
-            (truncated importance-sampling weights, ``nemo_sspo.rollout.tis``), or None.
+            (off-policy correction weights, ``nemo_sspo.algorithms.off_policy``), or None.
 
     Raises:
         ValueError: on construction, naming the field: a shape that is not ``[B, T]`` (``[B]``

@@ -1,0 +1,98 @@
+"""Benchmark: the synchronous colocated loop against separate rollout / training ranks (CPU, gloo).
+
+    python benchmarks/async_loop.py [--steps 5] [--out /tmp/async_loop]
+
+Four runs of the default CPU task (``sspo_smollm2_cpu``: SmolLM2-135M, word problems, the same
+seed, so the same prompts), each with 2 cores in all:
+
+- ``a``: colocated, one process with 2 threads (generation and training take turns);
+- ``b``: ``rollout.placement=separate``, ``max_staleness=0``: 1 training + 1 rollout process,
+  1 thread each (the sides still take turns: each waits for the other);
+- ``c``: the same with ``max_staleness=1`` (the rollout rank generates step t + 1 while step t trains);
+- ``d``: ``max_staleness=2``.
+
+Per run, over the wall window from the end of step 1 (which fills the pipeline and pays start-up
+costs) to the end of step S, from the training rank's ``timeline.jsonl`` and ``metrics.jsonl``:
+time per step, response tokens per second, each side's busy share of the window (rollout:
+generating and scoring; training: train + refit) and its idle share, the mean version lag and the
+mean reward of the last two steps. Each run draws ``timeline.png`` beside ``reward_entropy.png``. The last line
+is ``bottleneck_busy=<c: busy time of the slower side / wall time> async_vs_sync=<a / c time per step>``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+_COMMON = ["trainer.save_hf_checkpoint=false", "trainer.overwrite_output_dir=true", "rollout.correction=token_tis"]
+_VARIANTS = {
+    "a": (1, 2, []),
+    "b": (2, 1, ["rollout.placement=separate", "rollout.num_ranks=1", "rollout.max_staleness=0"]),
+    "c": (2, 1, ["rollout.placement=separate", "rollout.num_ranks=1", "rollout.max_staleness=1"]),
+    "d": (2, 1, ["rollout.placement=separate", "rollout.num_ranks=1", "rollout.max_staleness=2"]),
+}
+
+
+def _records(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def _run(name: str, steps: int, out: Path) -> tuple[list[dict], list[dict]]:
+    processes, threads, overrides = _VARIANTS[name]
+    folder = out / name
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads), HF_HUB_OFFLINE="1")
+    launcher = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={processes}"]
+    command = [*launcher, "-m", "nemo_sspo.cli", "train", f"trainer.max_steps={steps}",
+               f"trainer.output_dir={folder}", *_COMMON, *overrides]
+    subprocess.run(command, env=env, check=True, stdout=subprocess.DEVNULL)
+    return _records(folder / "metrics.jsonl"), _records(folder / "timeline.jsonl")
+
+
+def _busy(events: list[dict], phases: tuple[str, ...], start: float, end: float) -> float:
+    """Seconds of ``phases`` windows inside [start, end]."""
+    return sum(max(0.0, min(e["end"], end) - max(e["start"], start)) for e in events if e["phase"] in phases)
+
+
+def _summary(name: str, history: list[dict], events: list[dict], responses_per_step: int) -> dict:
+    steady = history[1:]
+    trainer = [e for e in events if e["lane"] == "training ranks"]
+    start = max(e["end"] for e in trainer if e["step"] == 1)
+    end = max(e["end"] for e in trainer)
+    wall = end - start
+    tokens = sum(h["response/length_mean"] * responses_per_step for h in steady)
+    return {
+        "variant": name, "step_s": wall / len(steady), "tokens_per_s": tokens / wall,
+        "rollout_busy": _busy(events, ("generation",), start, end) / wall,
+        "train_busy": _busy(trainer, ("train", "refit", "critic"), start, end) / wall,
+        "lag": sum(h.get("rollout/version_lag_mean", 0.0) for h in steady) / len(steady),
+        "reward": sum(h["reward/mean"] for h in history[-2:]) / 2,
+    }
+
+
+def main() -> None:
+    """Runs the four variants and prints their table and the summary line."""
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=5, help="steps per run (>= 3)")
+    parser.add_argument("--out", type=Path, default=Path("/tmp/async_loop"))
+    args = parser.parse_args()
+    if args.steps < 3:
+        parser.error("--steps must be >= 3 (step 1 is excluded, the reward averages the last two)")
+    responses = 2 * 8  # the default rollout.prompts_per_step x rollout.samples_per_prompt
+    rows = [_summary(name, *_run(name, args.steps, args.out), responses) for name in _VARIANTS]
+    print(f"{'variant':<8}{'s/step':>8}{'tok/s':>8}{'gen busy':>10}{'gen idle':>10}{'train busy':>12}"
+          f"{'train idle':>12}{'lag':>6}{'reward':>8}")
+    for r in rows:
+        print(f"{r['variant']:<8}{r['step_s']:>8.2f}{r['tokens_per_s']:>8.1f}{r['rollout_busy']:>10.2f}"
+              f"{1 - r['rollout_busy']:>10.2f}{r['train_busy']:>12.2f}{1 - r['train_busy']:>12.2f}{r['lag']:>6.2f}"
+              f"{r['reward']:>8.3f}")
+    a, c = rows[0], rows[2]
+    print(f"timelines: {args.out}/<variant>/timeline.png")
+    print(f"bottleneck_busy={max(c['rollout_busy'], c['train_busy']):.3f} async_vs_sync={a['step_s'] / c['step_s']:.3f}")
+
+
+if __name__ == "__main__":
+    main()

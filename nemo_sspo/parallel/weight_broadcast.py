@@ -1,0 +1,159 @@
+"""Weight broadcast from the trainer's export rank to rollout ranks, bucket by bucket.
+
+The non-colocated refit (``rollout.placement: separate``): the trainer's export rank streams its
+HF-named weight buckets (``nemo_sspo.megatron.iter_hf_weight_buckets``, ``rollout.refit_bucket_mb``)
+over a dedicated group (:mod:`nemo_sspo.parallel.placement`, ``refit``) whose group rank 0 it is;
+every other member receives each bucket as it comes and hands it to its engine, so a rollout rank
+holds its model plus one bucket, never the model twice.
+
+Wire format per bucket, all plain tensors (no pickling): a header ``int64 [3]`` = (tensor count,
+name bytes, payload bytes), a table ``int64 [n, 2 + MAX_DIMS]`` = (dtype code, ndim, dims...), the
+names as UTF-8 bytes joined by newlines, and one ``uint8`` payload holding each tensor's bytes in
+order, each padded to a multiple of 8 bytes (so every view is aligned for its dtype). A header of zeros ends the stream. The receiver's tensors are views of the payload with the
+sender's dtype and shape, so they equal the export bit for bit.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Iterable, Iterator, Sequence
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["BroadcastStats", "MAX_DIMS", "receive_weight_buckets", "send_weight_buckets"]
+
+MAX_DIMS = 8
+"""Most dimensions of a tensor the wire format carries."""
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.int32,
+           torch.uint8, torch.bool)
+_CODES = {dtype: code for code, dtype in enumerate(_DTYPES)}
+_ALIGN = 8
+
+
+def _padded(size: int) -> int:
+    return -(-size // _ALIGN) * _ALIGN
+
+
+@dataclass(frozen=True)
+class BroadcastStats:
+    """What one refit sent.
+
+    Attributes:
+        buckets: buckets sent.
+        bytes: payload bytes sent (weights only).
+        seconds: wall time from the first header to the end marker, export included.
+    """
+
+    buckets: int
+    bytes: int
+    seconds: float
+
+    @property
+    def seconds_per_gb(self) -> float:
+        """Seconds per 10^9 payload bytes (0.0 when nothing was sent)."""
+        return self.seconds / (self.bytes / 1e9) if self.bytes else 0.0
+
+
+def _broadcast(group: dist.ProcessGroup, tensor: torch.Tensor) -> None:
+    opts = dist.BroadcastOptions()
+    opts.rootRank = 0
+    group.broadcast([tensor], opts).wait()
+
+
+def _encode(bucket: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(header, table, names, payload) of one bucket (module docstring)."""
+    table = torch.zeros(len(bucket), 2 + MAX_DIMS, dtype=torch.int64)
+    chunks = []
+    for row, (name, tensor) in enumerate(bucket.items()):
+        if tensor.dtype not in _CODES or tensor.dim() > MAX_DIMS:
+            raise ValueError(f"weight {name!r}: dtype {tensor.dtype} / {tensor.dim()} dimensions cannot be sent "
+                             f"(dtypes {', '.join(map(str, _DTYPES))}; at most {MAX_DIMS} dimensions)")
+        table[row, 0], table[row, 1] = _CODES[tensor.dtype], tensor.dim()
+        table[row, 2:2 + tensor.dim()] = torch.tensor(tensor.shape, dtype=torch.int64)
+        raw = tensor.detach().contiguous().cpu().reshape(-1).view(torch.uint8)
+        chunks.append(torch.nn.functional.pad(raw, (0, _padded(raw.numel()) - raw.numel())))
+    names = torch.frombuffer(bytearray("\n".join(bucket).encode()), dtype=torch.uint8)
+    payload = torch.cat(chunks) if chunks else torch.zeros(0, dtype=torch.uint8)
+    header = torch.tensor([len(bucket), names.numel(), payload.numel()], dtype=torch.int64)
+    return header, table, names, payload
+
+
+def send_weight_buckets(buckets: Iterable[dict[str, torch.Tensor]], *, group: dist.ProcessGroup,
+                        receivers: Sequence[int]) -> BroadcastStats:
+    """Broadcasts every non-empty bucket, then the end marker, from group rank 0 (this rank).
+
+    Args:
+        buckets: HF name -> tensor dicts, e.g. ``iter_hf_weight_buckets(..., dst_rank=<this rank>)``
+            (drawing a bucket may itself be collective over the trainer's model-parallel group).
+        group: the refit group (:func:`nemo_sspo.parallel.placement.split_world`), this rank its rank 0.
+        receivers: world ranks of the other members (named in the error when one fails).
+
+    Returns:
+        :class:`BroadcastStats` of this refit.
+
+    Raises:
+        ValueError: a tensor of a dtype or rank the wire format does not carry (nothing of that
+            bucket was sent).
+        RuntimeError: naming ``receivers``, when one of them died or hung past the group's timeout
+            (gloo's error chained).
+    """
+    start, count, sent = time.perf_counter(), 0, 0
+    try:
+        for bucket in buckets:
+            if not bucket:
+                continue
+            header, table, names, payload = _encode(bucket)
+            for tensor in (header, table, names, payload):
+                _broadcast(group, tensor)
+            count, sent = count + 1, sent + payload.numel()
+        _broadcast(group, torch.zeros(3, dtype=torch.int64))
+    except RuntimeError as err:  # gloo's errors (closed connection, timeout) are RuntimeErrors
+        raise RuntimeError(f"weight broadcast to rollout rank(s) {list(receivers)} failed after {count} bucket(s): "
+                           f"a rollout rank died or stopped receiving within the timeout ({err})") from err
+    return BroadcastStats(buckets=count, bytes=sent, seconds=time.perf_counter() - start)
+
+
+def receive_weight_buckets(*, group: dist.ProcessGroup) -> Iterator[dict[str, torch.Tensor]]:
+    """Yields the buckets group rank 0 sends, in order, until its end marker.
+
+    Each yielded tensor is a view of that bucket's payload buffer (host memory, the sender's dtype
+    and shape); consume a bucket (copy it into the engine) before asking for the next.
+
+    Args:
+        group: the refit group; this rank is not its rank 0.
+
+    Yields:
+        HF name -> tensor dicts, one per bucket sent.
+
+    Raises:
+        RuntimeError: naming training rank 0, when it died or hung past the group's timeout (gloo's
+            error chained).
+    """
+    while True:
+        try:
+            header = torch.zeros(3, dtype=torch.int64)
+            _broadcast(group, header)
+            n, name_bytes, payload_bytes = header.tolist()
+            if n == 0:
+                return
+            table = torch.zeros(n, 2 + MAX_DIMS, dtype=torch.int64)
+            names = torch.zeros(name_bytes, dtype=torch.uint8)
+            payload = torch.zeros(payload_bytes, dtype=torch.uint8)
+            for tensor in (table, names, payload):
+                _broadcast(group, tensor)
+        except RuntimeError as err:
+            raise RuntimeError(f"weight broadcast from training rank 0 failed: the trainer died or stopped "
+                               f"sending within the timeout ({err})") from err
+        yield _decode(table, names, payload)
+
+
+def _decode(table: torch.Tensor, names: torch.Tensor, payload: torch.Tensor) -> dict[str, torch.Tensor]:
+    bucket, offset = {}, 0
+    for name, row in zip(bytes(names.tolist()).decode().split("\n"), table.tolist(), strict=True):
+        dtype, shape = _DTYPES[row[0]], row[2:2 + row[1]]
+        size = dtype.itemsize * int(torch.Size(shape).numel())
+        bucket[name] = payload[offset:offset + size].view(dtype).reshape(shape)
+        offset += _padded(size)
+    return bucket

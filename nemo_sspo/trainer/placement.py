@@ -1,0 +1,248 @@
+"""``rollout.placement: separate``: a rollout rank generates and scores while the training ranks train.
+
+One launched world (:func:`nemo_sspo.parallel.placement.split_world`): training ranks 0 .. N-2 run
+the policy (TP x PP x DP as colocated), the last rank is the rollout rank. It holds the engine, the
+reward pool and the prompt stream, and runs lock-step (``rollout.max_staleness = k``,
+:mod:`nemo_sspo.trainer.staleness`): it generates the rollouts of steps 1 .. k + 1 with the initial
+weights, then after each step t's update receives the weights (bucket by bucket,
+:mod:`nemo_sspo.parallel.weight_broadcast`) and generates step t + k + 1 while the trainer works on
+step t + 1. It generates every slot of a step as one data-parallel replica would (the same
+prompts and seeds as colocated generators, :mod:`nemo_sspo.trainer.sampling`) and sends each
+training replica's first model-parallel rank its slots' rows, trimmed to their own padding (what a
+colocated generator of those slots builds).
+
+A run starts with training rank 0 telling the rollout rank the steps already done and the data
+position (:func:`send_start`). A resumed run then sends the resumed weights as a refit: the rollout
+rank replays the data position and generates the next steps from those weights (lag 0 at the first
+resumed step, whatever k), and logs that it did.
+
+Rollouts travel as plain tensors over the bridge group (:func:`send_rollout` / :func:`recv_rollout`):
+a header ``int64 [11]`` (rows, prompt width, response width, rounds, groups generated, policy
+version, data position, text bytes, generation start and end in unix microseconds, prompt groups),
+then prompt ids / mask, response ids / mask, truncation flags, engine log-probs, task and shaped
+rewards, response text lengths and bytes, and each group's prompt key as ``uint8 [groups, 16]``
+(DCPO's per-prompt history is keyed by it). Sends are asynchronous,
+so the rollout rank never waits for a trainer that is busy with an earlier step.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from nemo_sspo.parallel.placement import WorldSplit
+from nemo_sspo.parallel.weight_broadcast import receive_weight_buckets
+from nemo_sspo.rollout import RolloutBatch
+from nemo_sspo.trainer.sampling import Rollout
+from nemo_sspo.trainer.staleness import VersionedRollout
+
+__all__ = ["ONE_REPLICA", "RolloutWorker", "recv_rollout", "send_rollout", "send_start", "slot_rows"]
+
+logger = logging.getLogger(__name__)
+
+_START_TAG = 0  # step tags start at 1
+
+_HEADER = 11
+
+
+def slot_rows(rollout: Rollout, start: int, stop: int) -> Rollout:
+    """Rows ``start:stop`` of a rollout, prompts and responses trimmed to those rows' own padding.
+
+    Args:
+        rollout: a step's rollout.
+        start: first row.
+        stop: row after the last.
+
+    Returns:
+        A :class:`Rollout` of the rows, with the step's ``rounds`` and ``generated_groups``.
+    """
+    rb = rollout.batch
+    prompt_width = int(rb.prompt_mask[start:stop].sum(dim=1).max())
+    response_width = int(rb.response_mask[start:stop].sum(dim=1).max())
+    cut = slice(start, stop)
+    per_group = rb.prompt_ids.shape[0] // len(rollout.prompt_keys)  # responses per prompt group
+    batch = RolloutBatch(
+        prompt_ids=rb.prompt_ids[cut, rb.prompt_ids.shape[1] - prompt_width:],
+        prompt_mask=rb.prompt_mask[cut, rb.prompt_mask.shape[1] - prompt_width:],
+        response_ids=rb.response_ids[cut, :response_width], response_mask=rb.response_mask[cut, :response_width],
+        truncated=rb.truncated[cut], response_texts=rb.response_texts[cut],
+        rollout_logprobs=rb.rollout_logprobs[cut, :response_width])
+    return Rollout(batch=batch, task_rewards=rollout.task_rewards[cut], rewards=rollout.rewards[cut],
+                   rounds=rollout.rounds, generated_groups=rollout.generated_groups,
+                   prompt_keys=rollout.prompt_keys[start // per_group:stop // per_group])
+
+
+@dataclass
+class _Sent:
+    """Tensors of an asynchronous send, kept alive until its works complete."""
+
+    tensors: list[torch.Tensor]
+    works: list
+
+
+def send_rollout(versioned: VersionedRollout, *, dst: int, group: dist.ProcessGroup, tag: int) -> _Sent:
+    """Starts sending a versioned rollout to world rank ``dst`` over ``group`` (module docstring).
+
+    Args:
+        versioned: the rollout, its policy version and data position.
+        dst: the receiving rank (rank numbering of ``group``).
+        group: the bridge group.
+        tag: message tag, the same on both sides (the step).
+
+    Returns:
+        The pending send; call ``wait`` on each of its works (or keep it) before dropping it.
+    """
+    r, rb = versioned.rollout, versioned.rollout.batch
+    text = [t.encode() for t in rb.response_texts]
+    header = torch.tensor([rb.prompt_ids.shape[0], rb.prompt_ids.shape[1], rb.response_ids.shape[1], r.rounds,
+                           r.generated_groups, versioned.version, versioned.problems_drawn, sum(map(len, text)),
+                           *(round(t * 1e6) for t in versioned.generated), len(r.prompt_keys)],
+                          dtype=torch.int64)
+    # The groups' prompt keys (32 hex digits each, sampling.prompt_key) as 16 bytes per group.
+    keys = torch.tensor([list(bytes.fromhex(key)) for key in r.prompt_keys], dtype=torch.uint8).reshape(-1, 16)
+    body = [rb.prompt_ids, rb.prompt_mask.to(torch.uint8), rb.response_ids, rb.response_mask.to(torch.uint8),
+            rb.truncated.to(torch.uint8), rb.rollout_logprobs.float(), r.task_rewards.float(), r.rewards.float(),
+            torch.tensor([len(t) for t in text], dtype=torch.int64),
+            torch.frombuffer(bytearray(b"".join(text) or b"\0"), dtype=torch.uint8), keys]
+    tensors = [header, *(t.contiguous() for t in body)]
+    return _Sent(tensors, [group.send([t], dst, tag) for t in tensors])
+
+
+def recv_rollout(*, src: int, group: dist.ProcessGroup, tag: int) -> VersionedRollout:
+    """Receives what :func:`send_rollout` sent from world rank ``src`` with ``tag``.
+
+    Raises:
+        RuntimeError: naming ``src``, when it died or sent nothing within the group's timeout.
+    """
+    try:
+        header = _recv(torch.zeros(_HEADER, dtype=torch.int64), src, group, tag)
+        rows, prompt_w, response_w, rounds, generated, version, drawn, text_bytes, start, end, groups = header.tolist()
+        shapes = [((rows, prompt_w), torch.int64), ((rows, prompt_w), torch.uint8), ((rows, response_w), torch.int64),
+                  ((rows, response_w), torch.uint8), ((rows,), torch.uint8), ((rows, response_w), torch.float32),
+                  ((rows,), torch.float32), ((rows,), torch.float32), ((rows,), torch.int64),
+                  ((max(text_bytes, 1),), torch.uint8), ((groups, 16), torch.uint8)]
+        parts = [_recv(torch.zeros(shape, dtype=dtype), src, group, tag) for shape, dtype in shapes]
+    except RuntimeError as err:
+        raise RuntimeError(f"rollout rank {src} sent no rollout for step {tag} (it died or hung past the "
+                           f"timeout): {err}") from err
+    prompt_ids, prompt_mask, response_ids, response_mask, truncated, logprobs, task, shaped, lengths, raw, keys = parts
+    blob, texts, offset = bytes(raw[:text_bytes].tolist()), [], 0
+    for length in lengths.tolist():
+        texts.append(blob[offset:offset + length].decode())
+        offset += length
+    batch = RolloutBatch(prompt_ids=prompt_ids, prompt_mask=prompt_mask.bool(), response_ids=response_ids,
+                         response_mask=response_mask.bool(), truncated=truncated.bool(), response_texts=texts,
+                         rollout_logprobs=logprobs)
+    rollout = Rollout(batch=batch, task_rewards=task, rewards=shaped, rounds=rounds, generated_groups=generated,
+                      prompt_keys=[bytes(row).hex() for row in keys.tolist()])
+    return VersionedRollout(rollout, version=version, problems_drawn=drawn, generated=(start / 1e6, end / 1e6))
+
+
+def send_start(completed_steps: int, problems_drawn: int, replicas: list[int], *, dst: int,
+               group: dist.ProcessGroup) -> None:
+    """Training rank 0 tells the rollout rank ``dst`` where the run starts.
+
+    The message holds the steps already done, the data position (both 0 for a fresh run; a resumed
+    run's weights follow, as a refit) and the world rank that receives each data-parallel replica's
+    rollouts (its first model-parallel rank), in data-parallel order.
+
+    Raises:
+        RuntimeError: naming ``dst``, when it died or did not listen within the group's timeout.
+    """
+    message = torch.tensor([completed_steps, problems_drawn, len(replicas), *replicas], dtype=torch.int64)
+    try:
+        group.send([message[:3].clone()], dst, _START_TAG).wait()
+        group.send([message[3:].clone()], dst, _START_TAG).wait()
+    except RuntimeError as err:
+        raise RuntimeError(f"rollout rank {dst} did not take the start of the run (it died or hung past the "
+                           f"timeout): {err}") from err
+
+
+def _recv(tensor: torch.Tensor, src: int, group: dist.ProcessGroup, tag: int) -> torch.Tensor:
+    group.recv([tensor], src, tag).wait()
+    return tensor
+
+
+@dataclass(frozen=True)
+class _OneReplica:
+    """A sampler's data-parallel view of the rollout rank: one replica owning every slot."""
+
+    dp_size: int = 1
+    dp_rank: int = 0
+    dp_group: None = None
+
+
+ONE_REPLICA = _OneReplica()
+"""The ``groups`` to build the rollout rank's :class:`nemo_sspo.trainer.sampling.RolloutSampler` with."""
+
+
+class RolloutWorker:
+    """The rollout rank's loop (module docstring).
+
+    Args:
+        cfg: the run's validated config (``rollout.placement == "separate"``).
+        split: this rank's :class:`WorldSplit` (a rollout rank).
+        engine: the rollout engine, holding the initial weights.
+        sampler: a :class:`nemo_sspo.trainer.sampling.RolloutSampler` on ``engine`` built with
+            ``groups=ONE_REPLICA`` (it generates every slot of a step).
+    """
+
+    def __init__(self, cfg, split: WorldSplit, engine, sampler) -> None:  # noqa: D107
+        self.cfg, self.split, self.engine, self.sampler = cfg, split, engine, sampler
+        self.replica_ranks: list[int] = []  # from the start message
+        self._pending: list[_Sent] = []
+
+    def _generate_and_send(self, step: int, version: int) -> None:
+        start = time.time()
+        rollout = self.sampler.collect(step)
+        window = (start, time.time())
+        rows = rollout.rewards.numel() // len(self.replica_ranks)
+        for d, dst in enumerate(self.replica_ranks):
+            part = VersionedRollout(slot_rows(rollout, d * rows, (d + 1) * rows), version, self.sampler.problems_drawn,
+                                    generated=window)
+            self._pending.append(send_rollout(part, dst=dst, group=self.split.bridge, tag=step))
+
+    def run(self) -> None:
+        """Generates and sends every step's rollout and takes the weights after every update.
+
+        Raises:
+            RuntimeError: a training rank died or hung past the groups' timeout (naming it).
+        """
+        last, k = self.cfg.trainer.max_steps, self.cfg.rollout.max_staleness
+        try:
+            done, drawn, replicas = _recv(torch.zeros(3, dtype=torch.int64), 0, self.split.bridge, _START_TAG).tolist()
+            self.replica_ranks = _recv(torch.zeros(replicas, dtype=torch.int64), 0, self.split.bridge,
+                                       _START_TAG).tolist()
+        except RuntimeError as err:
+            raise RuntimeError(f"training rank 0 sent no start of the run (it died or hung past the timeout): "
+                               f"{err}") from err
+        if done:  # a resumed run: its weights come as a refit; generation restarts from them
+            self.sampler.fast_forward(drawn)
+            self.engine.load_weight_buckets(receive_weight_buckets(group=self.split.refit))
+            logger.warning("resumed after step %d: generation restarts from the resumed weights (the first %d "
+                           "step(s) are fresher than in an uninterrupted run with rollout.max_staleness=%d)",
+                           done, min(k, last - done), k)
+        generated = done
+        for step in range(done + 1, last + 1):
+            while generated < min(step + k, last):  # weights after step - 1's update are loaded
+                generated += 1
+                self._generate_and_send(generated, version=step - 1)
+            self.engine.load_weight_buckets(receive_weight_buckets(group=self.split.refit))
+            self._drain(keep=k + 1)
+        self._drain(keep=0)
+
+    def _drain(self, keep: int) -> None:
+        """Waits for all but the newest ``keep`` steps' sends (their tensors may then be freed)."""
+        per_step = len(self.replica_ranks)
+        while len(self._pending) > keep * per_step:
+            sent = self._pending.pop(0)
+            try:
+                for work in sent.works:
+                    work.wait()
+            except RuntimeError as err:
+                raise RuntimeError(f"training ranks {self.replica_ranks} took no rollout (a training rank died or "
+                                   f"hung past the timeout): {err}") from err

@@ -1,0 +1,111 @@
+"""``rollout.placement: separate`` (1 training rank + 1 rollout rank, gloo) against the colocated loop.
+
+With ``max_staleness`` 0 and 1 the separate run must reproduce the colocated run of the same seed
+(lock-step for k = 1): the same rewards, losses and gradient norms per step (relative 1e-5) and the
+same final policy. Then the rollout rank dies while generating step 2: the training rank must stop
+with an error naming rollout rank 1, with step 1's metrics kept.
+"""
+
+import datetime
+import json
+import os
+import pickle
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from nemo_sspo.cli import load_config
+from nemo_sspo.megatron import destroy_parallel, export_hf_state_dict
+from nemo_sspo.models import load_hf_checkpoint
+from nemo_sspo.parallel.placement import split_world
+from nemo_sspo.trainer import loop
+from nemo_sspo.trainer.placement import RolloutWorker
+from tests.integration._loop_runs import TINY, ParityReward, make_trainer
+
+RUN = [*TINY, "rollout.correction=token_tis", "optim.lr=0.05", "trainer.max_steps=3"]
+KEYS = ("reward/mean", "optim/grad_norm", "loss/policy", "policy/ratio", "rollout/kl_k3_behaviour", "rollout/is_weight",
+        "response/length_mean")
+
+
+def _cfg(out_dir, overrides):
+    return load_config(overrides=[*RUN, f"trainer.output_dir={out_dir}", *overrides])
+
+
+def _separate(split, tiny, out_dir, overrides):
+    cfg = _cfg(out_dir, ["rollout.placement=separate", "rollout.num_ranks=1", *overrides])
+    if split.is_rollout:
+        loop.run_rollout_rank(cfg, split, checkpoint=tiny)
+        return None
+    trainer = loop.GRPOTrainer(cfg, loop.start_parallel(cfg.parallel, cfg.trainer.seed), checkpoint=tiny, split=split)
+    try:
+        history = trainer.fit()
+        return history, export_hf_state_dict(trainer.model.module, trainer.hf_config)
+    finally:
+        destroy_parallel()
+
+
+def _dies_at_step_two(self, step, version, inner=RolloutWorker._generate_and_send):
+    if step == 2:
+        os._exit(17)
+    inner(self, step, version)
+
+
+def _child(rank, world_size, out_dir):
+    loop.MathVerifyReward = ParityReward
+    tiny = load_hf_checkpoint("tiny-random-llama")
+    store = dist.distributed_c10d._get_default_store()
+    dist.destroy_process_group()
+    split = split_world(store, rank=rank, world_size=world_size, num_rollout_ranks=1,
+                        timeout=datetime.timedelta(seconds=60))
+    results = {k: _separate(split, tiny, f"{out_dir}/k{k}", [f"rollout.max_staleness={k}"]) for k in (0, 1)}
+    with open(f"{out_dir}/rank{rank}.pkl", "wb") as f:
+        pickle.dump(results, f)
+    if split.is_rollout:
+        RolloutWorker._generate_and_send = _dies_at_step_two
+    try:
+        _separate(split, tiny, f"{out_dir}/killed", [])
+        message = "no error"
+    except RuntimeError as err:
+        message = str(err)
+    with open(f"{out_dir}/killed.txt", "w") as f:
+        f.write(message)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return load_hf_checkpoint("tiny-random-llama")
+
+
+def _colocated(monkeypatch, out_dir, tiny, k):
+    trainer = make_trainer(monkeypatch, out_dir, ["rollout.correction=token_tis", "optim.lr=0.05",
+                                                  "trainer.max_steps=3", f"rollout.max_staleness={k}"],
+                           checkpoint=tiny)
+    try:
+        history = trainer.fit()
+        return history, export_hf_state_dict(trainer.model.module, trainer.hf_config)
+    finally:
+        destroy_parallel()
+
+
+def test_separate_placement_equals_colocated_and_a_dead_rollout_rank_is_named(run_distributed, monkeypatch,
+                                                                            tmp_path, tiny):
+    with pytest.raises(RuntimeError, match=r"(?s)rank 1 of 2 failed.*exited with code 17"):
+        run_distributed(_child, 2, str(tmp_path), timeout_s=300)
+    separate = pickle.loads((tmp_path / "rank0.pkl").read_bytes())
+    for k in (0, 1):
+        history, policy = separate[k]
+        ref_history, ref_policy = _colocated(monkeypatch, tmp_path / f"colocated{k}", tiny, k)
+        assert len(history) == len(ref_history) == 3
+        for mine, ref in zip(history, ref_history, strict=True):
+            for key in KEYS:
+                assert mine[key] == pytest.approx(ref[key], rel=1e-5, abs=1e-7), (k, mine["step"], key)
+        if k == 1:
+            assert [h["rollout/version_lag_mean"] for h in history] == [0.0, 1.0, 1.0]
+        assert all(h["timing/refit_s_per_gb"] > 0 for h in history)  # the broadcast's rate, reported per step
+        for name, tensor in ref_policy.items():
+            torch.testing.assert_close(policy[name], tensor, rtol=1e-5, atol=1e-7, msg=name)
+    message = (tmp_path / "killed.txt").read_text()
+    assert "rollout rank 1 sent no rollout for step 2" in message
+    kept = [json.loads(line) for line in (tmp_path / "killed" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in kept] == [1]
