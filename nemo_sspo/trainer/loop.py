@@ -203,7 +203,7 @@ def build_rollout(cfg: TrainConfig, hf_config, state_dict, tokenizer, prompts, g
     return engine, reward, sampler
 
 
-def run_rollout_rank(cfg: TrainConfig, split: WorldSplit, checkpoint=None) -> None:
+def run_rollout_rank(cfg: TrainConfig, split: WorldSplit, checkpoint=None, *, reward: Reward | None = None) -> None:
     """The rollout rank of ``rollout.placement: separate``: builds the engine, reward and prompt stream
     and runs :class:`nemo_sspo.trainer.placement.RolloutWorker` until the last step's refit.
 
@@ -211,6 +211,7 @@ def run_rollout_rank(cfg: TrainConfig, split: WorldSplit, checkpoint=None) -> No
         cfg: the run's validated config.
         split: this rank's place in the split world (a rollout rank).
         checkpoint: as :class:`GRPOTrainer`'s; None loads ``model.source``.
+        reward: as :class:`GRPOTrainer`'s; None builds ``reward.name``.
 
     Raises:
         RuntimeError: a training rank died or hung past the groups' timeout (naming it).
@@ -220,14 +221,14 @@ def run_rollout_rank(cfg: TrainConfig, split: WorldSplit, checkpoint=None) -> No
     if checkpoint is None:
         checkpoint = load_hf_checkpoint(cfg.model.source, cache_dir=cfg.model.cache_dir)
     hf_config, state_dict, tokenizer = checkpoint
-    reward = None
+    sampler = None
     try:
         engine, reward, sampler = build_rollout(cfg, hf_config, state_dict, tokenizer, prompts, ONE_REPLICA,
-                                                stop_ids=run_stop_ids(cfg, tokenizer))
+                                                stop_ids=run_stop_ids(cfg, tokenizer), reward=reward)
         RolloutWorker(cfg, split, engine, sampler).run()
     finally:
-        if reward is not None:
-            reward.close()
+        if sampler is not None:  # the reward (its worker processes) is closed as GRPOTrainer.close does
+            sampler.reward.close()
 
 
 class GRPOTrainer:

@@ -35,7 +35,7 @@ def _cfg(out_dir, overrides):
 def _separate(split, tiny, out_dir, overrides):
     cfg = _cfg(out_dir, ["rollout.placement=separate", "rollout.num_ranks=1", *overrides])
     if split.is_rollout:
-        loop.run_rollout_rank(cfg, split, checkpoint=tiny)
+        loop.run_rollout_rank(cfg, split, checkpoint=tiny, reward=ParityReward())
         return None
     trainer = loop.GRPOTrainer(cfg, loop.start_parallel(cfg.parallel, cfg.trainer.seed), checkpoint=tiny, split=split)
     try:
@@ -52,7 +52,6 @@ def _dies_at_step_two(self, step, version, inner=RolloutWorker._generate_and_sen
 
 
 def _child(rank, world_size, out_dir):
-    loop.MathVerifyReward = ParityReward
     tiny = load_hf_checkpoint("tiny-random-llama")
     store = dist.distributed_c10d._get_default_store()
     dist.destroy_process_group()

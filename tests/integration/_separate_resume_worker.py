@@ -18,11 +18,11 @@ def _run(split, overrides, checkpoint):
     from nemo_sspo.cli import load_config
     from nemo_sspo.megatron import destroy_parallel
     from nemo_sspo.trainer import loop
-    from tests.integration._loop_runs import TINY
+    from tests.integration._loop_runs import TINY, ParityReward
 
     cfg = load_config(overrides=[*TINY, "rollout.placement=separate", "rollout.num_ranks=1", *overrides])
     if split.is_rollout:
-        loop.run_rollout_rank(cfg, split, checkpoint=checkpoint)
+        loop.run_rollout_rank(cfg, split, checkpoint=checkpoint, reward=ParityReward())
         return None
     trainer = loop.GRPOTrainer(cfg, loop.start_parallel(cfg.parallel, cfg.trainer.seed), checkpoint=checkpoint,
                                split=split)
@@ -37,10 +37,6 @@ def main(out: Path) -> None:
 
     from nemo_sspo.models import load_hf_checkpoint
     from nemo_sspo.parallel.placement import split_launched_world
-    from nemo_sspo.trainer import loop
-    from tests.integration._loop_runs import ParityReward
-
-    loop.MathVerifyReward = ParityReward
     split = split_launched_world(1, timeout=datetime.timedelta(seconds=120))
     tiny = load_hf_checkpoint("tiny-random-llama")
     common = ["trainer.max_steps=2", "trainer.checkpoint_interval=1", "optim.lr=0.05"]
