@@ -414,73 +414,33 @@ def _tiny_random_config(tokenizer) -> LlamaConfig:
     )
 
 
+def _tiny_qwen_fields(tokenizer, rope_theta: float) -> dict:
+    """The shape every tiny random Qwen shares (hidden 64, 2 layers, 4 heads / 2 KV heads, 151,936
+    embedding rows: more than the tokenizer's ids, as the real models) and the Qwen tokenizer's ids.
+    """
+    return dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, vocab_size=151936, max_position_embeddings=1024, rms_norm_eps=1e-6,
+                rope_parameters={"rope_type": "default", "rope_theta": rope_theta}, bos_token_id=None,
+                eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+
+
 def _tiny_random_qwen2_config(tokenizer) -> Qwen2Config:
-    # Qwen2.5-Math's layout in miniature: 151,936 embedding rows (more than the tokenizer's ids),
-    # RoPE base 10,000, untied output layer (as the 7B model).
-    return Qwen2Config(
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=151936,
-        max_position_embeddings=1024,
-        tie_word_embeddings=False,
-        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
-        rms_norm_eps=1e-6,
-        bos_token_id=None,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-    )
+    # Qwen2.5-Math's layout in miniature: RoPE base 10,000, untied output layer (as the 7B model).
+    return Qwen2Config(**_tiny_qwen_fields(tokenizer, 10000.0), tie_word_embeddings=False)
 
 
 def _tiny_random_qwen3_config(tokenizer) -> Qwen3Config:
     # Qwen3's layout in miniature: head_dim set apart from hidden / heads (32 vs 16, as Qwen3-0.6B:
-    # 128 vs 1024 / 16 = 64), tied embeddings, RoPE base 1e6, 151,936 embedding rows.
-    return Qwen3Config(
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=32,
-        vocab_size=151936,
-        max_position_embeddings=1024,
-        tie_word_embeddings=True,
-        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
-        rms_norm_eps=1e-6,
-        bos_token_id=None,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-    )
+    # 128 vs 1024 / 16 = 64), tied embeddings, RoPE base 1e6.
+    return Qwen3Config(**_tiny_qwen_fields(tokenizer, 1000000.0), head_dim=32, tie_word_embeddings=True)
 
 
 def _tiny_random_qwen3_moe_config(tokenizer) -> Qwen3MoeConfig:
     # Qwen3-30B-A3B's layout in miniature: sparse MLP in every layer (128 experts, top-8 there;
     # 8 experts, top-2 here), norm_topk_prob true, no shared expert, untied output layer.
-    return Qwen3MoeConfig(
-        hidden_size=64,
-        intermediate_size=128,
-        moe_intermediate_size=32,
-        num_experts=8,
-        num_experts_per_tok=2,
-        norm_topk_prob=True,
-        decoder_sparse_step=1,
-        mlp_only_layers=[],
-        router_aux_loss_coef=0.001,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=32,
-        vocab_size=151936,
-        max_position_embeddings=1024,
-        tie_word_embeddings=False,
-        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
-        rms_norm_eps=1e-6,
-        bos_token_id=None,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-    )
+    return Qwen3MoeConfig(**_tiny_qwen_fields(tokenizer, 1000000.0), head_dim=32, tie_word_embeddings=False,
+                          moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2, norm_topk_prob=True,
+                          decoder_sparse_step=1, mlp_only_layers=[], router_aux_loss_coef=0.001)
 
 
 def _random_state_dict(config: PretrainedConfig, bias_std: float = 0.0, norm_std: float = 0.0,
