@@ -1,9 +1,13 @@
-"""Qwen3 dense through the real vLLM CPU engine: it loads the folder we write for ``tiny-random-qwen3``
-(head_dim 32, which vLLM's CPU attention supports; q/k norm weights redrawn around 1), its
-log-probs equal transformers' fp32 forward on the same tokens, and a streamed refit from a Megatron
-model (``iter_hf_weight_buckets``, one decoder layer per bucket) gives the log-probs of transformers
-on the moved weights. A mapping that dropped or swapped q_norm / k_norm would leave the engine's
-log-probs off by ~1e-1 after the refit, far above the 1e-4 tolerance.
+"""Qwen3 dense and Qwen3-MoE through the real vLLM CPU engine: it loads the folder we write for
+``tiny-random-qwen3`` (head_dim 32, which vLLM's CPU attention supports; q/k norm weights redrawn
+around 1) and ``tiny-random-qwen3-moe`` (its ``Qwen3MoeForCausalLM`` with CPU MoE kernels: 8 experts,
+top-2, per-expert checkpoint names), its log-probs equal transformers' fp32 forward on the same
+tokens, a streamed refit from a Megatron model (``iter_hf_weight_buckets``, one decoder layer, with
+all its experts, per bucket) gives the log-probs of transformers on the moved weights, and a second
+refit back to the initial weights gives theirs again. A mapping that dropped or swapped q_norm /
+k_norm, expert names vLLM's loader did not map, experts renumbered on the way, or experts not
+repacked for vLLM's CPU kernel after the reload (log-prob gap 0.55 without the repacking) leave the
+log-probs off after a refit, far above the 1e-4 tolerance.
 """
 
 import pytest
@@ -18,11 +22,11 @@ TEMPERATURE = 0.7
 PROMPTS = ["Let x = 2.\n\nThen 2x =", "Sam has 5 stamps. He buys 2 more."]
 
 
-@pytest.fixture(scope="module")
-def qwen3(tmp_path_factory):
+@pytest.fixture(scope="module", params=["tiny-random-qwen3", "tiny-random-qwen3-moe"])
+def qwen3(request, tmp_path_factory):
     cache = tmp_path_factory.mktemp("cache")
-    config, state_dict, tokenizer = load_hf_checkpoint("tiny-random-qwen3")
-    engine = VLLMRolloutEngine.build(engine_model_dir("tiny-random-qwen3", cache_dir=str(cache)), tokenizer,
+    config, state_dict, tokenizer = load_hf_checkpoint(request.param)
+    engine = VLLMRolloutEngine.build(engine_model_dir(request.param, cache_dir=str(cache)), tokenizer,
                                      vllm_config=VLLMConfig(max_model_len=256, enforce_eager=True,
                                                             cpu_kv_cache_gib=1),
                                      seed=0, max_new_tokens=12, temperature=TEMPERATURE)
@@ -63,3 +67,5 @@ def test_vllm_loads_our_qwen3_folder_and_refits_from_megatron(qwen3):
         destroy_parallel()
     assert len(buckets) == config.num_hidden_layers + 2
     assert _gap(engine, reference) < 1e-4
+    engine.load_weight_buckets(iter([state_dict]))  # back to the initial weights (MoE: repacked again)
+    assert _gap(engine, build_hf_model(config, state_dict)) < 1e-4
