@@ -10,7 +10,7 @@ of ``data.options``):
 - ``"reasoning_gym"``: any reasoning-gym 0.1.25 dataset by name (``dataset="leg_counting"``,
   ``"chain_sum"``, ...) with its config fields in ``config``; seeded by reasoning-gym itself.
 - ``"jsonl"``: records ``{"problem" | "question": ..., "answer": ...}`` from ``path``, shuffled
-  with the seed and cycled (e.g. ``/work/shared/data/gsm8k_test.jsonl``).
+  with the seed and cycled (e.g. ``gsm8k_test.jsonl`` from ``nemo-sspo data prepare``).
 - ``"math"``: one of the paper's datasets by name (``dataset="math_train"`` for the MATH level 3-5
   training set, ``"math500"``, ...; :data:`nemo_sspo.data.math_datasets.MATH_DATASETS`) from
   ``data_dir`` (or ``$NEMO_SSPO_DATA_DIR``), shuffled with the seed and cycled.
