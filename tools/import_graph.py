@@ -2,7 +2,7 @@
 
 Layers, bottom to top (a module may import its own layer and those below it):
 
-    metrics -> algorithms -> parallel -> megatron -> models / data / rewards -> rollout
+    metrics / registry -> algorithms -> parallel -> megatron -> models / data / rewards -> rollout
     -> evaluation -> trainer -> cli
 
 ``integrations`` sits beside ``trainer`` but may import only ``metrics``, ``algorithms``,
@@ -23,6 +23,7 @@ from pathlib import Path
 
 LAYERS: dict[str, int] = {
     "metrics": 0,
+    "registry": 0,
     "algorithms": 1,
     "parallel": 2,
     "megatron": 3,

@@ -3,9 +3,17 @@ registry from which the trainer builds its reward by name (``reward.name``).
 """
 
 from nemo_sspo.rewards.math_reward import MathVerifyReward, extract_last_boxed, parse_gold, score_response
-from nemo_sspo.rewards.registry import Reward, build_reward, register_reward, reward_names, unregister_reward
+from nemo_sspo.rewards.registry import (
+    REWARD_REGISTRY,
+    Reward,
+    build_reward,
+    register_reward,
+    reward_names,
+    unregister_reward,
+)
 
 __all__ = [
+    "REWARD_REGISTRY",
     "MathVerifyReward",
     "Reward",
     "build_reward",

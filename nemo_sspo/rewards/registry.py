@@ -12,9 +12,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, Protocol, runtime_checkable
 
+from nemo_sspo.registry import Registry
 from nemo_sspo.rewards.math_reward import MathVerifyReward
 
-__all__ = ["Reward", "build_reward", "register_reward", "reward_names", "unregister_reward"]
+__all__ = ["REWARD_REGISTRY", "Reward", "build_reward", "register_reward", "reward_names", "unregister_reward"]
 
 
 @runtime_checkable
@@ -38,7 +39,8 @@ class Reward(Protocol):
 RewardBuilder = Callable[[Any], Reward]
 """``build(reward_section) -> Reward``, with ``reward_section`` the run's ``reward`` config."""
 
-_REWARDS: dict[str, RewardBuilder] = {}
+REWARD_REGISTRY: Registry[RewardBuilder] = Registry(
+    "reward", hint=" (a module that registers one is loaded with the config key plugins)")
 
 
 def register_reward(name: str, build: RewardBuilder) -> RewardBuilder:
@@ -47,10 +49,7 @@ def register_reward(name: str, build: RewardBuilder) -> RewardBuilder:
     Raises:
         ValueError: the name is taken.
     """
-    if name in _REWARDS:
-        raise ValueError(f"reward {name!r} is already registered; pick another name")
-    _REWARDS[name] = build
-    return build
+    return REWARD_REGISTRY.add(name, build)
 
 
 def unregister_reward(name: str) -> RewardBuilder:
@@ -59,20 +58,12 @@ def unregister_reward(name: str) -> RewardBuilder:
     Raises:
         ValueError: unknown name.
     """
-    _builder(name)
-    return _REWARDS.pop(name)
+    return REWARD_REGISTRY.remove(name)
 
 
 def reward_names() -> list[str]:
     """Sorted names of the registered rewards."""
-    return sorted(_REWARDS)
-
-
-def _builder(name: str) -> RewardBuilder:
-    if name not in _REWARDS:
-        raise ValueError(f"name={name!r} is not a registered reward; registered: {reward_names()} (a "
-                         "module that registers one is loaded with the config key plugins)")
-    return _REWARDS[name]
+    return REWARD_REGISTRY.names()
 
 
 def build_reward(name: str, section: Any) -> Reward:
@@ -81,7 +72,7 @@ def build_reward(name: str, section: Any) -> Reward:
     Raises:
         ValueError: unknown ``name``, or the builder's own checks.
     """
-    return _builder(name)(section)
+    return REWARD_REGISTRY.get(name)(section)
 
 
 register_reward("math_verify", lambda section: MathVerifyReward(num_workers=section.num_workers,

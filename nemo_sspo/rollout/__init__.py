@@ -4,6 +4,7 @@ engine/trainer log-prob gap is :mod:`nemo_sspo.algorithms.off_policy`.
 """
 
 from nemo_sspo.rollout.engines import (
+    ROLLOUT_ENGINE_REGISTRY,
     EngineContext,
     RolloutEngine,
     build_rollout_engine,
@@ -15,6 +16,7 @@ from nemo_sspo.rollout.hf_engine import HFRolloutEngine, RolloutBatch
 from nemo_sspo.rollout.vllm_engine import VLLMRolloutEngine
 
 __all__ = [
+    "ROLLOUT_ENGINE_REGISTRY",
     "EngineContext",
     "HFRolloutEngine",
     "RolloutBatch",

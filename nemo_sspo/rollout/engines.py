@@ -18,11 +18,12 @@ import torch
 
 from nemo_sspo.models import build_hf_model
 from nemo_sspo.models.hf_checkpoint import engine_model_dir
+from nemo_sspo.registry import Registry
 from nemo_sspo.rollout.hf_engine import HFRolloutEngine, RolloutBatch
 from nemo_sspo.rollout.vllm_engine import VLLMRolloutEngine
 
-__all__ = ["EngineContext", "RolloutEngine", "build_rollout_engine", "register_rollout_engine",
-           "rollout_engine_names", "unregister_rollout_engine"]
+__all__ = ["ROLLOUT_ENGINE_REGISTRY", "EngineContext", "RolloutEngine", "build_rollout_engine",
+           "register_rollout_engine", "rollout_engine_names", "unregister_rollout_engine"]
 
 
 @runtime_checkable
@@ -97,7 +98,8 @@ class EngineContext:
 EngineBuilder = Callable[[EngineContext], RolloutEngine]
 """``build(context) -> RolloutEngine``."""
 
-_ENGINES: dict[str, EngineBuilder] = {}
+ROLLOUT_ENGINE_REGISTRY: Registry[EngineBuilder] = Registry(
+    "rollout engine", key="backend", hint=" (a module that registers one is loaded with the config key plugins)")
 
 
 def register_rollout_engine(name: str, build: EngineBuilder) -> EngineBuilder:
@@ -106,10 +108,7 @@ def register_rollout_engine(name: str, build: EngineBuilder) -> EngineBuilder:
     Raises:
         ValueError: the name is taken.
     """
-    if name in _ENGINES:
-        raise ValueError(f"rollout engine {name!r} is already registered; pick another name")
-    _ENGINES[name] = build
-    return build
+    return ROLLOUT_ENGINE_REGISTRY.add(name, build)
 
 
 def unregister_rollout_engine(name: str) -> EngineBuilder:
@@ -118,21 +117,12 @@ def unregister_rollout_engine(name: str) -> EngineBuilder:
     Raises:
         ValueError: unknown name.
     """
-    _builder(name)
-    return _ENGINES.pop(name)
+    return ROLLOUT_ENGINE_REGISTRY.remove(name)
 
 
 def rollout_engine_names() -> list[str]:
     """Sorted names of the registered rollout engines."""
-    return sorted(_ENGINES)
-
-
-def _builder(name: str) -> EngineBuilder:
-    if name not in _ENGINES:
-        raise ValueError(f"backend={name!r} is not a registered rollout engine; registered: "
-                         f"{rollout_engine_names()} (a module that registers one is loaded with the "
-                         "config key plugins)")
-    return _ENGINES[name]
+    return ROLLOUT_ENGINE_REGISTRY.names()
 
 
 def build_rollout_engine(name: str, context: EngineContext) -> RolloutEngine:
@@ -141,7 +131,7 @@ def build_rollout_engine(name: str, context: EngineContext) -> RolloutEngine:
     Raises:
         ValueError: unknown ``name``, or the builder's own checks.
     """
-    return _builder(name)(context)
+    return ROLLOUT_ENGINE_REGISTRY.get(name)(context)
 
 
 def sampling_settings(rollout: Any) -> dict[str, Any]:

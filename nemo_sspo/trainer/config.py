@@ -43,8 +43,8 @@ from nemo_sspo.data import MATH_DATASETS, PAPER_BENCHMARKS, SOURCE_OPTIONS, TEMP
 from nemo_sspo.data.tasks import WordProblemOptions
 from nemo_sspo.megatron.model import check_architecture, check_model_options
 from nemo_sspo.megatron.router_replay import check_router_replay
-from nemo_sspo.rewards import reward_names
-from nemo_sspo.rollout import rollout_engine_names
+from nemo_sspo.rewards import REWARD_REGISTRY
+from nemo_sspo.rollout import ROLLOUT_ENGINE_REGISTRY
 
 __all__ = [
     "ModelConfig",
@@ -427,7 +427,7 @@ def resolve_loss_settings(cfg: TrainConfig) -> None:
         ValueError: unknown ``loss.name`` (lists the registered ones).
     """
     if cfg.rollout.dynamic_sampling is None:
-        record = at_key("loss.name: ", lambda: get_policy_loss(cfg.loss.name))
+        record = at_key("loss.", lambda: get_policy_loss(cfg.loss.name))
         cfg.rollout.dynamic_sampling = record.requirements(build_loss_config(cfg.loss)).dynamic_sampling
 
 
@@ -438,7 +438,7 @@ def build_loss_config(section: LossSection) -> Any:
         ValueError: unknown loss name (lists the registered ones), or ``params`` that are not the
             config dataclass of that loss (``loss.name`` overridden without selecting its group).
     """
-    config_cls = at_key("loss.name: ", lambda: get_policy_loss(section.name)).config_cls
+    config_cls = at_key("loss.", lambda: get_policy_loss(section.name)).config_cls
     if type(section.params) is not config_cls:
         raise ValueError(f"loss.name={section.name!r} needs loss.params of type {config_cls.__name__}, got "
                          f"{type(section.params).__name__}: select the loss as a group (loss={section.name}) "
@@ -709,12 +709,8 @@ def _validate_model_rollout_eval(cfg: TrainConfig) -> None:
     at_key("model.", lambda: check_model_options(precision=m.precision, fp8=m.fp8, fp8_recipe=m.fp8_recipe,
                                              transformer_impl=m.transformer_impl))
     at_key("model.", lambda: check_router_replay(m.router_replay))
-    _require(cfg.rollout.backend in rollout_engine_names(),
-             f"rollout.backend={cfg.rollout.backend!r} is not a registered rollout engine; registered: "
-             f"{rollout_engine_names()} (a module that registers one is named by the key plugins)")
-    _require(cfg.reward.name in reward_names(),
-             f"reward.name={cfg.reward.name!r} is not a registered reward; registered: {reward_names()} (a "
-             "module that registers one is named by the key plugins)")
+    at_key("rollout.", lambda: ROLLOUT_ENGINE_REGISTRY.get(cfg.rollout.backend))
+    at_key("reward.", lambda: REWARD_REGISTRY.get(cfg.reward.name))
     _require(vl.tensor_parallel_size >= 1, "rollout.vllm.tensor_parallel_size must be >= 1")
     _require(0 < vl.gpu_memory_utilization <= 1, "rollout.vllm.gpu_memory_utilization must be in (0, 1]")
     _require(vl.cpu_kv_cache_gib > 0, "rollout.vllm.cpu_kv_cache_gib must be > 0 (GiB of KV cache on CPU)")

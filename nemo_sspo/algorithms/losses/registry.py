@@ -27,6 +27,7 @@ from nemo_sspo.algorithms.losses.base import (
     resolve_segments,
 )
 from nemo_sspo.algorithms.losses.inputs import LossInputs, LossOutput, LossRequirements
+from nemo_sspo.registry import Registry
 
 class Objective(Protocol):
     """What a loss's builder returns: ``objective(inputs, segments) -> LossTerms``."""
@@ -116,7 +117,7 @@ class BoundPolicyLoss:
         return f"BoundPolicyLoss({self.name!r}, {self.config!r})"
 
 
-_REGISTRY: dict[str, LossRecord] = {}
+_REGISTRY: Registry[LossRecord] = Registry("policy loss")
 
 
 def register_policy_loss(record: LossRecord) -> LossRecord:
@@ -127,8 +128,6 @@ def register_policy_loss(record: LossRecord) -> LossRecord:
             ``PolicyLossConfig``, the advantage source is unknown, or ``unit`` is None for a
             config class without a ``segmentation`` field.
     """
-    if record.name in _REGISTRY:
-        raise ValueError(f"policy loss {record.name!r} is already registered; pick another name")
     if record.config_cls.__bases__ != (PolicyLossConfig,) or not dataclasses.is_dataclass(
             record.config_cls):
         raise ValueError(f"loss {record.name!r}: {record.config_cls.__name__} must be a dataclass "
@@ -140,8 +139,7 @@ def register_policy_loss(record: LossRecord) -> LossRecord:
     if record.unit is None and "segmentation" not in _field_names(record.config_cls):
         raise ValueError(f"loss {record.name!r}: give unit= or a segmentation field in "
                          f"{record.config_cls.__name__}")
-    _REGISTRY[record.name] = record
-    return record
+    return _REGISTRY.add(record.name, record)
 
 
 def unregister_policy_loss(name: str) -> LossRecord:
@@ -150,8 +148,7 @@ def unregister_policy_loss(name: str) -> LossRecord:
     Raises:
         ValueError: ``name`` is not registered.
     """
-    get_policy_loss(name)
-    return _REGISTRY.pop(name)
+    return _REGISTRY.remove(name)
 
 
 def get_policy_loss(name: str) -> LossRecord:
@@ -160,9 +157,7 @@ def get_policy_loss(name: str) -> LossRecord:
     Raises:
         ValueError: ``name`` is unknown; the message lists the registered names.
     """
-    if name not in _REGISTRY:
-        raise ValueError(f"unknown policy loss {name!r}; registered: {policy_loss_names()}")
-    return _REGISTRY[name]
+    return _REGISTRY.get(name)
 
 
 def make_policy_loss(name: str, config: PolicyLossConfig | None = None) -> BoundPolicyLoss:
@@ -177,7 +172,7 @@ def make_policy_loss(name: str, config: PolicyLossConfig | None = None) -> Bound
 
 def policy_loss_names() -> list[str]:
     """Sorted names of all registered policy losses."""
-    return sorted(_REGISTRY)
+    return _REGISTRY.names()
 
 
 def _field_names(config_cls: type) -> list[str]:

@@ -35,6 +35,7 @@ import torch
 from nemo_sspo.algorithms.losses.base import PolicyLossConfig, config_error
 from nemo_sspo.algorithms.losses.ratio_clip import BoundsContext, RatioEngine, Surrogate
 from nemo_sspo.algorithms.losses.registry import LossRecord, register_policy_loss
+from nemo_sspo.registry import Registry
 
 GateFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -47,7 +48,7 @@ class SoftGate:
     slope: GateFn
 
 
-_GATES: dict[str, SoftGate] = {}
+_GATES: Registry[SoftGate] = Registry("soft gate", key="gate")
 
 
 def register_soft_gate(name: str, gate: SoftGate) -> None:
@@ -56,9 +57,7 @@ def register_soft_gate(name: str, gate: SoftGate) -> None:
     Raises:
         ValueError: the name is taken.
     """
-    if name in _GATES:
-        raise ValueError(f"soft gate {name!r} is already registered; pick another name")
-    _GATES[name] = gate
+    _GATES.add(name, gate)
 
 
 def unregister_soft_gate(name: str) -> SoftGate:
@@ -67,8 +66,7 @@ def unregister_soft_gate(name: str) -> SoftGate:
     Raises:
         ValueError: unknown name.
     """
-    get_soft_gate(name)
-    return _GATES.pop(name)
+    return _GATES.remove(name)
 
 
 def get_soft_gate(name: str) -> SoftGate:
@@ -77,14 +75,12 @@ def get_soft_gate(name: str) -> SoftGate:
     Raises:
         ValueError: unknown name (lists the registered ones).
     """
-    if name not in _GATES:
-        raise ValueError(f"unknown soft gate {name!r}; registered: {soft_gate_names()}")
-    return _GATES[name]
+    return _GATES.get(name)
 
 
 def soft_gate_names() -> list[str]:
     """Sorted names of the registered gates."""
-    return sorted(_GATES)
+    return _GATES.names()
 
 
 def _sigmoid_value(x, tau):

@@ -1,0 +1,48 @@
+"""The one name -> entry table behind every plug-in point (nemo_sspo.registry)."""
+
+import pytest
+
+from nemo_sspo.algorithms.losses import get_soft_gate
+from nemo_sspo.registry import Registry
+from nemo_sspo.rewards import reward_names
+from nemo_sspo.rollout import rollout_engine_names
+from nemo_sspo.trainer.config import at_key
+
+
+def test_add_get_remove_and_sorted_names():
+    table: Registry[int] = Registry("widget")
+    assert table.add("b", 2) == 2
+    table.add("a", 1)
+    assert table.names() == ["a", "b"]
+    assert table.items() == [("a", 1), ("b", 2)]
+    assert table.get("b") == 2
+    assert "a" in table and "c" not in table
+    assert table.remove("a") == 1
+    assert table.names() == ["b"]
+
+
+def test_a_taken_name_is_refused_and_the_first_entry_kept():
+    table: Registry[int] = Registry("widget")
+    table.add("a", 1)
+    with pytest.raises(ValueError, match="widget 'a' is already registered; pick another name"):
+        table.add("a", 2)
+    assert table.get("a") == 1
+
+
+def test_unknown_names_name_the_argument_and_list_the_registered_ones():
+    table: Registry[int] = Registry("widget", key="kind", hint=" (load a plug-in)")
+    table.add("a", 1)
+    message = r"kind='z' is not a registered widget; registered: \['a'\] \(load a plug-in\)"
+    with pytest.raises(ValueError, match=message):
+        table.get("z")
+    with pytest.raises(ValueError, match=message):
+        table.remove("z")
+    with pytest.raises(ValueError, match=r"^section\." + message):
+        at_key("section.", lambda: table.get("z"))
+
+
+def test_the_package_plug_in_points_use_it():
+    assert {"hf", "vllm"} <= set(rollout_engine_names())
+    assert "math_verify" in reward_names()
+    with pytest.raises(ValueError, match="gate='nope' is not a registered soft gate"):
+        get_soft_gate("nope")
