@@ -10,11 +10,16 @@ process group, the rollout ranks waiting) and then separate (``max_staleness=0``
   generators do over data-parallel.
 
 Separate must give the colocated run's rollouts (response ids and rewards per step, each training
-rank's), losses, gradient norms and sampling metrics (relative 1e-5) and the same final policy.
+rank's), losses, gradient norms and sampling metrics (relative 1e-5) and the same final policy, and
+every rollout rank must end cleanly. Then, in the DP2 layout, rollout rank 2 (not the world's last
+rank) dies while generating step 2: replica 0, which takes its groups from it, must stop with an error
+naming rank 2, with step 1's metrics kept.
 """
 
 import datetime
+import json
 import os
+import pickle
 
 import pytest
 import torch
@@ -25,6 +30,7 @@ from nemo_sspo.megatron import destroy_parallel, export_hf_state_dict
 from nemo_sspo.models import load_hf_checkpoint
 from nemo_sspo.parallel.placement import split_world
 from nemo_sspo.trainer import loop
+from nemo_sspo.trainer.placement import RolloutWorker
 from tests.integration._loop_runs import TINY, ParityReward
 
 RUN = [*TINY, "rollout.correction=token_tis", "optim.lr=0.05"]
@@ -61,6 +67,34 @@ def _fit(cfg, tiny, split=None):
         destroy_parallel()
 
 
+def _dies_at_step_two(self, step, version, inner=RolloutWorker._generate_and_send):
+    if step == 2:
+        os._exit(17)
+    inner(self, step, version)
+
+
+def _killed(rank, world_size, store, out_dir, tiny):
+    """The DP2 layout, separate, with rollout rank 2 dying in step 2; training rank 0 writes its error."""
+    dist.destroy_process_group()
+    split = split_world(dist.PrefixStore("killed", store), rank=rank, world_size=world_size,
+                        num_rollout_ranks=ROLLOUT_RANKS, timeout=datetime.timedelta(seconds=60))
+    cfg = load_config(overrides=[*RUN, *LAYOUTS["dp2_dynamic"], f"trainer.output_dir={out_dir}/killed",
+                                 "rollout.placement=separate", f"rollout.num_ranks={ROLLOUT_RANKS}"])
+    if rank == 2:
+        RolloutWorker._generate_and_send = _dies_at_step_two
+    try:  # the survivors fail too (their peers are gone); only rank 2's exit is the run's failure
+        if split.is_rollout:
+            loop.run_rollout_rank(cfg, split, checkpoint=tiny, reward=ParityReward())
+        else:
+            _fit(cfg, tiny, split)
+        message = "no error"
+    except RuntimeError as err:
+        message = str(err)
+    if rank == 0:
+        with open(f"{out_dir}/killed.txt", "w") as f:
+            f.write(message)
+
+
 def _layout(rank, world_size, store, out_dir, name, tiny):
     overrides = [*RUN, *LAYOUTS[name]]
     result = {}
@@ -92,11 +126,16 @@ def _child(rank, world_size, out_dir):
     tiny = load_hf_checkpoint("tiny-random-llama")
     store = dist.distributed_c10d._get_default_store()
     _record_rollouts()
-    return {name: _layout(rank, world_size, store, out_dir, name, tiny) for name in LAYOUTS}
+    results = {name: _layout(rank, world_size, store, out_dir, name, tiny) for name in LAYOUTS}
+    with open(f"{out_dir}/rank{rank}.pkl", "wb") as f:
+        pickle.dump(results, f)
+    _killed(rank, world_size, store, out_dir, tiny)
 
 
-def test_separate_with_two_rollout_ranks_equals_colocated_under_tp2_and_dp2(run_distributed, tmp_path):
-    ranks = run_distributed(_child, TRAINING_RANKS + ROLLOUT_RANKS, str(tmp_path), timeout_s=400)
+def test_separate_with_two_rollout_ranks_equals_colocated_and_a_dead_one_is_named(run_distributed, tmp_path):
+    with pytest.raises(RuntimeError, match=r"(?s)rank 2 of 4 failed.*exited with code 17"):
+        run_distributed(_child, TRAINING_RANKS + ROLLOUT_RANKS, str(tmp_path), timeout_s=400)
+    ranks = [pickle.loads((tmp_path / f"rank{rank}.pkl").read_bytes()) for rank in range(4)]
     assert all(ranks[r][name] == {} for r in (2, 3) for name in LAYOUTS)  # rollout ranks ended cleanly
     for name in LAYOUTS:
         for rank in range(TRAINING_RANKS):
@@ -116,3 +155,6 @@ def test_separate_with_two_rollout_ranks_equals_colocated_under_tp2_and_dp2(run_
                                        msg=f"{name}: {tensor_name}")
     # Dynamic sampling refilled some zero-variance groups (otherwise the rollout ranks' collective went unused).
     assert any(h["rollout/sampling_rounds"] > 1 for h in ranks[0]["dp2_dynamic"]["separate"]["history"])
+    assert "rollout rank 2 sent no rollout for step 2" in (tmp_path / "killed.txt").read_text()
+    kept = [json.loads(line) for line in (tmp_path / "killed" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in kept] == [1]
