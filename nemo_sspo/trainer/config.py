@@ -209,7 +209,9 @@ class RolloutConfig:
     running the engine and the reward, the others train (``nemo_sspo.trainer.placement``); rollouts
     and weights move between them as tensors over torch.distributed."""
     num_ranks: int = 0
-    """Rollout ranks with ``placement: separate`` (1 for now); 0 with ``colocated``."""
+    """Rollout ranks R with ``placement: separate`` (>= 1, dividing ``prompts_per_step``: rollout rank j
+    generates the j-th R-th of every step's prompt groups with its own engine replica); 0 with
+    ``colocated``."""
     peer_timeout_s: float = 1800.0
     """``placement: separate``: longest wait, in seconds, for the other side (a step's rollout, a
     refit). A rollout or training rank that died or hangs ends the run on every rank after at most
@@ -609,14 +611,17 @@ def _validate_placement(ro: RolloutConfig, cfg: TrainConfig, world_size: int) ->
                  "(colocated replicas generate themselves); set rollout.num_ranks=0")
         return
     _require(ro.peer_timeout_s > 0, f"rollout.peer_timeout_s={ro.peer_timeout_s} must be > 0 (seconds)")
-    _require(ro.num_ranks == 1, f"rollout.num_ranks={ro.num_ranks}: rollout.placement=separate runs one rollout "
-             "rank for now; set rollout.num_ranks=1")
+    _require(ro.num_ranks >= 1, f"rollout.num_ranks={ro.num_ranks}: rollout.placement=separate needs at least "
+             "one rollout rank; set rollout.num_ranks=1 (or more)")
+    _require(ro.prompts_per_step % ro.num_ranks == 0,
+             f"rollout.num_ranks={ro.num_ranks} does not divide rollout.prompts_per_step={ro.prompts_per_step} (each "
+             "rollout rank generates an equal share of a step's prompt groups); pick a rollout.num_ranks that "
+             "divides it")
     _require(world_size > ro.num_ranks, f"rollout.num_ranks={ro.num_ranks} leaves no training rank in a world of "
              f"{world_size} processes; launch more (--nproc-per-node) or use rollout.placement=colocated")
-    unsupported = {"rollout.backend=vllm": ro.backend == "vllm", "eval.every_n_steps > 0": cfg.eval.every_n_steps > 0}
-    for setting, used in unsupported.items():
-        _require(not used, f"rollout.placement=separate does not support {setting} yet; use "
-                 "rollout.placement=colocated for it")
+    _require(cfg.eval.every_n_steps == 0, "rollout.placement=separate does not support eval.every_n_steps > 0 yet; "
+             "set eval.every_n_steps=0 (evaluate the saved checkpoints with nemo-sspo eval) or use "
+             "rollout.placement=colocated")
 
 
 def _validate_correction(ro: RolloutConfig) -> None:

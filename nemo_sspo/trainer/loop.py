@@ -116,7 +116,14 @@ from nemo_sspo.trainer.staleness import LockStepRollouts, VersionedRollout, vers
 from nemo_sspo.trainer.timeline import Timeline
 from nemo_sspo.parallel.placement import WorldSplit
 from nemo_sspo.parallel.weight_broadcast import send_weight_buckets
-from nemo_sspo.trainer.placement import ONE_REPLICA, RolloutWorker, recv_rollout, send_start
+from nemo_sspo.trainer.placement import (
+    RolloutWorker,
+    merge_rollouts,
+    recv_rollout,
+    rollout_replica,
+    send_start,
+    slot_routes,
+)
 
 __all__ = ["GRPOTrainer", "Rollout", "build_rollout", "run_rollout_rank", "start_parallel"]
 
@@ -204,8 +211,10 @@ def build_rollout(cfg: TrainConfig, hf_config, state_dict, tokenizer, prompts, g
 
 
 def run_rollout_rank(cfg: TrainConfig, split: WorldSplit, checkpoint=None, *, reward: Reward | None = None) -> None:
-    """The rollout rank of ``rollout.placement: separate``: builds the engine, reward and prompt stream
-    and runs :class:`nemo_sspo.trainer.placement.RolloutWorker` until the last step's refit.
+    """A rollout rank of ``rollout.placement: separate``: builds the engine (``rollout.backend``), reward
+    and prompt stream, runs :class:`nemo_sspo.trainer.placement.RolloutWorker` until the last step's
+    refit, then closes the reward and stops the engine (an in-process vLLM ends this process's
+    torch.distributed default group: nothing of the rollout side's runs after it).
 
     Args:
         cfg: the run's validated config.
@@ -223,12 +232,13 @@ def run_rollout_rank(cfg: TrainConfig, split: WorldSplit, checkpoint=None, *, re
     hf_config, state_dict, tokenizer = checkpoint
     sampler = None
     try:
-        engine, reward, sampler = build_rollout(cfg, hf_config, state_dict, tokenizer, prompts, ONE_REPLICA,
+        engine, reward, sampler = build_rollout(cfg, hf_config, state_dict, tokenizer, prompts, rollout_replica(split),
                                                 stop_ids=run_stop_ids(cfg, tokenizer), reward=reward)
         RolloutWorker(cfg, split, engine, sampler).run()
     finally:
         if sampler is not None:  # the reward (its worker processes) is closed as GRPOTrainer.close does
             sampler.reward.close()
+            sampler.engine.shutdown()
 
 
 class GRPOTrainer:
@@ -250,7 +260,7 @@ class GRPOTrainer:
             (the first model-parallel rank of each data-parallel replica).
         split: with ``rollout.placement: separate``, this training rank's place in the split world
             (:func:`nemo_sspo.parallel.placement.split_world`): no engine here, rollouts come from the
-            rollout rank and the refit is broadcast to it; None (colocated) otherwise.
+            rollout ranks and the refit is broadcast to them; None (colocated) otherwise.
 
     Raises:
         ValueError: a GPU-only setting on a CPU host (:func:`nemo_sspo.trainer.device.check_host`), a parallel
@@ -490,8 +500,8 @@ class GRPOTrainer:
         """Streams the updated Megatron weights into the rollout engine, bucket by bucket
         (``rollout.refit_bucket_mb``), gathered only on the generating rank (collective over TP/PP).
 
-        With ``placement: separate`` the first replica's export rank broadcasts them to the rollout
-        rank (the other replicas hold the same weights and send nothing).
+        With ``placement: separate`` the first replica's export rank broadcasts them to every rollout
+        rank at once (the other replicas hold the same weights and send nothing).
 
         Returns:
             With ``placement: separate``: seconds per GB of the broadcast, export included (the same
@@ -515,7 +525,8 @@ class GRPOTrainer:
             buckets = iter_hf_weight_buckets(self.model.module, self.hf_config,
                                              self.cfg.rollout.refit_bucket_mb << 20, dst_rank=self.groups.mp_src_rank)
             if dist.get_rank() == self.groups.mp_src_rank:
-                stats = send_weight_buckets(buckets, group=self.split.refit, receivers=[self.split.world_size - 1])
+                receivers = list(range(self.split.num_training_ranks, self.split.world_size))
+                stats = send_weight_buckets(buckets, group=self.split.refit, receivers=receivers)
                 seconds_per_gb[0] = stats.seconds_per_gb
             else:
                 for _ in buckets:  # this rank's share of the gathers
@@ -532,11 +543,17 @@ class GRPOTrainer:
         return VersionedRollout(rollout, version=version, problems_drawn=drawn, generated=(start, time.time()))
 
     def _received_rollout(self, step: int) -> VersionedRollout:
-        """``placement: separate``: step ``step``'s rollout from the rollout rank, shared across the replica."""
-        g = self.groups
+        """``placement: separate``: step ``step``'s rollout from the rollout ranks generating this
+        replica's slots (:func:`nemo_sspo.trainer.placement.slot_routes`), stacked in slot order and
+        shared across the replica.
+        """
+        g, split = self.groups, self.split
         versioned = None
         if g.mp_rank == 0:
-            versioned = recv_rollout(src=self.split.world_size - 1, group=self.split.bridge, tag=step)
+            routes = slot_routes(self.cfg.rollout.prompts_per_step, g.dp_size, split.num_rollout_ranks)
+            parts = [recv_rollout(src=split.num_training_ranks + route.source, group=split.bridge, tag=step)
+                     for route in routes if route.replica == g.dp_rank]
+            versioned = merge_rollouts(parts, pad_id=self.tokenizer.pad_token_id)
         if g.mp_size == 1:
             return versioned
         box = [versioned]
@@ -673,7 +690,7 @@ class GRPOTrainer:
                                self.cfg.rollout.max_staleness, state.step + 1, state.step + 1)
 
     def _announce_start(self, completed_steps: int, problems_drawn: int) -> None:
-        """``placement: separate``: tells the rollout rank where the run starts (the steps done, the data
+        """``placement: separate``: tells every rollout rank where the run starts (the steps done, the data
         position and each replica's receiving rank; a resumed run's weights follow with the refit).
         Collective over the training ranks.
         """
@@ -683,8 +700,8 @@ class GRPOTrainer:
         dist.all_gather(gathered, mine)
         replicas = [rank for dp, rank in sorted(t.tolist() for t in gathered) if dp >= 0]  # in data-parallel order
         if dist.get_rank() == 0:
-            send_start(completed_steps, problems_drawn, replicas, dst=self.split.world_size - 1,
-                       group=self.split.bridge)
+            for dst in range(self.split.num_training_ranks, self.split.world_size):
+                send_start(completed_steps, problems_drawn, replicas, dst=dst, group=self.split.bridge)
 
     def _save_hf(self, name: str, extra: dict | None = None) -> None:
         """The current policy as a Hugging Face folder ``output_dir/name`` (collective export, rank 0 writes)."""

@@ -1,20 +1,26 @@
-"""``rollout.placement: separate``: a rollout rank generates and scores while the training ranks train.
+"""``rollout.placement: separate``: rollout ranks generate and score while the training ranks train.
 
-One launched world (:func:`nemo_sspo.parallel.placement.split_world`): training ranks 0 .. N-2 run
-the policy (TP x PP x DP as colocated), the last rank is the rollout rank. It holds the engine, the
-reward pool and the prompt stream, and runs lock-step (``rollout.max_staleness = k``,
-:mod:`nemo_sspo.trainer.staleness`): it generates the rollouts of steps 1 .. k + 1 with the initial
-weights, then after each step t's update receives the weights (bucket by bucket,
-:mod:`nemo_sspo.parallel.weight_broadcast`) and generates step t + k + 1 while the trainer works on
-step t + 1. It generates every slot of a step as one data-parallel replica would (the same
-prompts and seeds as colocated generators, :mod:`nemo_sspo.trainer.sampling`) and sends each
-training replica's first model-parallel rank its slots' rows, trimmed to their own padding (what a
-colocated generator of those slots builds).
+One launched world (:func:`nemo_sspo.parallel.placement.split_world`): training ranks 0 .. T-1 run
+the policy (TP x PP x DP as colocated), the last R ranks (``rollout.num_ranks``) are rollout ranks.
+Each holds one engine replica, the reward pool and the prompt stream, and runs lock-step
+(``rollout.max_staleness = k``, :mod:`nemo_sspo.trainer.staleness`): it generates the rollouts of
+steps 1 .. k + 1 with the initial weights, then after each step t's update receives the weights
+(bucket by bucket, :mod:`nemo_sspo.parallel.weight_broadcast`; one broadcast reaches every rollout
+rank) and generates step t + k + 1 while the trainer works on step t + 1.
 
-A run starts with training rank 0 telling the rollout rank the steps already done and the data
+Slots (:mod:`nemo_sspo.trainer.sampling`): rollout rank j generates the step's prompt groups as
+data-parallel rank j of R would (slots ``[j P/R, (j+1) P/R)``, the same prompts and seeds as colocated
+generators; dynamic sampling's refill rounds all-reduce over the rollout ranks' own default group),
+and training replica d trains on slots ``[d P/D, (d+1) P/D)``. :func:`slot_routes` pairs them: every
+rollout rank sends each replica whose slots overlap its own the overlap's rows, trimmed to their own
+padding, to the replica's first model-parallel rank, which stacks the parts it receives in slot
+order (:func:`merge_rollouts`) into what a colocated generator of its slots builds. So any D and R
+fit as long as R divides P (``rollout.prompts_per_step``).
+
+A run starts with training rank 0 telling every rollout rank the steps already done and the data
 position (:func:`send_start`). A resumed run then sends the resumed weights as a refit: the rollout
-rank replays the data position and generates the next steps from those weights (lag 0 at the first
-resumed step, whatever k), and logs that it did.
+ranks replay the data position and generate the next steps from those weights (lag 0 at the first
+resumed step, whatever k), and log that they did.
 
 Rollouts travel as plain tensors over the bridge group (:func:`send_rollout` / :func:`recv_rollout`):
 a header ``int64 [11]`` (rows, prompt width, response width, rounds, groups generated, policy
@@ -22,7 +28,7 @@ version, data position, text bytes, generation start and end in unix microsecond
 then prompt ids / mask, response ids / mask, truncation flags, engine log-probs, task and shaped
 rewards, response text lengths and bytes, and each group's prompt key as ``uint8 [groups, 16]``
 (DCPO's per-prompt history is keyed by it). Sends are asynchronous,
-so the rollout rank never waits for a trainer that is busy with an earlier step.
+so a rollout rank never waits for a trainer that is busy with an earlier step.
 """
 
 from __future__ import annotations
@@ -37,10 +43,12 @@ import torch.distributed as dist
 from nemo_sspo.parallel.placement import WorldSplit
 from nemo_sspo.parallel.weight_broadcast import receive_weight_buckets
 from nemo_sspo.rollout import RolloutBatch
+from nemo_sspo.trainer.batch import concat_rollouts
 from nemo_sspo.trainer.sampling import Rollout
 from nemo_sspo.trainer.staleness import VersionedRollout
 
-__all__ = ["ONE_REPLICA", "RolloutWorker", "recv_rollout", "send_rollout", "send_start", "slot_rows"]
+__all__ = ["RolloutWorker", "SlotRoute", "merge_rollouts", "recv_rollout", "rollout_replica", "send_rollout",
+           "send_start", "slot_routes", "slot_rows"]
 
 logger = logging.getLogger(__name__)
 
@@ -58,13 +66,19 @@ def slot_rows(rollout: Rollout, start: int, stop: int) -> Rollout:
         stop: row after the last.
 
     Returns:
-        A :class:`Rollout` of the rows, with the step's ``rounds`` and ``generated_groups``.
+        A :class:`Rollout` of the rows, with the step's ``rounds``; its ``generated_groups`` counts
+        the groups generated for those rows' slots where ``rollout.slot_generated`` records them
+        (rows ``start:stop`` must then cover whole groups), else it is the step's.
     """
     rb = rollout.batch
     prompt_width = int(rb.prompt_mask[start:stop].sum(dim=1).max())
     response_width = int(rb.response_mask[start:stop].sum(dim=1).max())
     cut = slice(start, stop)
     per_group = rb.prompt_ids.shape[0] // len(rollout.prompt_keys)  # responses per prompt group
+    groups = slice(start // per_group, stop // per_group)
+    generated, per_slot = rollout.generated_groups, rollout.slot_generated
+    if per_slot is not None:
+        generated, per_slot = sum(per_slot[groups]), per_slot[groups]
     batch = RolloutBatch(
         prompt_ids=rb.prompt_ids[cut, rb.prompt_ids.shape[1] - prompt_width:],
         prompt_mask=rb.prompt_mask[cut, rb.prompt_mask.shape[1] - prompt_width:],
@@ -72,8 +86,93 @@ def slot_rows(rollout: Rollout, start: int, stop: int) -> Rollout:
         truncated=rb.truncated[cut], response_texts=rb.response_texts[cut],
         rollout_logprobs=rb.rollout_logprobs[cut, :response_width])
     return Rollout(batch=batch, task_rewards=rollout.task_rewards[cut], rewards=rollout.rewards[cut],
-                   rounds=rollout.rounds, generated_groups=rollout.generated_groups,
-                   prompt_keys=rollout.prompt_keys[start // per_group:stop // per_group])
+                   rounds=rollout.rounds, generated_groups=generated, prompt_keys=rollout.prompt_keys[groups],
+                   slot_generated=per_slot)
+
+
+@dataclass(frozen=True)
+class SlotRoute:
+    """Slots ``first:stop`` of every step go from rollout rank ``source`` to replica ``replica``.
+
+    Attributes:
+        source: index j in 0..R-1 of the generating rollout rank (world rank T + j).
+        replica: data-parallel rank d in 0..D-1 of the training replica that trains on them.
+        first: first global slot (prompt group) of the route.
+        stop: the slot after its last.
+    """
+
+    source: int
+    replica: int
+    first: int
+    stop: int
+
+
+def slot_routes(prompts_per_step: int, dp_size: int, num_rollout_ranks: int) -> list[SlotRoute]:
+    """Which slots each rollout rank sends to which training replica (module docstring).
+
+    Rollout rank j generates slots ``[j P/R, (j+1) P/R)``, replica d trains on ``[d P/D, (d+1) P/D)``;
+    one route per overlapping pair, holding the overlap. Ours (the colocated slot split of
+    :mod:`nemo_sspo.trainer.sampling` applied to each side).
+
+    Args:
+        prompts_per_step: P, prompt groups of a step.
+        dp_size: D, training replicas; divides P.
+        num_rollout_ranks: R, rollout ranks; divides P.
+
+    Returns:
+        The routes ordered by source, then replica; each replica's routes are in slot order and
+        cover its slots exactly once.
+
+    Raises:
+        ValueError: D or R is below 1 or does not divide P.
+    """
+    for name, size in (("dp_size", dp_size), ("num_rollout_ranks", num_rollout_ranks)):
+        if size < 1 or prompts_per_step % size:
+            raise ValueError(f"{name}={size} must be >= 1 and divide prompts_per_step={prompts_per_step}")
+    per_source, per_replica = prompts_per_step // num_rollout_ranks, prompts_per_step // dp_size
+    routes = []
+    for source in range(num_rollout_ranks):
+        low, high = source * per_source, (source + 1) * per_source
+        for replica in range(low // per_replica, -(-high // per_replica)):
+            routes.append(SlotRoute(source, replica, max(low, replica * per_replica),
+                                    min(high, (replica + 1) * per_replica)))
+    return routes
+
+
+def merge_rollouts(parts: list[VersionedRollout], *, pad_id: int) -> VersionedRollout:
+    """A replica's rollout from the parts its rollout ranks sent, in slot order.
+
+    Rows are stacked with :func:`nemo_sspo.trainer.batch.concat_rollouts` (re-padded to the widest
+    part, as a colocated generator pads its slots), rewards and prompt keys concatenated, generated
+    groups summed. The policy version is the oldest part's (what staleness must bound), the
+    generation window spans every part's.
+
+    Args:
+        parts: the received parts, at least one.
+        pad_id: the tokenizer's pad id.
+
+    Returns:
+        The merged :class:`VersionedRollout`.
+
+    Raises:
+        ValueError: ``parts`` is empty, or its parts ran different sampling rounds or data positions
+            (rollout ranks out of step).
+    """
+    if not parts:
+        raise ValueError("merge_rollouts needs at least one part")
+    rounds = {p.rollout.rounds for p in parts}
+    drawn = {p.problems_drawn for p in parts}
+    if len(rounds) > 1 or len(drawn) > 1:
+        raise ValueError(f"rollout ranks out of step: sampling rounds {sorted(rounds)}, data positions "
+                         f"{sorted(drawn)} (each must be one number)")
+    rollouts = [p.rollout for p in parts]
+    rollout = Rollout(batch=concat_rollouts([r.batch for r in rollouts], pad_id=pad_id),
+                      task_rewards=torch.cat([r.task_rewards for r in rollouts]),
+                      rewards=torch.cat([r.rewards for r in rollouts]), rounds=rounds.pop(),
+                      generated_groups=sum(r.generated_groups for r in rollouts),
+                      prompt_keys=[key for r in rollouts for key in r.prompt_keys])
+    return VersionedRollout(rollout, version=min(p.version for p in parts), problems_drawn=drawn.pop(),
+                            generated=(min(p.generated[0] for p in parts), max(p.generated[1] for p in parts)))
 
 
 @dataclass
@@ -144,7 +243,7 @@ def recv_rollout(*, src: int, group: dist.ProcessGroup, tag: int) -> VersionedRo
 
 def send_start(completed_steps: int, problems_drawn: int, replicas: list[int], *, dst: int,
                group: dist.ProcessGroup) -> None:
-    """Training rank 0 tells the rollout rank ``dst`` where the run starts.
+    """Training rank 0 tells rollout rank ``dst`` where the run starts (once to each rollout rank).
 
     The message holds the steps already done, the data position (both 0 for a fresh run; a resumed
     run's weights follow, as a refit) and the world rank that receives each data-parallel replica's
@@ -168,43 +267,53 @@ def _recv(tensor: torch.Tensor, src: int, group: dist.ProcessGroup, tag: int) ->
 
 
 @dataclass(frozen=True)
-class _OneReplica:
-    """A sampler's data-parallel view of the rollout rank: one replica owning every slot."""
+class _RolloutReplica:
+    """A sampler's data-parallel view of a rollout rank: rank ``dp_rank`` of the ``dp_size`` rollout
+    ranks, whose collectives run over the rollout side's default group (``dp_group`` None).
+    """
 
-    dp_size: int = 1
-    dp_rank: int = 0
+    dp_size: int
+    dp_rank: int
     dp_group: None = None
 
 
-ONE_REPLICA = _OneReplica()
-"""The ``groups`` to build the rollout rank's :class:`nemo_sspo.trainer.sampling.RolloutSampler` with."""
+def rollout_replica(split: WorldSplit) -> _RolloutReplica:
+    """The ``groups`` to build a rollout rank's :class:`nemo_sspo.trainer.sampling.RolloutSampler` with:
+    rollout rank j of R generates slots as data-parallel rank j of R (module docstring).
+
+    Raises:
+        ValueError: ``split`` is a training rank's.
+    """
+    return _RolloutReplica(dp_size=split.num_rollout_ranks, dp_rank=split.rollout_index(split.rank))
 
 
 class RolloutWorker:
-    """The rollout rank's loop (module docstring).
+    """A rollout rank's loop (module docstring).
 
     Args:
         cfg: the run's validated config (``rollout.placement == "separate"``).
         split: this rank's :class:`WorldSplit` (a rollout rank).
         engine: the rollout engine, holding the initial weights.
         sampler: a :class:`nemo_sspo.trainer.sampling.RolloutSampler` on ``engine`` built with
-            ``groups=ONE_REPLICA`` (it generates every slot of a step).
+            ``groups=rollout_replica(split)`` (it generates this rollout rank's share of every step).
     """
 
     def __init__(self, cfg, split: WorldSplit, engine, sampler) -> None:  # noqa: D107
         self.cfg, self.split, self.engine, self.sampler = cfg, split, engine, sampler
         self.replica_ranks: list[int] = []  # from the start message
+        self.routes: list[SlotRoute] = []  # this rank's, once the replicas are known
         self._pending: list[_Sent] = []
 
     def _generate_and_send(self, step: int, version: int) -> None:
         start = time.time()
         rollout = self.sampler.collect(step)
         window = (start, time.time())
-        rows = rollout.rewards.numel() // len(self.replica_ranks)
-        for d, dst in enumerate(self.replica_ranks):
-            part = VersionedRollout(slot_rows(rollout, d * rows, (d + 1) * rows), version, self.sampler.problems_drawn,
-                                    generated=window)
-            self._pending.append(send_rollout(part, dst=dst, group=self.split.bridge, tag=step))
+        group, first = self.cfg.rollout.samples_per_prompt, self.sampler.first_slot
+        for route in self.routes:
+            rows = slot_rows(rollout, (route.first - first) * group, (route.stop - first) * group)
+            part = VersionedRollout(rows, version, self.sampler.problems_drawn, generated=window)
+            self._pending.append(send_rollout(part, dst=self.replica_ranks[route.replica], group=self.split.bridge,
+                                              tag=step))
 
     def run(self) -> None:
         """Generates and sends every step's rollout and takes the weights after every update.
@@ -220,6 +329,9 @@ class RolloutWorker:
         except RuntimeError as err:
             raise RuntimeError(f"training rank 0 sent no start of the run (it died or hung past the timeout): "
                                f"{err}") from err
+        me = self.split.rollout_index(self.split.rank)
+        self.routes = [route for route in slot_routes(self.cfg.rollout.prompts_per_step, replicas,
+                                                      self.split.num_rollout_ranks) if route.source == me]
         if done:  # a resumed run: its weights come as a refit; generation restarts from them
             self.sampler.fast_forward(drawn)
             self.engine.load_weight_buckets(receive_weight_buckets(group=self.split.refit))
@@ -237,12 +349,13 @@ class RolloutWorker:
 
     def _drain(self, keep: int) -> None:
         """Waits for all but the newest ``keep`` steps' sends (their tensors may then be freed)."""
-        per_step = len(self.replica_ranks)
+        per_step = len(self.routes)
         while len(self._pending) > keep * per_step:
             sent = self._pending.pop(0)
             try:
                 for work in sent.works:
                     work.wait()
             except RuntimeError as err:
-                raise RuntimeError(f"training ranks {self.replica_ranks} took no rollout (a training rank died or "
-                                   f"hung past the timeout): {err}") from err
+                receivers = [self.replica_ranks[route.replica] for route in self.routes]
+                raise RuntimeError(f"training ranks {receivers} took no rollout (a training rank died or hung past "
+                                   f"the timeout): {err}") from err

@@ -60,6 +60,9 @@ class Rollout:
         rounds: generation rounds of this step (the same on every rank).
         generated_groups: groups this rank generated this step (>= P/dp with dynamic sampling).
         prompt_keys: ``P/dp`` stable keys of the groups' problems, in slot order (:func:`prompt_key`).
+        slot_generated: groups generated for each of the ``P/dp`` slots, in slot order (they sum to
+            ``generated_groups``), as the sampler returns it; None where only the total is known (a
+            rollout received from a rollout rank).
     """
 
     batch: RolloutBatch
@@ -68,6 +71,7 @@ class Rollout:
     rounds: int
     generated_groups: int
     prompt_keys: list[str]
+    slot_generated: list[int] | None = None
 
 
 def generation_seed(seed: int, step: int, round_: int, slot: int) -> int:
@@ -127,8 +131,9 @@ class RolloutSampler:
         max_rounds = ro.max_sampling_rounds if ro.dynamic_sampling else 1
         slots: list[tuple[RolloutBatch, torch.Tensor, bool] | None] = [None] * self.slots_per_rank
         keys: list[str | None] = [None] * self.slots_per_rank
+        generated = [0] * self.slots_per_rank
         open_slots = list(range(ro.prompts_per_step))
-        rounds = generated = 0
+        rounds = 0
         while open_slots and rounds < max_rounds:
             problems = self.prompts.sample(len(open_slots))
             self.problems_drawn += len(problems)
@@ -137,7 +142,7 @@ class RolloutSampler:
             for (slot, problem), group in zip(mine, self._generate(step, rounds, mine), strict=True):
                 slots[slot - self.first_slot] = group
                 keys[slot - self.first_slot] = prompt_key(problem.question)
-            generated += len(mine)
+                generated[slot - self.first_slot] += 1
             rounds += 1
             open_slots = self._open_slots(slots) if ro.dynamic_sampling else []
         if open_slots and self.groups.dp_rank == 0:
@@ -150,7 +155,7 @@ class RolloutSampler:
         batch = concat_rollouts([part for part, _, _ in slots], pad_id=self.tokenizer.pad_token_id)
         task_rewards = torch.cat([rewards for _, rewards, _ in slots])
         return Rollout(batch=batch, task_rewards=task_rewards, rewards=task_rewards + self._shaping(batch),
-                       rounds=rounds, generated_groups=generated, prompt_keys=keys)
+                       rounds=rounds, generated_groups=sum(generated), prompt_keys=keys, slot_generated=generated)
 
     def _generate(self, step: int, round_: int, work: list) -> list[tuple[RolloutBatch, torch.Tensor, bool]]:
         """``(responses, task rewards [G] float32, has reward variance)`` per ``(slot, problem)``;

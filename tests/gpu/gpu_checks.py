@@ -6,6 +6,9 @@
     python tests/gpu/gpu_checks.py vllm                   # bf16 vLLM: gap, streamed refit, sleep / wake
     python tests/gpu/gpu_checks.py metrics DIR MAX_GAP    # a finished `nemo-sspo train` run's metrics.jsonl
     python tests/gpu/gpu_checks.py packed                 # TE THD packed row vs the same rows padded
+    python tests/gpu/gpu_checks.py async MODEL_DIR OUT    # colocated reference run -> OUT/colocated
+    torchrun --nproc-per-node=3 tests/gpu/gpu_checks.py async MODEL_DIR OUT  # separate, 2 rollout ranks
+    python tests/gpu/gpu_checks.py async-compare OUT      # separate (k = 0) against colocated
 
 MODEL_DIR is a Hugging Face folder without weights (config.json + tokenizer: the bundle's
 ``smollm2_shape/`` from tools/gpu_bundle.sh); the model is built at its shape with random weights.
@@ -421,6 +424,80 @@ def train_config(model_dir: str, output_dir: str):
     return load_config(overrides=[f"model.source={model_dir}", *TRAIN_OVERRIDES, f"trainer.output_dir={output_dir}"])
 
 
+# The async check: separate placement, 1 training rank + ASYNC_ROLLOUT_RANKS rollout ranks on one GPU, k = 0.
+ASYNC_ROLLOUT_RANKS = 2
+ASYNC_OVERRIDES = ["model.precision=bf16", "model.transformer_impl=local", "rollout.backend=hf", "trainer.max_steps=2",
+                   "rollout.prompts_per_step=4", "rollout.samples_per_prompt=4", "rollout.max_new_tokens=64",
+                   "parallel.micro_batch_size=4", "trainer.loggers=[console,jsonl]", "trainer.save_hf_checkpoint=false",
+                   "rollout.correction=token_tis", "rollout.refit_bucket_mb=64",
+                   # random weights score 0 on math: the tests' parity reward varies, so the updates move the weights
+                   "plugins=[tests.integration._loop_runs]", "reward.name=test_parity"]
+
+
+def async_config(model_dir: str, output_dir: str, *, separate: bool):
+    """The validated config of the async check, colocated or separate (raises on a bad override)."""
+    from nemo_sspo.cli import load_config
+
+    placement = ["rollout.placement=separate", f"rollout.num_ranks={ASYNC_ROLLOUT_RANKS}"] if separate else []
+    return load_config(overrides=[f"model.source={model_dir}", *ASYNC_OVERRIDES, *placement,
+                                  f"trainer.output_dir={output_dir}"])
+
+
+def run_async(model_dir: str, out: str) -> None:
+    """One run of the async check: colocated in a plain process, separate under torchrun (every rank
+    builds the same seeded random weights). The bridge between the sides is gloo over host tensors
+    (NCCL between them is not built); the training side's default group is NCCL.
+    """
+    import datetime
+
+    from nemo_sspo.megatron import destroy_parallel
+    from nemo_sspo.trainer import loop
+
+    checkpoint = shape_checkpoint(model_dir)
+    if "RANK" not in os.environ:
+        cfg = async_config(model_dir, f"{out}/colocated", separate=False)
+        trainer = loop.GRPOTrainer(cfg, loop.start_parallel(cfg.parallel, cfg.trainer.seed), checkpoint=checkpoint)
+        try:
+            trainer.fit()
+        finally:
+            destroy_parallel()
+        return
+    from nemo_sspo.parallel.placement import split_launched_world
+
+    cfg = async_config(model_dir, f"{out}/separate", separate=True)
+    split = split_launched_world(ASYNC_ROLLOUT_RANKS, timeout=datetime.timedelta(seconds=cfg.rollout.peer_timeout_s))
+    if split.is_rollout:
+        loop.run_rollout_rank(cfg, split, checkpoint=checkpoint)
+        return
+    trainer = loop.GRPOTrainer(cfg, loop.start_parallel(cfg.parallel, cfg.trainer.seed), checkpoint=checkpoint,
+                               split=split)
+    try:
+        trainer.fit()
+    finally:
+        destroy_parallel()
+
+
+def check_async(out: str) -> None:
+    """Separate (k = 0, 2 rollout ranks) against colocated: the same rollouts (rewards and lengths
+    exactly: the same seeds, kernels and weights), losses and grad norms within bf16 noise (1e-3
+    relative), the broadcast's rate.
+    """
+    runs = {}
+    for name in ("colocated", "separate"):
+        path = Path(out) / name / "metrics.jsonl"
+        runs[name] = [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
+    report("async runs finished", len(runs["colocated"]) == len(runs["separate"]) == 2,
+           f"{len(runs['colocated'])} colocated and {len(runs['separate'])} separate step records")
+    for ref, mine in zip(runs["colocated"], runs["separate"]):
+        same = all(mine[k] == ref[k] for k in ("reward/mean", "response/length_mean"))
+        close = all(math.isclose(mine[k], ref[k], rel_tol=1e-3, abs_tol=1e-6) for k in ("loss/policy", "optim/grad_norm"))
+        report(f"async step {ref['step']}", same and close,
+               f"reward {mine['reward/mean']:.4f} vs {ref['reward/mean']:.4f}, loss {mine['loss/policy']:.5g} vs "
+               f"{ref['loss/policy']:.5g}, grad norm {mine['optim/grad_norm']:.5g} vs {ref['optim/grad_norm']:.5g}; "
+               f"broadcast {mine.get('timing/refit_s_per_gb', math.nan):.3f} s/GB, step {mine['timing/step_s']:.2f} s "
+               f"vs {ref['timing/step_s']:.2f} s colocated")
+
+
 def check_train(model_dir: str) -> None:
     """Megatron local-spec bf16 steps at the folder's shape with HF-engine rollouts.
 
@@ -477,11 +554,18 @@ def check_dry_run(model_dir: str) -> None:
     from nemo_sspo.trainer.throughput import ModelShape, forward_flops
 
     cfg = train_config(model_dir, tempfile.mkdtemp(prefix="nemo_sspo_gpu_dry_"))
+    async_config(model_dir, tempfile.mkdtemp(prefix="nemo_sspo_gpu_dry_async_"), separate=False)
+    os.environ["WORLD_SIZE"] = str(1 + ASYNC_ROLLOUT_RANKS)  # as torchrun sets it for the separate run
+    try:
+        async_config(model_dir, tempfile.mkdtemp(prefix="nemo_sspo_gpu_dry_async_"), separate=True)
+    finally:
+        del os.environ["WORLD_SIZE"]
     config, tokenizer = AutoConfig.from_pretrained(model_dir), load_tokenizer(model_dir)
     shape = ModelShape.from_hf_config(config)
     per_token = forward_flops(shape, torch.tensor([1]), 1) / 1e9
     report("dry run", cfg.model.precision == "bf16" and len(tokenizer) <= config.vocab_size,
-           f"imports fine without {len(hidden)} packages the GPU machine lacks; train check config valid; {model_dir}: {shape.num_layers} layers, hidden "
+           f"imports fine without {len(hidden)} packages the GPU machine lacks; train check config valid; async check configs valid (colocated, separate with "
+           f"{ASYNC_ROLLOUT_RANKS} rollout ranks); {model_dir}: {shape.num_layers} layers, hidden "
            f"{shape.hidden_size}, vocab {shape.vocab_size}, {per_token:.3f} GFLOP per token forward; "
            "nothing ran on a GPU")
 
@@ -501,6 +585,10 @@ def main() -> int:
             check_train(sys.argv[2])
         elif command == "dry-run":
             check_dry_run(sys.argv[2])
+        elif command == "async":
+            run_async(sys.argv[2], sys.argv[3])
+        elif command == "async-compare":
+            check_async(sys.argv[2])
         else:
             print(__doc__)
             return 2

@@ -76,11 +76,14 @@ def test_staleness_with_a_correction_loads():
 
 @pytest.mark.parametrize("world, overrides, match", [
     ("1", ["rollout.placement=separate", "rollout.num_ranks=1"], r"rollout\.num_ranks=1 leaves no training rank"),
-    ("3", ["rollout.placement=separate", "rollout.num_ranks=2"], r"rollout\.num_ranks=2: .* one rollout rank"),
+    ("2", ["rollout.placement=separate", "rollout.num_ranks=0"], r"rollout\.num_ranks=0: .* at least one rollout rank"),
+    # 2 training ranks + 3 rollout ranks: 4 prompt groups per step do not split over 3 rollout ranks
+    ("5", ["rollout.placement=separate", "rollout.num_ranks=3", "rollout.prompts_per_step=4"],
+     r"rollout\.num_ranks=3 does not divide rollout\.prompts_per_step=4"),
     ("2", ["rollout.num_ranks=1"], r"rollout\.num_ranks=1 needs rollout\.placement=separate"),
     ("2", ["rollout.placement=remote"], r"rollout\.placement='remote' is unknown; valid: colocated, separate"),
-    ("2", ["rollout.placement=separate", "rollout.num_ranks=1", "rollout.backend=vllm"],
-     r"does not support rollout\.backend=vllm"),
+    ("2", ["rollout.placement=separate", "rollout.num_ranks=1", "eval.every_n_steps=1"],
+     r"does not support eval\.every_n_steps > 0"),
     ("2", ["rollout.placement=separate", "rollout.num_ranks=1", "rollout.peer_timeout_s=0"],
      r"rollout\.peer_timeout_s=0\.0 must be > 0"),
     # 3 training ranks + 1 rollout rank: the 2 prompts per step do not split over DP 3
@@ -92,11 +95,14 @@ def test_bad_placement_fails_at_load(monkeypatch, world, overrides, match):
         load_config(overrides=["model=tiny_random", *overrides])
 
 
-def test_separate_placement_counts_only_training_ranks(monkeypatch):
-    # 2 training ranks (DP 2) + 1 rollout rank: the 2 prompts per step split over DP 2.
-    monkeypatch.setenv("WORLD_SIZE", "3")
-    cfg = load_config(overrides=["model=tiny_random", "rollout.placement=separate", "rollout.num_ranks=1"])
-    assert (cfg.rollout.placement, cfg.rollout.num_ranks) == ("separate", 1)
+@pytest.mark.parametrize("world, rollout_ranks, backend", [("3", 1, "hf"), ("4", 2, "hf"), ("2", 1, "vllm")])
+def test_separate_placement_counts_only_training_ranks(monkeypatch, world, rollout_ranks, backend):
+    # 2 training ranks (DP 2) + 1 or 2 rollout ranks, or 1 + 1 with the vLLM engine: the 2 prompts per
+    # step split over DP 2 and over R rollout ranks.
+    monkeypatch.setenv("WORLD_SIZE", world)
+    cfg = load_config(overrides=["model=tiny_random", "rollout.placement=separate", f"rollout.num_ranks={rollout_ranks}",
+                                 f"rollout.backend={backend}"])
+    assert (cfg.rollout.placement, cfg.rollout.num_ranks, cfg.rollout.backend) == ("separate", rollout_ranks, backend)
 
 
 def test_slot_rows_trim_to_their_own_padding():
