@@ -243,7 +243,10 @@ def _packed_valid(micro) -> torch.Tensor:
 def micro_batch_routes(micro) -> torch.Tensor:
     """The routes ``[R, S_in, L, k]`` of a micro-batch's model input, from its rows' ``batch.routes``.
 
-    A packed row lays its sequences' routes end to end, as its token ids.
+    A packed row lays its sequences' routes end to end, as its token ids. An empty micro-batch
+    (``nemo_sspo.algorithms.micro_batches.empty_micro_batch``: another micro-batch's input, no row)
+    routes every token to experts ``0 .. k-1``: its outputs are never read, but its forward must
+    run (the ranks' pass counts must match), and it has no routes of its own.
 
     Raises:
         ValueError: the micro-batch's batch has no ``routes``.
@@ -251,6 +254,9 @@ def micro_batch_routes(micro) -> torch.Tensor:
     routes = micro.batch.routes
     if routes is None:
         raise ValueError("router replay: this micro-batch carries no routes (PolicyBatch.routes is None)")
+    if micro.rows.numel() == 0:
+        top_k = routes.shape[-1]
+        return torch.arange(top_k).expand(*micro.input_ids.shape, routes.shape[2], top_k).contiguous()
     if micro.sequence_lengths is None:
         return routes
     return routes[_packed_valid(micro)][None]
@@ -259,8 +265,10 @@ def micro_batch_routes(micro) -> torch.Tensor:
 def write_micro_batch_routes(out: torch.Tensor, micro, routes: torch.Tensor) -> None:
     """Writes a micro-batch's recorded routes ``[R, S_in, L, k]`` at its rows of ``out`` ``[B, S, L, k]``.
 
-    The inverse of :func:`micro_batch_routes`.
+    The inverse of :func:`micro_batch_routes`; an empty micro-batch writes nothing.
     """
+    if micro.rows.numel() == 0:
+        return
     if micro.sequence_lengths is not None:
         rows = routes.new_zeros(*micro.batch.input_ids.shape, *routes.shape[2:])
         rows[_packed_valid(micro)] = routes[0]

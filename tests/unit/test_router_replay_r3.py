@@ -3,16 +3,14 @@
 The engine is transformers' ``generate`` on the tiny random Qwen3-MoE whose router weights were
 redrawn (std 0.5, as the checkpoint's own), so it routes most tokens elsewhere than the trainer's
 Megatron model, which holds the original weights. Which experts Megatron's routers actually used is
-read at the router (a spy on megatron-core's ``RouterReplay.get_replay_topk``, which returns the
-indices the dispatcher gets), undoing Megatron's sequence-first flattening (router row ``s * R + r``
-of an ``[R, S_in]`` input) here, independently of ``router_replay.py``.
+read at the router (``tests/unit/_route_spy.py``), in the old-policy forward under every layout and
+in the training forward and backward.
 """
 
 from dataclasses import replace
 
 import pytest
 import torch
-from megatron.core.transformer.moe.router_replay import RouterReplay
 
 from nemo_sspo.algorithms.batch import PolicyBatch
 from nemo_sspo.algorithms.losses import GRPOLossConfig, make_policy_loss
@@ -24,10 +22,11 @@ from nemo_sspo.megatron import (
     load_hf_into_megatron,
 )
 from nemo_sspo.megatron import training
-from nemo_sspo.megatron.router_replay import routing_agreement, write_micro_batch_routes
+from nemo_sspo.megatron.router_replay import routing_agreement
 from nemo_sspo.megatron.step import LossSpec
 from nemo_sspo.models import build_hf_model, load_hf_checkpoint
 from nemo_sspo.rollout import HFRolloutEngine
+from tests.unit._route_spy import spy_routes
 
 PROMPTS = ["Hi", "Let x = 2.\n\nThen 2x =", "Sam has 5 stamps. He buys 2 more. How many", "1 + 1 ="]
 
@@ -54,39 +53,10 @@ def setup():
     destroy_parallel()
 
 
-def _used_routes(model, batch, spec, layout):
-    """``(logprobs [B, S], routes [B, S, L, k])``: a forward of ``batch`` and the experts its routers used."""
-    calls = []
-    real = RouterReplay.get_replay_topk
-
-    def spy(self, *args, **kwargs):
-        probs, indices = real(self, *args, **kwargs)
-        calls.append(indices.detach().clone())
-        return probs, indices
-
-    used = []
-    real_step = training.policy_forward_step
-
-    def spying_step(*args, **kwargs):
-        inner = real_step(*args, **kwargs)
-
-        def step(data_iterator, model_chunk):
-            micro = next(data_iterator)
-            calls.clear()
-            out = inner(iter([micro]), model_chunk)
-            rows, width = micro.input_ids.shape  # the router saw row s * rows + r of each layer
-            used.append((micro, torch.stack([c.view(width, rows, -1).transpose(0, 1) for c in calls], dim=2)))
-            return out
-
-        return step
-
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(RouterReplay, "get_replay_topk", spy)
-        patch.setattr(training, "policy_forward_step", spying_step)
-        logprobs, _ = training.forward_logprobs(model, batch, spec, layout, dp_group=None)
-    routes = torch.zeros(*batch.input_ids.shape, *used[0][1].shape[2:], dtype=torch.long)
-    for micro, micro_routes in used:
-        write_micro_batch_routes(routes, micro, micro_routes)
+def _forward(model, batch, spec, layout):
+    """``(logprobs [B, S], routes [B, S, L, k])`` of an old-policy forward and the experts it used."""
+    (logprobs, _), routes = spy_routes(
+        lambda: training.forward_logprobs(model, batch, spec, layout, dp_group=None), batch)
     return logprobs, routes
 
 
@@ -100,8 +70,8 @@ def test_r3_trainer_uses_the_engine_experts_at_every_token(setup, layout):
     model, batch, spec = setup
     plan = MicroBatchLayout(**layout)
     valid = torch.arange(batch.input_ids.shape[1])[None, :] < batch.lengths[:, None]
-    replayed, replayed_routes = _used_routes(model, batch, spec, plan)
-    own, own_routes = _used_routes(model, replace(batch, routes=None), spec, plan)
+    replayed, replayed_routes = _forward(model, batch, spec, plan)
+    own, own_routes = _forward(model, replace(batch, routes=None), spec, plan)
     pairs = 2.0 * int(valid.sum())  # 2 MoE layers at every valid input token
     # R3: every (token, layer) of every row ran the engine's top-2 experts, whatever the layout
     assert routing_agreement(replayed_routes, batch.routes, valid).tolist() == [pairs, pairs]
@@ -114,3 +84,18 @@ def test_r3_trainer_uses_the_engine_experts_at_every_token(setup, layout):
     # the gap to the engine's log-probs shrinks with the engine's experts (only the routing weights,
     # from the trainer's own router, still differ): 6.2e-3 against 7.9e-3 measured
     assert _gap(batch, replayed) < _gap(batch, own)
+
+
+def test_r3_training_forward_replays_the_engine_experts(setup):
+    from nemo_sspo.megatron.training import compute_gradients, wrap_for_training
+
+    model, batch, spec = setup
+    ddp, _ = wrap_for_training(model, lr=1e-3, weight_decay=0.0, adam_beta1=0.9, adam_beta2=0.999, adam_eps=1e-8,
+                               clip_grad=0.0)
+    old = replace(batch, old_logprobs=batch.rollout_logprobs)
+    plan = MicroBatchLayout(max_tokens=48, pack=True)
+    _, routes = spy_routes(lambda: compute_gradients(ddp, old, spec, plan, dp_group=None), batch)
+    valid = torch.arange(batch.input_ids.shape[1])[None, :] < batch.lengths[:, None]
+    pairs = 2.0 * int(valid.sum())
+    assert routing_agreement(routes, batch.routes, valid).tolist() == [pairs, pairs]
+    assert any(p.main_grad.abs().sum() > 0 for p in ddp.parameters())  # a real backward ran
