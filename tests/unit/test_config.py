@@ -141,3 +141,15 @@ def test_router_replay_r3_loads_with_the_hf_engine_and_refuses_a_dense_model():
     assert load_config(overrides=["model=tiny_random_qwen3_moe", "model.router_replay=r3"]).model.router_replay == "r3"
     with pytest.raises(ValueError, match="^router_replay='r3' needs a mixture-of-experts model; model_type='qwen3'"):
         check_router_replay("r3", Qwen3Config(), backend="hf", placement="colocated")
+
+
+def test_config_only_read_of_the_tiny_moe_source_is_its_checkpoint_config():
+    # the CLI checks the layout against load_hf_config before any weight is built; the MoE source
+    # used to fall through to the directory lookup and refuse its own built-in name
+    from nemo_sspo.models import load_hf_checkpoint, load_hf_config
+
+    def fields(config):  # building the checkpoint's model also records its dtype on the config
+        return {key: value for key, value in config.to_dict().items() if key != "dtype"}
+
+    source = "tiny-random-qwen3-moe"
+    assert fields(load_hf_config(source)) == fields(load_hf_checkpoint(source)[0])
