@@ -22,6 +22,10 @@ measure how often they agree with the engine's (:func:`engine_routing_sums`).
 
 Packed rows (THD): a packed row's routes are its sequences' routes end to end
 (:func:`micro_batch_routes`), so the router of a ``[1, S_in]`` row sees them as it sees the tokens.
+Under the TransformerEngine spec the packed row is padded to the THD alignment inside the forward
+(``nemo_sspo.megatron.packed_seq.thd_alignment``, e.g. 16 tokens under FP8): the router then sees
+the filler tokens too, which replay routes to experts ``0 .. k-1`` and recording drops
+(:func:`router_width`).
 """
 
 from __future__ import annotations
@@ -31,8 +35,9 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from nemo_sspo.megatron.model import unwrap_model
+from nemo_sspo.megatron.model import unwrap_model, uses_transformer_engine
 from nemo_sspo.megatron.moe import is_moe
+from nemo_sspo.megatron.packed_seq import padded_width, thd_alignment
 from nemo_sspo.metrics import MetricPair
 
 __all__ = [
@@ -48,6 +53,7 @@ __all__ = [
     "replay_routes",
     "recording_forward_step",
     "replaying_forward_step",
+    "router_width",
     "routing_agreement",
     "stage_moe_layers",
     "write_micro_batch_routes",
@@ -255,11 +261,38 @@ def micro_batch_routes(micro) -> torch.Tensor:
     if routes is None:
         raise ValueError("router replay: this micro-batch carries no routes (PolicyBatch.routes is None)")
     if micro.rows.numel() == 0:
-        top_k = routes.shape[-1]
-        return torch.arange(top_k).expand(*micro.input_ids.shape, routes.shape[2], top_k).contiguous()
+        return _filler(micro.input_ids.shape, routes)
     if micro.sequence_lengths is None:
         return routes
     return routes[_packed_valid(micro)][None]
+
+
+def _filler(shape, like: torch.Tensor) -> torch.Tensor:
+    """``[*shape, L, k]`` routes to experts ``0 .. k-1`` (L, k of ``like``) for tokens whose outputs nobody reads."""
+    top_k = like.shape[-1]
+    return torch.arange(top_k).expand(*shape, like.shape[2], top_k).contiguous()
+
+
+def router_width(micro, model: torch.nn.Module) -> int:
+    """Tokens per row the routers of ``model`` see for ``micro``'s input: its width, or for a packed
+    row under the TransformerEngine spec that width padded to the THD alignment (as
+    ``nemo_sspo.megatron.model.forward_logits`` pads it).
+    """
+    width = micro.input_ids.shape[1]
+    if micro.sequence_lengths is None or not uses_transformer_engine(model):
+        return width
+    from megatron.core.utils import get_model_config
+
+    return padded_width(width, thd_alignment(get_model_config(model)))
+
+
+def _router_routes(micro, model: torch.nn.Module) -> torch.Tensor:
+    """:func:`micro_batch_routes`, with THD filler tokens up to :func:`router_width`."""
+    routes = micro_batch_routes(micro)
+    extra = router_width(micro, model) - routes.shape[1]
+    if extra == 0:
+        return routes
+    return torch.cat([routes, _filler((routes.shape[0], extra), routes)], dim=1)
 
 
 def write_micro_batch_routes(out: torch.Tensor, micro, routes: torch.Tensor) -> None:
@@ -288,7 +321,8 @@ def recording_forward_step(forward_step: Callable, recorded: list) -> Callable:
         record_routes(model)
         try:
             output = forward_step(iter([micro]), model)
-            recorded.append((micro, recorded_routes(model, *micro.input_ids.shape)))
+            rows, width = micro.input_ids.shape
+            recorded.append((micro, recorded_routes(model, rows, router_width(micro, model))[:, :width]))
         finally:
             clear_routes(model)
         return output
@@ -301,7 +335,7 @@ def replaying_forward_step(forward_step: Callable) -> Callable:
 
     def step(data_iterator, model):
         micro = next(data_iterator)
-        replay_routes(model, micro_batch_routes(micro))
+        replay_routes(model, _router_routes(micro, model))
         try:
             return forward_step(iter([micro]), model)
         finally:

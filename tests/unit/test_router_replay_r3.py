@@ -99,3 +99,40 @@ def test_r3_training_forward_replays_the_engine_experts(setup):
     pairs = 2.0 * int(valid.sum())
     assert routing_agreement(routes, batch.routes, valid).tolist() == [pairs, pairs]
     assert any(p.main_grad.abs().sum() > 0 for p in ddp.parameters())  # a real backward ran
+
+
+def test_thd_filler_tokens_get_routes_and_recording_drops_them(setup, monkeypatch):
+    # The TransformerEngine spec pads a packed row to the THD alignment inside the forward (16
+    # under FP8), so its routers see filler tokens too; emulated here on the local-spec model.
+    from nemo_sspo.megatron import router_replay
+    from nemo_sspo.megatron.router_replay import micro_batch_routes, moe_routers, recording_forward_step
+
+    model, batch, _ = setup
+    monkeypatch.setattr(router_replay, "uses_transformer_engine", lambda _model: True)
+    monkeypatch.setattr(router_replay, "thd_alignment", lambda _config: 16)
+    micro = MicroBatchLayout(max_tokens=48, pack=True).plan(batch)[0]
+    width = micro.input_ids.shape[1]
+    total = (width // 16 + 1) * 16  # e.g. 41 tokens -> 48
+    assert width % 16
+    targets = []
+
+    def replayed_forward(data_iterator, stage):
+        next(data_iterator)
+        targets.extend(replay.target_topk_idx.clone() for replay in moe_routers(stage))
+
+    router_replay.replaying_forward_step(replayed_forward)(iter([micro]), model)
+    for layer, indices in enumerate(targets):
+        assert indices.shape == (total, 2)
+        assert torch.equal(indices[:width], micro_batch_routes(micro)[0, :, layer])
+        assert torch.equal(indices[width:], torch.tensor([[0, 1]]).expand(total - width, 2))  # experts 0..k-1
+
+    def recorded_forward(data_iterator, stage):
+        next(data_iterator)
+        for layer, replay in enumerate(moe_routers(stage)):
+            replay.record_indices(torch.arange(total * 2).view(total, 2) + 1000 * layer)
+
+    recorded = []
+    recording_forward_step(recorded_forward, recorded)(iter([micro]), model)
+    routes = recorded[0][1]
+    assert routes.shape == (1, width, 2, 2)  # the filler rows are gone
+    assert torch.equal(routes[0, :, 1], torch.arange(width * 2).view(width, 2) + 1000)
