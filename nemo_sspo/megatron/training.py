@@ -250,18 +250,27 @@ def compute_old_logprobs(model, batch: PolicyBatch, spec: LossSpec, layout: Micr
 
 
 def compute_ref_logprobs(ref_model, batch: PolicyBatch, spec: LossSpec, layout: MicroBatchLayout, *,
-                         dp_group) -> PolicyBatch:
+                         dp_group, keep_routes: bool = False) -> PolicyBatch:
     """The log pi_ref of the targets under the frozen reference policy (the reference-KL term).
 
     Runs :func:`forward_logprobs` (``dp_group`` as there).
+
+    Args:
+        ref_model: the reference model stage.
+        batch: this rank's rows.
+        spec: what the forward step computes.
+        layout: how ``batch`` is cut into micro-batches.
+        dp_group: as :func:`forward_logprobs`.
+        keep_routes: replay ``batch.routes`` in the reference forward too (router replay R3: the
+            engine's routes); False routes with the reference's own routers (R2 replays the
+            old-policy routes in the policy's training forwards only).
 
     Returns:
         ``batch`` with ``ref_logprobs`` [B, S] float32 (0 outside the mask) on the last pipeline
         stage; other stages return ``batch`` unchanged.
     """
-    # R2 replays the old-policy routes in the policy's training forwards only; the reference
-    # model routes with its own routers.
-    stats = forward_logprobs(ref_model, replace(batch, routes=None), spec, layout, dp_group=dp_group)
+    routed = batch if keep_routes else replace(batch, routes=None)
+    stats = forward_logprobs(ref_model, routed, spec, layout, dp_group=dp_group)
     return batch if stats is None else replace(batch, ref_logprobs=stats[0])
 
 

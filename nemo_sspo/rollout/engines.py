@@ -82,6 +82,8 @@ class EngineContext:
         device: the training device (the trainer's CUDA device, or the CPU).
         stop_ids: the model's stop list (``nemo_sspo.models.hf_folder.stop_token_ids``), the one
             the trainer also writes into every model folder.
+        record_routes: the trainer replays the engine's MoE routes (``model.router_replay=r3``):
+            the engine must return them as ``RolloutBatch.routes``.
     """
 
     hf_config: Any
@@ -93,6 +95,7 @@ class EngineContext:
     seed: int
     device: torch.device
     stop_ids: list[int]
+    record_routes: bool
 
 
 EngineBuilder = Callable[[EngineContext], RolloutEngine]
@@ -143,7 +146,7 @@ def _build_hf(context: EngineContext) -> HFRolloutEngine:
     """A transformers copy of the policy on the training device, stopping at the model's list."""
     return HFRolloutEngine(build_hf_model(context.hf_config, context.state_dict), context.tokenizer,
                            device=context.device, stop_token_ids=context.stop_ids,
-                           **sampling_settings(context.rollout))
+                           record_routes=context.record_routes, **sampling_settings(context.rollout))
 
 
 def _build_vllm(context: EngineContext) -> VLLMRolloutEngine:

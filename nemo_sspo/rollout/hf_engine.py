@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
 from transformers import GenerationConfig
+from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
 
+from nemo_sspo.algorithms.batch import pack_rows
 from nemo_sspo.models.hf_checkpoint import check_state_dict_keys
 from nemo_sspo.models.hf_folder import stop_token_ids as model_stop_token_ids
 from nemo_sspo.models.moe_weights import fuse_expert_weights
@@ -30,6 +33,11 @@ class RolloutBatch:
         response_texts: the responses decoded without special tokens.
         rollout_logprobs: ``[B, T]`` float32, natural-log probability of each sampled token under
             the sampling distribution (after temperature / top-k / top-p); 0 where the mask is False.
+        routes: ``[B, S, L_all, k]`` int64, the k experts the engine's router chose for each input
+            token in each of the model's L_all MoE layers, in the trainer's packed input frame: row
+            ``b`` holds its prompt tokens then its response tokens at ``0 .. P_b + T_b - 1`` (0
+            after them), ``S = max(P_b + T_b)``. Only with router replay R3 on an engine that
+            records them (``HFRolloutEngine(record_routes=True)``); None otherwise.
     """
 
     prompt_ids: torch.Tensor
@@ -39,6 +47,7 @@ class RolloutBatch:
     truncated: torch.Tensor
     response_texts: list[str]
     rollout_logprobs: torch.Tensor
+    routes: torch.Tensor | None = None
 
 
 def check_sampling_settings(*, max_new_tokens: int, temperature: float, top_p: float, top_k: int) -> None:
@@ -118,7 +127,8 @@ def check_engine_outputs(response_ids: torch.Tensor, response_mask: torch.Tensor
 
 def finish_rollout_batch(tokenizer, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, response_ids: torch.Tensor,
                          response_mask: torch.Tensor, truncated: torch.Tensor, logprobs: torch.Tensor, *,
-                         engine: str, vocab_size: int, max_new_tokens: int) -> RolloutBatch:
+                         engine: str, vocab_size: int, max_new_tokens: int,
+                         routes: torch.Tensor | None = None) -> RolloutBatch:
     """A :class:`RolloutBatch` from an engine's CPU tensors, checked first (:func:`check_engine_outputs`).
 
     Writes the pad id and log-prob 0 outside ``response_mask`` (``response_ids`` is modified in place)
@@ -135,6 +145,7 @@ def finish_rollout_batch(tokenizer, prompt_ids: torch.Tensor, prompt_mask: torch
         engine: as :func:`check_engine_outputs`.
         vocab_size: as :func:`check_engine_outputs`.
         max_new_tokens: as :func:`check_engine_outputs`.
+        routes: the engine's routes (:attr:`RolloutBatch.routes`), or None.
 
     Returns:
         the batch.
@@ -150,7 +161,7 @@ def finish_rollout_batch(tokenizer, prompt_ids: torch.Tensor, prompt_mask: torch
     texts = tokenizer.batch_decode(response_ids, skip_special_tokens=True)
     return RolloutBatch(prompt_ids=prompt_ids, prompt_mask=prompt_mask, response_ids=response_ids,
                         response_mask=response_mask, truncated=truncated, response_texts=texts,
-                        rollout_logprobs=logprobs)
+                        rollout_logprobs=logprobs, routes=routes)
 
 
 def _check_bucket(bucket: dict[str, torch.Tensor], params: dict[str, torch.Tensor], seen: set[str]) -> None:
@@ -182,18 +193,26 @@ class HFRolloutEngine:
         top_k: keep the ``top_k`` most likely tokens, 0 = off; same docs/pitfalls.md#p14 caveat as ``top_p``.
         device: where to generate (the model is moved there; e.g. the trainer's CUDA device); None
             keeps the model where it is. Returned tensors are always on the CPU.
+        record_routes: record the experts every MoE layer chose for every token it ran
+            (:attr:`RolloutBatch.routes`, router replay R3; :meth:`_routes`); needs a Qwen3-MoE model.
 
     Memory: ``generate`` keeps the processed scores of every step, ``B * T * V`` fp32 values
     (32 x 160 x 49152 x 4 B = 1.0 GB for SmolLM2), until :meth:`generate` returns.
 
     Raises:
-        ValueError: a sampling setting out of range, or a tokenizer without pad/EOS ids.
+        ValueError: a sampling setting out of range, a tokenizer without pad/EOS ids, or
+            ``record_routes`` for a model without Qwen3-MoE layers.
     """
 
     def __init__(self, model, tokenizer, *, max_new_tokens: int, temperature: float, top_p: float = 1.0,
                  top_k: int = 0, device: torch.device | str | None = None,
-                 stop_token_ids: list[int] | None = None) -> None:
+                 stop_token_ids: list[int] | None = None, record_routes: bool = False) -> None:
         check_sampling_settings(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k)
+        self.routers = [block.gate for block in model.modules() if isinstance(block, Qwen3MoeSparseMoeBlock)]
+        if record_routes and not self.routers:
+            raise ValueError("record_routes=True needs a mixture-of-experts model (Qwen3MoeSparseMoeBlock "
+                             f"layers); {type(model).__name__} has none")
+        self.record_routes = record_routes
         if tokenizer.pad_token_id is None:
             raise ValueError("tokenizer needs pad_token_id; set pad_token = eos_token")
         if stop_token_ids is None:
@@ -236,7 +255,9 @@ class HFRolloutEngine:
         prompt_ids, prompt_mask = encode_prompts(self.tokenizer, prompts)
         device = self.model.device
         # Fork (and so restore) the generator that sampling draws from: the CPU's, or the device's.
-        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        forwards: list[list[torch.Tensor]] = []
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), \
+                self._recording(forwards, len(prompts)):
             torch.manual_seed(seed)
             out = self.model.generate(input_ids=prompt_ids.to(device), attention_mask=prompt_mask.long().to(device),
                                       generation_config=self._generation_config)
@@ -244,9 +265,60 @@ class HFRolloutEngine:
         logprobs = self._sampled_logprobs(out.scores, response_ids).cpu()
         response_ids = response_ids.cpu().clone()
         response_mask, truncated = self._response_mask(response_ids)
+        routes = self._routes(forwards, prompt_mask, response_mask) if self.record_routes else None
         return finish_rollout_batch(self.tokenizer, prompt_ids, prompt_mask, response_ids, response_mask, truncated,
                                     logprobs, engine="hf", vocab_size=self.model.config.vocab_size,
-                                    max_new_tokens=self.max_new_tokens)
+                                    max_new_tokens=self.max_new_tokens, routes=routes)
+
+    @contextmanager
+    def _recording(self, forwards: list[list[torch.Tensor]], rows: int):
+        """With ``record_routes``: appends, per model forward, each MoE layer's ``[B, s, k]`` top-k.
+
+        A forward hook on every router (``Qwen3MoeTopKRouter``, which returns ``(logits, weights,
+        indices)`` for the ``[B * s, H]`` hidden states its block flattened batch-first).
+        """
+        if not self.record_routes:
+            yield
+            return
+
+        def hook(router, _inputs, output):
+            if router is self.routers[0]:
+                forwards.append([])
+            forwards[-1].append(output[2].detach().view(rows, -1, output[2].shape[-1]).cpu())
+
+        handles = [router.register_forward_hook(hook) for router in self.routers]
+        try:
+            yield
+        finally:
+            for handle in handles:
+                handle.remove()
+
+    @staticmethod
+    def _routes(forwards: list[list[torch.Tensor]], prompt_mask: torch.Tensor,
+                response_mask: torch.Tensor) -> torch.Tensor:
+        """:attr:`RolloutBatch.routes` from the forwards of one ``generate``.
+
+        The prefill forward ran the ``[B, P]`` left-padded prompts, then decode forward ``t`` ran
+        response token ``t - 1`` of every row (``T - 1`` of them for ``T`` sampled tokens). The
+        last sampled token was never fed back, so it has no engine route: it gets a copy of the
+        previous position's route. That cannot change a trained log-prob: a causal model's
+        output at the last position of a row predicts the token after the response, which is no
+        target (``loss_mask`` False there), and no earlier position attends to it. Rows that
+        finished earlier had their last token fed back while others still ran, so only the
+        longest rows need the copy; left padding and the positions after a row's response are
+        dropped by packing (:func:`nemo_sspo.algorithms.batch.pack_rows`).
+
+        Raises:
+            ValueError: the forwards do not cover ``P + T - 1`` positions (e.g. a generation mode
+                that batches its forwards otherwise).
+        """
+        engine = torch.cat([torch.stack(layers, dim=2) for layers in forwards], dim=1)  # [B, P + T - 1, L, k]
+        width = prompt_mask.shape[1] + response_mask.shape[1]
+        if engine.shape[1] != width - 1:
+            raise ValueError(f"the engine's forwards covered {engine.shape[1]} positions, expected prompt width + "
+                             f"response width - 1 = {width - 1}: routes cannot be matched to tokens")
+        engine = torch.cat([engine, engine[:, -1:]], dim=1).long()
+        return pack_rows(engine, torch.cat([prompt_mask, response_mask], dim=1), 0)
 
     def load_weights(self, hf_state_dict: dict[str, torch.Tensor]) -> None:
         """Refit: copy ``hf_state_dict`` (HF names, any float dtype) into the model in place.

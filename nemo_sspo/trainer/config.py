@@ -91,9 +91,15 @@ class ModelConfig:
     """Layer implementation: ``auto`` (TransformerEngine when CUDA and transformer-engine are present,
     else local), ``local`` or ``transformer_engine`` (fails clearly when unavailable)."""
     router_replay: str = "none"
-    """Mixture-of-experts models: ``none`` (every forward routes with its own routers) or ``r2`` (the
-    training forwards route each token to the experts the old-policy forward chose,
-    ``nemo_sspo.megatron.router_replay``). ``r3`` (the rollout engine's routes) is not built yet."""
+    """Mixture-of-experts models: ``none`` (every forward routes with its own routers), ``r2`` (the
+    training forwards route each token to the experts the old-policy forward chose) or ``r3`` (the
+    old-policy, reference and training forwards route each token to the experts the rollout engine
+    chose for it; needs ``rollout.backend=hf`` and ``rollout.placement=colocated``);
+    ``nemo_sspo.megatron.router_replay``."""
+    routing_agreement_interval: int = 1
+    """``router_replay=r3``: every this many steps, one extra forward-only pass of the policy with its
+    own routers logs ``moe/routing_agreement`` (share of token-layer pairs whose top-k sets match
+    the engine's) and ``rollout/trainer_logprob_gap_abs_own_routes``; 0 = never."""
 
 
 @dataclass
@@ -713,7 +719,10 @@ def _validate_model_rollout_eval(cfg: TrainConfig) -> None:
     m, ev, vl = cfg.model, cfg.eval, cfg.rollout.vllm
     at_key("model.", lambda: check_model_options(precision=m.precision, fp8=m.fp8, fp8_recipe=m.fp8_recipe,
                                              transformer_impl=m.transformer_impl))
-    at_key("model.", lambda: check_router_replay(m.router_replay))
+    at_key("model.", lambda: check_router_replay(m.router_replay, backend=cfg.rollout.backend,
+                                                 placement=cfg.rollout.placement))
+    _require(m.routing_agreement_interval >= 0,
+             f"model.routing_agreement_interval={m.routing_agreement_interval} must be >= 0 (0 = never)")
     at_key("rollout.", lambda: ROLLOUT_ENGINE_REGISTRY.get(cfg.rollout.backend))
     at_key("reward.", lambda: REWARD_REGISTRY.get(cfg.reward.name))
     _require(vl.tensor_parallel_size >= 1, "rollout.vllm.tensor_parallel_size must be >= 1")

@@ -69,7 +69,12 @@ from nemo_sspo.megatron import (
     vocab_shard,
 )
 from nemo_sspo.megatron.moe import num_experts
-from nemo_sspo.megatron.router_replay import check_router_replay, expert_load_pair
+from nemo_sspo.megatron.router_replay import (
+    check_router_replay,
+    engine_routing_sums,
+    expert_load_pair,
+    stage_moe_layers,
+)
 from nemo_sspo.megatron.step import LossSpec
 from nemo_sspo.megatron.value_model import build_value_model
 from nemo_sspo.megatron.training import (
@@ -201,7 +206,8 @@ def build_rollout(cfg: TrainConfig, hf_config, state_dict, tokenizer, prompts, g
     if engine is None:
         context = EngineContext(hf_config=hf_config, state_dict=state_dict, tokenizer=tokenizer,
                                 model_source=cfg.model.source, cache_dir=cfg.model.cache_dir, rollout=cfg.rollout,
-                                seed=cfg.trainer.seed, device=training_device(), stop_ids=stop_ids)
+                                seed=cfg.trainer.seed, device=training_device(), stop_ids=stop_ids,
+                                record_routes=cfg.model.router_replay == "r3")
         engine = build_rollout_engine(cfg.rollout.backend, context)
     if reward is None:
         reward = build_reward(cfg.reward.name, cfg.reward)
@@ -293,6 +299,8 @@ class GRPOTrainer:
         self.stop_ids = run_stop_ids(cfg, tokenizer)
         self.shape = ModelShape.from_hf_config(hf_config)
         self.model, self.optimizer = _wrap(self._megatron_policy(state_dict), cfg.optim)
+        # R3: the engine's routes of this stage's MoE layers become the batch's routes.
+        self.route_layers = stage_moe_layers(self.model) if cfg.model.router_replay == "r3" else None
         self.ref_model = self._build_reference(state_dict) if needs.reference_policy else None
         self.critic = self._build_critic(state_dict) if needs.advantage_source == "critic" else None
         self.is_generator = self.groups.mp_rank == 0 and split is None
@@ -441,7 +449,8 @@ class GRPOTrainer:
         needs = self.loss.requirements
         segments = segment_ids(needs.segmentation, rb.response_ids, rb.response_mask, self.tables,
                                k=needs.segment_k)
-        batch = PolicyBatch.from_rollout(rb, segments, advantages, pad_id=self.tokenizer.pad_token_id)
+        batch = PolicyBatch.from_rollout(rb, segments, advantages, pad_id=self.tokenizer.pad_token_id,
+                                         route_layers=self.route_layers)
         if not self.layout.fixed and self.groups.dp_size > 1:
             batch = self._balanced(batch)
         batch = compute_old_logprobs(self.model, batch, self.spec, self.layout, dp_group=self.groups.dp_group,
@@ -450,7 +459,8 @@ class GRPOTrainer:
             sums["moe/expert_load_max_over_mean"] = expert_load_pair(
                 batch.routes, batch.row_lengths(), num_experts(self.hf_config), dp_group=self.groups.dp_group)
         if self.ref_model is not None:
-            batch = compute_ref_logprobs(self.ref_model, batch, self.spec, self.layout, dp_group=self.groups.dp_group)
+            batch = compute_ref_logprobs(self.ref_model, batch, self.spec, self.layout, dp_group=self.groups.dp_group,
+                                         keep_routes=self.route_layers is not None)
         ro = self.cfg.rollout
         if ro.correction != "none" and self.groups.is_last_stage:
             weights, correction_sums = off_policy_weights(
@@ -459,6 +469,19 @@ class GRPOTrainer:
             batch = replace(batch, tis_weights=weights)
             sums.update(correction_sums)
         return batch, sums
+
+    def routing_sums(self, batch: PolicyBatch, step: int) -> dict[str, MetricPair]:
+        """R3, every ``model.routing_agreement_interval`` steps: one forward-only pass of the policy
+        (before its update) with its own routers, compared with the engine's routes and log-probs
+        (:func:`~nemo_sspo.megatron.router_replay.engine_routing_sums`); {} otherwise.
+        """
+        every = self.cfg.model.routing_agreement_interval
+        if self.route_layers is None or every == 0 or step % every:
+            return {}
+        g = self.groups
+        own = compute_old_logprobs(self.model, replace(batch, routes=None), self.spec, self.layout,
+                                   dp_group=g.dp_group, record_routes=True)
+        return engine_routing_sums(batch, own, pp_group=g.pp_group, is_last_stage=g.is_last_stage)
 
     def _balanced(self, batch):
         """Each mini-batch's rows (the consecutive blocks :meth:`update` steps on) spread over the
@@ -576,6 +599,7 @@ class GRPOTrainer:
                 self.engine.sleep()  # e.g. rollout.vllm.enable_sleep_mode on GPU: memory freed until the refit
         with timer.time("train"):
             batch, batch_sums = self.prepare_batch(rollout)
+            batch_sums.update(self.routing_sums(batch, step))
             sums, grad_norm = self.update(batch)
         extra = {"optim/grad_norm": grad_norm}
         if self.critic is not None:

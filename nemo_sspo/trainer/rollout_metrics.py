@@ -29,7 +29,7 @@ def rollout_metric_sums(rollout: Rollout, batch, *, samples_per_prompt: int,
         ``reward/mean``, ``reward/accuracy``, ``response/length_mean``, ``response/truncated_frac``,
         ``rollout/sampling_rounds``, ``rollout/kept_group_frac``, ``reward/shaped_mean`` (with
         overlong shaping) and ``rollout/trainer_logprob_gap_abs`` (mean |log pi_rollout - log pi_old|
-        per response token).
+        per response token; with router replay R3, pi_old ran the engine's experts).
     """
     rb, task = rollout.batch, rollout.task_rewards
     n = float(task.numel())

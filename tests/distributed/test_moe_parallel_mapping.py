@@ -35,6 +35,7 @@ from nemo_sspo.megatron import (
     iter_hf_weight_buckets,
     load_hf_into_megatron,
 )
+from nemo_sspo.megatron.router_replay import stage_moe_layers
 from nemo_sspo.models import split_expert_weights
 
 VOCAB, SEQ, BATCH, EXPERTS = 100, 6, 2, 8
@@ -96,6 +97,10 @@ def _check_layout(tp: int, ep: int, pp: int = 1) -> dict:
             hf_model.float()
         model = build_policy_model(config).eval()
         load_hf_into_megatron(model, hf_state, config)
+        # router replay R3: each stage takes its own layers of the engine's [B, S, L_all, k] routes
+        # (2 layers: both at PP 1; layer 0 on stage 0 and layer 1 on stage 1 at PP 2)
+        per_stage = 2 // pp
+        assert stage_moe_layers(model) == list(range(groups.pp_rank * per_stage, (groups.pp_rank + 1) * per_stage))
         local, layer = EXPERTS // ep, model.decoder.layers[-1]
         fc2 = layer.mlp.experts.local_experts[local - 1].linear_fc2.weight
         last_expert = groups.ep_rank * local + local - 1

