@@ -218,7 +218,19 @@ class RolloutConfig:
     """Lock-step staleness k: the rollout of step t is generated with the weights after step
     ``t - 1 - k`` (the first k+1 steps' rollouts with the initial weights), so a sample is at most k
     updates old (``rollout/version_lag_mean``, ``_max``). 0 = on-policy. k > 0 needs a ``correction``
-    (``nemo_sspo.trainer.staleness``)."""
+    (``nemo_sspo.trainer.staleness``). With ``staleness_schedule: free`` it is a bound, not a schedule."""
+    staleness_schedule: str = "lockstep"
+    """``lockstep``: the deterministic schedule of ``max_staleness`` above (reproducible; colocated or
+    separate). ``free`` (``placement: separate`` only): the rollout rank generates continuously with the
+    newest weights it has received, checking for new ones between two rollouts without blocking, and the
+    trainer never trains on a sample more than ``max_staleness`` versions old (``stale_policy``;
+    ``nemo_sspo.trainer.placement``)."""
+    stale_policy: str = "wait"
+    """With ``staleness_schedule: free``: ``wait``: the rollout rank starts no rollout that would be more
+    than ``max_staleness`` versions old when it trains (it waits for new weights instead), so nothing is
+    dropped. ``drop``: it keeps up to 2 (max_staleness + 1) rollouts ahead whatever their age, and the
+    trainer discards a received rollout older than ``max_staleness`` (its prompts are consumed, as in verl
+    and slime) and takes the next (``rollout/dropped_share``). ``lockstep`` accepts only ``wait``."""
     dynamic_sampling: bool | None = None
     """DAPO dynamic sampling (arXiv 2503.14476 sec. 3.2): refill every prompt group whose task rewards are
     all equal (before overlong shaping; DAPO filters on accuracy) with a fresh prompt until each of the
@@ -604,7 +616,17 @@ def _validate_placement(ro: RolloutConfig, cfg: TrainConfig, world_size: int) ->
     """``rollout.placement`` and ``rollout.num_ranks`` against the launched world."""
     _require(ro.placement in PLACEMENTS,
              f"rollout.placement={ro.placement!r} is unknown; valid: {', '.join(PLACEMENTS)}")
+    _require(ro.staleness_schedule in STALENESS_SCHEDULES,
+             f"rollout.staleness_schedule={ro.staleness_schedule!r} is unknown; valid: {', '.join(STALENESS_SCHEDULES)}")
+    _require(ro.staleness_schedule == "free" or ro.stale_policy == "wait",
+             f"rollout.stale_policy={ro.stale_policy!r} needs rollout.staleness_schedule=free (lock-step never has "
+             "a sample older than rollout.max_staleness); set rollout.staleness_schedule=free or "
+             "rollout.stale_policy=wait")
     if ro.placement == "colocated":
+        _require(ro.staleness_schedule == "lockstep",
+                 "rollout.staleness_schedule=free needs rollout.placement=separate (colocated ranks generate and "
+                 "train in turn, nothing runs free); set rollout.placement=separate with rollout.num_ranks=1, or "
+                 "rollout.staleness_schedule=lockstep")
         _require(ro.num_ranks == 0, f"rollout.num_ranks={ro.num_ranks} needs rollout.placement=separate "
                  "(colocated replicas generate themselves); set rollout.num_ranks=0")
         return
@@ -613,6 +635,8 @@ def _validate_placement(ro: RolloutConfig, cfg: TrainConfig, world_size: int) ->
              "rank for now; set rollout.num_ranks=1")
     _require(world_size > ro.num_ranks, f"rollout.num_ranks={ro.num_ranks} leaves no training rank in a world of "
              f"{world_size} processes; launch more (--nproc-per-node) or use rollout.placement=colocated")
+    _require(ro.stale_policy in STALE_POLICIES,
+             f"rollout.stale_policy={ro.stale_policy!r} is unknown; valid: {', '.join(STALE_POLICIES)}")
     unsupported = {"rollout.backend=vllm": ro.backend == "vllm", "eval.every_n_steps > 0": cfg.eval.every_n_steps > 0}
     for setting, used in unsupported.items():
         _require(not used, f"rollout.placement=separate does not support {setting} yet; use "
@@ -730,6 +754,12 @@ def _validate_model_rollout_eval(cfg: TrainConfig) -> None:
 
 PLACEMENTS = ("colocated", "separate")
 """Values of ``rollout.placement``."""
+
+STALENESS_SCHEDULES = ("lockstep", "free")
+"""Values of ``rollout.staleness_schedule``."""
+
+STALE_POLICIES = ("wait", "drop")
+"""Values of ``rollout.stale_policy``."""
 
 RENAMED_KEYS = {
     "rollout.tis_cap": "use rollout.correction=token_tis with rollout.correction_cap=C (the same weight "

@@ -112,11 +112,25 @@ from nemo_sspo.trainer.rollout_metrics import TruncationWatch, rollout_metric_su
 from nemo_sspo.trainer.run_config import composed_config, write_config
 from nemo_sspo.trainer.sampling import Rollout, RolloutSampler
 from nemo_sspo.trainer.throughput import ModelShape, peak_tflops, step_work_sums, throughput_metrics
-from nemo_sspo.trainer.staleness import LockStepRollouts, VersionedRollout, version_lag_sums
+from nemo_sspo.trainer.staleness import (
+    LockStepRollouts,
+    VersionedRollout,
+    dropped_sums,
+    rollout_idle_s,
+    version_lag_sums,
+)
 from nemo_sspo.trainer.timeline import Timeline
 from nemo_sspo.parallel.placement import WorldSplit
 from nemo_sspo.parallel.weight_broadcast import send_weight_buckets
-from nemo_sspo.trainer.placement import ONE_REPLICA, RolloutWorker, recv_rollout, send_start
+from nemo_sspo.trainer.placement import (
+    ONE_REPLICA,
+    FreeRefit,
+    RolloutWorker,
+    drain_rollouts,
+    receive_fresh_rollout,
+    recv_rollout,
+    send_start,
+)
 
 __all__ = ["GRPOTrainer", "Rollout", "build_rollout", "run_rollout_rank", "start_parallel"]
 
@@ -310,10 +324,17 @@ class GRPOTrainer:
         self.in_flight = LockStepRollouts(cfg.rollout.max_staleness, cfg.trainer.max_steps)
         self.problems_drawn = 0
         self.timeline = Timeline()
+        # free-running (rollout.staleness_schedule=free): training rank 0 posts refits without waiting
+        self.free_refit = None
+        if cfg.rollout.staleness_schedule == "free" and dist.get_rank() == 0:
+            self.free_refit = FreeRefit(split.refit, [split.world_size - 1])
+        self.dropped_total = 0
+        self._generation_end: float | None = None  # of the last rollout received (rollout idle time)
         if resume_path is not None:
             self._resume(resume_path)
         elif split is not None:
             self._announce_start(0, 0)
+        self.rollouts_received = self.completed_steps  # free-running rollouts are numbered from here
         self.logger = MetricsLogger(cfg.trainer.output_dir, cfg.trainer.max_steps, enabled=dist.get_rank() == 0,
                                     resume_step=self.completed_steps if resume_path is not None else None,
                                     trainer=cfg.trainer, params=asdict(cfg))
@@ -531,17 +552,53 @@ class GRPOTrainer:
         drawn = self.sampler.problems_drawn if self.sampler is not None else 0
         return VersionedRollout(rollout, version=version, problems_drawn=drawn, generated=(start, time.time()))
 
-    def _received_rollout(self, step: int) -> VersionedRollout:
-        """``placement: separate``: step ``step``'s rollout from the rollout rank, shared across the replica."""
-        g = self.groups
-        versioned = None
+    def _received_rollout(self, step: int) -> tuple[VersionedRollout, list[tuple[int, tuple[float, float]]]]:
+        """``placement: separate``: step ``step``'s rollout from the rollout rank, shared across the
+        replica, and the version and generation window of each rollout dropped before it (free-running
+        ``drop``; none otherwise).
+        """
+        g, ro = self.groups, self.cfg.rollout
+        box = [None, []]
         if g.mp_rank == 0:
-            versioned = recv_rollout(src=self.split.world_size - 1, group=self.split.bridge, tag=step)
-        if g.mp_size == 1:
-            return versioned
-        box = [versioned]
-        dist.broadcast_object_list(box, src=g.mp_src_rank, group=g.mp_group)
-        return box[0]
+            src, bridge = self.split.world_size - 1, self.split.bridge
+            if ro.staleness_schedule == "free":
+                versioned, dropped = receive_fresh_rollout(step, self.rollouts_received, ro.max_staleness, src=src,
+                                                           group=bridge)
+                box = [versioned, [(d.version, d.generated) for d in dropped]]
+            else:
+                box[0] = recv_rollout(src=src, group=bridge, tag=step)
+        if g.mp_size > 1:
+            dist.broadcast_object_list(box, src=g.mp_src_rank, group=g.mp_group)
+        self.rollouts_received += 1 + len(box[1])
+        return box[0], box[1]
+
+    def _free_refit(self, step: int) -> float:
+        """Free-running refit after step ``step`` (:mod:`nemo_sspo.trainer.placement`): training rank 0
+        posts version ``step`` and its weights without waiting for the rollout rank; after the last
+        step it posts the stop instead and every receiving rank drains the rollouts not taken.
+
+        Returns:
+            Seconds this rank waited for the rollout rank (training rank 0: to take the previous
+            version; receiving ranks after the last step: to drain); 0 otherwise.
+        """
+        g, waited = self.groups, 0.0
+        if step == self.cfg.trainer.max_steps:
+            if self.free_refit is not None:
+                waited += self.free_refit.stop(self.rollouts_received)
+            if g.mp_rank == 0:
+                start = time.perf_counter()
+                drain_rollouts(self.rollouts_received, src=self.split.world_size - 1, group=self.split.bridge)
+                waited += time.perf_counter() - start
+            return waited
+        if g.dp_rank == 0:
+            buckets = iter_hf_weight_buckets(self.model.module, self.hf_config,
+                                             self.cfg.rollout.refit_bucket_mb << 20, dst_rank=self.groups.mp_src_rank)
+            if self.free_refit is not None:
+                waited = self.free_refit.post(step, self.rollouts_received, buckets)
+            else:
+                for _ in buckets:  # this rank's share of the gathers
+                    pass
+        return waited
 
     def train_step(self, step: int) -> dict[str, float]:
         """One step (module docstring); returns its metrics, the same on every rank."""
@@ -549,9 +606,10 @@ class GRPOTrainer:
         step_start = time.perf_counter()
         if torch.cuda.is_available():
             torch.cuda.reset_peak_memory_stats()
+        dropped = []
         with timer.time("generation"):
             if self.split is not None:
-                versioned = self._received_rollout(step)
+                versioned, dropped = self._received_rollout(step)
             else:  # the engine holds the weights after step - 1's update (refit at the end of every step)
                 versioned = self.in_flight.take(step, lambda ahead: self._versioned_rollout(ahead, version=step - 1))
             rollout, self.problems_drawn = versioned.rollout, versioned.problems_drawn
@@ -565,15 +623,25 @@ class GRPOTrainer:
             with timer.time("critic"):
                 critic_sums, extra["critic/grad_norm"] = self.critic.update(self._critic_batch(rollout))
             sums.update(critic_sums)
+        free = self.cfg.rollout.staleness_schedule == "free"
+        refit_wait_s = 0.0
         with timer.time("refit"):
-            seconds_per_gb = self.refit()
+            if free:  # no seconds per GB: the broadcast completes whenever the rollout rank joins
+                seconds_per_gb, refit_wait_s = None, self._free_refit(step)
+            else:
+                seconds_per_gb = self.refit()
         self.engine_step = step
         if seconds_per_gb is not None:
             extra["timing/refit_s_per_gb"] = seconds_per_gb
+        if free:
+            self.dropped_total += len(dropped)
+            extra["rollout/dropped_total"] = float(self.dropped_total)
         if self.groups.is_last_stage:
             sums.update(batch_sums)
-            if self.cfg.rollout.max_staleness > 0:
+            if self.cfg.rollout.max_staleness > 0 or free:
                 sums.update(version_lag_sums(versioned, step))
+            if free:
+                sums.update(dropped_sums(len(dropped)))
             sums.update(rollout_metric_sums(rollout, batch, samples_per_prompt=self.cfg.rollout.samples_per_prompt,
                                             shaped_rewards=self.cfg.reward.overlong_buffer_len > 0))
             rb = rollout.batch  # old log-probs (1), reference log-probs (1), update forward + backward (3)
@@ -592,12 +660,38 @@ class GRPOTrainer:
         if torch.cuda.is_available():
             metrics["memory/peak_allocated_gib"] = torch.cuda.max_memory_allocated() / 2**30
         metrics["timing/rollout_generation_s"] = versioned.generated[1] - versioned.generated[0]
-        self._record_timeline(step, timer, versioned)
+        if self.split is not None:
+            metrics.update(self._side_metrics(metrics, timer, versioned, dropped, refit_wait_s))
+        self._record_timeline(step, timer, versioned, dropped)
         return metrics
 
-    def _record_timeline(self, step: int, timer: _Timer, versioned: VersionedRollout) -> None:
-        """This step's phases and its rollout's generation window (:mod:`nemo_sspo.trainer.timeline`)."""
+    def _side_metrics(self, metrics: dict[str, float], timer: _Timer, versioned: VersionedRollout,
+                      dropped: list[tuple[int, tuple[float, float]]], refit_wait_s: float) -> dict[str, float]:
+        """``placement: separate``: each side's idle seconds in this step and the rollout rank's rate.
+
+        ``timing/train_idle_s``: this rank's wait for the step's rollout(s) plus, free-running, the
+        refit's wait for the rollout rank. ``timing/rollout_idle_s``: the rollout rank's time between
+        the rollouts this step received (waiting for the trainer, taking weights;
+        :func:`nemo_sspo.trainer.staleness.rollout_idle_s`). ``throughput/rollout_tokens_per_s``: the
+        trained rollout's response tokens (all replicas) per second of its generation window.
+        """
+        windows = [window for _, window in dropped] + [versioned.generated]
+        out = {"timing/train_idle_s": timer.seconds["timing/generation_s"] + refit_wait_s,
+               "timing/rollout_idle_s": rollout_idle_s(windows, self._generation_end)}
+        self._generation_end = versioned.generated[1]
+        busy = versioned.generated[1] - versioned.generated[0]
+        if busy > 0:
+            out["throughput/rollout_tokens_per_s"] = metrics["tokens/response"] / busy
+        return out
+
+    def _record_timeline(self, step: int, timer: _Timer, versioned: VersionedRollout,
+                         dropped: list[tuple[int, tuple[float, float]]]) -> None:
+        """This step's phases and its rollout's generation window (:mod:`nemo_sspo.trainer.timeline`);
+        rollouts dropped for staleness as ``dropped`` windows on the rollout lane.
+        """
         rollout_lane = "rollout rank" if self.split is not None else "training ranks"
+        for _, window in dropped:
+            self.timeline.add(rollout_lane, "dropped", step, *window)
         self.timeline.add(rollout_lane, "generation", step, *versioned.generated)
         for phase, window in timer.windows.items():
             if phase == "generation":
