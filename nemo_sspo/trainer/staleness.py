@@ -172,8 +172,9 @@ class FreeQueue:
         """Whether the next rollout may start now (else the rollout rank waits for the next notice).
 
         Only pending rollouts that can still be fresh when the next step (``version + 1``) trains them
-        count against the bound: older ones will be dropped, and counting them could leave the trainer
-        waiting for a rollout the rollout rank never starts.
+        count against the bound: older ones will be dropped, so the rollout rank replaces them instead
+        of idling while the trainer would wait for a fresh one. The trainer never starves: each step
+        takes at least one rollout, so after each notice at least one more may start.
         """
         k = self.max_staleness
         could_train = sum(v >= self.version - k for _, v in self._pending)

@@ -64,7 +64,7 @@ def test_drop_with_a_fast_rollout_rank_drops_every_other_rollout_at_k0():
     assert sent == [0, 0, 1, 1, 2, 2] and drops == [0, 1, 1] and left == 1
 
 
-def test_drop_never_starves_the_trainer():
+def test_drop_counts_only_rollouts_that_can_still_train_and_never_starves_the_trainer():
     # k = 1, bound 4. Rollouts 1..4 from version 0. Notice 1 (taken 1): 2..4 can still train step 2
     # (0 >= 1 - 1), so one more: 5 from version 1. Notice 2 (taken 2): 3, 4 (version 0) are stale for
     # step 3 and no longer count, only 5 does: 6, 7, 8 from version 2. Step 3 drops 3 and 4, trains 5.
