@@ -4,8 +4,9 @@ The windows themselves go to ``timeline.jsonl`` (lane, phase, step, start, end i
 
 Training rank 0 records its own phases of every step (waiting for / generating the rollout,
 training, refit) and the generation window of every rollout it trains on or drops for staleness
-(``dropped``), which the rollout rank measured (``placement: separate``; colocated, the same rank generated it). Both come from
-``time.time()`` on one host, or on hosts whose clocks agree to well under a phase.
+(``dropped``), which the rollout rank measured (``placement: separate``; colocated, the same rank
+generated it). Both come from ``time.time()`` on one host, or on hosts whose clocks agree to well
+under a phase.
 """
 
 from __future__ import annotations
