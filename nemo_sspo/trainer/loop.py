@@ -220,7 +220,8 @@ def build_rollout(cfg: TrainConfig, hf_config, state_dict, tokenizer, prompts, g
 
 def run_rollout_rank(cfg: TrainConfig, split: WorldSplit, checkpoint=None, *, reward: Reward | None = None) -> None:
     """The rollout rank of ``rollout.placement: separate``: builds the engine, reward and prompt stream
-    and runs :class:`nemo_sspo.trainer.placement.RolloutWorker` until the last step's refit.
+    and runs :class:`nemo_sspo.trainer.placement.RolloutWorker` until the last step's refit (lock-step) or
+    the trainer's stop (``rollout.staleness_schedule: free``).
 
     Args:
         cfg: the run's validated config.

@@ -230,7 +230,8 @@ class RolloutWorker:
             self._pending.append(send_rollout(part, dst=dst, group=self.split.bridge, tag=step))
 
     def run(self) -> None:
-        """Generates and sends every step's rollout and takes the weights after every update.
+        """Generates and sends every step's rollout and takes the weights after every update, lock-step
+        or free-running (``rollout.staleness_schedule``, module docstring).
 
         Raises:
             RuntimeError: a training rank died or hung past the groups' timeout (naming it).
