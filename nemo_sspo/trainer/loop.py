@@ -26,8 +26,9 @@ Around the steps: ``rollout.correction`` multiplies each token's loss by an impo
 pi_old / pi_rollout, truncated or masked (:mod:`nemo_sspo.algorithms.off_policy`);
 ``rollout.max_staleness`` trains step t on a rollout generated k steps earlier
 (:mod:`nemo_sspo.trainer.staleness`), or with ``rollout.staleness_schedule: free`` on the next
-received rollout at most k versions old (:mod:`nemo_sspo.trainer.placement`); ``eval.every_n_steps`` evaluates the rollout
-engine's weights and keeps the best step (:mod:`nemo_sspo.trainer.periodic_eval`);
+received rollout at most k versions old (:mod:`nemo_sspo.trainer.placement`);
+``eval.every_n_steps`` evaluates the rollout engine's weights and keeps the best step
+(:mod:`nemo_sspo.trainer.periodic_eval`);
 ``trainer.checkpoint_interval`` / ``trainer.resume`` save and restore the whole training state
 (:mod:`nemo_sspo.trainer.checkpoint`). On a CUDA host the policy lives on the GPU and each
 micro-batch is moved there in the forward step; whole batches stay on the host

@@ -61,8 +61,8 @@ from nemo_sspo.rollout import RolloutBatch
 from nemo_sspo.trainer.sampling import Rollout
 from nemo_sspo.trainer.staleness import FreeQueue, VersionedRollout, is_fresh
 
-__all__ = ["FreeRefit", "ONE_REPLICA", "RolloutWorker", "drain_rollouts", "receive_fresh_rollout", "recv_rollout", "send_rollout",
-           "send_start", "slot_rows"]
+__all__ = ["FreeRefit", "ONE_REPLICA", "RolloutWorker", "drain_rollouts", "receive_fresh_rollout", "recv_rollout",
+           "send_rollout", "send_start", "slot_rows"]
 
 logger = logging.getLogger(__name__)
 
