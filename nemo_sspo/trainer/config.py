@@ -620,7 +620,8 @@ def _validate_placement(ro: RolloutConfig, cfg: TrainConfig, world_size: int) ->
     _require(ro.placement in PLACEMENTS,
              f"rollout.placement={ro.placement!r} is unknown; valid: {', '.join(PLACEMENTS)}")
     _require(ro.staleness_schedule in STALENESS_SCHEDULES,
-             f"rollout.staleness_schedule={ro.staleness_schedule!r} is unknown; valid: {', '.join(STALENESS_SCHEDULES)}")
+             f"rollout.staleness_schedule={ro.staleness_schedule!r} is unknown; valid: "
+             f"{', '.join(STALENESS_SCHEDULES)}")
     _require(ro.staleness_schedule == "free" or ro.stale_policy == "wait",
              f"rollout.stale_policy={ro.stale_policy!r} needs rollout.staleness_schedule=free (lock-step never has "
              "a sample older than rollout.max_staleness); set rollout.staleness_schedule=free or "
