@@ -635,6 +635,10 @@ def _validate_placement(ro: RolloutConfig, cfg: TrainConfig, world_size: int) ->
                  "(colocated replicas generate themselves); set rollout.num_ranks=0")
         return
     _require(ro.peer_timeout_s > 0, f"rollout.peer_timeout_s={ro.peer_timeout_s} must be > 0 (seconds)")
+    _require(ro.staleness_schedule == "lockstep" or ro.num_ranks == 1,
+             f"rollout.num_ranks={ro.num_ranks}: rollout.staleness_schedule=free runs one rollout rank (its "
+             "version notices and rollout numbers are per rollout rank); set rollout.num_ranks=1 or "
+             "rollout.staleness_schedule=lockstep")
     _require(ro.num_ranks == 1, f"rollout.num_ranks={ro.num_ranks}: rollout.placement=separate runs one rollout "
              "rank for now; set rollout.num_ranks=1")
     _require(world_size > ro.num_ranks, f"rollout.num_ranks={ro.num_ranks} leaves no training rank in a world of "

@@ -105,9 +105,11 @@ SEPARATE = ["rollout.placement=separate", "rollout.num_ranks=1"]
     (["rollout.staleness_schedule=free"], r"staleness_schedule=free needs rollout\.placement=separate .* or "
      r"rollout\.staleness_schedule=lockstep"),
     ([*SEPARATE, "rollout.stale_policy=drop"], r"stale_policy='drop' needs rollout\.staleness_schedule=free"),
+    (["rollout.placement=separate", "rollout.num_ranks=2", "rollout.staleness_schedule=free"],
+     r"rollout\.num_ranks=2: rollout\.staleness_schedule=free runs one rollout rank"),
 ])
 def test_bad_free_running_settings_fail_at_load(monkeypatch, overrides, match):
-    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("WORLD_SIZE", "3")
     with pytest.raises(ValueError, match=match):
         load_config(overrides=["model=tiny_random", *overrides])
 
