@@ -10,7 +10,8 @@ the faster side; then the schedule fixes every rollout's version whatever the ti
 - ``drop`` with k = 0 keeps up to 2 (k + 1) = 2 rollouts ahead that could still train: rollouts 1, 2
   from version 0; after step 1 (taken 1, rollout 2 is stale for step 2) rollouts 3, 4 from version 1;
   after step 2 (taken 3) rollouts 5, 6 from version 2. Step 1 trains 1; step 2 drops 2 and trains 3;
-  step 3 drops 4 and trains 5; rollout 6 is drained at the end. dropped_share = [0, 1/2, 1/2].
+  step 3 drops 4 and trains 5; rollout 6 is drained at the end. dropped_share = [0, 1/2, 1/2]. The
+data position a checkpoint saves is the trained rollout's: 5 x 2 prompts = 10, not 12.
 
 The drop counts are also recomputed from the versions the training rank received (recorded by a
 wrapper around ``recv_rollout``, not by the trainer's own bookkeeping).
@@ -61,7 +62,7 @@ def _free_run(split, tiny, out_dir, overrides):
     placement.recv_rollout = _recording_recv(received)
     trainer = loop.GRPOTrainer(cfg, loop.start_parallel(cfg.parallel, cfg.trainer.seed), checkpoint=tiny, split=split)
     try:
-        return trainer.fit(), received
+        return trainer.fit(), received, trainer.problems_drawn  # the data position a checkpoint would save
     finally:
         destroy_parallel()
 
@@ -101,8 +102,9 @@ def tiny():
 def test_free_running_wait_and_drop(run_distributed, monkeypatch, tmp_path, tiny):
     results = run_distributed(_child, 2, str(tmp_path), timeout_s=300)[0]
 
-    history, received = results["wait"]
+    history, received, position = results["wait"]
     assert received == [(1, 0), (2, 0), (3, 1)]  # nothing beyond the last step, nothing drained
+    assert position == 6  # after rollout 3, of 2 prompts each
     assert [h["rollout/version_lag_mean"] for h in history] == [0.0, 1.0, 1.0]
     assert [h["rollout/version_lag_max"] for h in history] == [0.0, 1.0, 1.0]
     assert [h["rollout/dropped_share"] for h in history] == [0.0, 0.0, 0.0]
@@ -127,8 +129,9 @@ def test_free_running_wait_and_drop(run_distributed, monkeypatch, tmp_path, tiny
     # rollout 3 waits for step 1's update (>= 0.5 s): the rollout rank idled at least that long in step 3
     assert history[2]["timing/rollout_idle_s"] >= UPDATE_DELAY_S
 
-    history, received = results["drop"]
+    history, received, position = results["drop"]
     assert received == [(1, 0), (2, 0), (3, 1), (4, 1), (5, 2), (6, 2)]
+    assert position == 10  # of the trained rollout 5 (2 prompts each), not of the drained rollout 6 (12)
     drops, drained = _drops_from_versions(received, 3, k=0)
     assert drops == [0, 1, 1] and drained == [(6, 2)]
     assert [h["rollout/dropped_share"] for h in history] == [d / (d + 1) for d in drops] == [0.0, 0.5, 0.5]
