@@ -2,14 +2,19 @@
 
     python benchmarks/async_loop.py [--steps 5] [--out /tmp/async_loop]
 
-Four runs of the default CPU task (``sspo_smollm2_cpu``: SmolLM2-135M, word problems, the same
+Runs of the default CPU task (``sspo_smollm2_cpu``: SmolLM2-135M, word problems, the same
 seed, so the same prompts), each with 2 cores in all:
 
 - ``a``: colocated, one process with 2 threads (generation and training take turns);
 - ``b``: ``rollout.placement=separate``, ``max_staleness=0``: 1 training + 1 rollout process,
   1 thread each (the sides still take turns: each waits for the other);
 - ``c``: the same with ``max_staleness=1`` (the rollout rank generates step t + 1 while step t trains);
-- ``d``: ``max_staleness=2``.
+- ``d``: ``max_staleness=2``;
+- ``e``: free-running (``rollout.staleness_schedule=free``) with ``max_staleness=1``, ``stale_policy=wait``;
+- ``f``: free-running with ``max_staleness=1``, ``stale_policy=drop`` (dropped rollouts count as rollout
+  busy time; the table's ``dropped`` column is the share of received rollouts dropped).
+
+``--variants`` runs a subset (the summary line needs ``a`` and ``c``).
 
 Per run, over the wall window from the end of step 1 (which fills the pipeline and pays start-up
 costs) to the end of step S, from the training rank's ``timeline.jsonl`` and ``metrics.jsonl``:
@@ -34,6 +39,10 @@ _VARIANTS = {
     "b": (2, 1, ["rollout.placement=separate", "rollout.num_ranks=1", "rollout.max_staleness=0"]),
     "c": (2, 1, ["rollout.placement=separate", "rollout.num_ranks=1", "rollout.max_staleness=1"]),
     "d": (2, 1, ["rollout.placement=separate", "rollout.num_ranks=1", "rollout.max_staleness=2"]),
+    "e": (2, 1, ["rollout.placement=separate", "rollout.num_ranks=1", "rollout.max_staleness=1",
+                 "rollout.staleness_schedule=free", "rollout.stale_policy=wait"]),
+    "f": (2, 1, ["rollout.placement=separate", "rollout.num_ranks=1", "rollout.max_staleness=1",
+                 "rollout.staleness_schedule=free", "rollout.stale_policy=drop"]),
 }
 
 
@@ -66,32 +75,40 @@ def _summary(name: str, history: list[dict], events: list[dict], responses_per_s
     tokens = sum(h["response/length_mean"] * responses_per_step for h in steady)
     return {
         "variant": name, "step_s": wall / len(steady), "tokens_per_s": tokens / wall,
-        "rollout_busy": _busy(events, ("generation",), start, end) / wall,
+        "rollout_busy": _busy(events, ("generation", "dropped"), start, end) / wall,
         "train_busy": _busy(trainer, ("train", "refit", "critic"), start, end) / wall,
         "lag": sum(h.get("rollout/version_lag_mean", 0.0) for h in steady) / len(steady),
         "reward": sum(h["reward/mean"] for h in history[-2:]) / 2,
+        "dropped": sum(h.get("rollout/dropped_share", 0.0) for h in steady) / len(steady),
     }
 
 
 def main() -> None:
-    """Runs the four variants and prints their table and the summary line."""
+    """Runs the variants and prints their table and the summary line."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=5, help="steps per run (>= 3)")
     parser.add_argument("--out", type=Path, default=Path("/tmp/async_loop"))
+    parser.add_argument("--variants", default="".join(_VARIANTS), help="letters of the variants to run")
     args = parser.parse_args()
+    unknown = set(args.variants) - set(_VARIANTS)
+    if unknown:
+        parser.error(f"--variants: unknown {''.join(sorted(unknown))}; valid: {''.join(_VARIANTS)}")
     if args.steps < 3:
         parser.error("--steps must be >= 3 (step 1 is excluded, the reward averages the last two)")
     responses = 2 * 8  # the default rollout.prompts_per_step x rollout.samples_per_prompt
-    rows = [_summary(name, *_run(name, args.steps, args.out), responses) for name in _VARIANTS]
+    rows = {name: _summary(name, *_run(name, args.steps, args.out), responses)
+            for name in _VARIANTS if name in args.variants}
     print(f"{'variant':<8}{'s/step':>8}{'tok/s':>8}{'gen busy':>10}{'gen idle':>10}{'train busy':>12}"
-          f"{'train idle':>12}{'lag':>6}{'reward':>8}")
-    for r in rows:
+          f"{'train idle':>12}{'lag':>6}{'reward':>8}{'dropped':>9}")
+    for r in rows.values():
         print(f"{r['variant']:<8}{r['step_s']:>8.2f}{r['tokens_per_s']:>8.1f}{r['rollout_busy']:>10.2f}"
               f"{1 - r['rollout_busy']:>10.2f}{r['train_busy']:>12.2f}{1 - r['train_busy']:>12.2f}{r['lag']:>6.2f}"
-              f"{r['reward']:>8.3f}")
-    a, c = rows[0], rows[2]
+              f"{r['reward']:>8.3f}{r['dropped']:>9.2f}")
     print(f"timelines: {args.out}/<variant>/timeline.png")
-    print(f"bottleneck_busy={max(c['rollout_busy'], c['train_busy']):.3f} async_vs_sync={a['step_s'] / c['step_s']:.3f}")
+    if "a" in rows and "c" in rows:
+        a, c = rows["a"], rows["c"]
+        print(f"bottleneck_busy={max(c['rollout_busy'], c['train_busy']):.3f} "
+              f"async_vs_sync={a['step_s'] / c['step_s']:.3f}")
 
 
 if __name__ == "__main__":

@@ -22,7 +22,8 @@ from typing import Iterable, Iterator, Sequence
 import torch
 import torch.distributed as dist
 
-__all__ = ["BroadcastStats", "MAX_DIMS", "receive_weight_buckets", "send_weight_buckets"]
+__all__ = ["BroadcastStats", "MAX_DIMS", "PendingBroadcast", "receive_weight_buckets", "send_weight_buckets",
+           "start_weight_broadcast"]
 
 MAX_DIMS = 8
 """Most dimensions of a tensor the wire format carries."""
@@ -56,10 +57,19 @@ class BroadcastStats:
         return self.seconds / (self.bytes / 1e9) if self.bytes else 0.0
 
 
-def _broadcast(group: dist.ProcessGroup, tensor: torch.Tensor) -> None:
+def _post(group: dist.ProcessGroup, tensor: torch.Tensor):
     opts = dist.BroadcastOptions()
     opts.rootRank = 0
-    group.broadcast([tensor], opts).wait()
+    return group.broadcast([tensor], opts)
+
+
+def _broadcast(group: dist.ProcessGroup, tensor: torch.Tensor) -> None:
+    _post(group, tensor).wait()
+
+
+def _failed(receivers: Sequence[int], count: int, err: RuntimeError) -> RuntimeError:
+    return RuntimeError(f"weight broadcast to rollout rank(s) {list(receivers)} failed after {count} bucket(s): "
+                        f"a rollout rank died or stopped receiving within the timeout ({err})")
 
 
 def _encode(bucket: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -110,9 +120,82 @@ def send_weight_buckets(buckets: Iterable[dict[str, torch.Tensor]], *, group: di
             count, sent = count + 1, sent + payload.numel()
         _broadcast(group, torch.zeros(3, dtype=torch.int64))
     except RuntimeError as err:  # gloo's errors (closed connection, timeout) are RuntimeErrors
-        raise RuntimeError(f"weight broadcast to rollout rank(s) {list(receivers)} failed after {count} bucket(s): "
-                           f"a rollout rank died or stopped receiving within the timeout ({err})") from err
+        raise _failed(receivers, count, err) from err
     return BroadcastStats(buckets=count, bytes=sent, seconds=time.perf_counter() - start)
+
+
+@dataclass
+class PendingBroadcast:
+    """A weight broadcast posted by :func:`start_weight_broadcast` that may still be running.
+
+    Attributes:
+        works: each bucket's four works, then the end marker's.
+        tensors: the encoded buckets, alive until the works are done.
+        receivers: world ranks of the receiving members (named in the error).
+        bytes: payload bytes posted.
+        start: ``time.perf_counter()`` when the first bucket was posted.
+    """
+
+    works: list[list]
+    tensors: list[torch.Tensor]
+    receivers: Sequence[int]
+    bytes: int
+    start: float
+
+    def wait(self) -> BroadcastStats:
+        """Waits until every receiver has taken every bucket.
+
+        Returns:
+            :class:`BroadcastStats`; ``seconds`` runs from the first post to the end of this wait
+            (so it includes the time the receivers took to join, not only the transfer).
+
+        Raises:
+            RuntimeError: naming ``receivers``, as :func:`send_weight_buckets`.
+        """
+        done = 0
+        try:
+            for bucket in self.works:
+                for work in bucket:
+                    work.wait()
+                done += 1
+        except RuntimeError as err:
+            raise _failed(self.receivers, done, err) from err
+        self.tensors.clear()
+        return BroadcastStats(buckets=len(self.works) - 1, bytes=self.bytes, seconds=time.perf_counter() - self.start)
+
+
+def start_weight_broadcast(buckets: Iterable[dict[str, torch.Tensor]], *, group: dist.ProcessGroup,
+                           receivers: Sequence[int]) -> PendingBroadcast:
+    """Posts the whole broadcast of :func:`send_weight_buckets` without waiting for the receivers.
+
+    The wire format is the same, so the receivers take it with :func:`receive_weight_buckets`, bucket
+    by bucket, whenever they join. The price: this rank keeps every encoded bucket (one host copy of
+    the exported model) until :meth:`PendingBroadcast.wait` returns. The free-running schedule uses it
+    so the trainer's next step need not wait for a rollout rank that is still generating.
+
+    Args:
+        buckets: as :func:`send_weight_buckets` (drawing them may be collective; that part runs now).
+        group: the refit group, this rank its rank 0.
+        receivers: world ranks of the other members (named in errors).
+
+    Returns:
+        The :class:`PendingBroadcast`.
+
+    Raises:
+        ValueError: as :func:`send_weight_buckets`.
+    """
+    start, works, tensors, sent = time.perf_counter(), [], [], 0
+    for bucket in buckets:
+        if not bucket:
+            continue
+        encoded = _encode(bucket)
+        works.append([_post(group, tensor) for tensor in encoded])
+        tensors.extend(encoded)
+        sent += encoded[3].numel()
+    end = torch.zeros(3, dtype=torch.int64)
+    works.append([_post(group, end)])
+    tensors.append(end)
+    return PendingBroadcast(works=works, tensors=tensors, receivers=receivers, bytes=sent, start=start)
 
 
 def receive_weight_buckets(*, group: dist.ProcessGroup) -> Iterator[dict[str, torch.Tensor]]:

@@ -221,12 +221,27 @@ class RolloutConfig:
     peer_timeout_s: float = 1800.0
     """``placement: separate``: longest wait, in seconds, for the other side (a step's rollout, a
     refit). A rollout or training rank that died or hangs ends the run on every rank after at most
-    this long, with an error naming it (a dead peer's closed connection fails at once)."""
+    this long, with an error naming it (a dead peer's closed connection fails at once). With
+    ``staleness_schedule: free`` it also bounds a training step and a generation: the rollout rank's
+    receive of the next version is posted ahead, and the trainer's broadcast waits for the rollout
+    rank to finish the rollout it is generating."""
     max_staleness: int = 0
     """Lock-step staleness k: the rollout of step t is generated with the weights after step
     ``t - 1 - k`` (the first k+1 steps' rollouts with the initial weights), so a sample is at most k
     updates old (``rollout/version_lag_mean``, ``_max``). 0 = on-policy. k > 0 needs a ``correction``
-    (``nemo_sspo.trainer.staleness``)."""
+    (``nemo_sspo.trainer.staleness``). With ``staleness_schedule: free`` it is a bound, not a schedule."""
+    staleness_schedule: str = "lockstep"
+    """``lockstep``: the deterministic schedule of ``max_staleness`` above (reproducible; colocated or
+    separate). ``free`` (``placement: separate`` only): the rollout rank generates continuously with the
+    newest weights it has received, checking for new ones between two rollouts without blocking, and the
+    trainer never trains on a sample more than ``max_staleness`` versions old (``stale_policy``;
+    ``nemo_sspo.trainer.placement``)."""
+    stale_policy: str = "wait"
+    """With ``staleness_schedule: free``: ``wait``: the rollout rank starts no rollout that would be more
+    than ``max_staleness`` versions old when it trains (it waits for new weights instead), so nothing is
+    dropped. ``drop``: it keeps up to 2 (max_staleness + 1) rollouts ahead whatever their age, and the
+    trainer discards a received rollout older than ``max_staleness`` (its prompts are consumed, as in verl
+    and slime) and takes the next (``rollout/dropped_share``). ``lockstep`` accepts only ``wait``."""
     dynamic_sampling: bool | None = None
     """DAPO dynamic sampling (arXiv 2503.14476 sec. 3.2): refill every prompt group whose task rewards are
     all equal (before overlong shaping; DAPO filters on accuracy) with a fresh prompt until each of the
@@ -612,13 +627,28 @@ def _validate_placement(ro: RolloutConfig, cfg: TrainConfig, world_size: int) ->
     """``rollout.placement`` and ``rollout.num_ranks`` against the launched world."""
     _require(ro.placement in PLACEMENTS,
              f"rollout.placement={ro.placement!r} is unknown; valid: {', '.join(PLACEMENTS)}")
+    _require(ro.staleness_schedule in STALENESS_SCHEDULES,
+             f"rollout.staleness_schedule={ro.staleness_schedule!r} is unknown; valid: "
+             f"{', '.join(STALENESS_SCHEDULES)}")
+    _require(ro.staleness_schedule == "free" or ro.stale_policy == "wait",
+             f"rollout.stale_policy={ro.stale_policy!r} needs rollout.staleness_schedule=free (lock-step never has "
+             "a sample older than rollout.max_staleness); set rollout.staleness_schedule=free or "
+             "rollout.stale_policy=wait")
     if ro.placement == "colocated":
+        _require(ro.staleness_schedule == "lockstep",
+                 "rollout.staleness_schedule=free needs rollout.placement=separate (colocated ranks generate and "
+                 "train in turn, nothing runs free); set rollout.placement=separate with rollout.num_ranks=1, or "
+                 "rollout.staleness_schedule=lockstep")
         _require(ro.num_ranks == 0, f"rollout.num_ranks={ro.num_ranks} needs rollout.placement=separate "
                  "(colocated replicas generate themselves); set rollout.num_ranks=0")
         return
     _require(ro.peer_timeout_s > 0, f"rollout.peer_timeout_s={ro.peer_timeout_s} must be > 0 (seconds)")
     _require(ro.num_ranks >= 1, f"rollout.num_ranks={ro.num_ranks}: rollout.placement=separate needs at least "
              "one rollout rank; set rollout.num_ranks=1 (or more)")
+    _require(ro.staleness_schedule == "lockstep" or ro.num_ranks == 1,
+             f"rollout.num_ranks={ro.num_ranks}: rollout.staleness_schedule=free runs one rollout rank (its "
+             "version notices and rollout numbers are per rollout rank); set rollout.num_ranks=1 or "
+             "rollout.staleness_schedule=lockstep")
     _require(ro.prompts_per_step % ro.num_ranks == 0,
              f"rollout.num_ranks={ro.num_ranks} does not divide rollout.prompts_per_step={ro.prompts_per_step} (each "
              "rollout rank generates an equal share of a step's prompt groups); pick a rollout.num_ranks that "
@@ -628,6 +658,8 @@ def _validate_placement(ro: RolloutConfig, cfg: TrainConfig, world_size: int) ->
     _require(cfg.eval.every_n_steps == 0, "rollout.placement=separate does not support eval.every_n_steps > 0 yet; "
              "set eval.every_n_steps=0 (evaluate the saved checkpoints with nemo-sspo eval) or use "
              "rollout.placement=colocated")
+    _require(ro.stale_policy in STALE_POLICIES,
+             f"rollout.stale_policy={ro.stale_policy!r} is unknown; valid: {', '.join(STALE_POLICIES)}")
 
 
 def _validate_correction(ro: RolloutConfig) -> None:
@@ -749,6 +781,12 @@ def _validate_model_rollout_eval(cfg: TrainConfig) -> None:
 
 PLACEMENTS = ("colocated", "separate")
 """Values of ``rollout.placement``."""
+
+STALENESS_SCHEDULES = ("lockstep", "free")
+"""Values of ``rollout.staleness_schedule``."""
+
+STALE_POLICIES = ("wait", "drop")
+"""Values of ``rollout.stale_policy``."""
 
 RENAMED_KEYS = {
     "rollout.tis_cap": "use rollout.correction=token_tis with rollout.correction_cap=C (the same weight "

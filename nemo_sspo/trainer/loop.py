@@ -25,8 +25,10 @@ the batch (nothing is built when it is 0); ``advantage_source == "critic"`` trai
 Around the steps: ``rollout.correction`` multiplies each token's loss by an importance weight of
 pi_old / pi_rollout, truncated or masked (:mod:`nemo_sspo.algorithms.off_policy`);
 ``rollout.max_staleness`` trains step t on a rollout generated k steps earlier
-(:mod:`nemo_sspo.trainer.staleness`); ``eval.every_n_steps`` evaluates the rollout
-engine's weights and keeps the best step (:mod:`nemo_sspo.trainer.periodic_eval`);
+(:mod:`nemo_sspo.trainer.staleness`), or with ``rollout.staleness_schedule: free`` on the next
+received rollout at most k versions old (:mod:`nemo_sspo.trainer.placement`);
+``eval.every_n_steps`` evaluates the rollout engine's weights and keeps the best step
+(:mod:`nemo_sspo.trainer.periodic_eval`);
 ``trainer.checkpoint_interval`` / ``trainer.resume`` save and restore the whole training state
 (:mod:`nemo_sspo.trainer.checkpoint`). On a CUDA host the policy lives on the GPU and each
 micro-batch is moved there in the forward step; whole batches stay on the host
@@ -117,13 +119,22 @@ from nemo_sspo.trainer.rollout_metrics import TruncationWatch, rollout_metric_su
 from nemo_sspo.trainer.run_config import composed_config, write_config
 from nemo_sspo.trainer.sampling import Rollout, RolloutSampler
 from nemo_sspo.trainer.throughput import ModelShape, peak_tflops, step_work_sums, throughput_metrics
-from nemo_sspo.trainer.staleness import LockStepRollouts, VersionedRollout, version_lag_sums
+from nemo_sspo.trainer.staleness import (
+    LockStepRollouts,
+    VersionedRollout,
+    dropped_sums,
+    rollout_idle_s,
+    version_lag_sums,
+)
 from nemo_sspo.trainer.timeline import Timeline
 from nemo_sspo.parallel.placement import WorldSplit
 from nemo_sspo.parallel.weight_broadcast import send_weight_buckets
 from nemo_sspo.trainer.placement import (
+    FreeRefit,
     RolloutWorker,
+    drain_rollouts,
     merge_rollouts,
+    receive_fresh_rollout,
     recv_rollout,
     rollout_replica,
     send_start,
@@ -219,8 +230,9 @@ def build_rollout(cfg: TrainConfig, hf_config, state_dict, tokenizer, prompts, g
 def run_rollout_rank(cfg: TrainConfig, split: WorldSplit, checkpoint=None, *, reward: Reward | None = None) -> None:
     """A rollout rank of ``rollout.placement: separate``: builds the engine (``rollout.backend``), reward
     and prompt stream, runs :class:`nemo_sspo.trainer.placement.RolloutWorker` until the last step's
-    refit, then closes the reward and stops the engine (an in-process vLLM ends this process's
-    torch.distributed default group: nothing of the rollout side's runs after it).
+    refit (lock-step) or the trainer's stop (``rollout.staleness_schedule: free``), then closes the
+    reward and stops the engine (an in-process vLLM ends this process's torch.distributed default
+    group: nothing of the rollout side's runs after it).
 
     Args:
         cfg: the run's validated config.
@@ -328,10 +340,17 @@ class GRPOTrainer:
         self.in_flight = LockStepRollouts(cfg.rollout.max_staleness, cfg.trainer.max_steps)
         self.problems_drawn = 0
         self.timeline = Timeline()
+        # free-running (rollout.staleness_schedule=free): training rank 0 posts refits without waiting
+        self.free_refit = None
+        if cfg.rollout.staleness_schedule == "free" and dist.get_rank() == 0:
+            self.free_refit = FreeRefit(split.refit, [split.world_size - 1])
+        self.dropped_total = 0
+        self._generation_end: float | None = None  # of the last rollout received (rollout idle time)
         if resume_path is not None:
             self._resume(resume_path)
         elif split is not None:
             self._announce_start(0, 0)
+        self.rollouts_received = self.completed_steps  # free-running rollouts are numbered from here
         self.logger = MetricsLogger(cfg.trainer.output_dir, cfg.trainer.max_steps, enabled=dist.get_rank() == 0,
                                     resume_step=self.completed_steps if resume_path is not None else None,
                                     trainer=cfg.trainer, params=asdict(cfg))
@@ -565,23 +584,58 @@ class GRPOTrainer:
         drawn = self.sampler.problems_drawn if self.sampler is not None else 0
         return VersionedRollout(rollout, version=version, problems_drawn=drawn, generated=(start, time.time()))
 
-    def _received_rollout(self, step: int) -> VersionedRollout:
-        """``placement: separate``: step ``step``'s rollout from the rollout ranks generating this
-        replica's slots (:func:`nemo_sspo.trainer.placement.slot_routes`), stacked in slot order and
-        shared across the replica.
+    def _received_rollout(self, step: int) -> tuple[VersionedRollout, list[tuple[int, tuple[float, float]]]]:
+        """``placement: separate``: step ``step``'s rollout, shared across the replica, and the version and
+        generation window of each rollout dropped before it (free-running ``drop``; none otherwise).
+
+        Lock-step: the parts from the rollout ranks generating this replica's slots
+        (:func:`nemo_sspo.trainer.placement.slot_routes`), stacked in slot order. Free-running: the next
+        fresh rollout from the one rollout rank.
         """
-        g, split = self.groups, self.split
-        versioned = None
+        g, ro, split = self.groups, self.cfg.rollout, self.split
+        box = [None, []]
         if g.mp_rank == 0:
-            routes = slot_routes(self.cfg.rollout.prompts_per_step, g.dp_size, split.num_rollout_ranks)
-            parts = [recv_rollout(src=split.num_training_ranks + route.source, group=split.bridge, tag=step)
-                     for route in routes if route.replica == g.dp_rank]
-            versioned = merge_rollouts(parts, pad_id=self.tokenizer.pad_token_id)
-        if g.mp_size == 1:
-            return versioned
-        box = [versioned]
-        dist.broadcast_object_list(box, src=g.mp_src_rank, group=g.mp_group)
-        return box[0]
+            if ro.staleness_schedule == "free":
+                versioned, dropped = receive_fresh_rollout(step, self.rollouts_received, ro.max_staleness,
+                                                           src=split.num_training_ranks, group=split.bridge)
+                box = [versioned, [(d.version, d.generated) for d in dropped]]
+            else:
+                routes = slot_routes(ro.prompts_per_step, g.dp_size, split.num_rollout_ranks)
+                parts = [recv_rollout(src=split.num_training_ranks + route.source, group=split.bridge, tag=step)
+                         for route in routes if route.replica == g.dp_rank]
+                box[0] = merge_rollouts(parts, pad_id=self.tokenizer.pad_token_id)
+        if g.mp_size > 1:
+            dist.broadcast_object_list(box, src=g.mp_src_rank, group=g.mp_group)
+        self.rollouts_received += 1 + len(box[1])
+        return box[0], box[1]
+
+    def _free_refit(self, step: int) -> float:
+        """Free-running refit after step ``step`` (:mod:`nemo_sspo.trainer.placement`): training rank 0
+        posts version ``step`` and its weights without waiting for the rollout rank; after the last
+        step it posts the stop instead and every receiving rank drains the rollouts not taken.
+
+        Returns:
+            Seconds this rank waited for the rollout rank (training rank 0: to take the previous
+            version; receiving ranks after the last step: to drain); 0 otherwise.
+        """
+        g, waited = self.groups, 0.0
+        if step == self.cfg.trainer.max_steps:
+            if self.free_refit is not None:
+                waited += self.free_refit.stop(self.rollouts_received)
+            if g.mp_rank == 0:
+                start = time.perf_counter()
+                drain_rollouts(self.rollouts_received, src=self.split.world_size - 1, group=self.split.bridge)
+                waited += time.perf_counter() - start
+            return waited
+        if g.dp_rank == 0:
+            buckets = iter_hf_weight_buckets(self.model.module, self.hf_config,
+                                             self.cfg.rollout.refit_bucket_mb << 20, dst_rank=self.groups.mp_src_rank)
+            if self.free_refit is not None:
+                waited = self.free_refit.post(step, self.rollouts_received, buckets)
+            else:
+                for _ in buckets:  # this rank's share of the gathers
+                    pass
+        return waited
 
     def train_step(self, step: int) -> dict[str, float]:
         """One step (module docstring); returns its metrics, the same on every rank."""
@@ -589,9 +643,10 @@ class GRPOTrainer:
         step_start = time.perf_counter()
         if torch.cuda.is_available():
             torch.cuda.reset_peak_memory_stats()
+        dropped = []
         with timer.time("generation"):
             if self.split is not None:
-                versioned = self._received_rollout(step)
+                versioned, dropped = self._received_rollout(step)
             else:  # the engine holds the weights after step - 1's update (refit at the end of every step)
                 versioned = self.in_flight.take(step, lambda ahead: self._versioned_rollout(ahead, version=step - 1))
             rollout, self.problems_drawn = versioned.rollout, versioned.problems_drawn
@@ -606,15 +661,25 @@ class GRPOTrainer:
             with timer.time("critic"):
                 critic_sums, extra["critic/grad_norm"] = self.critic.update(self._critic_batch(rollout))
             sums.update(critic_sums)
+        free = self.cfg.rollout.staleness_schedule == "free"
+        refit_wait_s = 0.0
         with timer.time("refit"):
-            seconds_per_gb = self.refit()
+            if free:  # no seconds per GB: the broadcast completes whenever the rollout rank joins
+                seconds_per_gb, refit_wait_s = None, self._free_refit(step)
+            else:
+                seconds_per_gb = self.refit()
         self.engine_step = step
         if seconds_per_gb is not None:
             extra["timing/refit_s_per_gb"] = seconds_per_gb
+        if free:
+            self.dropped_total += len(dropped)
+            extra["rollout/dropped_total"] = float(self.dropped_total)
         if self.groups.is_last_stage:
             sums.update(batch_sums)
-            if self.cfg.rollout.max_staleness > 0:
+            if self.cfg.rollout.max_staleness > 0 or free:
                 sums.update(version_lag_sums(versioned, step))
+            if free:
+                sums.update(dropped_sums(len(dropped)))
             sums.update(rollout_metric_sums(rollout, batch, samples_per_prompt=self.cfg.rollout.samples_per_prompt,
                                             shaped_rewards=self.cfg.reward.overlong_buffer_len > 0))
             rb = rollout.batch  # old log-probs (1), reference log-probs (1), update forward + backward (3)
@@ -633,12 +698,38 @@ class GRPOTrainer:
         if torch.cuda.is_available():
             metrics["memory/peak_allocated_gib"] = torch.cuda.max_memory_allocated() / 2**30
         metrics["timing/rollout_generation_s"] = versioned.generated[1] - versioned.generated[0]
-        self._record_timeline(step, timer, versioned)
+        if self.split is not None:
+            metrics.update(self._side_metrics(metrics, timer, versioned, dropped, refit_wait_s))
+        self._record_timeline(step, timer, versioned, dropped)
         return metrics
 
-    def _record_timeline(self, step: int, timer: _Timer, versioned: VersionedRollout) -> None:
-        """This step's phases and its rollout's generation window (:mod:`nemo_sspo.trainer.timeline`)."""
+    def _side_metrics(self, metrics: dict[str, float], timer: _Timer, versioned: VersionedRollout,
+                      dropped: list[tuple[int, tuple[float, float]]], refit_wait_s: float) -> dict[str, float]:
+        """``placement: separate``: each side's idle seconds in this step and the rollout rank's rate.
+
+        ``timing/train_idle_s``: this rank's wait for the step's rollout(s) plus, free-running, the
+        refit's wait for the rollout rank. ``timing/rollout_idle_s``: the rollout rank's time between
+        the rollouts this step received (waiting for the trainer, taking weights;
+        :func:`nemo_sspo.trainer.staleness.rollout_idle_s`). ``throughput/rollout_tokens_per_s``: the
+        trained rollout's response tokens (all replicas) per second of its generation window.
+        """
+        windows = [window for _, window in dropped] + [versioned.generated]
+        out = {"timing/train_idle_s": timer.seconds["timing/generation_s"] + refit_wait_s,
+               "timing/rollout_idle_s": rollout_idle_s(windows, self._generation_end)}
+        self._generation_end = versioned.generated[1]
+        busy = versioned.generated[1] - versioned.generated[0]
+        if busy > 0:
+            out["throughput/rollout_tokens_per_s"] = metrics["tokens/response"] / busy
+        return out
+
+    def _record_timeline(self, step: int, timer: _Timer, versioned: VersionedRollout,
+                         dropped: list[tuple[int, tuple[float, float]]]) -> None:
+        """This step's phases and its rollout's generation window (:mod:`nemo_sspo.trainer.timeline`);
+        rollouts dropped for staleness as ``dropped`` windows on the rollout lane.
+        """
         rollout_lane = "rollout rank" if self.split is not None else "training ranks"
+        for _, window in dropped:
+            self.timeline.add(rollout_lane, "dropped", step, *window)
         self.timeline.add(rollout_lane, "generation", step, *versioned.generated)
         for phase, window in timer.windows.items():
             if phase == "generation":

@@ -29,6 +29,26 @@ then prompt ids / mask, response ids / mask, truncation flags, engine log-probs,
 rewards, response text lengths and bytes, and each group's prompt key as ``uint8 [groups, 16]``
 (DCPO's per-prompt history is keyed by it). Sends are asynchronous,
 so a rollout rank never waits for a trainer that is busy with an earlier step.
+
+``rollout.staleness_schedule: free`` (one rollout rank; :class:`nemo_sspo.trainer.staleness.FreeQueue` decides when to
+generate). The rollout rank numbers its rollouts and generates them back to back with the newest
+weights it has; between two rollouts it looks, without blocking, for a version notice
+(:mod:`nemo_sspo.parallel.version_notice`) and, when one has come, takes that version's weights
+bucket by bucket. The trainer posts the notice and its whole weight broadcast without waiting
+(:func:`nemo_sspo.parallel.weight_broadcast.start_weight_broadcast`) and goes on to its next step.
+What blocks what:
+
+- a training rank blocks when the next rollout has not arrived (:func:`receive_fresh_rollout`);
+- training rank 0 blocks, before it posts version t + 1, until the rollout rank has taken version t;
+  it takes it between two rollouts, so the wait is at most the rest of one generation and happens only
+  when a generation outlasts a training step. Until then rank 0 keeps one host copy of the export;
+- the rollout rank blocks for the next notice when :meth:`FreeQueue.may_generate` says no (with
+  ``wait``: k + 1 rollouts not yet taken, or the last step's rollout sent).
+
+After the last step the trainer posts a stop notice instead of weights; the rollout rank finishes
+the rollout it is generating, sends each receiving rank the number of rollouts it sent (tag
+:data:`_END_TAG`), and the trainer receives and discards those it has not taken
+(:func:`drain_rollouts`), so every send is matched and both sides exit.
 """
 
 from __future__ import annotations
@@ -41,18 +61,20 @@ import torch
 import torch.distributed as dist
 
 from nemo_sspo.parallel.placement import WorldSplit
-from nemo_sspo.parallel.weight_broadcast import receive_weight_buckets
+from nemo_sspo.parallel.version_notice import STOP, Notice, NoticeListener, post_notice
+from nemo_sspo.parallel.weight_broadcast import PendingBroadcast, receive_weight_buckets, start_weight_broadcast
 from nemo_sspo.rollout import RolloutBatch
 from nemo_sspo.trainer.batch import concat_rollouts
 from nemo_sspo.trainer.sampling import Rollout
-from nemo_sspo.trainer.staleness import VersionedRollout
+from nemo_sspo.trainer.staleness import FreeQueue, VersionedRollout, is_fresh
 
-__all__ = ["RolloutWorker", "SlotRoute", "merge_rollouts", "recv_rollout", "rollout_replica", "send_rollout",
-           "send_start", "slot_routes", "slot_rows"]
+__all__ = ["FreeRefit", "RolloutWorker", "SlotRoute", "drain_rollouts", "merge_rollouts", "receive_fresh_rollout",
+           "recv_rollout", "rollout_replica", "send_rollout", "send_start", "slot_routes", "slot_rows"]
 
 logger = logging.getLogger(__name__)
 
 _START_TAG = 0  # step tags start at 1
+_END_TAG = 2**31 - 1  # free-running: the number of rollouts sent, after the stop notice
 
 _HEADER = 11
 
@@ -316,7 +338,8 @@ class RolloutWorker:
                                               tag=step))
 
     def run(self) -> None:
-        """Generates and sends every step's rollout and takes the weights after every update.
+        """Generates and sends every step's rollout and takes the weights after every update, lock-step
+        or free-running (``rollout.staleness_schedule``, module docstring).
 
         Raises:
             RuntimeError: a training rank died or hung past the groups' timeout (naming it).
@@ -338,6 +361,9 @@ class RolloutWorker:
             logger.warning("resumed after step %d: generation restarts from the resumed weights (the first %d "
                            "step(s) are fresher than in an uninterrupted run with rollout.max_staleness=%d)",
                            done, min(k, last - done), k)
+        if self.cfg.rollout.staleness_schedule == "free":
+            self._run_free(done)
+            return
         generated = done
         for step in range(done + 1, last + 1):
             while generated < min(step + k, last):  # weights after step - 1's update are loaded
@@ -345,6 +371,27 @@ class RolloutWorker:
                 self._generate_and_send(generated, version=step - 1)
             self.engine.load_weight_buckets(receive_weight_buckets(group=self.split.refit))
             self._drain(keep=k + 1)
+        self._drain(keep=0)
+
+    def _run_free(self, done: int) -> None:
+        """The free-running schedule (module docstring), from the weights of step ``done``."""
+        ro = self.cfg.rollout
+        if done >= self.cfg.trainer.max_steps:  # nothing left to train: the trainer expects nothing
+            return
+        queue = FreeQueue(ro.max_staleness, ro.stale_policy, self.cfg.trainer.max_steps, done)
+        notices = NoticeListener(self.split.refit)
+        while True:
+            notice = notices.poll(block=not queue.may_generate())
+            if notice is None:
+                self._generate_and_send(queue.record(queue.version), queue.version)
+            elif notice.version == STOP:
+                break
+            else:
+                self.engine.load_weight_buckets(receive_weight_buckets(group=self.split.refit))
+                self._drain(keep=queue.take_notice(notice.version, notice.taken))
+        ends = [torch.tensor([queue.sent], dtype=torch.int64) for _ in self.replica_ranks]
+        self._pending.append(_Sent(ends, [self.split.bridge.send([end], dst, _END_TAG)
+                                          for end, dst in zip(ends, self.replica_ranks, strict=True)]))
         self._drain(keep=0)
 
     def _drain(self, keep: int) -> None:
@@ -359,3 +406,118 @@ class RolloutWorker:
                 receivers = [self.replica_ranks[route.replica] for route in self.routes]
                 raise RuntimeError(f"training ranks {receivers} took no rollout (a training rank died or hung past "
                                    f"the timeout): {err}") from err
+
+
+def receive_fresh_rollout(step: int, received: int, max_staleness: int, *, src: int,
+                          group: dist.ProcessGroup) -> tuple[VersionedRollout, list[VersionedRollout]]:
+    """Free-running: the rollouts after number ``received`` until one step ``step`` may train on.
+
+    Args:
+        step: the step about to train (1-based).
+        received: rollouts this rank has received so far (the next one is number ``received + 1``).
+        max_staleness: k (:func:`nemo_sspo.trainer.staleness.is_fresh`).
+        src: the rollout rank (world rank).
+        group: the bridge group.
+
+    Returns:
+        ``(accepted, dropped)``: the rollout to train on and those received before it that were too
+        old, in order (their prompts are consumed).
+
+    Raises:
+        RuntimeError: as :func:`recv_rollout`.
+    """
+    dropped = []
+    while True:
+        received += 1
+        versioned = recv_rollout(src=src, group=group, tag=received)
+        if is_fresh(versioned.version, step, max_staleness):
+            return versioned, dropped
+        dropped.append(versioned)
+
+
+def drain_rollouts(received: int, *, src: int, group: dist.ProcessGroup) -> int:
+    """Free-running, after the stop notice: receives and discards the rollouts not taken.
+
+    Args:
+        received: rollouts this rank has received.
+        src: the rollout rank (world rank).
+        group: the bridge group.
+
+    Returns:
+        The number discarded.
+
+    Raises:
+        RuntimeError: naming ``src``, when it died or hung past the group's timeout.
+    """
+    try:
+        sent = int(_recv(torch.zeros(1, dtype=torch.int64), src, group, _END_TAG))
+    except RuntimeError as err:
+        raise RuntimeError(f"rollout rank {src} did not end its rollouts (it died or hung past the timeout): "
+                           f"{err}") from err
+    for number in range(received + 1, sent + 1):
+        recv_rollout(src=src, group=group, tag=number)
+    return max(0, sent - received)
+
+
+class FreeRefit:
+    """Training rank 0's side of the free-running refit (module docstring: what blocks what).
+
+    Args:
+        group: the refit group (this rank its rank 0).
+        receivers: world ranks of the rollout ranks (named in errors).
+    """
+
+    def __init__(self, group: dist.ProcessGroup, receivers: list[int]) -> None:  # noqa: D107
+        self.group, self.receivers = group, receivers
+        self._in_flight: tuple[torch.Tensor, object, PendingBroadcast | None] | None = None
+
+    def post(self, version: int, taken: int, buckets) -> float:
+        """Posts the notice of ``version`` and its weight broadcast without waiting for the rollout rank.
+
+        Args:
+            version: the policy version (the step just updated).
+            taken: rollouts the trainer has received.
+            buckets: the export's HF weight buckets (drawn now; the drawing may be collective).
+
+        Returns:
+            Seconds this call waited for the rollout rank to take the previous version.
+
+        Raises:
+            RuntimeError: naming the rollout rank(s), when the previous version was not taken within
+                the group's timeout.
+        """
+        waited = self.wait()
+        tensor, work = post_notice(Notice(version, taken), group=self.group)
+        self._in_flight = (tensor, work, start_weight_broadcast(buckets, group=self.group, receivers=self.receivers))
+        return waited
+
+    def stop(self, taken: int) -> float:
+        """Waits for the previous version to be taken, then tells the rollout rank(s) to stop.
+
+        Returns:
+            Seconds waited (the previous version and the stop notice).
+
+        Raises:
+            RuntimeError: as :meth:`post`.
+        """
+        start = time.perf_counter()
+        self.wait()
+        tensor, work = post_notice(Notice(STOP, taken), group=self.group)
+        self._in_flight = (tensor, work, None)
+        self.wait()
+        return time.perf_counter() - start
+
+    def wait(self) -> float:
+        """Waits until the rollout rank(s) took the last posted notice and weights; returns the seconds."""
+        start = time.perf_counter()
+        if self._in_flight is not None:
+            _, work, weights = self._in_flight
+            try:
+                work.wait()
+            except RuntimeError as err:
+                raise RuntimeError(f"rollout rank(s) {self.receivers} took no new policy version (died or hung "
+                                   f"past the timeout): {err}") from err
+            if weights is not None:
+                weights.wait()
+            self._in_flight = None
+        return time.perf_counter() - start

@@ -12,6 +12,16 @@ Every step's rollout still draws its prompts in step order with the seeds of
 :func:`nemo_sspo.trainer.sampling.generation_seed` ``(seed, step, ...)``, so k changes which weights
 sample a step's prompts, never which prompts. k = 0 is today's on-policy loop.
 
+Free-running (``rollout.staleness_schedule: free``, ``placement: separate`` only): the rollout rank
+numbers its rollouts 1, 2, ... (the number seeds the rollout's prompts as a step would), generates
+each with the newest weights it has, and the trainer takes them in that order. Step t accepts a
+rollout when its lag ``(t - 1) - version <= k`` (:func:`is_fresh`), else drops it and takes the next.
+:class:`FreeQueue` decides on the rollout rank when it may start another rollout: with
+``stale_policy: wait`` it keeps at most k + 1 rollouts the trainer has not taken and none beyond the
+last step, which makes every rollout fresh when it trains (nothing is dropped, rollout n trains at
+step n); with ``drop`` it keeps up to 2 (k + 1) rollouts ahead that could still be fresh at the next
+step (a memory bound, ours), whatever the trainer's progress, so stale ones get dropped.
+
 Resume: the queue is not checkpointed. A resumed run restores the data position of its last trained
 step and regenerates from the resumed weights, so its first k steps have a smaller lag than an
 uninterrupted run's (the trainer logs it).
@@ -27,7 +37,8 @@ import torch
 from nemo_sspo.metrics import MetricPair, max_pair, mean_pair
 from nemo_sspo.trainer.sampling import Rollout
 
-__all__ = ["LockStepRollouts", "VersionedRollout", "version_lag_sums"]
+__all__ = ["FreeQueue", "LockStepRollouts", "VersionedRollout", "dropped_sums", "is_fresh", "rollout_idle_s",
+           "version_lag_sums"]
 
 
 @dataclass(frozen=True)
@@ -103,3 +114,102 @@ def version_lag_sums(versioned: VersionedRollout, step: int) -> dict[str, Metric
     valid = torch.ones(samples, dtype=torch.bool)
     return {"rollout/version_lag_mean": mean_pair(lags.sum(), samples),
             "rollout/version_lag_max": max_pair(lags, valid)}
+
+
+def is_fresh(version: int, step: int, max_staleness: int) -> bool:
+    """Whether step ``step`` (starting from version ``step - 1``) may train on a rollout of ``version``.
+
+    Args:
+        version: updates behind the weights that generated the rollout.
+        step: the step about to train (1-based).
+        max_staleness: k (``rollout.max_staleness``).
+
+    Returns:
+        ``(step - 1) - version <= max_staleness``.
+    """
+    return step - 1 - version <= max_staleness
+
+
+class FreeQueue:
+    """The rollout rank's view of the free-running schedule (module docstring).
+
+    Args:
+        max_staleness: k >= 0.
+        policy: ``wait`` or ``drop`` (``rollout.stale_policy``).
+        last_step: ``trainer.max_steps``.
+        done: steps already done (0, or a resumed run's step): the weights the rollout rank holds
+            are version ``done`` and its rollouts are numbered from ``done + 1``.
+
+    Attributes:
+        version: updates behind the weights the rollout rank holds.
+        sent: the number of the last rollout sent.
+    """
+
+    def __init__(self, max_staleness: int, policy: str, last_step: int, done: int) -> None:  # noqa: D107
+        if policy not in ("wait", "drop"):
+            raise ValueError(f"policy={policy!r} must be 'wait' or 'drop'")
+        self.max_staleness, self.policy, self.last_step = max_staleness, policy, last_step
+        self.version = self.sent = done
+        self._pending: list[tuple[int, int]] = []  # (rollout number, version) sent but not known taken
+
+    def record(self, version: int) -> int:
+        """Counts a rollout about to be sent with ``version``; returns its number."""
+        self.sent += 1
+        self._pending.append((self.sent, version))
+        return self.sent
+
+    def take_notice(self, version: int, taken: int) -> int:
+        """Takes a notice: the trainer holds ``version`` and has received ``taken`` rollouts.
+
+        Returns:
+            How many sent rollouts it has not received (their sends may still be running).
+        """
+        self.version = version
+        self._pending = [(n, v) for n, v in self._pending if n > taken]
+        return len(self._pending)
+
+    def may_generate(self) -> bool:
+        """Whether the next rollout may start now (else the rollout rank waits for the next notice).
+
+        Only pending rollouts that can still be fresh when the next step (``version + 1``) trains them
+        count against the bound: older ones will be dropped, so the rollout rank replaces them instead
+        of idling while the trainer would wait for a fresh one. The trainer never starves: each step
+        takes at least one rollout, so after each notice at least one more may start.
+        """
+        k = self.max_staleness
+        could_train = sum(v >= self.version - k for _, v in self._pending)
+        if self.policy == "wait":
+            return could_train < k + 1 and self.sent < self.last_step
+        return could_train < 2 * (k + 1)
+
+
+def dropped_sums(dropped: int) -> dict[str, MetricPair]:
+    """``rollout/dropped_share``: rollouts dropped / rollouts received in a step that trained on one.
+
+    Args:
+        dropped: rollouts this step dropped before the one it trains on.
+
+    Returns:
+        A ``"mean"`` pair (the same on every data-parallel rank, which all see the same rollouts).
+    """
+    return {"rollout/dropped_share": mean_pair(float(dropped), dropped + 1)}
+
+
+def rollout_idle_s(windows: list[tuple[float, float]], previous_end: float | None) -> float:
+    """The rollout rank's time between rollouts: waiting for the trainer and taking its weights.
+
+    Args:
+        windows: generation windows (unix seconds, start and end, measured on the rollout rank) of the
+            rollouts a step received, in order.
+        previous_end: end of the rollout received before them, or None for the run's first.
+
+    Returns:
+        Sum of each window's start minus the end before it (the first window's gap is 0 without a
+        ``previous_end``).
+    """
+    idle, end = 0.0, previous_end
+    for start, stop in windows:
+        if end is not None:
+            idle += max(0.0, start - end)
+        end = stop
+    return idle

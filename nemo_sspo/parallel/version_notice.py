@@ -1,0 +1,106 @@
+"""Version notices of free-running staleness: the trainer says, without waiting, that new weights follow.
+
+``rollout.staleness_schedule: free`` (``nemo_sspo.trainer.placement``). Over the refit group
+(:mod:`nemo_sspo.parallel.placement`), group rank 0 (the trainer's export rank) broadcasts a notice
+``int64 [2]`` = (policy version, rollouts the trainer has taken so far) after each update; the
+weight broadcast of that version (:mod:`nemo_sspo.parallel.weight_broadcast`) follows it. The last
+notice carries version :data:`STOP` and no weights.
+
+They are collectives, not point-to-point messages, because of how gloo runs them: an asynchronous
+collective runs on the group's worker threads, reports ``Work.is_completed()`` when it is done and
+fails after the group's timeout, while a point-to-point receive only progresses inside ``wait()``.
+So a rollout rank can post the receive of the next notice and look at it between two rollouts
+without blocking (:class:`NoticeListener`).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["STOP", "Notice", "NoticeListener", "post_notice"]
+
+STOP = -1
+"""The notice version that ends free-running generation (no weights follow)."""
+
+
+class Notice(NamedTuple):
+    """One notice.
+
+    Attributes:
+        version: updates behind the weights that follow, or :data:`STOP`.
+        taken: rollouts the trainer has received so far (trained or dropped), counted from the
+            run's start (a resumed run counts from its completed steps).
+    """
+
+    version: int
+    taken: int
+
+
+def _broadcast(tensor: torch.Tensor, group: dist.ProcessGroup):
+    opts = dist.BroadcastOptions()
+    opts.rootRank = 0
+    return group.broadcast([tensor], opts)
+
+
+def post_notice(notice: Notice, *, group: dist.ProcessGroup) -> tuple[torch.Tensor, object]:
+    """Starts broadcasting ``notice`` from group rank 0 (this rank) of the refit group.
+
+    Args:
+        notice: the version about to be broadcast (or :data:`STOP`) and the rollouts taken.
+        group: the refit group, this rank its rank 0.
+
+    Returns:
+        ``(tensor, work)``: keep the tensor alive until ``work.wait()`` has returned (it raises gloo's
+        RuntimeError when a rollout rank died or did not take the notice within the group's timeout).
+    """
+    tensor = torch.tensor(list(notice), dtype=torch.int64)
+    return tensor, _broadcast(tensor, group)
+
+
+class NoticeListener:
+    """A rollout rank's receive of the next notice, posted ahead (module docstring).
+
+    Args:
+        group: the refit group (this rank is not its rank 0).
+    """
+
+    def __init__(self, group: dist.ProcessGroup) -> None:  # noqa: D107 - documented on the class
+        self._group = group
+        self._tensor, self._work = torch.zeros(2, dtype=torch.int64), None
+        self._post()  # posted ahead: the first notice comes after step 1's update
+
+    def _post(self) -> None:
+        self._tensor = torch.zeros(2, dtype=torch.int64)
+        self._work = _broadcast(self._tensor, self._group)
+
+    def poll(self, *, block: bool) -> Notice | None:
+        """The next notice if it has come (or, with ``block``, once it comes); None otherwise.
+
+        After a notice other than :data:`STOP` the caller must take the weight broadcast that follows
+        before it polls again: collectives of the group match in order, so the next notice's receive
+        is posted by that next call.
+
+        Args:
+            block: wait for the notice (up to the group's timeout) instead of returning None.
+
+        Returns:
+            The :class:`Notice`, or None when it has not come and ``block`` is False.
+
+        Raises:
+            RuntimeError: naming training rank 0, when it died or sent no notice within the group's
+                timeout (gloo's error chained).
+        """
+        if self._work is None:
+            self._post()
+        if not block and not self._work.is_completed():
+            return None
+        try:
+            self._work.wait()
+        except RuntimeError as err:
+            raise RuntimeError(f"training rank 0 sent no new policy version (it died or hung past the timeout): "
+                               f"{err}") from err
+        self._work = None
+        return Notice(*self._tensor.tolist())
