@@ -40,9 +40,11 @@ from __future__ import annotations
 import logging
 import math
 import time
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, replace
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -563,19 +565,28 @@ class GRPOTrainer:
     def _broadcast_refit(self) -> float:
         """The refit of ``placement: separate`` (:meth:`refit`); returns its seconds per GB."""
         seconds_per_gb = torch.zeros(1, dtype=torch.float64)
-        if self.groups.dp_rank == 0:
-            buckets = iter_hf_weight_buckets(self.model.module, self.hf_config,
-                                             self.cfg.rollout.refit_bucket_mb << 20, dst_rank=self.groups.mp_src_rank)
-            if dist.get_rank() == self.groups.mp_src_rank:
-                receivers = list(range(self.split.num_training_ranks, self.split.world_size))
-                stats = send_weight_buckets(buckets, group=self.split.refit, receivers=receivers)
-                seconds_per_gb[0] = stats.seconds_per_gb
-            else:
-                for _ in buckets:  # this rank's share of the gathers
-                    pass
+        receivers = list(range(self.split.num_training_ranks, self.split.world_size))
+        stats = self._export_to_rollout_ranks(
+            lambda buckets: send_weight_buckets(buckets, group=self.split.refit, receivers=receivers))
+        if stats is not None:
+            seconds_per_gb[0] = stats.seconds_per_gb
         on_device = seconds_per_gb.to(collective_device(None))
         dist.broadcast(on_device, src=0)
         return float(on_device.item())
+
+    def _export_to_rollout_ranks(self, send: Callable[[Iterator], Any]) -> Any:
+        """The first replica exports the weights for the rollout ranks (collective over its TP/PP group):
+        its export rank (training rank 0) returns ``send(buckets)``; every other rank returns None.
+        """
+        if self.groups.dp_rank != 0:
+            return None
+        buckets = iter_hf_weight_buckets(self.model.module, self.hf_config, self.cfg.rollout.refit_bucket_mb << 20,
+                                         dst_rank=self.groups.mp_src_rank)
+        if dist.get_rank() == self.groups.mp_src_rank:
+            return send(buckets)
+        for _ in buckets:  # this rank's share of the gathers
+            pass
+        return None
 
     def _versioned_rollout(self, step: int, version: int) -> VersionedRollout:
         """Step ``step``'s rollout from the engine's current weights, ``version`` updates in."""
@@ -627,15 +638,9 @@ class GRPOTrainer:
                 drain_rollouts(self.rollouts_received, src=self.split.world_size - 1, group=self.split.bridge)
                 waited += time.perf_counter() - start
             return waited
-        if g.dp_rank == 0:
-            buckets = iter_hf_weight_buckets(self.model.module, self.hf_config,
-                                             self.cfg.rollout.refit_bucket_mb << 20, dst_rank=self.groups.mp_src_rank)
-            if self.free_refit is not None:
-                waited = self.free_refit.post(step, self.rollouts_received, buckets)
-            else:
-                for _ in buckets:  # this rank's share of the gathers
-                    pass
-        return waited
+        posted = self._export_to_rollout_ranks(lambda buckets: self.free_refit.post(step, self.rollouts_received,
+                                                                                    buckets))
+        return waited if posted is None else posted
 
     def train_step(self, step: int) -> dict[str, float]:
         """One step (module docstring); returns its metrics, the same on every rank."""
