@@ -42,6 +42,7 @@ from nemo_sspo.algorithms.off_policy import CORRECTIONS
 from nemo_sspo.data import MATH_DATASETS, PAPER_BENCHMARKS, SOURCE_OPTIONS, TEMPLATES
 from nemo_sspo.data.tasks import WordProblemOptions
 from nemo_sspo.megatron.model import check_architecture, check_model_options
+from nemo_sspo.megatron.moe import is_moe
 from nemo_sspo.megatron.router_replay import check_router_replay
 from nemo_sspo.rewards import reward_names
 from nemo_sspo.rollout import rollout_engine_names
@@ -94,6 +95,13 @@ class ModelConfig:
     """Mixture-of-experts models: ``none`` (every forward routes with its own routers) or ``r2`` (the
     training forwards route each token to the experts the old-policy forward chose,
     ``nemo_sspo.megatron.router_replay``). ``r3`` (the rollout engine's routes) is not built yet."""
+    router_aux_loss_coef: float = 0.0
+    """Mixture-of-experts models: weight of HF's auxiliary load-balancing loss
+    (``nemo_sspo.algorithms.load_balancing``, the value of transformers' ``load_balancing_loss_func``
+    on each micro-batch's tokens) added to the policy loss in the training forwards; 0 = off, as HF
+    trains unless ``output_router_logits`` is set. HF's coefficient is the checkpoint's
+    ``router_aux_loss_coef`` (0.001 for Qwen3-30B-A3B, which conf/model/qwen3_30b_a3b.yaml sets).
+    Not invariant to the micro-batch split (``nemo_sspo.megatron.step``); needs pipeline size 1."""
 
 
 @dataclass
@@ -579,6 +587,9 @@ def check_model_layout(cfg: TrainConfig, hf_config: Any, world_size: int | None 
             hf_config, par.tensor_model_parallel_size, par.pipeline_model_parallel_size,
             ep_size=par.expert_model_parallel_size, tp_name="parallel.tensor_model_parallel_size",
             pp_name="parallel.pipeline_model_parallel_size", ep_name="parallel.expert_model_parallel_size"))
+        _require(cfg.model.router_aux_loss_coef == 0 or is_moe(hf_config),
+                 f"model.router_aux_loss_coef={cfg.model.router_aux_loss_coef} needs a mixture-of-experts "
+                 f"model; {source[:-2]} has no router: set it to 0")
         layers = cfg.critic.num_layers
         _require(layers is None or layers <= hf_config.num_hidden_layers,
                  f"critic.num_layers={layers} exceeds the {hf_config.num_hidden_layers} layers of "
@@ -709,6 +720,13 @@ def _validate_model_rollout_eval(cfg: TrainConfig) -> None:
     at_key("model.", lambda: check_model_options(precision=m.precision, fp8=m.fp8, fp8_recipe=m.fp8_recipe,
                                              transformer_impl=m.transformer_impl))
     at_key("model.", lambda: check_router_replay(m.router_replay))
+    _require(m.router_aux_loss_coef >= 0, f"model.router_aux_loss_coef={m.router_aux_loss_coef} must be >= 0 "
+             "(0 turns the load-balancing loss off)")
+    pp = cfg.parallel.pipeline_model_parallel_size
+    _require(m.router_aux_loss_coef == 0 or pp == 1,
+             f"model.router_aux_loss_coef={m.router_aux_loss_coef} needs parallel.pipeline_model_parallel_size=1 "
+             f"(got {pp}): HF's loss pools every layer's router statistics, which would sit on different "
+             "stages; set the coefficient to 0 or use PP=1")
     _require(cfg.rollout.backend in rollout_engine_names(),
              f"rollout.backend={cfg.rollout.backend!r} is not a registered rollout engine; registered: "
              f"{rollout_engine_names()} (a module that registers one is named by the key plugins)")
