@@ -31,7 +31,7 @@ from nemo_sspo.megatron.cpu_shims import (
     cpu_config_overrides,
     cpu_device_context,
 )
-from nemo_sspo.megatron.moe import even_token_dispatch, is_moe, moe_config_kwargs, validate_moe
+from nemo_sspo.megatron.moe import even_token_dispatch, moe_config_kwargs, validate_moe
 from nemo_sspo.megatron.packed_seq import packed_seq_params, padded_width, thd_alignment
 from nemo_sspo.megatron.parallel_setup import destroy_parallel, get_parallel_groups, initialize_parallel
 
@@ -403,8 +403,9 @@ def build_policy_model(
     return model
 
 
-def parameter_counts(hf_config: Any, *, tp_size: int, pp_size: int, precision: str = "bf16") -> list[list[int]]:
-    """Parameters each rank holds under TP x PP, from the model built on the meta device (no memory).
+def parameter_counts(hf_config: Any, *, tp_size: int, pp_size: int, ep_size: int = 1,
+                     precision: str = "bf16") -> list[list[int]]:
+    """Parameters each rank holds under TP x PP (x EP), from the model built on the meta device (no memory).
 
     Builds the whole ``GPTModel`` (TP = PP = 1) under ``torch.device("meta")`` and splits it as
     Megatron does: parameters marked ``tensor_model_parallel`` are divided by ``tp_size`` (the
@@ -412,27 +413,29 @@ def parameter_counts(hf_config: Any, *, tp_size: int, pp_size: int, precision: s
     the others replicated; decoder layers go to the stages in equal contiguous blocks; the
     embeddings sit on the first stage, the final norm and output layer on the last one, and with
     tied embeddings and ``pp_size > 1`` the last stage holds its own copy of the embedding as the
-    output layer. (This split is ours; ``tests/distributed/test_qwen_parallel_mapping.py`` checks
-    it against the parameters of real TP2 and PP2 builds.)
+    output layer. Mixture-of-experts layers: each EP rank holds ``E / ep_size`` of every layer's
+    experts, each expert split over TP as the dense MLP (expert tensor parallel size = TP); the
+    routers are replicated; attention and norms count as in a dense layer. (This split is ours;
+    ``tests/distributed/test_qwen_parallel_mapping.py`` and ``test_moe_parallel_mapping.py`` check
+    it against the parameters of real TP2, PP2, EP2 and EP2 x TP2 builds.)
 
     Args:
         hf_config: a HF config :func:`transformer_config_from_hf` accepts.
         tp_size: tensor-parallel size of the layout (``parallel.tensor_model_parallel_size``).
         pp_size: pipeline-parallel size of the layout (``parallel.pipeline_model_parallel_size``).
+        ep_size: expert-parallel size (``parallel.expert_model_parallel_size``; 1 for dense models).
         precision: as :func:`build_policy_model` (does not change the counts).
 
     Returns:
-        ``counts[pp_rank][tp_rank]``: number of parameters (elements) on that rank.
+        ``counts[pp_rank][tp_rank]``: number of parameters (elements) on that rank; every EP rank
+        of that (pp, tp) position holds as many (another block of experts).
 
     Raises:
-        ValueError: as :func:`transformer_config_from_hf` for this layout, a mixture-of-experts
-            config (its expert split is not counted), or Megatron's parallel state already
-            initialised (the count builds its own TP = PP = 1 model).
+        ValueError: as :func:`transformer_config_from_hf` for this layout (``ep_size`` not dividing
+            the experts, or above 1 for a dense model), or Megatron's parallel state already
+            initialised (the count builds its own TP = PP = EP = 1 model).
     """
-    if is_moe(hf_config):
-        raise ValueError("parameter_counts covers dense models; the split of a mixture-of-experts model's "
-                         "experts over expert-parallel ranks is not counted here")
-    transformer_config_from_hf(hf_config, tp_size=tp_size, pp_size=pp_size, precision=precision)
+    transformer_config_from_hf(hf_config, tp_size=tp_size, pp_size=pp_size, precision=precision, ep_size=ep_size)
     initialize_parallel(tp_size=1, pp_size=1, seed=0)
     try:
         with torch.device("meta"):
@@ -449,6 +452,8 @@ def parameter_counts(hf_config: Any, *, tp_size: int, pp_size: int, precision: s
             numel = vocab_rows * shape[1]  # vocab-parallel: each rank's padded vocab shard
         else:
             numel = shape.numel() // tp_size if sharded else shape.numel()
+        if ".mlp.experts." in name:
+            numel //= ep_size  # summed over the E experts, E / ep_size of them per rank
         if name.startswith("decoder.layers."):
             stages = [int(name.split(".")[2]) // per_stage]
         elif name.startswith("embedding."):
