@@ -403,6 +403,26 @@ def build_policy_model(
     return model
 
 
+_META_SHAPES: dict[tuple, list] = {}
+"""Parameter (name, shape, TP-sharded) lists of meta-device builds, by (config class, config JSON,
+precision): a 30B MoE build takes about 10 s, and a layout sweep or ``--print-config`` asks again."""
+
+
+def _meta_parameter_shapes(hf_config: Any, precision: str) -> list:
+    """``[(name, shape, tensor_model_parallel)]`` of the whole model (TP = PP = EP = 1) on the meta device."""
+    key = (type(hf_config).__name__, hf_config.to_json_string(), precision)
+    if key not in _META_SHAPES:
+        initialize_parallel(tp_size=1, pp_size=1, seed=0)
+        try:
+            with torch.device("meta"):
+                gpt = build_policy_model(hf_config, precision=precision, transformer_impl="local")
+            _META_SHAPES[key] = [(name, param.shape, bool(getattr(param, "tensor_model_parallel", False)))
+                                 for name, param in gpt.named_parameters()]
+        finally:
+            destroy_parallel()
+    return _META_SHAPES[key]
+
+
 def parameter_counts(hf_config: Any, *, tp_size: int, pp_size: int, ep_size: int = 1,
                      precision: str = "bf16") -> list[list[int]]:
     """Parameters each rank holds under TP x PP (x EP), from the model built on the meta device (no memory).
@@ -436,14 +456,7 @@ def parameter_counts(hf_config: Any, *, tp_size: int, pp_size: int, ep_size: int
             initialised (the count builds its own TP = PP = EP = 1 model).
     """
     transformer_config_from_hf(hf_config, tp_size=tp_size, pp_size=pp_size, precision=precision, ep_size=ep_size)
-    initialize_parallel(tp_size=1, pp_size=1, seed=0)
-    try:
-        with torch.device("meta"):
-            gpt = build_policy_model(hf_config, precision=precision, transformer_impl="local")
-        shapes = [(name, param.shape, bool(getattr(param, "tensor_model_parallel", False)))
-                  for name, param in gpt.named_parameters()]
-    finally:
-        destroy_parallel()
+    shapes = _meta_parameter_shapes(hf_config, precision)
     vocab_rows = padded_vocab_size(hf_config.vocab_size, tp_size) // tp_size
     per_stage = hf_config.num_hidden_layers // pp_size
     counts = [[0] * tp_size for _ in range(pp_size)]

@@ -9,6 +9,7 @@ import pytest
 from transformers import Qwen3Config
 
 from nemo_sspo.megatron import parameter_counts
+from nemo_sspo.models.published import published_config
 
 
 def test_parameter_counts_of_qwen3_8b_by_hand():
@@ -30,19 +31,10 @@ def test_parameter_counts_of_qwen3_8b_by_hand():
         parameter_counts(config, tp_size=16, pp_size=1)
 
 
-def _qwen3_30b_a3b():
-    from transformers import Qwen3MoeConfig
-
-    # Qwen3-30B-A3B's published config.json (the fields the count reads).
-    return Qwen3MoeConfig(hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768, num_experts=128,
-                          num_experts_per_tok=8, norm_topk_prob=True, num_hidden_layers=48, num_attention_heads=32,
-                          num_key_value_heads=4, head_dim=128, vocab_size=151936, tie_word_embeddings=False,
-                          max_position_embeddings=40960, decoder_sparse_step=1, mlp_only_layers=[],
-                          rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})
-
-
 def test_parameter_counts_of_qwen3_30b_a3b_match_its_model_card():
-    config = _qwen3_30b_a3b()
+    # The published architecture --print-config uses without the checkpoint: 48 layers, hidden 2048,
+    # 32 heads / 4 KV heads of head_dim 128, 128 experts of width 768, untied head, vocab 151,936.
+    config = published_config("Qwen/Qwen3-30B-A3B")
     # Per layer, by hand: attention q 4096*2048 + k 512*2048 + v 512*2048 + o 2048*4096 = 18,874,368;
     # q/k norms 2*128; two norms 2*2048; router 128*2048 = 262,144; one expert 3*768*2048 = 4,718,592,
     # 128 of them 603,979,776 -> 623,120,640 per layer; x48 = 29,909,790,720. Embedding and untied
