@@ -24,10 +24,11 @@ it is a function of the token statistics of one forward, so each micro-batch ``m
 ``coef * sum_m aux_m * denominator_m / sum_m denominator_m``, the denominator-weighted mean of the
 micro-batches' own HF losses over all micro-batches and data-parallel ranks. With one micro-batch
 holding the whole batch it is HF's term; another split (micro-batch size, token budget, packing,
-DP or EP size) gives other values, because ``aux`` is not additive over tokens. TP splits no
-router's tokens and leaves it unchanged; PP needs every layer's router statistics on one stage,
-so ``coef > 0`` requires PP = 1. With ``coef = 0`` the MoE step keeps the whole contract.
-``tests/distributed/test_moe_aux_loss.py`` pins both halves.
+DP size) gives other values, because ``aux`` is not additive over tokens; EP gives the value of its
+DP split. PP needs every layer's router statistics on one stage, so ``coef > 0`` requires PP = 1
+(and MoE training requires TP = 1: megatron-core 0.16.1 refuses MoE layers under TP without
+sequence parallelism). With ``coef = 0`` the MoE step keeps the whole contract.
+``tests/unit/test_moe_aux_loss.py`` and ``tests/distributed/test_moe_aux_loss.py`` pin both halves.
 
 All tensors of a :class:`PolicyBatch` are in the *target frame*: position ``j`` holds the
 prediction of token ``j + 1`` of ``input_ids``.

@@ -587,6 +587,12 @@ def check_model_layout(cfg: TrainConfig, hf_config: Any, world_size: int | None 
             hf_config, par.tensor_model_parallel_size, par.pipeline_model_parallel_size,
             ep_size=par.expert_model_parallel_size, tp_name="parallel.tensor_model_parallel_size",
             pp_name="parallel.pipeline_model_parallel_size", ep_name="parallel.expert_model_parallel_size"))
+        tp = par.tensor_model_parallel_size
+        _require(tp == 1 or not is_moe(hf_config),
+                 f"parallel.tensor_model_parallel_size={tp} with the mixture-of-experts {source[:-2]}: "
+                 "megatron-core 0.16.1 trains MoE layers under TP only with sequence parallelism, which "
+                 "this trainer does not use; set it to 1 and split the experts with "
+                 "parallel.expert_model_parallel_size")
         _require(cfg.model.router_aux_loss_coef == 0 or is_moe(hf_config),
                  f"model.router_aux_loss_coef={cfg.model.router_aux_loss_coef} needs a mixture-of-experts "
                  f"model; {source[:-2]} has no router: set it to 0")

@@ -5,7 +5,7 @@ SPPO's values are its paper's 1.5B command (arXiv 2604.08865, appendix E.1): 256
 response per step in 2 optimizer steps (ppo_mini_batch_size 128), 8,192-token responses, rollout
 temperature 0.6, policy lr 1e-6 with weight decay 0.01, critic lr 5e-6, 1,000 steps, evaluation every
 10 steps, 4 GPUs. The Qwen3-8B recipe keeps the SSPO recipes' setting (all ours) at TP=4 x DP=2; the
-Qwen3-30B-A3B recipe the same setting at TP=2 x DP=8 with EP=8 on 16 GPUs. ``--print-config`` prints
+Qwen3-30B-A3B recipe the same setting at TP=1 x DP=16 with EP=16 on 16 GPUs. ``--print-config`` prints
 each rank's parameters from a meta-device build of the recipe's model (published architecture when
 the checkpoint is not cached), checked here against hand counts.
 """
@@ -41,17 +41,18 @@ def test_soft_seq_po_qwen3_8b_recipe_fits_8_gpu_nodes():
         validate(cfg, world_size=6)  # 6 GPUs do not hold whole TP=4 groups
 
 
-def test_soft_seq_po_qwen3_30b_a3b_recipe_fits_two_8_gpu_nodes_with_ep8():
+def test_soft_seq_po_qwen3_30b_a3b_recipe_fits_two_8_gpu_nodes_with_ep16():
     cfg = load_config("soft_seq_po_qwen3_30b_a3b", command="eval")
     assert cfg.loss.name == "soft_seq_po" and cfg.model.source == "Qwen/Qwen3-30B-A3B"
     par = cfg.parallel
-    assert (par.tensor_model_parallel_size, par.pipeline_model_parallel_size, par.expert_model_parallel_size) == (2, 1, 8)
-    assert cfg.rollout.vllm.tensor_parallel_size == 2 and cfg.data.template == "chat-cot"
+    # TP 1: megatron-core 0.16.1 refuses to train MoE layers under TP without sequence parallelism.
+    assert (par.tensor_model_parallel_size, par.pipeline_model_parallel_size, par.expert_model_parallel_size) == (1, 1, 16)
+    assert cfg.rollout.vllm.tensor_parallel_size == 1 and cfg.data.template == "chat-cot"
     assert (cfg.model.router_replay, cfg.model.router_aux_loss_coef) == ("r2", 0.001)  # HF's coefficient
     assert cfg.trainer.output_dir == "outputs/soft_seq_po_qwen3_30b_a3b" and cfg.trainer.checkpoint_interval > 0
-    validate(cfg, world_size=16)  # TP 2 -> DP 8, EP 8 divides it
+    validate(cfg, world_size=16)  # DP 16, EP 16 divides it and the 128 experts
     with pytest.raises(ValueError, match="expert_model_parallel_size"):
-        validate(cfg, world_size=8)  # DP 4: EP 8 does not fit
+        validate(cfg, world_size=8)  # DP 8: EP 16 does not fit
 
 
 def _printed_counts(capsys, monkeypatch, world_size: int, config_name: str) -> str:
@@ -61,13 +62,13 @@ def _printed_counts(capsys, monkeypatch, world_size: int, config_name: str) -> s
 
 
 def test_print_config_counts_the_moe_recipe_per_rank(capsys, monkeypatch):
-    # TP 2 x EP 8, by hand (published architecture): 16 experts of 3*768*2048 in each of 48 layers,
-    # halved by TP: 1,811,939,328; attention 48*18,874,368 / 2 = 452,984,832; vocab 151,936 padded to
-    # 152,064 rows, 76,032 per rank, embedding + head 2*76,032*2048 = 311,427,072; replicated norms and
-    # routers 48*(2*128 + 2*2048 + 128*2048) + 2048 = 12,793,856 -> 2,589,145,088 per rank.
+    # EP 16, by hand (published architecture): 8 of the 128 experts, 3*768*2048 = 4,718,592 each, in each
+    # of 48 layers: 1,811,939,328; attention 48*18,874,368 = 905,969,664; embedding + untied head
+    # 2*151,936*2048 = 622,329,856; norms and routers 48*(2*128 + 2*2048 + 128*2048) + 2048 = 12,793,856
+    # -> 3,353,032,704 per rank (as many as one token activates: 8 experts per layer).
     printed = _printed_counts(capsys, monkeypatch, 16, "soft_seq_po_qwen3_30b_a3b")
-    assert "TP=2 x PP=1 x EP=8" in printed and "published architecture" in printed
-    assert "pipeline stage 0: 2,589,145,088 on every rank (4.82 GiB of bf16 weights)" in printed  # 2 bytes each
+    assert "TP=1 x PP=1 x EP=16" in printed and "published architecture" in printed
+    assert "pipeline stage 0: 3,353,032,704 on every rank (6.25 GiB of bf16 weights)" in printed  # 2 bytes each
 
 
 def test_print_config_counts_the_dense_recipe_per_rank(capsys, monkeypatch):
