@@ -191,6 +191,9 @@ def _aux_policy_loss_func(spec: LossSpec, micro: MicroBatch, model, output: torc
     numerator, denominator, metrics = _policy_loss_func(spec, micro, model, output)
     if micro.batch.input_ids.shape[0] == 0:  # a pass-count filler: no rows, weight 0
         return numerator, denominator, metrics
+    if not records:
+        raise ValueError("router_aux_loss_coef > 0 needs a mixture-of-experts model: this forward ran no "
+                         "MoE router; set it to 0")
     logits = torch.stack([logit for logit, _ in records])
     routing_map = torch.stack([chosen for _, chosen in records])
     aux = load_balancing_loss(logits, routing_map, _router_token_mask(micro, logits.shape[1]))

@@ -100,7 +100,7 @@ class ModelConfig:
     (``nemo_sspo.algorithms.load_balancing``, the value of transformers' ``load_balancing_loss_func``
     on each micro-batch's tokens) added to the policy loss in the training forwards; 0 = off, as HF
     trains unless ``output_router_logits`` is set. HF's coefficient is the checkpoint's
-    ``router_aux_loss_coef`` (0.001 for Qwen3-30B-A3B, which conf/model/qwen3_30b_a3b.yaml sets).
+    ``router_aux_loss_coef`` (0.001 for Qwen3-30B-A3B, which nemo_sspo/conf/model/qwen3_30b_a3b.yaml sets).
     Not invariant to the micro-batch split (``nemo_sspo.megatron.step``); needs pipeline size 1."""
 
 
