@@ -182,7 +182,7 @@ def _router_token_mask(micro: MicroBatch, tokens: int) -> torch.Tensor:
     if tokens != rows * width:
         raise ValueError(f"the MoE routers saw {tokens} tokens for a [{rows}, {width}] micro-batch; "
                          "the auxiliary loss needs one router row per input token: set "
-                         "model.router_aux_loss_coef=0 for this layout")
+                         "router_aux_loss_coef=0 for this layout")
     return valid.transpose(0, 1).reshape(-1).to(micro.input_ids.device)
 
 
