@@ -55,9 +55,9 @@ def test_soft_seq_po_qwen3_30b_a3b_recipe_fits_two_8_gpu_nodes_with_ep16():
         validate(cfg, world_size=8)  # DP 8: EP 16 does not fit
 
 
-def _printed_counts(capsys, monkeypatch, world_size: int, config_name: str) -> str:
+def _printed_counts(capsys, monkeypatch, world_size: int, config_name: str, *overrides: str) -> str:
     monkeypatch.setenv("WORLD_SIZE", str(world_size))
-    assert main(["train", "--print-config", "--config-name", config_name]) == 0
+    assert main(["train", "--print-config", "--config-name", config_name, *overrides]) == 0
     return capsys.readouterr().out.rsplit("\n# parameters per rank", 1)[1]
 
 
@@ -78,3 +78,13 @@ def test_print_config_counts_the_dense_recipe_per_rank(capsys, monkeypatch):
     # (the model card's 1.78B).
     printed = _printed_counts(capsys, monkeypatch, 4, "sppo_deepseek_r1_distill_qwen_1.5b")
     assert "pipeline stage 0: 1,777,088,000 on every rank" in printed
+
+
+def test_print_config_says_when_it_cannot_count(capsys, monkeypatch, tmp_path):
+    printed = _printed_counts(capsys, monkeypatch, 4, "sppo_deepseek_r1_distill_qwen_1.5b",
+                              f"model.source={tmp_path}/absent")
+    assert printed.startswith(": not counted, model.source has no config here")
+    monkeypatch.setenv("WORLD_SIZE", "8")  # TP 8 does not split the 12 heads: a layout error, exit 2
+    assert main(["train", "--print-config", "--config-name", "sppo_deepseek_r1_distill_qwen_1.5b",
+                 "parallel.tensor_model_parallel_size=8"]) == 2
+    assert "parallel.tensor_model_parallel_size=8 does not divide" in capsys.readouterr().err
