@@ -210,6 +210,45 @@ def _evaluate(cfg) -> int:
     return 0
 
 
+def _parameter_counts_comment(cfg) -> str:
+    """``--print-config``'s last lines (YAML comments): each rank's parameters under the config's
+    layout, counted from the model built on the meta device (no weights read, no memory taken).
+
+    The architecture is ``model.source``'s config.json, or, for a hub id not in the local cache,
+    its published architecture (:mod:`nemo_sspo.models.published`).
+
+    A source neither found nor listed gives one comment line saying so instead of the counts.
+
+    Raises:
+        ValueError: naming the key: the layout does not split the model.
+    """
+    from nemo_sspo.megatron import parameter_counts
+    from nemo_sspo.megatron.model import PRECISIONS, check_architecture
+    from nemo_sspo.models import load_hf_config
+    from nemo_sspo.models.published import published_config
+
+    source = cfg.model.source
+    try:
+        hf_config, origin = load_hf_config(source, cache_dir=cfg.model.cache_dir), "its config.json"
+    except (ValueError, FileNotFoundError) as err:
+        hf_config, origin = published_config(source), "its published architecture: not in the local cache"
+        if hf_config is None:  # a config check on a machine without the model: say so, fail nothing
+            return f"# parameters per rank: not counted, model.source has no config here ({err})"
+    par = cfg.parallel
+    tp, pp, ep = par.tensor_model_parallel_size, par.pipeline_model_parallel_size, par.expert_model_parallel_size
+    check_architecture(hf_config, tp, pp, ep_size=ep, tp_name="parallel.tensor_model_parallel_size",
+                       pp_name="parallel.pipeline_model_parallel_size", ep_name="parallel.expert_model_parallel_size")
+    counts = parameter_counts(hf_config, tp_size=tp, pp_size=pp, ep_size=ep, precision=cfg.model.precision)
+    width = PRECISIONS[cfg.model.precision].itemsize
+    lines = [f"# parameters per rank of model.source={source} under TP={tp} x PP={pp} x EP={ep} "
+             f"(built on the meta device from {origin}):"]
+    for stage, ranks in enumerate(counts):
+        # every TP rank of a stage holds as many, and so does every data-parallel (and EP) replica
+        lines.append(f"#   pipeline stage {stage}: {ranks[0]:,} on every rank ({ranks[0] * width / 2**30:.2f} "
+                     f"GiB of {cfg.model.precision} weights)")
+    return "\n".join(lines)
+
+
 def _quiet_known_warnings() -> None:
     """On a CPU host, silences megatron-core's warnings about GPU-only kernels and settings."""
     import torch
@@ -249,6 +288,11 @@ def main(argv: list[str] | None = None) -> int:
         from omegaconf import OmegaConf
 
         print(OmegaConf.to_yaml(OmegaConf.structured(cfg)))
+        try:
+            print(_parameter_counts_comment(cfg))
+        except ValueError as err:
+            print(f"nemo-sspo: {err}", file=sys.stderr)
+            return 2
         return 0
     if args.command == "eval":
         return _evaluate(cfg)

@@ -31,7 +31,7 @@ from nemo_sspo.megatron.cpu_shims import (
     cpu_config_overrides,
     cpu_device_context,
 )
-from nemo_sspo.megatron.moe import even_token_dispatch, is_moe, moe_config_kwargs, validate_moe
+from nemo_sspo.megatron.moe import even_token_dispatch, moe_config_kwargs, validate_moe
 from nemo_sspo.megatron.packed_seq import packed_seq_params, padded_width, thd_alignment
 from nemo_sspo.megatron.parallel_setup import destroy_parallel, get_parallel_groups, initialize_parallel
 
@@ -403,8 +403,29 @@ def build_policy_model(
     return model
 
 
-def parameter_counts(hf_config: Any, *, tp_size: int, pp_size: int, precision: str = "bf16") -> list[list[int]]:
-    """Parameters each rank holds under TP x PP, from the model built on the meta device (no memory).
+_META_SHAPES: dict[tuple, list] = {}
+"""Parameter (name, shape, TP-sharded) lists of meta-device builds, by (config class, config JSON,
+precision): a 30B MoE build takes about 10 s, and a layout sweep or ``--print-config`` asks again."""
+
+
+def _meta_parameter_shapes(hf_config: Any, precision: str) -> list:
+    """``[(name, shape, tensor_model_parallel)]`` of the whole model (TP = PP = EP = 1) on the meta device."""
+    key = (type(hf_config).__name__, hf_config.to_json_string(), precision)
+    if key not in _META_SHAPES:
+        initialize_parallel(tp_size=1, pp_size=1, seed=0)
+        try:
+            with torch.device("meta"):
+                gpt = build_policy_model(hf_config, precision=precision, transformer_impl="local")
+            _META_SHAPES[key] = [(name, param.shape, bool(getattr(param, "tensor_model_parallel", False)))
+                                 for name, param in gpt.named_parameters()]
+        finally:
+            destroy_parallel()
+    return _META_SHAPES[key]
+
+
+def parameter_counts(hf_config: Any, *, tp_size: int, pp_size: int, ep_size: int = 1,
+                     precision: str = "bf16") -> list[list[int]]:
+    """Parameters each rank holds under TP x PP (x EP), from the model built on the meta device (no memory).
 
     Builds the whole ``GPTModel`` (TP = PP = 1) under ``torch.device("meta")`` and splits it as
     Megatron does: parameters marked ``tensor_model_parallel`` are divided by ``tp_size`` (the
@@ -412,35 +433,30 @@ def parameter_counts(hf_config: Any, *, tp_size: int, pp_size: int, precision: s
     the others replicated; decoder layers go to the stages in equal contiguous blocks; the
     embeddings sit on the first stage, the final norm and output layer on the last one, and with
     tied embeddings and ``pp_size > 1`` the last stage holds its own copy of the embedding as the
-    output layer. (This split is ours; ``tests/distributed/test_qwen_parallel_mapping.py`` checks
-    it against the parameters of real TP2 and PP2 builds.)
+    output layer. Mixture-of-experts layers: each EP rank holds ``E / ep_size`` of every layer's
+    experts, each expert split over TP as the dense MLP (expert tensor parallel size = TP); the
+    routers are replicated; attention and norms count as in a dense layer. (This split is ours;
+    ``tests/distributed/test_qwen_parallel_mapping.py`` and ``test_moe_parallel_mapping.py`` check
+    it against the parameters of real TP2, PP2, EP2 and EP2 x TP2 builds.)
 
     Args:
         hf_config: a HF config :func:`transformer_config_from_hf` accepts.
         tp_size: tensor-parallel size of the layout (``parallel.tensor_model_parallel_size``).
         pp_size: pipeline-parallel size of the layout (``parallel.pipeline_model_parallel_size``).
+        ep_size: expert-parallel size (``parallel.expert_model_parallel_size``; 1 for dense models).
         precision: as :func:`build_policy_model` (does not change the counts).
 
     Returns:
-        ``counts[pp_rank][tp_rank]``: number of parameters (elements) on that rank.
+        ``counts[pp_rank][tp_rank]``: number of parameters (elements) on that rank; every EP rank
+        of that (pp, tp) position holds as many (another block of experts).
 
     Raises:
-        ValueError: as :func:`transformer_config_from_hf` for this layout, a mixture-of-experts
-            config (its expert split is not counted), or Megatron's parallel state already
-            initialised (the count builds its own TP = PP = 1 model).
+        ValueError: as :func:`transformer_config_from_hf` for this layout (``ep_size`` not dividing
+            the experts, or above 1 for a dense model), or Megatron's parallel state already
+            initialised (the count builds its own TP = PP = EP = 1 model).
     """
-    if is_moe(hf_config):
-        raise ValueError("parameter_counts covers dense models; the split of a mixture-of-experts model's "
-                         "experts over expert-parallel ranks is not counted here")
-    transformer_config_from_hf(hf_config, tp_size=tp_size, pp_size=pp_size, precision=precision)
-    initialize_parallel(tp_size=1, pp_size=1, seed=0)
-    try:
-        with torch.device("meta"):
-            gpt = build_policy_model(hf_config, precision=precision, transformer_impl="local")
-        shapes = [(name, param.shape, bool(getattr(param, "tensor_model_parallel", False)))
-                  for name, param in gpt.named_parameters()]
-    finally:
-        destroy_parallel()
+    transformer_config_from_hf(hf_config, tp_size=tp_size, pp_size=pp_size, precision=precision, ep_size=ep_size)
+    shapes = _meta_parameter_shapes(hf_config, precision)
     vocab_rows = padded_vocab_size(hf_config.vocab_size, tp_size) // tp_size
     per_stage = hf_config.num_hidden_layers // pp_size
     counts = [[0] * tp_size for _ in range(pp_size)]
@@ -449,6 +465,8 @@ def parameter_counts(hf_config: Any, *, tp_size: int, pp_size: int, precision: s
             numel = vocab_rows * shape[1]  # vocab-parallel: each rank's padded vocab shard
         else:
             numel = shape.numel() // tp_size if sharded else shape.numel()
+        if ".mlp.experts." in name:
+            numel //= ep_size  # summed over the E experts, E / ep_size of them per rank
         if name.startswith("decoder.layers."):
             stages = [int(name.split(".")[2]) // per_stage]
         elif name.startswith("embedding."):

@@ -31,7 +31,8 @@ tokens meet in the experts.
 from __future__ import annotations
 
 import functools
-from typing import Any
+from contextlib import contextmanager
+from typing import Any, Iterator
 
 import torch
 import torch.distributed as dist
@@ -43,6 +44,7 @@ __all__ = [
     "is_moe",
     "moe_config_kwargs",
     "num_experts",
+    "recording_router_logits",
     "validate_moe",
 ]
 
@@ -96,10 +98,12 @@ def moe_config_kwargs(hf_config: Any, ep_size: int) -> dict[str, Any]:
     """``TransformerConfig`` fields of a Qwen3-MoE config (empty for a dense config).
 
     The router weights are HF's (see the module docstring for the ``norm_topk_prob`` equivalence);
-    the router runs in fp32 as HF's softmax. The auxiliary load-balancing loss is off in Megatron
-    (``moe_router_load_balancing_type="none"``): HF adds it only when asked for router logits
-    with labels, and the RL loss here does not include it. Every router can record or replay its
-    top-k (:mod:`nemo_sspo.megatron.router_replay`); until asked to, it routes as usual.
+    the router runs in fp32 as HF's softmax. Megatron's own auxiliary load-balancing loss is off
+    (``moe_router_load_balancing_type="none"``): it normalises per layer and by k, HF pools all
+    layers (:mod:`nemo_sspo.algorithms.load_balancing`); HF's loss is added by the policy loss
+    instead when ``model.router_aux_loss_coef > 0`` (:func:`recording_router_logits`). Every router
+    can record or replay its top-k (:mod:`nemo_sspo.megatron.router_replay`); until asked to, it
+    routes as usual.
 
     Raises:
         ValueError: as :func:`validate_moe`.
@@ -122,6 +126,39 @@ def moe_config_kwargs(hf_config: Any, ep_size: int) -> dict[str, Any]:
         expert_model_parallel_size=ep_size,
         moe_enable_routing_replay=True,  # routers get a RouterReplay (plain routing until told)
     )
+
+
+@contextmanager
+def recording_router_logits(model: torch.nn.Module) -> Iterator[list]:
+    """Records every MoE router's logits and routing map during the forwards run inside the block.
+
+    A forward hook on each ``TopKRouter`` recomputes the router logits from the router's input with
+    the router's own ``gating`` (fp32, the same linear layer, so the gradient reaches the router
+    weight and the hidden states) and keeps the ``[N, E]`` bool routing map the router returned
+    (the experts the tokens went to, replayed ones included). Costs one extra ``[N, H] x [H, E]``
+    product per layer.
+
+    Yields:
+        A list that receives ``(logits [N, E] float32, routing_map [N, E] bool)`` per MoE layer, in
+        the order the layers ran; N = the router's tokens, sequence-first (row ``s * B + b``).
+    """
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    records: list = []
+
+    def hook(router, args, kwargs, output):
+        hidden = args[0] if args else kwargs["input"]
+        logits = router.gating(hidden)
+        experts = logits.shape[-1]
+        records.append((logits.reshape(-1, experts), output[1].reshape(-1, experts)))
+
+    handles = [module.register_forward_hook(hook, with_kwargs=True)
+               for module in model.modules() if isinstance(module, TopKRouter)]
+    try:
+        yield records
+    finally:
+        for handle in handles:
+            handle.remove()
 
 
 def global_expert(local_index: int, ep_rank: int, local_experts: int) -> int:

@@ -15,12 +15,20 @@ loss sees, one micro-batch (as their official code does per micro-batch). Their 
 to TP and PP, but a different split of rows into micro-batches (micro-batch size, DP size)
 selects different tokens. ``tests/distributed/test_invariance.py`` pins both halves.
 
-Mixture-of-experts models (Qwen3-MoE) add no term to this contract: the objective is the policy
-loss alone, without Megatron's auxiliary load-balancing loss (switched off,
-:func:`nemo_sspo.megatron.moe.moe_config_kwargs`; its per-micro-batch, per-layer normalisation would
-depend on the micro-batch split as Clip-Cov's selection does). Expert parallelism only moves tokens
-between the replicas' experts, so the step is the EP 1 step: ``tests/integration/
-test_moe_expert_parallel_loop.py`` pins EP 2 against EP 1, with router replay R2.
+Mixture-of-experts models (Qwen3-MoE): expert parallelism only moves tokens between the replicas'
+experts, so the step is the EP 1 step (``tests/integration/test_moe_expert_parallel_loop.py`` pins
+EP 2 against EP 1, with router replay R2). The second stated exception is HF's auxiliary
+load-balancing loss (``LossSpec.router_aux_loss_coef > 0``, :mod:`nemo_sspo.algorithms.load_balancing`):
+it is a function of the token statistics of one forward, so each micro-batch ``m`` adds
+``coef * aux_m * denominator_m`` to its numerator, and the step's term is
+``coef * sum_m aux_m * denominator_m / sum_m denominator_m``, the denominator-weighted mean of the
+micro-batches' own HF losses over all micro-batches and data-parallel ranks. With one micro-batch
+holding the whole batch it is HF's term; another split (micro-batch size, token budget, packing,
+DP size) gives other values, because ``aux`` is not additive over tokens; EP gives the value of its
+DP split. PP needs every layer's router statistics on one stage, so ``coef > 0`` requires PP = 1
+(and MoE training requires TP = 1: megatron-core 0.16.1 refuses MoE layers under TP without
+sequence parallelism). With ``coef = 0`` the MoE step keeps the whole contract.
+``tests/unit/test_moe_aux_loss.py`` and ``tests/distributed/test_moe_aux_loss.py`` pin both halves.
 
 All tensors of a :class:`PolicyBatch` are in the *target frame*: position ``j`` holds the
 prediction of token ``j + 1`` of ``input_ids``.
@@ -43,9 +51,12 @@ from typing import Any, Callable
 import torch
 
 from nemo_sspo.algorithms.batch import PolicyBatch
+from nemo_sspo.algorithms.load_balancing import load_balancing_loss
 from nemo_sspo.algorithms.micro_batches import MicroBatch
 from nemo_sspo.algorithms.losses import LossInputs, policy_loss_sums
 from nemo_sspo.megatron.model import forward_hidden, forward_logits, output_weight
+from nemo_sspo.megatron.moe import recording_router_logits
+from nemo_sspo.metrics import mean_pair
 from nemo_sspo.parallel import fused_linear_logprobs_entropy, vocab_parallel_logprobs_entropy
 
 __all__ = ["PolicyBatch", "LossSpec", "make_forward_step", "model_device", "policy_forward_step",
@@ -102,6 +113,8 @@ class LossSpec:
         max_response_length: L_max for the constant-denominator (Dr. GRPO) aggregation.
         output_chunk_size: tokens per chunk of the fused output layer (module docstring), or None
             to let Megatron's output layer compute the full logits.
+        router_aux_loss_coef: weight of HF's load-balancing loss in the training forwards of a
+            mixture-of-experts model (``model.router_aux_loss_coef``; 0 = off; module docstring).
     """
 
     loss: Any
@@ -111,6 +124,7 @@ class LossSpec:
     temperature: float
     max_response_length: int
     output_chunk_size: int | None
+    router_aux_loss_coef: float = 0.0
 
 
 def _target_rows(output: torch.Tensor, micro: MicroBatch) -> torch.Tensor:
@@ -158,6 +172,50 @@ def _policy_loss_func(spec: LossSpec, micro: MicroBatch, model, output: torch.Te
     return numerator, denominator.to(torch.int), metrics
 
 
+def _router_token_mask(micro: MicroBatch, tokens: int) -> torch.Tensor:
+    """``[N]`` bool: the router rows (sequence-first, ``s * R + r``) of real tokens, not padding."""
+    rows, width = micro.input_ids.shape
+    if micro.sequence_lengths is not None:
+        valid = torch.arange(width)[None, :] < micro.sequence_lengths.sum()
+    else:
+        valid = torch.arange(width)[None, :] < micro.batch.row_lengths()[:, None].cpu()
+    if tokens != rows * width:
+        raise ValueError(f"the MoE routers saw {tokens} tokens for a [{rows}, {width}] micro-batch; "
+                         "the auxiliary loss needs one router row per input token: set "
+                         "router_aux_loss_coef=0 for this layout")
+    return valid.transpose(0, 1).reshape(-1).to(micro.input_ids.device)
+
+
+def _aux_policy_loss_func(spec: LossSpec, micro: MicroBatch, model, output: torch.Tensor, *, records: list):
+    """:func:`_policy_loss_func` plus ``coef * aux * denominator`` (module docstring)."""
+    numerator, denominator, metrics = _policy_loss_func(spec, micro, model, output)
+    if micro.batch.input_ids.shape[0] == 0:  # a pass-count filler: no rows, weight 0
+        return numerator, denominator, metrics
+    if not records:
+        raise ValueError("router_aux_loss_coef > 0 needs a mixture-of-experts model: this forward ran no "
+                         "MoE router; set it to 0")
+    logits = torch.stack([logit for logit, _ in records])
+    routing_map = torch.stack([chosen for _, chosen in records])
+    aux = load_balancing_loss(logits, routing_map, _router_token_mask(micro, logits.shape[1]))
+    weight = denominator.to(torch.float32)
+    metrics["moe/aux_loss"] = mean_pair(aux.detach() * weight, weight)
+    return numerator + spec.router_aux_loss_coef * aux * weight, denominator, metrics
+
+
+def _recording_routers(spec: LossSpec, run_model: Callable) -> Callable:
+    """The training forward step with the auxiliary loss: each micro-batch's forward records its
+    routers (:func:`nemo_sspo.megatron.moe.recording_router_logits`) for its own loss call.
+    """
+
+    def forward_step(data_iterator: Iterator, model: torch.nn.Module):
+        micro = to_device(next(data_iterator), model_device(model))
+        with recording_router_logits(model) as records:
+            output = run_model(model, micro)
+        return output, partial(_aux_policy_loss_func, spec, micro, model, records=records)
+
+    return forward_step
+
+
 def _logprob_loss_func(spec: LossSpec, micro: MicroBatch, model, output: torch.Tensor):
     logprobs, entropy = _token_stats(output, micro, spec, model)
     zero = output.new_zeros((), dtype=torch.float32)
@@ -195,8 +253,9 @@ def policy_forward_step(spec: LossSpec, *, compute_loss: bool) -> Callable:
 
     Args:
         spec: loss, vocab-shard and output-layer settings (:class:`LossSpec`).
-        compute_loss: True for a training pass (the policy loss's numerator, its denominator as
-            int, and metric pairs); False for a forward-only pass returning
+        compute_loss: True for a training pass (the policy loss's numerator, plus HF's
+            load-balancing loss when ``spec.router_aux_loss_coef > 0``, its denominator as int, and
+            metric pairs, ``moe/aux_loss`` among them); False for a forward-only pass returning
             ``{"logprobs": [b, S_b], "entropy": [b, S_b]}`` float32 per micro-batch.
 
     The data iterator yields :class:`nemo_sspo.algorithms.micro_batches.MicroBatch` objects.
@@ -208,4 +267,6 @@ def policy_forward_step(spec: LossSpec, *, compute_loss: bool) -> Callable:
         return forward(model, micro.input_ids, micro.position_ids,
                        sequence_lengths=micro.sequence_lengths)
 
+    if compute_loss and spec.router_aux_loss_coef > 0:
+        return _recording_routers(spec, run_model)
     return make_forward_step(partial(loss_func, spec), run_model=run_model)

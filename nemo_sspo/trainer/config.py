@@ -42,6 +42,7 @@ from nemo_sspo.algorithms.off_policy import CORRECTIONS
 from nemo_sspo.data import MATH_DATASETS, PAPER_BENCHMARKS, SOURCE_OPTIONS, TEMPLATES
 from nemo_sspo.data.tasks import WordProblemOptions
 from nemo_sspo.megatron.model import check_architecture, check_model_options
+from nemo_sspo.megatron.moe import is_moe
 from nemo_sspo.megatron.router_replay import R3_ENGINES, check_router_replay
 from nemo_sspo.rewards import REWARD_REGISTRY
 from nemo_sspo.rollout import ROLLOUT_ENGINE_REGISTRY
@@ -100,6 +101,13 @@ class ModelConfig:
     """``router_replay=r3``: every this many steps, one extra forward-only pass of the policy with its
     own routers logs ``moe/routing_agreement`` (share of token-layer pairs whose top-k sets match
     the engine's) and ``rollout/trainer_logprob_gap_abs_own_routes``; 0 = never."""
+    router_aux_loss_coef: float = 0.0
+    """Mixture-of-experts models: weight of HF's auxiliary load-balancing loss
+    (``nemo_sspo.algorithms.load_balancing``, the value of transformers' ``load_balancing_loss_func``
+    on each micro-batch's tokens) added to the policy loss in the training forwards; 0 = off, as HF
+    trains unless ``output_router_logits`` is set. HF's coefficient is the checkpoint's
+    ``router_aux_loss_coef`` (0.001 for Qwen3-30B-A3B, which nemo_sspo/conf/model/qwen3_30b_a3b.yaml sets).
+    Not invariant to the micro-batch split (``nemo_sspo.megatron.step``); needs pipeline size 1."""
 
 
 @dataclass
@@ -602,6 +610,15 @@ def check_model_layout(cfg: TrainConfig, hf_config: Any, world_size: int | None 
             hf_config, par.tensor_model_parallel_size, par.pipeline_model_parallel_size,
             ep_size=par.expert_model_parallel_size, tp_name="parallel.tensor_model_parallel_size",
             pp_name="parallel.pipeline_model_parallel_size", ep_name="parallel.expert_model_parallel_size"))
+        tp = par.tensor_model_parallel_size
+        _require(tp == 1 or not is_moe(hf_config),
+                 f"parallel.tensor_model_parallel_size={tp} with the mixture-of-experts {source[:-2]}: "
+                 "megatron-core 0.16.1 trains MoE layers under TP only with sequence parallelism, which "
+                 "this trainer does not use; set it to 1 and split the experts with "
+                 "parallel.expert_model_parallel_size")
+        _require(cfg.model.router_aux_loss_coef == 0 or is_moe(hf_config),
+                 f"model.router_aux_loss_coef={cfg.model.router_aux_loss_coef} needs a mixture-of-experts "
+                 f"model; {source[:-2]} has no router: set it to 0")
         layers = cfg.critic.num_layers
         _require(layers is None or layers <= hf_config.num_hidden_layers,
                  f"critic.num_layers={layers} exceeds the {hf_config.num_hidden_layers} layers of "
@@ -764,6 +781,13 @@ def _validate_model_rollout_eval(cfg: TrainConfig) -> None:
                  "model.router_replay=r2")
     _require(m.routing_agreement_interval >= 0,
              f"model.routing_agreement_interval={m.routing_agreement_interval} must be >= 0 (0 = never)")
+    _require(m.router_aux_loss_coef >= 0, f"model.router_aux_loss_coef={m.router_aux_loss_coef} must be >= 0 "
+             "(0 turns the load-balancing loss off)")
+    pp = cfg.parallel.pipeline_model_parallel_size
+    _require(m.router_aux_loss_coef == 0 or pp == 1,
+             f"model.router_aux_loss_coef={m.router_aux_loss_coef} needs parallel.pipeline_model_parallel_size=1 "
+             f"(got {pp}): HF's loss pools every layer's router statistics, which would sit on different "
+             "stages; set the coefficient to 0 or use PP=1")
     at_key("rollout.", lambda: ROLLOUT_ENGINE_REGISTRY.get(cfg.rollout.backend))
     at_key("reward.", lambda: REWARD_REGISTRY.get(cfg.reward.name))
     _require(vl.tensor_parallel_size >= 1, "rollout.vllm.tensor_parallel_size must be >= 1")

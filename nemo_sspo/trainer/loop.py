@@ -331,7 +331,8 @@ class GRPOTrainer:
                              vocab_start=vocab_start, vocab_size=vocab_size,
                              temperature=cfg.rollout.temperature,
                              max_response_length=cfg.rollout.max_new_tokens,
-                             output_chunk_size=cfg.parallel.output_chunk_size)
+                             output_chunk_size=cfg.parallel.output_chunk_size,
+                             router_aux_loss_coef=cfg.model.router_aux_loss_coef)
         self.layout = micro_batch_layout(cfg.parallel)
         self.completed_steps, self.best = 0, BestEval()
         self.advantage_history: dict[str, PromptRewardStats] = {}

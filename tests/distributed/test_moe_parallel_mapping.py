@@ -14,7 +14,8 @@ and (2, 2, 1) at world 4. Checks per layout:
    the per-expert HF names;
 3. ``export_hf_state_dict`` returns exactly the HF tensors (bit-equal, all 8 experts of every
    layer on every replica), and the streamed refit (one unit per bucket) yields the same tensors;
-   the streamed export holds at most one layer's experts per bucket.
+   the streamed export holds at most one layer's experts per bucket;
+4. ``parameter_counts`` (one meta-device build) predicts each rank's real parameter count.
 
 Router weights are redrawn with std 0.5 so routes depend on the token; a dispatcher or an expert
 numbering that sent a token to another expert moves the logits far beyond the tolerance.
@@ -34,6 +35,7 @@ from nemo_sspo.megatron import (
     initialize_parallel,
     iter_hf_weight_buckets,
     load_hf_into_megatron,
+    parameter_counts,
 )
 from nemo_sspo.megatron.router_replay import stage_moe_layers
 from nemo_sspo.models import split_expert_weights
@@ -86,6 +88,7 @@ def _check_layout(tp: int, ep: int, pp: int = 1) -> dict:
     torch.manual_seed(1234)  # the same HF weights on every rank
     hf_model = _hf_model()
     config, hf_state = hf_model.config, split_expert_weights(hf_model.state_dict())
+    predicted = parameter_counts(config, tp_size=tp, pp_size=pp, ep_size=ep)  # meta build, before the real one
     initialize_parallel(tp_size=tp, pp_size=pp, seed=7, ep_size=ep)
     try:
         groups = get_parallel_groups()
@@ -96,6 +99,7 @@ def _check_layout(tp: int, ep: int, pp: int = 1) -> dict:
             expected = hf_model.double()(ids).logits
             hf_model.float()
         model = build_policy_model(config).eval()
+        assert sum(p.numel() for p in model.parameters()) == predicted[groups.pp_rank][groups.tp_rank]
         load_hf_into_megatron(model, hf_state, config)
         # router replay R3: each stage takes its own layers of the engine's [B, S, L_all, k] routes
         # (2 layers: both at PP 1; layer 0 on stage 0 and layer 1 on stage 1 at PP 2)

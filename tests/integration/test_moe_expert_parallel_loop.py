@@ -4,7 +4,8 @@ World 2 = two data-parallel replicas; with ``parallel.expert_model_parallel_size
 the 8 experts of every MoE layer and tokens cross replicas in every MoE layer. The reference is the
 same run with EP 1 (every replica holds all experts): the same rollouts (seeded), so the two must
 take the same steps: loss and gradient norm equal to float rounding at both steps (step 2 also
-checks that the refit after step 1 gave the engine the same weights). Two mini-batches per step:
+checks that the refit after step 1 gave the engine the same weights), with HF's load-balancing loss
+at 0.001 logged as ``moe/aux_loss``. Two mini-batches per step:
 the second is off policy, where R2 replays the routes the old-policy forward recorded.
 """
 
@@ -17,7 +18,10 @@ import pytest
 from nemo_sspo.megatron import destroy_parallel
 from tests.integration._loop_runs import make_trainer, record_updates
 
-MOE = ["model=tiny_random_qwen3_moe", "rollout.samples_per_prompt=4", "model.router_replay=r2"]
+# HF's load-balancing loss on too: EP 1 here also runs 2 replicas, so the stated rule (each
+# replica's micro-batches weigh their own loss) gives both runs the same term.
+MOE = ["model=tiny_random_qwen3_moe", "rollout.samples_per_prompt=4", "model.router_replay=r2",
+       "model.router_aux_loss_coef=0.001"]
 
 
 def _fit(rank, world_size, tmp_dir, ep):
@@ -46,5 +50,6 @@ def test_ep2_r2_training_steps_equal_ep1(run_distributed, tmp_path):
             if step == 1:  # the parity reward varies within step 1's groups: a real update
                 assert with_ep["optim/grad_norm"] > 1e-3
             assert 1.0 <= with_ep["moe/expert_load_max_over_mean"] <= 4.0  # 8 experts, top-2: at most 8 / 2
-            for key in ("loss/policy", "optim/grad_norm", "moe/expert_load_max_over_mean"):
+            assert 0.0 < with_ep["moe/aux_loss"] <= 8.0  # E * sum_e f_e P_e <= E * (f_1 + f_2) = 8 at top-2
+            for key in ("loss/policy", "optim/grad_norm", "moe/expert_load_max_over_mean", "moe/aux_loss"):
                 assert math.isclose(with_ep[key], without[key], rel_tol=1e-5, abs_tol=1e-7), (step, key)

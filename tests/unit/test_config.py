@@ -19,8 +19,10 @@ def _group_options(group: str) -> list[str]:
 @pytest.mark.parametrize("config_name", sorted(p.stem for p in CONF.glob("*.yaml")))
 def test_top_level_configs_load_and_validate(config_name):
     cfg = load_config(config_name, command="eval")  # the layout is checked below, at its own size
-    model_parallel = cfg.parallel.tensor_model_parallel_size * cfg.parallel.pipeline_model_parallel_size
-    validate(cfg, world_size=model_parallel)
+    par = cfg.parallel
+    # the smallest world of the layout: TP x PP, times EP (its ranks are data-parallel replicas)
+    validate(cfg, world_size=par.tensor_model_parallel_size * par.pipeline_model_parallel_size
+             * par.expert_model_parallel_size)
 
 
 @pytest.mark.parametrize("loss", _group_options("loss"))

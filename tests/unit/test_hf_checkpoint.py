@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from nemo_sspo.models import SOURCES, build_hf_model, load_hf_checkpoint
+from nemo_sspo.models import SOURCES, build_hf_model, load_hf_checkpoint, load_hf_config
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -118,3 +118,13 @@ def test_bad_directory_and_hub_id_messages(tmp_path, monkeypatch):
     monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
     with pytest.raises(FileNotFoundError, match="local Hugging Face cache"):
         load_hf_checkpoint("Qwen/Qwen2.5-Math-1.5B")
+
+
+def test_config_without_weights_is_the_checkpoints_config():
+    source = "tiny-random-qwen3-moe"
+    # load_hf_config (no weights: what --print-config and the load-time checks read) must give the
+    # config load_hf_checkpoint builds with the weights (which also records their dtype);
+    # tiny-random-qwen3-moe was once missing.
+    without_dtype = [{k: v for k, v in config.to_dict().items() if k != "dtype"}
+                     for config in (load_hf_config(source), load_hf_checkpoint(source)[0])]
+    assert without_dtype[0] == without_dtype[1]

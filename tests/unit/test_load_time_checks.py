@@ -84,3 +84,19 @@ def test_hydra_type_error_keeps_omegaconf_reason(override, reason):
     with pytest.raises(ValueError) as err:
         load_config(overrides=[override])
     assert f"Error merging override {override}: {reason}" in str(err.value)
+
+
+def test_moe_settings_are_refused_at_load(config_only_model, monkeypatch):
+    # The tiny Qwen3-MoE (4 heads / 2 KV heads: TP 2 would split them) at TP 2: megatron-core raises
+    # on the first training forward of an MoE layer under TP without sequence parallelism.
+    with pytest.raises(ValueError, match=r"parallel.tensor_model_parallel_size=2 with the mixture-of-experts "
+                                         r".*set it to 1 and split the experts"):
+        _load("tiny-random-qwen3-moe", ["parallel.tensor_model_parallel_size=2"], 2, monkeypatch)
+    # HF's load-balancing loss needs a router, a coefficient >= 0 and a single pipeline stage.
+    with pytest.raises(ValueError, match=r"model.router_aux_loss_coef=0.001 needs a mixture-of-experts model"):
+        _load(config_only_model, ["model.router_aux_loss_coef=0.001"], 1, monkeypatch)
+    with pytest.raises(ValueError, match=r"model.router_aux_loss_coef=-0.1 must be >= 0"):
+        _load("tiny-random-qwen3-moe", ["model.router_aux_loss_coef=-0.1"], 1, monkeypatch)
+    with pytest.raises(ValueError, match=r"router_aux_loss_coef=0.001 needs parallel.pipeline_model_parallel_size=1"):
+        _load("tiny-random-qwen3-moe", ["model.router_aux_loss_coef=0.001", "parallel.pipeline_model_parallel_size=2"],
+              2, monkeypatch)
