@@ -63,10 +63,6 @@ ROUTER_REPLAY_MODES = ("none", "r2", "r3")
 """Router replay modes: no replay, replay the old-policy forward's routes, replay the engine's."""
 
 
-R3_ENGINES = ("hf",)
-"""Rollout backends whose engine records its routes (``HFRolloutEngine(record_routes=True)``)."""
-
-
 def check_router_replay(router_replay: str, hf_config=None) -> None:
     """Checks a router replay mode (and, given the model's HF config, that it has MoE layers).
 
@@ -76,8 +72,7 @@ def check_router_replay(router_replay: str, hf_config=None) -> None:
 
     Raises:
         ValueError: naming ``router_replay``: an unknown mode, or replay for a dense model. (Which
-            engines and placements ``r3`` works with is the config layer's check: see
-            :data:`R3_ENGINES`.)
+            engines and placements ``r3`` works with is the config layer's check.)
     """
     mode = router_replay
     if mode not in ROUTER_REPLAY_MODES:

@@ -20,6 +20,8 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
+from nemo_sspo.parallel.weight_broadcast import post_broadcast
+
 __all__ = ["STOP", "Notice", "NoticeListener", "post_notice"]
 
 STOP = -1
@@ -39,12 +41,6 @@ class Notice(NamedTuple):
     taken: int
 
 
-def _broadcast(tensor: torch.Tensor, group: dist.ProcessGroup):
-    opts = dist.BroadcastOptions()
-    opts.rootRank = 0
-    return group.broadcast([tensor], opts)
-
-
 def post_notice(notice: Notice, *, group: dist.ProcessGroup) -> tuple[torch.Tensor, object]:
     """Starts broadcasting ``notice`` from group rank 0 (this rank) of the refit group.
 
@@ -57,7 +53,7 @@ def post_notice(notice: Notice, *, group: dist.ProcessGroup) -> tuple[torch.Tens
         RuntimeError when a rollout rank died or did not take the notice within the group's timeout).
     """
     tensor = torch.tensor(list(notice), dtype=torch.int64)
-    return tensor, _broadcast(tensor, group)
+    return tensor, post_broadcast(group, tensor)
 
 
 class NoticeListener:
@@ -74,7 +70,7 @@ class NoticeListener:
 
     def _post(self) -> None:
         self._tensor = torch.zeros(2, dtype=torch.int64)
-        self._work = _broadcast(self._tensor, self._group)
+        self._work = post_broadcast(self._group, self._tensor)
 
     def poll(self, *, block: bool) -> Notice | None:
         """The next notice if it has come (or, with ``block``, once it comes); None otherwise.

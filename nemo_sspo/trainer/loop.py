@@ -257,8 +257,10 @@ def run_rollout_rank(cfg: TrainConfig, split: WorldSplit, checkpoint=None, *, re
         RolloutWorker(cfg, split, engine, sampler).run()
     finally:
         if sampler is not None:  # the reward (its worker processes) is closed as GRPOTrainer.close does
-            sampler.reward.close()
-            sampler.engine.shutdown()
+            try:
+                sampler.reward.close()
+            finally:
+                sampler.engine.shutdown()
 
 
 class GRPOTrainer:
@@ -346,7 +348,7 @@ class GRPOTrainer:
         # free-running (rollout.staleness_schedule=free): training rank 0 posts refits without waiting
         self.free_refit = None
         if cfg.rollout.staleness_schedule == "free" and dist.get_rank() == 0:
-            self.free_refit = FreeRefit(split.refit, [split.world_size - 1])
+            self.free_refit = FreeRefit(split.refit, [split.num_training_ranks])
         self.dropped_total = 0
         self._generation_end: float | None = None  # of the last rollout received (rollout idle time)
         if resume_path is not None:
@@ -619,7 +621,20 @@ class GRPOTrainer:
         if g.mp_size > 1:
             dist.broadcast_object_list(box, src=g.mp_src_rank, group=g.mp_group)
         self.rollouts_received += 1 + len(box[1])
-        return box[0], box[1]
+        return self._rollout_side_window(box[0]), box[1]
+
+    def _rollout_side_window(self, versioned: VersionedRollout) -> VersionedRollout:
+        """``versioned`` with the generation window of the whole step over every rollout rank (earliest
+        start, latest end over the data-parallel replicas), so the rollout side's metrics are the same on
+        every training rank.
+        """
+        if self.groups.dp_size == 1:
+            return versioned
+        window = torch.tensor([-versioned.generated[0], versioned.generated[1]], dtype=torch.float64)
+        on_device = window.to(collective_device(None))
+        dist.all_reduce(on_device, op=dist.ReduceOp.MAX, group=self.groups.dp_group)
+        start, end = on_device.cpu().tolist()
+        return replace(versioned, generated=(-start, end))
 
     def _free_refit(self, step: int) -> float:
         """Free-running refit after step ``step`` (:mod:`nemo_sspo.trainer.placement`): training rank 0
@@ -636,7 +651,7 @@ class GRPOTrainer:
                 waited += self.free_refit.stop(self.rollouts_received)
             if g.mp_rank == 0:
                 start = time.perf_counter()
-                drain_rollouts(self.rollouts_received, src=self.split.world_size - 1, group=self.split.bridge)
+                drain_rollouts(self.rollouts_received, src=self.split.num_training_ranks, group=self.split.bridge)
                 waited += time.perf_counter() - start
             return waited
         posted = self._export_to_rollout_ranks(lambda buckets: self.free_refit.post(step, self.rollouts_received,
@@ -717,7 +732,8 @@ class GRPOTrainer:
         refit's wait for the rollout rank. ``timing/rollout_idle_s``: the rollout rank's time between
         the rollouts this step received (waiting for the trainer, taking weights;
         :func:`nemo_sspo.trainer.staleness.rollout_idle_s`). ``throughput/rollout_tokens_per_s``: the
-        trained rollout's response tokens (all replicas) per second of its generation window.
+        trained rollout's response tokens (all replicas) per second of the step's generation window
+        over every rollout rank (with several, their aggregate rate).
         """
         windows = [window for _, window in dropped] + [versioned.generated]
         out = {"timing/train_idle_s": timer.seconds["timing/generation_s"] + refit_wait_s,

@@ -91,7 +91,13 @@ def slot_rows(rollout: Rollout, start: int, stop: int) -> Rollout:
         A :class:`Rollout` of the rows, with the step's ``rounds``; its ``generated_groups`` counts
         the groups generated for those rows' slots where ``rollout.slot_generated`` records them
         (rows ``start:stop`` must then cover whole groups), else it is the step's.
+
+    Raises:
+        ValueError: the rollout carries engine routes (router replay R3), which the bridge does not send.
     """
+    if rollout.batch.routes is not None:
+        raise ValueError("slot_rows got a rollout with engine routes; separate placement does not send them "
+                         "(router replay r3 needs colocated placement)")
     rb = rollout.batch
     prompt_width = int(rb.prompt_mask[start:stop].sum(dim=1).max())
     response_width = int(rb.response_mask[start:stop].sum(dim=1).max())
@@ -233,11 +239,17 @@ def send_rollout(versioned: VersionedRollout, *, dst: int, group: dist.ProcessGr
     return _Sent(tensors, [group.send([t], dst, tag) for t in tensors])
 
 
-def recv_rollout(*, src: int, group: dist.ProcessGroup, tag: int) -> VersionedRollout:
+def recv_rollout(*, src: int, group: dist.ProcessGroup, tag: int, what: str | None = None) -> VersionedRollout:
     """Receives what :func:`send_rollout` sent from world rank ``src`` with ``tag``.
 
+    Args:
+        src: the sending rollout rank (world rank).
+        group: the bridge group.
+        tag: the message tag (lock-step: the step; free-running: the rollout number).
+        what: the awaited rollout, for the error (default ``"rollout for step <tag>"``).
+
     Raises:
-        RuntimeError: naming ``src``, when it died or sent nothing within the group's timeout.
+        RuntimeError: naming ``src`` and ``what``, when it died or sent nothing within the group's timeout.
     """
     try:
         header = _recv(torch.zeros(_HEADER, dtype=torch.int64), src, group, tag)
@@ -248,8 +260,8 @@ def recv_rollout(*, src: int, group: dist.ProcessGroup, tag: int) -> VersionedRo
                   ((max(text_bytes, 1),), torch.uint8), ((groups, 16), torch.uint8)]
         parts = [_recv(torch.zeros(shape, dtype=dtype), src, group, tag) for shape, dtype in shapes]
     except RuntimeError as err:
-        raise RuntimeError(f"rollout rank {src} sent no rollout for step {tag} (it died or hung past the "
-                           f"timeout): {err}") from err
+        raise RuntimeError(f"rollout rank {src} sent no {what or f'rollout for step {tag}'} (it died or hung past "
+                           f"the timeout): {err}") from err
     prompt_ids, prompt_mask, response_ids, response_mask, truncated, logprobs, task, shaped, lengths, raw, keys = parts
     blob, texts, offset = bytes(raw[:text_bytes].tolist()), [], 0
     for length in lengths.tolist():
@@ -429,7 +441,8 @@ def receive_fresh_rollout(step: int, received: int, max_staleness: int, *, src: 
     dropped = []
     while True:
         received += 1
-        versioned = recv_rollout(src=src, group=group, tag=received)
+        versioned = recv_rollout(src=src, group=group, tag=received,
+                                 what=f"rollout {received} (the next one for step {step})")
         if is_fresh(versioned.version, step, max_staleness):
             return versioned, dropped
         dropped.append(versioned)
@@ -455,7 +468,7 @@ def drain_rollouts(received: int, *, src: int, group: dist.ProcessGroup) -> int:
         raise RuntimeError(f"rollout rank {src} did not end its rollouts (it died or hung past the timeout): "
                            f"{err}") from err
     for number in range(received + 1, sent + 1):
-        recv_rollout(src=src, group=group, tag=number)
+        recv_rollout(src=src, group=group, tag=number, what=f"rollout {number} (sent before the stop)")
     return max(0, sent - received)
 
 

@@ -42,8 +42,9 @@ def test_parameter_counts_of_qwen3_30b_a3b_match_its_model_card():
     (total,), = parameter_counts(config, tp_size=1, pp_size=1)
     assert total == 30_532_122_624
     # Active per token (8 of 128 experts): 29,909,790,720 - 48*120*4,718,592 = 2,730,700,800 in the
-    # layers + 622,331,904 = 3,353,032,704: the card's "3.3B activated".
-    assert total - 48 * 120 * 4_718_592 == 3_353_032_704
+    # layers + 622,331,904 = 3,353,032,704: the card's "3.3B activated", which is also what one rank of
+    # EP 16 holds (8 of the 128 experts of every layer, everything else replicated).
+    assert parameter_counts(config, tp_size=1, pp_size=1, ep_size=16) == [[3_353_032_704]]
     # EP 4 x TP 2: experts 48*32*4,718,592 / 2 = 3,623,878,656; attention 48*18,874,368 / 2 = 452,984,832;
     # vocab 151,936 padded to 152,064 (multiple of 256): 2*76,032*2048 = 311,427,072; replicated norms and
     # routers 48*(256 + 4096 + 262,144) + 2048 = 12,793,856 -> 4,401,084,416 per rank.

@@ -10,6 +10,7 @@ each rank's parameters from a meta-device build of the recipe's model (published
 the checkpoint is not cached), checked here against hand counts.
 """
 
+import huggingface_hub.constants
 import pytest
 
 from nemo_sspo.cli import load_config, main
@@ -61,11 +62,14 @@ def _printed_counts(capsys, monkeypatch, world_size: int, config_name: str, *ove
     return capsys.readouterr().out.rsplit("\n# parameters per rank", 1)[1]
 
 
-def test_print_config_counts_the_moe_recipe_per_rank(capsys, monkeypatch):
+def test_print_config_counts_the_moe_recipe_per_rank(capsys, monkeypatch, tmp_path):
     # EP 16, by hand (published architecture): 8 of the 128 experts, 3*768*2048 = 4,718,592 each, in each
     # of 48 layers: 1,811,939,328; attention 48*18,874,368 = 905,969,664; embedding + untied head
     # 2*151,936*2048 = 622,329,856; norms and routers 48*(2*128 + 2*2048 + 128*2048) + 2048 = 12,793,856
     # -> 3,353,032,704 per rank (as many as one token activates: 8 experts per layer).
+    # an empty HF cache (read by snapshot_download at call time): the published architecture counts
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     printed = _printed_counts(capsys, monkeypatch, 16, "soft_seq_po_qwen3_30b_a3b")
     assert "TP=1 x PP=1 x EP=16" in printed and "published architecture" in printed
     assert "pipeline stage 0: 3,353,032,704 on every rank (6.25 GiB of bf16 weights)" in printed  # 2 bytes each
