@@ -45,8 +45,8 @@ def _slow_update(self, batch, inner=loop.GRPOTrainer.update):
 def _recording_recv(received):
     inner = placement.recv_rollout
 
-    def recv(*, src, group, tag):
-        versioned = inner(src=src, group=group, tag=tag)
+    def recv(*, src, group, tag, what=None):
+        versioned = inner(src=src, group=group, tag=tag, what=what)
         received.append((tag, versioned.version))
         return versioned
     return recv
