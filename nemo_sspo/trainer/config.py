@@ -139,6 +139,24 @@ class ParallelConfig:
     """Fused output layer: log-probs and entropies from the final hidden states and the output
     weight's vocab shard, this many response tokens at a time, so the full logits never exist;
     null lets Megatron's output layer compute logits at every position."""
+    sequence_parallel: bool = False
+    """Megatron's sequence parallelism (needs TP > 1): the activations outside the tensor-parallel
+    regions (norms, residuals, dropout) are split along the sequence over the TP ranks, dividing
+    their memory by TP; required for mixture-of-experts layers under TP > 1."""
+    context_parallel_size: int = 1
+    """CP: splits every sequence over this many ranks (Megatron's load-balanced split, two chunks
+    per rank). The attention needs TransformerEngine (GPU); the loss side runs everywhere."""
+    recompute: str = "none"
+    """Activation recomputation (Megatron's ``recompute_granularity``): ``none``, ``selective``
+    (recompute the core attention, keep the rest) or ``full`` (keep each recomputed layer's input
+    only; ``recompute_method`` and ``recompute_num_layers`` say which layers)."""
+    recompute_method: str = "uniform"
+    """``recompute: full`` only: ``uniform`` recomputes every layer in chunks of
+    ``recompute_num_layers`` layers; ``block`` recomputes the first ``recompute_num_layers`` layers of
+    each pipeline stage and keeps the others' activations."""
+    recompute_num_layers: int = 1
+    """``recompute: full`` only: layers per recomputed chunk (``uniform``) or recomputed layers per
+    pipeline stage (``block``)."""
 
 
 @dataclass
@@ -301,6 +319,24 @@ class OptimConfig:
     adam_eps: float = 1e-8
     clip_grad: float = 1.0
     """Global gradient-norm clip (0 disables)."""
+    use_distributed_optimizer: bool = False
+    """Megatron's distributed optimizer: the fp32 main weights and Adam states are sharded over the
+    data-parallel group (each rank keeps 1/DP of them), gradients are reduce-scattered and the
+    updated weights all-gathered."""
+    cpu_offload: bool = False
+    """Keep the optimizer states (and the update) in host memory (megatron-core's
+    ``optimizer_cpu_offload``); needs ``use_distributed_optimizer``."""
+    lr_schedule: str = "constant"
+    """Learning-rate decay after the warmup (megatron-core's ``OptimizerParamScheduler``):
+    ``constant``, ``linear`` or ``cosine`` (from ``lr`` down to ``min_lr``)."""
+    lr_warmup_steps: int = 0
+    """Optimizer steps of linear warmup from 0 to ``lr`` (a trainer step makes
+    ``trainer.minibatches_per_step`` optimizer steps)."""
+    lr_decay_steps: int | None = None
+    """Optimizer steps over which ``lr_schedule`` decays (warmup included); null = the whole run,
+    ``trainer.max_steps`` x ``trainer.minibatches_per_step``."""
+    min_lr: float = 0.0
+    """The learning rate at the end of a ``linear`` / ``cosine`` decay."""
 
 
 @dataclass
@@ -408,6 +444,11 @@ class TrainerConfig:
     """Weights & Biases run settings, used when ``wandb`` is in ``trainer.loggers``."""
     mlflow: MlflowConfig = field(default_factory=MlflowConfig)
     """MLflow run settings, used when ``mlflow`` is in ``trainer.loggers``."""
+    gpu_memory_gib: float | None = None
+    """Memory of one GPU in GiB for the memory plan checked at load (``nemo-sspo plan``); null = the
+    visible device's (no check on a host without a GPU)."""
+    skip_memory_check: bool = False
+    """Start even when the memory plan's peak exceeds ``gpu_memory_gib``."""
 
 
 @dataclass
@@ -554,8 +595,8 @@ def validate(cfg: TrainConfig, world_size: int | None = 1) -> None:
              f"parallel.max_tokens_per_micro_batch={par.max_tokens_per_micro_batch} must exceed "
              f"rollout.max_new_tokens={ro.max_new_tokens}: a micro-batch holds at least one whole prompt + "
              "response")
-    _require(cfg.optim.lr > 0, "optim.lr must be > 0")
-    _require(cfg.optim.clip_grad >= 0, "optim.clip_grad must be >= 0 (0 disables clipping)")
+    _validate_optim(cfg.optim, "optim.")
+    _validate_recompute(par)
     _require(cfg.reward.num_workers >= 1, "reward.num_workers must be >= 1")
     _require(cfg.data.source in SOURCE_OPTIONS,
              f"data.source={cfg.data.source!r} is unknown; valid: {', '.join(SOURCE_OPTIONS)}")
@@ -759,8 +800,43 @@ def _validate_sampling_and_critic(cfg: TrainConfig, dp: int, loss_config: Any) -
     _require(cr.micro_batch_size >= 1 and prompts_per_rank % cr.micro_batch_size == 0,
              f"critic.micro_batch_size={cr.micro_batch_size} must divide the {prompts_per_rank} prompts per "
              f"data-parallel rank (rollout.prompts_per_step / data-parallel size {dp})")
-    _require(cr.optim.lr > 0, "critic.optim.lr must be > 0")
-    _require(cr.optim.clip_grad >= 0, "critic.optim.clip_grad must be >= 0 (0 disables clipping)")
+    _validate_optim(cr.optim, "critic.optim.")
+
+
+LR_SCHEDULES = ("constant", "linear", "cosine")
+"""Values of ``optim.lr_schedule``."""
+
+RECOMPUTE = ("none", "selective", "full")
+"""Values of ``parallel.recompute``."""
+
+RECOMPUTE_METHODS = ("uniform", "block")
+"""Values of ``parallel.recompute_method``."""
+
+
+def _validate_optim(op: OptimConfig, key: str) -> None:
+    """Learning rate, schedule, clipping and the distributed optimizer of an ``optim`` section."""
+    _require(op.lr > 0, f"{key}lr must be > 0")
+    _require(op.clip_grad >= 0, f"{key}clip_grad must be >= 0 (0 disables clipping)")
+    _require(op.lr_schedule in LR_SCHEDULES,
+             f"{key}lr_schedule={op.lr_schedule!r} is unknown; valid: {', '.join(LR_SCHEDULES)}")
+    _require(op.lr_warmup_steps >= 0, f"{key}lr_warmup_steps={op.lr_warmup_steps} must be >= 0")
+    _require(op.lr_decay_steps is None or op.lr_decay_steps > op.lr_warmup_steps,
+             f"{key}lr_decay_steps={op.lr_decay_steps} must exceed {key}lr_warmup_steps={op.lr_warmup_steps} "
+             "(the decay steps count the warmup), or be null for the whole run")
+    _require(0 <= op.min_lr <= op.lr, f"{key}min_lr={op.min_lr} must be in [0, {key}lr={op.lr}]")
+    _require(op.use_distributed_optimizer or not op.cpu_offload,
+             f"{key}cpu_offload=true needs {key}use_distributed_optimizer=true (megatron-core offloads the "
+             "distributed optimizer's states)")
+
+
+def _validate_recompute(par: ParallelConfig) -> None:
+    """``parallel.recompute`` and its method and layer count."""
+    _require(par.recompute in RECOMPUTE,
+             f"parallel.recompute={par.recompute!r} is unknown; valid: {', '.join(RECOMPUTE)}")
+    _require(par.recompute_method in RECOMPUTE_METHODS,
+             f"parallel.recompute_method={par.recompute_method!r} is unknown; valid: {', '.join(RECOMPUTE_METHODS)}")
+    _require(par.recompute_num_layers >= 1,
+             f"parallel.recompute_num_layers={par.recompute_num_layers} must be >= 1")
 
 
 def _validate_model_rollout_eval(cfg: TrainConfig) -> None:
