@@ -17,7 +17,10 @@ Shims (measured with megatron-core 0.16.1 + torch 2.13.0 CPU build, and 0.19.2 +
    allocate on ``torch.cuda.current_device()``.
 2. A CPU RNG tracker replaces Megatron's CUDA one: ``model_parallel_cuda_manual_seed`` and every
    ``get_cuda_rng_tracker().fork()`` (attention dropout runs inside one even at p=0) read CUDA
-   generator states, which raise on CPU-only torch.
+   generator states, which raise on CPU-only torch. Activation recomputation (Megatron's
+   ``CheckpointFunction``) also saves and restores the CUDA generator's state around a recomputed
+   forward: with no CUDA generator that state is an empty placeholder and restoring it does nothing
+   (the CPU generator and the tracker's states are restored as on GPU).
 3. ``cpu_device_context()``: a ``TorchFunctionMode`` that rewrites ``device="cuda"`` to CPU, and
    turns ``torch.cuda.synchronize`` into a no-op and ``torch.cuda.current_stream()`` into a stream
    whose waits return at once (0.19's gradient buffers wait on the current stream for CUDA-graph
@@ -41,6 +44,10 @@ Shims (measured with megatron-core 0.16.1 + torch 2.13.0 CPU build, and 0.19.2 +
    Megatron's own check (``te_general_gemm is not None``) expects for "no TransformerEngine", so
    the router takes its ``torch.mm`` path. This one also applies on a GPU host without
    TransformerEngine; with TransformerEngine the name exists and nothing changes.
+8. Parameter type names: megatron-core's optimizers (the distributed optimizer, the mixed-precision
+   one) sort parameters by ``Tensor.type()`` and accept only ``torch.cuda.{Float,Half,BFloat16}Tensor``.
+   Inside ``cpu_device_context()`` an argument-free ``Tensor.type()`` of a CPU tensor answers with
+   its CUDA name (``torch.FloatTensor`` -> ``torch.cuda.FloatTensor``), so the same branches run.
 """
 
 from __future__ import annotations
@@ -157,7 +164,18 @@ def apply_cpu_shims() -> bool:
     if not isinstance(megatron_random._CUDA_RNG_STATE_TRACKER, CpuRNGStatesTracker):
         megatron_random._CUDA_RNG_STATE_TRACKER = CpuRNGStatesTracker()
     megatron_random._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
+    megatron_random._get_cuda_rng_state = _no_cuda_rng_state
+    megatron_random._set_cuda_rng_state = _set_no_cuda_rng_state
     return True
+
+
+def _no_cuda_rng_state(*args, **kwargs) -> torch.Tensor:
+    """Shim 2: the (absent) CUDA generator's state, an empty placeholder."""
+    return torch.empty(0, dtype=torch.uint8)
+
+
+def _set_no_cuda_rng_state(*args, **kwargs) -> None:
+    """Shim 2: restoring the (absent) CUDA generator's state does nothing."""
 
 
 def _is_cuda_device(device: Any) -> bool:
@@ -186,12 +204,17 @@ def _cpu_current_stream(device=None) -> _NoStream:
 
 
 class _CudaToCpuMode(TorchFunctionMode):
-    """Rewrites ``device=<cuda>`` keyword arguments to CPU and ``Tensor.cuda()`` to identity."""
+    """Rewrites ``device=<cuda>`` keyword arguments to CPU and ``Tensor.cuda()`` to identity; an
+    argument-free ``Tensor.type()`` of a CPU tensor gives its CUDA type name (shim 8).
+    """
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = dict(kwargs or {})
         if func is torch.Tensor.cuda:
             return args[0]
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs:
+            name = func(*args)
+            return name.replace("torch.", "torch.cuda.", 1) if args[0].device.type == "cpu" else name
         if _is_cuda_device(kwargs.get("device")):
             kwargs["device"] = "cpu"
         return func(*args, **kwargs)

@@ -49,6 +49,8 @@ __all__ = [
     "has_qkv_bias",
     "model_type",
     "padded_vocab_size",
+    "recompute_kwargs",
+    "RECOMPUTE_GRANULARITIES",
     "parameter_counts",
     "resolve_transformer_impl",
     "transformer_config_from_hf",
@@ -211,6 +213,9 @@ def transformer_config_from_hf(
     fp8: str | None = None,
     fp8_recipe: str = "delayed",
     ep_size: int = 1,
+    recompute: str = "none",
+    recompute_method: str = "uniform",
+    recompute_num_layers: int = 1,
 ):
     """Megatron ``TransformerConfig`` equivalent to a HF Llama, Qwen2, Qwen3 or Qwen3-MoE config.
 
@@ -234,6 +239,9 @@ def transformer_config_from_hf(
             (Blackwell only) or ``"blockwise"`` (config key ``model.fp8_recipe``).
         ep_size: expert-model-parallel size (config key ``parallel.expert_model_parallel_size``);
             must be 1 for dense models and divide ``num_experts`` for Qwen3-MoE.
+        recompute: activation recomputation (:func:`recompute_kwargs`; key ``parallel.recompute``).
+        recompute_method: ``"uniform"`` or ``"block"`` (``recompute="full"`` only).
+        recompute_num_layers: layers per recomputed chunk / recomputed layers per stage (``full`` only).
 
     Raises:
         ValueError: naming the field, when num_attention_heads or num_key_value_heads is not
@@ -271,8 +279,50 @@ def transformer_config_from_hf(
         fp8_recipe=fp8_recipe,
     )
     kwargs.update(moe_config_kwargs(hf_config, ep_size))
+    kwargs.update(recompute_kwargs(recompute, recompute_method, recompute_num_layers,
+                                   layers_per_stage=hf_config.num_hidden_layers // pp_size))
     kwargs.update(cpu_config_overrides())
     return TransformerConfig(**kwargs)
+
+
+RECOMPUTE_GRANULARITIES = ("none", "selective", "full")
+"""``parallel.recompute`` values."""
+
+
+def recompute_kwargs(recompute: str, method: str, num_layers: int, *, layers_per_stage: int) -> dict:
+    """``TransformerConfig`` fields for activation recomputation (megatron-core's own mechanism).
+
+    - ``none``: every layer keeps what autograd saves for its backward.
+    - ``selective``: ``recompute_granularity="selective"`` with ``recompute_modules=["core_attn"]``: the
+      core attention (``softmax(Q K^T / sqrt(d)) V``, whose ``[b, heads, s, s]`` scores and
+      probabilities are the ``5 a s / h`` term of Korthikanti et al. 2022, arXiv 2205.05198, sec. 4)
+      is recomputed in backward from its saved Q, K, V; the rest is kept.
+    - ``full``: ``recompute_granularity="full"``: a recomputed layer keeps only its input ``[s, b, h]``
+      and runs its forward again in backward. ``uniform`` recomputes every layer of the stage in
+      chunks of ``num_layers`` (the input of each chunk kept); ``block`` recomputes the first
+      ``num_layers`` layers of each stage and keeps the others' activations.
+
+    Args:
+        recompute: ``"none"``, ``"selective"`` or ``"full"`` (key ``parallel.recompute``).
+        method: ``"uniform"`` or ``"block"`` (key ``parallel.recompute_method``; ``full`` only).
+        num_layers: key ``parallel.recompute_num_layers`` (``full`` only).
+        layers_per_stage: the model's layers per pipeline stage (bounds ``num_layers``).
+
+    Raises:
+        ValueError: an unknown name, or ``num_layers`` outside ``[1, layers_per_stage]`` for ``full``.
+    """
+    if recompute not in RECOMPUTE_GRANULARITIES:
+        raise ValueError(f"recompute={recompute!r} is unknown; valid: {', '.join(RECOMPUTE_GRANULARITIES)}")
+    if recompute == "none":
+        return {}
+    if recompute == "selective":
+        return dict(recompute_granularity="selective", recompute_modules=["core_attn"])
+    if method not in ("uniform", "block"):
+        raise ValueError(f"recompute_method={method!r} is unknown; valid: uniform, block")
+    if not 1 <= num_layers <= layers_per_stage:
+        raise ValueError(f"recompute_num_layers={num_layers} must be in [1, {layers_per_stage}] (the model's "
+                         "layers per pipeline stage)")
+    return dict(recompute_granularity="full", recompute_method=method, recompute_num_layers=num_layers)
 
 
 def _transformer_engine_installed() -> bool:
@@ -346,6 +396,9 @@ def build_policy_model(
     fp8: str | None = None,
     fp8_recipe: str = "delayed",
     transformer_impl: str = "auto",
+    recompute: str = "none",
+    recompute_method: str = "uniform",
+    recompute_num_layers: int = 1,
 ):
     """This rank's ``GPTModel`` stage for ``hf_config`` under the current parallel state.
 
@@ -365,6 +418,9 @@ def build_policy_model(
         fp8_recipe: as :func:`transformer_config_from_hf` (key ``model.fp8_recipe``).
         transformer_impl: ``"auto"``, ``"local"`` or ``"transformer_engine"``; see
             :func:`resolve_transformer_impl` (key ``model.transformer_impl``).
+        recompute: as :func:`transformer_config_from_hf` (key ``parallel.recompute``).
+        recompute_method: as :func:`transformer_config_from_hf` (key ``parallel.recompute_method``).
+        recompute_num_layers: as :func:`transformer_config_from_hf` (key ``parallel.recompute_num_layers``).
 
     Raises:
         ValueError: as ``transformer_config_from_hf`` and ``resolve_transformer_impl``, or if
@@ -375,7 +431,8 @@ def build_policy_model(
     groups = get_parallel_groups()
     config = transformer_config_from_hf(
         hf_config, tp_size=groups.tp_size, pp_size=groups.pp_size, precision=precision, fp8=fp8,
-        fp8_recipe=fp8_recipe, ep_size=groups.ep_size,
+        fp8_recipe=fp8_recipe, ep_size=groups.ep_size, recompute=recompute, recompute_method=recompute_method,
+        recompute_num_layers=recompute_num_layers,
     )
     check_model_options(precision=precision, fp8=fp8, fp8_recipe=fp8_recipe, transformer_impl=transformer_impl)
     impl = resolve_transformer_impl(transformer_impl, fp8)

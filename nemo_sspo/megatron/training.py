@@ -41,6 +41,7 @@ from nemo_sspo.parallel.data_balance import agree_micro_batch_count
 __all__ = [
     "accumulate_gradients",
     "apply_optimizer_step",
+    "build_lr_scheduler",
     "compute_gradients",
     "compute_old_logprobs",
     "compute_ref_logprobs",
@@ -53,7 +54,8 @@ __all__ = [
 
 
 def wrap_for_training(model: torch.nn.Module, *, lr: float, weight_decay: float, adam_beta1: float,
-                      adam_beta2: float, adam_eps: float, clip_grad: float):
+                      adam_beta2: float, adam_eps: float, clip_grad: float, use_distributed_optimizer: bool = False,
+                      cpu_offload: bool = False):
     """Wraps ``model`` in Megatron DDP and builds its Adam optimizer.
 
     Sets ``calculate_per_token_loss`` (the normalisation contract of
@@ -63,9 +65,36 @@ def wrap_for_training(model: torch.nn.Module, *, lr: float, weight_decay: float,
     (BF16 compute, FP32 logits on the last stage), and its optimizer keeps FP32 main weights
     (Megatron's mixed-precision optimizer), as Megatron-LM's ``get_model`` does.
 
+    Memory per parameter (bytes; Megatron's mixed-precision optimizer keeps its gradients in the
+    DDP buffer in fp32, ``grad_reduce_in_fp32``): weights 2 (bf16) or 4 (fp32), gradients 4, Adam
+    ``exp_avg`` + ``exp_avg_sq`` 8, plus the fp32 main weights 4 for a bf16 model. With
+    ``use_distributed_optimizer`` the Adam states and main weights are sharded over the
+    data-parallel group (each rank keeps the 1/DP slice of the DDP buffer it owns); gradients
+    are reduce-scattered into those slices and the updated weights all-gathered after the step,
+    so the step equals plain Adam's.
+
+    Args:
+        model: this rank's ``GPTModel`` stage (or value model), not yet wrapped.
+        lr: the learning rate (the peak of a schedule, :func:`build_lr_scheduler`).
+        weight_decay: decoupled weight decay.
+        adam_beta1: Adam's beta1.
+        adam_beta2: Adam's beta2.
+        adam_eps: Adam's epsilon.
+        clip_grad: global gradient-norm clip, 0 disables.
+        use_distributed_optimizer: megatron-core's ``DistributedOptimizer`` (config key
+            ``optim.use_distributed_optimizer``).
+        cpu_offload: optimizer states and the Adam update on the host (megatron-core's
+            ``optimizer_cpu_offload`` with the whole share offloaded; ``optim.cpu_offload``).
+
     Returns:
         ``(ddp_model, optimizer)``: ``ddp_model.module`` is the model (or its ``Float16Module``).
+
+    Raises:
+        ValueError: ``cpu_offload`` without ``use_distributed_optimizer``.
     """
+    if cpu_offload and not use_distributed_optimizer:
+        raise ValueError("cpu_offload=True needs use_distributed_optimizer=True (megatron-core offloads the "
+                         "distributed optimizer's states)")
     config = get_model_config(model)
     if config.bf16 or config.fp16:
         from megatron.core.transformer.module import Float16Module
@@ -74,8 +103,9 @@ def wrap_for_training(model: torch.nn.Module, *, lr: float, weight_decay: float,
     config.calculate_per_token_loss = True
     config.finalize_model_grads_func = finalize_model_grads
     ddp_config = DistributedDataParallelConfig(
-        grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=False
+        grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=use_distributed_optimizer
     )
+    offload = dict(optimizer_cpu_offload=True, optimizer_offload_fraction=1.0) if cpu_offload else {}
     with cpu_device_context():
         ddp_model = DistributedDataParallel(config=config, ddp_config=ddp_config, module=model)
         optimizer = get_megatron_optimizer(
@@ -83,11 +113,55 @@ def wrap_for_training(model: torch.nn.Module, *, lr: float, weight_decay: float,
                 optimizer="adam", lr=lr, weight_decay=weight_decay, adam_beta1=adam_beta1,
                 adam_beta2=adam_beta2, adam_eps=adam_eps, clip_grad=clip_grad,
                 params_dtype=config.params_dtype, bf16=config.bf16, fp16=config.fp16,
-                use_distributed_optimizer=False,
+                use_distributed_optimizer=use_distributed_optimizer, **offload,
             ),
             [ddp_model],
         )
     return ddp_model, optimizer
+
+
+def build_lr_scheduler(optimizer, *, lr: float, min_lr: float, schedule: str, warmup_steps: int,
+                       decay_steps: int):
+    """megatron-core's ``OptimizerParamScheduler`` for ``optimizer``: linear warmup, then decay.
+
+    Update ``k`` (1-based; :func:`apply_optimizer_step` advances the schedule before each update)
+    runs at ``lr * k / warmup_steps`` for ``k <= warmup_steps``; after it, ``constant`` keeps ``lr``,
+    ``linear`` and ``cosine`` go from ``lr`` to ``min_lr`` at ``k = decay_steps`` (Megatron-LM's
+    formulas: ``min_lr + (lr - min_lr) * c`` with ``c = 1 - r`` or ``(1 + cos(pi r)) / 2``,
+    ``r = (k - warmup_steps) / (decay_steps - warmup_steps)``), and stay at ``min_lr`` past it.
+    (Megatron-LM steps its scheduler after the update, so its first update runs at the warmup's
+    initial 0; stepping first is ours: no update is wasted at learning rate 0.) Weight decay stays
+    constant.
+
+    Args:
+        optimizer: a Megatron optimizer (:func:`wrap_for_training`).
+        lr: peak learning rate.
+        min_lr: final learning rate of a decay.
+        schedule: ``"constant"``, ``"linear"`` or ``"cosine"`` (config key ``optim.lr_schedule``).
+        warmup_steps: updates of linear warmup (0 = none).
+        decay_steps: the update at which a decay reaches ``min_lr`` (warmup included).
+
+    Returns:
+        The scheduler; its ``state_dict()`` goes into checkpoints, and a resumed run restores only
+        its update count (``load_state_dict`` keeps this run's settings: an allowed change of the
+        learning rate on resume takes effect).
+
+    Raises:
+        ValueError: an unknown ``schedule``, ``decay_steps <= warmup_steps`` or ``min_lr`` outside ``[0, lr]``.
+    """
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    if schedule not in ("constant", "linear", "cosine"):
+        raise ValueError(f"schedule={schedule!r} is unknown; valid: constant, linear, cosine")
+    if not (decay_steps > warmup_steps >= 0 and 0 <= min_lr <= lr):
+        raise ValueError(f"need decay_steps > warmup_steps >= 0 and 0 <= min_lr <= lr, got decay_steps="
+                         f"{decay_steps}, warmup_steps={warmup_steps}, min_lr={min_lr}, lr={lr}")
+    weight_decay = optimizer.param_groups[0]["weight_decay"] if optimizer.param_groups else 0.0
+    return OptimizerParamScheduler(
+        optimizer, init_lr=0.0 if warmup_steps else lr, max_lr=lr, min_lr=min_lr, lr_warmup_steps=warmup_steps,
+        lr_decay_steps=decay_steps, lr_decay_style=schedule, start_wd=weight_decay, end_wd=weight_decay,
+        wd_incr_steps=decay_steps, wd_incr_style="constant", use_checkpoint_opt_param_scheduler=False,
+        override_opt_param_scheduler=True)
 
 
 def run_schedule(model, micro_batches: list, forward_step_func: Callable, *, forward_only: bool) -> list:
@@ -304,10 +378,15 @@ def compute_gradients(model, batch: PolicyBatch, spec: LossSpec, layout: MicroBa
                                 _routed(policy_forward_step(spec, compute_loss=True), batch))
 
 
-def apply_optimizer_step(optimizer) -> float:
+def apply_optimizer_step(optimizer, lr_scheduler=None) -> float:
     """Steps ``optimizer`` on the accumulated gradients; returns the global gradient norm before
     clipping (float).
+
+    ``lr_scheduler`` (:func:`build_lr_scheduler`, or None for a constant rate) is advanced by one
+    update first, so this update runs at the schedule's rate for its own index.
     """
+    if lr_scheduler is not None:
+        lr_scheduler.step(1)
     with cpu_device_context():
         _, grad_norm, _ = optimizer.step()
         if grad_norm is None:
@@ -316,11 +395,11 @@ def apply_optimizer_step(optimizer) -> float:
 
 
 def train_on_batch(model, optimizer, batch: PolicyBatch, spec: LossSpec, layout: MicroBatchLayout, *,
-                   dp_group):
+                   dp_group, lr_scheduler=None):
     """One optimizer step on ``batch`` split into micro-batches (gradient accumulation).
 
     As many micro-batches run on every rank of ``dp_group`` (None for one rank;
-    :func:`plan_micro_batches`).
+    :func:`plan_micro_batches`); ``lr_scheduler`` as :func:`apply_optimizer_step`.
 
     Returns:
         ``(metric_sums, grad_norm)``: see :func:`compute_gradients`; the global gradient norm
@@ -328,4 +407,4 @@ def train_on_batch(model, optimizer, batch: PolicyBatch, spec: LossSpec, layout:
     """
     optimizer.zero_grad()
     sums = compute_gradients(model, batch, spec, layout, dp_group=dp_group)
-    return sums, apply_optimizer_step(optimizer)
+    return sums, apply_optimizer_step(optimizer, lr_scheduler)

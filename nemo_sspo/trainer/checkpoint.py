@@ -127,27 +127,35 @@ def _barrier() -> None:
 
 
 # ---- model / optimizer through dist_checkpointing ------------------------------------------------
-def _sharded_state(model, optimizer, *, is_loading: bool) -> dict[str, Any]:
-    """``{"model": ..., "optimizer": ...}`` sharded state dicts of a DDP-wrapped model chunk."""
+def _sharded_state(model, optimizer, lr_scheduler, *, is_loading: bool) -> dict[str, Any]:
+    """``{"model": ..., "optimizer": ..., "lr_scheduler": ...}`` state of a DDP-wrapped model chunk:
+    sharded model and optimizer state dicts (the distributed optimizer's states sharded over the
+    data-parallel ranks), and the learning-rate schedule's plain dict (common state, kept once).
+    """
     model_state = model.module.sharded_state_dict(prefix="")
-    return {"model": model_state,
-            "optimizer": optimizer.sharded_state_dict(model_state, is_loading=is_loading)}
+    state = {"model": model_state, "optimizer": optimizer.sharded_state_dict(model_state, is_loading=is_loading)}
+    if lr_scheduler is not None:
+        state["lr_scheduler"] = lr_scheduler.state_dict()
+    return state
 
 
-def _save_sharded(directory: Path, model, optimizer) -> None:
+def _save_sharded(directory: Path, model, optimizer, lr_scheduler) -> None:
     from megatron.core import dist_checkpointing
 
     with cpu_device_context():
-        dist_checkpointing.save(_sharded_state(model, optimizer, is_loading=False), str(directory))
+        dist_checkpointing.save(_sharded_state(model, optimizer, lr_scheduler, is_loading=False), str(directory))
 
 
-def _load_sharded(directory: Path, model, optimizer) -> None:
+def _load_sharded(directory: Path, model, optimizer, lr_scheduler) -> None:
     from megatron.core import dist_checkpointing
 
     with cpu_device_context():
-        loaded = dist_checkpointing.load(_sharded_state(model, optimizer, is_loading=True), str(directory))
+        loaded = dist_checkpointing.load(_sharded_state(model, optimizer, lr_scheduler, is_loading=True),
+                                         str(directory))
         model.module.load_state_dict(loaded["model"], strict=True)
         optimizer.load_state_dict(loaded["optimizer"])
+    if lr_scheduler is not None:  # the update count; this run's schedule settings stay (override)
+        lr_scheduler.load_state_dict(loaded["lr_scheduler"])
 
 
 # ---- RNG ------------------------------------------------------------------------------------------
@@ -289,8 +297,9 @@ def save_checkpoint(root: str | Path, state: TrainerState, models: dict[str, tup
         state: the trainer state (written by rank 0, last).
         config: the run's composed config (``nemo_sspo.trainer.run_config.composed_config``), saved
             as ``config.yaml`` for the resume check.
-        models: name -> ``(DDP-wrapped model chunk, Megatron optimizer)``, e.g. ``{"policy": ...,
-            "critic": ...}``; each gets its own dist_checkpointing sub-folder.
+        models: name -> ``(DDP-wrapped model chunk, Megatron optimizer, learning-rate scheduler or
+            None)``, e.g. ``{"policy": ..., "critic": ...}``; each gets its own dist_checkpointing
+            sub-folder.
         keep: number of newest checkpoints kept after this one is published (0 = all).
 
     Returns:
@@ -305,8 +314,8 @@ def save_checkpoint(root: str | Path, state: TrainerState, models: dict[str, tup
         for key in models:
             (tmp / key).mkdir()
     _barrier()
-    for key, (model, optimizer) in models.items():
-        _save_sharded(tmp / key, model, optimizer)
+    for key, (model, optimizer, lr_scheduler) in models.items():
+        _save_sharded(tmp / key, model, optimizer, lr_scheduler)
     torch.save(_rng_state(), _rng_file(tmp, _rank()))
     _barrier()
     if _rank() == 0:
@@ -381,9 +390,9 @@ def load_checkpoint(path: str | Path, models: dict[str, tuple[Any, Any]], *, con
         raise ValueError(f"trainer.resume: checkpoint {path} was written by a run with another config:\n  "
                          + "\n  ".join(differ) + f"\nresume with the settings in {path / RUN_CONFIG_FILE} (only "
                          "those keys must match), or start a new run in another trainer.output_dir")
-    for key, (model, optimizer) in models.items():
+    for key, (model, optimizer, lr_scheduler) in models.items():
         if not (path / key).is_dir():
             raise ValueError(f"checkpoint {path} has no {key!r} state; was it written with another loss config?")
-        _load_sharded(path / key, model, optimizer)
+        _load_sharded(path / key, model, optimizer, lr_scheduler)
     _set_rng_state(torch.load(_rng_file(path, _rank()), weights_only=False))
     return state

@@ -41,7 +41,7 @@ from nemo_sspo.algorithms.micro_batches import MicroBatchLayout
 from nemo_sspo.algorithms.off_policy import CORRECTIONS
 from nemo_sspo.data import MATH_DATASETS, PAPER_BENCHMARKS, SOURCE_OPTIONS, TEMPLATES
 from nemo_sspo.data.tasks import WordProblemOptions
-from nemo_sspo.megatron.model import check_architecture, check_model_options
+from nemo_sspo.megatron.model import check_architecture, check_model_options, recompute_kwargs
 from nemo_sspo.megatron.moe import is_moe
 from nemo_sspo.megatron.router_replay import check_router_replay
 from nemo_sspo.rewards import REWARD_REGISTRY
@@ -651,6 +651,7 @@ def check_model_layout(cfg: TrainConfig, hf_config: Any, world_size: int | None 
             hf_config, par.tensor_model_parallel_size, par.pipeline_model_parallel_size,
             ep_size=par.expert_model_parallel_size, tp_name="parallel.tensor_model_parallel_size",
             pp_name="parallel.pipeline_model_parallel_size", ep_name="parallel.expert_model_parallel_size"))
+        _validate_recompute(par, hf_config.num_hidden_layers // par.pipeline_model_parallel_size)
         tp = par.tensor_model_parallel_size
         _require(tp == 1 or not is_moe(hf_config),
                  f"parallel.tensor_model_parallel_size={tp} with the mixture-of-experts {source[:-2]}: "
@@ -806,11 +807,6 @@ def _validate_sampling_and_critic(cfg: TrainConfig, dp: int, loss_config: Any) -
 LR_SCHEDULES = ("constant", "linear", "cosine")
 """Values of ``optim.lr_schedule``."""
 
-RECOMPUTE = ("none", "selective", "full")
-"""Values of ``parallel.recompute``."""
-
-RECOMPUTE_METHODS = ("uniform", "block")
-"""Values of ``parallel.recompute_method``."""
 
 
 def _validate_optim(op: OptimConfig, key: str) -> None:
@@ -829,14 +825,12 @@ def _validate_optim(op: OptimConfig, key: str) -> None:
              "distributed optimizer's states)")
 
 
-def _validate_recompute(par: ParallelConfig) -> None:
-    """``parallel.recompute`` and its method and layer count."""
-    _require(par.recompute in RECOMPUTE,
-             f"parallel.recompute={par.recompute!r} is unknown; valid: {', '.join(RECOMPUTE)}")
-    _require(par.recompute_method in RECOMPUTE_METHODS,
-             f"parallel.recompute_method={par.recompute_method!r} is unknown; valid: {', '.join(RECOMPUTE_METHODS)}")
-    _require(par.recompute_num_layers >= 1,
-             f"parallel.recompute_num_layers={par.recompute_num_layers} must be >= 1")
+def _validate_recompute(par: ParallelConfig, layers_per_stage: int | None = None) -> None:
+    """``parallel.recompute`` with its method and layer count (bounded by the model's layers per
+    pipeline stage once the model's config is known).
+    """
+    at_key("parallel.", lambda: recompute_kwargs(par.recompute, par.recompute_method, par.recompute_num_layers,
+                                                 layers_per_stage=layers_per_stage or par.recompute_num_layers))
 
 
 def _validate_model_rollout_eval(cfg: TrainConfig) -> None:

@@ -45,14 +45,16 @@ def _predict_loss_func(batch: CriticBatch, model, values: torch.Tensor):
 
 
 class Critic:
-    """The SPPO critic of one rank: DDP-wrapped :class:`ValueModel`, its optimizer, micro-batch size.
+    """The SPPO critic of one rank: DDP-wrapped :class:`ValueModel`, its optimizer, micro-batch size
+    and learning-rate schedule (``critic.optim``; None for a constant rate).
 
     Both methods are collective over the model-parallel and data-parallel groups (Megatron
     schedules); every rank of a replica passes the same :class:`CriticBatch`.
     """
 
-    def __init__(self, model, optimizer, micro_batch_size: int) -> None:
+    def __init__(self, model, optimizer, micro_batch_size: int, lr_scheduler=None) -> None:
         self.model, self.optimizer, self.micro_batch_size = model, optimizer, micro_batch_size
+        self.lr_scheduler = lr_scheduler
 
     def predict(self, batch: CriticBatch) -> torch.Tensor | None:
         """V(x) per prompt, ``[n]`` float32, forward only (eval mode); None off the last stage."""
@@ -74,4 +76,4 @@ class Critic:
         self.optimizer.zero_grad()
         sums = accumulate_gradients(self.model, split_micro_batches(batch, self.micro_batch_size),
                                     make_forward_step(_bce_loss_func))
-        return sums, apply_optimizer_step(self.optimizer)
+        return sums, apply_optimizer_step(self.optimizer, self.lr_scheduler)

@@ -85,6 +85,7 @@ from nemo_sspo.megatron.training import (
     compute_old_logprobs,
     compute_ref_logprobs,
     train_on_batch,
+    build_lr_scheduler,
     wrap_for_training,
 )
 from nemo_sspo.evaluation import MEAN_KEY
@@ -174,17 +175,33 @@ def start_parallel(parallel_cfg: ParallelConfig, seed: int) -> ParallelGroups:
     return get_parallel_groups()
 
 
-def _model_options(model_cfg) -> dict:
-    """``build_policy_model`` keyword arguments from the ``model`` section."""
+def _model_options(cfg: TrainConfig) -> dict:
+    """``build_policy_model`` keyword arguments from the ``model`` and ``parallel`` sections."""
+    model_cfg, par = cfg.model, cfg.parallel
     return dict(precision=model_cfg.precision, fp8=model_cfg.fp8, fp8_recipe=model_cfg.fp8_recipe,
-                transformer_impl=model_cfg.transformer_impl)
+                transformer_impl=model_cfg.transformer_impl, recompute=par.recompute,
+                recompute_method=par.recompute_method, recompute_num_layers=par.recompute_num_layers)
 
 
-def _wrap(model, optim_cfg):
-    """Megatron DDP + Adam from an ``OptimConfig`` section."""
-    return wrap_for_training(model, lr=optim_cfg.lr, weight_decay=optim_cfg.weight_decay,
-                             adam_beta1=optim_cfg.adam_beta1, adam_beta2=optim_cfg.adam_beta2,
-                             adam_eps=optim_cfg.adam_eps, clip_grad=optim_cfg.clip_grad)
+def _wrap(model, optim_cfg, updates: int):
+    """Megatron DDP + Adam + learning-rate schedule from an ``OptimConfig`` section.
+
+    Args:
+        model: the unwrapped model stage.
+        optim_cfg: its ``optim`` section.
+        updates: optimizer steps in the whole run (the decay length when ``lr_decay_steps`` is null).
+
+    Returns:
+        ``(ddp_model, optimizer, lr_scheduler)``.
+    """
+    ddp_model, optimizer = wrap_for_training(
+        model, lr=optim_cfg.lr, weight_decay=optim_cfg.weight_decay, adam_beta1=optim_cfg.adam_beta1,
+        adam_beta2=optim_cfg.adam_beta2, adam_eps=optim_cfg.adam_eps, clip_grad=optim_cfg.clip_grad,
+        use_distributed_optimizer=optim_cfg.use_distributed_optimizer, cpu_offload=optim_cfg.cpu_offload)
+    decay_steps = optim_cfg.lr_decay_steps or max(updates, optim_cfg.lr_warmup_steps + 1)
+    scheduler = build_lr_scheduler(optimizer, lr=optim_cfg.lr, min_lr=optim_cfg.min_lr, schedule=optim_cfg.lr_schedule,
+                                   warmup_steps=optim_cfg.lr_warmup_steps, decay_steps=decay_steps)
+    return ddp_model, optimizer, scheduler
 
 
 def run_stop_ids(cfg: TrainConfig, tokenizer) -> list[int]:
@@ -314,7 +331,8 @@ class GRPOTrainer:
         # The one stop list: the engines and every model folder written (hf_checkpoint, best/, interrupted).
         self.stop_ids = run_stop_ids(cfg, tokenizer)
         self.shape = ModelShape.from_hf_config(hf_config)
-        self.model, self.optimizer = _wrap(self._megatron_policy(state_dict), cfg.optim)
+        self.model, self.optimizer, self.lr_scheduler = _wrap(
+            self._megatron_policy(state_dict), cfg.optim, cfg.trainer.max_steps * cfg.trainer.minibatches_per_step)
         # R3: the engine's routes of this stage's MoE layers become the batch's routes.
         self.route_layers = stage_moe_layers(self.model) if cfg.model.router_replay == "r3" else None
         self.ref_model = self._build_reference(state_dict) if needs.reference_policy else None
@@ -365,7 +383,7 @@ class GRPOTrainer:
     def _megatron_policy(self, state_dict):
         """This rank's Megatron policy stage holding the HF weights (not wrapped)."""
         at_key("model.", lambda: check_router_replay(self.cfg.model.router_replay, self.hf_config))
-        model = build_policy_model(self.hf_config, **_model_options(self.cfg.model))
+        model = build_policy_model(self.hf_config, **_model_options(self.cfg))
         load_hf_into_megatron(model, state_dict, self.hf_config)
         return model
 
@@ -386,8 +404,9 @@ class GRPOTrainer:
                 raise ValueError(f"critic.source={cr.source!r} has another tokenizer than model.source="
                                  f"{self.cfg.model.source!r}; the critic reads the policy's prompt tokens")
         model = at_key("critic.", lambda: build_value_model(hf_config, state_dict, num_layers=cr.num_layers,
-                                                            **_model_options(self.cfg.model)))
-        return Critic(*_wrap(model, cr.optim), cr.micro_batch_size)
+                                                            **_model_options(self.cfg)))
+        ddp_model, optimizer, scheduler = _wrap(model, cr.optim, self.cfg.trainer.max_steps)  # one update per step
+        return Critic(ddp_model, optimizer, cr.micro_batch_size, lr_scheduler=scheduler)
 
     def _build_rollout(self, state_dict, prompts, reward: Reward | None, engine: RolloutEngine | None) -> None:
         """Rollout engine, reward and sampler, on generating ranks only (:func:`build_rollout`)."""
@@ -533,7 +552,8 @@ class GRPOTrainer:
         norms = []
         for start in range(0, rows, size):
             mb_sums, grad_norm = train_on_batch(self.model, self.optimizer, batch.select(slice(start, start + size)),
-                                                self.spec, self.layout, dp_group=self.groups.dp_group)
+                                                self.spec, self.layout, dp_group=self.groups.dp_group,
+                                                lr_scheduler=self.lr_scheduler)
             if not math.isfinite(grad_norm):
                 raise FloatingPointError(
                     f"gradient norm {grad_norm} in mini-batch {start // size + 1}: the loss or its gradient "
@@ -677,7 +697,7 @@ class GRPOTrainer:
             batch, batch_sums = self.prepare_batch(rollout)
             batch_sums.update(self.routing_sums(batch, step))
             sums, grad_norm = self.update(batch)
-        extra = {"optim/grad_norm": grad_norm}
+        extra = {"optim/grad_norm": grad_norm, "optim/lr": self.optimizer.param_groups[0]["lr"]}  # the last update's
         if self.critic is not None:
             with timer.time("critic"):
                 critic_sums, extra["critic/grad_norm"] = self.critic.update(self._critic_batch(rollout))
@@ -779,9 +799,9 @@ class GRPOTrainer:
 
     def _checkpointed_models(self) -> dict:
         """The trained models and their optimizers (the frozen reference is rebuilt from ``model.source``)."""
-        models = {"policy": (self.model, self.optimizer)}
+        models = {"policy": (self.model, self.optimizer, self.lr_scheduler)}
         if self.critic is not None:
-            models["critic"] = (self.critic.model, self.critic.optimizer)
+            models["critic"] = (self.critic.model, self.critic.optimizer, self.critic.lr_scheduler)
         return models
 
     def maybe_checkpoint(self, step: int) -> None:
