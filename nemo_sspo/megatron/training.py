@@ -157,6 +157,8 @@ def build_lr_scheduler(optimizer, *, lr: float, min_lr: float, schedule: str, wa
         raise ValueError(f"need decay_steps > warmup_steps >= 0 and 0 <= min_lr <= lr, got decay_steps="
                          f"{decay_steps}, warmup_steps={warmup_steps}, min_lr={min_lr}, lr={lr}")
     weight_decay = optimizer.param_groups[0]["weight_decay"] if optimizer.param_groups else 0.0
+    for group in optimizer.param_groups:  # Megatron's groups carry their own bounds (None unless set)
+        group["max_lr"], group["min_lr"] = lr, min_lr
     return OptimizerParamScheduler(
         optimizer, init_lr=0.0 if warmup_steps else lr, max_lr=lr, min_lr=min_lr, lr_warmup_steps=warmup_steps,
         lr_decay_steps=decay_steps, lr_decay_style=schedule, start_wd=weight_decay, end_wd=weight_decay,

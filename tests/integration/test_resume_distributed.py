@@ -1,6 +1,9 @@
-"""Resume under tensor parallelism: TP=2 on 2 gloo processes launched by torchrun (the training
-launcher; Megatron's checkpoint writer forks, which the daemonic workers of ``run_distributed``
-may not). The step after a resume from the step-2 checkpoint equals the uninterrupted run's step 3."""
+"""Resume under tensor and data parallelism with the distributed optimizer and a learning-rate schedule:
+TP=2 x DP=2 on 4 gloo processes launched by torchrun (the training launcher; Megatron's checkpoint
+writer forks, which the daemonic workers of ``run_distributed`` may not). The step after a resume
+from the step-2 checkpoint equals the uninterrupted run's step 3, learning rate included."""
+
+import math
 
 import json
 import os
@@ -23,7 +26,7 @@ def _free_port() -> int:
 @pytest.mark.slow
 def test_tp2_resume_continues_with_identical_metrics(tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO)}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(_free_port()),
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4", "--master-port", str(_free_port()),
            "-m", "tests.integration._resume_worker", str(tmp_path)]
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -31,4 +34,8 @@ def test_tp2_resume_continues_with_identical_metrics(tmp_path):
     straight, resumed = ({k: v for k, v in r.items() if not k.startswith(("timing/", "throughput/"))} for r in result.values())
     assert straight["step"] == resumed["step"] == 3
     assert resumed == straight
-    assert (tmp_path / "straight" / "checkpoints" / "step_000002" / "rng" / "rank_00001.pt").is_file()
+    # update 6 of 6 (2 per step) under cosine decay from 2e-5 with warmup 2: r = (6 - 2) / (6 - 2) = 1
+    assert straight["optim/lr"] == 1e-6
+    assert math.isclose(json.loads((tmp_path / "straight" / "metrics.jsonl").read_text().splitlines()[0])["optim/lr"],
+                        2e-5)  # update 2 ends the warmup
+    assert (tmp_path / "straight" / "checkpoints" / "step_000002" / "rng" / "rank_00003.pt").is_file()
