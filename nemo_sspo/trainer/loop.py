@@ -174,10 +174,11 @@ def start_parallel(parallel_cfg: ParallelConfig, seed: int) -> ParallelGroups:
     return get_parallel_groups()
 
 
-def _model_options(model_cfg) -> dict:
-    """``build_policy_model`` keyword arguments from the ``model`` section."""
+def _model_options(model_cfg, parallel_cfg) -> dict:
+    """``build_policy_model`` keyword arguments from the ``model`` and ``parallel`` sections."""
     return dict(precision=model_cfg.precision, fp8=model_cfg.fp8, fp8_recipe=model_cfg.fp8_recipe,
-                transformer_impl=model_cfg.transformer_impl)
+                transformer_impl=model_cfg.transformer_impl,
+                sequence_parallel=parallel_cfg.sequence_parallel)
 
 
 def _wrap(model, optim_cfg):
@@ -365,7 +366,7 @@ class GRPOTrainer:
     def _megatron_policy(self, state_dict):
         """This rank's Megatron policy stage holding the HF weights (not wrapped)."""
         at_key("model.", lambda: check_router_replay(self.cfg.model.router_replay, self.hf_config))
-        model = build_policy_model(self.hf_config, **_model_options(self.cfg.model))
+        model = build_policy_model(self.hf_config, **_model_options(self.cfg.model, self.cfg.parallel))
         load_hf_into_megatron(model, state_dict, self.hf_config)
         return model
 
@@ -386,7 +387,7 @@ class GRPOTrainer:
                 raise ValueError(f"critic.source={cr.source!r} has another tokenizer than model.source="
                                  f"{self.cfg.model.source!r}; the critic reads the policy's prompt tokens")
         model = at_key("critic.", lambda: build_value_model(hf_config, state_dict, num_layers=cr.num_layers,
-                                                            **_model_options(self.cfg.model)))
+                                                            **_model_options(self.cfg.model, self.cfg.parallel)))
         return Critic(*_wrap(model, cr.optim), cr.micro_batch_size)
 
     def _build_rollout(self, state_dict, prompts, reward: Reward | None, engine: RolloutEngine | None) -> None:
