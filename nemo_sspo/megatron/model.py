@@ -638,7 +638,8 @@ def forward_logits(
 def _stage_forward(model: torch.nn.Module, input_ids: torch.Tensor, position_ids: torch.Tensor,
                    sequence_lengths: torch.Tensor | None) -> torch.Tensor:
     """This stage's raw output for checked inputs: the row padded for sequence parallelism or the
-    THD layout, nothing cut (:func:`forward_logits`)."""
+    THD layout, nothing cut (:func:`forward_logits`).
+    """
     if sequence_lengths is not None and uses_transformer_engine(model):
         return _forward_thd(model, input_ids, sequence_lengths)
     width = input_ids.shape[1]

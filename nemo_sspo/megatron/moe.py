@@ -23,7 +23,9 @@ expert, and drops them again after the combine.
 Expert parallelism (EP, ``parallel.expert_model_parallel_size``): EP rank ``r`` holds experts
 ``[r*E/EP, (r+1)*E/EP)`` of every MoE layer as ``mlp.experts.local_experts.{i}`` (global expert
 ``r*E/EP + i``). Expert weights are split over TP as the dense MLP (expert tensor parallel size =
-TP, Megatron's default). The EP ranks are carved out of the data-parallel ranks (Megatron's
+TP, Megatron's default); training under TP > 1 needs sequence parallelism (megatron-core's MoE
+layer refuses it otherwise): each TP rank then routes its own positions, and the dispatcher gathers
+the tokens over TP x EP. The EP ranks are carved out of the data-parallel ranks (Megatron's
 tp-cp-ep-dp-pp order): with TP x PP = 1 and world 2, EP 2 means two data-parallel replicas whose
 tokens meet in the experts.
 """

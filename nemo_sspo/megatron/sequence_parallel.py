@@ -53,6 +53,9 @@ class SequenceParallelTorchNorm:
 
     def __new__(cls, config: Any, hidden_size: int, eps: float = 1e-5, persist_layer_norm: bool = False,
                 zero_centered_gamma: bool = False, normalization: str = "LayerNorm") -> torch.nn.Module:
+        """The norm module (class docstring); ``normalization`` and the two flags are unused, as in
+        megatron-core's ``WrappedTorchNorm`` (the config decides).
+        """
         for option in ("layernorm_zero_centered_gamma", "persist_layer_norm", "memory_efficient_layer_norm"):
             if getattr(config, option, False):
                 raise ValueError(f"TransformerConfig.{option}=True is not supported by the local spec's torch norms")

@@ -26,8 +26,8 @@ micro-batches' own HF losses over all micro-batches and data-parallel ranks. Wit
 holding the whole batch it is HF's term; another split (micro-batch size, token budget, packing,
 DP size) gives other values, because ``aux`` is not additive over tokens; EP gives the value of its
 DP split. PP needs every layer's router statistics on one stage, so ``coef > 0`` requires PP = 1
-(and MoE training requires TP = 1: megatron-core 0.16.1 refuses MoE layers under TP without
-sequence parallelism). With ``coef = 0`` the MoE step keeps the whole contract.
+(MoE training under TP needs sequence parallelism, whose routers see their rank's positions: the
+statistics are gathered over TP, :func:`nemo_sspo.megatron.moe.recording_router_logits`). With ``coef = 0`` the MoE step keeps the whole contract.
 ``tests/unit/test_moe_aux_loss.py`` and ``tests/distributed/test_moe_aux_loss.py`` pin both halves.
 
 All tensors of a :class:`PolicyBatch` are in the *target frame*: position ``j`` holds the
@@ -175,7 +175,8 @@ def _policy_loss_func(spec: LossSpec, micro: MicroBatch, model, output: torch.Te
 
 def _router_token_mask(micro: MicroBatch, tokens: int, width: int) -> torch.Tensor:
     """``[N]`` bool: the router rows (sequence-first, ``s * R + r``) of real tokens, not padding;
-    ``width``: the row width the routers saw (padded for sequence parallelism)."""
+    ``width``: the row width the routers saw (padded for sequence parallelism).
+    """
     rows = micro.input_ids.shape[0]
     if micro.sequence_lengths is not None:
         valid = torch.arange(width)[None, :] < micro.sequence_lengths.sum()

@@ -181,7 +181,7 @@ def _run_layouts(rank, world_size):
         widths = []  # (input width, positions this rank's first norm saw) per forward
         norm = model.decoder.layers[0].input_layernorm if groups.is_first_stage else None
         hook = None if norm is None else norm.register_forward_hook(
-            lambda module, args, output: widths.append(args[0].shape[0]))
+            lambda module, args, output, seen=widths: seen.append(args[0].shape[0]))
         load_hf_into_megatron(model, hf_state, hf_config)
         ddp, optimizer = wrap_for_training(model, lr=1e-3, weight_decay=0.0, adam_beta1=0.9, adam_beta2=0.999,
                                    adam_eps=1e-8, clip_grad=0.0)
