@@ -30,8 +30,13 @@ Shims (measured with megatron-core 0.16.1 + torch 2.13.0 CPU build, and 0.19.2 +
 4. ``cpu_config_overrides()``: ``TransformerConfig`` fields: CPU initialisation, no fused kernels
    (apex / TE are absent), ``pipeline_dtype=float32`` (gloo p2p), ``batch_p2p_sync=False`` (it
    calls ``torch.cuda.synchronize``), ``batch_p2p_comm=False`` (with virtual pipeline stages the
-   batched gloo p2p silently returns wrong activations; we turn it off for every PP layout),
-   ``sequence_parallel=False`` (the local spec's torch norms refuse it).
+   batched gloo p2p silently returns wrong activations; we turn it off for every PP layout).
+   Sequence parallelism needs no shim: gloo runs the all-gather and reduce-scatter of
+   Megatron's sequence-parallel regions (``all_gather_into_tensor``, ``reduce_scatter_tensor``,
+   also asynchronous), its global memory buffer allocates on ``torch.cuda.current_device()``
+   (shim 1), and the local spec's norms come from
+   :class:`nemo_sspo.megatron.sequence_parallel.SequenceParallelTorchNorm` (megatron-core's
+   torch norms refuse it).
 5. ``attention_mask_for()``: the local attention builds its default causal mask with
    ``device="cuda"``; on CPU we pass an explicit boolean causal mask instead.
 6. Gradient clipping: ``clip_grad_by_total_norm_fp32`` asserts ``torch.cuda.FloatTensor`` grads;
@@ -245,7 +250,6 @@ def cpu_config_overrides() -> dict[str, Any]:
         "pipeline_dtype": torch.float32,
         "batch_p2p_sync": False,
         "batch_p2p_comm": False,
-        "sequence_parallel": False,
         "gradient_accumulation_fusion": False,
         "masked_softmax_fusion": False,
         "bias_activation_fusion": False,

@@ -34,6 +34,7 @@ from nemo_sspo.megatron.cpu_shims import (
 from nemo_sspo.megatron.moe import even_token_dispatch, moe_config_kwargs, validate_moe
 from nemo_sspo.megatron.packed_seq import packed_seq_params, padded_width, thd_alignment
 from nemo_sspo.megatron.parallel_setup import destroy_parallel, get_parallel_groups, initialize_parallel
+from nemo_sspo.megatron.sequence_parallel import SequenceParallelTorchNorm, gather_sequence, sequence_parallel_size
 
 __all__ = [
     "FP8_FORMATS",
@@ -216,6 +217,7 @@ def transformer_config_from_hf(
     recompute: str = "none",
     recompute_method: str = "uniform",
     recompute_num_layers: int = 1,
+    sequence_parallel: bool = False,
 ):
     """Megatron ``TransformerConfig`` equivalent to a HF Llama, Qwen2, Qwen3 or Qwen3-MoE config.
 
@@ -242,16 +244,23 @@ def transformer_config_from_hf(
         recompute: activation recomputation (:func:`recompute_kwargs`; key ``parallel.recompute``).
         recompute_method: ``"uniform"`` or ``"block"`` (``recompute="full"`` only).
         recompute_num_layers: layers per recomputed chunk / recomputed layers per stage (``full`` only).
+        sequence_parallel: Megatron's sequence parallelism (config key ``parallel.sequence_parallel``;
+            :mod:`nemo_sspo.megatron.sequence_parallel`); needs ``tp_size > 1``.
 
     Raises:
         ValueError: naming the field, when num_attention_heads or num_key_value_heads is not
             divisible by tp_size, num_hidden_layers not divisible by pp_size, the config uses an
             unsupported architecture, Llama biases, a non-silu activation, sliding-window attention
             or scaled RoPE; MoE layouts refused by :func:`nemo_sspo.megatron.moe.validate_moe`; or
-            naming the ``model.*`` key of a bad precision setting.
+            naming the ``model.*`` key of a bad precision setting; ``sequence_parallel`` with
+            ``tp_size == 1``.
     """
     from megatron.core.transformer.transformer_config import TransformerConfig
 
+    if sequence_parallel and tp_size == 1:
+        raise ValueError("sequence_parallel=True needs tp_size > 1 (parallel.sequence_parallel splits the "
+                         "sequence over the tensor-parallel ranks): set parallel.sequence_parallel=false or "
+                         "raise parallel.tensor_model_parallel_size")
     dtype = check_model_options(precision=precision, fp8=fp8, fp8_recipe=fp8_recipe)
     check_architecture(hf_config, tp_size, pp_size, ep_size=ep_size)
     kwargs = dict(
@@ -277,6 +286,7 @@ def transformer_config_from_hf(
         bf16=dtype == torch.bfloat16,
         fp8=fp8,
         fp8_recipe=fp8_recipe,
+        sequence_parallel=sequence_parallel,
     )
     kwargs.update(moe_config_kwargs(hf_config, ep_size))
     kwargs.update(recompute_kwargs(recompute, recompute_method, recompute_num_layers,
@@ -377,14 +387,30 @@ def resolve_transformer_impl(transformer_impl: str = "auto", fp8: str | None = N
 
 
 def _layer_spec(config, impl: str):
-    """Local (pure Megatron) layer spec, or the TransformerEngine spec (imported lazily)."""
+    """Local (pure Megatron) spec, or the TransformerEngine layer spec (imported lazily).
+
+    The local spec's norms (each layer's two, Qwen3's q/k norms and the final norm) are
+    :class:`~nemo_sspo.megatron.sequence_parallel.SequenceParallelTorchNorm` (the torch norms
+    megatron-core builds, which also run under sequence parallelism), so it is returned as a
+    block spec: ``TransformerBlockSubmodules`` with this stage's layer count.
+    """
     from megatron.core.models.gpt import gpt_layer_specs
 
     # num_experts=None builds the dense MLP; with experts, SequentialMLP (one MLP per local expert).
     if impl == "local":
-        return gpt_layer_specs.get_gpt_layer_local_spec(num_experts=config.num_moe_experts,
-                                                        normalization=config.normalization,
-                                                        qk_layernorm=config.qk_layernorm)
+        from megatron.core.transformer.identity_op import IdentityOp
+        from megatron.core.transformer.transformer_block import (TransformerBlockSubmodules,
+                                                                 get_num_layers_to_build)
+
+        layer = gpt_layer_specs.get_gpt_layer_local_spec(num_experts=config.num_moe_experts,
+                                                         normalization=config.normalization,
+                                                         qk_layernorm=config.qk_layernorm)
+        layer.submodules.input_layernorm = layer.submodules.pre_mlp_layernorm = SequenceParallelTorchNorm
+        attention = layer.submodules.self_attention.submodules
+        if attention.q_layernorm is not IdentityOp:
+            attention.q_layernorm = attention.k_layernorm = SequenceParallelTorchNorm
+        return TransformerBlockSubmodules(layer_specs=[layer] * get_num_layers_to_build(config),
+                                          layer_norm=SequenceParallelTorchNorm)
     return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(num_experts=config.num_moe_experts,
                                                                       qk_layernorm=config.qk_layernorm)
 
@@ -399,6 +425,7 @@ def build_policy_model(
     recompute: str = "none",
     recompute_method: str = "uniform",
     recompute_num_layers: int = 1,
+    sequence_parallel: bool = False,
 ):
     """This rank's ``GPTModel`` stage for ``hf_config`` under the current parallel state.
 
@@ -421,6 +448,7 @@ def build_policy_model(
         recompute: as :func:`transformer_config_from_hf` (key ``parallel.recompute``).
         recompute_method: as :func:`transformer_config_from_hf` (key ``parallel.recompute_method``).
         recompute_num_layers: as :func:`transformer_config_from_hf` (key ``parallel.recompute_num_layers``).
+        sequence_parallel: as :func:`transformer_config_from_hf` (key ``parallel.sequence_parallel``).
 
     Raises:
         ValueError: as ``transformer_config_from_hf`` and ``resolve_transformer_impl``, or if
@@ -432,7 +460,7 @@ def build_policy_model(
     config = transformer_config_from_hf(
         hf_config, tp_size=groups.tp_size, pp_size=groups.pp_size, precision=precision, fp8=fp8,
         fp8_recipe=fp8_recipe, ep_size=groups.ep_size, recompute=recompute, recompute_method=recompute_method,
-        recompute_num_layers=recompute_num_layers,
+        recompute_num_layers=recompute_num_layers, sequence_parallel=sequence_parallel,
     )
     check_model_options(precision=precision, fp8=fp8, fp8_recipe=fp8_recipe, transformer_impl=transformer_impl)
     impl = resolve_transformer_impl(transformer_impl, fp8)
@@ -639,11 +667,18 @@ def forward_logits(
             sequence's own positions; running row positions are exact only in real arithmetic:
             the fp32 angle error grows with the offset, docs/pitfalls.md#packed-positions-cpu).
 
+    Sequence parallelism (``parallel.sequence_parallel``): the row is right-padded with token 0 to
+    a multiple of TP (:func:`~nemo_sspo.megatron.sequence_parallel.sequence_parallel_size`; a
+    packed row's padding joins its last sequence), so each TP rank holds ``S' / tp`` positions of
+    the activations between the tensor-parallel regions. Attention is causal, so no real position
+    sees the padding, and the last stage's output is cut back to ``S``.
+
     Returns:
         Last stage: logits [B, S, V_local] (GPTModel already transposes its sequence-first
         [S, B, V_local] to batch-first when no labels are given), float, V_local = V_padded / tp.
-        Other stages: the stage's hidden states [S', B, H] (sequence-first), for the pipeline
-        schedule to send on; S' = S except for a packed row padded for the THD layout.
+        Other stages: the stage's hidden states [S', B, H] (sequence-first; [S' / tp, B, H] on
+        each TP rank under sequence parallelism), for the pipeline schedule to send on; S' = S
+        except for a row padded for sequence parallelism or the THD layout.
 
     Raises:
         ValueError: on bad shapes, non-arange position_ids or left padding; packed sequences that
@@ -652,10 +687,29 @@ def forward_logits(
             context parallelism.
     """
     _check_inputs(input_ids, position_ids, attention_mask, sequence_lengths)
-    if sequence_lengths is None:
-        return model(input_ids, position_ids, attention_mask_for(input_ids.shape[1], input_ids.device))
-    if uses_transformer_engine(model):
+    output = _stage_forward(model, input_ids, position_ids, sequence_lengths)
+    # The last stage's output is batch-first (logits, or the critic's values): cut the padding.
+    return output[:, : input_ids.shape[1]] if get_parallel_groups().is_last_stage else output
+
+
+def _stage_forward(model: torch.nn.Module, input_ids: torch.Tensor, position_ids: torch.Tensor,
+                   sequence_lengths: torch.Tensor | None) -> torch.Tensor:
+    """This stage's raw output for checked inputs: the row padded for sequence parallelism or the
+    THD layout, nothing cut (:func:`forward_logits`).
+    """
+    if sequence_lengths is not None and uses_transformer_engine(model):
         return _forward_thd(model, input_ids, sequence_lengths)
+    width = input_ids.shape[1]
+    total = padded_width(width, sequence_parallel_size(unwrap_model(model).config))
+    if total > width:  # token 0 as filler: causal attention keeps it out of every real position
+        input_ids = F.pad(input_ids, (0, total - width))
+        if sequence_lengths is None:
+            position_ids = torch.arange(total, device=input_ids.device).expand(input_ids.shape[0], total)
+        else:
+            sequence_lengths = torch.cat([sequence_lengths[:-1], sequence_lengths[-1:] + total - width])
+            position_ids = packed_positions(sequence_lengths.to(input_ids.device))[None, :]
+    if sequence_lengths is None:
+        return model(input_ids, position_ids, attention_mask_for(total, input_ids.device))
     # The local spec confines attention only through this explicit mask (its DotProductAttention
     # asserts packed_seq_params is None); on CUDA the shim returns None and Megatron would build
     # a plain causal mask, letting sequences attend to each other.
@@ -691,7 +745,7 @@ def _rotary_at(model: torch.nn.Module, positions: torch.Tensor):
 def _forward_thd(model: torch.nn.Module, input_ids: torch.Tensor,
                  sequence_lengths: torch.Tensor) -> torch.Tensor:
     """A packed row [1, S] through the TransformerEngine spec in the THD layout (module
-    :mod:`nemo_sspo.megatron.packed_seq`); the last stage's logits are cut back to S positions.
+    :mod:`nemo_sspo.megatron.packed_seq`), padded to its alignment; nothing is cut here.
     """
     gpt = unwrap_model(model)
     width = input_ids.shape[1]
@@ -700,10 +754,10 @@ def _forward_thd(model: torch.nn.Module, input_ids: torch.Tensor,
     if total > width:  # token 0 as filler: causal attention keeps it out of every real position
         input_ids = F.pad(input_ids, (0, total - width))
     positions = torch.arange(total, device=input_ids.device)[None, :]
-    output = model(input_ids, positions, None, packed_seq_params=params)
-    # Last stage with its output layer: batch-first logits [1, total, V_local]. Otherwise
-    # sequence-first hidden states [total, 1, H] (the next stage's input; forward_hidden trims).
-    return output[:, :width] if gpt.post_process else output
+    # Last stage with its output layer: batch-first logits [1, total, V_local] (forward_logits
+    # trims). Otherwise sequence-first hidden states [total, 1, H] ([total / tp, 1, H] under
+    # sequence parallelism): the next stage's input, or forward_hidden's to gather and trim.
+    return model(input_ids, positions, None, packed_seq_params=params)
 
 
 def _check_packed(input_ids: torch.Tensor, sequence_lengths: torch.Tensor) -> None:
@@ -728,27 +782,29 @@ def forward_hidden(
     output (after the final norm) when its ``post_process`` is False; the flag is lowered for this
     call only, so the output layer is skipped and nothing else changes.
 
+    Sequence parallelism: the decoder's output is this TP rank's ``[S' / tp, B, H]``; it is
+    all-gathered over TP (:func:`~nemo_sspo.megatron.sequence_parallel.gather_sequence`, as
+    Megatron's output layer gathers its input; backward: this rank's rows of the gradient, which
+    the fused output layer has already all-reduced over TP) before the padding is cut.
+
     Returns:
-        Last stage: hidden states [B, S, H] (batch-first, the model's output dtype; a packed
-        row's THD padding cut off). Other stages: their hidden states [S', B, H] for the pipeline
-        schedule (as :func:`forward_logits`).
+        Last stage: hidden states [B, S, H] (batch-first, the model's output dtype, identical on
+        every TP rank; padding for sequence parallelism or the THD layout cut off). Other stages:
+        their hidden states [S', B, H] for the pipeline schedule (as :func:`forward_logits`).
 
     Raises:
-        ValueError: bad inputs (as :func:`forward_logits`), or a model with sequence parallelism
-            (its hidden states are split along the sequence; the output layer would gather them).
+        ValueError: bad inputs (as :func:`forward_logits`).
     """
     gpt = unwrap_model(model)
     if not gpt.post_process:
         return forward_logits(model, input_ids, position_ids, sequence_lengths=sequence_lengths)
-    if gpt.config.sequence_parallel:
-        raise ValueError("the fused output layer needs sequence_parallel=False (its hidden states "
-                         "would be split along the sequence); set parallel.output_chunk_size=null")
+    _check_inputs(input_ids, position_ids, None, sequence_lengths)
     gpt.post_process = False
     try:
-        hidden = forward_logits(model, input_ids, position_ids, sequence_lengths=sequence_lengths)
+        hidden = _stage_forward(model, input_ids, position_ids, sequence_lengths)
     finally:
         gpt.post_process = True
-    return hidden.transpose(0, 1)[:, :input_ids.shape[1]]
+    return gather_sequence(hidden, gpt.config).transpose(0, 1)[:, : input_ids.shape[1]]
 
 
 def output_weight(model: torch.nn.Module) -> torch.Tensor:

@@ -23,7 +23,9 @@ expert, and drops them again after the combine.
 Expert parallelism (EP, ``parallel.expert_model_parallel_size``): EP rank ``r`` holds experts
 ``[r*E/EP, (r+1)*E/EP)`` of every MoE layer as ``mlp.experts.local_experts.{i}`` (global expert
 ``r*E/EP + i``). Expert weights are split over TP as the dense MLP (expert tensor parallel size =
-TP, Megatron's default). The EP ranks are carved out of the data-parallel ranks (Megatron's
+TP, Megatron's default); training under TP > 1 needs sequence parallelism (megatron-core's MoE
+layer refuses it otherwise): each TP rank then routes its own positions, and the dispatcher gathers
+the tokens over TP x EP. The EP ranks are carved out of the data-parallel ranks (Megatron's
 tp-cp-ep-dp-pp order): with TP x PP = 1 and world 2, EP 2 means two data-parallel replicas whose
 tokens meet in the experts.
 """
@@ -138,11 +140,19 @@ def recording_router_logits(model: torch.nn.Module) -> Iterator[list]:
     (the experts the tokens went to, replayed ones included). Costs one extra ``[N, H] x [H, E]``
     product per layer.
 
+    Under sequence parallelism each TP rank's router sees its ``S / tp`` positions only; both
+    tensors are all-gathered over TP (:func:`nemo_sspo.megatron.sequence_parallel.gather_sequence`,
+    backward: this rank's rows, as the loss built from them is the same on every TP rank), so
+    every rank records the whole micro-batch.
+
     Yields:
         A list that receives ``(logits [N, E] float32, routing_map [N, E] bool)`` per MoE layer, in
-        the order the layers ran; N = the router's tokens, sequence-first (row ``s * B + b``).
+        the order the layers ran; N = the micro-batch's tokens (its padded width times its rows),
+        sequence-first (row ``s * B + b``).
     """
     from megatron.core.transformer.moe.router import TopKRouter
+
+    from nemo_sspo.megatron.sequence_parallel import gather_sequence
 
     records: list = []
 
@@ -150,7 +160,8 @@ def recording_router_logits(model: torch.nn.Module) -> Iterator[list]:
         hidden = args[0] if args else kwargs["input"]
         logits = router.gating(hidden)
         experts = logits.shape[-1]
-        records.append((logits.reshape(-1, experts), output[1].reshape(-1, experts)))
+        records.append((gather_sequence(logits.reshape(-1, experts), router.config),
+                        gather_sequence(output[1].reshape(-1, experts), router.config)))
 
     handles = [module.register_forward_hook(hook, with_kwargs=True)
                for module in model.modules() if isinstance(module, TopKRouter)]

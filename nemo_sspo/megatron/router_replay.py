@@ -26,6 +26,13 @@ Under the TransformerEngine spec the packed row is padded to the THD alignment i
 (``nemo_sspo.megatron.packed_seq.thd_alignment``, e.g. 16 tokens under FP8): the router then sees
 the filler tokens too, which replay routes to experts ``0 .. k-1`` and recording drops
 (:func:`router_width`).
+
+Sequence parallelism (``parallel.sequence_parallel``): the row is padded to a multiple of TP
+(filler tokens as above) and each TP rank's routers see only its ``S' / tp`` positions
+(``[S' / tp * B]`` router rows; megatron-core's all-gather dispatcher gathers the tokens over TP x
+EP only after the router). Replay gives each rank its positions' slice of the routes
+(:func:`~nemo_sspo.megatron.sequence_parallel.sequence_slice`); recording all-gathers the ranks'
+slices over TP, so every TP rank holds the whole ``[B, S, L, k]``.
 """
 
 from __future__ import annotations
@@ -38,6 +45,7 @@ import torch.distributed as dist
 from nemo_sspo.megatron.model import unwrap_model, uses_transformer_engine
 from nemo_sspo.megatron.moe import is_moe
 from nemo_sspo.megatron.packed_seq import padded_width, thd_alignment
+from nemo_sspo.megatron.sequence_parallel import gather_sequence, sequence_parallel_size, sequence_slice
 from nemo_sspo.metrics import MetricPair
 
 __all__ = [
@@ -123,19 +131,25 @@ def record_routes(model: torch.nn.Module) -> None:
 
 
 def recorded_routes(model: torch.nn.Module, batch_size: int, seq_len: int) -> torch.Tensor:
-    """``[B, S, L, k]`` int64 routes of the last recorded forward of a ``[B, S]`` micro-batch.
+    """``[B, S, L, k]`` int64 routes of the last recorded forward of a ``[B, S]`` micro-batch
+    (``S``: the width the routers saw, :func:`router_width`). Under sequence parallelism each TP
+    rank recorded its ``S / tp`` positions; they are all-gathered over TP (collective over it).
 
     Raises:
-        ValueError: nothing was recorded, or a layer saw another token count than ``B * S``.
+        ValueError: nothing was recorded, or a layer saw another token count than ``B * S``
+            (``B * S / tp`` under sequence parallelism).
     """
+    config = unwrap_model(model).config
+    local = seq_len // sequence_parallel_size(config)
     layers = []
     for index, replay in enumerate(moe_routers(model)):
         indices = replay.get_recorded_indices()
-        if indices is None or indices.shape[0] != batch_size * seq_len:
+        if indices is None or indices.shape[0] != batch_size * local:
             seen = None if indices is None else indices.shape[0]
             raise ValueError(f"MoE layer {index} recorded {seen} tokens, expected B * S = "
-                             f"{batch_size} * {seq_len}: call record_routes() before the forward")
-        layers.append(indices.detach().view(seq_len, batch_size, -1).transpose(0, 1))
+                             f"{batch_size} * {local}: call record_routes() before the forward")
+        routes = gather_sequence(indices.detach().view(local, batch_size, -1).long(), config)
+        layers.append(routes.transpose(0, 1))
     return torch.stack(layers, dim=2).long()
 
 
@@ -145,16 +159,20 @@ def replay_routes(model: torch.nn.Module, routes: torch.Tensor) -> None:
     Args:
         model: a mixture-of-experts model (this pipeline stage).
         routes: ``[B, S, L, k]`` int64 expert ids in ``[0, E)``, L = this stage's MoE layers; the
-            forward's micro-batch must be ``[B, S]``.
+            forward's micro-batch must be ``[B, S]`` (``S``: the width the routers see,
+            :func:`router_width`). Under sequence parallelism each TP rank's routers get their
+            positions' slice ``routes[:, r * S / tp : (r + 1) * S / tp]``.
 
     Raises:
-        ValueError: ``routes`` is not 4-D or its layer count is not this stage's.
+        ValueError: ``routes`` is not 4-D or its layer count is not this stage's, or ``S`` does not
+            split over the sequence-parallel ranks.
     """
     from megatron.core.transformer.moe.router_replay import RouterReplayAction
 
     replays = moe_routers(model)
     if routes.dim() != 4 or routes.shape[2] != len(replays):
         raise ValueError(f"routes must be [B, S, L={len(replays)}, k], got {tuple(routes.shape)}")
+    routes = routes[:, sequence_slice(routes.shape[1], unwrap_model(model).config)]
     batch_size, seq_len = routes.shape[:2]
     for layer, replay in enumerate(replays):
         replay.clear_indices()
@@ -256,16 +274,15 @@ def _filler(shape, like: torch.Tensor) -> torch.Tensor:
 
 
 def router_width(micro, model: torch.nn.Module) -> int:
-    """Tokens per row the routers of ``model`` see for ``micro``'s input: its width, or for a packed
-    row under the TransformerEngine spec that width padded to the THD alignment (as
-    ``nemo_sspo.megatron.model.forward_logits`` pads it).
+    """Tokens per row the routers of ``model`` see for ``micro``'s input, over all TP ranks: its
+    width padded as ``nemo_sspo.megatron.model.forward_logits`` pads it (to a multiple of TP under
+    sequence parallelism; a packed row under the TransformerEngine spec to the THD alignment).
     """
     width = micro.input_ids.shape[1]
+    config = unwrap_model(model).config
     if micro.sequence_lengths is None or not uses_transformer_engine(model):
-        return width
-    from megatron.core.utils import get_model_config
-
-    return padded_width(width, thd_alignment(get_model_config(model)))
+        return padded_width(width, sequence_parallel_size(config))
+    return padded_width(width, thd_alignment(config))
 
 
 def _router_routes(micro, model: torch.nn.Module) -> torch.Tensor:

@@ -26,8 +26,8 @@ micro-batches' own HF losses over all micro-batches and data-parallel ranks. Wit
 holding the whole batch it is HF's term; another split (micro-batch size, token budget, packing,
 DP size) gives other values, because ``aux`` is not additive over tokens; EP gives the value of its
 DP split. PP needs every layer's router statistics on one stage, so ``coef > 0`` requires PP = 1
-(and MoE training requires TP = 1: megatron-core 0.16.1 refuses MoE layers under TP without
-sequence parallelism). With ``coef = 0`` the MoE step keeps the whole contract.
+(MoE training under TP needs sequence parallelism, whose routers see their rank's positions: the
+statistics are gathered over TP, :func:`nemo_sspo.megatron.moe.recording_router_logits`). With ``coef = 0`` the MoE step keeps the whole contract.
 ``tests/unit/test_moe_aux_loss.py`` and ``tests/distributed/test_moe_aux_loss.py`` pin both halves.
 
 All tensors of a :class:`PolicyBatch` are in the *target frame*: position ``j`` holds the
@@ -56,6 +56,7 @@ from nemo_sspo.algorithms.micro_batches import MicroBatch
 from nemo_sspo.algorithms.losses import LossInputs, policy_loss_sums
 from nemo_sspo.megatron.model import forward_hidden, forward_logits, output_weight
 from nemo_sspo.megatron.moe import recording_router_logits
+from nemo_sspo.megatron.router_replay import router_width
 from nemo_sspo.metrics import mean_pair
 from nemo_sspo.parallel import fused_linear_logprobs_entropy, vocab_parallel_logprobs_entropy
 
@@ -172,9 +173,11 @@ def _policy_loss_func(spec: LossSpec, micro: MicroBatch, model, output: torch.Te
     return numerator, denominator.to(torch.int), metrics
 
 
-def _router_token_mask(micro: MicroBatch, tokens: int) -> torch.Tensor:
-    """``[N]`` bool: the router rows (sequence-first, ``s * R + r``) of real tokens, not padding."""
-    rows, width = micro.input_ids.shape
+def _router_token_mask(micro: MicroBatch, tokens: int, width: int) -> torch.Tensor:
+    """``[N]`` bool: the router rows (sequence-first, ``s * R + r``) of real tokens, not padding;
+    ``width``: the row width the routers saw (padded for sequence parallelism).
+    """
+    rows = micro.input_ids.shape[0]
     if micro.sequence_lengths is not None:
         valid = torch.arange(width)[None, :] < micro.sequence_lengths.sum()
     else:
@@ -196,7 +199,8 @@ def _aux_policy_loss_func(spec: LossSpec, micro: MicroBatch, model, output: torc
                          "MoE router; set it to 0")
     logits = torch.stack([logit for logit, _ in records])
     routing_map = torch.stack([chosen for _, chosen in records])
-    aux = load_balancing_loss(logits, routing_map, _router_token_mask(micro, logits.shape[1]))
+    aux = load_balancing_loss(logits, routing_map,
+                              _router_token_mask(micro, logits.shape[1], router_width(micro, model)))
     weight = denominator.to(torch.float32)
     metrics["moe/aux_loss"] = mean_pair(aux.detach() * weight, weight)
     return numerator + spec.router_aux_loss_coef * aux * weight, denominator, metrics

@@ -29,11 +29,13 @@ from megatron.core.utils import get_model_config
 from nemo_sspo.algorithms.batch import PolicyBatch
 from nemo_sspo.algorithms.micro_batches import MicroBatch, MicroBatchLayout, pad_micro_batches
 from nemo_sspo.megatron.cpu_shims import cpu_device_context
+from nemo_sspo.megatron.packed_seq import padded_width
 from nemo_sspo.megatron.router_replay import (
     recording_forward_step,
     replaying_forward_step,
     write_micro_batch_routes,
 )
+from nemo_sspo.megatron.sequence_parallel import sequence_parallel_size
 from nemo_sspo.megatron.step import LossSpec, policy_forward_step
 from nemo_sspo.metrics import merge_metric_sums
 from nemo_sspo.parallel.data_balance import agree_micro_batch_count
@@ -194,7 +196,9 @@ def run_schedule(model, micro_batches: list, forward_step_func: Callable, *, for
             data_iterator=iter(micro_batches),
             model=[model],
             num_microbatches=len(micro_batches),
-            seq_length=micro_batches[0].input_ids.shape[1],
+            # Sequence parallelism pads each row to a multiple of TP (forward_logits); the schedule
+            # sizes the pipeline's [S / tp, B, H] activations from the padded width.
+            seq_length=padded_width(micro_batches[0].input_ids.shape[1], sequence_parallel_size(config)),
             micro_batch_size=micro_batches[0].input_ids.shape[0],
             forward_only=forward_only,
         )

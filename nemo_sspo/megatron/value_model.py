@@ -17,6 +17,7 @@ import torch
 
 from nemo_sspo.megatron.hf_mapping import load_hf_into_megatron
 from nemo_sspo.megatron.model import build_policy_model
+from nemo_sspo.megatron.sequence_parallel import gather_sequence
 
 __all__ = ["ValueModel", "build_value_model", "truncate_layers"]
 
@@ -87,11 +88,14 @@ class ValueModel(torch.nn.Module):
 
     def forward(self, input_ids, position_ids, attention_mask):
         """This stage's output: hidden states off the last pipeline stage, else ``[B, S]`` value logits
-        (the scalar head at every position).
+        (the scalar head at every position). Under sequence parallelism the decoder's
+        ``[S / tp, B, H]`` output is all-gathered over TP first
+        (:func:`nemo_sspo.megatron.sequence_parallel.gather_sequence`; the head is replicated).
         """
         hidden = self.module(input_ids, position_ids, attention_mask)
         if self.value_head is None:
             return hidden
+        hidden = gather_sequence(hidden, self.module.config)
         return self.value_head(hidden).squeeze(-1).transpose(0, 1)
 
 
@@ -103,8 +107,8 @@ def build_value_model(hf_config, state_dict: dict[str, torch.Tensor], *, num_lay
         hf_config: the critic checkpoint's Llama / Qwen2 config (``load_hf_checkpoint``).
         state_dict: its HF weights (not modified).
         num_layers: keep the first N decoder layers (:func:`truncate_layers`); None keeps all.
-        **model_options: ``precision``, ``fp8``, ``fp8_recipe``, ``transformer_impl`` of
-            ``build_policy_model`` (the policy's ``model.*`` settings).
+        **model_options: ``precision``, ``fp8``, ``fp8_recipe``, ``transformer_impl``,
+            ``sequence_parallel`` of ``build_policy_model`` (the policy's settings).
     """
     if num_layers is not None:
         hf_config, state_dict = truncate_layers(hf_config, state_dict, num_layers)

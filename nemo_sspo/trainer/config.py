@@ -142,7 +142,8 @@ class ParallelConfig:
     sequence_parallel: bool = False
     """Megatron's sequence parallelism (needs TP > 1): the activations outside the tensor-parallel
     regions (norms, residuals, dropout) are split along the sequence over the TP ranks, dividing
-    their memory by TP; required for mixture-of-experts layers under TP > 1."""
+    their memory by TP; required for mixture-of-experts layers under TP > 1. Each micro-batch's
+    width is padded to a multiple of TP (``nemo_sspo.megatron.sequence_parallel``)."""
     context_parallel_size: int = 1
     """CP: splits every sequence over this many ranks (Megatron's load-balanced split, two chunks
     per rank). The attention needs TransformerEngine (GPU); the loss side runs everywhere."""
@@ -597,6 +598,10 @@ def validate(cfg: TrainConfig, world_size: int | None = 1) -> None:
              "response")
     _validate_optim(cfg.optim, "optim.")
     _validate_recompute(par)
+    _require(not par.sequence_parallel or par.tensor_model_parallel_size > 1,
+             "parallel.sequence_parallel=true needs parallel.tensor_model_parallel_size > 1 (it splits the "
+             "sequence over the tensor-parallel ranks); set parallel.sequence_parallel=false or raise "
+             "parallel.tensor_model_parallel_size")
     _require(cfg.reward.num_workers >= 1, "reward.num_workers must be >= 1")
     _require(cfg.data.source in SOURCE_OPTIONS,
              f"data.source={cfg.data.source!r} is unknown; valid: {', '.join(SOURCE_OPTIONS)}")
@@ -653,11 +658,11 @@ def check_model_layout(cfg: TrainConfig, hf_config: Any, world_size: int | None 
             pp_name="parallel.pipeline_model_parallel_size", ep_name="parallel.expert_model_parallel_size"))
         _validate_recompute(par, hf_config.num_hidden_layers // par.pipeline_model_parallel_size)
         tp = par.tensor_model_parallel_size
-        _require(tp == 1 or not is_moe(hf_config),
-                 f"parallel.tensor_model_parallel_size={tp} with the mixture-of-experts {source[:-2]}: "
-                 "megatron-core 0.16.1 trains MoE layers under TP only with sequence parallelism, which "
-                 "this trainer does not use; set it to 1 and split the experts with "
-                 "parallel.expert_model_parallel_size")
+        _require(tp == 1 or par.sequence_parallel or not is_moe(hf_config),
+                 f"parallel.tensor_model_parallel_size={tp} with the mixture-of-experts {source[:-2]} needs "
+                 "parallel.sequence_parallel=true (megatron-core 0.16.1 trains MoE layers under TP only with "
+                 "sequence parallelism); set it, or set parallel.tensor_model_parallel_size=1 and split the "
+                 "experts with parallel.expert_model_parallel_size")
         _require(cfg.model.router_aux_loss_coef == 0 or is_moe(hf_config),
                  f"model.router_aux_loss_coef={cfg.model.router_aux_loss_coef} needs a mixture-of-experts "
                  f"model; {source[:-2]} has no router: set it to 0")

@@ -180,7 +180,8 @@ def _model_options(cfg: TrainConfig) -> dict:
     model_cfg, par = cfg.model, cfg.parallel
     return dict(precision=model_cfg.precision, fp8=model_cfg.fp8, fp8_recipe=model_cfg.fp8_recipe,
                 transformer_impl=model_cfg.transformer_impl, recompute=par.recompute,
-                recompute_method=par.recompute_method, recompute_num_layers=par.recompute_num_layers)
+                recompute_method=par.recompute_method, recompute_num_layers=par.recompute_num_layers,
+                sequence_parallel=par.sequence_parallel)
 
 
 def _wrap(model, optim_cfg, updates: int):

@@ -1,7 +1,7 @@
 """The policy loss gives the same loss and parameter gradients for every parallel layout.
 
-Layouts (TP, PP, DP, gradient-accumulation steps) are checked against the single-process run
-(1, 1, 1, 1) for every aggregation mode: SSPO, GSPO, GRPO (seq-mean-token-mean), DAPO and CISPO
+Layouts (TP, PP, DP, gradient-accumulation steps, sequence parallelism) are checked against the
+single-process run (1, 1, 1, 1, no SP) for every aggregation mode: SSPO, GSPO, GRPO (seq-mean-token-mean), DAPO and CISPO
 (token-mean), GRPO with seq-mean-token-sum, Dr. GRPO (constant-denominator), on one fixed batch
 with unequal response lengths, a zero-length response and a fully masked micro-batch (docs/pitfalls.md#p11, docs/pitfalls.md#p12).
 The single-process run itself is checked against a float64 Hugging Face model with each objective
@@ -9,6 +9,9 @@ written out independently (Python loops over responses and segments). Each layou
 other batchings (``BATCHINGS``): the fused output layer, token-budget micro-batches and packed
 sequences must give the same loss and gradients as materialised logits on padded rows; under
 DP those two balance the rows by tokens across data-parallel ranks first, as the trainer does.
+TP 2 with sequence parallelism runs the fused output layer and packing: its rows (11 tokens wide,
+packed rows too) are padded to a multiple of 2 inside the forward, and each TP rank's first norm
+must see half the padded positions (docs/pitfalls.md#sequence-parallelism).
 
 After the last loss, each layout takes one optimizer step: its global gradient norm must equal
 the norm of the gathered gradients with every parameter counted once (TP-replicated norms and
@@ -80,14 +83,16 @@ BATCHINGS = {
     "budget": dict(output_chunk_size=3, max_tokens=24, pack=False),
     "packed": dict(output_chunk_size=3, max_tokens=11, pack=True),
 }
-# world size -> layouts (tp, pp, grad-accumulation steps, batchings); DP = world / (tp * pp)
+# world size -> layouts (tp, pp, grad-accumulation steps, sequence parallel, batchings); DP = world / (tp * pp)
 LAYOUTS = {
-    1: [(1, 1, 1, ("budget", "packed", "logits", "fused")), (1, 1, 4, ("fused",))],
-    2: [(2, 1, 1, ("logits", "budget", "packed", "fused")), (1, 2, 1, ("logits", "budget", "packed", "fused")),
-        (1, 1, 1, ("budget", "packed", "fused")), (1, 2, 2, ("fused",))],
-    4: [(2, 2, 1, ("fused",)), (2, 1, 2, ("fused",))],
+    1: [(1, 1, 1, False, ("budget", "packed", "logits", "fused")), (1, 1, 4, False, ("fused",))],
+    2: [(2, 1, 1, False, ("logits", "budget", "packed", "fused")),
+        (2, 1, 1, True, ("packed", "fused")),  # SP: the default path and packing (27 s of the spawn)
+        (1, 2, 1, False, ("logits", "budget", "packed", "fused")),
+        (1, 1, 1, False, ("budget", "packed", "fused")), (1, 2, 2, False, ("fused",))],
+    4: [(2, 2, 1, False, ("fused",)), (2, 1, 2, False, ("fused",))],
 }
-REFERENCE = (1, 1, 1, 1, "logits")
+REFERENCE = (1, 1, 1, 1, False, "logits")
 LAST = "fused"  # the batching of each layout's optimizer step
 
 
@@ -168,11 +173,15 @@ def _run_layouts(rank, world_size):
 
     hf_config, hf_state, batch, noise = _fixture_data()
     results = {}
-    for tp, pp, ga, batchings in LAYOUTS[world_size]:
+    for tp, pp, ga, sp, batchings in LAYOUTS[world_size]:
         dp = world_size // (tp * pp)
         initialize_parallel(tp_size=tp, pp_size=pp, seed=0)
         groups = get_parallel_groups()
-        model = build_policy_model(hf_config)
+        model = build_policy_model(hf_config, sequence_parallel=sp)
+        widths = []  # (input width, positions this rank's first norm saw) per forward
+        norm = model.decoder.layers[0].input_layernorm if groups.is_first_stage else None
+        hook = None if norm is None else norm.register_forward_hook(
+            lambda module, args, output, seen=widths: seen.append(args[0].shape[0]))
         load_hf_into_megatron(model, hf_state, hf_config)
         ddp, optimizer = wrap_for_training(model, lr=1e-3, weight_decay=0.0, adam_beta1=0.9, adam_beta2=0.999,
                                    adam_eps=1e-8, clip_grad=0.0)
@@ -196,17 +205,22 @@ def _run_layouts(rank, world_size):
                     # before the old log-probs; a row's results do not depend on its rank)
                     scored = balance_across_data_parallel(scored, groups.dp_group)
                 sums = compute_gradients(ddp, scored, spec, layout, dp_group=groups.dp_group)
+                if name == "sspo":
+                    results[(tp, pp, dp, ga, sp, batching, "norm_positions")] = sorted(set(widths))
+                widths.clear()
                 metrics = reduce_metric_sums(sums, dp_group=groups.dp_group, pp_group=groups.pp_group,
                                              last_stage_rank=groups.pp_last_rank,
                                              is_last_stage=groups.is_last_stage)
                 grads = _grads_as_hf(ddp, hf_config)
-                results[(tp, pp, dp, ga, batching, name)] = (
+                results[(tp, pp, dp, ga, sp, batching, name)] = (
                     metrics["loss/policy"], metrics["policy/clipfrac_tokens"], grads)
         # One optimizer step on the last loss's gradients (still in main_grad).
         tied_before = _tied_copies(ddp, groups) if pp > 1 else None
         grad_norm = apply_optimizer_step(optimizer)
         tied_after = _tied_copies(ddp, groups) if pp > 1 else None
-        results[(tp, pp, dp, ga, "step")] = (grad_norm, tied_before, tied_after)  # after LAST
+        results[(tp, pp, dp, ga, sp, "step")] = (grad_norm, tied_before, tied_after)  # after LAST
+        if hook is not None:
+            hook.remove()
         destroy_parallel()
     return results if rank == 0 else None
 
@@ -292,9 +306,9 @@ def test_single_process_matches_float64_reference(layout_results, loss):
         assert _rel_err(got_grads[key], ref) < 1e-4, key
 
 
-# (tp, pp, dp, ga) of every layout, and with each of its batchings
-_LAYOUTS = [(tp, pp, w // (tp * pp), ga) for w, ls in LAYOUTS.items() for tp, pp, ga, _ in ls]
-_RUNS = [(tp, pp, w // (tp * pp), ga, b) for w, ls in LAYOUTS.items() for tp, pp, ga, bs in ls for b in bs]
+# (tp, pp, dp, ga, sp) of every layout, and with each of its batchings
+_LAYOUTS = [(tp, pp, w // (tp * pp), ga, sp) for w, ls in LAYOUTS.items() for tp, pp, ga, sp, _ in ls]
+_RUNS = [(tp, pp, w // (tp * pp), ga, sp, b) for w, ls in LAYOUTS.items() for tp, pp, ga, sp, bs in ls for b in bs]
 
 
 @pytest.mark.parametrize("loss", list(LOSSES))
@@ -351,10 +365,22 @@ def test_covariance_selection_is_per_micro_batch(layout_results, run):
     as the contract says."""
     ref_loss, _, ref_grads = layout_results[(*REFERENCE, "kl_cov")]
     got_loss, _, got_grads = layout_results[(*run, "kl_cov")]
-    _, _, dp, ga, batching = run
+    _, _, dp, ga, _, batching = run
     if dp == 1 and ga == 1 and batching in ("logits", "fused"):
         assert math.isclose(got_loss, ref_loss, rel_tol=1e-5)
         for key in ref_grads:
             assert _rel_err(got_grads[key], ref_grads[key]) < 1e-5, key
     else:
         assert abs(got_loss - ref_loss) > 1e-3 * abs(ref_loss), (got_loss, ref_loss)
+
+
+@pytest.mark.parametrize("run", [run for run in _RUNS if run[4]])
+def test_sequence_parallel_splits_padded_rows(layout_results, run):
+    """Under SP each TP rank's first norm sees half of every (padded, even) row width, and odd
+    widths occur (the fixed rows are 11 wide), so the padding is exercised; without SP the same
+    batching's norm sees the unpadded widths, some of them odd."""
+    tp, pp, dp, ga, _, batching = run
+    split = layout_results[(*run, "norm_positions")]
+    whole = layout_results[(tp, pp, dp, ga, False, batching, "norm_positions")]
+    assert any(width % 2 for width in whole), whole
+    assert split == sorted({-(-width // tp) for width in whole}), (split, whole)

@@ -185,3 +185,27 @@ def test_kv_heads_must_divide_tp():
     config = _llama_config(tied=True, num_attention_heads=4, num_key_value_heads=1)
     with pytest.raises(ValueError, match=r"tp_size=2 does not divide the model's num_key_value_heads=1 .*use one of 1$"):
         transformer_config_from_hf(config, tp_size=2, pp_size=1)
+
+
+def test_sequence_parallel_reaches_the_config_and_needs_tp():
+    config = _smollm2_135m_config()
+    assert transformer_config_from_hf(config, tp_size=3, pp_size=1, sequence_parallel=True).sequence_parallel
+    assert not transformer_config_from_hf(config, tp_size=3, pp_size=1).sequence_parallel
+    with pytest.raises(ValueError, match=r"sequence_parallel=True needs tp_size > 1 .*set parallel.sequence_parallel=false"):
+        transformer_config_from_hf(config, tp_size=1, pp_size=1, sequence_parallel=True)
+
+
+def test_local_norms_mark_their_weights_for_the_tp_all_reduce():
+    """The local spec's norm (megatron-core's torch norm refuses sequence parallelism) is torch's
+    RMSNorm with ``weight.sequence_parallel`` set as the config says: finalize_model_grads sums the
+    gradients of exactly those parameters over TP."""
+    from types import SimpleNamespace
+
+    from nemo_sspo.megatron.sequence_parallel import SequenceParallelTorchNorm
+
+    for flag in (True, False):
+        cfg = SimpleNamespace(normalization="RMSNorm", sequence_parallel=flag)
+        norm = SequenceParallelTorchNorm(cfg, 8, eps=1e-6)
+        assert type(norm) is torch.nn.RMSNorm and norm.eps == 1e-6 and norm.weight.sequence_parallel is flag
+    with pytest.raises(ValueError, match="normalization='L2Norm'"):
+        SequenceParallelTorchNorm(SimpleNamespace(normalization="L2Norm", sequence_parallel=True), 8)

@@ -87,11 +87,17 @@ def test_hydra_type_error_keeps_omegaconf_reason(override, reason):
 
 
 def test_moe_settings_are_refused_at_load(config_only_model, monkeypatch):
-    # The tiny Qwen3-MoE (4 heads / 2 KV heads: TP 2 would split them) at TP 2: megatron-core raises
-    # on the first training forward of an MoE layer under TP without sequence parallelism.
+    # The tiny Qwen3-MoE (4 heads / 2 KV heads: TP 2 splits them) at TP 2: megatron-core raises on the
+    # first training forward of an MoE layer under TP without sequence parallelism, so the load needs
+    # it; with it the layout loads (tests/integration/test_moe_r3_loop.py trains it).
     with pytest.raises(ValueError, match=r"parallel.tensor_model_parallel_size=2 with the mixture-of-experts "
-                                         r".*set it to 1 and split the experts"):
+                                         r".* needs parallel.sequence_parallel=true"):
         _load("tiny-random-qwen3-moe", ["parallel.tensor_model_parallel_size=2"], 2, monkeypatch)
+    _load("tiny-random-qwen3-moe", ["parallel.tensor_model_parallel_size=2", "parallel.sequence_parallel=true"], 2,
+          monkeypatch)
+    # Sequence parallelism splits the sequence over TP ranks: TP 1 has none to split over.
+    with pytest.raises(ValueError, match=r"parallel.sequence_parallel=true needs parallel.tensor_model_parallel_size > 1"):
+        _load(config_only_model, ["parallel.sequence_parallel=true"], 1, monkeypatch)
     # HF's load-balancing loss needs a router, a coefficient >= 0 and a single pipeline stage.
     with pytest.raises(ValueError, match=r"model.router_aux_loss_coef=0.001 needs a mixture-of-experts model"):
         _load(config_only_model, ["model.router_aux_loss_coef=0.001"], 1, monkeypatch)

@@ -46,7 +46,7 @@ def test_soft_seq_po_qwen3_30b_a3b_recipe_fits_two_8_gpu_nodes_with_ep16():
     cfg = load_config("soft_seq_po_qwen3_30b_a3b", command="eval")
     assert cfg.loss.name == "soft_seq_po" and cfg.model.source == "Qwen/Qwen3-30B-A3B"
     par = cfg.parallel
-    # TP 1: megatron-core 0.16.1 refuses to train MoE layers under TP without sequence parallelism.
+    # TP 1: the experts are split by EP over the replicas (TP > 1 would need parallel.sequence_parallel=true).
     assert (par.tensor_model_parallel_size, par.pipeline_model_parallel_size, par.expert_model_parallel_size) == (1, 1, 16)
     assert cfg.rollout.vllm.tensor_parallel_size == 1 and cfg.data.template == "chat-cot"
     assert (cfg.model.router_replay, cfg.model.router_aux_loss_coef) == ("r2", 0.001)  # HF's coefficient
