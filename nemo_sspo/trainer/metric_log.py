@@ -15,6 +15,7 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
+from nemo_sspo.data.jsonl import jsonl_lines
 from nemo_sspo.trainer.config import TrainerConfig
 from nemo_sspo.trainer.throughput import summarize_throughput
 from nemo_sspo.trainer.trackers import MlflowTracker, WandbTracker
@@ -159,7 +160,7 @@ def _records_up_to(path: Path, step: int) -> list[dict[str, float]]:
     """The records of ``path`` (metrics.jsonl) with ``step <= step``; none if the file is missing."""
     if not path.is_file():
         return []
-    records = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    records = [json.loads(line) for _, line in jsonl_lines(path.read_text(encoding="utf-8"))]
     return [r for r in records if r["step"] <= step]
 
 
