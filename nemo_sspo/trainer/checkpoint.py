@@ -59,7 +59,13 @@ import torch.distributed as dist
 
 from nemo_sspo.megatron.cpu_shims import cpu_device_context
 from nemo_sspo.trainer.periodic_eval import BEST_DIR
-from nemo_sspo.trainer.run_config import RUN_CONFIG_FILE, read_config, resume_mismatches, write_config
+from nemo_sspo.trainer.run_config import (
+    RUN_CONFIG_FILE,
+    data_parallel_size,
+    read_config,
+    resume_mismatches,
+    write_config,
+)
 
 __all__ = [
     "CHECKPOINTS_DIR",
@@ -363,9 +369,10 @@ def load_checkpoint(path: str | Path, models: dict[str, tuple[Any, Any]], *, con
         The saved :class:`TrainerState`.
 
     Raises:
-        ValueError: listing every key that differs from the checkpoint's config (a checkpoint
-            without ``config.yaml``, written by an earlier version, is checked on the seed only), a
-            different world size, or a model without a folder in it.
+        ValueError: listing every key that differs from the checkpoint's config (TP, PP and EP
+            sizes and placement included; a checkpoint without ``config.yaml``, written by an
+            earlier version, is checked on the seed only), a different world size or data-parallel
+            size, or a model without a folder in it.
     """
     path = Path(path)
     state = TrainerState(**json.loads((path / STATE_FILE).read_text(encoding="utf-8")))
@@ -377,6 +384,9 @@ def load_checkpoint(path: str | Path, models: dict[str, tuple[Any, Any]], *, con
     world_size = dist.get_world_size() if dist.is_initialized() else 1
     if world_size != state.world_size:
         differ.append(f"world size (processes): checkpoint {state.world_size}, now {world_size}")
+    dp_then, dp_now = data_parallel_size(saved, state.world_size), data_parallel_size(config, world_size)
+    if dp_then != dp_now and dp_then is not None and dp_now is not None:
+        differ.append(f"data-parallel size: checkpoint {dp_then}, now {dp_now}")
     if differ:
         raise ValueError(f"trainer.resume: checkpoint {path} was written by a run with another config:\n  "
                          + "\n  ".join(differ) + f"\nresume with the settings in {path / RUN_CONFIG_FILE} (only "

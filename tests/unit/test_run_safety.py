@@ -110,3 +110,25 @@ def test_overwrite_removes_the_old_checkpoints_so_auto_resume_starts_fresh(tmp_p
     prepare_output_dir(_trainer(out, True), is_writer=True)
     assert resolve_resume("auto", out) is None
     assert sorted(p.name for p in out.iterdir()) == ["notes.txt"]
+
+
+def _refusal(tmp_path, saved_parallel, world_size):
+    saved = composed_config(load_config())
+    saved["parallel"].update(saved_parallel)
+    folder = _checkpoint(tmp_path / "step_000002", saved, world_size=world_size)
+    with pytest.raises(ValueError) as err:  # this process: world size 1, TP = PP = EP = 1, DP 1
+        load_checkpoint(folder, {}, config=composed_config(load_config()))
+    return str(err.value)
+
+
+def test_resume_refusal_names_every_layout_size_that_differs(tmp_path):
+    # Checkpoint: EP 2 on 2 processes, TP = PP = 1 -> DP 2 (EP is carved out of the DP ranks).
+    message = _refusal(tmp_path / "ep", {"expert_model_parallel_size": 2}, 2)
+    for line in ("parallel.expert_model_parallel_size: checkpoint 2, now 1",
+                 "world size (processes): checkpoint 2, now 1", "data-parallel size: checkpoint 2, now 1"):
+        assert line in message, (line, message)
+    # Checkpoint: TP 2 x PP 2 on 4 processes -> DP 1, as now: the sizes that differ are named, DP is not.
+    message = _refusal(tmp_path / "tp", {"tensor_model_parallel_size": 2, "pipeline_model_parallel_size": 2}, 4)
+    assert "parallel.tensor_model_parallel_size: checkpoint 2, now 1" in message
+    assert "parallel.pipeline_model_parallel_size: checkpoint 2, now 1" in message
+    assert "data-parallel size" not in message
