@@ -87,10 +87,15 @@ LATEST_FILE = "latest"
 STATE_FILE = "trainer_state.json"
 _RNG_DIR = "rng"
 
-RUN_OUTPUTS = ("metrics.jsonl", "tensorboard", "reward_entropy.png", CHECKPOINTS_DIR, "hf_checkpoint",
-               "hf_checkpoint_interrupted", BEST_DIR, "eval", RUN_CONFIG_FILE)
-"""What a training run writes into ``trainer.output_dir`` (``trainer.overwrite_output_dir=true``
-deletes these and nothing else)."""
+_MODEL_FOLDERS = ("hf_checkpoint", "hf_checkpoint_interrupted", BEST_DIR)
+RUN_OUTPUTS = ("metrics.jsonl", "tensorboard", "reward_entropy.png", CHECKPOINTS_DIR, *_MODEL_FOLDERS, "eval",
+               RUN_CONFIG_FILE, "throughput_summary.json", "timeline.jsonl", "timeline.png", "trackers.json",
+               "wandb", "mlflow.db", "mlflow.db-journal", "mlflow.db-wal", "mlflow.db-shm", "mlflow_artifacts",
+               *(f".{name}.{kind}" for name in _MODEL_FOLDERS for kind in ("tmp", "old")))
+"""What a training run writes into ``trainer.output_dir``: its files, the trackers' local runs (the W&B
+offline folders, the local MLflow store and artifacts, ``trackers.json``) and the temporary siblings
+of a model folder whose write was killed (``trainer.overwrite_output_dir=true`` deletes these and
+nothing else; a W&B or MLflow run on a server is left there)."""
 
 
 @dataclass
@@ -257,15 +262,22 @@ def prepare_output_dir(trainer_cfg: Any, *, is_writer: bool) -> None:
         trainer_cfg: the ``trainer`` section.
         is_writer: this rank deletes (rank 0; the others only check).
 
+    Only a folder that holds a run of ours (:func:`_run_folder_of_ours`: a composed ``config.yaml``)
+    is cleared; leftovers of a run that stopped before its first step are cleared too.
+
     Raises:
         ValueError: an earlier run's ``metrics.jsonl`` is there and overwriting is off; names
-            ``trainer.resume=auto`` first when a checkpoint exists.
+            ``trainer.resume=auto`` first when a checkpoint exists. With overwriting on: the folder
+            holds an earlier run's files but does not look like a run folder of ours (no composed
+            ``config.yaml``, or the home or root folder); names the folder and what it holds.
     """
     out = Path(trainer_cfg.output_dir)
     earlier = out / "metrics.jsonl"
     held = earlier.is_file() and earlier.stat().st_size > 0
     has_checkpoint = (out / CHECKPOINTS_DIR / LATEST_FILE).is_file()  # what trainer.resume=auto continues
     if not held and not has_checkpoint:
+        if trainer_cfg.overwrite_output_dir and is_writer and _run_folder_of_ours(out):
+            _delete_run_outputs(out)  # a run stopped before its first step: its config, tracker runs
         return
     if not trainer_cfg.overwrite_output_dir:
         where = f"trainer.output_dir={trainer_cfg.output_dir!r} holds an earlier run ({earlier if held else out / CHECKPOINTS_DIR})"
@@ -276,13 +288,38 @@ def prepare_output_dir(trainer_cfg: Any, *, is_writer: bool) -> None:
         raise ValueError(f"{where} without a checkpoint to resume from; start it over with "
                          "trainer.overwrite_output_dir=true (deletes its metrics), or choose another "
                          "trainer.output_dir")
+    if not _run_folder_of_ours(out):
+        found = ", ".join(name for name in RUN_OUTPUTS if (out / name).exists())
+        raise ValueError(f"trainer.overwrite_output_dir=true: trainer.output_dir={trainer_cfg.output_dir!r} does "
+                         f"not look like a run folder of nemo_sspo (it holds {found} but no composed "
+                         f"{RUN_CONFIG_FILE} of a run, or it is the home or root folder), so nothing was deleted; "
+                         "choose a folder of its own for the run (e.g. outputs/<name>), or delete those files "
+                         "yourself")
     if is_writer:
-        for name in RUN_OUTPUTS:
-            path = out / name
-            if path.is_dir():
-                shutil.rmtree(path)
-            elif path.exists():
-                path.unlink()
+        _delete_run_outputs(out)
+
+
+def _run_folder_of_ours(out: Path) -> bool:
+    """True when ``out`` holds the composed ``config.yaml`` every run writes at its start (a mapping
+    with ``model`` and ``trainer`` sections) and is neither the home folder nor a filesystem root.
+    """
+    resolved = out.expanduser().resolve()
+    if resolved == Path.home().resolve() or resolved == Path(resolved.anchor):
+        return False
+    try:
+        saved = read_config(out)
+    except Exception:  # noqa: BLE001 - any unreadable config.yaml (YAML or OmegaConf error) is not ours
+        return False
+    return isinstance(saved, dict) and {"model", "trainer"} <= saved.keys()
+
+
+def _delete_run_outputs(out: Path) -> None:
+    for name in RUN_OUTPUTS:
+        path = out / name
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path)
+        elif path.exists() or path.is_symlink():
+            path.unlink()
 
 
 def save_checkpoint(root: str | Path, state: TrainerState, models: dict[str, tuple[Any, Any]], *,
