@@ -8,6 +8,7 @@ Layout under ``<output_dir>/checkpoints``::
         critic/                 the same for the SPPO critic (loss=sppo only)
         rng/rank_00000.pt       per-rank RNG states (python, numpy, torch CPU and CUDA, Megatron tracker)
         config.yaml             the run's composed config (compared on resume: ``RESUME_KEYS``)
+        files.json              every file above with its size in bytes (checked on resume)
         trainer_state.json      :class:`TrainerState`, written last
     latest                      the name of the newest complete checkpoint ("step_000004")
 
@@ -30,6 +31,12 @@ Atomicity: every rank writes into ``.step_000004.tmp``; after a barrier rank 0 w
 ``latest`` naming the previous complete checkpoint; a stale ``.tmp`` folder is removed by the next
 save. (Assumes a shared filesystem with atomic rename, as dist_checkpointing does.)
 
+Damage after the save (a copy cut short, a full disk during ``rsync``, a file truncated by hand) is
+found before anything is loaded: ``files.json`` lists every file with its size, and a missing or
+resized file (or an unreadable ``trainer_state.json`` or RNG file) refuses the resume naming the
+file and the previous complete checkpoint, which is used only when the user passes it as
+``trainer.resume`` (docs/pitfalls.md#damaged-checkpoint).
+
 Resume check: a resumed run must have the checkpoint's model, parallel layout and world size, batch
 shape, data stream and seed (``nemo_sspo.trainer.run_config.RESUME_KEYS``, compared with the
 checkpoint's ``config.yaml``; every differing key is listed). An exact continuation needs them: the
@@ -47,6 +54,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import pickle
 import random
 import shutil
 from dataclasses import dataclass
@@ -85,6 +93,8 @@ CHECKPOINTS_DIR = "checkpoints"
 """Sub-folder of ``trainer.output_dir`` holding the checkpoints and ``latest``."""
 LATEST_FILE = "latest"
 STATE_FILE = "trainer_state.json"
+MANIFEST_FILE = "files.json"
+"""In each checkpoint folder: ``{relative path: size in bytes}`` of every file of the checkpoint."""
 _RNG_DIR = "rng"
 
 _MODEL_FOLDERS = ("hf_checkpoint", "hf_checkpoint_interrupted", BEST_DIR)
@@ -354,6 +364,7 @@ def save_checkpoint(root: str | Path, state: TrainerState, models: dict[str, tup
     _barrier()
     if _rank() == 0:
         write_config(tmp, config)
+        _write_manifest(tmp)
         _write_text_atomic(tmp / STATE_FILE, json.dumps(dataclasses.asdict(state), indent=1))
         _publish(tmp, root / name)
         _write_text_atomic(root / LATEST_FILE, name)
@@ -406,13 +417,19 @@ def load_checkpoint(path: str | Path, models: dict[str, tuple[Any, Any]], *, con
         The saved :class:`TrainerState`.
 
     Raises:
-        ValueError: listing every key that differs from the checkpoint's config (TP, PP and EP
+        ValueError: a file missing, resized (``files.json``) or unreadable (the state and RNG
+            files), naming it and the previous complete checkpoint; or listing every key that
+            differs from the checkpoint's config (TP, PP and EP
             sizes and placement included; a checkpoint without ``config.yaml``, written by an
             earlier version, is checked on the seed only), a different world size or data-parallel
             size, or a model without a folder in it.
     """
     path = Path(path)
-    state = TrainerState(**json.loads((path / STATE_FILE).read_text(encoding="utf-8")))
+    _check_files(path)
+    try:
+        state = TrainerState(**json.loads((path / STATE_FILE).read_text(encoding="utf-8")))
+    except (ValueError, TypeError) as err:  # JSONDecodeError is a ValueError
+        raise _damaged(path, path / STATE_FILE, f"unreadable ({err})") from err
     saved = read_config(path)
     if saved is None:
         saved = {"trainer": {"seed": state.seed}}
@@ -432,5 +449,43 @@ def load_checkpoint(path: str | Path, models: dict[str, tuple[Any, Any]], *, con
         if not (path / key).is_dir():
             raise ValueError(f"checkpoint {path} has no {key!r} state; was it written with another loss config?")
         _load_sharded(path / key, model, optimizer)
-    _set_rng_state(torch.load(_rng_file(path, _rank()), weights_only=False))
+    try:
+        rng = torch.load(_rng_file(path, _rank()), weights_only=False)
+    except (OSError, RuntimeError, EOFError, pickle.UnpicklingError) as err:
+        raise _damaged(path, _rng_file(path, _rank()), f"unreadable ({err})") from err
+    _set_rng_state(rng)
     return state
+
+
+def _write_manifest(folder: Path) -> None:
+    """Writes ``folder/files.json``: every file under ``folder`` (but itself and the state file) -> bytes."""
+    sizes = {str(f.relative_to(folder)): f.stat().st_size for f in sorted(folder.rglob("*"))
+             if f.is_file() and f.name not in (MANIFEST_FILE, STATE_FILE)}
+    _write_text_atomic(folder / MANIFEST_FILE, json.dumps(sizes, indent=1))
+
+
+def _check_files(path: Path) -> None:
+    """Refuses a checkpoint whose files differ from its ``files.json`` (none: an older checkpoint, not checked)."""
+    manifest = path / MANIFEST_FILE
+    if not manifest.is_file():
+        return
+    try:
+        sizes = json.loads(manifest.read_text(encoding="utf-8"))
+    except ValueError as err:
+        raise _damaged(path, manifest, f"unreadable ({err})") from err
+    for name, size in sizes.items():
+        file = path / name
+        if not file.is_file():
+            raise _damaged(path, file, "missing")
+        if file.stat().st_size != size:
+            raise _damaged(path, file, f"{file.stat().st_size} bytes, written with {size} (truncated or changed)")
+
+
+def _damaged(path: Path, file: Path, what: str) -> ValueError:
+    """The refusal of a damaged checkpoint: names the file and the previous complete checkpoint."""
+    older = sorted((p for p in path.parent.glob("step_*") if p.name < path.name and (p / STATE_FILE).is_file()),
+                   reverse=True)
+    fix = (f"resume from the previous checkpoint with trainer.resume={older[0]}" if older
+           else "no earlier complete checkpoint is there: start over with trainer.overwrite_output_dir=true")
+    return ValueError(f"trainer.resume: checkpoint {path} is damaged: {file} is {what}; restore the file from a "
+                      f"copy, or {fix} (the steps after it are run again)")

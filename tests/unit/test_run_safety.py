@@ -179,3 +179,29 @@ def test_overwrite_refuses_a_folder_that_is_not_a_run_folder(tmp_path, monkeypat
     with pytest.raises(ValueError, match="or it is the home or root folder"):
         prepare_output_dir(_trainer(out, True), is_writer=True)
     assert (out / "metrics.jsonl").is_file()
+
+
+def test_a_damaged_checkpoint_is_refused_naming_the_file_and_the_previous_one(tmp_path):
+    from nemo_sspo.trainer.checkpoint import _write_manifest
+
+    root = tmp_path / "checkpoints"
+    config = {"trainer": {"seed": 1234}}
+    first, second = (_checkpoint(root / f"step_00000{s}", config) for s in (2, 4))
+    for folder in (first, second):
+        (folder / "policy").mkdir()
+        (folder / "policy" / "__0_0.distcp").write_bytes(b"w" * 100)
+        _write_manifest(folder)
+    (second / "policy" / "__0_0.distcp").write_bytes(b"w" * 60)  # cut short
+    with pytest.raises(ValueError) as err:
+        load_checkpoint(second, {}, config=config)
+    message = str(err.value)
+    assert f"{second / 'policy' / '__0_0.distcp'} is 60 bytes, written with 100" in message
+    assert f"trainer.resume={first}" in message  # the previous complete checkpoint, only named
+    (second / "policy" / "__0_0.distcp").unlink()
+    with pytest.raises(ValueError, match="__0_0.distcp is missing"):
+        load_checkpoint(second, {}, config=config)
+    # A truncated trainer_state.json (not in files.json: written after it) is named too; the first
+    # checkpoint has no earlier one to offer.
+    (first / STATE_FILE).write_text('{"step": 2, "probl')
+    with pytest.raises(ValueError, match="trainer_state.json is unreadable .*no earlier complete checkpoint"):
+        load_checkpoint(first, {}, config=config)
