@@ -16,11 +16,13 @@ def test_memory_files_and_processes_stay_flat_after_warm_up(monkeypatch, tmp_pat
     with capsys.disabled():
         print("\n" + report(samples))
     warm, after = samples[WARM_UP_STEPS - 1], samples[WARM_UP_STEPS - 1:]
-    # Every file opened by a step, a save or the reward pool is closed again, and every process
-    # started (checkpoint writers, replaced reward workers) is gone by the next step.
-    assert {s.open_fds for s in after} == {warm.open_fds}
+    # Every file opened by a step, a save or the reward pool is closed again (one more may be open
+    # for a moment: the runs saw a range of 115-116 and 117-118), and every process started (checkpoint writers,
+    # replaced reward workers) is gone by the next step.
+    assert max(s.open_fds for s in after) - min(s.open_fds for s in after) <= 1
     assert {s.children for s in after} == {warm.children}
-    # A leak of one copy of the tiny model's fp32 weights per step (3.2M parameters: 49,152 x 64
-    # embedding + 2 layers of 36,992, 12.3 MiB) would add ~245 MiB over the 20 steps after warm-up;
-    # the allocator's own drift stays below 64 MiB (25 MiB measured, README).
-    assert max(s.rss_mib for s in after) - warm.rss_mib < 64
+    # Resident memory drifts with the allocator: the 200-step run rose at most 96 MiB above its step-5
+    # value and ended 47 MiB below it. A leak of 8 MiB per step (two thirds of one copy of the tiny
+    # model's fp32 weights: 3.2M parameters, 49,152 x 64 embedding + 2 layers of 36,992) would pass
+    # 160 MiB within the 20 steps after warm-up.
+    assert max(s.rss_mib for s in after) - warm.rss_mib < 160
