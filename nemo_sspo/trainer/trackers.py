@@ -12,9 +12,9 @@ run's last, and MLflow keeps every value of a step (its history then has two val
 W&B's server-side rewind (``resume_from="<id>?_step=<n>"``) would do it, but it needs the W&B server
 when the run starts, and our runs are offline by default. So such a resume starts a new tracker
 run (a :class:`Branch`) that names its parent (W&B config ``resumed_from``, MLflow tags
-``nemo_sspo.resumed_from_run`` / ``nemo_sspo.resumed_from_step``) and first re-logs the kept steps
+``resumed_from_run`` / ``resumed_from_step``) and first re-logs the kept steps
 from ``metrics.jsonl``: the new run alone holds exactly one value per step, the resumed run's. The
-parent stays as it was (MLflow: tagged ``nemo_sspo.superseded_by`` and marked KILLED), and
+parent stays as it was (MLflow: tagged ``superseded_by`` and marked KILLED), and
 ``trackers.json`` names the new run, which later resumes continue.
 """
 
@@ -127,7 +127,7 @@ class MlflowTracker:
         params: the composed config as a nested dict (logged flattened, ``trainer.seed`` etc.).
         resume: continue the run recorded in ``trackers.json``.
         branch: with ``resume``, the run holds steps after the checkpoint: create a new run tagged
-            with its parent, tag the parent ``nemo_sspo.superseded_by`` (status KILLED) and re-log
+            with its parent, tag the parent ``superseded_by`` (status KILLED) and re-log
             ``branch.records`` (module docstring).
     """
 
@@ -153,15 +153,15 @@ class MlflowTracker:
             experiment_id = (experiment.experiment_id if experiment is not None else self.client.create_experiment(
                 cfg.experiment,
                 artifact_location=(output_dir.resolve() / "mlflow_artifacts").as_uri() if local else None))
-            tags = {} if parent is None else {"nemo_sspo.resumed_from_run": parent,
-                                              "nemo_sspo.resumed_from_step": str(branch.step)}
+            tags = {} if parent is None else {"resumed_from_run": parent,
+                                              "resumed_from_step": str(branch.step)}
             run_id = self.client.create_run(experiment_id, run_name=cfg.run_name or output_dir.name,
                                             tags=tags).info.run_id
             flat = [Param(key, value) for key, value in flatten_params(params).items()]
             for start in range(0, len(flat), self._BATCH):
                 self.client.log_batch(run_id, params=flat[start:start + self._BATCH])
             if parent is not None:
-                self.client.set_tag(parent, "nemo_sspo.superseded_by", run_id)
+                self.client.set_tag(parent, "superseded_by", run_id)
                 self.client.set_terminated(parent, status="KILLED")
         self.run_id, self.tracking_uri = run_id, uri
         _save_run_id(output_dir, "mlflow", run_id)

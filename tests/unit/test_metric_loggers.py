@@ -92,10 +92,10 @@ def test_after_a_kill_and_a_resume_every_tracker_holds_one_value_per_step(tmp_pa
     run = client.get_run(ids["mlflow"])
     assert [(m.step, m.value) for m in client.get_metric_history(run.info.run_id, "reward/mean")] == expected
     assert run.data.params == {"trainer.seed": "7", "trainer.loggers": str(ALL), "loss.name": "sspo"}
-    assert (run.data.tags["nemo_sspo.resumed_from_run"], run.data.tags["nemo_sspo.resumed_from_step"]) == (
+    assert (run.data.tags["resumed_from_run"], run.data.tags["resumed_from_step"]) == (
         parent_ids["mlflow"], "2")
     parent = client.get_run(parent_ids["mlflow"])
-    assert parent.data.tags["nemo_sspo.superseded_by"] == ids["mlflow"] and parent.info.status == "KILLED"
+    assert parent.data.tags["superseded_by"] == ids["mlflow"] and parent.info.status == "KILLED"
     assert (3, 1.0) in [(m.step, m.value) for m in client.get_metric_history(parent.info.run_id, "reward/mean")]
     assert [a.path for a in client.list_artifacts(run.info.run_id)] == ["reward_entropy.png"]
 
