@@ -24,6 +24,8 @@ import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
+from nemo_sspo.data.jsonl import jsonl_lines
+
 __all__ = [
     "DATA_DIR_ENV",
     "PREPARE_COMMAND",
@@ -157,7 +159,7 @@ def load_math_dataset(name: str, data_dir: str | None = None, *, key: str = "dat
         warnings.warn(f"{path} differs from the published {spec.file} (sha256 mismatch; expected "
                       f"{spec.rows} rows): results are not comparable with the paper's", stacklevel=2)
     records = [_parse_line(line, path, number)
-               for number, line in enumerate(raw.decode("utf-8").splitlines(), start=1) if line.strip()]
+               for number, line in jsonl_lines(raw.decode("utf-8"))]
     return [r for r in records if r.answer or not drop_empty_answers]
 
 

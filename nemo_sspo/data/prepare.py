@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+from nemo_sspo.data.jsonl import jsonl_line, jsonl_lines
 from nemo_sspo.data.math_datasets import MATH_DATASETS, MathDatasetFile
 
 __all__ = ["SOURCE_ENV", "SOURCES", "RawSource", "prepare_datasets"]
@@ -56,7 +57,7 @@ class RawSource:
 
 
 def _jsonl(raw: bytes) -> list[dict]:
-    return [json.loads(line) for line in raw.decode("utf-8").splitlines() if line.strip()]
+    return [json.loads(line) for _, line in jsonl_lines(raw.decode("utf-8"))]
 
 
 def _last_boxed(text: str) -> str:
@@ -155,7 +156,7 @@ def _git_blob(raw: bytes) -> str:
 
 
 def _serialise(rows: list[dict]) -> bytes:
-    return "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows).encode("utf-8")
+    return "".join(jsonl_line(row) for row in rows).encode("utf-8")
 
 
 def _fetch(source: RawSource, local: Path | None) -> tuple[bytes, str]:
@@ -187,7 +188,7 @@ def _prepared(name: str, spec: MathDatasetFile, local: Path | None) -> tuple[byt
 
 
 def _check(name: str, spec: MathDatasetFile, data: bytes, origin: str) -> None:
-    rows = sum(1 for line in data.decode("utf-8").splitlines() if line.strip())
+    rows = sum(1 for _ in jsonl_lines(data.decode("utf-8")))
     digest = hashlib.sha256(data).hexdigest()
     if rows != spec.rows or digest != spec.sha256:
         raise ValueError(f"{name} from {origin}: {rows} rows, sha256 {digest}; the published {spec.file} has "

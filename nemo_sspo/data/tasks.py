@@ -24,6 +24,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Protocol, Sequence
 
+from nemo_sspo.data.jsonl import jsonl_lines
 from nemo_sspo.data.math_datasets import load_math_dataset
 
 __all__ = [
@@ -234,7 +235,7 @@ class JsonlSource(_ShuffledSource):
         if not file.is_file():
             raise ValueError(f"path={path!r} is not a file; give a JSONL file of problems")
         problems = [_record_to_problem(line, file, i)
-                    for i, line in enumerate(file.read_text().splitlines()) if line.strip()]
+                    for i, line in jsonl_lines(file.read_text(encoding="utf-8"))]
         if not problems:
             raise ValueError(f"path={path!r} holds no records")
         super().__init__(problems, seed)
@@ -261,12 +262,12 @@ def _record_to_problem(text: str, file: Path, line: int) -> Problem:
     try:
         record = json.loads(text)
     except json.JSONDecodeError as err:
-        raise ValueError(f"{file}:{line + 1} is not valid JSON ({err.msg}); one JSON object per line") from err
+        raise ValueError(f"{file}:{line} is not valid JSON ({err.msg}); one JSON object per line") from err
     if not isinstance(record, dict):
-        raise ValueError(f"{file}:{line + 1} holds a {type(record).__name__}; each line must be a JSON object")
+        raise ValueError(f"{file}:{line} holds a {type(record).__name__}; each line must be a JSON object")
     question = record.get("problem", record.get("question"))
     if question is None or "answer" not in record:
-        raise ValueError(f"{file}:{line + 1} needs a 'problem' or 'question' key and an 'answer' key")
+        raise ValueError(f"{file}:{line} needs a 'problem' or 'question' key and an 'answer' key")
     return Problem(question=str(question), answer=str(record["answer"]))
 
 

@@ -8,12 +8,12 @@ the benchmarks (each benchmark weighs the same, as in the paper's "Avg." column)
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from pathlib import Path
 from typing import Any, Sequence
 
+from nemo_sspo.data.jsonl import jsonl_line
 from nemo_sspo.data import PAPER_BENCHMARKS, MathRecord, load_math_dataset, render_prompt
 from nemo_sspo.evaluation.engines import EvalEngine, TransformersEvalEngine, VLLMEvalEngine
 from nemo_sspo.rewards import MathVerifyReward
@@ -143,4 +143,4 @@ def _write_jsonl(path: Path, rows: list[dict[str, Any]]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     with path.open("w", encoding="utf-8") as handle:
         for row in rows:
-            handle.write(json.dumps(row, ensure_ascii=False) + "\n")
+            handle.write(jsonl_line(row))

@@ -178,14 +178,14 @@ def _raise_deadline(signum, frame):
     raise _Deadline
 
 
-def _score_with_deadline(scorer, response: str, answer: str, timeout_s: float) -> float:
-    """Worker body: ``scorer(response, answer)`` bounded by ``timeout_s`` seconds, 0.0 on timeout."""
+def _score_with_deadline(scorer, response: str, answer: str, timeout_s: float) -> tuple[float, bool]:
+    """Worker body: ``(scorer(response, answer), False)`` within ``timeout_s`` seconds, else ``(0.0, True)``."""
     previous = signal.signal(signal.SIGALRM, _raise_deadline)
     signal.setitimer(signal.ITIMER_REAL, timeout_s)
     try:
-        return float(scorer(response, answer))
+        return float(scorer(response, answer)), False
     except _Deadline:
-        return 0.0
+        return 0.0, True
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, previous)
@@ -205,14 +205,22 @@ def _warm_up_worker() -> None:
 
 
 class MathVerifyReward:
-    """Reward function ``responses, answers -> [0.0 | 1.0, ...]`` scored in a process pool.
+    r"""Reward function ``responses, answers -> [0.0 | 1.0, ...]`` scored in a process pool.
 
     Args:
         num_workers: worker processes (``forkserver`` start method, started at construction and
             warmed up in the background), >= 1.
         timeout_s: per-response time budget in seconds, > 0; a response that exceeds it scores
             0.0. If a worker stops answering altogether, the pool is replaced and the unanswered
-            responses score 0.0.
+            responses score 0.0. Either way the response counts in :attr:`timeouts`.
+
+    An adversarial answer such as a tower of exponents (``\boxed{9^{9^{9^{9^{9}}}}}``, which sympy
+    would expand to a number of hundreds of millions of digits) is cut off by the deadline: it
+    scores 0.0 after ``timeout_s`` and the other responses are scored as usual.
+
+    Attributes:
+        timeouts: responses that hit their deadline (or whose worker stopped answering) since
+            construction; the trainer logs the step's share as ``reward/timeout_frac``.
 
     Use as a context manager or call :meth:`close`. Scripts that construct it should guard their
     entry point with ``if __name__ == "__main__":`` as for any multiprocessing user.
@@ -227,6 +235,7 @@ class MathVerifyReward:
             raise ValueError(f"timeout_s={timeout_s} must be > 0 seconds")
         self.num_workers = num_workers
         self.timeout_s = float(timeout_s)
+        self.timeouts = 0
         self._pool = self._start_pool()
 
     def __call__(self, responses: list[str], answers: list[str]) -> list[float]:
@@ -248,10 +257,11 @@ class MathVerifyReward:
         scores, stuck = [], False
         for job in jobs:
             try:
-                scores.append(job.get(timeout=max(0.0, deadline - time.monotonic())))
+                score, timed_out = job.get(timeout=max(0.0, deadline - time.monotonic()))
             except multiprocessing.TimeoutError:
-                scores.append(0.0)
-                stuck = True
+                score, timed_out, stuck = 0.0, True, True
+            scores.append(score)
+            self.timeouts += timed_out
         if stuck:
             self._stop_pool()
             self._pool = self._start_pool()

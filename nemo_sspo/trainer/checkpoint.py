@@ -8,6 +8,7 @@ Layout under ``<output_dir>/checkpoints``::
         critic/                 the same for the SPPO critic (loss=sppo only)
         rng/rank_00000.pt       per-rank RNG states (python, numpy, torch CPU and CUDA, Megatron tracker)
         config.yaml             the run's composed config (compared on resume: ``RESUME_KEYS``)
+        files.json              every file above with its size in bytes (checked on resume)
         trainer_state.json      :class:`TrainerState`, written last
     latest                      the name of the newest complete checkpoint ("step_000004")
 
@@ -30,6 +31,12 @@ Atomicity: every rank writes into ``.step_000004.tmp``; after a barrier rank 0 w
 ``latest`` naming the previous complete checkpoint; a stale ``.tmp`` folder is removed by the next
 save. (Assumes a shared filesystem with atomic rename, as dist_checkpointing does.)
 
+Damage after the save (a copy cut short, a full disk during ``rsync``, a file truncated by hand) is
+found before anything is loaded: ``files.json`` lists every file with its size, and a missing or
+resized file (or an unreadable ``trainer_state.json`` or RNG file) refuses the resume naming the
+file and the previous complete checkpoint, which is used only when the user passes it as
+``trainer.resume`` (docs/pitfalls.md#damaged-checkpoint).
+
 Resume check: a resumed run must have the checkpoint's model, parallel layout and world size, batch
 shape, data stream and seed (``nemo_sspo.trainer.run_config.RESUME_KEYS``, compared with the
 checkpoint's ``config.yaml``; every differing key is listed). An exact continuation needs them: the
@@ -47,6 +54,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import pickle
 import random
 import shutil
 from dataclasses import dataclass
@@ -59,7 +67,13 @@ import torch.distributed as dist
 
 from nemo_sspo.megatron.cpu_shims import cpu_device_context
 from nemo_sspo.trainer.periodic_eval import BEST_DIR
-from nemo_sspo.trainer.run_config import RUN_CONFIG_FILE, read_config, resume_mismatches, write_config
+from nemo_sspo.trainer.run_config import (
+    RUN_CONFIG_FILE,
+    data_parallel_size,
+    read_config,
+    resume_mismatches,
+    write_config,
+)
 
 __all__ = [
     "CHECKPOINTS_DIR",
@@ -79,12 +93,19 @@ CHECKPOINTS_DIR = "checkpoints"
 """Sub-folder of ``trainer.output_dir`` holding the checkpoints and ``latest``."""
 LATEST_FILE = "latest"
 STATE_FILE = "trainer_state.json"
+MANIFEST_FILE = "files.json"
+"""In each checkpoint folder: ``{relative path: size in bytes}`` of every file of the checkpoint."""
 _RNG_DIR = "rng"
 
-RUN_OUTPUTS = ("metrics.jsonl", "tensorboard", "reward_entropy.png", CHECKPOINTS_DIR, "hf_checkpoint",
-               "hf_checkpoint_interrupted", BEST_DIR, "eval", RUN_CONFIG_FILE)
-"""What a training run writes into ``trainer.output_dir`` (``trainer.overwrite_output_dir=true``
-deletes these and nothing else)."""
+_MODEL_FOLDERS = ("hf_checkpoint", "hf_checkpoint_interrupted", BEST_DIR)
+RUN_OUTPUTS = ("metrics.jsonl", "tensorboard", "reward_entropy.png", CHECKPOINTS_DIR, *_MODEL_FOLDERS, "eval",
+               RUN_CONFIG_FILE, "throughput_summary.json", "timeline.jsonl", "timeline.png", "trackers.json",
+               "wandb", "mlflow.db", "mlflow.db-journal", "mlflow.db-wal", "mlflow.db-shm", "mlflow_artifacts",
+               *(f".{name}.{kind}" for name in _MODEL_FOLDERS for kind in ("tmp", "old")))
+"""What a training run writes into ``trainer.output_dir``: its files, the trackers' local runs (the W&B
+offline folders, the local MLflow store and artifacts, ``trackers.json``) and the temporary siblings
+of a model folder whose write was killed (``trainer.overwrite_output_dir=true`` deletes these and
+nothing else; a W&B or MLflow run on a server is left there)."""
 
 
 @dataclass
@@ -259,15 +280,22 @@ def prepare_output_dir(trainer_cfg: Any, *, is_writer: bool) -> None:
         trainer_cfg: the ``trainer`` section.
         is_writer: this rank deletes (rank 0; the others only check).
 
+    Only a folder that holds a run of ours (:func:`_run_folder_of_ours`: a composed ``config.yaml``)
+    is cleared; leftovers of a run that stopped before its first step are cleared too.
+
     Raises:
         ValueError: an earlier run's ``metrics.jsonl`` is there and overwriting is off; names
-            ``trainer.resume=auto`` first when a checkpoint exists.
+            ``trainer.resume=auto`` first when a checkpoint exists. With overwriting on: the folder
+            holds an earlier run's files but does not look like a run folder of ours (no composed
+            ``config.yaml``, or the home or root folder); names the folder and what it holds.
     """
     out = Path(trainer_cfg.output_dir)
     earlier = out / "metrics.jsonl"
     held = earlier.is_file() and earlier.stat().st_size > 0
     has_checkpoint = (out / CHECKPOINTS_DIR / LATEST_FILE).is_file()  # what trainer.resume=auto continues
     if not held and not has_checkpoint:
+        if trainer_cfg.overwrite_output_dir and is_writer and _run_folder_of_ours(out):
+            _delete_run_outputs(out)  # a run stopped before its first step: its config, tracker runs
         return
     if not trainer_cfg.overwrite_output_dir:
         where = f"trainer.output_dir={trainer_cfg.output_dir!r} holds an earlier run ({earlier if held else out / CHECKPOINTS_DIR})"
@@ -278,13 +306,38 @@ def prepare_output_dir(trainer_cfg: Any, *, is_writer: bool) -> None:
         raise ValueError(f"{where} without a checkpoint to resume from; start it over with "
                          "trainer.overwrite_output_dir=true (deletes its metrics), or choose another "
                          "trainer.output_dir")
+    if not _run_folder_of_ours(out):
+        found = ", ".join(name for name in RUN_OUTPUTS if (out / name).exists())
+        raise ValueError(f"trainer.overwrite_output_dir=true: trainer.output_dir={trainer_cfg.output_dir!r} does "
+                         f"not look like a run folder of nemo_sspo (it holds {found} but no composed "
+                         f"{RUN_CONFIG_FILE} of a run, or it is the home or root folder), so nothing was deleted; "
+                         "choose a folder of its own for the run (e.g. outputs/<name>), or delete those files "
+                         "yourself")
     if is_writer:
-        for name in RUN_OUTPUTS:
-            path = out / name
-            if path.is_dir():
-                shutil.rmtree(path)
-            elif path.exists():
-                path.unlink()
+        _delete_run_outputs(out)
+
+
+def _run_folder_of_ours(out: Path) -> bool:
+    """True when ``out`` holds the composed ``config.yaml`` every run writes at its start (a mapping
+    with ``model`` and ``trainer`` sections) and is neither the home folder nor a filesystem root.
+    """
+    resolved = out.expanduser().resolve()
+    if resolved == Path.home().resolve() or resolved == Path(resolved.anchor):
+        return False
+    try:
+        saved = read_config(out)
+    except Exception:  # noqa: BLE001 - any unreadable config.yaml (YAML or OmegaConf error) is not ours
+        return False
+    return isinstance(saved, dict) and {"model", "trainer"} <= saved.keys()
+
+
+def _delete_run_outputs(out: Path) -> None:
+    for name in RUN_OUTPUTS:
+        path = out / name
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path)
+        elif path.exists() or path.is_symlink():
+            path.unlink()
 
 
 def save_checkpoint(root: str | Path, state: TrainerState, models: dict[str, tuple[Any, Any]], *,
@@ -320,6 +373,7 @@ def save_checkpoint(root: str | Path, state: TrainerState, models: dict[str, tup
     _barrier()
     if _rank() == 0:
         write_config(tmp, config)
+        _write_manifest(tmp)
         _write_text_atomic(tmp / STATE_FILE, json.dumps(dataclasses.asdict(state), indent=1))
         _publish(tmp, root / name)
         _write_text_atomic(root / LATEST_FILE, name)
@@ -372,12 +426,19 @@ def load_checkpoint(path: str | Path, models: dict[str, tuple[Any, Any]], *, con
         The saved :class:`TrainerState`.
 
     Raises:
-        ValueError: listing every key that differs from the checkpoint's config (a checkpoint
-            without ``config.yaml``, written by an earlier version, is checked on the seed only), a
-            different world size, or a model without a folder in it.
+        ValueError: a file missing, resized (``files.json``) or unreadable (the state and RNG
+            files), naming it and the previous complete checkpoint; or listing every key that
+            differs from the checkpoint's config (TP, PP and EP
+            sizes and placement included; a checkpoint without ``config.yaml``, written by an
+            earlier version, is checked on the seed only), a different world size or data-parallel
+            size, or a model without a folder in it.
     """
     path = Path(path)
-    state = TrainerState(**json.loads((path / STATE_FILE).read_text(encoding="utf-8")))
+    _check_files(path)
+    try:
+        state = TrainerState(**json.loads((path / STATE_FILE).read_text(encoding="utf-8")))
+    except (ValueError, TypeError) as err:  # JSONDecodeError is a ValueError
+        raise _damaged(path, path / STATE_FILE, f"unreadable ({err})") from err
     saved = read_config(path)
     if saved is None:
         saved = {"trainer": {"seed": state.seed}}
@@ -386,6 +447,9 @@ def load_checkpoint(path: str | Path, models: dict[str, tuple[Any, Any]], *, con
     world_size = dist.get_world_size() if dist.is_initialized() else 1
     if world_size != state.world_size:
         differ.append(f"world size (processes): checkpoint {state.world_size}, now {world_size}")
+    dp_then, dp_now = data_parallel_size(saved, state.world_size), data_parallel_size(config, world_size)
+    if dp_then != dp_now and dp_then is not None and dp_now is not None:
+        differ.append(f"data-parallel size: checkpoint {dp_then}, now {dp_now}")
     if differ:
         raise ValueError(f"trainer.resume: checkpoint {path} was written by a run with another config:\n  "
                          + "\n  ".join(differ) + f"\nresume with the settings in {path / RUN_CONFIG_FILE} (only "
@@ -394,5 +458,43 @@ def load_checkpoint(path: str | Path, models: dict[str, tuple[Any, Any]], *, con
         if not (path / key).is_dir():
             raise ValueError(f"checkpoint {path} has no {key!r} state; was it written with another loss config?")
         _load_sharded(path / key, model, optimizer, lr_scheduler)
-    _set_rng_state(torch.load(_rng_file(path, _rank()), weights_only=False))
+    try:
+        rng = torch.load(_rng_file(path, _rank()), weights_only=False)
+    except (OSError, RuntimeError, EOFError, pickle.UnpicklingError) as err:
+        raise _damaged(path, _rng_file(path, _rank()), f"unreadable ({err})") from err
+    _set_rng_state(rng)
     return state
+
+
+def _write_manifest(folder: Path) -> None:
+    """Writes ``folder/files.json``: every file under ``folder`` (but itself and the state file) -> bytes."""
+    sizes = {str(f.relative_to(folder)): f.stat().st_size for f in sorted(folder.rglob("*"))
+             if f.is_file() and f.name not in (MANIFEST_FILE, STATE_FILE)}
+    _write_text_atomic(folder / MANIFEST_FILE, json.dumps(sizes, indent=1))
+
+
+def _check_files(path: Path) -> None:
+    """Refuses a checkpoint whose files differ from its ``files.json`` (none: an older checkpoint, not checked)."""
+    manifest = path / MANIFEST_FILE
+    if not manifest.is_file():
+        return
+    try:
+        sizes = json.loads(manifest.read_text(encoding="utf-8"))
+    except ValueError as err:
+        raise _damaged(path, manifest, f"unreadable ({err})") from err
+    for name, size in sizes.items():
+        file = path / name
+        if not file.is_file():
+            raise _damaged(path, file, "missing")
+        if file.stat().st_size != size:
+            raise _damaged(path, file, f"{file.stat().st_size} bytes, written with {size} (truncated or changed)")
+
+
+def _damaged(path: Path, file: Path, what: str) -> ValueError:
+    """The refusal of a damaged checkpoint: names the file and the previous complete checkpoint."""
+    older = sorted((p for p in path.parent.glob("step_*") if p.name < path.name and (p / STATE_FILE).is_file()),
+                   reverse=True)
+    fix = (f"resume from the previous checkpoint with trainer.resume={older[0]}" if older
+           else "no earlier complete checkpoint is there: start over with trainer.overwrite_output_dir=true")
+    return ValueError(f"trainer.resume: checkpoint {path} is damaged: {file} is {what}; restore the file from a "
+                      f"copy, or {fix} (the steps after it are run again)")

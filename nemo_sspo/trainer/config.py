@@ -420,8 +420,10 @@ class TrainerConfig:
     """metrics.jsonl, TensorBoard events, the reward/entropy plot and checkpoints go here."""
     overwrite_output_dir: bool = False
     """Start over in an ``output_dir`` holding an earlier run: deletes that run's outputs (metrics,
-    TensorBoard events, checkpoints, model folders: ``nemo_sspo.trainer.checkpoint.RUN_OUTPUTS``)
-    before the first step. Without it such a folder is refused (continue it with ``resume=auto``)."""
+    TensorBoard events, checkpoints, model folders, summaries, the trackers' local runs:
+    ``nemo_sspo.trainer.checkpoint.RUN_OUTPUTS``) before the first step; a folder without the run's
+    composed ``config.yaml`` (or the home folder) is refused, nothing deleted. Without it such a
+    folder is refused (continue it with ``resume=auto``)."""
     save_hf_checkpoint: bool = True
     """Write the final policy as a Hugging Face checkpoint to ``output_dir/hf_checkpoint`` (also on a crash)."""
     checkpoint_interval: int = 0

@@ -15,9 +15,10 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
+from nemo_sspo.data.jsonl import jsonl_lines
 from nemo_sspo.trainer.config import TrainerConfig
 from nemo_sspo.trainer.throughput import summarize_throughput
-from nemo_sspo.trainer.trackers import MlflowTracker, WandbTracker
+from nemo_sspo.trainer.trackers import Branch, MlflowTracker, WandbTracker
 
 __all__ = ["MetricsLogger", "SUMMARY_KEYS", "plot_metrics"]
 
@@ -62,8 +63,10 @@ class MetricsLogger:
         resume_step: continue a run resumed after this step: the records of steps up to it are kept
             (in ``history`` too, for the plot), later ones (written after the checkpoint by the
             interrupted run) are dropped, from ``metrics.jsonl`` and, via ``purge_step``, from
-            TensorBoard; W&B and MLflow continue their run (MLflow keeps both values of a step the
-            interrupted run logged after its checkpoint). None starts a new ``metrics.jsonl``.
+            TensorBoard. W&B and MLflow continue their runs when ``metrics.jsonl`` ends at this
+            step; when it holds later steps, they start new runs naming the earlier ones, holding
+            the kept steps first (:class:`nemo_sspo.trainer.trackers.Branch`), so every logger has
+            one value per step. None starts a new ``metrics.jsonl``.
         trainer: the ``trainer`` section: ``loggers``, ``wandb``, ``mlflow`` (None: its defaults).
         params: the composed config as a nested dict, sent to W&B and MLflow as parameters.
     """
@@ -82,8 +85,12 @@ class MetricsLogger:
         self.loggers = tuple(trainer.loggers)
         self.output_dir.mkdir(parents=True, exist_ok=True)
         path = self.output_dir / "metrics.jsonl"
+        branch = None
         if resume_step is not None:
-            self.history = _records_up_to(path, resume_step)
+            records = _records(path)
+            self.history = [r for r in records if r["step"] <= resume_step]
+            if any(r["step"] > resume_step for r in records):  # the trackers hold abandoned steps
+                branch = Branch(resume_step, self.history)
         self._jsonl = self._tb = self._bar = None
         if "jsonl" in self.loggers:
             self._jsonl = open(path, "w", encoding="utf-8")
@@ -98,7 +105,8 @@ class MetricsLogger:
             self._bar = tqdm(total=total_steps, initial=resume_step or 0, desc="train", unit="step",
                              dynamic_ncols=True)
         self._trackers = [
-            _TRACKERS[name](self.output_dir, getattr(trainer, name), params or {}, resume=resume_step is not None)
+            _TRACKERS[name](self.output_dir, getattr(trainer, name), params or {}, resume=resume_step is not None,
+                            branch=branch)
             for name in self.loggers if name in _TRACKERS]
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
@@ -155,12 +163,11 @@ class MetricsLogger:
                 handle.close()
 
 
-def _records_up_to(path: Path, step: int) -> list[dict[str, float]]:
-    """The records of ``path`` (metrics.jsonl) with ``step <= step``; none if the file is missing."""
+def _records(path: Path) -> list[dict[str, float]]:
+    """The records of ``path`` (metrics.jsonl) in file order; none if the file is missing."""
     if not path.is_file():
         return []
-    records = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
-    return [r for r in records if r["step"] <= step]
+    return [json.loads(line) for _, line in jsonl_lines(path.read_text(encoding="utf-8"))]
 
 
 def plot_metrics(history: list[dict[str, float]], path: Path) -> None:

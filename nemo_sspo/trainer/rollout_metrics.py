@@ -28,7 +28,9 @@ def rollout_metric_sums(rollout: Rollout, batch, *, samples_per_prompt: int,
     Returns:
         ``reward/mean``, ``reward/accuracy``, ``response/length_mean``, ``response/truncated_frac``,
         ``rollout/sampling_rounds``, ``rollout/kept_group_frac``, ``reward/shaped_mean`` (with
-        overlong shaping) and ``rollout/trainer_logprob_gap_abs`` (mean |log pi_rollout - log pi_old|
+        overlong shaping), ``reward/timeout_frac`` (share of the step's scored responses, every
+        sampling round, whose scoring hit the reward's deadline and scored 0; with a reward that
+        counts them) and ``rollout/trainer_logprob_gap_abs`` (mean |log pi_rollout - log pi_old|
         per response token; with router replay R3, pi_old ran the engine's experts).
     """
     rb, task = rollout.batch, rollout.task_rewards
@@ -46,6 +48,8 @@ def rollout_metric_sums(rollout: Rollout, batch, *, samples_per_prompt: int,
     }
     if shaped_rewards:
         sums["reward/shaped_mean"] = mean_pair(float(rollout.rewards.sum()), n)
+    if rollout.reward_timeouts is not None:
+        sums["reward/timeout_frac"] = mean_pair(float(rollout.reward_timeouts), float(rollout.scored_responses))
     mask = batch.loss_mask
     if mask.any():
         gap = (batch.rollout_logprobs - batch.old_logprobs)[mask].abs()

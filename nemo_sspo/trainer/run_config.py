@@ -14,6 +14,7 @@ __all__ = [
     "RESUME_KEYS",
     "RUN_CONFIG_FILE",
     "composed_config",
+    "data_parallel_size",
     "read_config",
     "resume_mismatches",
     "write_config",
@@ -25,11 +26,13 @@ RUN_CONFIG_FILE = "config.yaml"
 RESUME_KEYS = (
     "model.source", "model.precision", "model.fp8", "model.fp8_recipe", "model.transformer_impl",
     "parallel.tensor_model_parallel_size", "parallel.pipeline_model_parallel_size",
+    "parallel.expert_model_parallel_size", "rollout.placement", "rollout.num_ranks",
     "rollout.prompts_per_step", "rollout.samples_per_prompt", "rollout.max_new_tokens",
     "trainer.minibatches_per_step", "trainer.seed", "data", "loss.name",
 )
 """Config keys (a section name covers all of its keys) that a resumed run must share with the
-checkpoint: the weights' model and layout, the batch shape, the data stream and the seed. Others may
+checkpoint: the weights' model and layout (TP, PP, EP and which ranks train), the batch shape, the
+data stream and the seed. Others may
 change on resume: ``trainer.max_steps`` (run longer), micro-batch sizes and token budgets (memory),
 output and logging settings, learning rate and loss parameters."""
 
@@ -87,3 +90,25 @@ def resume_mismatches(saved: dict[str, Any], current: dict[str, Any]) -> list[st
 
 def _must_match(key: str) -> bool:
     return any(key == name or key.startswith(f"{name}.") for name in RESUME_KEYS)
+
+
+def data_parallel_size(config: dict[str, Any], world_size: int) -> int | None:
+    """The data-parallel size of a composed config launched on ``world_size`` processes.
+
+    ``(world_size - R) / (TP x PP)``, where ``R`` is ``rollout.num_ranks`` with
+    ``rollout.placement=separate`` (those ranks generate, the rest train) and 0 otherwise; EP is
+    carved out of the data-parallel ranks and does not change it.
+
+    Args:
+        config: a composed config (:func:`composed_config` or :func:`read_config`).
+        world_size: processes of the run.
+
+    Returns:
+        The size, or None when the config lacks the parallel keys or the division is not exact.
+    """
+    parallel, rollout = config.get("parallel") or {}, config.get("rollout") or {}
+    model = parallel.get("tensor_model_parallel_size", 1) * parallel.get("pipeline_model_parallel_size", 1)
+    trainers = world_size - (rollout.get("num_ranks", 0) if rollout.get("placement") == "separate" else 0)
+    if not parallel or trainers <= 0 or trainers % model:
+        return None
+    return trainers // model

@@ -63,6 +63,10 @@ class Rollout:
         slot_generated: groups generated for each of the ``P/dp`` slots, in slot order (they sum to
             ``generated_groups``), as the sampler returns it; None where only the total is known (a
             rollout received from a rollout rank).
+        reward_timeouts: responses of this step (every sampling round) whose scoring hit the
+            reward's deadline and scored 0 (from a reward with a ``timeouts`` counter, as
+            ``MathVerifyReward``); None when the reward keeps no count or the rollout was received.
+        scored_responses: responses this rank scored this step, every sampling round.
     """
 
     batch: RolloutBatch
@@ -72,6 +76,8 @@ class Rollout:
     generated_groups: int
     prompt_keys: list[str]
     slot_generated: list[int] | None = None
+    reward_timeouts: int | None = None
+    scored_responses: int = 0
 
 
 def generation_seed(seed: int, step: int, round_: int, slot: int) -> int:
@@ -133,6 +139,8 @@ class RolloutSampler:
         keys: list[str | None] = [None] * self.slots_per_rank
         generated = [0] * self.slots_per_rank
         open_slots = list(range(ro.prompts_per_step))
+        self._timeouts = 0 if hasattr(self.reward, "timeouts") else None
+        self._scored = 0
         rounds = 0
         while open_slots and rounds < max_rounds:
             problems = self.prompts.sample(len(open_slots))
@@ -155,7 +163,8 @@ class RolloutSampler:
         batch = concat_rollouts([part for part, _, _ in slots], pad_id=self.tokenizer.pad_token_id)
         task_rewards = torch.cat([rewards for _, rewards, _ in slots])
         return Rollout(batch=batch, task_rewards=task_rewards, rewards=task_rewards + self._shaping(batch),
-                       rounds=rounds, generated_groups=sum(generated), prompt_keys=keys, slot_generated=generated)
+                       rounds=rounds, generated_groups=sum(generated), prompt_keys=keys, slot_generated=generated,
+                       reward_timeouts=self._timeouts, scored_responses=self._scored)
 
     def _generate(self, step: int, round_: int, work: list) -> list[tuple[RolloutBatch, torch.Tensor, bool]]:
         """``(responses, task rewards [G] float32, has reward variance)`` per ``(slot, problem)``;
@@ -171,7 +180,11 @@ class RolloutSampler:
             return []
         texts = [text for part in parts for text in part.response_texts]
         answers = [problem.answer for _, problem in work for _ in range(group)]
+        before = getattr(self.reward, "timeouts", 0)
         rewards = torch.tensor(self.reward(texts, answers), dtype=torch.float32)
+        self._scored += len(texts)
+        if self._timeouts is not None:
+            self._timeouts += self.reward.timeouts - before
         varied = set(select_nonzero_variance_groups(rewards, group).tolist())
         return [(part, r, k in varied) for k, (part, r) in enumerate(zip(parts, rewards.split(group), strict=True))]
 

@@ -11,6 +11,19 @@ which ``r`` have their logits computed costs::
     attention = 2 * 2 * L * n_q * d * s*(s+1)/2                            # QK^T and AV, causal pairs
     logits    = 2 * r * h * V                                             # output layer
 
+A mixture-of-experts layer replaces the ``3*h*f`` of its MLP by the work of the experts a token
+actually visits (its *active* parameters, the count MoE model cards publish, e.g. Qwen3-30B-A3B's
+"3.3B activated" of 30.5B): its router ``h*E`` (logits over ``E`` experts), ``k`` routed
+experts of width ``f_e`` (``3*h*f_e`` each, SwiGLU) and, where the model has them, shared experts
+of total width ``f_s`` (``3*h*f_s``, plus a ``h*1`` gate on Qwen2-MoE's). Which layers are sparse
+follows the HF config (``decoder_sparse_step``, ``mlp_only_layers``, as HF's Qwen-MoE decoders
+choose them); the others stay dense with width ``f``::
+
+    moe_mlp   = h*E + k*3*h*f_e + 3*h*f_s (+ h with a shared-expert gate)  # per token, per sparse layer
+
+Expert parallelism moves the expert work between ranks but does not change it, and the tokens
+padded into an expert's capacity are not model work (our dispatcher drops none and adds none).
+
 Biases, norms, rotary embeddings and the softmax are left out (they are not matmuls); the
 embedding lookup costs nothing. A backward pass costs twice its forward (gradients of the
 activations and of the weights), so a training pass is 3x. Activation recomputation is not
@@ -69,8 +82,14 @@ class ModelShape:
         num_heads: n_q, query heads.
         num_kv_heads: n_kv, key/value heads (grouped-query attention).
         head_dim: d, size of one head.
-        ffn_size: f, width of the gated MLP.
+        ffn_size: f, width of the gated MLP of the dense layers.
         vocab_size: V, rows of the output layer.
+        moe_layers: layers whose MLP is a mixture of experts (0: a dense model).
+        num_experts: E, routed experts of a sparse layer (the router's outputs).
+        moe_top_k: k, experts each token visits.
+        moe_ffn_size: f_e, width of one routed expert.
+        shared_ffn_size: f_s, total width of the shared experts every token visits (0: none).
+        shared_expert_gate: a ``h -> 1`` sigmoid gate scales the shared experts (Qwen2-MoE).
     """
 
     num_layers: int
@@ -80,29 +99,59 @@ class ModelShape:
     head_dim: int
     ffn_size: int
     vocab_size: int
+    moe_layers: int = 0
+    num_experts: int = 0
+    moe_top_k: int = 0
+    moe_ffn_size: int = 0
+    shared_ffn_size: int = 0
+    shared_expert_gate: bool = False
 
     @classmethod
     def from_hf_config(cls, config) -> ModelShape:
-        """The shape of a Hugging Face Llama/Qwen2-style config (``head_dim`` defaults to h / n_q).
+        """The shape of a Hugging Face Llama/Qwen2/Qwen3 or Qwen-MoE config (``head_dim`` defaults
+        to h / n_q).
 
         Args:
             config: a ``PretrainedConfig`` with ``num_hidden_layers``, ``hidden_size``,
                 ``num_attention_heads``, ``num_key_value_heads`` (optional), ``intermediate_size``
-                and ``vocab_size``.
+                and ``vocab_size``; a mixture-of-experts config also has ``num_experts`` (or
+                ``num_local_experts``) > 0, ``num_experts_per_tok``, ``moe_intermediate_size`` and
+                optionally ``decoder_sparse_step``, ``mlp_only_layers`` and
+                ``shared_expert_intermediate_size`` (Qwen2-MoE, gated) or ``n_shared_experts``
+                (DeepSeek-style, ungated, each of width ``moe_intermediate_size``).
 
         Returns:
-            The :class:`ModelShape`.
+            The :class:`ModelShape`; layer ``i`` is sparse when ``i`` is not in ``mlp_only_layers``
+            and ``(i + 1) % decoder_sparse_step == 0`` (HF's Qwen-MoE rule).
         """
         heads = config.num_attention_heads
-        return cls(num_layers=config.num_hidden_layers, hidden_size=config.hidden_size, num_heads=heads,
-                   num_kv_heads=getattr(config, "num_key_value_heads", None) or heads,
-                   head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
-                   ffn_size=config.intermediate_size, vocab_size=config.vocab_size)
+        shape = dict(num_layers=config.num_hidden_layers, hidden_size=config.hidden_size, num_heads=heads,
+                     num_kv_heads=getattr(config, "num_key_value_heads", None) or heads,
+                     head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
+                     ffn_size=config.intermediate_size, vocab_size=config.vocab_size)
+        experts = int(getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None) or 0)
+        if experts:
+            step = int(getattr(config, "decoder_sparse_step", None) or 1)
+            dense = set(getattr(config, "mlp_only_layers", None) or [])
+            gated = int(getattr(config, "shared_expert_intermediate_size", None) or 0)
+            ungated = int(getattr(config, "n_shared_experts", None) or 0) * int(config.moe_intermediate_size)
+            shape.update(moe_layers=sum(1 for i in range(config.num_hidden_layers)
+                                        if i not in dense and (i + 1) % step == 0),
+                         num_experts=experts, moe_top_k=int(config.num_experts_per_tok),
+                         moe_ffn_size=int(config.moe_intermediate_size), shared_ffn_size=gated + ungated,
+                         shared_expert_gate=gated > 0)
+        return cls(**shape)
 
     def linear_flops_per_token(self) -> int:
-        """Forward FLOPs of one token through every layer's q, k, v, o and MLP matmuls."""
+        """Forward FLOPs of one token through every layer's q, k, v, o and MLP matmuls (a sparse
+        layer's MLP: router, the ``k`` routed experts and the shared experts; module docstring).
+        """
         h, q, kv = self.hidden_size, self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        return 2 * self.num_layers * (h * q + 2 * h * kv + q * h + 3 * h * self.ffn_size)
+        attention = h * q + 2 * h * kv + q * h
+        sparse = (h * self.num_experts + self.moe_top_k * 3 * h * self.moe_ffn_size
+                  + 3 * h * self.shared_ffn_size + (h if self.shared_expert_gate else 0))
+        dense_layers = self.num_layers - self.moe_layers
+        return 2 * (self.num_layers * attention + dense_layers * 3 * h * self.ffn_size + self.moe_layers * sparse)
 
 
 def forward_flops(shape: ModelShape, seq_lengths: torch.Tensor, logit_tokens: int) -> float:

@@ -108,6 +108,19 @@ def test_resume_matches_uninterrupted_run_and_failed_save_keeps_latest(monkeypat
     assert latest == ckpts / "step_000004"
     assert json.loads((latest / STATE_FILE).read_text())["step"] == 4
 
+    # A shard cut short after the save (files.json lists every file's size) is refused before anything
+    # is read, naming the file and the previous complete checkpoint (used only when passed explicitly).
+    manifest = json.loads((latest / "files.json").read_text())
+    assert "rng/rank_00000.pt" in manifest and "config.yaml" in manifest
+    name = next(n for n in manifest if n.startswith("policy/") and n.endswith(".distcp"))
+    shard, size = latest / name, manifest[name]
+    assert shard.stat().st_size == size
+    shard.write_bytes(shard.read_bytes()[: size // 2])
+    with pytest.raises(ValueError) as err:
+        checkpoint.load_checkpoint(resolve_resume("auto", out), {}, config={})
+    assert f"{shard} is {size // 2} bytes, written with {size}" in str(err.value)
+    assert f"trainer.resume={ckpts / 'step_000002'}" in str(err.value)
+
 
 def test_sppo_critic_is_checkpointed(monkeypatch, tmp_path, tiny):
     out = tmp_path / "sppo"

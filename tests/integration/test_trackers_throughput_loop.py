@@ -9,7 +9,7 @@ import torch
 
 from nemo_sspo.models import load_hf_checkpoint
 from nemo_sspo.trainer.throughput import PEAK_TFLOPS_ENV
-from tests.integration._loop_runs import run
+from tests.integration._loop_runs import ParityReward, run
 from tests.unit._tracker_readers import mlflow_runs, tensorboard_scalars, wandb_history
 
 
@@ -28,20 +28,42 @@ def _independent_train_flops(checkpoint, rollout) -> float:
                 * hf_config.vocab_size)
 
 
+class TimingOutReward(ParityReward):
+    """Parity scores, except that a response whose length is a multiple of 3 "times out" (scores 0
+    and counts in ``timeouts``, as ``MathVerifyReward`` counts a response past its deadline)."""
+
+    def __init__(self, **_):
+        self.timeouts = 0
+
+    def __call__(self, responses, answers):
+        late = [len(r) % 3 == 0 for r in responses]
+        self.timeouts += sum(late)
+        return [0.0 if t else s for t, s in zip(late, super().__call__(responses, answers), strict=True)]
+
+
+SECRETS = {"WANDB_API_KEY": "wandb-secret-7f3a91", "MLFLOW_TRACKING_PASSWORD": "mlflow-secret-c2d845",
+           "MLFLOW_TRACKING_TOKEN": "mlflow-token-9be017", "MLFLOW_TRACKING_USERNAME": "mlflow-user-51aa0e"}
+
+
 @pytest.mark.slow
-def test_run_writes_every_tracker_and_reports_throughput(monkeypatch, tmp_path):
+def test_run_writes_every_tracker_and_reports_throughput(monkeypatch, tmp_path, capfd):
     checkpoint = load_hf_checkpoint("tiny-random-llama")
     monkeypatch.setenv(PEAK_TFLOPS_ENV, "0.5")
+    for key, value in SECRETS.items():  # credentials in the environment (never used: offline W&B, local MLflow)
+        monkeypatch.setenv(key, value)
     rollouts = []
 
     def capture(trainer):
         inner = trainer.generate_and_score
         trainer.generate_and_score = lambda step: rollouts.append(inner(step)) or rollouts[-1]
 
-    history = run(monkeypatch, tmp_path, ["trainer.loggers=[jsonl,tensorboard,wandb,mlflow]"],
-                  checkpoint=checkpoint, capture=capture)
+    history = run(monkeypatch, tmp_path, ["trainer.loggers=[console,jsonl,tensorboard,wandb,mlflow]"],
+                  checkpoint=checkpoint, capture=capture, reward=TimingOutReward)
     assert [h["step"] for h in history] == [1, 2]
     for record, rollout in zip(history, rollouts, strict=True):
+        # The step's share of timed-out responses, counted from the response texts.
+        texts = rollout.batch.response_texts
+        assert record["reward/timeout_frac"] == sum(len(r) % 3 == 0 for r in texts) / len(texts)
         assert record["flops/train"] == pytest.approx(_independent_train_flops(checkpoint, rollout), rel=1e-12)
         tokens = float(rollout.batch.prompt_mask.sum() + rollout.batch.response_mask.sum())
         assert record["tokens/prompt"] + record["tokens/response"] == tokens
@@ -63,10 +85,20 @@ def test_run_writes_every_tracker_and_reports_throughput(monkeypatch, tmp_path):
     (wandb_run,) = (tmp_path / "wandb").glob("offline-run-*")
     rows, config = wandb_history(wandb_run)
     assert {key: [(r["_step"], r[key]) for r in rows if key in r] for key in keys} == expected
-    assert config["trainer"]["loggers"] == ["jsonl", "tensorboard", "wandb", "mlflow"]
+    assert config["trainer"]["loggers"] == ["console", "jsonl", "tensorboard", "wandb", "mlflow"]
     client, (mlflow_run,) = mlflow_runs(tmp_path)
     assert {key: [(m.step, m.value) for m in client.get_metric_history(mlflow_run.info.run_id, key)]
             for key in keys} == expected
     assert mlflow_run.data.params["rollout.samples_per_prompt"] == "2"
     assert mlflow_run.data.params["loss.params.gamma"] == "1.75"
     assert [a.path for a in client.list_artifacts(mlflow_run.info.run_id)] == ["reward_entropy.png"]
+
+    # No credential from the environment reaches a file of the run (config.yaml, metrics, events,
+    # the W&B run folder with its logs and metadata, the MLflow store), the console or the parameters.
+    printed = capfd.readouterr()
+    for path in [p for p in tmp_path.rglob("*") if p.is_file()]:
+        data = path.read_bytes()
+        assert not [key for key, value in SECRETS.items() if value.encode() in data], path
+    assert not [key for key, value in SECRETS.items() if value in printed.out + printed.err]
+    assert not [key for key, value in SECRETS.items() if value in str(mlflow_run.data.params) + str(config)]
+    assert any(tmp_path.joinpath("wandb").rglob("debug*.log"))  # W&B's own logs were among the files read

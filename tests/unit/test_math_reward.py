@@ -85,6 +85,7 @@ def test_worker_timeout_scores_zero():
     with _SleepyReward(num_workers=1, timeout_s=0.3) as slow:
         start = time.monotonic()
         assert slow(["\\boxed{1}"], ["1"]) == [0.0]
+        assert slow.timeouts == 1
         assert time.monotonic() - start < 10.0  # far below the scorer's 30 s sleep
 
 
@@ -94,7 +95,18 @@ def test_unresponsive_worker_is_replaced(monkeypatch):
     with _DeafReward(num_workers=1, timeout_s=0.2) as deaf:
         stuck_pool = deaf._pool
         assert deaf(["\\boxed{1}"], ["1"]) == [0.0]
+        assert deaf.timeouts == 1  # counted as a timeout too
         assert deaf._pool is not stuck_pool
+
+
+def test_a_tower_of_exponents_times_out_alone_and_is_counted():
+    # sympy would expand 9^(9^(9^(9^9))) exactly (9^(9^9) alone has 369,693,100 digits): the worker's
+    # deadline stops it, it scores 0, and the right and wrong answers beside it score 1 and 0.
+    with MathVerifyReward(num_workers=1, timeout_s=1.0) as reward:
+        tower = "The answer is $\\boxed{9^{9^{9^{9^{9}}}}}$."
+        assert reward([tower, "\\boxed{2}", "\\boxed{3}"], ["1", "2", "4"]) == [0.0, 1.0, 0.0]
+        assert reward.timeouts == 1
+        assert reward(["\\boxed{2}"], ["2"]) == [1.0] and reward.timeouts == 1  # the worker still serves
 
 
 # Issue 10 item 3: math-verify's defaults compare numbers absolutely (6 decimals for a decimal

@@ -1,6 +1,6 @@
 """trainer.loggers: every selected logger gets the same per-step values, read back with each
-tracker's own reader; W&B and MLflow also get the composed config and the plot; a resumed run
-continues the same tracker runs."""
+tracker's own reader; W&B and MLflow also get the composed config and the plot; after a kill and a
+resume every tracker holds one value per step (docs/pitfalls.md#tracker-resume-steps)."""
 
 import json
 
@@ -27,46 +27,94 @@ def _log(out, steps, *, resume_step=None, loggers=ALL):
     return log
 
 
+RESUMED = {3: {"reward/mean": 0.5, "timing/step_s": 5.0, "throughput/mfu": 0.0625},
+           4: {"reward/mean": 0.0, "timing/step_s": 1.0, "throughput/mfu": 1.0},
+           5: {"reward/mean": 0.125, "timing/step_s": 3.0, "throughput/mfu": 0.5}}
+_KILLED_RUN = """
+import os, signal, sys
+from nemo_sspo.trainer.config import TrainerConfig
+from nemo_sspo.trainer.metric_log import MetricsLogger
+out, steps = sys.argv[1], {steps!r}
+log = MetricsLogger(out, 3, enabled=True, trainer=TrainerConfig(loggers={loggers!r}, output_dir=out),
+                    params={params!r})
+for step in (1, 2, 3):
+    log.log(step, steps[step])
+os.kill(os.getpid(), signal.SIGKILL)  # killed after step 3: nothing closed
+"""
+PARAMS = {"trainer": {"seed": 7, "loggers": ALL}, "loss": {"name": "sspo"}}
+
+
+def _resume(out, steps, resume_step):
+    log = MetricsLogger(out, 5, enabled=True, resume_step=resume_step, trainer=TrainerConfig(loggers=ALL, output_dir=str(out)),
+                        params=PARAMS)
+    for step in steps:
+        log.log(step, RESUMED[step])
+    log.close()
+    return log
+
+
 @pytest.mark.slow
-def test_all_loggers_record_the_same_values_and_a_resume_continues_the_runs(tmp_path, capsys):
+def test_after_a_kill_and_a_resume_every_tracker_holds_one_value_per_step(tmp_path, capsys):
+    """Killed (SIGKILL) after step 3, resumed from the step-2 checkpoint: every logger, read back with
+    its own reader, holds steps 1-2 of the first run and the resumed run's 3 and 4, once each; a
+    second resume from step 4 (nothing abandoned) continues the same tracker runs."""
+    import os
+    import subprocess
+    import sys
+
     out = tmp_path / "run"
-    _log(out, [1, 2])
-    # The "interrupted" run resumes after step 1: step 2 is logged again, then step 3.
-    log = _log(out, [2, 3], resume_step=1)
+    script = _KILLED_RUN.format(steps=STEPS, loggers=ALL, params=PARAMS)
+    killed = subprocess.run([sys.executable, "-c", script, str(out)], env={**os.environ, "WANDB_SILENT": "true"},
+                            capture_output=True, text=True, timeout=300)
+    assert killed.returncode == -9, killed.stderr[-2000:]
+    parent_ids = json.loads((out / "trackers.json").read_text())
+    log = _resume(out, [3, 4], resume_step=2)
+    expected = [(1, 0.25), (2, 0.75), (3, 0.5), (4, 0.0)]  # 1, 2 from STEPS; 3, 4 from RESUMED
+
     jsonl = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in jsonl] == [1, 2, 3]
-    assert [r["reward/mean"] for r in jsonl] == [0.25, 0.75, 1.0]
-    assert tensorboard_scalars(out / "tensorboard", "reward/mean") == [(1, 0.25), (2, 0.75), (3, 1.0)]
+    assert [(r["step"], r["reward/mean"]) for r in jsonl] == expected
+    assert tensorboard_scalars(out / "tensorboard", "reward/mean") == expected
 
-    # W&B: offline runs under output_dir/wandb, the same run id both times (wandb sync merges them).
-    runs = sorted((out / "wandb").glob("offline-run-*"))
-    assert len(runs) == 2 and len({r.name.rsplit("-", 1)[1] for r in runs}) == 1
-    first, first_config = wandb_history(runs[0])
-    second, _ = wandb_history(runs[1])
-    assert [(r["_step"], r["reward/mean"]) for r in first if "reward/mean" in r] == [(1, 0.25), (2, 0.75)]
-    assert [(r["_step"], r["reward/mean"]) for r in second if "reward/mean" in r] == [(2, 0.75), (3, 1.0)]
-    assert first_config["trainer"] == {"seed": 7, "loggers": ALL} and first_config["loss"] == {"name": "sspo"}
-    (image,) = [r for r in second if "plots/reward_entropy/path" in r]
-    assert image["_step"] == 3 and image["plots/reward_entropy/format"] == "png"
-    assert (runs[1] / "files" / image["plots/reward_entropy/path"]).stat().st_size == (out / "reward_entropy.png").stat().st_size
+    # W&B: a new run (W&B drops a second log at a step it holds) naming its parent, holding every step once.
+    ids = json.loads((out / "trackers.json").read_text())
+    assert ids["wandb"] != parent_ids["wandb"] and ids["mlflow"] != parent_ids["mlflow"]
+    (run_dir,) = (out / "wandb").glob(f"offline-run-*-{ids['wandb']}")
+    rows, config = wandb_history(run_dir)
+    assert [(r["_step"], r["reward/mean"]) for r in rows if "reward/mean" in r] == expected
+    assert config["resumed_from"] == {"run_id": parent_ids["wandb"], "step": 2}
+    assert config["trainer"] == {"seed": 7, "loggers": ALL} and config["loss"] == {"name": "sspo"}
+    (image,) = [r for r in rows if "plots/reward_entropy/path" in r]
+    assert image["_step"] == 4 and image["plots/reward_entropy/format"] == "png"
+    assert (run_dir / "files" / image["plots/reward_entropy/path"]).stat().st_size == (out / "reward_entropy.png").stat().st_size
 
-    # MLflow: one run in the local SQLite store, its parameters flattened, the plot as an artifact.
-    client, mlruns = mlflow_runs(out)
-    (run,) = mlruns
+    # MLflow: the new run holds every step once; the parent keeps its abandoned step 3, marked.
+    client, _ = mlflow_runs(out)
+    run = client.get_run(ids["mlflow"])
+    assert [(m.step, m.value) for m in client.get_metric_history(run.info.run_id, "reward/mean")] == expected
     assert run.data.params == {"trainer.seed": "7", "trainer.loggers": str(ALL), "loss.name": "sspo"}
-    history = [(m.step, m.value) for m in client.get_metric_history(run.info.run_id, "reward/mean")]
-    assert sorted(history) == [(1, 0.25), (2, 0.75), (2, 0.75), (3, 1.0)]  # step 2 from both runs
+    assert (run.data.tags["resumed_from_run"], run.data.tags["resumed_from_step"]) == (
+        parent_ids["mlflow"], "2")
+    parent = client.get_run(parent_ids["mlflow"])
+    assert parent.data.tags["superseded_by"] == ids["mlflow"] and parent.info.status == "KILLED"
+    assert (3, 1.0) in [(m.step, m.value) for m in client.get_metric_history(parent.info.run_id, "reward/mean")]
     assert [a.path for a in client.list_artifacts(run.info.run_id)] == ["reward_entropy.png"]
-    assert run.info.status == "FINISHED"
 
-    # The summary leaves out step 1 of the history (one-time costs): means of steps 2 and 3.
-    assert log.summary["summary/timing/step_s"] == 2.5  # (2 + 3) / 2
-    assert log.summary["summary/throughput/mfu"] == 0.1875  # (0.25 + 0.125) / 2
+    # The summary leaves out step 1 (one-time costs): means of steps 2-4 = (2 + 5 + 1) / 3 and (0.25 + 0.0625 + 1) / 3.
+    assert log.summary["summary/timing/step_s"] == pytest.approx(8 / 3)
+    assert log.summary["summary/throughput/mfu"] == pytest.approx(1.3125 / 3)
     assert json.loads((out / "throughput_summary.json").read_text()) == log.summary
-    mlflow_summary = client.get_metric_history(run.info.run_id, "summary/timing/step_s")
-    # Each of the two runs closes with its summary: the first over its step 2 only.
-    assert [(m.step, m.value) for m in mlflow_summary] == [(2, 2.0), (3, 2.5)]
-    assert "run summary: throughput/mfu=0.1875" in capsys.readouterr().out
+    assert "run summary: throughput/mfu=0.4375" in capsys.readouterr().out
+
+    # A resume from the last step (nothing abandoned) continues the same W&B and MLflow runs.
+    _resume(out, [5], resume_step=4)
+    assert json.loads((out / "trackers.json").read_text()) == ids
+    expected.append((5, 0.125))
+    rows = [row for folder in sorted((out / "wandb").glob(f"offline-run-*-{ids['wandb']}"))
+            for row in wandb_history(folder)[0] if "reward/mean" in row]
+    assert [(r["_step"], r["reward/mean"]) for r in rows] == expected
+    assert [(m.step, m.value) for m in client.get_metric_history(ids["mlflow"], "reward/mean")] == expected
+    assert client.get_run(ids["mlflow"]).info.status == "FINISHED"
+    assert tensorboard_scalars(out / "tensorboard", "reward/mean") == expected
 
 
 def test_loggers_left_out_write_nothing(tmp_path, capsys):

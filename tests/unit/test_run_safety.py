@@ -65,8 +65,10 @@ def test_checkpoint_without_saved_config_is_checked_on_its_seed(tmp_path):
         load_checkpoint(folder, {}, config=composed_config(load_config()))
 
 
-def _earlier_run(out, *, checkpoint):
+def _earlier_run(out, *, checkpoint, config=True):
     out.mkdir()
+    if config:  # every run writes its composed config first
+        write_config(out, {"model": {"source": "tiny-random-llama"}, "trainer": {"seed": 1234}})
     (out / "metrics.jsonl").write_text('{"step": 1}\n')
     (out / "tensorboard").mkdir()
     (out / "tensorboard" / "events.out.tfevents.1").write_text("x")
@@ -110,3 +112,96 @@ def test_overwrite_removes_the_old_checkpoints_so_auto_resume_starts_fresh(tmp_p
     prepare_output_dir(_trainer(out, True), is_writer=True)
     assert resolve_resume("auto", out) is None
     assert sorted(p.name for p in out.iterdir()) == ["notes.txt"]
+
+
+def _refusal(tmp_path, saved_parallel, world_size):
+    saved = composed_config(load_config())
+    saved["parallel"].update(saved_parallel)
+    folder = _checkpoint(tmp_path / "step_000002", saved, world_size=world_size)
+    with pytest.raises(ValueError) as err:  # this process: world size 1, TP = PP = EP = 1, DP 1
+        load_checkpoint(folder, {}, config=composed_config(load_config()))
+    return str(err.value)
+
+
+def test_resume_refusal_names_every_layout_size_that_differs(tmp_path):
+    # Checkpoint: EP 2 on 2 processes, TP = PP = 1 -> DP 2 (EP is carved out of the DP ranks).
+    message = _refusal(tmp_path / "ep", {"expert_model_parallel_size": 2}, 2)
+    for line in ("parallel.expert_model_parallel_size: checkpoint 2, now 1",
+                 "world size (processes): checkpoint 2, now 1", "data-parallel size: checkpoint 2, now 1"):
+        assert line in message, (line, message)
+    # Checkpoint: TP 2 x PP 2 on 4 processes -> DP 1, as now: the sizes that differ are named, DP is not.
+    message = _refusal(tmp_path / "tp", {"tensor_model_parallel_size": 2, "pipeline_model_parallel_size": 2}, 4)
+    assert "parallel.tensor_model_parallel_size: checkpoint 2, now 1" in message
+    assert "parallel.pipeline_model_parallel_size: checkpoint 2, now 1" in message
+    assert "data-parallel size" not in message
+
+
+def test_overwrite_clears_every_artifact_of_the_earlier_run(tmp_path):
+    out = tmp_path / "run"
+    _earlier_run(out, checkpoint=True)
+    # What a run with every logger, a timeline and a killed model-folder write leaves (RUN_OUTPUTS).
+    for name in ("throughput_summary.json", "trackers.json", "mlflow.db", "timeline.jsonl", "timeline.png"):
+        (out / name).write_text("x")
+    for folder in ("wandb/offline-run-20260101_000000-abc", "mlflow_artifacts/1/abc", ".hf_checkpoint.tmp",
+                   "hf_checkpoint", "best", "eval"):
+        (out / folder).mkdir(parents=True)
+        (out / folder / "f").write_text("x")
+    prepare_output_dir(_trainer(out, True), is_writer=True)
+    assert sorted(p.name for p in out.iterdir()) == ["notes.txt"]
+
+
+def test_leftovers_of_a_run_stopped_before_its_first_step_are_cleared(tmp_path):
+    out = tmp_path / "run"
+    out.mkdir()
+    write_config(out, {"model": {}, "trainer": {}})
+    (out / "wandb").mkdir()
+    (out / "trackers.json").write_text("{}")
+    prepare_output_dir(_trainer(out, False), is_writer=True)  # nothing held: no refusal, nothing deleted
+    assert (out / "wandb").is_dir()
+    prepare_output_dir(_trainer(out, True), is_writer=True)
+    assert list(out.iterdir()) == []
+
+
+def test_overwrite_refuses_a_folder_that_is_not_a_run_folder(tmp_path, monkeypatch):
+    out = tmp_path / "home"
+    _earlier_run(out, checkpoint=False, config=False)  # a metrics.jsonl of something else, no config.yaml
+    (out / "wandb").mkdir()  # e.g. a user's own W&B folder in their home
+    for is_writer in (True, False):
+        with pytest.raises(ValueError) as err:
+            prepare_output_dir(_trainer(out, True), is_writer=is_writer)
+        message = str(err.value)
+        assert "trainer.overwrite_output_dir=true" in message and repr(str(out)) in message
+        assert "holds metrics.jsonl, tensorboard, wandb but no composed config.yaml" in message
+    assert sorted(p.name for p in out.iterdir()) == ["metrics.jsonl", "notes.txt", "tensorboard", "wandb"]
+    # The home folder is refused even when it holds a run's config.yaml (a user passing ~).
+    write_config(out, {"model": {}, "trainer": {}})
+    monkeypatch.setenv("HOME", str(out))
+    with pytest.raises(ValueError, match="or it is the home or root folder"):
+        prepare_output_dir(_trainer(out, True), is_writer=True)
+    assert (out / "metrics.jsonl").is_file()
+
+
+def test_a_damaged_checkpoint_is_refused_naming_the_file_and_the_previous_one(tmp_path):
+    from nemo_sspo.trainer.checkpoint import _write_manifest
+
+    root = tmp_path / "checkpoints"
+    config = {"trainer": {"seed": 1234}}
+    first, second = (_checkpoint(root / f"step_00000{s}", config) for s in (2, 4))
+    for folder in (first, second):
+        (folder / "policy").mkdir()
+        (folder / "policy" / "__0_0.distcp").write_bytes(b"w" * 100)
+        _write_manifest(folder)
+    (second / "policy" / "__0_0.distcp").write_bytes(b"w" * 60)  # cut short
+    with pytest.raises(ValueError) as err:
+        load_checkpoint(second, {}, config=config)
+    message = str(err.value)
+    assert f"{second / 'policy' / '__0_0.distcp'} is 60 bytes, written with 100" in message
+    assert f"trainer.resume={first}" in message  # the previous complete checkpoint, only named
+    (second / "policy" / "__0_0.distcp").unlink()
+    with pytest.raises(ValueError, match="__0_0.distcp is missing"):
+        load_checkpoint(second, {}, config=config)
+    # A truncated trainer_state.json (not in files.json: written after it) is named too; the first
+    # checkpoint has no earlier one to offer.
+    (first / STATE_FILE).write_text('{"step": 2, "probl')
+    with pytest.raises(ValueError, match="trainer_state.json is unreadable .*no earlier complete checkpoint"):
+        load_checkpoint(first, {}, config=config)

@@ -121,3 +121,58 @@ def test_summary_skips_the_first_step_and_takes_the_peak_memory_maximum():
     assert summarize_throughput(history[:1]) == {"summary/timing/step_s": 9.0,
                                                  "summary/memory/peak_allocated_gib": 1.0, "summary/steps": 1.0}
     assert summarize_throughput([]) == {}
+
+
+def _tiny_moe_config(**extra):
+    from transformers import Qwen3MoeConfig
+
+    # The shape of model=tiny_random_qwen3_moe (nemo_sspo/models/hf_checkpoint.py) with a 50-row vocabulary.
+    return Qwen3MoeConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                          num_key_value_heads=2, head_dim=32, vocab_size=50, moe_intermediate_size=32, num_experts=8,
+                          num_experts_per_tok=2, norm_topk_prob=True, **extra)
+
+
+def test_moe_flops_count_the_active_experts_by_hand():
+    shape = ModelShape.from_hf_config(_tiny_moe_config())
+    # Per layer and token: q 64*128 = 8,192, k and v 2*64*64 = 8,192, o 128*64 = 8,192 -> 24,576 MACs;
+    # MLP: router 64*8 = 512 + 2 experts of 3*64*32 = 6,144 each -> 12,800 (the dense intermediate_size
+    # would give 3*64*128 = 24,576: 1.92x too many). (24,576 + 12,800) * 2 FLOPs * 2 layers = 149,504.
+    assert shape.linear_flops_per_token() == 149_504
+    assert (3 * 64 * 128) / (64 * 8 + 2 * 3 * 64 * 32) == 1.92
+
+
+def test_moe_counts_agree_with_torch_flop_counter():
+    """A second count: FlopCounterMode on transformers' Qwen3-MoE (routed experts, no shared one) and
+    Qwen2-MoE (a gated shared expert of width 48 and a dense layer, mlp_only_layers=[1]), with the
+    experts run one by one on the tokens routed to them (experts_implementation="eager")."""
+    from torch.utils.flop_counter import FlopCounterMode
+    from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM, Qwen3MoeForCausalLM
+
+    eager = dict(attn_implementation="eager", experts_implementation="eager")
+    qwen2 = Qwen2MoeConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+                           num_key_value_heads=2, vocab_size=50, moe_intermediate_size=32,
+                           shared_expert_intermediate_size=48, num_experts=8, num_experts_per_tok=2,
+                           mlp_only_layers=[1], **eager)
+    s = 5
+    for model_class, config in ((Qwen3MoeForCausalLM, _tiny_moe_config(**eager)), (Qwen2MoeForCausalLM, qwen2)):
+        torch.manual_seed(0)
+        model = model_class(config)
+        shape = ModelShape.from_hf_config(config)
+        counter = FlopCounterMode(display=False)
+        with counter:
+            model(input_ids=torch.arange(s).unsqueeze(0))
+        extra = 4 * shape.num_layers * shape.num_heads * shape.head_dim * (s * s - s * (s + 1) // 2)  # eager s^2
+        assert _model_work(counter) == forward_flops(shape, torch.tensor([s]), logit_tokens=s) + extra, model_class
+    assert (ModelShape.from_hf_config(qwen2).moe_layers, ModelShape.from_hf_config(qwen2).shared_expert_gate) == (2, True)
+
+
+def test_moe_flops_of_qwen3_30b_a3b_match_its_active_parameters():
+    from nemo_sspo.models.published import published_config
+
+    # Active parameters per token (tests/unit/test_parameter_counts.py, the card's "3.3B activated"):
+    # 3,353,032,704. Of those, norms (48 * (2*128 + 2*2048) + 2048 = 210,944) and the embedding
+    # (151,936 * 2048 = 311,164,928: a lookup) do no matmul; every other weight is one multiply-add
+    # per token: 2 FLOPs each, the untied output layer included.
+    shape = ModelShape.from_hf_config(published_config("Qwen/Qwen3-30B-A3B"))
+    matmul_weights = 3_353_032_704 - 210_944 - 311_164_928
+    assert shape.linear_flops_per_token() + 2 * shape.hidden_size * shape.vocab_size == 2 * matmul_weights
