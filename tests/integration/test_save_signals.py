@@ -57,8 +57,14 @@ def test_group_sigterm_during_a_save_keeps_it_and_resume_equals_an_uninterrupted
     torch.set_num_threads(1)
     try:
         run(monkeypatch, out, [*SHARED, "trainer.resume=auto"], checkpoint=tiny)
-        run(monkeypatch, tmp_path / "straight", SHARED, checkpoint=tiny)
+        # The reference starts in a folder left by a job stopped before its first checkpoint:
+        # trainer.resume=auto moves that aside and starts fresh (issue 32, item 3).
+        (tmp_path / "straight").mkdir()
+        (tmp_path / "straight" / "metrics.jsonl").write_text('{"step": 1, "reward/mean": 9.0}\n')
+        run(monkeypatch, tmp_path / "straight", [*SHARED, "trainer.resume=auto", "trainer.overwrite_output_dir=false"],
+            checkpoint=tiny)
     finally:
         torch.set_num_threads(threads)
     want, got = _by_step(tmp_path / "straight" / "metrics.jsonl"), _by_step(out / "metrics.jsonl")
     assert sorted(got) == [1, 2, 3] and got == want
+    assert (tmp_path / "straight" / "earlier_run_1" / "metrics.jsonl").read_text() == '{"step": 1, "reward/mean": 9.0}\n'

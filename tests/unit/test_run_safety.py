@@ -76,8 +76,8 @@ def _earlier_run(out, *, checkpoint):
         (out / "checkpoints" / "latest").write_text("step_000004")
 
 
-def _trainer(out, overwrite):
-    return SimpleNamespace(output_dir=str(out), overwrite_output_dir=overwrite)
+def _trainer(out, overwrite, resume=None):
+    return SimpleNamespace(output_dir=str(out), overwrite_output_dir=overwrite, resume=resume)
 
 
 def test_earlier_run_with_a_checkpoint_is_refused_naming_resume_first(tmp_path):
@@ -110,3 +110,29 @@ def test_overwrite_removes_the_old_checkpoints_so_auto_resume_starts_fresh(tmp_p
     prepare_output_dir(_trainer(out, True), is_writer=True)
     assert resolve_resume("auto", out) is None
     assert sorted(p.name for p in out.iterdir()) == ["notes.txt"]
+
+
+def test_auto_resume_without_a_checkpoint_moves_the_earlier_run_aside_and_starts_fresh(tmp_path, caplog):
+    """A job requeued before its first checkpoint (issue 32): the recipes' trainer.resume=auto starts
+    fresh instead of refusing, and the earlier run's outputs are kept in earlier_run_<k>/."""
+    out = tmp_path / "run"
+    _earlier_run(out, checkpoint=False)
+    (out / "checkpoints").mkdir()
+    (out / "checkpoints" / ".step_000002.tmp").mkdir()  # killed during its first save: no latest
+    assert prepare_output_dir(_trainer(out, False, "auto"), is_writer=False) is None  # other ranks only check
+    assert (out / "metrics.jsonl").is_file()
+    with caplog.at_level("WARNING", logger="nemo_sspo.trainer.checkpoint"):
+        aside = prepare_output_dir(_trainer(out, False, "auto"), is_writer=True)
+    assert aside == out / "earlier_run_1"
+    assert sorted(p.name for p in out.iterdir()) == ["earlier_run_1", "notes.txt"]
+    assert sorted(p.name for p in aside.iterdir()) == ["checkpoints", "metrics.jsonl", "tensorboard"]
+    assert (aside / "metrics.jsonl").read_text() == '{"step": 1}\n'
+    assert [r.getMessage() for r in caplog.records] == [
+        f"trainer.resume=auto: {out} holds an earlier run without a checkpoint (1 step(s) in metrics.jsonl); "
+        f"moved its outputs (metrics.jsonl, tensorboard, checkpoints) to {aside} and starting fresh"]
+    (out / "metrics.jsonl").write_text('{"step": 1}\n{"step": 2}\n')  # requeued again before a checkpoint
+    assert prepare_output_dir(_trainer(out, False, "auto"), is_writer=True) == out / "earlier_run_2"
+    assert resolve_resume("auto", out) is None  # the run starts at step 1
+    with pytest.raises(ValueError, match="without a checkpoint to resume from"):  # without resume=auto: refused
+        (out / "metrics.jsonl").write_text('{"step": 1}\n')
+        prepare_output_dir(_trainer(out, False, None), is_writer=True)
