@@ -69,10 +69,18 @@ class WandbTracker:
                               mode=cfg.mode, dir=str(output_dir), config=params, id=run_id,
                               resume="allow" if run_id else None, settings=wandb.Settings(console="off"))
         _save_run_id(output_dir, "wandb", self.run.id)
+        self._params = params
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         """Records ``metrics`` at ``step``."""
         self.run.log(metrics, step=step)
+
+    def log_changes(self, step: int, changes: dict[str, tuple]) -> None:
+        """A resume's allowed config changes (``{dotted key: (old, new)}``; ``step``: the step resumed
+        after): the run's config gets the current values of the sections they touch."""
+        sections = {key.split(".", 1)[0] for key in changes}
+        self.run.config.update({name: self._params[name] for name in sections if name in self._params},
+                               allow_val_change=True)
 
     def close(self, plot: Path | None, last_step: int | None) -> None:
         """Adds the plot (as ``plots/reward_entropy`` at the last step) and finishes the run."""
@@ -116,6 +124,22 @@ class MlflowTracker:
                 self.client.log_batch(run_id, params=flat[start:start + self._BATCH])
         self.run_id, self.tracking_uri = run_id, uri
         _save_run_id(output_dir, "mlflow", run_id)
+
+    def log_changes(self, step: int, changes: dict[str, tuple]) -> None:
+        """A resume's allowed config changes (``{dotted key: (old, new)}``; ``step``: the step resumed
+        after). MLflow parameters cannot change, so each new value is logged as the parameter
+        ``<key>/from_step_<step + 1>`` (``optim.lr/from_step_3``) beside the original ``<key>``; a
+        name already taken with another value (a second resume from the same step) becomes a tag.
+        """
+        from mlflow.entities import Param
+        from mlflow.exceptions import MlflowException
+
+        params = [Param(f"{key}/from_step_{step + 1}", str(new)) for key, (_, new) in changes.items()]
+        try:
+            self.client.log_batch(self.run_id, params=params)
+        except MlflowException:
+            for param in params:
+                self.client.set_tag(self.run_id, param.key, param.value)
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         """Records ``metrics`` at ``step`` (one batch call)."""

@@ -8,7 +8,7 @@ import pytest
 
 from nemo_sspo.cli import load_config
 from nemo_sspo.trainer.checkpoint import STATE_FILE, load_checkpoint, prepare_output_dir, resolve_resume
-from nemo_sspo.trainer.run_config import composed_config, read_config, resume_mismatches, write_config
+from nemo_sspo.trainer.run_config import composed_config, read_config, resume_changes, resume_mismatches, write_config
 
 
 def _checkpoint(folder, config, *, seed=1234, world_size=1):
@@ -136,3 +136,19 @@ def test_auto_resume_without_a_checkpoint_moves_the_earlier_run_aside_and_starts
     with pytest.raises(ValueError, match="without a checkpoint to resume from"):  # without resume=auto: refused
         (out / "metrics.jsonl").write_text('{"step": 1}\n')
         prepare_output_dir(_trainer(out, False, None), is_writer=True)
+
+
+def test_resume_refuses_a_changed_reward_and_lists_the_allowed_changes():
+    """A changed reward is refused like a changed loss (issue 32); what a resume may change is
+    listed with both values (the defaults: lr 2e-5, 12 steps, 2 reward workers)."""
+    saved = composed_config(load_config())
+    now = composed_config(load_config(overrides=[
+        "reward.overlong_buffer_len=8", "reward.overlong_penalty=0.5",  # the reward's shaping: refused
+        "optim.lr=1e-5", "trainer.max_steps=20", "reward.num_workers=4", "trainer.resume=auto"]))  # allowed
+    assert resume_mismatches(saved, now) == ["reward.overlong_buffer_len: checkpoint 0, now 8",
+                                             "reward.overlong_penalty: checkpoint 1.0, now 0.5"]
+    assert resume_changes(saved, now) == {"optim.lr": (2e-5, 1e-5), "reward.num_workers": (2, 4),
+                                          "trainer.max_steps": (12, 20)}  # trainer.resume is not a change
+    assert resume_changes(saved, saved) == {}
+    renamed = {**saved, "reward": {**saved["reward"], "name": "my_reward"}}
+    assert resume_mismatches(saved, renamed) == ["reward.name: checkpoint 'math_verify', now 'my_reward'"]
