@@ -77,7 +77,8 @@ class WandbTracker:
 
     def log_changes(self, step: int, changes: dict[str, tuple]) -> None:
         """A resume's allowed config changes (``{dotted key: (old, new)}``; ``step``: the step resumed
-        after): the run's config gets the current values of the sections they touch."""
+        after): the run's config gets the current values of the sections they touch.
+        """
         sections = {key.split(".", 1)[0] for key in changes}
         self.run.config.update({name: self._params[name] for name in sections if name in self._params},
                                allow_val_change=True)

@@ -47,7 +47,7 @@ def test_processes_started_during_a_save_outlive_a_signal_to_the_group():
             writer.join()
             queue.put("written")  # the Manager still serves
             assert (writer.exitcode, queue.get()) == (0, "written")  # before: -15, and a dead Manager
-        assert False, "not reached: the held SIGTERM is raised as the block ends"
+        raise AssertionError("not reached: the held SIGTERM is raised as the block ends")
     manager.shutdown()
     assert err.value.exit_code == 143
 
