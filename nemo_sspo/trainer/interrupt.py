@@ -7,12 +7,21 @@ tracker. :func:`stop_on_signals` turns both signals into :class:`RunInterrupted`
 so the step in progress is abandoned, the loop saves what is safe (``GRPOTrainer.fit``), the reward
 pool is closed and the interpreter exits normally, shutting those children down. A checkpoint save
 in progress is finished first (:func:`deferred_signals`): its temporary folder would be left behind.
+
+A signal to the whole process group (Ctrl-C in a terminal, Slurm's SIGTERM to a job step) also
+reaches the save's own helper processes: the Manager that megatron-core spawns on the first save and
+the writer processes it forks for every save. Killed, they take the checkpoint with them (the main
+process reads ``EOFError`` from their queue and only ``.step_N.tmp`` is left). So during the block
+the main thread also blocks both signals in its signal mask: processes forked or spawned there
+inherit that mask and never see the signals, while the main process still records them (another
+thread takes the delivery, or the mask's release does) and raises once the save is complete.
 """
 
 from __future__ import annotations
 
 import signal
 import threading
+from multiprocessing import resource_tracker
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -73,11 +82,25 @@ def stop_on_signals():
 def deferred_signals():
     """A signal arriving within the block is held until the block ends, then raised (a save that
     must not stop half way).
+
+    In the main thread SIGINT and SIGTERM are also blocked in the signal mask for the duration, so
+    every process started within the block (megatron-core's checkpoint Manager and writers) inherits
+    a mask that keeps them from being killed by a signal sent to the whole process group. A held
+    signal is raised as :class:`RunInterrupted` when the block ends (inside :func:`stop_on_signals`).
     """
+    main = threading.current_thread() is threading.main_thread()
+    if main:
+        # multiprocessing starts its resource tracker (on the first spawned process, such as that
+        # Manager) between a block and an *unblock* of these very signals, which would clear ours:
+        # start it now, so that it is already running inside the block.
+        resource_tracker.ensure_running()
+    previous_mask = signal.pthread_sigmask(signal.SIG_BLOCK, _SIGNALS) if main else None
     _deferring.set()
     try:
         yield
     finally:
+        if previous_mask is not None:  # a signal held by the mask runs the handler here, while deferring
+            signal.pthread_sigmask(signal.SIG_SETMASK, previous_mask)
         _deferring.clear()
     if _pending:
         signum = _pending[0]

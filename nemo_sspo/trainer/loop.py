@@ -119,7 +119,7 @@ from nemo_sspo.trainer.interrupt import deferred_signals
 from nemo_sspo.trainer.metric_log import MetricsLogger
 from nemo_sspo.trainer.periodic_eval import BEST_DIR, BestEval, evaluate_engine
 from nemo_sspo.trainer.rollout_metrics import TruncationWatch, rollout_metric_sums
-from nemo_sspo.trainer.run_config import composed_config, write_config
+from nemo_sspo.trainer.run_config import composed_config, read_config, resume_changes, write_config
 from nemo_sspo.trainer.sampling import Rollout, RolloutSampler
 from nemo_sspo.trainer.throughput import ModelShape, peak_tflops, step_work_sums, throughput_metrics
 from nemo_sspo.trainer.staleness import (
@@ -370,6 +370,7 @@ class GRPOTrainer:
             self.free_refit = FreeRefit(split.refit, [split.num_training_ranks])
         self.dropped_total = 0
         self._generation_end: float | None = None  # of the last rollout received (rollout idle time)
+        self.resume_changes: dict[str, tuple] = {}  # allowed config changes of a resume (run_config.resume_changes)
         if resume_path is not None:
             self._resume(resume_path)
         elif split is not None:
@@ -380,6 +381,8 @@ class GRPOTrainer:
                                     trainer=cfg.trainer, params=asdict(cfg))
         if self.logger.enabled:
             write_config(cfg.trainer.output_dir, self.config)
+        if self.resume_changes:
+            self.logger.log_config_changes(self.completed_steps, self.resume_changes)
 
     def _megatron_policy(self, state_dict):
         """This rank's Megatron policy stage holding the HF weights (not wrapped)."""
@@ -826,6 +829,12 @@ class GRPOTrainer:
         the rollout engine with the restored policy.
         """
         state = load_checkpoint(path, self._checkpointed_models(), config=self.config)
+        # Settings changed since the checkpoint that a resume allows: one line, and to the trackers.
+        saved = read_config(path)  # None: a checkpoint from before configs were saved
+        self.resume_changes = resume_changes(saved, self.config) if saved is not None else {}
+        if self.resume_changes and dist.get_rank() == 0:
+            logger.warning("trainer.resume: settings changed since %s (allowed on resume): %s", path, "; ".join(
+                f"{key}: checkpoint {old!r}, now {new!r}" for key, (old, new) in self.resume_changes.items()))
         if self.sampler is not None:
             self.sampler.fast_forward(state.problems_drawn)
         self.completed_steps = state.step

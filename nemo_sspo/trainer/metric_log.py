@@ -127,6 +127,20 @@ class MetricsLogger:
             self._bar.set_postfix(reward=f"{metrics.get('reward/mean', math.nan):.3f}")
             self._bar.write(_format_line(step, metrics))
 
+    def log_config_changes(self, step: int, changes: dict[str, tuple]) -> None:
+        """Sends the settings a resumed run changed (allowed on resume) to the trackers, whose
+        parameters otherwise still hold the checkpoint's values (MLflow's cannot change).
+
+        Args:
+            step: the step the run resumed after (its next record is ``step + 1``).
+            changes: ``{dotted config key: (checkpoint value, value now)}``
+                (:func:`nemo_sspo.trainer.run_config.resume_changes`).
+        """
+        if not self.enabled or not changes:
+            return
+        for tracker in self._trackers:
+            tracker.log_changes(step, changes)
+
     def close(self) -> None:
         """Writes the summary and the plot, sends both to the trackers, closes everything.
 

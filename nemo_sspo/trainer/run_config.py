@@ -16,6 +16,7 @@ __all__ = [
     "composed_config",
     "data_parallel_size",
     "read_config",
+    "resume_changes",
     "resume_mismatches",
     "write_config",
 ]
@@ -28,13 +29,16 @@ RESUME_KEYS = (
     "parallel.tensor_model_parallel_size", "parallel.pipeline_model_parallel_size",
     "parallel.expert_model_parallel_size", "rollout.placement", "rollout.num_ranks",
     "rollout.prompts_per_step", "rollout.samples_per_prompt", "rollout.max_new_tokens",
-    "trainer.minibatches_per_step", "trainer.seed", "data", "loss.name",
+    "trainer.minibatches_per_step", "trainer.seed", "data", "loss.name", "optim.use_distributed_optimizer",
+    # the reward that scores the rollouts, as the loss that trains on them (issue 32)
+    "reward.name", "reward.options", "reward.overlong_buffer_len", "reward.overlong_penalty",
 )
 """Config keys (a section name covers all of its keys) that a resumed run must share with the
 checkpoint: the weights' model and layout (TP, PP, EP and which ranks train), the batch shape, the
-data stream and the seed. Others may
-change on resume: ``trainer.max_steps`` (run longer), micro-batch sizes and token budgets (memory),
-output and logging settings, learning rate and loss parameters."""
+data stream, the seed, the loss and the reward. Others may change on resume: ``trainer.max_steps``
+(run longer), micro-batch sizes and token budgets (memory), output and logging settings, learning
+rate and loss parameters, the reward's workers and timeout; such changes are listed on resume
+(:func:`resume_changes`) and sent to the trackers."""
 
 
 def composed_config(cfg: Any) -> dict[str, Any]:
@@ -112,3 +116,20 @@ def data_parallel_size(config: dict[str, Any], world_size: int) -> int | None:
     if not parallel or trainers <= 0 or trainers % model:
         return None
     return trainers // model
+
+
+_NOT_A_CHANGE = ("trainer.resume",)  # how this launch was asked to continue, not a setting of the run
+
+
+def resume_changes(saved: dict[str, Any], current: dict[str, Any]) -> dict[str, tuple[Any, Any]]:
+    """The settings a resumed run changed that a resume allows (every key outside
+    :data:`RESUME_KEYS` and ``trainer.resume``), as ``{dotted key: (checkpoint value, value now)}``
+    in key order (a key present on one side only has ``None`` on the other).
+
+    Args:
+        saved: the checkpoint's composed config (:func:`read_config`).
+        current: this run's (:func:`composed_config`).
+    """
+    old, new = _flatten(saved), _flatten(current)
+    return {key: (old.get(key), new.get(key)) for key in sorted(set(old) | set(new))
+            if not _must_match(key) and key not in _NOT_A_CHANGE and old.get(key) != new.get(key)}

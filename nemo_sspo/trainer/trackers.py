@@ -104,12 +104,21 @@ class WandbTracker:
                               mode=cfg.mode, dir=str(output_dir), config=config, id=run_id,
                               resume="allow" if run_id else None, settings=wandb.Settings(console="off"))
         _save_run_id(output_dir, "wandb", self.run.id)
+        self._params = params
         for record in branch.records if branch is not None else ():
             self.log(int(record["step"]), {k: v for k, v in record.items() if k != "step"})
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         """Records ``metrics`` at ``step``."""
         self.run.log(metrics, step=step)
+
+    def log_changes(self, step: int, changes: dict[str, tuple]) -> None:
+        """A resume's allowed config changes (``{dotted key: (old, new)}``; ``step``: the step resumed
+        after): the run's config gets the current values of the sections they touch.
+        """
+        sections = {key.split(".", 1)[0] for key in changes}
+        self.run.config.update({name: self._params[name] for name in sections if name in self._params},
+                               allow_val_change=True)
 
     def close(self, plot: Path | None, last_step: int | None) -> None:
         """Adds the plot (as ``plots/reward_entropy`` at the last step) and finishes the run."""
@@ -171,6 +180,22 @@ class MlflowTracker:
                     for record in branch.records for key, value in record.items() if key != "step"]
             for start in range(0, len(kept), self._METRIC_BATCH):
                 self.client.log_batch(run_id, metrics=kept[start:start + self._METRIC_BATCH])
+
+    def log_changes(self, step: int, changes: dict[str, tuple]) -> None:
+        """A resume's allowed config changes (``{dotted key: (old, new)}``; ``step``: the step resumed
+        after). MLflow parameters cannot change, so each new value is logged as the parameter
+        ``<key>/from_step_<step + 1>`` (``optim.lr/from_step_3``) beside the original ``<key>``; a
+        name already taken with another value (a second resume from the same step) becomes a tag.
+        """
+        from mlflow.entities import Param
+        from mlflow.exceptions import MlflowException
+
+        params = [Param(f"{key}/from_step_{step + 1}", str(new)) for key, (_, new) in changes.items()]
+        try:
+            self.client.log_batch(self.run_id, params=params)
+        except MlflowException:
+            for param in params:
+                self.client.set_tag(self.run_id, param.key, param.value)
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         """Records ``metrics`` at ``step`` (one batch call)."""

@@ -29,6 +29,29 @@ def test_a_signal_during_a_save_waits_for_its_end():
     assert saved == ["checkpoint"] and err.value.exit_code == 130  # 128 + 2
 
 
+def test_processes_started_during_a_save_outlive_a_signal_to_the_group():
+    """What megatron-core's checkpoint writer starts inside the save (a spawned Manager, forked
+    writers) inherits the blocked signals: a SIGTERM sent to them and to the trainer, as Slurm sends
+    it to a job step, kills neither; the trainer raises once the block is over (issue 32)."""
+    import multiprocessing as mp
+    import time
+
+    with pytest.raises(RunInterrupted) as err, stop_on_signals():
+        with deferred_signals():
+            manager = mp.get_context("spawn").Manager()  # starts multiprocessing's resource tracker if not yet running
+            queue = manager.Queue()
+            writer = mp.get_context("fork").Process(target=time.sleep, args=(0.5,))
+            writer.start()
+            for pid in (manager._process.pid, writer.pid, os.getpid()):
+                os.kill(pid, signal.SIGTERM)
+            writer.join()
+            queue.put("written")  # the Manager still serves
+            assert (writer.exitcode, queue.get()) == (0, "written")  # before: -15, and a dead Manager
+        raise AssertionError("not reached: the held SIGTERM is raised as the block ends")
+    manager.shutdown()
+    assert err.value.exit_code == 143
+
+
 def test_stop_message_names_the_abandoned_step_and_what_to_resume(tmp_path):
     (tmp_path / "checkpoints" / "step_000004").mkdir(parents=True)
     (tmp_path / "checkpoints" / "step_000004" / "trainer_state.json").write_text("{}")

@@ -3,6 +3,7 @@ tracker's own reader; W&B and MLflow also get the composed config and the plot; 
 resume every tracker holds one value per step (docs/pitfalls.md#tracker-resume-steps)."""
 
 import json
+from types import SimpleNamespace
 
 import pytest
 
@@ -167,3 +168,30 @@ def test_a_failing_plot_still_writes_the_summary_and_closes_the_files(tmp_path, 
     assert json.loads((out / "throughput_summary.json").read_text()) == {
         "summary/throughput/mfu": 0.25, "summary/timing/step_s": 2.0, "summary/steps": 1.0}
     assert tensorboard_scalars(out / "tensorboard", "reward/mean") == [(1, 0.25), (2, 0.75)]
+
+
+
+def test_changes_allowed_on_resume_reach_the_trackers(tmp_path):
+    """MLflow keeps a parameter's first value, so a resume that changes the learning rate adds
+    ``optim.lr/from_step_3`` beside it; W&B's config gets the current values of the changed
+    sections (issue 32). MLflow for real; W&B through a stand-in run (its init costs ~20 s here)."""
+    from nemo_sspo.trainer.trackers import WandbTracker
+
+    out = tmp_path / "run"
+    # One MLflow run whose parameters hold lr 2e-5, as the first run logged them (one tracker start
+    # instead of two: a resumed logger reopens that run and logs no parameters).
+    log = MetricsLogger(out, 3, enabled=True, trainer=TrainerConfig(loggers=["mlflow"], output_dir=str(out)),
+                        params={"optim": {"lr": 2e-5, "weight_decay": 0.0}, "loss": {"name": "sspo"}})
+    log.log_config_changes(2, {"optim.lr": (2e-5, 1e-5)})  # resumed after step 2 with lr 1e-5
+    log.close()
+    _, (run,) = mlflow_runs(out)
+    assert run.data.params == {"optim.lr": "2e-05", "optim.weight_decay": "0.0", "loss.name": "sspo",
+                               "optim.lr/from_step_3": "1e-05"}
+
+    updates = []
+    wandb = object.__new__(WandbTracker)
+    wandb.run = SimpleNamespace(config=SimpleNamespace(update=lambda d, allow_val_change: updates.append(
+        (d, allow_val_change))))
+    wandb._params = {"optim": {"lr": 1e-5, "weight_decay": 0.0}, "loss": {"name": "sspo"}}
+    wandb.log_changes(2, {"optim.lr": (2e-5, 1e-5)})
+    assert updates == [({"optim": {"lr": 1e-5, "weight_decay": 0.0}}, True)]

@@ -8,7 +8,7 @@ import pytest
 
 from nemo_sspo.cli import load_config
 from nemo_sspo.trainer.checkpoint import STATE_FILE, load_checkpoint, prepare_output_dir, resolve_resume
-from nemo_sspo.trainer.run_config import composed_config, read_config, resume_mismatches, write_config
+from nemo_sspo.trainer.run_config import composed_config, read_config, resume_changes, resume_mismatches, write_config
 
 
 def _checkpoint(folder, config, *, seed=1234, world_size=1):
@@ -78,8 +78,8 @@ def _earlier_run(out, *, checkpoint, config=True):
         (out / "checkpoints" / "latest").write_text("step_000004")
 
 
-def _trainer(out, overwrite):
-    return SimpleNamespace(output_dir=str(out), overwrite_output_dir=overwrite)
+def _trainer(out, overwrite, resume=None):
+    return SimpleNamespace(output_dir=str(out), overwrite_output_dir=overwrite, resume=resume)
 
 
 def test_earlier_run_with_a_checkpoint_is_refused_naming_resume_first(tmp_path):
@@ -205,3 +205,45 @@ def test_a_damaged_checkpoint_is_refused_naming_the_file_and_the_previous_one(tm
     (first / STATE_FILE).write_text('{"step": 2, "probl')
     with pytest.raises(ValueError, match="trainer_state.json is unreadable .*no earlier complete checkpoint"):
         load_checkpoint(first, {}, config=config)
+
+
+def test_auto_resume_without_a_checkpoint_moves_the_earlier_run_aside_and_starts_fresh(tmp_path, caplog):
+    """A job requeued before its first checkpoint (issue 32): the recipes' trainer.resume=auto starts
+    fresh instead of refusing, and the earlier run's outputs are kept in earlier_run_<k>/."""
+    out = tmp_path / "run"
+    _earlier_run(out, checkpoint=False)
+    (out / "checkpoints").mkdir()
+    (out / "checkpoints" / ".step_000002.tmp").mkdir()  # killed during its first save: no latest
+    assert prepare_output_dir(_trainer(out, False, "auto"), is_writer=False) is None  # other ranks only check
+    assert (out / "metrics.jsonl").is_file()
+    with caplog.at_level("WARNING", logger="nemo_sspo.trainer.checkpoint"):
+        aside = prepare_output_dir(_trainer(out, False, "auto"), is_writer=True)
+    assert aside == out / "earlier_run_1"
+    assert sorted(p.name for p in out.iterdir()) == ["earlier_run_1", "notes.txt"]
+    assert sorted(p.name for p in aside.iterdir()) == ["checkpoints", "metrics.jsonl", "tensorboard"]
+    assert (aside / "metrics.jsonl").read_text() == '{"step": 1}\n'
+    assert [r.getMessage() for r in caplog.records] == [
+        f"trainer.resume=auto: {out} holds an earlier run without a checkpoint (1 step(s) in metrics.jsonl); "
+        f"moved its outputs (metrics.jsonl, tensorboard, checkpoints) to {aside} and starting fresh"]
+    (out / "metrics.jsonl").write_text('{"step": 1}\n{"step": 2}\n')  # requeued again before a checkpoint
+    assert prepare_output_dir(_trainer(out, False, "auto"), is_writer=True) == out / "earlier_run_2"
+    assert resolve_resume("auto", out) is None  # the run starts at step 1
+    with pytest.raises(ValueError, match="without a checkpoint to resume from"):  # without resume=auto: refused
+        (out / "metrics.jsonl").write_text('{"step": 1}\n')
+        prepare_output_dir(_trainer(out, False, None), is_writer=True)
+
+
+def test_resume_refuses_a_changed_reward_and_lists_the_allowed_changes():
+    """A changed reward is refused like a changed loss (issue 32); what a resume may change is
+    listed with both values (the defaults: lr 2e-5, 12 steps, 2 reward workers)."""
+    saved = composed_config(load_config())
+    now = composed_config(load_config(overrides=[
+        "reward.overlong_buffer_len=8", "reward.overlong_penalty=0.5",  # the reward's shaping: refused
+        "optim.lr=1e-5", "trainer.max_steps=20", "reward.num_workers=4", "trainer.resume=auto"]))  # allowed
+    assert resume_mismatches(saved, now) == ["reward.overlong_buffer_len: checkpoint 0, now 8",
+                                             "reward.overlong_penalty: checkpoint 1.0, now 0.5"]
+    assert resume_changes(saved, now) == {"optim.lr": (2e-5, 1e-5), "reward.num_workers": (2, 4),
+                                          "trainer.max_steps": (12, 20)}  # trainer.resume is not a change
+    assert resume_changes(saved, saved) == {}
+    renamed = {**saved, "reward": {**saved["reward"], "name": "my_reward"}}
+    assert resume_mismatches(saved, renamed) == ["reward.name: checkpoint 'math_verify', now 'my_reward'"]
