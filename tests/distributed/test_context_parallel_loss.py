@@ -117,14 +117,20 @@ def _run(batch, name, params, cp=None, cp_rank=None):
 def _cp_rank_fn(rank, world_size):
     import torch.distributed as dist
 
-    from nemo_sspo.parallel.context_parallel import make_cp_context, zigzag_positions
+    from nemo_sspo.parallel.context_parallel import (
+        gather_sequence,
+        make_cp_context,
+        split_sequence,
+        zigzag_positions,
+    )
 
     torch.manual_seed(0)
     group = dist.new_group(list(range(world_size)))
     positions = zigzag_positions(WIDTH, CP, rank)
     cp = make_cp_context(group, positions, WIDTH)
     batch = _batch()
-    return {"positions": positions,
+    gathered = gather_sequence(split_sequence(batch["logprobs"], CP, rank), group)
+    return {"positions": positions, "gathered": gathered,
             "results": [_run(batch, name, params, cp, rank) for name, params in _cases()]}
 
 
@@ -182,3 +188,8 @@ def test_selection_losses_select_and_cross_the_split(cp_results):
     crossing = [(row, seg) for row in range(segments.shape[0]) for seg in range(WIDTH)
                 if all(bool((segments[row, p] == seg).any()) for p in positions)]
     assert len(crossing) >= 3, crossing
+
+
+def test_gather_sequence_undoes_the_split(cp_results):
+    for result in cp_results:
+        assert torch.equal(result["gathered"], _batch()["logprobs"])
