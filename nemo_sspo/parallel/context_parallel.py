@@ -16,13 +16,19 @@ loss reads: a differentiable all-reduce SUM (its backward all-reduces the gradie
 
 from __future__ import annotations
 
+from dataclasses import fields, replace
+
 import torch
 import torch.distributed as dist
 
 from nemo_sspo.algorithms.context_parallel import CPContext
+from nemo_sspo.algorithms.micro_batches import MicroBatch
 
-__all__ = ["cp_padded_width", "gather_sequence", "make_cp_context", "split_sequence",
+__all__ = ["cp_padded_width", "gather_sequence", "make_cp_context", "split_micro_batch", "split_sequence",
            "zigzag_positions"]
+
+# Padding of the [b, S] fields up to a multiple of 2 x CP: masked target positions (never read).
+_PAD_VALUES = {"loss_mask": False, "segment_ids": -1}
 
 _OPS = {"min": dist.ReduceOp.MIN, "max": dist.ReduceOp.MAX}
 
@@ -132,3 +138,46 @@ def make_cp_context(group, positions: torch.Tensor, width: int) -> CPContext:
 
     return CPContext(positions=positions, width=width, rank=dist.get_rank(group),
                      size=dist.get_world_size(group), all_reduce=all_reduce, all_gather=all_gather)
+
+
+def split_micro_batch(micro: MicroBatch, cp_size: int, cp_rank: int) -> tuple[MicroBatch, torch.Tensor, int]:
+    """This CP rank's part of a (row-per-response) micro-batch: every ``[b, S_b, ...]`` field of
+    ``micro.batch`` and the model input, right-padded to ``S = cp_padded_width(S_b)`` (padding is
+    masked, and under causal attention trailing positions change nothing before them) and split
+    with :func:`split_sequence`.
+
+    Returns:
+        ``(local micro-batch [b, S / CP], positions [S / CP] int64, S)``: the positions and the
+        padded width build the rank's ``CPContext`` (:func:`make_cp_context`).
+
+    Raises:
+        ValueError: a packed micro-batch (``sequence_lengths`` / ``token_index`` set: packed rows
+            need a split per sequence, refused at config load), or routes (router replay).
+    """
+    if micro.sequence_lengths is not None or micro.token_index is not None:
+        raise ValueError("context parallelism splits one sequence per row; packed micro-batches "
+                         "(parallel.pack_sequences=true) are not supported with parallel.context_parallel_size > 1")
+    batch = micro.batch
+    if batch.routes is not None:
+        raise ValueError("context parallelism does not split MoE routes: set model.router_replay=none")
+    width = batch.loss_mask.shape[1]
+    if micro.input_ids.shape[1] != width:
+        raise ValueError(f"micro-batch input width {micro.input_ids.shape[1]} differs from its target frame's "
+                         f"{width}: context parallelism needs one sequence per row")
+    padded = cp_padded_width(width, cp_size)
+
+    def local(name: str, value: torch.Tensor) -> torch.Tensor:
+        rows = value.shape[0]
+        if name == "position_ids":
+            pad = torch.arange(width, padded, dtype=value.dtype, device=value.device).expand(rows, -1)
+        else:
+            pad = torch.full((rows, padded - width, *value.shape[2:]), _PAD_VALUES.get(name, 0),
+                             dtype=value.dtype, device=value.device)
+        return split_sequence(torch.cat([value, pad], dim=1), cp_size, cp_rank)
+
+    split = {f.name: local(f.name, value) for f in fields(batch)
+             if isinstance(value := getattr(batch, f.name), torch.Tensor) and value.dim() >= 2}
+    # The model input separately: a pass-count filler has no rows in ``batch`` but runs its input.
+    local_micro = replace(micro, batch=replace(batch, **split), input_ids=local("input_ids", micro.input_ids),
+                          position_ids=local("position_ids", micro.position_ids))
+    return local_micro, zigzag_positions(padded, cp_size, cp_rank), padded

@@ -18,6 +18,13 @@ group (``make_cp_context``) and runs ``policy_loss_sums``; the parent sums the n
 denominators, places each rank's gradients (w.r.t. logprobs and the current entropy) back at its
 positions, and compares with ``policy_loss_sums`` on the unsplit batch in one process: the
 reference is the CP = 1 code path, itself pinned to hand values in tests/unit.
+
+The same spawn runs the trainer's forward step under CP (``policy_forward_step`` with
+``LossSpec.cp_group``, Megatron's parallel state initialised with context_parallel_size=2) on a
+stand-in model whose logits depend on each input token alone (so the split input gives the split
+logits without CP attention, which needs TransformerEngine): a micro-batch of width 14 is padded
+to 16, split, and its loss, its gradient (all-reduced over the CP group as Megatron's DDP does)
+and its forward-only log-probs equal the CP = 1 step's.
 """
 
 from __future__ import annotations
@@ -130,8 +137,76 @@ def _cp_rank_fn(rank, world_size):
     cp = make_cp_context(group, positions, WIDTH)
     batch = _batch()
     gathered = gather_sequence(split_sequence(batch["logprobs"], CP, rank), group)
-    return {"positions": positions, "gathered": gathered,
+    return {"positions": positions, "gathered": gathered, "step": _step_under_cp(),
             "results": [_run(batch, name, params, cp, rank) for name, params in _cases()]}
+
+
+class _TokenwiseModel(torch.nn.Module):
+    """Logits ``table[input_id]`` at every position: a stand-in GPTModel whose outputs depend on
+    the position's own token only (``config.context_parallel_size`` read by ``forward_logits``)."""
+
+    def __init__(self, vocab: int, cp_size: int):
+        super().__init__()
+        self.table = torch.nn.Parameter(torch.randn(vocab, vocab, generator=torch.Generator().manual_seed(3)))
+        self.config = type("Config", (), {"context_parallel_size": cp_size})()
+
+    def forward(self, input_ids, position_ids, attention_mask):
+        return self.table[input_ids]
+
+
+def _step_micro_batch(vocab: int):
+    from nemo_sspo.algorithms.batch import PolicyBatch
+    from nemo_sspo.algorithms.micro_batches import MicroBatch
+
+    full = _batch()  # its first 14 columns, float32 as the trainer's batch
+    width, rows = 14, full["response_mask"].shape[0]
+    g = torch.Generator().manual_seed(5)
+    input_ids = torch.randint(0, vocab, (rows, width), generator=g)
+    targets = torch.cat([input_ids[:, 1:], torch.zeros(rows, 1, dtype=torch.int64)], dim=1)
+    mask = full["response_mask"][:, :width].clone()
+    mask[:, -1] = False
+    batch = PolicyBatch(
+        input_ids=input_ids, position_ids=torch.arange(width).expand(rows, -1).clone(), targets=targets,
+        loss_mask=mask, segment_ids=torch.where(mask, full["segment_ids"][:, :width], -1),
+        old_logprobs=full["old_logprobs"][:, :width].float(), old_entropy=full["old_entropy"][:, :width].float(),
+        advantages=full["advantages"].float(), tis_weights=full["token_weights"][:, :width].float())
+    return MicroBatch(batch, torch.arange(rows), batch.input_ids, batch.position_ids)
+
+
+def _step_under_cp():
+    import torch.distributed as dist
+
+    from nemo_sspo.algorithms.losses import make_policy_loss
+    from nemo_sspo.megatron.parallel_setup import destroy_parallel, get_parallel_groups, initialize_parallel
+    from nemo_sspo.megatron.step import LossSpec, policy_forward_step
+
+    vocab = 11
+    initialize_parallel(tp_size=1, pp_size=1, seed=0, cp_size=CP)
+    try:
+        groups = get_parallel_groups()
+        spec = LossSpec(loss=make_policy_loss("sspo"), tp_group=None, vocab_start=0, vocab_size=vocab,
+                        temperature=1.0, max_response_length=MAX_RESPONSE_LENGTH, output_chunk_size=None)
+        cp_spec = LossSpec(**{**spec.__dict__, "cp_group": groups.cp_group})
+        out = {"layout": (groups.cp_size, groups.cp_rank, groups.dp_size)}
+        for name, used, cp_size in (("cp1", spec, 1), ("cp2", cp_spec, CP)):
+            model = _TokenwiseModel(vocab, cp_size)
+            step = policy_forward_step(used, compute_loss=True)
+            output, loss_func = step(iter([_step_micro_batch(vocab)]), model)
+            numerator, denominator, metrics = loss_func(output)
+            numerator.backward()
+            sums = torch.stack([numerator.detach().double(), denominator.double()])
+            grad = model.table.grad.clone()
+            if cp_size > 1:  # what Megatron's finalize_model_grads and DDP do over data x context
+                dist.all_reduce(sums, group=groups.cp_group)
+                dist.all_reduce(grad, group=groups.cp_group)
+            forward_only = policy_forward_step(used, compute_loss=False)
+            output, loss_func = forward_only(iter([_step_micro_batch(vocab)]), model)
+            stats = loss_func(output.detach())[2]
+            out[name] = {"sums": sums, "grad": grad, "logprobs": stats["logprobs"],
+                         "ratio": float(metrics["policy/ratio"].total), "count": float(metrics["policy/ratio"].count)}
+        return out
+    finally:
+        destroy_parallel()
 
 
 @pytest.fixture(scope="module")
@@ -193,3 +268,17 @@ def test_selection_losses_select_and_cross_the_split(cp_results):
 def test_gather_sequence_undoes_the_split(cp_results):
     for result in cp_results:
         assert torch.equal(result["gathered"], _batch()["logprobs"])
+
+
+def test_forward_step_under_cp_equals_cp1(cp_results):
+    for rank, result in enumerate(cp_results):
+        step = result["step"]
+        assert step["layout"] == (CP, rank, 1)  # both ranks split one replica's sequences
+        one, two = step["cp1"], step["cp2"]
+        assert torch.allclose(two["sums"], one["sums"], rtol=1e-6, atol=1e-7), (one["sums"], two["sums"])
+        assert two["sums"][1] == one["sums"][1] == 5  # the non-empty responses, counted once
+        assert float(one["grad"].abs().sum()) > 0
+        assert torch.allclose(two["grad"], one["grad"], rtol=1e-5, atol=1e-7)
+        assert two["logprobs"].shape == one["logprobs"].shape == (6, 14)
+        assert torch.equal(two["logprobs"], one["logprobs"])
+        assert math.isclose(two["ratio"], one["ratio"], rel_tol=1e-6) and two["count"] == one["count"]
