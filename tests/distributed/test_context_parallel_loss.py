@@ -138,7 +138,31 @@ def _cp_rank_fn(rank, world_size):
     batch = _batch()
     gathered = gather_sequence(split_sequence(batch["logprobs"], CP, rank), group)
     return {"positions": positions, "gathered": gathered, "step": _step_under_cp(),
+            "hand": _hand_case(make_cp_context(group, zigzag_positions(8, CP, rank), 8), rank),
             "results": [_run(batch, name, params, cp, rank) for name, params in _cases()]}
+
+
+def _hand_case(cp, rank):
+    """docs/pitfalls.md#cp-split-segment: S = 8, CP = 2 (rank 0: columns 0, 1, 6, 7; rank 1: 2-5).
+    Row 0: one segment over columns 2-7, d = 0.1 on 2-5 (rank 1) and 0.4 on 6-7 (rank 0), A = +1;
+    row 1: columns 6-7 only (rank 0), d = 0, A = -1."""
+    from nemo_sspo.algorithms.aggregation import aggregate
+    from nemo_sspo.algorithms.ratios import segment_mean
+    from nemo_sspo.parallel.context_parallel import split_sequence
+
+    mask = torch.zeros(2, 8, dtype=torch.bool)
+    mask[0, 2:] = True
+    mask[1, 6:] = True
+    d = torch.zeros(2, 8, dtype=torch.float64)
+    d[0, 2:6], d[0, 6:] = 0.1, 0.4
+    ids = torch.where(mask, 0, -1)
+    advantages = torch.tensor([1.0, -1.0], dtype=torch.float64)
+    local_mask, local_d, local_ids = (split_sequence(x, CP, rank) for x in (mask, d, ids))
+    mean, length = segment_mean(local_d, local_ids, local_mask, cp=cp)
+    per_token = torch.where(local_mask, -advantages[:, None], torch.zeros((), dtype=torch.float64))
+    numerator, denominator = aggregate(per_token, local_mask, "seq-mean-token-mean", cp=cp)
+    return {"mean": mean[0][local_mask[0]].tolist(), "length": length[0][local_mask[0]].tolist(),
+            "pair": (float(numerator), float(denominator))}
 
 
 class _TokenwiseModel(torch.nn.Module):
@@ -282,3 +306,17 @@ def test_forward_step_under_cp_equals_cp1(cp_results):
         assert two["logprobs"].shape == one["logprobs"].shape == (6, 14)
         assert torch.equal(two["logprobs"], one["logprobs"])
         assert math.isclose(two["ratio"], one["ratio"], rel_tol=1e-6) and two["count"] == one["count"]
+
+
+def test_hand_worked_split_segment_and_response_count(cp_results):
+    """docs/pitfalls.md#cp-split-segment, by hand: row 0's segment mean is (4 x 0.1 + 2 x 0.4) / 6
+    = 0.2 on both ranks (per chunk it would be 0.1 and 0.4) over 6 tokens; seq-mean-token-mean at
+    ratio 1: rank 0 adds -2/6 (row 0) + 2/2 (row 1) = 2/3 and counts both responses, rank 1 adds
+    -4/6 and counts none, so the loss is (2/3 - 2/3) / 2 = 0, the CP = 1 value (counting the
+    responses each rank sees with local lengths gives (-1 + 1 - 1) / 3 = -1/3)."""
+    rank0, rank1 = (r["hand"] for r in cp_results)
+    assert rank0["mean"] == pytest.approx([0.2, 0.2], abs=1e-15)
+    assert rank1["mean"] == pytest.approx([0.2] * 4, abs=1e-15)
+    assert rank0["length"] == [6.0, 6.0] and rank1["length"] == [6.0] * 4
+    assert rank0["pair"] == pytest.approx((2 / 3, 2.0), abs=1e-15)
+    assert rank1["pair"] == pytest.approx((-2 / 3, 0.0), abs=1e-15)
