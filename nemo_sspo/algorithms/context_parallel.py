@@ -100,7 +100,8 @@ def cp_sum(tensor: torch.Tensor, cp: CPContext | None) -> torch.Tensor:
 
 def items_on_this_rank(count: torch.Tensor, cp: CPContext | None) -> torch.Tensor:
     """A count of per-response items as this rank's share: all of it without CP or on CP rank 0,
-    0 on the other CP ranks (so the sum over the group is the CP = 1 count)."""
+    0 on the other CP ranks (so the sum over the group is the CP = 1 count).
+    """
     return count if cp is None or cp.counts_items else torch.zeros_like(count)
 
 

@@ -294,7 +294,8 @@ def policy_forward_step(spec: LossSpec, *, compute_loss: bool) -> Callable:
 
 def _context_parallel_step(spec: LossSpec, loss_func: Callable, run_model: Callable) -> Callable:
     """The forward step under context parallelism (module docstring): split, run, loss with the
-    rank's ``CPContext``."""
+    rank's ``CPContext``.
+    """
     size, rank = dist.get_world_size(spec.cp_group), dist.get_rank(spec.cp_group)
 
     def forward_step(data_iterator: Iterator, model: torch.nn.Module):

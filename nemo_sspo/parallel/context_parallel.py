@@ -36,7 +36,8 @@ _OPS = {"min": dist.ReduceOp.MIN, "max": dist.ReduceOp.MAX}
 class _AllReduceSum(torch.autograd.Function):
     """All-reduce SUM whose backward is the all-reduce SUM of the gradient (as
     ``torch.distributed.nn.functional.all_reduce``, deprecated in torch 2.13): the loss of every
-    rank depends on the sum, so each rank's input gets the sum of every rank's gradient."""
+    rank depends on the sum, so each rank's input gets the sum of every rank's gradient.
+    """
 
     @staticmethod
     def forward(ctx, tensor: torch.Tensor, group) -> torch.Tensor:
@@ -98,6 +99,7 @@ def gather_sequence(local: torch.Tensor, group, *, dim: int = 1) -> torch.Tensor
     Args:
         local: ``[b, S / CP, ...]`` this rank's columns along ``dim``.
         group: the CP process group.
+        dim: the sequence dimension.
     """
     size = dist.get_world_size(group)
     parts = [torch.empty_like(local) for _ in range(size)]

@@ -66,7 +66,8 @@ def policy_loss_sums(loss: PolicyLoss, inputs: LossInputs, *, max_response_lengt
 
 def _sum_additive_pairs(metrics: dict[str, MetricPair], cp: CPContext) -> dict[str, MetricPair]:
     """The additive pairs summed over the CP group (one all-reduce); the extreme pairs are
-    reduced where they are made (``nemo_sspo.algorithms.losses.metrics``)."""
+    reduced where they are made (``nemo_sspo.algorithms.losses.metrics``).
+    """
     keys = sorted(key for key, pair in metrics.items() if pair.additive)
     if not keys:
         return metrics

@@ -86,7 +86,8 @@ def token_covariance(logprobs: torch.Tensor, advantages: torch.Tensor,
 
 def _quota(fraction: float, response_mask: torch.Tensor, cp: CPContext | None) -> torch.Tensor:
     """max(1, floor(fraction N)) for fraction > 0 (else floor(fraction N) = 0), as a 0-d tensor;
-    N = the valid tokens of the whole micro-batch (over the CP group)."""
+    N = the valid tokens of the whole micro-batch (over the CP group).
+    """
     tokens = response_mask.sum()
     quota = torch.floor(fraction * (tokens if cp is None else cp.sum(tokens)))
     if fraction > 0:  # at least one token, else small micro-batches never select (floor -> 0)
