@@ -14,11 +14,19 @@ Modes (L_i = valid tokens of response i, l_it = per-token loss, R = responses wi
 - ``"constant-denominator"``: sum_i (sum_t l_it / L_max) / R  (Dr. GRPO, arXiv 2503.20783
   section 3.2: the constant L_max = max_response_length replaces each response's length; verl
   calls this mode "seq-mean-token-sum-norm").
+
+Under context parallelism (``cp``, :mod:`nemo_sspo.algorithms.context_parallel`) each CP rank
+holds some positions of every row and returns its share (ours): the numerator sums its own
+tokens' terms, each divided by the row's CP-reduced length L_i where the mode divides by it; the
+denominator is its own valid tokens for "token-mean", and for the other modes the response count
+R on CP rank 0 and 0 on the others. Summed over the CP group both equal the CP = 1 values.
 """
 
 from __future__ import annotations
 
 import torch
+
+from nemo_sspo.algorithms.context_parallel import CPContext, cp_sum, items_on_this_rank
 
 AGGREGATION_MODES = (
     "token-mean",
@@ -61,6 +69,7 @@ def aggregate(
     mode: str,
     *,
     max_response_length: int | None = None,
+    cp: CPContext | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Reduce ``per_token_loss`` to this micro-batch's share of the step loss.
 
@@ -71,6 +80,8 @@ def aggregate(
         mode: one of :data:`AGGREGATION_MODES` (see the module docstring for the formulas).
         max_response_length: L_max in tokens; required by ``"constant-denominator"`` and read
             by no other mode.
+        cp: this rank's share of the sequence under context parallelism (``[B, S_local]``
+            inputs; module docstring for how the pair is split), or None.
 
     Returns:
         ``(numerator, denominator)``: 0-d tensors in the loss dtype; the numerator is
@@ -84,10 +95,11 @@ def aggregate(
     _check_inputs(per_token_loss, response_mask, mode, max_response_length)
     zero = torch.zeros((), dtype=per_token_loss.dtype, device=per_token_loss.device)
     token_sums = torch.where(response_mask, per_token_loss, zero).sum(dim=1)
-    lengths = response_mask.sum(dim=1).to(per_token_loss.dtype)
+    local_lengths = response_mask.sum(dim=1).to(per_token_loss.dtype)
     if mode == "token-mean":
-        return token_sums.sum(), lengths.sum()
-    responses = (lengths > 0).sum().to(per_token_loss.dtype)
+        return token_sums.sum(), local_lengths.sum()
+    lengths = cp_sum(local_lengths, cp)  # the whole row's L_i
+    responses = items_on_this_rank((lengths > 0).sum().to(per_token_loss.dtype), cp)
     if mode == "seq-mean-token-mean":
         # clamp: an empty response has token sum 0, so it contributes 0 instead of 0/0.
         return (token_sums / lengths.clamp(min=1)).sum(), responses

@@ -9,13 +9,16 @@ from __future__ import annotations
 
 import torch
 
+from nemo_sspo.algorithms.context_parallel import CPContext
+
 LOG_RATIO_CLAMP = 20.0
 """|log-ratio| cap before exp in every loss and metric: exp(20) ~ 4.9e8 stays finite in float32
 and bf16, so a runaway ratio gives finite losses and gradients (docs/pitfalls.md#p3)."""
 
 
 def segment_mean(
-    values: torch.Tensor, segment_ids: torch.Tensor, mask: torch.Tensor
+    values: torch.Tensor, segment_ids: torch.Tensor, mask: torch.Tensor, *,
+    cp: CPContext | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Mean of ``values`` over each (row, segment), broadcast back to the segment's tokens.
 
@@ -31,6 +34,11 @@ def segment_mean(
             :mod:`nemo_sspo.algorithms.segmentation`); masked positions are ignored. Ids are not
             range-checked here, to keep the loss free of host syncs.
         mask: ``[B, T]`` bool, True at valid tokens.
+        cp: under context parallelism, this rank's share of the sequence
+            (:class:`nemo_sspo.algorithms.context_parallel.CPContext`): ``T`` is then the local
+            width ``S_local``, ids lie in ``[0, cp.width)``, and the per-(row, segment) sums and
+            counts are summed over the CP group (one all-reduce, differentiable) before the mean,
+            so a segment split over ranks gets one mean, the CP = 1 one (ours). None: one process.
 
     Returns:
         ``(mean_per_token, length_per_token)``, both ``[B, T]`` in ``values``' dtype promoted to at
@@ -49,7 +57,8 @@ def segment_mean(
         raise ValueError(f"mask must be torch.bool, got {mask.dtype}")
     # Accumulate in >= float32 so long segments (3k tokens) keep exact counts and stable sums.
     dtype = torch.promote_types(values.dtype, torch.float32)
-    rows, width = values.shape
+    rows, local_width = values.shape
+    width = local_width if cp is None else cp.width
     # One bucket per (row, segment): row * T + segment id is unique because ids lie in [0, T).
     row_offset = torch.arange(rows, device=values.device).unsqueeze(1) * width
     bucket = (row_offset + segment_ids.clamp(min=0)).reshape(-1)
@@ -63,6 +72,8 @@ def segment_mean(
     counts = torch.zeros(rows * width, dtype=dtype, device=values.device).scatter_add(
         0, bucket, weights
     )
-    length = counts.gather(0, bucket).reshape(rows, width)
-    mean = sums.gather(0, bucket).reshape(rows, width) / length.clamp(min=1)
+    if cp is not None:  # every rank's partial sums of a segment, one collective for both
+        sums, counts = cp.sum(torch.stack([sums, counts])).unbind(0)
+    length = counts.gather(0, bucket).reshape(rows, local_width)
+    mean = sums.gather(0, bucket).reshape(rows, local_width) / length.clamp(min=1)
     return torch.where(mask, mean, zero), torch.where(mask, length, zero)

@@ -35,6 +35,7 @@ from nemo_sspo.megatron.moe import even_token_dispatch, moe_config_kwargs, valid
 from nemo_sspo.megatron.packed_seq import packed_seq_params, padded_width, thd_alignment
 from nemo_sspo.megatron.parallel_setup import destroy_parallel, get_parallel_groups, initialize_parallel
 from nemo_sspo.megatron.sequence_parallel import SequenceParallelTorchNorm, gather_sequence, sequence_parallel_size
+from nemo_sspo.parallel.context_parallel import zigzag_positions
 
 __all__ = [
     "FP8_FORMATS",
@@ -218,6 +219,7 @@ def transformer_config_from_hf(
     recompute_method: str = "uniform",
     recompute_num_layers: int = 1,
     sequence_parallel: bool = False,
+    cp_size: int = 1,
 ):
     """Megatron ``TransformerConfig`` equivalent to a HF Llama, Qwen2, Qwen3 or Qwen3-MoE config.
 
@@ -246,6 +248,9 @@ def transformer_config_from_hf(
         recompute_num_layers: layers per recomputed chunk / recomputed layers per stage (``full`` only).
         sequence_parallel: Megatron's sequence parallelism (config key ``parallel.sequence_parallel``;
             :mod:`nemo_sspo.megatron.sequence_parallel`); needs ``tp_size > 1``.
+        cp_size: context-parallel size (``parallel.context_parallel_size``): Megatron's
+            ``context_parallel_size`` (the RoPE table and TransformerEngine's attention split
+            each sequence over that many ranks).
 
     Raises:
         ValueError: naming the field, when num_attention_heads or num_key_value_heads is not
@@ -281,6 +286,7 @@ def transformer_config_from_hf(
         attention_dropout=0.0,
         tensor_model_parallel_size=tp_size,
         pipeline_model_parallel_size=pp_size,
+        context_parallel_size=cp_size,
         params_dtype=dtype,
         pipeline_dtype=dtype,
         bf16=dtype == torch.bfloat16,
@@ -460,7 +466,7 @@ def build_policy_model(
     config = transformer_config_from_hf(
         hf_config, tp_size=groups.tp_size, pp_size=groups.pp_size, precision=precision, fp8=fp8,
         fp8_recipe=fp8_recipe, ep_size=groups.ep_size, recompute=recompute, recompute_method=recompute_method,
-        recompute_num_layers=recompute_num_layers, sequence_parallel=sequence_parallel,
+        recompute_num_layers=recompute_num_layers, sequence_parallel=sequence_parallel, cp_size=groups.cp_size,
     )
     check_model_options(precision=precision, fp8=fp8, fp8_recipe=fp8_recipe, transformer_impl=transformer_impl)
     impl = resolve_transformer_impl(transformer_impl, fp8)
@@ -605,7 +611,7 @@ def vocab_shard(model: torch.nn.Module) -> tuple[int, int]:
     return get_parallel_groups().tp_rank * vocab_local, gpt.true_vocab_size
 
 
-def _check_inputs(input_ids, position_ids, attention_mask, sequence_lengths) -> None:
+def _check_inputs(input_ids, position_ids, attention_mask, sequence_lengths, cp: tuple[int, int] = (1, 0)) -> None:
     if input_ids.dim() != 2 or position_ids.shape != input_ids.shape:
         raise ValueError(
             f"input_ids and position_ids must both be [B, S], got {tuple(input_ids.shape)} and "
@@ -613,8 +619,12 @@ def _check_inputs(input_ids, position_ids, attention_mask, sequence_lengths) -> 
         )
     # Megatron's RoPE uses positions 0..S-1 (or, packed, the positions forward_logits gives it)
     # and ignores position_ids, so anything else would be silently wrong (e.g. left padding).
+    # Under context parallelism (cp = (size, rank)) a row holds this rank's zigzag positions.
     if sequence_lengths is None:
-        expected = torch.arange(input_ids.shape[1], device=position_ids.device).expand_as(position_ids)
+        size, rank = cp
+        expected = (torch.arange(input_ids.shape[1]) if size == 1 else
+                    zigzag_positions(input_ids.shape[1] * size, size, rank))
+        expected = expected.to(position_ids.device).expand_as(position_ids)
         if not torch.equal(position_ids, expected):
             raise ValueError("position_ids must be arange(S) in every row: use right padding")
     else:
@@ -686,7 +696,7 @@ def forward_logits(
             device (names ``parallel.pack_sequences`` and ``model.transformer_impl``) or with
             context parallelism.
     """
-    _check_inputs(input_ids, position_ids, attention_mask, sequence_lengths)
+    _check_inputs(input_ids, position_ids, attention_mask, sequence_lengths, cp=_cp_layout(model))
     output = _stage_forward(model, input_ids, position_ids, sequence_lengths)
     # The last stage's output is batch-first (logits, or the critic's values): cut the padding.
     return output[:, : input_ids.shape[1]] if get_parallel_groups().is_last_stage else output
@@ -721,6 +731,16 @@ def _stage_forward(model: torch.nn.Module, input_ids: torch.Tensor, position_ids
                          "installed), or parallel.pack_sequences=false")
     with _rotary_at(model, position_ids[0]):
         return model(input_ids, position_ids, mask)
+
+
+def _cp_layout(model: torch.nn.Module) -> tuple[int, int]:
+    """(size, rank) of this rank's context-parallel group for ``model`` ((1, 0) without CP)."""
+    size = getattr(getattr(unwrap_model(model), "config", None), "context_parallel_size", 1)
+    if size == 1:
+        return 1, 0
+    from megatron.core import parallel_state
+
+    return size, parallel_state.get_context_parallel_rank()
 
 
 @contextmanager

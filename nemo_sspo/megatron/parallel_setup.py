@@ -30,7 +30,11 @@ class ParallelGroups:
     is its first member's global rank and ``pp_last_rank`` the global rank of this pipeline's last
     stage (the sources of rollout and metric broadcasts). The expert-model-parallel group
     (``ep_group``, size ``ep_size``; 1 for dense models) holds the ranks that split one MoE layer's
-    experts: same TP rank and pipeline stage, different data-parallel replicas.
+    experts: same TP rank and pipeline stage, different data-parallel replicas. The
+    context-parallel group (``cp_group``, size ``cp_size``; ``parallel.context_parallel_size``)
+    holds the ranks that split each sequence of one replica (same TP rank and stage);
+    ``cp_src_rank`` is its first member's global rank. With CP > 1 the data-parallel group is
+    Megatron's without CP (replicas), and a replica spans TP x CP x PP ranks.
     """
 
     tp_group: dist.ProcessGroup
@@ -52,6 +56,10 @@ class ParallelGroups:
     ep_group: dist.ProcessGroup
     ep_rank: int
     ep_size: int
+    cp_group: dist.ProcessGroup | None = None
+    cp_rank: int = 0
+    cp_size: int = 1
+    cp_src_rank: int | None = None
 
 
 def _free_port() -> int:
@@ -78,12 +86,13 @@ def _init_process_group() -> None:
     _OWNS_PROCESS_GROUP = True
 
 
-def initialize_parallel(*, tp_size: int, pp_size: int, seed: int, ep_size: int = 1) -> None:
+def initialize_parallel(*, tp_size: int, pp_size: int, seed: int, ep_size: int = 1, cp_size: int = 1) -> None:
     """Set up torch.distributed, Megatron's model-parallel groups and its RNG tracker.
 
     Initialises the default process group if needed (gloo on CPU, nccl on GPU; from torchrun's env
     or as a 1-process group on a free local port), applies the CPU shims when no GPU is present,
-    calls ``parallel_state.initialize_model_parallel(tp_size, pp_size, ep_size)``, seeds the default
+    calls ``parallel_state.initialize_model_parallel(tp_size, pp_size, ep_size, cp_size)`` (CP:
+    ``parallel.context_parallel_size``), seeds the default
     generator with ``seed`` (identical on every rank, so CPU initialisation of the full weights
     agrees across TP ranks) and calls ``model_parallel_cuda_manual_seed(seed)`` (Megatron's
     per-TP-rank streams; the CPU tracker on CPU).
@@ -108,7 +117,7 @@ def initialize_parallel(*, tp_size: int, pp_size: int, seed: int, ep_size: int =
     apply_cpu_shims()
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=tp_size, pipeline_model_parallel_size=pp_size,
-        expert_model_parallel_size=ep_size,
+        expert_model_parallel_size=ep_size, context_parallel_size=cp_size,
     )
     torch.manual_seed(seed)
     model_parallel_cuda_manual_seed(seed)
@@ -157,4 +166,8 @@ def get_parallel_groups() -> ParallelGroups:
         ep_group=ps.get_expert_model_parallel_group(),
         ep_rank=ps.get_expert_model_parallel_rank(),
         ep_size=ps.get_expert_model_parallel_world_size(),
+        cp_group=ps.get_context_parallel_group(),
+        cp_rank=ps.get_context_parallel_rank(),
+        cp_size=ps.get_context_parallel_world_size(),
+        cp_src_rank=dist.get_global_rank(ps.get_context_parallel_group(), 0),
     )

@@ -39,6 +39,16 @@ hidden states and this rank's vocab shard of the output weight, one chunk of tok
 (:func:`nemo_sspo.parallel.fused_linear_logprobs_entropy`): the ``[B, S, V_local]`` logits never
 exist. With ``output_chunk_size=None`` Megatron's output layer computes the logits at every
 position and the loss reads the target rows (:func:`nemo_sspo.parallel.vocab_parallel_logprobs_entropy`).
+
+Context parallelism (``LossSpec.cp_group`` set, ``parallel.context_parallel_size > 1``): each
+micro-batch is padded to a multiple of 2 x CP and split with Megatron's load-balanced split
+(:func:`nemo_sspo.parallel.context_parallel.split_micro_batch`) before the model runs; the loss
+gets this rank's columns and a ``CPContext`` over the CP group, so its numerator and denominator
+are this rank's shares (Megatron sums them, and the gradients, over data x context parallelism)
+and its metrics are already reduced over CP. Forward-only passes gather the log-probs and
+entropies back to the unsplit rows. Tested on CPU: the loss under the emulated split
+(``tests/distributed/test_context_parallel_loss.py``); not tested here: the CP attention forward
+(TransformerEngine, GPU only).
 """
 
 from __future__ import annotations
@@ -49,6 +59,7 @@ from functools import partial
 from typing import Any, Callable
 
 import torch
+import torch.distributed as dist
 
 from nemo_sspo.algorithms.batch import PolicyBatch
 from nemo_sspo.algorithms.load_balancing import load_balancing_loss
@@ -59,6 +70,7 @@ from nemo_sspo.megatron.moe import recording_router_logits
 from nemo_sspo.megatron.router_replay import router_width
 from nemo_sspo.metrics import mean_pair
 from nemo_sspo.parallel import fused_linear_logprobs_entropy, vocab_parallel_logprobs_entropy
+from nemo_sspo.parallel.context_parallel import gather_sequence, make_cp_context, split_micro_batch
 
 __all__ = ["PolicyBatch", "LossSpec", "make_forward_step", "model_device", "policy_forward_step",
            "split_micro_batches", "to_device"]
@@ -116,6 +128,8 @@ class LossSpec:
             to let Megatron's output layer compute the full logits.
         router_aux_loss_coef: weight of HF's load-balancing loss in the training forwards of a
             mixture-of-experts model (``model.router_aux_loss_coef``; 0 = off; module docstring).
+        cp_group: the context-parallel process group when ``parallel.context_parallel_size > 1``
+            (module docstring), else None.
     """
 
     loss: Any
@@ -126,6 +140,7 @@ class LossSpec:
     max_response_length: int
     output_chunk_size: int | None
     router_aux_loss_coef: float = 0.0
+    cp_group: Any = None
 
 
 def _target_rows(output: torch.Tensor, micro: MicroBatch) -> torch.Tensor:
@@ -159,14 +174,14 @@ def _token_stats(output: torch.Tensor, micro: MicroBatch, spec: LossSpec, model)
     return full_lp.masked_scatter(mask, logprobs), full_ent.masked_scatter(mask, entropy)
 
 
-def _policy_loss_func(spec: LossSpec, micro: MicroBatch, model, output: torch.Tensor):
+def _policy_loss_func(spec: LossSpec, micro: MicroBatch, model, output: torch.Tensor, *, cp=None):
     logprobs, entropy = _token_stats(output, micro, spec, model)
     batch = micro.batch
     inputs = LossInputs(
         logprobs=logprobs, old_logprobs=batch.old_logprobs, advantages=batch.advantages,
         response_mask=batch.loss_mask, segment_ids=batch.segment_ids,
         old_entropy=batch.old_entropy, ref_logprobs=batch.ref_logprobs, entropy=entropy,
-        token_weights=batch.tis_weights,
+        token_weights=batch.tis_weights, context_parallel=cp,
     )
     numerator, denominator, metrics = policy_loss_sums(
         spec.loss, inputs, max_response_length=spec.max_response_length)
@@ -220,8 +235,11 @@ def _recording_routers(spec: LossSpec, run_model: Callable) -> Callable:
     return forward_step
 
 
-def _logprob_loss_func(spec: LossSpec, micro: MicroBatch, model, output: torch.Tensor):
+def _logprob_loss_func(spec: LossSpec, micro: MicroBatch, model, output: torch.Tensor, *, cp=None,
+                       width: int | None = None):
     logprobs, entropy = _token_stats(output, micro, spec, model)
+    if cp is not None:  # forward-only outputs: the unsplit rows, trimmed to the micro-batch's width
+        logprobs, entropy = (gather_sequence(x, spec.cp_group)[:, :width] for x in (logprobs, entropy))
     zero = output.new_zeros((), dtype=torch.float32)
     return zero, torch.zeros((), dtype=torch.int), {"logprobs": logprobs, "entropy": entropy}
 
@@ -271,6 +289,25 @@ def policy_forward_step(spec: LossSpec, *, compute_loss: bool) -> Callable:
         return forward(model, micro.input_ids, micro.position_ids,
                        sequence_lengths=micro.sequence_lengths)
 
+    if spec.cp_group is not None:
+        return _context_parallel_step(spec, loss_func, run_model)
     if compute_loss and spec.router_aux_loss_coef > 0:
         return _recording_routers(spec, run_model)
     return make_forward_step(partial(loss_func, spec), run_model=run_model)
+
+
+def _context_parallel_step(spec: LossSpec, loss_func: Callable, run_model: Callable) -> Callable:
+    """The forward step under context parallelism (module docstring): split, run, loss with the
+    rank's ``CPContext``.
+    """
+    size, rank = dist.get_world_size(spec.cp_group), dist.get_rank(spec.cp_group)
+
+    def forward_step(data_iterator: Iterator, model: torch.nn.Module):
+        micro = to_device(next(data_iterator), model_device(model))
+        width = micro.batch.loss_mask.shape[1]
+        local, positions, padded = split_micro_batch(micro, size, rank)
+        cp = make_cp_context(spec.cp_group, positions.to(local.input_ids.device), padded)
+        extra = {"cp": cp} if loss_func is _policy_loss_func else {"cp": cp, "width": width}
+        return run_model(model, local), partial(loss_func, spec, local, model, **extra)
+
+    return forward_step

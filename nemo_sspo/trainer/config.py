@@ -553,11 +553,15 @@ def validate(cfg: TrainConfig, world_size: int | None = 1) -> None:
         ValueError: naming the key path and the fix.
     """
     par, ro, tr = cfg.parallel, cfg.rollout, cfg.trainer
-    model_parallel = par.tensor_model_parallel_size * par.pipeline_model_parallel_size
+    cp = par.context_parallel_size
     _require(
         par.tensor_model_parallel_size >= 1 and par.pipeline_model_parallel_size >= 1,
         "parallel.tensor_model_parallel_size and parallel.pipeline_model_parallel_size must be >= 1",
     )
+    _require(isinstance(cp, int) and cp >= 1,
+             f"parallel.context_parallel_size={cp!r} must be an integer >= 1 (1 = no context parallelism)")
+    # Each data-parallel replica spans TP x PP x CP ranks (Megatron's order tp-cp-ep-dp-pp).
+    model_parallel = par.tensor_model_parallel_size * par.pipeline_model_parallel_size * cp
     builds_model = world_size is not None
     if world_size is None:
         world_size = model_parallel
@@ -567,13 +571,16 @@ def validate(cfg: TrainConfig, world_size: int | None = 1) -> None:
     _require(
         world_size % model_parallel == 0,
         f"world size {world_size} is not divisible by parallel.tensor_model_parallel_size x "
-        f"parallel.pipeline_model_parallel_size = {model_parallel}; change one of them or --nproc-per-node",
+        f"parallel.pipeline_model_parallel_size"
+        + (" x parallel.context_parallel_size" if cp > 1 else "")
+        + f" = {model_parallel}; change one of them or --nproc-per-node",
     )
     dp = world_size // model_parallel
     ep = par.expert_model_parallel_size
     _require(ep >= 1 and (dp % ep == 0 or not builds_model),
              f"parallel.expert_model_parallel_size={ep} must be >= 1 and divide the data-parallel size {dp} "
-             "(world size / (tensor x pipeline model-parallel size)): the EP ranks are data-parallel replicas")
+             "(world size / (tensor x pipeline model-parallel x context-parallel size)): the EP ranks are "
+             "data-parallel replicas")
     _require(ro.prompts_per_step >= 1, "rollout.prompts_per_step must be >= 1")
     _require(ro.samples_per_prompt >= 1, "rollout.samples_per_prompt must be >= 1")
     _require(
@@ -615,6 +622,36 @@ def validate(cfg: TrainConfig, world_size: int | None = 1) -> None:
              f"data.template={cfg.data.template!r} is unknown; valid: {', '.join(TEMPLATES)}")
     _validate_sampling_and_critic(cfg, dp, build_loss_config(cfg.loss))
     _validate_model_rollout_eval(cfg)
+    if cp > 1:
+        _validate_context_parallel(cfg, build_loss_config(cfg.loss))
+
+
+def _validate_context_parallel(cfg: TrainConfig, loss_config: Any) -> None:
+    """``parallel.context_parallel_size > 1``: the settings the CP path does not carry (each named).
+
+    The loss side of CP is exact and tested on CPU (``tests/distributed/test_context_parallel_loss.py``);
+    the attention needs TransformerEngine, which ``check_host`` asks of the host.
+    """
+    par, m = cfg.parallel, cfg.model
+    key = f"parallel.context_parallel_size={par.context_parallel_size}"
+    _require(m.transformer_impl != "local",
+             f"{key} needs the TransformerEngine layer spec (its attention exchanges keys and values between "
+             f"the CP ranks), but model.transformer_impl='local': set model.transformer_impl=transformer_engine "
+             "(or auto on a GPU host with transformer-engine), or parallel.context_parallel_size=1")
+    _require(not par.pack_sequences,
+             f"{key} with parallel.pack_sequences=true is not supported: packed (THD) rows need a split per "
+             "sequence (TransformerEngine's thd_get_partitioned_indices), not the per-row split used here; set "
+             "parallel.pack_sequences=false or parallel.context_parallel_size=1")
+    _require(m.router_replay == "none" and m.router_aux_loss_coef == 0,
+             f"{key} with model.router_replay={m.router_replay!r} / model.router_aux_loss_coef="
+             f"{m.router_aux_loss_coef}: routes and router statistics are not split over the CP ranks; set "
+             "model.router_replay=none and model.router_aux_loss_coef=0, or parallel.context_parallel_size=1")
+    _require(get_policy_loss(cfg.loss.name).requirements(loss_config).advantage_source != "critic",
+             f"{key} with loss '{cfg.loss.name}': its critic's forward does not split the sequence over the "
+             "CP ranks; use parallel.context_parallel_size=1")
+    _require(cfg.rollout.placement == "colocated",
+             f"{key} with rollout.placement={cfg.rollout.placement!r}: the received rollouts are not shared over "
+             "the CP ranks; use rollout.placement=colocated or parallel.context_parallel_size=1")
 
 
 _TRACKER_PACKAGES = {"wandb": ("wandb", "wandb"), "mlflow": ("mlflow", "mlflow-skinny")}

@@ -42,12 +42,20 @@ def check_host(cfg) -> None:
             ``install.sh`` installs); ``rollout.vllm.enable_sleep_mode`` without CUDA (vLLM's CPU
             worker has no sleep mode); ``parallel.pack_sequences`` on CUDA with the local layer
             spec (only TransformerEngine's THD layout confines attention to each sequence there);
-            an environment variable ``NEMO_SSPO_TRITON`` this host cannot honour
+            ``parallel.context_parallel_size > 1`` unless the layer spec resolves to TransformerEngine
+            (its attention does the CP exchange); an environment variable ``NEMO_SSPO_TRITON`` this host cannot honour
             (:func:`nemo_sspo.parallel.vocab_parallel.use_triton`). (Config checks that do not depend on the host run at load time:
             ``nemo_sspo.trainer.config.validate``.)
     """
     impl = resolve_transformer_impl(cfg.model.transformer_impl, cfg.model.fp8)
     cuda = torch.cuda.is_available()
+    cp = cfg.parallel.context_parallel_size
+    if cp > 1 and impl != "transformer_engine":
+        raise ValueError(f"parallel.context_parallel_size={cp} needs TransformerEngine's attention (a CUDA device "
+                         f"and transformer-engine), but model.transformer_impl={cfg.model.transformer_impl!r} "
+                         f"resolves to the local spec on this host{'' if cuda else ' (no CUDA device)'}: set "
+                         "parallel.context_parallel_size=1 here. The loss side of context parallelism is tested "
+                         "on CPU (tests/distributed/test_context_parallel_loss.py); the CP attention is not")
     if cfg.parallel.pack_sequences and cuda and impl == "local":
         raise ValueError("parallel.pack_sequences=true on a CUDA device needs the TransformerEngine layer spec "
                          f"(Megatron's THD layout), but model.transformer_impl={cfg.model.transformer_impl!r} "

@@ -171,7 +171,8 @@ def start_parallel(parallel_cfg: ParallelConfig, seed: int) -> ParallelGroups:
     """
     initialize_parallel(tp_size=parallel_cfg.tensor_model_parallel_size,
                         pp_size=parallel_cfg.pipeline_model_parallel_size, seed=seed,
-                        ep_size=parallel_cfg.expert_model_parallel_size)
+                        ep_size=parallel_cfg.expert_model_parallel_size,
+                        cp_size=parallel_cfg.context_parallel_size)
     return get_parallel_groups()
 
 
@@ -349,6 +350,7 @@ class GRPOTrainer:
             self.tables = build_segment_tables(tokenizer).padded(hf_config.vocab_size)
         vocab_start, vocab_size = vocab_shard(self.model)
         self.spec = LossSpec(loss=self.loss, tp_group=self.groups.tp_group if self.groups.tp_size > 1 else None,
+                             cp_group=self.groups.cp_group if self.groups.cp_size > 1 else None,
                              vocab_start=vocab_start, vocab_size=vocab_size,
                              temperature=cfg.rollout.temperature,
                              max_response_length=cfg.rollout.max_new_tokens,
@@ -425,11 +427,15 @@ class GRPOTrainer:
         """
         rollout = self.sampler.collect(step) if self.is_generator else None
         g = self.groups
-        if g.mp_size == 1:
-            return rollout
-        box = [rollout]
-        dist.broadcast_object_list(box, src=g.mp_src_rank, group=g.mp_group)
-        return box[0]
+        if g.mp_size > 1:
+            box = [rollout]
+            dist.broadcast_object_list(box, src=g.mp_src_rank, group=g.mp_group)
+            rollout = box[0]
+        if g.cp_size > 1:  # the CP ranks of a replica split the same rollouts: CP rank 0's
+            box = [rollout]
+            dist.broadcast_object_list(box, src=g.cp_src_rank, group=g.cp_group)
+            rollout = box[0]
+        return rollout
 
     def compute_advantages(self, rollout: Rollout) -> tuple[torch.Tensor, dict[str, MetricPair]]:
         """``[B]`` float32 advantages and their metric pairs.

@@ -27,7 +27,7 @@ RUN_CONFIG_FILE = "config.yaml"
 RESUME_KEYS = (
     "model.source", "model.precision", "model.fp8", "model.fp8_recipe", "model.transformer_impl",
     "parallel.tensor_model_parallel_size", "parallel.pipeline_model_parallel_size",
-    "parallel.expert_model_parallel_size", "rollout.placement", "rollout.num_ranks",
+    "parallel.expert_model_parallel_size", "parallel.context_parallel_size", "rollout.placement", "rollout.num_ranks",
     "rollout.prompts_per_step", "rollout.samples_per_prompt", "rollout.max_new_tokens",
     "trainer.minibatches_per_step", "trainer.seed", "data", "loss.name", "optim.use_distributed_optimizer",
     # the reward that scores the rollouts, as the loss that trains on them (issue 32)

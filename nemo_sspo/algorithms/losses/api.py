@@ -4,6 +4,9 @@
 and NeMo-Aligner adapters): it returns the micro-batch's ``(numerator, denominator)`` share of the
 step loss under the loss's own aggregation mode, so that ``sum(numerators) / sum(denominators)``
 over all micro-batches and data-parallel ranks is the global mean (docs/pitfalls.md#p10).
+Under context parallelism (``LossInputs.context_parallel``) the pair is this CP rank's share, so
+that the sum over the data- and context-parallel ranks is the same global mean
+(:mod:`nemo_sspo.algorithms.aggregation`); the metrics are reduced over the CP group here.
 :func:`compute_policy_loss` is the one call for plain tensors in one process.
 """
 
@@ -14,6 +17,7 @@ from typing import Any
 import torch
 
 from nemo_sspo.algorithms.aggregation import aggregate
+from nemo_sspo.algorithms.context_parallel import CPContext
 from nemo_sspo.algorithms.losses.inputs import LossInputs, PolicyLoss
 from nemo_sspo.algorithms.losses.registry import build_policy_loss_config, make_policy_loss
 from nemo_sspo.metrics import MetricPair, mean_pair, summarize_metric_pairs
@@ -36,7 +40,11 @@ def policy_loss_sums(loss: PolicyLoss, inputs: LossInputs, *, max_response_lengt
     Returns:
         ``(numerator, denominator, metrics)``: 0-d tensors (numerator differentiable; denominator
         a count of tokens for "token-mean", of non-empty responses otherwise) and the loss's
-        detached metric pairs plus ``loss/policy`` = ``(numerator, denominator)``.
+        detached metric pairs plus ``loss/policy`` = ``(numerator, denominator)``. Under context
+        parallelism numerator and denominator are this CP rank's shares (their sums over the CP
+        group are the CP = 1 values; the numerator's gradient at this rank's tokens is the CP = 1
+        gradient of that sum), and the metric pairs are already reduced over the CP group: every
+        CP rank holds the CP = 1 pairs, so a host reduces them over data parallelism only.
 
     Raises:
         ValueError: the loss's own checks, or ``max_response_length`` missing for
@@ -46,11 +54,28 @@ def policy_loss_sums(loss: PolicyLoss, inputs: LossInputs, *, max_response_lengt
     per_token = out.per_token_loss
     if inputs.token_weights is not None:
         per_token = per_token * inputs.token_weights.to(per_token.dtype)
+    cp = inputs.context_parallel
     numerator, denominator = aggregate(per_token, inputs.response_mask, loss.config.aggregation,
-                                       max_response_length=max_response_length)
+                                       max_response_length=max_response_length, cp=cp)
     metrics = {key: value.detach() for key, value in out.metrics.items()}
     metrics["loss/policy"] = mean_pair(numerator.detach(), denominator)
+    if cp is not None:
+        metrics = _sum_additive_pairs(metrics, cp)
     return numerator, denominator, metrics
+
+
+def _sum_additive_pairs(metrics: dict[str, MetricPair], cp: CPContext) -> dict[str, MetricPair]:
+    """The additive pairs summed over the CP group (one all-reduce); the extreme pairs are
+    reduced where they are made (``nemo_sspo.algorithms.losses.metrics``).
+    """
+    keys = sorted(key for key, pair in metrics.items() if pair.additive)
+    if not keys:
+        return metrics
+    summed = cp.sum(torch.stack([metrics[key].as_tensor(torch.float64) for key in keys]))
+    out = dict(metrics)
+    for key, (total, count) in zip(keys, summed.to(torch.float32), strict=True):
+        out[key] = MetricPair(total, count, metrics[key].kind)
+    return out
 
 
 def compute_policy_loss(name: str, inputs: LossInputs, *, max_response_length: int | None = None,

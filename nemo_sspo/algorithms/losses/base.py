@@ -153,22 +153,33 @@ def resolve_segments(segmentation: str, inputs: LossInputs) -> torch.Tensor:
     """``[B, T]`` int64 ids of the loss's ratio segments: computed from the mask for "token" and
     "response", else ``inputs.segment_ids`` after a range check.
 
+    Under context parallelism (``inputs.context_parallel``) ids are those of the unsplit row: a
+    "token" segment is numbered by its global position (ids unique over the CP group), a
+    "response" segment is 0 on every rank, and ``segment_ids`` must lie in ``[0, S)``.
+
     Raises:
         ValueError: ``segment_ids`` missing for a text-based unit, or out of range.
     """
+    mask, cp = inputs.response_mask, inputs.context_parallel
+    if segmentation == "token" and cp is not None:
+        position = cp.positions.to(mask.device)[None, :].expand(mask.shape)
+        return torch.where(mask, position, torch.full_like(position, -1))
     if segmentation in ("token", "response"):
-        return mask_segment_ids(segmentation, inputs.response_mask)
+        return mask_segment_ids(segmentation, mask)
     if inputs.segment_ids is None:
         raise ValueError(f"LossInputs.segment_ids is None but this loss's ratio unit is "
                          f"{segmentation!r}: build them with "
                          "nemo_sspo.algorithms.segmentation.segment_ids")
-    check_segment_id_range(inputs.segment_ids, inputs.response_mask)
-    mask = inputs.response_mask
+    check_segment_id_range(inputs.segment_ids, mask, width=None if cp is None else cp.width)
     return torch.where(mask, inputs.segment_ids.long(), torch.full_like(mask, -1, dtype=torch.long))
 
 
-def check_segment_id_range(segment_ids: torch.Tensor, response_mask: torch.Tensor) -> None:
+def check_segment_id_range(segment_ids: torch.Tensor, response_mask: torch.Tensor, *,
+                           width: int | None = None) -> None:
     """Check ``0 <= segment_ids < T`` at valid positions (``[B, T]``; masked ones are not read).
+
+    ``width``: the unsplit row width S under context parallelism (ids then lie in ``[0, S)``);
+    None: T.
 
     Segments are numbered within a row, so a row has at most T of them: an id >= T would be
     merged with a segment of the next row, and -1 at a valid token would be folded into another
@@ -179,7 +190,7 @@ def check_segment_id_range(segment_ids: torch.Tensor, response_mask: torch.Tenso
     """
     if not bool(response_mask.any()):
         return
-    length = segment_ids.shape[-1]
+    length = segment_ids.shape[-1] if width is None else width
     ids = segment_ids[response_mask]
     low, high = torch.stack([ids.min(), ids.max()]).tolist()
     if low < 0 or high >= length:
@@ -254,8 +265,11 @@ class LossTerms:
                 object.__setattr__(self, name, never)
         if self.segment_length is None:
             ones = self.response_mask.to(self.ratio.dtype)
+            # Under context parallelism ids reach the unsplit width S > T: the clamp keeps the
+            # local count in range; finish_policy_loss recounts every segment over the CP group.
+            ids = self.segments.clamp(max=max(self.segments.shape[-1] - 1, 0))
             object.__setattr__(self, "segment_length",
-                               segment_mean(ones, self.segments, self.response_mask)[1])
+                               segment_mean(ones, ids, self.response_mask)[1])
 
 
 def finish_policy_loss(terms: LossTerms, config: PolicyLossConfig,
@@ -263,16 +277,21 @@ def finish_policy_loss(terms: LossTerms, config: PolicyLossConfig,
     """Add the reference-KL and entropy terms and build the metrics (module docstring).
 
     ``inputs.ref_logprobs`` / ``inputs.entropy`` given with a zero coefficient are still reported
-    (``policy/kl_ref``, ``policy/entropy_current``).
+    (``policy/kl_ref``, ``policy/entropy_current``). Under context parallelism the segment lengths
+    are recounted over the CP group (a loss's own ``LossTerms`` may have counted local columns
+    only) and the metric pairs are this rank's share (reduced in ``policy_loss_sums``).
     """
-    mask, logprobs = terms.response_mask, inputs.logprobs
+    mask, logprobs, cp = terms.response_mask, inputs.logprobs, inputs.context_parallel
     per_token = terms.per_token_loss
     zero = torch.zeros((), dtype=per_token.dtype, device=per_token.device)
+    if cp is not None:
+        ones = mask.to(terms.ratio.dtype)
+        terms = replace(terms, segment_length=segment_mean(ones, terms.segments, mask, cp=cp)[1])
     old_entropy = None if inputs.old_entropy is None else inputs.old_entropy.detach()
     if old_entropy is not None and terms.segment_entropy is None:
-        entropy, _ = segment_mean(old_entropy, terms.segments, mask)
+        entropy, _ = segment_mean(old_entropy, terms.segments, mask, cp=cp)
         terms = replace(terms, segment_entropy=entropy)
-    metrics = policy_metrics(terms, old_entropy)
+    metrics = policy_metrics(terms, old_entropy, cp=cp)
     tokens = mask.sum()
     if inputs.ref_logprobs is not None:
         # Mask before the estimator: NaN padding must not reach exp (0 * NaN in backward).

@@ -26,6 +26,12 @@ least one token when fraction > 0 and the micro-batch has a valid token (the off
 max(1, ...)); fraction = 0 selects nothing. Clip-Cov's random keys are drawn afresh per call from
 the same seed, so a position's priority is the same in every call with the same [B, T] shape;
 which tokens are eligible changes from step to step.
+
+Under context parallelism (``LossInputs.context_parallel``) the batch is still the whole
+micro-batch: the means and N are reduced over the CP group, Clip-Cov's keys are those of the
+unsplit ``[B, S]`` at each rank's positions, and the top-quota choice is made over the group
+(:func:`nemo_sspo.algorithms.context_parallel.select_top`), so the same tokens are selected as
+with CP = 1.
 """
 
 from __future__ import annotations
@@ -36,6 +42,7 @@ from typing import Protocol
 
 import torch
 
+from nemo_sspo.algorithms.context_parallel import CPContext, select_top
 from nemo_sspo.algorithms.losses.base import LossTerms, PolicyLossConfig, check_eps, config_error
 from nemo_sspo.algorithms.losses.inputs import LossInputs
 from nemo_sspo.algorithms.losses.ratio_clip import (
@@ -50,13 +57,15 @@ from nemo_sspo.metrics import mean_pair
 
 
 def token_covariance(logprobs: torch.Tensor, advantages: torch.Tensor,
-                     response_mask: torch.Tensor) -> torch.Tensor:
+                     response_mask: torch.Tensor, *, cp: CPContext | None = None) -> torch.Tensor:
     """Cov_t = (log pi(y_t) - mean log pi)(A_t - mean A) over the valid tokens (module docstring).
 
     Args:
         logprobs: ``[B, T]`` float, log pi_theta of the sampled tokens (read without gradient).
         advantages: ``[B]`` float, one advantage per response.
         response_mask: ``[B, T]`` bool.
+        cp: context parallelism: the means are over the whole micro-batch (one all-reduce of
+            the count and the two sums), or None.
 
     Returns:
         ``[B, T]`` float (at least float32), 0 at masked positions.
@@ -65,24 +74,37 @@ def token_covariance(logprobs: torch.Tensor, advantages: torch.Tensor,
     dtype = torch.promote_types(logprobs.dtype, torch.float32)
     zero = torch.zeros((), dtype=dtype, device=logprobs.device)
     valid = mask.to(dtype)
-    count = valid.sum().clamp(min=1)
     lp = torch.where(mask, logprobs.detach().to(dtype), zero)
     adv = torch.where(mask, advantages.detach().to(dtype).unsqueeze(1).expand_as(lp), zero)
-    return (lp - lp.sum() / count) * (adv - adv.sum() / count) * valid
+    totals = torch.stack([valid.sum(), lp.sum(), adv.sum()])
+    if cp is not None:
+        totals = cp.sum(totals)
+    count, lp_sum, adv_sum = totals.unbind(0)
+    count = count.clamp(min=1)
+    return (lp - lp_sum / count) * (adv - adv_sum / count) * valid
 
 
-def _quota(fraction: float, response_mask: torch.Tensor) -> torch.Tensor:
-    """max(1, floor(fraction N)) for fraction > 0 (else floor(fraction N) = 0), as a 0-d tensor."""
-    quota = torch.floor(fraction * response_mask.sum())
+def _quota(fraction: float, response_mask: torch.Tensor, cp: CPContext | None) -> torch.Tensor:
+    """max(1, floor(fraction N)) for fraction > 0 (else floor(fraction N) = 0), as a 0-d tensor;
+    N = the valid tokens of the whole micro-batch (over the CP group).
+    """
+    tokens = response_mask.sum()
+    quota = torch.floor(fraction * (tokens if cp is None else cp.sum(tokens)))
     if fraction > 0:  # at least one token, else small micro-batches never select (floor -> 0)
         quota = quota.clamp(min=1.0)
     return quota
 
 
-def _pick_highest(key: torch.Tensor, eligible: torch.Tensor, quota: torch.Tensor):
+def _pick_highest(key: torch.Tensor, eligible: torch.Tensor, quota: torch.Tensor,
+                  fraction: float, cp: CPContext | None):
     """``[B, T]`` bool: the ``quota`` eligible positions with the highest ``key`` (fewer if fewer are
-    eligible). Ties keep the earlier position (row-major). No host synchronisation.
+    eligible). Ties keep the earlier position (row-major). No host synchronisation. Under CP the
+    choice is over the unsplit micro-batch (``select_top``).
     """
+    if cp is not None:
+        rows = key.shape[0]
+        return select_top(key, eligible, quota, cp=cp,
+                          max_quota=max(1, math.floor(fraction * rows * cp.width)) + 1)  # + 1: rounding
     flat = torch.where(eligible, key, torch.full_like(key, -math.inf)).reshape(-1)
     order = torch.sort(flat, descending=True, stable=True).indices
     rank = torch.empty_like(order)
@@ -98,6 +120,7 @@ def select_high_covariance_tokens(
     *,
     cov_min: float = -math.inf,
     cov_max: float = math.inf,
+    cp: CPContext | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """KL-Cov's rule: the max(1, floor(fraction N)) highest-covariance valid tokens with
     cov_min < Cov_t < cov_max (strict; the default band admits every token).
@@ -115,14 +138,15 @@ def select_high_covariance_tokens(
         fraction: share of the N valid tokens to select, in [0, 1].
         cov_min: lower edge of the open eligibility band of Cov_t.
         cov_max: upper edge of the open eligibility band of Cov_t.
+        cp: context parallelism (module docstring), or None.
 
     Returns:
         ``(selected [B, T] bool, covariance [B, T] float)``; covariance is 0 at masked positions.
         Ties keep the earlier position (row-major). No host synchronisation.
     """
-    covariance = token_covariance(logprobs, advantages, response_mask)
+    covariance = token_covariance(logprobs, advantages, response_mask, cp=cp)
     eligible = response_mask & (covariance > cov_min) & (covariance < cov_max)
-    selected = _pick_highest(covariance, eligible, _quota(fraction, response_mask))
+    selected = _pick_highest(covariance, eligible, _quota(fraction, response_mask, cp), fraction, cp)
     return selected, covariance
 
 
@@ -136,6 +160,7 @@ def select_random_covariance_tokens(
     cov_max: float,
     exclude: torch.Tensor,
     seed: int,
+    cp: CPContext | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Clip-Cov's rule: max(1, floor(fraction N)) tokens drawn uniformly without replacement among
     the valid tokens not in ``exclude`` with cov_min < Cov_t < cov_max (strict).
@@ -153,17 +178,23 @@ def select_random_covariance_tokens(
         cov_max: upper edge of the open eligibility band of Cov_t.
         exclude: ``[B, T]`` bool, tokens that may not be selected (those the clip already cut).
         seed: seed of the key generator.
+        cp: context parallelism (module docstring): the keys are drawn for the unsplit
+            ``[B, S]`` and read at this rank's positions; or None.
 
     Returns:
         ``(selected [B, T] bool, covariance [B, T] float)`` as
         :func:`select_high_covariance_tokens`.
     """
-    covariance = token_covariance(logprobs, advantages, response_mask)
+    covariance = token_covariance(logprobs, advantages, response_mask, cp=cp)
     eligible = response_mask & ~exclude & (covariance > cov_min) & (covariance < cov_max)
     generator = torch.Generator().manual_seed(seed)
-    keys = torch.rand(covariance.shape, generator=generator, dtype=torch.float64)
+    rows, width = covariance.shape
+    keys = torch.rand((rows, width if cp is None else cp.width), generator=generator,
+                      dtype=torch.float64)
+    if cp is not None:
+        keys = keys[:, cp.positions.cpu()]
     selected = _pick_highest(keys.to(covariance.device), eligible,
-                             _quota(fraction, response_mask))
+                             _quota(fraction, response_mask, cp), fraction, cp)
     return selected, covariance
 
 
@@ -239,7 +270,8 @@ class ClipCovSelection:
         c = self.config
         selected, _ = select_random_covariance_tokens(
             inputs.logprobs, inputs.advantages, inputs.response_mask, c.select_fraction,
-            cov_min=c.cov_min, cov_max=c.cov_max, exclude=terms.grad_zero, seed=c.selection_seed)
+            cov_min=c.cov_min, cov_max=c.cov_max, exclude=terms.grad_zero, seed=c.selection_seed,
+            cp=inputs.context_parallel)
         loss = terms.per_token_loss
         # The official loss multiplies by 0: value and gradient both vanish.
         return replace(terms, per_token_loss=torch.where(selected, torch.zeros_like(loss), loss),
@@ -256,7 +288,8 @@ class KLCovSelection:
         """The terms with beta |log r| added at the selected tokens, and the ``[B, T]`` selection."""
         selected, _ = select_high_covariance_tokens(inputs.logprobs, inputs.advantages,
                                                     inputs.response_mask,
-                                                    self.config.select_fraction)
+                                                    self.config.select_fraction,
+                                                    cp=inputs.context_parallel)
         mask, logprobs = inputs.response_mask, inputs.logprobs
         log_ratio = torch.where(mask, logprobs - inputs.old_logprobs.detach(),
                                 torch.zeros((), dtype=logprobs.dtype, device=logprobs.device))

@@ -20,6 +20,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
+from nemo_sspo.algorithms.context_parallel import CPContext
 from nemo_sspo.metrics import MetricPair
 
 __all__ = ["LossInputs", "LossOutput", "LossRequirements", "PolicyLoss"]
@@ -52,6 +53,10 @@ class LossInputs:
             when the config's ``entropy_coef > 0``; reported as ``policy/entropy_current``.
         token_weights: ``[B, T]`` float multiplying each token's loss before aggregation
             (off-policy correction weights, ``nemo_sspo.algorithms.off_policy``), or None.
+        context_parallel: under context parallelism, this rank's share of the sequence and the
+            reductions over its CP group (:class:`nemo_sspo.algorithms.context_parallel.CPContext`);
+            every ``[B, T]`` field then holds this rank's ``T = S_local`` columns of the target
+            frame (``segment_ids`` numbered in the unsplit row). None: the whole sequence.
 
     Raises:
         ValueError: on construction, naming the field: a shape that is not ``[B, T]`` (``[B]``
@@ -68,6 +73,7 @@ class LossInputs:
     ref_logprobs: torch.Tensor | None = None
     entropy: torch.Tensor | None = None
     token_weights: torch.Tensor | None = None
+    context_parallel: CPContext | None = None
 
     def __post_init__(self) -> None:
         lp = self.logprobs
@@ -89,6 +95,10 @@ class LossInputs:
         ids = self.segment_ids
         if ids is not None and (ids.is_floating_point() or ids.dtype == torch.bool):
             raise ValueError(f"LossInputs.segment_ids must be an integer tensor, got {ids.dtype}")
+        cp = self.context_parallel
+        if cp is not None and cp.positions.shape != lp.shape[1:]:
+            raise ValueError(f"LossInputs.context_parallel.positions has {cp.positions.numel()} "
+                             f"positions but the [B, T] fields have T = {lp.shape[1]}")
         devices = {f.name: getattr(self, f.name).device for f in fields(self)
                    if isinstance(getattr(self, f.name), torch.Tensor)}
         if len(set(devices.values())) > 1:

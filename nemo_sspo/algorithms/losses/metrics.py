@@ -21,12 +21,18 @@ Entropy bands (segment entropy H_ij, eq. 13, in nats) follow the regions of SSPO
 paper's 1.5B setting (alpha 0, beta 0.8, gamma 1.75): H < 0.2 (b_low held at beta), 0.2 <= H < 0.75
 (both bounds move with H), 0.75 <= H < 1 (b_high saturated at gamma), H >= 1 (b_low = 0: no lower
 clip). The edges are fixed for every loss so that runs compare.
+
+Under context parallelism (``cp``) every weight uses the CP-reduced segment and response lengths,
+the mean pairs are this rank's share (its own tokens; the response count on CP rank 0 only) and
+are summed over the CP group by ``policy_loss_sums``; the ``_min`` / ``_max`` pairs are reduced
+here (MIN / MAX over the group, the CP = 1 count), the same on every CP rank (ours).
 """
 
 from __future__ import annotations
 
 import torch
 
+from nemo_sspo.algorithms.context_parallel import CPContext, cp_sum, items_on_this_rank
 from nemo_sspo.algorithms.kl import kl_estimate
 from nemo_sspo.algorithms.ratios import LOG_RATIO_CLAMP, segment_mean
 from nemo_sspo.algorithms.segmentation import mask_segment_ids
@@ -47,17 +53,26 @@ _WEIGHTING = {"token": "tokens", "segment": "segments", "response": "responses"}
 class _Weights:
     """Per-token weights that count tokens, segments or responses once each."""
 
-    def __init__(self, mask: torch.Tensor, segment_length: torch.Tensor) -> None:
-        self.mask = mask
+    def __init__(self, mask: torch.Tensor, segment_length: torch.Tensor,
+                 cp: CPContext | None = None) -> None:
+        self.mask, self.cp = mask, cp
         valid = mask.to(_F32)
-        lengths = valid.sum(dim=1, keepdim=True)
+        lengths = cp_sum(valid.sum(dim=1, keepdim=True), cp)  # the whole row's length
         self.by = {
             "tokens": valid,
             "segments": valid / segment_length.to(_F32).clamp(min=1),
             "responses": valid / lengths.clamp(min=1),
         }
         self.count = {name: w.sum() for name, w in self.by.items()}
-        self.count["responses"] = (lengths > 0).sum().to(_F32)
+        responses = (lengths > 0).sum().to(_F32)
+        self.count["responses"] = items_on_this_rank(responses, cp)
+        self._group_count: dict[str, torch.Tensor] = {"responses": responses}
+
+    def group_count(self, level: str) -> torch.Tensor:
+        """The count of ``level`` over the CP group (this rank's without CP), for extreme pairs."""
+        if level not in self._group_count:
+            self._group_count[level] = cp_sum(self.count[level], self.cp)
+        return self._group_count[level]
 
     def _masked(self, values: torch.Tensor) -> torch.Tensor:
         # where, not multiply: inf/NaN at masked positions must not reach a sum.
@@ -76,17 +91,31 @@ class _Weights:
         return {
             key: self.mean(values, level),
             f"{key}_sq": mean_sq_pair(self._weighted_sum(values.square(), level), count),
-            f"{key}_min": min_pair(values, self.mask, count),
-            f"{key}_max": max_pair(values, self.mask, count),
+            **self._extremes(key, values, level),
         }
 
+    def _extremes(self, key: str, values: torch.Tensor, level: str) -> dict[str, MetricPair]:
+        if self.cp is None:
+            count = self.count[level]
+            return {f"{key}_min": min_pair(values, self.mask, count),
+                    f"{key}_max": max_pair(values, self.mask, count)}
+        inf = torch.full((), torch.inf, dtype=_F32, device=values.device)
+        low = torch.where(self.mask, values, inf).reshape(-1)
+        high = torch.where(self.mask, values, -inf).reshape(-1)
+        local = torch.stack([torch.cat([low, inf[None]]).amin(), -torch.cat([high, -inf[None]]).amax()])
+        low, high = self.cp.min(local).unbind(0)  # one collective for both extremes
+        count = self.group_count(level)
+        zero = torch.zeros_like(low)
+        return {f"{key}_min": MetricPair(torch.where(count > 0, low, zero), count, "min"),
+                f"{key}_max": MetricPair(torch.where(count > 0, -high, zero), count, "max")}
 
-def _raw_ratios(terms) -> dict[str, torch.Tensor]:
+
+def _raw_ratios(terms, cp: CPContext | None) -> dict[str, torch.Tensor]:
     """The exp of the mean token log-ratio over each token, loss segment and response."""
     mask, log_ratio = terms.response_mask, terms.log_ratio
     whole = mask_segment_ids("response", mask)
-    segment_log, _ = segment_mean(log_ratio, terms.segments, mask)
-    response_log, _ = segment_mean(log_ratio, whole, mask)
+    segment_log, _ = segment_mean(log_ratio, terms.segments, mask, cp=cp)
+    response_log, _ = segment_mean(log_ratio, whole, mask, cp=cp)
     return {
         level: torch.exp(value.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
         for level, value in (("token", log_ratio), ("segment", segment_log),
@@ -104,12 +133,15 @@ def _entropy_bands(weights: _Weights, segment_entropy: torch.Tensor) -> dict[str
 
 
 @torch.no_grad()
-def policy_metrics(terms, old_entropy: torch.Tensor | None) -> dict[str, MetricPair]:
+def policy_metrics(terms, old_entropy: torch.Tensor | None, *,
+                   cp: CPContext | None = None) -> dict[str, MetricPair]:
     """All keys of the module docstring from a loss's ``LossTerms``, as detached pairs.
     Without ``old_entropy`` (``[B, T]`` or None) the entropy keys and bands are left out.
+    ``cp``: context parallelism (module docstring); ``terms.segment_length`` must then be the
+    CP-reduced one.
     """
     mask = terms.response_mask
-    weights = _Weights(mask, terms.segment_length)
+    weights = _Weights(mask, terms.segment_length, cp)
     flags = {"low": terms.clip_low, "high": terms.clip_high, "dual": terms.clip_dual}
     clipped = (terms.clip_low | terms.clip_high | terms.clip_dual) & mask
     metrics: dict[str, MetricPair] = {}
@@ -119,7 +151,7 @@ def policy_metrics(terms, old_entropy: torch.Tensor | None) -> dict[str, MetricP
             metrics[f"policy/clipfrac_{side}_{level}"] = weights.mean(flag & mask, level)
     metrics["policy/zero_grad_frac_tokens"] = weights.mean(terms.grad_zero & mask, "tokens")
     metrics["policy/ratio"] = weights.mean(terms.ratio, "segments")
-    for level, ratio in _raw_ratios(terms).items():
+    for level, ratio in _raw_ratios(terms, cp).items():
         metrics.update(weights.spread(f"policy/ratio_{level}", ratio, _WEIGHTING[level]))
     for estimator in ("k1", "k3"):
         kl = kl_estimate(terms.log_ratio, estimator)  # KL(pi_old || pi_theta), samples of pi_old

@@ -207,7 +207,8 @@ class RatioEngine:
         log_ratio = torch.where(mask, logprobs - inputs.old_logprobs.detach(), zero)
         adv = inputs.advantages.detach().to(logprobs.dtype).unsqueeze(1)
         token = self.transform(log_ratio, adv)
-        mean_log_ratio, segment_length = segment_mean(token.log_ratio, segments, mask)
+        mean_log_ratio, segment_length = segment_mean(token.log_ratio, segments, mask,
+                                                     cp=inputs.context_parallel)
         clamped = mean_log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
         beyond_clamp = mean_log_ratio.detach().abs() > LOG_RATIO_CLAMP
         if self.token_gradient:
@@ -245,7 +246,8 @@ def _bounds_context(inputs: LossInputs, segments: torch.Tensor, dtype) -> Bounds
     zero = torch.zeros((), dtype=dtype, device=mask.device)
     segment_entropy = None
     if inputs.old_entropy is not None:
-        segment_entropy, _ = segment_mean(inputs.old_entropy, segments, mask)
+        segment_entropy, _ = segment_mean(inputs.old_entropy, segments, mask,
+                                           cp=inputs.context_parallel)
         segment_entropy = segment_entropy.to(dtype)
     return BoundsContext(segment_entropy, torch.where(mask, inputs.old_logprobs.detach().to(dtype), zero))
 
