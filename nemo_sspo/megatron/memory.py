@@ -46,8 +46,9 @@ the activation element size (4 fp32 on CPU, 2 bf16 on GPU), ``t`` TP, ``T = s b`
   of the SwiGLU and the fc2 input ``T f / t``: ``5 T f / t``. Total per layer
   ``e [T (6 h + 2 + 4 a d / t + 5 f / t) + b (a / t) s^2 + 4 s d]`` (sequence parallelism would divide the
   ``6 T h + 2 T`` part by ``t``). Selective recomputation (``recompute_modules=["core_attn"]``)
-  replaces the core attention's ``3 T a d / t + b (a/t) s^2`` by its checkpointed inputs, query, key
-  and value before the head repeat: ``T d (a + 2 g) / t``.
+  replaces the core attention's ``3 T a d / t + b (a/t) s^2`` by its checkpointed inputs: the rotated
+  query and key (``T d (a + g) / t``) and the value, a view that keeps the whole fused qkv output
+  alive (``T d (a + 2 g) / t``): ``T d (2 a + 3 g) / t``.
 * TransformerEngine spec (GPU; flash attention; our reading of the modules, not measured here):
   each ``LayerNormLinear`` saves its input and its normalised output, ``4 T h`` for two; the fused
   attention the rotated query and key ``T d (a + g) / t``, the value inside the fused qkv output
@@ -265,7 +266,7 @@ def layer_activation_bytes(hf: Any, *, tokens: int, rows: int, seq: int, tp: int
     if impl == "local":
         norms = (6 * tokens * h + 2 * tokens) / sp
         if recompute == "selective":
-            attention = tokens * d * (a + 2 * g) / t
+            attention = tokens * d * (2 * a + 3 * g) / t
         else:
             attention = 3 * tokens * a * d / t + rows * (a / t) * seq * seq
         attention += tokens * a * d / t + 4 * seq * d
@@ -284,7 +285,9 @@ def layer_activation_bytes(hf: Any, *, tokens: int, rows: int, seq: int, tp: int
 class ActivationTerms:
     """Activation bytes of one pipeline stage on one rank for one micro-batch.
 
-    ``layers``: what the stage's decoder layers save in the forward; ``final_norm``: the last stage's
+    ``layers``: what the stage's decoder layers save in the forward, with their inputs (token ids on
+    the first stage, the local spec's boolean mask ``s^2`` bytes, the rotary table of recomputed
+    chunks ``4 s d``); ``final_norm``: the last stage's
     final RMSNorm (input and normalised input); ``recompute_working``: with full recomputation, the
     saved activations of one recomputed chunk, rebuilt during its backward (0 otherwise).
     """
@@ -334,4 +337,9 @@ def activation_bytes(hf: Any, *, tokens: int, rows: int, seq: int, tp: int, pp: 
         final = act_bytes * norm / sp
     else:
         final = 0.0
-    return ActivationTerms(layers=layers, final_norm=final, recompute_working=working)
+    inputs = 8 * tokens if stage == 0 else 0  # the embedding's int64 token ids
+    if impl == "local":
+        inputs += seq * seq  # the explicit boolean causal (or block-diagonal) mask, one per forward
+    if recompute == "full":
+        inputs += 4 * seq * _head_dim(hf)  # the fp32 rotary table, an input of every recomputed chunk
+    return ActivationTerms(layers=layers + inputs, final_norm=final, recompute_working=working)
