@@ -124,7 +124,7 @@ def _two_rank_worker(rank, port, queue, args):
     dist.all_gather_object(gathered, states)
     # optimizer: each rank holds its shard; the plan's figure is the mean of the two
     rows += [(f"{name} (rank 0 / rank 1)", f"{a:,} / {b:,}", planned) if name.startswith("optimizer")
-             else (name, a, planned) for (name, a, planned), (_, b, _) in zip(gathered[0], gathered[1])]
+             else (name, a, planned) for (name, a, planned), (_, b, _) in zip(gathered[0], gathered[1], strict=True)]
     if rank == 0:
         queue.put(rows)
     dist.destroy_process_group()

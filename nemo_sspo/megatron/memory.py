@@ -89,7 +89,8 @@ _VOCAB_DIVISOR = 128  # Megatron-LM's make_vocab_size_divisible_by (nemo_sspo.me
 class RankParameter:
     """One parameter tensor of a rank: ``numel`` elements; ``expert``: in DDP's expert buffer (not
     all-reduced over the whole DP group); ``shared_embedding``: the tied embedding of a PP > 1 model
-    (its own bucket under the distributed optimizer)."""
+    (its own bucket under the distributed optimizer).
+    """
 
     name: str
     numel: int
@@ -111,7 +112,10 @@ def rank_parameters(hf: Any, *, tp: int, pp: int, ep: int = 1, stage: int = 0) -
 
     Args:
         hf: a Llama / Qwen2 / Qwen3 / Qwen3-MoE HF config (fields only).
-        tp, pp, ep: the layout; ``stage`` in ``[0, pp)``.
+        tp: tensor-parallel size.
+        pp: pipeline-parallel size.
+        ep: expert-parallel size (1 for dense models).
+        stage: the pipeline stage, in ``[0, pp)``.
 
     Returns:
         One :class:`RankParameter` per tensor (element counts, not bytes).
@@ -211,6 +215,7 @@ def model_state_bytes(params: list[RankParameter], *, param_bytes: int, dp: int,
         params: :func:`rank_parameters` of the rank.
         param_bytes: 2 (bf16 model, mixed-precision optimizer with fp32 main weights) or 4 (fp32).
         dp: data-parallel size (the dense buffer's group); the experts' group is ``dp // ep``.
+        ep: expert-parallel size.
         distributed_optimizer: megatron's distributed optimizer (padded buffers, sharded states).
         cpu_offload: optimizer states in host memory.
         trainable: False for a frozen model (reference policy): weights only.
@@ -308,9 +313,22 @@ def activation_bytes(hf: Any, *, tokens: int, rows: int, seq: int, tp: int, pp: 
     """The activations of ``stage``'s layers for one micro-batch (module docstring; ours).
 
     Args:
-        hf, tokens, rows, seq, tp, act_bytes, impl, sequence_parallel: as :func:`layer_activation_bytes`.
-        pp, stage: the pipeline layout and this stage.
-        recompute, recompute_method, recompute_num_layers: ``parallel.recompute*``.
+        hf: the HF config.
+        tokens: ``T``, the micro-batch's tokens on this rank.
+        rows: ``b``, its rows.
+        seq: ``s``, its padded row width.
+        tp: tensor-parallel size.
+        pp: pipeline-parallel size.
+        stage: this pipeline stage, in ``[0, pp)``.
+        act_bytes: ``e``, 2 (bf16) or 4 (fp32).
+        impl: ``local`` or ``transformer_engine``.
+        recompute: ``parallel.recompute`` (none, selective, full).
+        recompute_method: ``parallel.recompute_method`` (uniform, block).
+        recompute_num_layers: ``parallel.recompute_num_layers``.
+        sequence_parallel: ``parallel.sequence_parallel``.
+
+    Returns:
+        :class:`ActivationTerms` in bytes.
 
     Raises:
         ValueError: as :func:`layer_activation_bytes`, or an unknown ``recompute`` / method.

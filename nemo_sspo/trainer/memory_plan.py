@@ -253,7 +253,7 @@ def format_memory_plan(plan: MemoryPlan, prefix: str = "") -> str:
     widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
     lines = [f"{prefix}memory plan ({plan.layout}):"]
     lines += [prefix + "  " + "  ".join(cell.rjust(w) if i else cell.ljust(w) for i, (cell, w) in
-                                        enumerate(zip(r, widths))) for r in [header, *rows]]
+                                        enumerate(zip(r, widths, strict=True))) for r in [header, *rows]]
     if plan.gpu_bytes is None:
         lines.append(f"{prefix}GPU memory unknown (no GPU visible): set trainer.gpu_memory_gib to check the plan")
     else:
