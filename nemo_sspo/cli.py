@@ -1,10 +1,13 @@
-"""Command line: ``nemo-sspo train|eval [--config-name NAME] [--config-dir DIR] [key=value ...]``
+"""Command line: ``nemo-sspo train|eval|plan [--config-name NAME] [--config-dir DIR] [key=value ...]``
 and ``nemo-sspo data prepare --out DIR``.
 
 ``train`` runs GRPO-family training; ``eval`` scores ``model.source`` by greedy Avg@1 on
 ``eval.benchmarks`` (e.g. ``nemo-sspo eval model=smollm2_135m data.template=qwen-math
 eval.limit_per_benchmark=8 eval.data_dir=/path/to/data``); ``data prepare`` writes the paper's math
-datasets into a folder from their public sources (:mod:`nemo_sspo.data.prepare`).
+datasets into a folder from their public sources (:mod:`nemo_sspo.data.prepare`); ``plan`` prints the
+memory plan of a training config per GPU and pipeline stage and exits 0 when it fits the GPU memory,
+2 when it does not (:mod:`nemo_sspo.trainer.memory_plan`; ``WORLD_SIZE`` as for ``train``,
+``trainer.gpu_memory_gib=80`` for a GPU that is not here).
 
 Configs are Hydra YAML files under ``nemo_sspo/conf/`` (shipped inside the package) (default ``sspo_smollm2_cpu``) composed over the
 structured schema of :mod:`nemo_sspo.trainer.config`; overrides use Hydra syntax
@@ -53,6 +56,11 @@ def load_config(config_name: str = DEFAULT_CONFIG_NAME, overrides: list[str] | N
         ValueError: an unknown key, a wrong type (with OmegaConf's reason), or a failed check, naming
             the key path.
         FileNotFoundError: ``model.source`` cannot be found (``check_model``).
+
+    With ``check_model`` and ``command="train"``, the memory plan
+    (:func:`nemo_sspo.trainer.memory_plan.plan_for_config`) is checked against the GPU memory
+    (``trainer.gpu_memory_gib``, else the visible device's; no check without either, or with
+    ``trainer.skip_memory_check``): a peak above it raises ``ValueError`` naming the largest term.
     """
     from hydra import compose, initialize_config_dir
     from hydra.errors import HydraException
@@ -99,7 +107,13 @@ def load_config(config_name: str = DEFAULT_CONFIG_NAME, overrides: list[str] | N
         from nemo_sspo.models import load_hf_config
         from nemo_sspo.trainer.config import check_model_layout
 
-        check_model_layout(cfg, load_hf_config(cfg.model.source, cache_dir=cfg.model.cache_dir), world_size)
+        hf_config = load_hf_config(cfg.model.source, cache_dir=cfg.model.cache_dir)
+        check_model_layout(cfg, hf_config, world_size)
+        if command == "train" and not cfg.trainer.skip_memory_check:
+            from nemo_sspo.trainer.memory_plan import check_memory_plan, gpu_memory_gib, plan_for_config
+
+            if gpu_memory_gib(cfg) is not None:
+                check_memory_plan(plan_for_config(cfg, world_size, hf_config))
     return cfg
 
 
@@ -157,13 +171,16 @@ def _parse(argv: list[str]) -> argparse.Namespace:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
     commands = {"train": "run GRPO-family training (SSPO by default)",
-                "eval": "greedy Avg@1 of model.source on eval.benchmarks (math-verify)"}
+                "eval": "greedy Avg@1 of model.source on eval.benchmarks (math-verify)",
+                "plan": "print the memory plan per GPU and pipeline stage; exit 0 if it fits, 2 if not"}
     for name, help_text in commands.items():
         command = sub.add_parser(name, help=help_text)
         command.add_argument("--config-name", default=DEFAULT_CONFIG_NAME)
         command.add_argument("--config-dir", default=str(DEFAULT_CONFIG_DIR))
-        command.add_argument("--print-config", action="store_true", help="print the composed config and exit")
-        example = {"train": "trainer.max_steps=2", "eval": "eval.limit_per_benchmark=4"}[name]
+        if name != "plan":
+            command.add_argument("--print-config", action="store_true", help="print the composed config and exit")
+        example = {"train": "trainer.max_steps=2", "eval": "eval.limit_per_benchmark=4",
+                   "plan": "trainer.gpu_memory_gib=80"}[name]
         command.add_argument("overrides", nargs="*", help=f"Hydra overrides, e.g. {example}")
     data = sub.add_parser("data", help="the paper's math datasets").add_subparsers(dest="action", required=True)
     prepare = data.add_parser("prepare", help="download the training and evaluation sets from their public "
@@ -249,6 +266,29 @@ def _parameter_counts_comment(cfg) -> str:
     return "\n".join(lines)
 
 
+def _memory_plan_comment(cfg) -> str:
+    """``--print-config``'s memory plan (YAML comments), or one comment line saying why there is none."""
+    from nemo_sspo.trainer.memory_plan import format_memory_plan, plan_for_config
+
+    try:
+        return format_memory_plan(plan_for_config(cfg, launch_world_size()), prefix="# ")
+    except (ValueError, FileNotFoundError) as err:
+        return f"# memory plan: not computed ({err})"
+
+
+def _plan(cfg) -> int:
+    """``nemo-sspo plan``: the table; 0 when the peak fits the GPU memory (or it is unknown), 2 when not."""
+    from nemo_sspo.trainer.memory_plan import format_memory_plan, plan_for_config
+
+    try:
+        plan = plan_for_config(cfg, launch_world_size())
+    except (ValueError, FileNotFoundError) as err:
+        print(f"nemo-sspo: {err}", file=sys.stderr)
+        return 2
+    print(format_memory_plan(plan))
+    return 2 if plan.fits is False else 0
+
+
 def _quiet_known_warnings() -> None:
     """On a CPU host, silences megatron-core's warnings about GPU-only kernels and settings."""
     import torch
@@ -278,13 +318,17 @@ def main(argv: list[str] | None = None) -> int:
     _quiet_known_warnings()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    printing = getattr(args, "print_config", False)
     try:
-        cfg = load_config(args.config_name, args.overrides, args.config_dir, command=args.command,
-                          check_model=not args.print_config)
+        cfg = load_config(args.config_name, args.overrides, args.config_dir,
+                          command="train" if args.command == "plan" else args.command,
+                          check_model=not printing and args.command != "plan")
     except (ValueError, FileNotFoundError) as err:
         print(f"nemo-sspo: {err}", file=sys.stderr)
         return 2
-    if args.print_config:
+    if args.command == "plan":
+        return _plan(cfg)
+    if printing:
         from omegaconf import OmegaConf
 
         print(OmegaConf.to_yaml(OmegaConf.structured(cfg)))
@@ -293,6 +337,8 @@ def main(argv: list[str] | None = None) -> int:
         except ValueError as err:
             print(f"nemo-sspo: {err}", file=sys.stderr)
             return 2
+        if args.command == "train":
+            print(_memory_plan_comment(cfg))
         return 0
     if args.command == "eval":
         return _evaluate(cfg)

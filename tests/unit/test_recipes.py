@@ -74,3 +74,28 @@ def test_sspo_recipe_switches_loss_on_the_command_line(size, loss):
     cfg = load_config(f"sspo_qwen2.5_math_{size}", [f"loss={loss}"], command="eval")
     assert cfg.loss.name == loss and not hasattr(cfg.loss.params, "gamma")
     validate(cfg, world_size=8)
+
+
+# Every shipped GPU recipe, the world size and the GPUs (GiB) its comment names: one 8-GPU H100 / H200
+# node for the Qwen2.5-Math and Qwen3-8B recipes, one 4-GPU 80 GB node for SPPO, two 8-GPU H200 nodes
+# for Qwen3-30B-A3B (H100 80 GB = 79.65 GiB would be tighter than 80; we take the nominal 80).
+GPU_RECIPES = [(name, 8, (80, 141)) for name in RECIPES] + [
+    ("soft_seq_po_qwen3_8b", 8, (80, 141)), ("sppo_deepseek_r1_distill_qwen_1.5b", 4, (80, 141)),
+    ("soft_seq_po_qwen3_30b_a3b", 16, (141,))]
+
+
+def test_every_gpu_recipe_is_planned():
+    shipped = {p.stem for p in Path(DEFAULT_CONFIG_DIR).glob("*.yaml")} - {"sspo_smollm2_cpu"}
+    assert {name for name, _, _ in GPU_RECIPES} == shipped
+
+
+@pytest.mark.parametrize("name,world_size,gpus", GPU_RECIPES)
+def test_recipe_fits_its_gpus_with_10_percent_headroom(name, world_size, gpus):
+    from nemo_sspo.models.published import published_config
+    from nemo_sspo.trainer.memory_plan import GIB, memory_plan
+
+    cfg = _recipe(name)
+    validate(cfg, world_size=world_size)
+    for gib in gpus:
+        plan = memory_plan(cfg, published_config(cfg.model.source), world_size=world_size, gpu_gib=gib)
+        assert plan.peak <= 0.9 * gib * GIB, (name, gib, plan.peak / GIB)

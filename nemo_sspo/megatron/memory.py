@@ -1,0 +1,363 @@
+"""Bytes of one Megatron rank, by arithmetic over the model's config: weights, gradients, optimizer
+states and the activations a forward saves for its backward. No model is built, nothing is allocated.
+
+Parameters per rank (:func:`rank_parameters`): the tensors ``GPTModel`` holds under TP x PP (x EP),
+listed from the HF config (the split of :func:`nemo_sspo.megatron.model.parameter_counts`:
+column/row-parallel matrices and the padded vocabulary divided by TP, norms and routers replicated,
+experts divided by EP, layers in equal contiguous blocks per stage).
+
+Weights, gradients and optimizer states (:func:`model_state_bytes`), as megatron-core 0.16.1
+allocates them (read in ``distributed/param_and_grad_buffer.py``, ``optimizer/optimizer.py``,
+``optimizer/distrib_optimizer.py``; checked byte for byte against built objects in
+``tests/unit/test_memory_plan.py`` and ``tests/distributed/test_memory_plan_parallel.py``):
+
+* gradients: DDP's contiguous buffer of ``main_grad`` in fp32 (``grad_reduce_in_fp32=True``), one
+  buffer for the dense parameters and one for the experts, ``4 N`` bytes. With the distributed
+  optimizer every parameter starts at a multiple of 64 elements and every bucket ends at a multiple
+  of ``lcm(DP, 128)``; the shared embedding of a tied model under PP > 1 is a bucket of its own;
+  without ``overlap_grad_reduce`` (our DDP) each buffer is one bucket otherwise. The padded size is
+  order-independent: ``pad(sum_i pad64(n_i), lcm(DP, 128))`` per bucket.
+* weights: the module's parameters, ``N x`` 2 (bf16) or 4 (fp32) bytes; with the distributed
+  optimizer they are moved into a parameter buffer of the padded gradient buffer's size.
+* optimizer (Adam): the mixed-precision optimizer of a bf16 model keeps fp32 main weights (4 B) and
+  ``exp_avg`` / ``exp_avg_sq`` (4 + 4 B) per parameter, 12 N; an fp32 model's optimizer updates
+  the parameters themselves, 8 N. With the distributed optimizer each data-parallel rank keeps these
+  for its shard of the buffers only: ``12 N / DP`` (dense) and ``12 N_experts / (DP / EP)``
+  (experts, sharded over the expert data-parallel group) on average over the ranks (a rank's shard
+  holds the parameter elements of its ``1/DP`` of the padded buffer, so ranks differ by at most the
+  padding); the fp32 main gradients are ``.float()`` views of the fp32 grad buffer (no copy). With
+  ``cpu_offload`` the states live in host memory (``optimizer_offload_fraction=1``): 0 on the GPU.
+  Adam's scalar step counters (4 bytes per tensor) are not counted.
+
+Activations (:func:`layer_activation_bytes`, our derivation). The starting point is Korthikanti et
+al. 2022 (arXiv 2205.05198, sec. 4.1, eq. 1-2): a GPT layer saves ``s b h (34 + 5 a s / h)`` bytes in
+16-bit precision, the ``5 a s / h`` term (attention scores) gone with flash attention or selective
+recomputation, everything divided by TP with sequence parallelism, and full recomputation keeping
+the layer input ``2 s b h`` only. Our layers differ (GQA with ``g`` key/value heads of size ``d``,
+SwiGLU of width ``f``, RMSNorm, dropout 0, so no dropout masks), so we list what they save, with ``e``
+the activation element size (4 fp32 on CPU, 2 bf16 on GPU), ``t`` TP, ``T = s b`` tokens:
+
+* local spec (megatron-core's own layers; measured with ``saved_tensors_hooks``): each of the two
+  RMSNorms saves its input and its normalised input (``2 T h``) plus ``rsqrt`` (``T``), the linear
+  after it its input (``T h``): ``6 T h + 2 T`` for the two. Unfused core attention saves the rotated
+  query, the key (transposed) and the value, both repeated to the ``a`` query heads, and the softmax
+  output: ``3 T a d / t + b (a / t) s^2``; the output projection its input ``T a d / t``; the rotary
+  tables ``4 s d`` per layer. The MLP saves the fc1 output ``2 T f / t``, two ``T f / t`` intermediates
+  of the SwiGLU and the fc2 input ``T f / t``: ``5 T f / t``. Total per layer
+  ``e [T (6 h + 2 + 4 a d / t + 5 f / t) + b (a / t) s^2 + 4 s d]`` (sequence parallelism would divide the
+  ``6 T h + 2 T`` part by ``t``). Selective recomputation (``recompute_modules=["core_attn"]``)
+  replaces the core attention's ``3 T a d / t + b (a/t) s^2`` by its checkpointed inputs: the rotated
+  query and key (``T d (a + g) / t``) and the value, a view that keeps the whole fused qkv output
+  alive (``T d (a + 2 g) / t``): ``T d (2 a + 3 g) / t``.
+* TransformerEngine spec (GPU; flash attention; our reading of the modules, not measured here):
+  each ``LayerNormLinear`` saves its input and its normalised output, ``4 T h`` for two; the fused
+  attention the rotated query and key ``T d (a + g) / t``, the value inside the fused qkv output
+  (whose whole storage stays alive) ``T d (a + 2 g) / t``, its output (the projection's input)
+  ``T a d / t`` and the softmax statistics ``4 b (a/t) s`` bytes (fp32); the MLP ``3 T f / t`` (fc1
+  output and SwiGLU output). No ``s^2`` term; selective recomputation changes nothing measurable.
+  With sequence parallelism the ``4 T h`` part is divided by ``t``.
+* mixture-of-experts layers (TE spec, ours, not validated): the MLP part is replaced by the
+  router's fp32 logits and probabilities ``8 T E / e`` and, for the ``k`` experts of each token, the
+  permuted tokens, fc1 output, SwiGLU output and un-permute input: ``T k (2 h + 3 f_moe / t)``.
+* full recomputation keeps each recomputed chunk's input, ``e T h`` (``/ t`` with SP), per chunk of
+  ``recompute_num_layers`` layers (``uniform``), or per recomputed layer (``block``: the first
+  ``recompute_num_layers`` layers of a stage; the others keep everything); during the backward one
+  chunk's full activations exist again (:attr:`ActivationTerms.recompute_working`).
+* context parallelism divides ``s`` (hence ``T``) by CP on every rank.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = [
+    "ActivationTerms",
+    "ModelStateBytes",
+    "RankParameter",
+    "activation_bytes",
+    "layer_activation_bytes",
+    "model_state_bytes",
+    "rank_parameters",
+]
+
+_VOCAB_DIVISOR = 128  # Megatron-LM's make_vocab_size_divisible_by (nemo_sspo.megatron.model)
+
+
+@dataclass(frozen=True)
+class RankParameter:
+    """One parameter tensor of a rank: ``numel`` elements; ``expert``: in DDP's expert buffer (not
+    all-reduced over the whole DP group); ``shared_embedding``: the tied embedding of a PP > 1 model
+    (its own bucket under the distributed optimizer).
+    """
+
+    name: str
+    numel: int
+    expert: bool = False
+    shared_embedding: bool = False
+
+
+def _head_dim(hf: Any) -> int:
+    return int(getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads)
+
+
+def _is_moe(hf: Any) -> bool:
+    return getattr(hf, "model_type", "") == "qwen3_moe"
+
+
+def rank_parameters(hf: Any, *, tp: int, pp: int, ep: int = 1, stage: int = 0) -> list[RankParameter]:
+    """The parameters of pipeline stage ``stage`` on one rank (any TP rank, any EP rank: all hold
+    as many), from the HF config alone (ours; equal to the built model's, tests/unit/test_memory_plan.py).
+
+    Args:
+        hf: a Llama / Qwen2 / Qwen3 / Qwen3-MoE HF config (fields only).
+        tp: tensor-parallel size.
+        pp: pipeline-parallel size.
+        ep: expert-parallel size (1 for dense models).
+        stage: the pipeline stage, in ``[0, pp)``.
+
+    Returns:
+        One :class:`RankParameter` per tensor (element counts, not bytes).
+
+    Raises:
+        ValueError: a layout that does not split the model (``tp`` not dividing the heads, ``pp`` the
+            layers, ``ep`` the experts) or ``stage`` out of range.
+    """
+    h, a, g, d = hf.hidden_size, hf.num_attention_heads, hf.num_key_value_heads, _head_dim(hf)
+    layers = hf.num_hidden_layers
+    if a % tp or g % tp or layers % pp or not 0 <= stage < pp:
+        raise ValueError(f"tp={tp}, pp={pp}, stage={stage} do not split {a} heads / {g} key/value heads / "
+                         f"{layers} layers")
+    moe = _is_moe(hf)
+    if moe and hf.num_experts % ep:
+        raise ValueError(f"ep={ep} does not divide num_experts={hf.num_experts}")
+    vocab_rows = math.ceil(hf.vocab_size / (_VOCAB_DIVISOR * tp)) * _VOCAB_DIVISOR
+    tied = bool(hf.tie_word_embeddings)
+    kind = getattr(hf, "model_type", "llama")
+    out: list[RankParameter] = []
+    if stage == 0:
+        out.append(RankParameter("embedding.word_embeddings.weight", vocab_rows * h,
+                                 shared_embedding=tied and pp > 1))
+    per_stage = layers // pp
+    for layer in range(stage * per_stage, (stage + 1) * per_stage):
+        p = f"decoder.layers.{layer}."
+        qkv = (a + 2 * g) * d // tp
+        out += [RankParameter(p + "input_layernorm.weight", h),
+                RankParameter(p + "self_attention.linear_qkv.weight", qkv * h)]
+        if kind == "qwen2":
+            out.append(RankParameter(p + "self_attention.linear_qkv.bias", qkv))
+        if kind in ("qwen3", "qwen3_moe"):
+            out += [RankParameter(p + "self_attention.q_layernorm.weight", d),
+                    RankParameter(p + "self_attention.k_layernorm.weight", d)]
+        out += [RankParameter(p + "self_attention.linear_proj.weight", h * a * d // tp),
+                RankParameter(p + "pre_mlp_layernorm.weight", h)]
+        if moe:
+            f = hf.moe_intermediate_size // tp
+            out.append(RankParameter(p + "mlp.router.weight", hf.num_experts * h))
+            for expert in range(hf.num_experts // ep):
+                q = f"{p}mlp.experts.local_experts.{expert}."
+                out += [RankParameter(q + "linear_fc1.weight", 2 * f * h, expert=True),
+                        RankParameter(q + "linear_fc2.weight", h * f, expert=True)]
+        else:
+            f = hf.intermediate_size // tp
+            out += [RankParameter(p + "mlp.linear_fc1.weight", 2 * f * h),
+                    RankParameter(p + "mlp.linear_fc2.weight", h * f)]
+    if stage == pp - 1:
+        out.append(RankParameter("decoder.final_layernorm.weight", h))
+        if not tied:
+            out.append(RankParameter("output_layer.weight", vocab_rows * h))
+        elif pp > 1:  # the last stage's own copy of the tied embedding
+            out.append(RankParameter("output_layer.weight", vocab_rows * h, shared_embedding=True))
+    return out
+
+
+def _pad(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+def _buffer_numel(params: list[RankParameter], dp: int, distributed: bool) -> int:
+    """Elements of one DDP buffer (megatron-core 0.16.1 ``_ParamAndGradBuffer`` with bucket_size None)."""
+    if not distributed:
+        return sum(p.numel for p in params)
+    end = math.lcm(dp, 128)
+    shared = [p for p in params if p.shared_embedding]
+    rest = [p for p in params if not p.shared_embedding]
+    total = sum(_pad(_pad(p.numel, 64), end) for p in shared)
+    if rest:
+        total += _pad(sum(_pad(p.numel, 64) for p in rest), end)
+    return total
+
+
+@dataclass(frozen=True)
+class ModelStateBytes:
+    """Bytes one rank holds for a model's training state (module docstring for the sources).
+
+    ``weights``: parameters (or the distributed optimizer's parameter buffer); ``gradients``: the fp32
+    grad buffers; ``optimizer``: main weights and Adam moments on the GPU (0 with ``cpu_offload``);
+    ``optimizer_host``: the same states in host memory with ``cpu_offload``; ``numel``: parameters
+    (unpadded) of the rank.
+    """
+
+    weights: int
+    gradients: int
+    optimizer: float
+    optimizer_host: float
+    numel: int
+
+
+def model_state_bytes(params: list[RankParameter], *, param_bytes: int, dp: int, ep: int = 1,
+                      distributed_optimizer: bool = False, cpu_offload: bool = False,
+                      trainable: bool = True) -> ModelStateBytes:
+    """Weights, gradients and optimizer bytes of one rank holding ``params`` (module docstring).
+
+    Args:
+        params: :func:`rank_parameters` of the rank.
+        param_bytes: 2 (bf16 model, mixed-precision optimizer with fp32 main weights) or 4 (fp32).
+        dp: data-parallel size (the dense buffer's group); the experts' group is ``dp // ep``.
+        ep: expert-parallel size.
+        distributed_optimizer: megatron's distributed optimizer (padded buffers, sharded states).
+        cpu_offload: optimizer states in host memory.
+        trainable: False for a frozen model (reference policy): weights only.
+
+    Returns:
+        :class:`ModelStateBytes` (optimizer bytes are a mean over DP ranks under the distributed
+        optimizer, hence a float).
+
+    Raises:
+        ValueError: ``param_bytes`` not 2 or 4, or ``dp`` not divisible by ``ep``.
+    """
+    if param_bytes not in (2, 4) or dp % ep:
+        raise ValueError(f"param_bytes={param_bytes} must be 2 or 4 and ep={ep} must divide dp={dp}")
+    numel = sum(p.numel for p in params)
+    if not trainable:
+        return ModelStateBytes(param_bytes * numel, 0, 0.0, 0.0, numel)
+    dense = [p for p in params if not p.expert]
+    experts = [p for p in params if p.expert]
+    groups = [(dense, dp), (experts, dp // ep)]
+    buffers = sum(_buffer_numel(group, size, distributed_optimizer) for group, size in groups if group)
+    weights = param_bytes * (buffers if distributed_optimizer else numel)
+    per_param = 12 if param_bytes == 2 else 8  # fp32 main weights (bf16 models only) + exp_avg + exp_avg_sq
+    states = sum(per_param * sum(p.numel for p in group) / (size if distributed_optimizer else 1)
+                 for group, size in groups if group)
+    return ModelStateBytes(weights=weights, gradients=4 * buffers, optimizer=0.0 if cpu_offload else states,
+                           optimizer_host=states if cpu_offload else 0.0, numel=numel)
+
+
+def layer_activation_bytes(hf: Any, *, tokens: int, rows: int, seq: int, tp: int = 1, act_bytes: int = 2,
+                           impl: str = "transformer_engine", recompute: str = "none",
+                           sequence_parallel: bool = False) -> float:
+    """Bytes one transformer layer saves for its backward on one micro-batch (module docstring).
+
+    Args:
+        hf: the HF config.
+        tokens: ``T``, the micro-batch's tokens on this rank (rows x padded width, after CP).
+        rows: ``b``, rows of the micro-batch (1 for a packed row).
+        seq: ``s``, the padded width of a row (the attention score matrix is ``s x s`` per row).
+        tp: tensor-parallel size.
+        act_bytes: ``e``, 2 (bf16) or 4 (fp32).
+        impl: ``local`` (unfused attention) or ``transformer_engine`` (flash attention).
+        recompute: ``none`` or ``selective`` (``full`` is handled by :func:`activation_bytes`).
+        sequence_parallel: split the norm-side activations over TP.
+
+    Raises:
+        ValueError: an unknown ``impl`` or ``recompute``.
+    """
+    h, a, g, d, e = hf.hidden_size, hf.num_attention_heads, hf.num_key_value_heads, _head_dim(hf), act_bytes
+    if impl not in ("local", "transformer_engine") or recompute not in ("none", "selective"):
+        raise ValueError(f"impl={impl!r} / recompute={recompute!r} unknown")
+    t, sp = tp, (tp if sequence_parallel else 1)
+    moe = _is_moe(hf)
+    if impl == "local":
+        norms = (6 * tokens * h + 2 * tokens) / sp
+        if recompute == "selective":
+            attention = tokens * d * (2 * a + 3 * g) / t
+        else:
+            attention = 3 * tokens * a * d / t + rows * (a / t) * seq * seq
+        attention += tokens * a * d / t + 4 * seq * d
+        mlp = 5 * tokens * hf.intermediate_size / t if not moe else None
+    else:
+        norms = 4 * tokens * h / sp
+        attention = tokens * d * (2 * a + 3 * g) / t + tokens * a * d / t + 4 * rows * (a / t) * seq / e
+        mlp = 3 * tokens * hf.intermediate_size / t if not moe else None
+    if moe:
+        k = hf.num_experts_per_tok
+        mlp = 8 * tokens * hf.num_experts / e + tokens * k * (2 * h + 3 * hf.moe_intermediate_size / t)
+    return e * (norms + attention + mlp)
+
+
+@dataclass(frozen=True)
+class ActivationTerms:
+    """Activation bytes of one pipeline stage on one rank for one micro-batch.
+
+    ``layers``: what the stage's decoder layers save in the forward, with their inputs (token ids on
+    the first stage, the local spec's boolean mask ``s^2`` bytes, the rotary table of recomputed
+    chunks ``4 s d``); ``final_norm``: the last stage's
+    final RMSNorm (input and normalised input); ``recompute_working``: with full recomputation, the
+    saved activations of one recomputed chunk, rebuilt during its backward (0 otherwise).
+    """
+
+    layers: float
+    final_norm: float
+    recompute_working: float
+
+    @property
+    def saved(self) -> float:
+        """Bytes the forward of one micro-batch leaves for the backward (``layers + final_norm``)."""
+        return self.layers + self.final_norm
+
+
+def activation_bytes(hf: Any, *, tokens: int, rows: int, seq: int, tp: int, pp: int, stage: int,
+                     act_bytes: int, impl: str, recompute: str = "none", recompute_method: str = "uniform",
+                     recompute_num_layers: int = 1, sequence_parallel: bool = False) -> ActivationTerms:
+    """The activations of ``stage``'s layers for one micro-batch (module docstring; ours).
+
+    Args:
+        hf: the HF config.
+        tokens: ``T``, the micro-batch's tokens on this rank.
+        rows: ``b``, its rows.
+        seq: ``s``, its padded row width.
+        tp: tensor-parallel size.
+        pp: pipeline-parallel size.
+        stage: this pipeline stage, in ``[0, pp)``.
+        act_bytes: ``e``, 2 (bf16) or 4 (fp32).
+        impl: ``local`` or ``transformer_engine``.
+        recompute: ``parallel.recompute`` (none, selective, full).
+        recompute_method: ``parallel.recompute_method`` (uniform, block).
+        recompute_num_layers: ``parallel.recompute_num_layers``.
+        sequence_parallel: ``parallel.sequence_parallel``.
+
+    Returns:
+        :class:`ActivationTerms` in bytes.
+
+    Raises:
+        ValueError: as :func:`layer_activation_bytes`, or an unknown ``recompute`` / method.
+    """
+    per_stage = hf.num_hidden_layers // pp
+    sp = tp if sequence_parallel else 1
+    layer_input = act_bytes * tokens * hf.hidden_size / sp
+    keep = "selective" if recompute == "selective" else "none"
+    one = layer_activation_bytes(hf, tokens=tokens, rows=rows, seq=seq, tp=tp, act_bytes=act_bytes, impl=impl,
+                                 recompute=keep, sequence_parallel=sequence_parallel)
+    if recompute in ("none", "selective"):
+        layers, working = per_stage * one, 0.0
+    elif recompute == "full" and recompute_method == "uniform":
+        chunks = -(-per_stage // recompute_num_layers)
+        layers, working = chunks * layer_input, min(recompute_num_layers, per_stage) * one
+    elif recompute == "full" and recompute_method == "block":
+        recomputed = min(recompute_num_layers, per_stage)
+        layers = recomputed * layer_input + (per_stage - recomputed) * one
+        working = one if recomputed else 0.0
+    else:
+        raise ValueError(f"recompute={recompute!r} / recompute_method={recompute_method!r} unknown")
+    if stage == pp - 1:
+        norm = (2 * tokens * hf.hidden_size + tokens) if impl == "local" else tokens * hf.hidden_size
+        final = act_bytes * norm / sp
+    else:
+        final = 0.0
+    inputs = 8 * tokens if stage == 0 else 0  # the embedding's int64 token ids
+    if impl == "local":
+        inputs += seq * seq  # the explicit boolean causal (or block-diagonal) mask, one per forward
+    if recompute == "full":
+        inputs += 4 * seq * _head_dim(hf)  # the fp32 rotary table, an input of every recomputed chunk
+    return ActivationTerms(layers=layers + inputs, final_norm=final, recompute_working=working)

@@ -1,0 +1,108 @@
+"""The memory plan against built objects: its weights, gradients and optimizer bytes equal what
+megatron-core allocates, its activations are within 15% of what the autograd graph saves, and an
+oversize config is refused at load naming the largest term.
+
+The TP 2 and DP 2 (distributed optimizer) cases run in tests/distributed/test_memory_plan_parallel.py.
+"""
+
+import pytest
+import torch
+
+from nemo_sspo.cli import load_config
+from nemo_sspo.megatron import destroy_parallel, initialize_parallel
+from nemo_sspo.megatron.memory import activation_bytes, model_state_bytes, rank_parameters
+from tests.unit._memory_cases import (
+    build_trained,
+    counted_state_bytes,
+    llama,
+    padded_and_packed_inputs,
+    qwen3,
+    recompute,
+    saved_activation_bytes,
+)
+from nemo_sspo.megatron import build_policy_model
+
+
+@pytest.fixture
+def one_process():
+    initialize_parallel(tp_size=1, pp_size=1, seed=3)
+    yield
+    destroy_parallel()
+
+
+def test_rank_parameters_of_the_tiny_llama_by_hand():
+    # Embedding and untied head: vocab 200 padded to 256 rows x 64 = 16,384 each. Per layer: norms 2 x 64,
+    # qkv (4 + 2 x 2) x 16 x 64 = 8,192, proj 64 x 64 = 4,096, fc1 2 x 160 x 64 = 20,480, fc2 64 x 160
+    # = 10,240 -> 43,136; two layers 86,272; final norm 64 -> 119,104.
+    assert sum(p.numel for p in rank_parameters(llama(), tp=1, pp=1)) == 119_104
+
+
+@pytest.mark.parametrize("precision,distributed,hf", [
+    ("fp32", False, "llama"), ("fp32", True, "llama"), ("bf16", False, "llama"), ("bf16", True, "qwen3")])
+def test_weights_gradients_optimizer_equal_the_built_objects(one_process, precision, distributed, hf):
+    config = llama() if hf == "llama" else qwen3()
+    ddp, optimizer = build_trained(config, precision=precision, distributed=distributed)
+    counted = counted_state_bytes(ddp, optimizer)
+    # the tensors the plan lists are the built model's, one for one
+    assert sorted(p.numel for p in rank_parameters(config, tp=1, pp=1)) == sorted(
+        p.numel() for p in ddp.module.parameters())
+    planned = model_state_bytes(rank_parameters(config, tp=1, pp=1), param_bytes=2 if precision == "bf16" else 4,
+                                dp=1, distributed_optimizer=distributed)
+    assert (planned.weights, planned.gradients, planned.optimizer) == (
+        counted["weights"], counted["gradients"], counted["optimizer"])
+    if hf == "llama" and not distributed:  # by hand: 119,104 parameters
+        per_param = {"fp32": (4, 4, 8), "bf16": (2, 4, 12)}[precision]
+        assert (counted["weights"], counted["gradients"], counted["optimizer"]) == tuple(
+            119_104 * b for b in per_param)
+    if hf == "llama" and distributed:  # every tensor is a multiple of 64; 119,104 padded to 128 -> 119,168
+        assert counted["gradients"] == 4 * 119_168 and counted["weights"] == 4 * 119_168
+
+
+def _planned_saved(config, *, tokens, rows, seq, granularity, num_layers=1):
+    terms = activation_bytes(config, tokens=tokens, rows=rows, seq=seq, tp=1, pp=1, stage=0, act_bytes=4,
+                             impl="local", recompute=granularity or "none", recompute_num_layers=num_layers)
+    return terms.saved
+
+
+@pytest.mark.parametrize("granularity", [None, "selective", "full"])
+def test_activations_within_15_percent_of_the_saved_tensors(one_process, granularity):
+    config = llama(num_hidden_layers=3)
+    (ids, pos), (packed, packed_pos, lengths) = padded_and_packed_inputs(config.vocab_size, 2, 40, [30, 26, 24])
+    with recompute(granularity):
+        torch.manual_seed(0)
+        model = build_policy_model(config).train()
+        for (inputs, rows, seq) in (((ids, pos, None), 2, 40), ((packed, packed_pos, lengths), 1, 80)):
+            measured = saved_activation_bytes(model, *inputs)
+            planned = _planned_saved(config, tokens=rows * seq, rows=rows, seq=seq, granularity=granularity)
+            assert abs(planned - measured) <= 0.15 * measured, (granularity, rows, measured, planned)
+
+
+def test_full_recomputation_keeps_one_input_per_chunk(one_process):
+    # 4 layers in chunks of 2: the forward keeps 2 chunk inputs of T h fp32 values, not 4.
+    config = llama(num_hidden_layers=4)
+    (ids, pos), _ = padded_and_packed_inputs(config.vocab_size, 2, 32, [8])
+    with recompute("full", num_layers=2):
+        model = build_policy_model(config).train()
+        measured = saved_activation_bytes(model, ids, pos)
+    planned = _planned_saved(config, tokens=64, rows=2, seq=32, granularity="full", num_layers=2)
+    assert abs(planned - measured) <= 0.15 * measured, (measured, planned)
+
+
+def test_an_oversize_config_is_refused_at_load_naming_the_largest_term():
+    # tiny-random-llama: hidden 64, 2 layers, 4 heads, tied 49,152 x 64 embedding: about 3.2 M parameters,
+    # 12.6 MB of fp32 weights, 51 MB with gradients and Adam states. Fixed rows: 4 rows of the longest
+    # sequence, 2,000 + 1,024 tokens capped at its 1,024 positions; the local spec's softmax alone saves
+    # 4 rows x 4 heads x 1,024^2 x 4 B = 64 MiB per layer, 128 MiB for two: activations are the largest
+    # term, and with the rest the peak exceeds a 0.2 GiB GPU.
+    overrides = ["model=tiny_random", "model.transformer_impl=local", "rollout.max_new_tokens=2000",
+                 "trainer.gpu_memory_gib=0.2"]
+    with pytest.raises(ValueError) as err:
+        load_config(overrides=overrides, check_model=True)
+    message = str(err.value)
+    for part in ("memory plan", "GiB per GPU", "the GPU's 0.20 GiB",
+                 "largest term is activations", "parallel.recompute=full", "parallel.max_tokens_per_micro_batch",
+                 "trainer.skip_memory_check=true"):
+        assert part in message, (part, message)
+    # the override starts it anyway; a host without a GPU and without gpu_memory_gib checks nothing
+    assert load_config(overrides=[*overrides, "trainer.skip_memory_check=true"], check_model=True)
+    assert load_config(overrides=overrides[:-1], check_model=True).trainer.gpu_memory_gib is None
