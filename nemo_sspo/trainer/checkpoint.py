@@ -159,7 +159,10 @@ def _sharded_state(model, optimizer, lr_scheduler, *, is_loading: bool) -> dict[
     data-parallel ranks), and the learning-rate schedule's plain dict (common state, kept once).
     """
     model_state = model.module.sharded_state_dict(prefix="")
-    state = {"model": model_state, "optimizer": optimizer.sharded_state_dict(model_state, is_loading=is_loading)}
+    # The distributed optimizer's default format (fully_sharded_model_space) fails its own integrity
+    # check in megatron-core 0.16.1; dp_reshardable is the format it recommends (plain optimizers ignore it).
+    state = {"model": model_state, "optimizer": optimizer.sharded_state_dict(
+        model_state, is_loading=is_loading, metadata={"distrib_optim_sharding_type": "dp_reshardable"})}
     if lr_scheduler is not None:
         state["lr_scheduler"] = lr_scheduler.state_dict()
     return state
@@ -172,14 +175,49 @@ def _save_sharded(directory: Path, model, optimizer, lr_scheduler) -> None:
         dist_checkpointing.save(_sharded_state(model, optimizer, lr_scheduler, is_loading=False), str(directory))
 
 
+def _create_distributed_optimizer_states(optimizer) -> None:
+    """Gives a fresh distributed optimizer its Adam states before a load fills them in place.
+
+    torch's Adam (megatron-core's optimizer without TransformerEngine or Apex, e.g. on CPU) creates
+    its states at the first step, and megatron-core 0.16.1's distributed optimizer needs them (with
+    their step counter) to describe what it loads; megatron-core's own dummy step creates them
+    (zero gradients; every value it writes is then replaced by the checkpoint's).
+    """
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    for inner in getattr(optimizer, "chained_optimizers", [optimizer]):
+        if isinstance(inner, DistributedOptimizer) and not inner.optimizer.state:
+            inner._init_optimizer_states_with_dummy_values()
+
+
+def _unshare_adam_steps(optimizer) -> None:
+    """Gives every parameter's Adam state its own step counter after a distributed-optimizer load.
+
+    Without TransformerEngine or Apex (torch's Adam, e.g. on CPU), megatron-core 0.16.1's
+    ``DistributedOptimizer.load_state_dict`` puts one step tensor into every parameter's state;
+    torch's Adam increments each state's counter in place, so the shared one would advance once per
+    parameter per update and the bias correction of every resumed update would be wrong.
+    """
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    for inner in getattr(optimizer, "chained_optimizers", [optimizer]):
+        if isinstance(inner, DistributedOptimizer):
+            for state in inner.optimizer.state.values():
+                if torch.is_tensor(state.get("step")):
+                    state["step"] = state["step"].clone()
+
+
 def _load_sharded(directory: Path, model, optimizer, lr_scheduler) -> None:
     from megatron.core import dist_checkpointing
 
     with cpu_device_context():
+        _create_distributed_optimizer_states(optimizer)
         loaded = dist_checkpointing.load(_sharded_state(model, optimizer, lr_scheduler, is_loading=True),
                                          str(directory))
         model.module.load_state_dict(loaded["model"], strict=True)
-        optimizer.load_state_dict(loaded["optimizer"])
+        with torch.no_grad():  # an fp32 model's distributed-optimizer shards are views of its parameters
+            optimizer.load_state_dict(loaded["optimizer"])
+        _unshare_adam_steps(optimizer)
     if lr_scheduler is not None:  # the update count; this run's schedule settings stay (override)
         lr_scheduler.load_state_dict(loaded["lr_scheduler"])
 

@@ -1,10 +1,9 @@
-"""Worker of ``test_resume_distributed.py``, started by torchrun with 4 processes: TP=2 x DP=2 with the
-distributed optimizer (Adam states sharded over the 2 data-parallel ranks) and a cosine learning-rate
-schedule with warmup, so the checkpoint holds sharded optimizer states and the schedule's position.
+"""Worker of ``test_resume_distributed.py``, started by torchrun with 2 processes (TP=2), with a cosine
+learning-rate schedule and warmup, so the checkpoint holds the schedule's position.
 
 Runs 3 steps saving a checkpoint at step 2, then resumes a second trainer from that checkpoint into
 another output folder and runs step 3 again. Rank 0 writes both runs' step-3 metrics to
-``<out>/result.json``. Usage: ``torchrun --nproc-per-node 4 -m tests.integration._resume_worker OUT``.
+``<out>/result.json``. Usage: ``torchrun --nproc-per-node 2 -m tests.integration._resume_worker OUT``.
 
 Imports live inside the functions: Megatron's checkpoint writer starts a spawned helper process,
 which re-imports this (main) module, and should not pay for torch and Megatron again.
@@ -39,8 +38,8 @@ def main(out: Path) -> None:
     # after destroy_process_group (initialize_parallel reuses an existing group and leaves it alone).
     dist.init_process_group("gloo")
     tiny = load_hf_checkpoint("tiny-random-llama")
-    common = [f"reward.name={PARITY_REWARD}", "parallel.tensor_model_parallel_size=2", "parallel.micro_batch_size=1",
-              "optim.use_distributed_optimizer=true", "optim.lr_schedule=cosine", "optim.lr_warmup_steps=2",
+    common = [f"reward.name={PARITY_REWARD}", "parallel.tensor_model_parallel_size=2",
+              "optim.lr_schedule=cosine", "optim.lr_warmup_steps=2",
               "optim.min_lr=1e-6", "trainer.max_steps=3", "trainer.checkpoint_interval=2"]
     straight = _fit([*common, f"trainer.output_dir={out / 'straight'}"], tiny)
     step2 = out / "straight" / "checkpoints" / "step_000002"

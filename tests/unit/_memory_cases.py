@@ -10,7 +10,6 @@ import dataclasses
 from contextlib import contextmanager
 
 import torch
-from torch.overrides import TorchFunctionMode
 from transformers import LlamaConfig, Qwen3Config
 
 from nemo_sspo.algorithms.micro_batches import packed_positions
@@ -41,16 +40,8 @@ def qwen3(**overrides) -> Qwen3Config:
 def recompute(granularity: str | None, method: str = "uniform", num_layers: int = 1):
     """Builds inside get megatron-core's own recomputation fields on their TransformerConfig.
 
-    On CPU, megatron's ``tensor_parallel.checkpoint`` saves and restores the CUDA generator's state
-    around the recomputed region; inside, those two helpers use the CPU generator's state instead
-    (dropout is 0 in these models, nothing random is recomputed)."""
-    from megatron.core.tensor_parallel import random as mrandom
-
+    (On CPU the shims of ``nemo_sspo.megatron.cpu_shims`` let megatron's recomputation run.)"""
     original = model_module.transformer_config_from_hf
-    rng = (mrandom._get_cuda_rng_state, mrandom._set_cuda_rng_state)
-    if not torch.cuda.is_available():
-        mrandom._get_cuda_rng_state = lambda *args, **kwargs: torch.get_rng_state()
-        mrandom._set_cuda_rng_state = lambda *args, **kwargs: None
 
     def patched(*args, **kwargs):
         config = original(*args, **kwargs)
@@ -66,19 +57,6 @@ def recompute(granularity: str | None, method: str = "uniform", num_layers: int 
         yield
     finally:
         model_module.transformer_config_from_hf = original
-        mrandom._get_cuda_rng_state, mrandom._set_cuda_rng_state = rng
-
-
-class CudaTypeNames(TorchFunctionMode):
-    """``Tensor.type()`` answers ``torch.cuda.<X>Tensor`` for CPU tensors: megatron-core 0.16.1's
-    optimizers sort parameters by those names (``optimizer.py``, ``distrib_optimizer.py``) and refuse
-    CPU ones. Test-only: lets the real optimizers be built on CPU and their bytes counted."""
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        if func is torch.Tensor.type and len(args) == 1 and not kwargs and isinstance(out, str):
-            return out.replace("torch.", "torch.cuda.", 1)
-        return out
 
 
 def build_trained(hf_config, *, precision: str, distributed: bool, seed: int = 0):
@@ -87,24 +65,13 @@ def build_trained(hf_config, *, precision: str, distributed: bool, seed: int = 0
 
     Returns ``(ddp, optimizer)``.
     """
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-    from megatron.core.distributed.finalize_model_grads import finalize_model_grads
-    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-    from megatron.core.transformer.module import Float16Module
+    from nemo_sspo.megatron.training import wrap_for_training
 
     torch.manual_seed(seed)
     model = build_policy_model(hf_config, precision=precision).train()
-    config = model.config
-    if config.bf16:
-        model = Float16Module(config, model)
-    config.calculate_per_token_loss = True
-    config.finalize_model_grads_func = finalize_model_grads
-    with cpu_device_context(), CudaTypeNames():
-        ddp = DistributedDataParallel(config=config, module=model, ddp_config=DistributedDataParallelConfig(
-            grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=distributed))
-        optimizer = get_megatron_optimizer(OptimizerConfig(
-            optimizer="adam", lr=1e-3, params_dtype=config.params_dtype, bf16=config.bf16,
-            use_distributed_optimizer=distributed), [ddp])
+    ddp, optimizer = wrap_for_training(model, lr=1e-3, weight_decay=0.0, adam_beta1=0.9, adam_beta2=0.999,
+                                       adam_eps=1e-8, clip_grad=0.0, use_distributed_optimizer=distributed)
+    with cpu_device_context():
         ids = torch.randint(0, hf_config.vocab_size, (2, 8))
         hidden = forward_hidden(ddp, ids, torch.arange(8).expand(2, 8))
         hidden.float().pow(2).mean().backward()
