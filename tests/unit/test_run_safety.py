@@ -220,11 +220,12 @@ def test_auto_resume_without_a_checkpoint_moves_the_earlier_run_aside_and_starts
         aside = prepare_output_dir(_trainer(out, False, "auto"), is_writer=True)
     assert aside == out / "earlier_run_1"
     assert sorted(p.name for p in out.iterdir()) == ["earlier_run_1", "notes.txt"]
-    assert sorted(p.name for p in aside.iterdir()) == ["checkpoints", "metrics.jsonl", "tensorboard"]
+    # every output of the earlier run moves, its composed config.yaml too (RUN_OUTPUTS)
+    assert sorted(p.name for p in aside.iterdir()) == ["checkpoints", "config.yaml", "metrics.jsonl", "tensorboard"]
     assert (aside / "metrics.jsonl").read_text() == '{"step": 1}\n'
     assert [r.getMessage() for r in caplog.records] == [
         f"trainer.resume=auto: {out} holds an earlier run without a checkpoint (1 step(s) in metrics.jsonl); "
-        f"moved its outputs (metrics.jsonl, tensorboard, checkpoints) to {aside} and starting fresh"]
+        f"moved its outputs (metrics.jsonl, tensorboard, checkpoints, config.yaml) to {aside} and starting fresh"]
     (out / "metrics.jsonl").write_text('{"step": 1}\n{"step": 2}\n')  # requeued again before a checkpoint
     assert prepare_output_dir(_trainer(out, False, "auto"), is_writer=True) == out / "earlier_run_2"
     assert resolve_resume("auto", out) is None  # the run starts at step 1
