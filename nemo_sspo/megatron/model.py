@@ -263,9 +263,8 @@ def transformer_config_from_hf(
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     if sequence_parallel and tp_size == 1:
-        raise ValueError("sequence_parallel=True needs tp_size > 1 (parallel.sequence_parallel splits the "
-                         "sequence over the tensor-parallel ranks): set parallel.sequence_parallel=false or "
-                         "raise parallel.tensor_model_parallel_size")
+        raise ValueError("sequence_parallel=True needs tp_size > 1 (sequence parallelism splits the sequence "
+                         "over the tensor-parallel ranks): set sequence_parallel=False or raise tp_size")
     dtype = check_model_options(precision=precision, fp8=fp8, fp8_recipe=fp8_recipe)
     check_architecture(hf_config, tp_size, pp_size, ep_size=ep_size)
     kwargs = dict(
@@ -302,7 +301,7 @@ def transformer_config_from_hf(
 
 
 RECOMPUTE_GRANULARITIES = ("none", "selective", "full")
-"""``parallel.recompute`` values."""
+"""Values of ``recompute`` (:func:`recompute_kwargs`)."""
 
 
 def recompute_kwargs(recompute: str, method: str, num_layers: int, *, layers_per_stage: int) -> dict:

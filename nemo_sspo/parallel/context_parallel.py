@@ -157,11 +157,12 @@ def split_micro_batch(micro: MicroBatch, cp_size: int, cp_rank: int) -> tuple[Mi
             need a split per sequence, refused at config load), or routes (router replay).
     """
     if micro.sequence_lengths is not None or micro.token_index is not None:
-        raise ValueError("context parallelism splits one sequence per row; packed micro-batches "
-                         "(parallel.pack_sequences=true) are not supported with parallel.context_parallel_size > 1")
+        raise ValueError("context parallelism splits one sequence per row; packed micro-batches (sequence_lengths "
+                         "or token_index set) are not supported with a context-parallel size above 1")
     batch = micro.batch
     if batch.routes is not None:
-        raise ValueError("context parallelism does not split MoE routes: set model.router_replay=none")
+        raise ValueError("context parallelism does not split MoE routes: pass a micro-batch without routes "
+                         "(no router replay)")
     width = batch.loss_mask.shape[1]
     if micro.input_ids.shape[1] != width:
         raise ValueError(f"micro-batch input width {micro.input_ids.shape[1]} differs from its target frame's "

@@ -191,7 +191,7 @@ def test_sequence_parallel_reaches_the_config_and_needs_tp():
     config = _smollm2_135m_config()
     assert transformer_config_from_hf(config, tp_size=3, pp_size=1, sequence_parallel=True).sequence_parallel
     assert not transformer_config_from_hf(config, tp_size=3, pp_size=1).sequence_parallel
-    with pytest.raises(ValueError, match=r"sequence_parallel=True needs tp_size > 1 .*set parallel.sequence_parallel=false"):
+    with pytest.raises(ValueError, match=r"sequence_parallel=True needs tp_size > 1 .*set sequence_parallel=False"):
         transformer_config_from_hf(config, tp_size=1, pp_size=1, sequence_parallel=True)
 
 
