@@ -175,6 +175,14 @@ def _save_sharded(directory: Path, model, optimizer, lr_scheduler) -> None:
         dist_checkpointing.save(_sharded_state(model, optimizer, lr_scheduler, is_loading=False), str(directory))
 
 
+def _distributed_optimizers(optimizer) -> list:
+    """The megatron-core ``DistributedOptimizer`` instances in ``optimizer`` (itself, or inside a chain)."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    return [inner for inner in getattr(optimizer, "chained_optimizers", [optimizer])
+            if isinstance(inner, DistributedOptimizer)]
+
+
 def _create_distributed_optimizer_states(optimizer) -> None:
     """Gives a fresh distributed optimizer its Adam states before a load fills them in place.
 
@@ -183,10 +191,8 @@ def _create_distributed_optimizer_states(optimizer) -> None:
     their step counter) to describe what it loads; megatron-core's own dummy step creates them
     (zero gradients; every value it writes is then replaced by the checkpoint's).
     """
-    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
-
-    for inner in getattr(optimizer, "chained_optimizers", [optimizer]):
-        if isinstance(inner, DistributedOptimizer) and not inner.optimizer.state:
+    for inner in _distributed_optimizers(optimizer):
+        if not inner.optimizer.state:
             inner._init_optimizer_states_with_dummy_values()
 
 
@@ -198,13 +204,10 @@ def _unshare_adam_steps(optimizer) -> None:
     torch's Adam increments each state's counter in place, so the shared one would advance once per
     parameter per update and the bias correction of every resumed update would be wrong.
     """
-    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
-
-    for inner in getattr(optimizer, "chained_optimizers", [optimizer]):
-        if isinstance(inner, DistributedOptimizer):
-            for state in inner.optimizer.state.values():
-                if torch.is_tensor(state.get("step")):
-                    state["step"] = state["step"].clone()
+    for inner in _distributed_optimizers(optimizer):
+        for state in inner.optimizer.state.values():
+            if torch.is_tensor(state.get("step")):
+                state["step"] = state["step"].clone()
 
 
 def _load_sharded(directory: Path, model, optimizer, lr_scheduler) -> None:
