@@ -651,12 +651,12 @@ class GRPOTrainer:
         if g.mp_size > 1:
             dist.broadcast_object_list(box, src=g.mp_src_rank, group=g.mp_group)
         self.rollouts_received += 1 + len(box[1])
-        return self._rollout_side_window(box[0]), box[1]
+        return box[0], box[1]
 
     def _rollout_side_window(self, versioned: VersionedRollout) -> VersionedRollout:
-        """``versioned`` with the generation window of the whole step over every rollout rank (earliest
-        start, latest end over the data-parallel replicas), so the rollout side's metrics are the same on
-        every training rank.
+        """``versioned`` with the generation window of the whole step over every generating rank (earliest
+        start, latest end over the data-parallel replicas: their rollout ranks, or colocated the replicas
+        themselves), so the rollout side's metrics are the same on every training rank.
         """
         if self.groups.dp_size == 1:
             return versioned
@@ -700,6 +700,7 @@ class GRPOTrainer:
                 versioned, dropped = self._received_rollout(step)
             else:  # the engine holds the weights after step - 1's update (refit at the end of every step)
                 versioned = self.in_flight.take(step, lambda ahead: self._versioned_rollout(ahead, version=step - 1))
+            versioned = self._rollout_side_window(versioned)
             rollout, self.problems_drawn = versioned.rollout, versioned.problems_drawn
             if self.engine is not None:
                 self.engine.sleep()  # e.g. rollout.vllm.enable_sleep_mode on GPU: memory freed until the refit
@@ -744,34 +745,30 @@ class GRPOTrainer:
         metrics.update(extra)
         metrics.update(timer.seconds)
         metrics["timing/step_s"] = time.perf_counter() - step_start
-        metrics.update(throughput_metrics(metrics, dp_size=self.groups.dp_size, world_size=dist.get_world_size(),
-                                          peak=self.peak_tflops))
+        metrics["timing/rollout_generation_s"] = versioned.generated[1] - versioned.generated[0]
+        rollout_gpus = None if self.split is None else self.split.num_rollout_ranks
+        metrics.update(throughput_metrics(metrics, dp_size=self.groups.dp_size, training_gpus=dist.get_world_size(),
+                                          rollout_gpus=rollout_gpus, peak=self.peak_tflops))
         if torch.cuda.is_available():
             metrics["memory/peak_allocated_gib"] = torch.cuda.max_memory_allocated() / 2**30
-        metrics["timing/rollout_generation_s"] = versioned.generated[1] - versioned.generated[0]
         if self.split is not None:
-            metrics.update(self._side_metrics(metrics, timer, versioned, dropped, refit_wait_s))
+            metrics.update(self._side_metrics(timer, versioned, dropped, refit_wait_s))
         self._record_timeline(step, timer, versioned, dropped)
         return metrics
 
-    def _side_metrics(self, metrics: dict[str, float], timer: _Timer, versioned: VersionedRollout,
-                      dropped: list[tuple[int, tuple[float, float]]], refit_wait_s: float) -> dict[str, float]:
-        """``placement: separate``: each side's idle seconds in this step and the rollout rank's rate.
+    def _side_metrics(self, timer: _Timer, versioned: VersionedRollout, dropped: list[tuple[int, tuple[float, float]]],
+                      refit_wait_s: float) -> dict[str, float]:
+        """``placement: separate``: each side's idle seconds in this step.
 
         ``timing/train_idle_s``: this rank's wait for the step's rollout(s) plus, free-running, the
         refit's wait for the rollout rank. ``timing/rollout_idle_s``: the rollout rank's time between
         the rollouts this step received (waiting for the trainer, taking weights;
-        :func:`nemo_sspo.trainer.staleness.rollout_idle_s`). ``throughput/rollout_tokens_per_s``: the
-        trained rollout's response tokens (all replicas) per second of the step's generation window
-        over every rollout rank (with several, their aggregate rate).
+        :func:`nemo_sspo.trainer.staleness.rollout_idle_s`).
         """
         windows = [window for _, window in dropped] + [versioned.generated]
         out = {"timing/train_idle_s": timer.seconds["timing/generation_s"] + refit_wait_s,
                "timing/rollout_idle_s": rollout_idle_s(windows, self._generation_end)}
         self._generation_end = versioned.generated[1]
-        busy = versioned.generated[1] - versioned.generated[0]
-        if busy > 0:
-            out["throughput/rollout_tokens_per_s"] = metrics["tokens/response"] / busy
         return out
 
     def _record_timeline(self, step: int, timer: _Timer, versioned: VersionedRollout,

@@ -29,7 +29,11 @@ embedding lookup costs nothing. A backward pass costs twice its forward (gradien
 activations and of the weights), so a training pass is 3x. Activation recomputation is not
 counted: these are model FLOPs, not hardware FLOPs, so MFU does not grow with recomputation.
 
-MFU = model FLOPs of the step's training phase / (phase seconds x GPUs x peak FLOP/s). The peak is
+Generation with a KV cache costs one forward pass over each finished sequence (:func:`step_work_sums`).
+
+MFU = model FLOPs / (seconds x GPUs x peak FLOP/s), for the run (both sides' FLOPs over the step and
+every GPU of the run, rollout ranks included) and for each side separately (the training phase on
+the training GPUs; generation over its own window on the GPUs that generate). The peak is
 the dense (no sparsity) tensor-core figure of the device's datasheet for the run's precision
 (:data:`PEAK_TFLOPS`), or ``$NEMO_SSPO_PEAK_TFLOPS`` (TFLOP/s per device), which overrides it.
 """
@@ -213,6 +217,13 @@ def step_work_sums(prompt_lengths: torch.Tensor, response_lengths: torch.Tensor,
     Reduced over data-parallel ranks a pair's value is the mean per rank; :func:`throughput_metrics`
     multiplies it by the data-parallel size to get the step's total.
 
+    Generation with a KV cache does the matmul work of one forward pass over each finished sequence
+    (every token's projections once, each causal pair of QK^T and AV once) with logits only for the
+    response tokens, so ``flops/generation`` is one :func:`forward_flops` (ours; it also counts the
+    last sampled token, which the engine never feeds back: one token per response). It counts the
+    trained rollout's responses: groups that dynamic sampling discarded and rollouts dropped for
+    staleness were generated too, but are not counted.
+
     Args:
         prompt_lengths: ``[B]`` integer tensor, prompt tokens of each of this rank's responses.
         response_lengths: ``[B]`` integer tensor, response tokens of each.
@@ -221,52 +232,76 @@ def step_work_sums(prompt_lengths: torch.Tensor, response_lengths: torch.Tensor,
             log-probs) + 1 with a reference policy + 3 (the update's forward and backward).
 
     Returns:
-        ``tokens/prompt``, ``tokens/response`` and ``flops/train`` pairs.
+        ``tokens/prompt``, ``tokens/response``, ``flops/train`` and ``flops/generation`` pairs.
     """
     responses = int(response_lengths.sum())
-    flops = forward_passes * forward_flops(shape, prompt_lengths + response_lengths, responses)
+    one_pass = forward_flops(shape, prompt_lengths + response_lengths, responses)
     return {"tokens/prompt": mean_pair(float(prompt_lengths.sum()), 1.0),
             "tokens/response": mean_pair(float(responses), 1.0),
-            "flops/train": mean_pair(flops, 1.0)}
+            "flops/train": mean_pair(forward_passes * one_pass, 1.0),
+            "flops/generation": mean_pair(one_pass, 1.0)}
 
 
-def throughput_metrics(metrics: dict[str, float], *, dp_size: int, world_size: int,
+def throughput_metrics(metrics: dict[str, float], *, dp_size: int, training_gpus: int, rollout_gpus: int | None,
                        peak: float | None) -> dict[str, float]:
-    """Per-step throughput from the reduced work counts and the step's phase timings.
+    """Per-step throughput of the whole run and of each side, from the reduced work counts and timings.
+
+    The training side is timed by ``timing/train_s`` on its GPUs; the rollout side by its own
+    generation window ``timing/rollout_generation_s`` on the GPUs that generate (with
+    ``rollout.placement: separate`` the rollout ranks, concurrent with training; colocated the
+    training GPUs themselves). The run's figures divide the step's tokens and FLOPs (both sides) by
+    ``timing/step_s`` and every GPU of the run.
 
     Args:
         metrics: the step's reduced metrics with ``tokens/prompt``, ``tokens/response``,
-            ``flops/train`` (per-rank means, :func:`step_work_sums`), ``timing/generation_s``,
-            ``timing/train_s`` and ``timing/step_s``.
+            ``flops/train``, ``flops/generation`` (per-rank means, :func:`step_work_sums`),
+            ``timing/rollout_generation_s``, ``timing/train_s`` and ``timing/step_s``.
         dp_size: data-parallel size (the number of ranks whose counts were averaged).
-        world_size: GPUs (processes) of the run.
-        peak: dense peak TFLOP/s per device (:func:`peak_tflops`); None leaves out ``throughput/mfu``.
+        training_gpus: GPUs (processes) that train.
+        rollout_gpus: GPUs of the rollout ranks (separate placement), or None when the engine
+            generates on the training GPUs (colocated).
+        peak: dense peak TFLOP/s per device (:func:`peak_tflops`); None leaves out the MFUs.
 
     Returns:
-        ``tokens/prompt``, ``tokens/response`` and ``flops/train`` as step totals;
-        ``throughput/generation_tokens_per_s`` (response tokens of all replicas per second of
-        generation), ``throughput/train_tokens_per_s`` (prompt + response tokens per second of the
-        training phase), ``throughput/tokens_per_s_per_gpu`` (prompt + response tokens per second of
-        the whole step per GPU, NeMo-RL's convention), ``throughput/train_tflops_per_gpu`` and,
-        with a peak, ``throughput/mfu`` (a fraction, not percent).
+        ``tokens/prompt``, ``tokens/response``, ``flops/train`` and ``flops/generation`` as step
+        totals. The run: ``throughput/tokens_per_s_per_gpu`` (prompt + response tokens per second of
+        the step per GPU of the run, NeMo-RL's convention), ``throughput/tflops_per_gpu`` and
+        ``throughput/mfu`` (both sides' FLOPs over the step and every GPU; a fraction, not percent).
+        The training side: ``throughput/train_tokens_per_s`` (total),
+        ``throughput/train_tokens_per_s_per_gpu``, ``throughput/train_tflops_per_gpu``,
+        ``throughput/train_mfu``. The rollout side: ``throughput/generation_tokens_per_s``
+        (response tokens of all replicas per second of generation), ``..._per_gpu``,
+        ``throughput/generation_tflops_per_gpu``, ``throughput/generation_mfu``. A generation
+        window of 0 s (nothing generated in the step) leaves out the rollout side's rates.
     """
-    totals = {key: metrics[key] * dp_size for key in ("tokens/prompt", "tokens/response", "flops/train")}
+    totals = {key: metrics[key] * dp_size
+              for key in ("tokens/prompt", "tokens/response", "flops/train", "flops/generation")}
     tokens = totals["tokens/prompt"] + totals["tokens/response"]
-    achieved = totals["flops/train"] / metrics["timing/train_s"] / world_size / 1e12
+    generating_gpus = training_gpus if rollout_gpus is None else rollout_gpus
+    all_gpus = training_gpus if rollout_gpus is None else training_gpus + rollout_gpus
+    train_s, generation_s, step_s = (metrics[f"timing/{k}_s"] for k in ("train", "rollout_generation", "step"))
+    tflops = {"": (totals["flops/train"] + totals["flops/generation"]) / step_s / all_gpus / 1e12,
+              "train_": totals["flops/train"] / train_s / training_gpus / 1e12}
     out = {**totals,
-           "throughput/generation_tokens_per_s": totals["tokens/response"] / metrics["timing/generation_s"],
-           "throughput/train_tokens_per_s": tokens / metrics["timing/train_s"],
-           "throughput/tokens_per_s_per_gpu": tokens / metrics["timing/step_s"] / world_size,
-           "throughput/train_tflops_per_gpu": achieved}
-    if peak is not None:
-        out["throughput/mfu"] = achieved / peak
+           "throughput/tokens_per_s_per_gpu": tokens / step_s / all_gpus,
+           "throughput/train_tokens_per_s": tokens / train_s,
+           "throughput/train_tokens_per_s_per_gpu": tokens / train_s / training_gpus}
+    if generation_s > 0:
+        rate = totals["tokens/response"] / generation_s
+        out.update({"throughput/generation_tokens_per_s": rate,
+                    "throughput/generation_tokens_per_s_per_gpu": rate / generating_gpus})
+        tflops["generation_"] = totals["flops/generation"] / generation_s / generating_gpus / 1e12
+    for side, value in tflops.items():
+        out[f"throughput/{side}tflops_per_gpu"] = value
+        if peak is not None:
+            out[f"throughput/{side}mfu"] = value / peak
     return out
 
 
-RUN_SUMMARY_KEYS = ("throughput/tokens_per_s_per_gpu", "throughput/generation_tokens_per_s",
-                "throughput/train_tokens_per_s", "throughput/train_tflops_per_gpu", "throughput/mfu",
-                "timing/step_s", "timing/generation_s", "timing/train_s", "timing/refit_s",
-                "memory/peak_allocated_gib")
+RUN_SUMMARY_KEYS = tuple(f"throughput/{side}{figure}" for side in ("", "train_", "generation_")
+                         for figure in ("tokens_per_s_per_gpu", "tflops_per_gpu", "mfu")) + (
+    "throughput/generation_tokens_per_s", "throughput/train_tokens_per_s", "timing/step_s", "timing/generation_s",
+    "timing/rollout_generation_s", "timing/train_s", "timing/refit_s", "memory/peak_allocated_gib")
 
 
 def summarize_throughput(history: list[dict[str, float]]) -> dict[str, float]:

@@ -124,8 +124,13 @@ def test_free_running_wait_and_drop(run_distributed, monkeypatch, tmp_path, tiny
             assert mine[key] == pytest.approx(theirs[key], rel=1e-5, abs=1e-7), (mine["step"], key)
     for h in history:  # each side's idle time and rate are reported per step
         assert h["timing/train_idle_s"] >= h["timing/generation_s"]
-        assert h["throughput/rollout_tokens_per_s"] == pytest.approx(
+        assert h["throughput/generation_tokens_per_s"] == pytest.approx(
             h["tokens/response"] / h["timing/rollout_generation_s"])
+        # One training rank and one rollout rank: the rollout side's rate is per its one GPU, and the run's
+        # per-GPU figure divides the step's tokens by both.
+        assert h["throughput/generation_tokens_per_s_per_gpu"] == h["throughput/generation_tokens_per_s"]
+        assert h["throughput/tokens_per_s_per_gpu"] == pytest.approx(
+            (h["tokens/prompt"] + h["tokens/response"]) / h["timing/step_s"] / 2)
     # rollout 3 waits for step 1's update (>= 0.5 s): the rollout rank idled at least that long in step 3
     assert history[2]["timing/rollout_idle_s"] >= UPDATE_DELAY_S
 

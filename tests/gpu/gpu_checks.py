@@ -525,8 +525,10 @@ def check_train(model_dir: str) -> None:
            f"{summary['timing/train_s']:.2f}, refit {summary['timing/refit_s']:.2f}); generation "
            f"{summary['throughput/generation_tokens_per_s']:.0f} tokens/s, training "
            f"{summary['throughput/train_tokens_per_s']:.0f} tokens/s, {summary['throughput/tokens_per_s_per_gpu']:.0f} "
-           f"tokens/s/GPU over the step; training {summary['throughput/train_tflops_per_gpu']:.1f} TFLOP/s, MFU "
-           f"{mfu:.4f}; peak memory {summary.get('memory/peak_allocated_gib', math.nan):.2f} GiB (limits: finite loss, "
+           f"tokens/s/GPU over the step; training {summary['throughput/train_tflops_per_gpu']:.1f} TFLOP/s (MFU "
+           f"{summary.get('throughput/train_mfu', math.nan):.4f}), generation "
+           f"{summary.get('throughput/generation_tflops_per_gpu', math.nan):.1f} TFLOP/s (MFU "
+           f"{summary.get('throughput/generation_mfu', math.nan):.4f}), run MFU {mfu:.4f}; peak memory {summary.get('memory/peak_allocated_gib', math.nan):.2f} GiB (limits: finite loss, "
            "0 < MFU < 1, peak memory measured)")
 
 

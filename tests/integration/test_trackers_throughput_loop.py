@@ -67,10 +67,16 @@ def test_run_writes_every_tracker_and_reports_throughput(monkeypatch, tmp_path, 
         assert record["flops/train"] == pytest.approx(_independent_train_flops(checkpoint, rollout), rel=1e-12)
         tokens = float(rollout.batch.prompt_mask.sum() + rollout.batch.response_mask.sum())
         assert record["tokens/prompt"] + record["tokens/response"] == tokens
+        # One process: colocated generation and training share its one "GPU".
+        assert record["flops/generation"] == pytest.approx(record["flops/train"] / 4, rel=1e-12)  # 1 of 4 passes
         assert record["throughput/tokens_per_s_per_gpu"] == pytest.approx(tokens / record["timing/step_s"])
         assert record["throughput/generation_tokens_per_s"] == pytest.approx(
-            record["tokens/response"] / record["timing/generation_s"])
-        assert record["throughput/mfu"] == pytest.approx(record["flops/train"] / record["timing/train_s"] / 0.5e12)
+            record["tokens/response"] / record["timing/rollout_generation_s"])
+        assert record["throughput/train_mfu"] == pytest.approx(record["flops/train"] / record["timing/train_s"] / 0.5e12)
+        assert record["throughput/mfu"] == pytest.approx(
+            1.25 * record["flops/train"] / record["timing/step_s"] / 0.5e12)
+        # The generation window (generation and scoring) lies inside the step's wait for its rollout.
+        assert 0 < record["timing/rollout_generation_s"] <= record["timing/generation_s"]
         # The step's time covers its phases.
         phases = sum(record[f"timing/{p}_s"] for p in ("generation", "train", "refit"))
         assert phases <= record["timing/step_s"] < phases + 1.0

@@ -32,10 +32,11 @@ def test_forward_flops_by_hand():
 def test_step_work_sums_by_hand():
     # Sequences 2+1=3 and 3+4=7 tokens, 5 response tokens: linear 2,304 * 10 = 23,040; attention pairs
     # 6 + 28 = 34 -> (2 * 2 * 2 * 2 * 4 = 64) * 34 = 2,176; logits 2 * 5 * 8 * 10 = 800; forward 26,016;
-    # x4 passes = 104,064.
+    # x4 passes = 104,064; generation with a KV cache: one forward, 26,016.
     sums = step_work_sums(torch.tensor([2, 3]), torch.tensor([1, 4]), TINY, forward_passes=4)
     assert {k: (float(p.total), float(p.count)) for k, p in sums.items()} == {
-        "tokens/prompt": (5.0, 1.0), "tokens/response": (5.0, 1.0), "flops/train": (104064.0, 1.0)}
+        "tokens/prompt": (5.0, 1.0), "tokens/response": (5.0, 1.0), "flops/train": (104064.0, 1.0),
+        "flops/generation": (26016.0, 1.0)}
 
 
 def test_counts_agree_with_torch_flop_counter_forward_and_backward():
@@ -96,20 +97,47 @@ def test_peak_from_the_environment(monkeypatch):
             peak_tflops("NVIDIA H100 80GB HBM3", "bf16", False)
 
 
-def test_throughput_metrics_by_hand():
-    reduced = {"tokens/prompt": 100.0, "tokens/response": 50.0, "flops/train": 1e12,
-               "timing/generation_s": 2.0, "timing/train_s": 4.0, "timing/step_s": 10.0}
-    out = throughput_metrics(reduced, dp_size=2, world_size=4, peak=0.5)
-    # Totals over 2 data-parallel ranks: 200 prompt + 100 response tokens, 2e12 FLOPs.
-    assert out == pytest.approx({
-        "tokens/prompt": 200.0, "tokens/response": 100.0, "flops/train": 2e12,
-        "throughput/generation_tokens_per_s": 50.0,  # 100 / 2 s
-        "throughput/train_tokens_per_s": 75.0,  # 300 / 4 s
-        "throughput/tokens_per_s_per_gpu": 7.5,  # 300 / 10 s / 4 GPUs
-        "throughput/train_tflops_per_gpu": 0.125,  # 2e12 / 4 s / 4 GPUs / 1e12
-        "throughput/mfu": 0.25,  # 0.125 / 0.5
+REDUCED = {"tokens/prompt": 100.0, "tokens/response": 50.0, "flops/train": 1e12, "flops/generation": 0.25e12,
+           "timing/rollout_generation_s": 2.0, "timing/train_s": 4.0, "timing/step_s": 10.0}
+# Totals over 2 data-parallel ranks: 200 prompt + 100 response tokens, 2e12 training FLOPs, 0.5e12 generation.
+TOTALS = {"tokens/prompt": 200.0, "tokens/response": 100.0, "flops/train": 2e12, "flops/generation": 0.5e12}
+TRAINING_SIDE = {  # 4 training GPUs, 4 s of training
+    "throughput/train_tokens_per_s": 75.0,  # 300 / 4 s
+    "throughput/train_tokens_per_s_per_gpu": 18.75,  # 75 / 4 GPUs
+    "throughput/train_tflops_per_gpu": 0.125,  # 2e12 / 4 s / 4 GPUs / 1e12
+    "throughput/train_mfu": 0.25,  # 0.125 / 0.5
+    "throughput/generation_tokens_per_s": 50.0,  # 100 / 2 s of the rollout side's own generation
+}
+
+
+def test_throughput_metrics_by_hand_colocated():
+    out = throughput_metrics(REDUCED, dp_size=2, training_gpus=4, rollout_gpus=None, peak=0.5)
+    assert out == pytest.approx({**TOTALS, **TRAINING_SIDE,
+        "throughput/tokens_per_s_per_gpu": 7.5,  # 300 / 10 s / 4 GPUs (generation runs on the same 4)
+        "throughput/tflops_per_gpu": 0.0625,  # 2.5e12 / 10 s / 4 GPUs / 1e12
+        "throughput/mfu": 0.125,
+        "throughput/generation_tokens_per_s_per_gpu": 12.5,  # 50 / 4 GPUs
+        "throughput/generation_tflops_per_gpu": 0.0625,  # 0.5e12 / 2 s / 4 GPUs / 1e12
+        "throughput/generation_mfu": 0.125,
     }, rel=1e-12)
-    assert "throughput/mfu" not in throughput_metrics(reduced, dp_size=2, world_size=4, peak=None)
+    no_peak = throughput_metrics(REDUCED, dp_size=2, training_gpus=4, rollout_gpus=None, peak=None)
+    assert not [key for key in no_peak if key.endswith("mfu")]
+
+
+def test_throughput_metrics_by_hand_separate():
+    out = throughput_metrics(REDUCED, dp_size=2, training_gpus=4, rollout_gpus=2, peak=0.5)
+    assert out == pytest.approx({**TOTALS, **TRAINING_SIDE,
+        "throughput/tokens_per_s_per_gpu": 5.0,  # 300 / 10 s / (4 + 2) GPUs
+        "throughput/tflops_per_gpu": 2.5 / 60,  # 2.5e12 / 10 s / 6 GPUs / 1e12
+        "throughput/mfu": 2.5 / 30,
+        "throughput/generation_tokens_per_s_per_gpu": 25.0,  # 50 / 2 rollout GPUs
+        "throughput/generation_tflops_per_gpu": 0.125,  # 0.5e12 / 2 s / 2 GPUs / 1e12
+        "throughput/generation_mfu": 0.25,
+    }, rel=1e-12)
+    # A step that generated nothing (window of 0 s) has no rollout-side rates.
+    idle = throughput_metrics({**REDUCED, "timing/rollout_generation_s": 0.0}, dp_size=2, training_gpus=4,
+                              rollout_gpus=2, peak=0.5)
+    assert not [key for key in idle if key.startswith("throughput/generation")]
 
 
 def test_summary_skips_the_first_step_and_takes_the_peak_memory_maximum():
