@@ -16,6 +16,7 @@ Local command (the README's measured table holds its figures)::
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -108,18 +109,24 @@ def report(samples: list[Sample]) -> str:
 
 
 def main() -> None:
-    """``python -m tests.integration._soak --steps 200 --out DIR``: prints one line per 10 steps and the figures."""
+    """``python -m tests.integration._soak --steps 200 --out DIR [--samples FILE]``: prints one line per
+    10 steps and the figures; ``--samples`` also writes every sample as a JSON list."""
+    import json
+
     import pytest
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--out", type=Path, default=Path("/tmp/nemo_sspo_soak"))
+    parser.add_argument("--samples", type=Path, default=None)
     args = parser.parse_args()
     with pytest.MonkeyPatch.context() as monkeypatch:
         samples = soak_run(monkeypatch, args.out, args.steps)
     for sample in samples[::10]:
         print(sample)
     print(report(samples))
+    if args.samples is not None:
+        args.samples.write_text(json.dumps([dataclasses.asdict(s) for s in samples]))
 
 
 if __name__ == "__main__":
