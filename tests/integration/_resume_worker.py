@@ -1,9 +1,11 @@
-"""Worker of ``test_resume_distributed.py``, started by torchrun with 2 processes (TP=2), with a cosine
-learning-rate schedule and warmup, so the checkpoint holds the schedule's position.
+"""Worker of ``test_resume_distributed.py``, started by torchrun with 2 processes, with a cosine
+learning-rate schedule and warmup, so the checkpoint holds the schedule's position. Two layouts:
+TP=2 (plain Adam), and DP=2 with the distributed optimizer (Adam's states sharded over the two ranks).
 
-Runs 3 steps saving a checkpoint at step 2, then resumes a second trainer from that checkpoint into
-another output folder and runs step 3 again. Rank 0 writes both runs' step-3 metrics to
-``<out>/result.json``. Usage: ``torchrun --nproc-per-node 2 -m tests.integration._resume_worker OUT``.
+For each: runs 3 steps saving a checkpoint at step 2, then resumes a second trainer from that
+checkpoint into another output folder and runs step 3 again. Rank 0 writes both runs' step-3 metrics
+per layout to ``<out>/result.json``. Usage:
+``torchrun --nproc-per-node 2 -m tests.integration._resume_worker OUT``.
 
 Imports live inside the functions: Megatron's checkpoint writer starts a spawned helper process,
 which re-imports this (main) module, and should not pay for torch and Megatron again.
@@ -12,6 +14,10 @@ which re-imports this (main) module, and should not pay for torch and Megatron a
 import json
 import sys
 from pathlib import Path
+
+
+LAYOUTS = {"tp2": ["parallel.tensor_model_parallel_size=2"],
+           "dp2_distributed_optimizer": ["optim.use_distributed_optimizer=true", "rollout.prompts_per_step=4"]}
 
 
 def _fit(overrides, checkpoint):
@@ -38,14 +44,17 @@ def main(out: Path) -> None:
     # after destroy_process_group (initialize_parallel reuses an existing group and leaves it alone).
     dist.init_process_group("gloo")
     tiny = load_hf_checkpoint("tiny-random-llama")
-    common = [f"reward.name={PARITY_REWARD}", "parallel.tensor_model_parallel_size=2",
-              "optim.lr_schedule=cosine", "optim.lr_warmup_steps=2",
+    common = [f"reward.name={PARITY_REWARD}", "optim.lr_schedule=cosine", "optim.lr_warmup_steps=2",
               "optim.min_lr=1e-6", "trainer.max_steps=3", "trainer.checkpoint_interval=2"]
-    straight = _fit([*common, f"trainer.output_dir={out / 'straight'}"], tiny)
-    step2 = out / "straight" / "checkpoints" / "step_000002"
-    resumed = _fit([*common, f"trainer.output_dir={out / 'resumed'}", f"trainer.resume={step2}"], tiny)
-    if straight:  # rank 0 logs; its history holds every step
-        (out / "result.json").write_text(json.dumps({"straight": straight[-1], "resumed": resumed[-1]}))
+    results = {}
+    for name, layout in LAYOUTS.items():
+        run = out / name
+        straight = _fit([*common, *layout, f"trainer.output_dir={run / 'straight'}"], tiny)
+        step2 = run / "straight" / "checkpoints" / "step_000002"
+        resumed = _fit([*common, *layout, f"trainer.output_dir={run / 'resumed'}", f"trainer.resume={step2}"], tiny)
+        results[name] = {"straight": straight[-1] if straight else None, "resumed": resumed[-1] if resumed else None}
+    if dist.get_rank() == 0:  # rank 0 logs; its history holds every step
+        (out / "result.json").write_text(json.dumps(results))
     dist.destroy_process_group()
 
 

@@ -1,7 +1,10 @@
-"""Resume under tensor parallelism with a learning-rate schedule: TP=2 on 2 gloo processes launched by
-torchrun (the training launcher; Megatron's checkpoint writer forks, which the daemonic workers of
-``run_distributed`` may not). The step after a resume from the step-2 checkpoint equals the
-uninterrupted run's step 3, learning rate included."""
+"""Resume under tensor parallelism and with the distributed optimizer, with a learning-rate schedule:
+TP=2, and DP=2 with Adam's states sharded, on 2 gloo processes launched by torchrun (the training
+launcher; Megatron's checkpoint writer forks, which the daemonic workers of ``run_distributed`` may
+not). The step after a resume from the step-2 checkpoint equals the uninterrupted run's step 3,
+learning rate included. With the distributed optimizer this failed before the fix of Adam's step
+counters on loading (``nemo_sspo/trainer/checkpoint.py``): the counter went back to 1 and step 3's
+token ratios were about 1e-5 off."""
 
 import json
 import math
@@ -23,18 +26,21 @@ def _free_port() -> int:
 
 
 @pytest.mark.slow
-def test_tp2_resume_continues_with_identical_metrics(tmp_path):
+def test_tp2_and_distributed_optimizer_resume_continue_with_identical_metrics(tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO)}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(_free_port()),
            "-m", "tests.integration._resume_worker", str(tmp_path)]
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    result = json.loads((tmp_path / "result.json").read_text())
-    straight, resumed = ({k: v for k, v in r.items() if not k.startswith(("timing/", "throughput/"))} for r in result.values())
-    assert straight["step"] == resumed["step"] == 3
-    assert resumed == straight
-    # update 6 of 6 (2 per step) under cosine decay from 2e-5 with warmup 2: r = (6 - 2) / (6 - 2) = 1
-    assert straight["optim/lr"] == 1e-6
-    assert math.isclose(json.loads((tmp_path / "straight" / "metrics.jsonl").read_text().splitlines()[0])["optim/lr"],
-                        2e-5)  # update 2 ends the warmup
-    assert (tmp_path / "straight" / "checkpoints" / "step_000002" / "rng" / "rank_00001.pt").is_file()
+    results = json.loads((tmp_path / "result.json").read_text())
+    assert sorted(results) == ["dp2_distributed_optimizer", "tp2"]
+    for name, result in results.items():
+        straight, resumed = ({k: v for k, v in r.items() if not k.startswith(("timing/", "throughput/"))}
+                             for r in result.values())
+        assert straight["step"] == resumed["step"] == 3
+        assert resumed == straight, name
+        # update 6 of 6 (2 per step) under cosine decay from 2e-5 with warmup 2: r = (6 - 2) / (6 - 2) = 1
+        assert straight["optim/lr"] == 1e-6
+        first = json.loads((tmp_path / name / "straight" / "metrics.jsonl").read_text().splitlines()[0])
+        assert math.isclose(first["optim/lr"], 2e-5)  # update 2 ends the warmup
+        assert (tmp_path / name / "straight" / "checkpoints" / "step_000002" / "rng" / "rank_00001.pt").is_file()

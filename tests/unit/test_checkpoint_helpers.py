@@ -91,11 +91,10 @@ def test_top_p_below_one_is_allowed_with_a_correction():
     ("model.fp8=hybrid", "model.fp8"),
     ("model.transformer_impl=transformer_engine", "model.transformer_impl"),
     ("optim.cpu_offload=true", "optim.cpu_offload"),
-    ("trainer.checkpoint_interval=1", "optim.use_distributed_optimizer"),  # torch's Adam: no exact resume
 ])
 def test_gpu_only_settings_fail_at_startup_on_cpu(override, key):
     overrides = ["model=tiny_random", override] + (["model.precision=bf16"] if "fp8" in override else [])
-    overrides += ["optim.use_distributed_optimizer=true"] if "offload" in override or "checkpoint" in override else []
+    overrides += ["optim.use_distributed_optimizer=true"] if "offload" in override else []
     with pytest.raises(ValueError, match=key.replace(".", r"\.")):
         check_host(load_config(overrides=overrides))
 
