@@ -2,6 +2,7 @@
 
     python tests/gpu/gpu_checks.py fused                  # Triton kernels vs torch path: accuracy, timings
     python tests/gpu/gpu_checks.py train MODEL_DIR        # Megatron local-spec bf16 steps, HF rollouts, MFU
+    python tests/gpu/gpu_checks.py memory MODEL_DIR       # the memory plan against max_memory_allocated
     python tests/gpu/gpu_checks.py dry-run MODEL_DIR      # CPU: imports, the train check's config and model
     python tests/gpu/gpu_checks.py vllm                   # bf16 vLLM: gap, streamed refit, sleep / wake
     python tests/gpu/gpu_checks.py metrics DIR MAX_GAP    # a finished `nemo-sspo train` run's metrics.jsonl
@@ -532,6 +533,89 @@ def check_train(model_dir: str) -> None:
            "0 < MFU < 1, peak memory measured)")
 
 
+
+# The memory check: a bf16 policy at MODEL_DIR's shape with the distributed optimizer, one mini-batch of
+# 4 rows x (1,024 prompt + 1,024 response) tokens in one micro-batch: the plan's worst case for these
+# settings (rollout.max_new_tokens + its 1,024-token prompt allowance, parallel.micro_batch_size rows).
+MEMORY_ROWS, MEMORY_PROMPT, MEMORY_RESPONSE = 4, 1024, 1024
+MEMORY_OVERRIDES = ["model.precision=bf16", "model.transformer_impl=local", "rollout.backend=hf",
+                    "optim.use_distributed_optimizer=true", f"parallel.micro_batch_size={MEMORY_ROWS}",
+                    f"rollout.max_new_tokens={MEMORY_RESPONSE}", "trainer.minibatches_per_step=1"]
+
+
+def memory_config(model_dir: str, recompute: str):
+    """The validated config of one memory-check setting (raises on a bad override, also on CPU)."""
+    from nemo_sspo.cli import load_config
+
+    return load_config(overrides=[f"model.source={model_dir}", *MEMORY_OVERRIDES, f"parallel.recompute={recompute}"])
+
+
+def _memory_batch(vocab: int):
+    """The check's mini-batch: random tokens, every response full length, one segment per 32 tokens."""
+    from nemo_sspo.algorithms.batch import pack_rollouts
+
+    gen = torch.Generator().manual_seed(0)
+    prompts = torch.randint(1, vocab, (MEMORY_ROWS, MEMORY_PROMPT), generator=gen)
+    responses = torch.randint(1, vocab, (MEMORY_ROWS, MEMORY_RESPONSE), generator=gen)
+    segments = (torch.arange(MEMORY_RESPONSE) // 32).expand(MEMORY_ROWS, -1).contiguous()
+    return pack_rollouts(prompts, torch.ones_like(prompts, dtype=torch.bool), responses,
+                         torch.ones_like(responses, dtype=torch.bool), segments,
+                         torch.linspace(-1, 1, MEMORY_ROWS), pad_id=0)
+
+
+def memory_step(model_dir: str, recompute: str) -> tuple[float, float, float]:
+    """``(planned, measured, grad_norm)``: the plan's training-phase bytes for the setting against
+    ``torch.cuda.max_memory_allocated`` over building the policy, its distributed optimizer and two
+    updates (Adam's states exist after the first), both counted from the allocation before the build.
+    """
+    from nemo_sspo.algorithms.losses import make_policy_loss
+    from nemo_sspo.megatron import build_policy_model, destroy_parallel, load_hf_into_megatron, vocab_shard
+    from nemo_sspo.megatron.step import LossSpec
+    from nemo_sspo.megatron.training import compute_old_logprobs, train_on_batch
+    from nemo_sspo.trainer import loop
+    from nemo_sspo.trainer.config import build_loss_config, micro_batch_layout
+    from nemo_sspo.trainer.memory_plan import PROMPT_ALLOWANCE, memory_plan
+
+    if MEMORY_PROMPT != PROMPT_ALLOWANCE:
+        raise ValueError(f"MEMORY_PROMPT={MEMORY_PROMPT} must be the plan's prompt allowance {PROMPT_ALLOWANCE}")
+    cfg = memory_config(model_dir, recompute)
+    config, state, _ = shape_checkpoint(model_dir)
+    planned = memory_plan(cfg, config, world_size=1, gpu_gib=None).stages[0].training  # no engine built here
+    groups = loop.start_parallel(cfg.parallel, cfg.trainer.seed)
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    try:
+        model = build_policy_model(config, **loop._model_options(cfg))
+        load_hf_into_megatron(model, state, config)
+        ddp, optimizer, scheduler = loop._wrap(model.train(), cfg.optim, updates=2)
+        start, size = vocab_shard(model)
+        spec = LossSpec(loss=make_policy_loss(cfg.loss.name, build_loss_config(cfg.loss)), tp_group=None,
+                        vocab_start=start, vocab_size=size, temperature=cfg.rollout.temperature,
+                        max_response_length=MEMORY_RESPONSE, output_chunk_size=cfg.parallel.output_chunk_size)
+        layout = micro_batch_layout(cfg.parallel)
+        batch = compute_old_logprobs(ddp, _memory_batch(config.vocab_size), spec, layout, dp_group=groups.dp_group)
+        for _ in range(2):
+            _, grad_norm = train_on_batch(ddp, optimizer, batch, spec, layout, dp_group=groups.dp_group,
+                                          lr_scheduler=scheduler)
+        measured = torch.cuda.max_memory_allocated() - before
+    finally:
+        destroy_parallel()
+    return planned, measured, grad_norm
+
+
+def check_memory(model_dir: str) -> None:
+    """The memory plan against the bytes a bf16 step allocates, recomputation off and full (limit 10%)."""
+    from nemo_sspo.trainer.memory_plan import GIB
+
+    for recompute in ("none", "full"):
+        planned, measured, grad_norm = memory_step(model_dir, recompute)
+        off = measured / planned - 1
+        report(f"memory plan (recompute={recompute})", abs(off) <= 0.10 and math.isfinite(grad_norm),
+               f"{torch.cuda.get_device_name()}, {MEMORY_ROWS} x {MEMORY_PROMPT + MEMORY_RESPONSE} tokens, bf16, "
+               f"distributed optimizer: planned {planned / GIB:.3f} GiB, max_memory_allocated {measured / GIB:.3f} "
+               f"GiB ({100 * off:+.1f}%; limit 10%), grad norm {grad_norm:.3f}")
+
 # Installed in the development venv but neither on the lent GPU machine nor in the bundle: the dry run
 # hides them (an entry of None in sys.modules makes both `import` and importlib.util.find_spec see none),
 # so an import the GPU checks would fail on there fails here too.
@@ -556,6 +640,8 @@ def check_dry_run(model_dir: str) -> None:
     from nemo_sspo.trainer.throughput import ModelShape, forward_flops
 
     cfg = train_config(model_dir, tempfile.mkdtemp(prefix="nemo_sspo_gpu_dry_"))
+    for recompute in ("none", "full"):
+        memory_config(model_dir, recompute)
     async_config(model_dir, tempfile.mkdtemp(prefix="nemo_sspo_gpu_dry_async_"), separate=False)
     os.environ["WORLD_SIZE"] = str(1 + ASYNC_ROLLOUT_RANKS)  # as torchrun sets it for the separate run
     try:
@@ -566,7 +652,7 @@ def check_dry_run(model_dir: str) -> None:
     shape = ModelShape.from_hf_config(config)
     per_token = forward_flops(shape, torch.tensor([1]), 1) / 1e9
     report("dry run", cfg.model.precision == "bf16" and len(tokenizer) <= config.vocab_size,
-           f"imports fine without {len(hidden)} packages the GPU machine lacks; train check config valid; async check configs valid (colocated, separate with "
+           f"imports fine without {len(hidden)} packages the GPU machine lacks; train and memory check configs valid; async check configs valid (colocated, separate with "
            f"{ASYNC_ROLLOUT_RANKS} rollout ranks); {model_dir}: {shape.num_layers} layers, hidden "
            f"{shape.hidden_size}, vocab {shape.vocab_size}, {per_token:.3f} GFLOP per token forward; "
            "nothing ran on a GPU")
@@ -585,6 +671,8 @@ def main() -> int:
             check_fused()
         elif command == "train":
             check_train(sys.argv[2])
+        elif command == "memory":
+            check_memory(sys.argv[2])
         elif command == "dry-run":
             check_dry_run(sys.argv[2])
         elif command == "async":

@@ -12,7 +12,7 @@
 #   bash tests/gpu/run_checks.sh                                 # a full environment (.venv), no bundle
 #
 # Groups (each prints "PASS <name>: <numbers>", "FAIL <name>: <why>" or "SKIP <name>: <why>"); about 5
-# minutes in all on the lent machine (install 30 s, kernels at most 90 s, train at most 240 s):
+# minutes in all on the lent machine (install 30 s, kernels at most 90 s, train at most 240 + 180 s):
 #   kernels: tests/gpu/gpu_checks.py fused: the Triton kernels of the log-prob/entropy reduction
 #      (nemo_sspo.parallel.triton_chunk) against its torch path (NEMO_SSPO_TRITON=0) at N=4096,
 #      V_local=75,968 (Qwen2.5-7B's vocabulary at TP 2), H=3584, bf16: accuracy against float64; median
@@ -20,7 +20,10 @@
 #      measured in the same run; the fused output layer (chunk 1024) against its matmuls alone.
 #   train: tests/gpu/gpu_checks.py train: Megatron local-spec bf16 policy at SmolLM2-135M's shape with random
 #      weights (the bundle's smollm2_shape/: config and tokenizer, no weights), HF-engine rollouts, 3 GRPO steps
-#      of 64 responses: step time by phase, generation and training tokens/s, peak memory, MFU.
+#      of 64 responses: step time by phase, generation and training tokens/s, peak memory, MFU. Then
+#      tests/gpu/gpu_checks.py memory: the memory plan's training phase against torch.cuda.max_memory_allocated
+#      (limit 10%) for the same shape in bf16 with the distributed optimizer, one micro-batch of 4 x 2,048
+#      tokens, two updates each with parallel.recompute=none and full.
 #   vllm (needs vLLM and SmolLM2's weights, i.e. a full environment; otherwise SKIP): tests/gpu/gpu_checks.py
 #      vllm (bf16 engine: log-prob gap, streamed refit, sleep/wake) and a 2-step train run with vLLM rollouts.
 #   te (needs TransformerEngine; otherwise SKIP): FP8 train step, THD packed log-probs, packed train step.
@@ -165,6 +168,7 @@ if want train; then
     MODEL_DIR=$("$PY" -c "from nemo_sspo.models.hf_checkpoint import engine_model_dir; print(engine_model_dir('smollm2-135m-instruct'))")
   fi
   run "train step" 240 "$PY" tests/gpu/gpu_checks.py train "$MODEL_DIR"
+  run "memory plan" 180 "$PY" tests/gpu/gpu_checks.py memory "$MODEL_DIR"
 fi
 
 HAVE_VLLM=0; "$PY" -c "import vllm" 2>/dev/null && HAVE_VLLM=1

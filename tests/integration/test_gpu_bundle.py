@@ -44,7 +44,7 @@ def test_bundle_fits_and_the_dry_run_passes(bundle):
     assert "PASS bundle requirements: 15 wheels installed offline, every requirement met" in proc.stdout
     assert "import megatron.core: needs torch, which the GPU machine has" in proc.stdout
     assert "PASS bundle imports: Python 3.12.1" in proc.stdout
-    assert ("PASS dry run: imports fine without 16 packages the GPU machine lacks; train check config valid; async "
+    assert ("PASS dry run: imports fine without 16 packages the GPU machine lacks; train and memory check configs valid; async "
             "check configs valid (colocated, separate with 2 rollout ranks)") in proc.stdout
     assert proc.stdout.rstrip().endswith("DRY RUN PASSED (nothing ran on a GPU)")
 
