@@ -1,6 +1,6 @@
 """Soak tier (``-m soak``): resident memory, open files and child processes stay flat after warm-up
 over a 25-step run of the tiny model with the real reward pool and checkpoints every 5 steps
-(tests/integration/_soak.py; its 200-step command and figures are in the README and
+(tests/integration/_soak.py; its 200-step command and figures are in docs/performance.md and
 docs/pitfalls.md#soak-leaks)."""
 
 import pytest
