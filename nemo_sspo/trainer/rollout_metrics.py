@@ -78,7 +78,8 @@ class TruncationWatch:
 
     def check(self, step: int, metrics: dict[str, float]) -> str | None:
         """The warning for ``step``'s metrics (``response/truncated_frac``, and
-        ``reward/truncated_mean`` when present), or None."""
+        ``reward/truncated_mean`` when present), or None.
+        """
         frac = metrics.get("response/truncated_frac")
         if self.warned or frac is None or frac <= self.threshold:
             return None
