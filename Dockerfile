@@ -16,7 +16,7 @@
 # (PIP_CONSTRAINT) stay in force; if one of them contradicts our ranges, pip stops with the name.
 #
 # Proven with: the Python 3.12 lane on CPU (Python 3.12.1, PyPI torch 2.13.0+cu130,
-# megatron-core 0.19.2, transformers 5.24.0; see README.md, "Containers and Python 3.12").
+# megatron-core 0.19.2, transformers 5.24.0; see docs/recipes.md, "Containers and Python 3.12").
 # This image itself was not built or run here (no Docker daemon, no GPU, no NGC registry access):
 # base tag, TransformerEngine import and the GPU path are unverified.
 #

@@ -78,7 +78,7 @@ def load_config(config_name: str = DEFAULT_CONFIG_NAME, overrides: list[str] | N
     from nemo_sspo.trainer.plugins import load_entry_point_plugins, load_plugins
 
     overrides = list(overrides or [])
-    load_entry_point_plugins()
+    installed = load_entry_point_plugins()
     load_plugins(_plugins_named(config_name, overrides, Path(config_dir)))
     register_config_nodes()
 
@@ -100,6 +100,11 @@ def load_config(config_name: str = DEFAULT_CONFIG_NAME, overrides: list[str] | N
     unknown = find_unknown_key(raw, cfg)
     if unknown:  # a key added with '+' that no field takes: Hydra keeps it, the dataclasses drop it
         raise ValueError(f"invalid config {config_name!r}: {unknown_key_message(unknown, cfg.loss.name)}")
+    if cfg.entry_point_plugins and cfg.entry_point_plugins != installed:
+        raise ValueError(f"entry_point_plugins={cfg.entry_point_plugins} is recorded from the installed "
+                         f"packages, which now declare {installed}: remove the key (it is filled in) or "
+                         "install the plugins the config names")
+    cfg.entry_point_plugins = installed
     resolve_loss_settings(cfg)
     world_size = launch_world_size() if command == "train" else None
     validate(cfg, world_size=world_size)
@@ -139,6 +144,14 @@ def _hydra_error_message(config_name: str, err: Exception, overrides: list[str],
     """
     from nemo_sspo.trainer.config import RENAMED_KEYS, unknown_key_message
 
+    missing = re.search(r"Could not find 'loss/([^']+)'", str(err))
+    if missing:  # Hydra lists the group's files; say what a loss is and how a new one is added
+        from nemo_sspo.algorithms.losses import policy_loss_names
+
+        return (f"invalid config {config_name!r}: loss={missing.group(1)} is neither a registered policy "
+                f"loss nor a variant YAML of the group loss; registered: {policy_loss_names()}. "
+                "A loss of your own is added by the module that registers it: "
+                f"plugins=[my_loss.py] loss={missing.group(1)} (docs/extending.md)")
     match = re.search(r"Could not override '([^']+)'", str(err))
     if not match:
         renamed = re.search(r"full_key: (\S+)", str(err))  # a key an earlier release had, in a YAML file

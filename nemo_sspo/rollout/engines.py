@@ -43,7 +43,13 @@ class RolloutEngine(Protocol):
         ...
 
     def load_weight_buckets(self, buckets: Iterable[dict[str, torch.Tensor]]) -> None:
-        """Refit: HF-named weight buckets of the updated policy, consumed one at a time."""
+        """Refit: HF-named weight buckets of the updated policy.
+
+        ``buckets`` is a one-shot iterator (a generator that gathers or receives one bucket at a
+        time): iterate it once and to the end, since other ranks' collectives advance with it, and
+        copy each bucket into the engine without keeping it (a received bucket's tensors are views
+        of its whole receive buffer: kept buckets add up to a second copy of the model).
+        """
         ...
 
     def sleep(self) -> None:

@@ -493,6 +493,11 @@ class TrainConfig:
     is composed, so that the losses, rewards, rollout engines and prompt sources they register can be
     selected (``plugins=[my_lab.losses] loss=my_loss``); installed packages can instead declare an
     entry point in the group ``nemo_sspo.plugins`` (:mod:`nemo_sspo.trainer.plugins`)."""
+    entry_point_plugins: list[str] = field(default_factory=list)
+    """Recorded, not chosen: the entry points of the group ``nemo_sspo.plugins`` that
+    :func:`nemo_sspo.cli.load_config` imported, as ``"<name> = <module> (<distribution> <version>)"``,
+    so that the run's ``config.yaml`` names the installed plugins it ran with. A value given (e.g.
+    from an earlier run's ``config.yaml``) must equal what is installed now."""
 
 
 def resolve_loss_settings(cfg: TrainConfig) -> None:

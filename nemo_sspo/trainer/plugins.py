@@ -63,15 +63,24 @@ def load_plugins(names: Iterable[str]) -> None:
                              "give the path of the .py file") from err
 
 
-def load_entry_point_plugins() -> None:
+def load_entry_point_plugins() -> list[str]:
     """Import every module declared in the entry-point group :data:`ENTRY_POINT_GROUP`.
+
+    Returns:
+        One line per entry point, ``"<name> = <module> (<distribution> <version>)"``, in name order:
+        what :func:`nemo_sspo.cli.load_config` records as ``entry_point_plugins`` (the run's
+        ``config.yaml`` then says which installed plugins it ran with).
 
     Raises:
         ValueError: an entry point that fails to import (names it and its package).
     """
-    for point in entry_points(group=ENTRY_POINT_GROUP):
+    loaded = []
+    for point in sorted(entry_points(group=ENTRY_POINT_GROUP), key=lambda p: (p.name, p.value)):
+        dist = f"{point.dist.name} {point.dist.version}" if point.dist is not None else "no distribution"
         try:
             point.load()
         except ImportError as err:
-            raise ValueError(f"entry point {point.name!r} ({point.value}) of group {ENTRY_POINT_GROUP!r} "
-                             f"failed to import: {err}") from err
+            raise ValueError(f"entry point {point.name!r} ({point.value}, {dist}) of group "
+                             f"{ENTRY_POINT_GROUP!r} failed to import: {err}") from err
+        loaded.append(f"{point.name} = {point.value} ({dist})")
+    return loaded

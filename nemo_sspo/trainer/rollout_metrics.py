@@ -27,6 +27,8 @@ def rollout_metric_sums(rollout: Rollout, batch, *, samples_per_prompt: int,
 
     Returns:
         ``reward/mean``, ``reward/accuracy``, ``response/length_mean``, ``response/truncated_frac``,
+        ``reward/truncated_mean`` (mean task reward of the responses that hit the length cap; 0
+        when none did),
         ``rollout/sampling_rounds``, ``rollout/kept_group_frac``, ``reward/shaped_mean`` (with
         overlong shaping), ``reward/timeout_frac`` (share of the step's scored responses, every
         sampling round, whose scoring hit the reward's deadline and scored 0; with a reward that
@@ -42,6 +44,7 @@ def rollout_metric_sums(rollout: Rollout, batch, *, samples_per_prompt: int,
         "reward/accuracy": mean_pair(float((task >= 1.0).sum()), n),
         "response/length_mean": mean_pair(float(lengths.sum()), n),
         "response/truncated_frac": mean_pair(float(rb.truncated.float().sum()), n),
+        "reward/truncated_mean": mean_pair(float(task[rb.truncated].sum()), float(rb.truncated.sum())),
         # Each data-parallel rank reports the (common) round count once.
         "rollout/sampling_rounds": mean_pair(float(rollout.rounds), 1.0),
         "rollout/kept_group_frac": mean_pair(float(varied), float(rollout.generated_groups)),
@@ -58,9 +61,11 @@ def rollout_metric_sums(rollout: Rollout, batch, *, samples_per_prompt: int,
 
 
 class TruncationWatch:
-    """Says when most responses of a step hit the length cap: they rarely end in an answer, so they
-    score 0, their groups get advantage 0 and the step teaches nothing, silently (a GSM8K run at 64
-    new tokens truncates every response). Once per run; ``response/truncated_frac`` has every step.
+    """Says when most responses of a step hit the length cap, once per run
+    (``response/truncated_frac`` has every step). What it says of their scores is measured, not
+    assumed: a custom reward may score a response that was cut short. With the math reward they
+    usually score 0, and a group cut short throughout then has no reward variance and teaches
+    nothing, silently (a GSM8K run at 64 new tokens truncates every response).
 
     Args:
         max_new_tokens: ``rollout.max_new_tokens``.
@@ -72,11 +77,20 @@ class TruncationWatch:
         self.warned = False
 
     def check(self, step: int, metrics: dict[str, float]) -> str | None:
-        """The warning for ``step``'s metrics (``response/truncated_frac``), or None."""
+        """The warning for ``step``'s metrics (``response/truncated_frac``, and
+        ``reward/truncated_mean`` when present), or None.
+        """
         frac = metrics.get("response/truncated_frac")
         if self.warned or frac is None or frac <= self.threshold:
             return None
         self.warned = True
-        return (f"step {step}: {frac:.0%} of the responses reached rollout.max_new_tokens={self.max_new_tokens} "
-                "without a stop token; truncated responses rarely hold an answer, so they score 0 and teach "
-                "nothing: raise rollout.max_new_tokens (warned once; response/truncated_frac tracks it)")
+        head = (f"step {step}: {frac:.0%} of the responses reached rollout.max_new_tokens={self.max_new_tokens} "
+                "without a stop token")
+        tail = "raise rollout.max_new_tokens (warned once; response/truncated_frac tracks it)"
+        score = metrics.get("reward/truncated_mean")
+        if score is None:
+            return f"{head}; a response cut short is scored as it stands: {tail}"
+        if score == 0.0:
+            return (f"{head}, and every one of them scored 0 (a group cut short throughout has no reward "
+                    f"variance and teaches nothing): {tail}")
+        return f"{head} (their mean reward {score:.2f}, scored as cut): if answers need more room, {tail}"

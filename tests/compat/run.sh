@@ -15,7 +15,7 @@
 #   6. pytest, against the installed package (a copy of tests/ outside the checkout, so the
 #      checkout's nemo_sspo/ is not importable): the distributed invariance and mapping tests,
 #      the HF mapping unit tests, and an in-process 2-step loop whose updates change the weights.
-# Measured on a 2-core machine: see README.md ("Containers and Python 3.12").
+# Measured on a 2-core machine: see docs/recipes.md ("Containers and Python 3.12").
 set -euo pipefail
 REPO=$(cd "$(dirname "$0")/../.." && pwd)
 PY312=${PY312:-/root/.pyenv/versions/3.12.1/bin/python3.12}

@@ -8,7 +8,7 @@ processes, temporary files) and the jsonl/TensorBoard loggers. Every figure come
 (Linux): ``VmRSS`` of ``/proc/self/status``, the entries of ``/proc/self/fd``, and the processes
 whose parent chain reaches this one.
 
-Local command (the README's measured table holds its figures)::
+Local command (the measured table of docs/performance.md holds its figures)::
 
     OMP_NUM_THREADS=1 .venv/bin/python -m tests.integration._soak --steps 200 --out /tmp/soak
 """
@@ -97,7 +97,7 @@ def rss_slope_mib_per_step(samples: list[Sample]) -> float:
 
 
 def report(samples: list[Sample]) -> str:
-    """The figures the README's table quotes: values at the end of warm-up and at the last step."""
+    """The figures the table of docs/performance.md quotes: values at the end of warm-up and at the last step."""
     warm, last = samples[WARM_UP_STEPS - 1], samples[-1]
     after = samples[WARM_UP_STEPS - 1:]
     return (f"soak: {len(samples)} steps; after warm-up (step {warm.step}) -> step {last.step}: "

@@ -163,14 +163,27 @@ def test_guide_loss_is_selectable_and_has_its_documented_value(guide_files):
     cfg = load_config(overrides=[f"plugins=[{guide_files['my_loss.py']}]", "loss=reinforce",
                                  "loss.params.advantage_clip=0.5"])
     assert cfg.loss.name == "reinforce" and cfg.loss.params.advantage_clip == 0.5
-    # The guide's hand value: A = [2, -1] clipped to [0.5, -0.5]; log pi = [[-1, -3], [-2, pad]];
-    # token mean over 3 tokens: -(0.5 * -1 + 0.5 * -3 + -0.5 * -2) / 3 = -(-0.5 - 1.5 + 1) / 3 = 1/3.
+    # The guide's hand value: A = [2, -0.25] clipped to [0.5, -0.25]; log pi = [[-1, -3], [-2, pad]];
+    # per-token losses [[0.5, 1.5], [-0.5, pad]], token mean (0.5 + 1.5 - 0.5) / 3 = 0.5.
     logprobs = torch.tensor([[-1.0, -3.0], [-2.0, 0.0]])
     mask = torch.tensor([[True, True], [True, False]])
-    loss, metrics = compute_policy_loss("reinforce", LossInputs(logprobs, logprobs, torch.tensor([2.0, -1.0]),
-                                                                mask), advantage_clip=0.5)
-    assert loss.item() == pytest.approx(1 / 3)
+    advantages = torch.tensor([2.0, -0.25])
+    inputs = LossInputs(logprobs, logprobs, advantages, mask)
+    loss, metrics = compute_policy_loss("reinforce", inputs, advantage_clip=0.5)
+    assert loss.item() == pytest.approx(0.5)
+    assert metrics["policy/advantage_clipped_frac"] == pytest.approx(2 / 3)  # row 0's 2 of the 3 tokens
     assert metrics["policy/clipfrac_tokens"] == 0.0  # LossTerms' defaults: no clip flags to fill
+    # The inherited fields, as the guide works them out: k1 with log pi_ref = log pi - 1 is 1 per
+    # token, 0.5 + 0.1 = 0.6; an entropy of 0.5 per token, 0.5 - 0.2 * 0.5 = 0.4; response means
+    # (0.5 + 1.5) / 2 = 1.0 and -0.5, averaged: 0.25.
+    with_ref = LossInputs(logprobs, logprobs, advantages, mask, ref_logprobs=logprobs - 1.0)
+    loss, metrics = compute_policy_loss("reinforce", with_ref, advantage_clip=0.5, kl_coef=0.1, kl_estimator="k1")
+    assert loss.item() == pytest.approx(0.6) and metrics["policy/kl_ref"] == pytest.approx(1.0)
+    with_entropy = LossInputs(logprobs, logprobs, advantages, mask, entropy=torch.full((2, 2), 0.5))
+    assert compute_policy_loss("reinforce", with_entropy, advantage_clip=0.5, entropy_coef=0.2)[0].item() == \
+        pytest.approx(0.4)
+    assert compute_policy_loss("reinforce", inputs, advantage_clip=0.5,
+                               aggregation="seq-mean-token-mean")[0].item() == pytest.approx(0.25)
 
 
 def _module(path: Path):
@@ -191,7 +204,134 @@ def test_guide_reward_prompts_and_engine_have_their_documented_behaviour(guide_f
     for problem in prompts.CountdownSource(seed=0, start=7).sample(50):
         a, b = map(int, re.findall(r"\d+", problem.question))
         assert 1 <= b <= a <= 7 and problem.answer == str(a - b)
-    engine = _module(guide_files["my_engine.py"]).TimedEngine
-    assert all(hasattr(engine, name) for name in ("generate", "load_weight_buckets", "sleep", "wake_up",
-                                                  "hf_state_dict"))
-    assert RolloutEngine is not None
+    engine = _module(guide_files["my_engine.py"]).TimedEngine(_RecordingEngine())
+    assert isinstance(engine, RolloutEngine)
+    # Refit hands over a one-shot iterator (the guide): the engine passes it on, consumed once, to the end.
+    buckets = iter([{"a": torch.zeros(1)}, {"b": torch.ones(2)}])
+    engine.load_weight_buckets(buckets)
+    assert engine.inner.loaded == [["a"], ["b"]] and next(buckets, None) is None
+
+
+class _RecordingEngine:
+    """An inner engine that records the bucket names it was given, consuming the iterator as the
+    trainer's engines do."""
+
+    stop_token_ids = [0]
+
+    def __init__(self):
+        self.loaded = []
+
+    def load_weight_buckets(self, buckets):
+        for bucket in buckets:
+            self.loaded.append(sorted(bucket))
+
+
+def _commands(text: str) -> list[str]:
+    """Shell commands of the fenced ``bash`` blocks (and indented blocks), continuation lines joined,
+    comments dropped."""
+    blocks = re.findall(r"```bash\n(.*?)```", text, re.S)
+    blocks += ["\n".join(line[4:] for line in block.splitlines())
+               for block in re.findall(r"(?m)((?:^    \S.*\n)+)", _FENCE.sub("", text))]
+    commands = []
+    for block in blocks:
+        for command in block.replace("\\\n", " ").splitlines():
+            command = " ".join(command.split(" #", 1)[0].split())
+            if command and not command.startswith("#"):
+                commands.append(command)
+    return commands
+
+
+def _overrides(command: str) -> list[str] | None:
+    """The Hydra overrides of a ``nemo-sspo train|eval|plan`` command (options and their values
+    dropped, up to a ``&&`` or ``|``), or None for another command."""
+    words = command.replace("'", " ").replace('"', " ").split()
+    for i, word in enumerate(words[:-1]):
+        if word.endswith(("nemo-sspo", "nemo_sspo.cli")) and words[i + 1] in ("train", "eval", "plan"):
+            out, takes_value = [], False
+            for item in words[i + 2:]:
+                if item in ("&&", "|"):
+                    break
+                if takes_value or item.startswith("--"):
+                    takes_value = item in ("--config-name", "--config-dir")
+                    continue
+                out.append(item)
+            return out
+    return None
+
+
+def test_every_documented_command_names_existing_keys_files_and_configs():
+    problems = []
+    for path in DOCS:
+        for command in _commands(path.read_text()):
+            if path.name == "extending.md" and "plugins=" in command:
+                continue  # names what its plugins register: test_the_guide_commands_compose loads them
+            for script in re.findall(r"(?:^|\s)((?:benchmarks|examples|tools|tests)/[\w./-]+\.(?:py|sh|sbatch))",
+                                     command):
+                if not (ROOT / script).is_file():
+                    problems.append(f"{path.name}: `{command}`: no file {script}")
+            for name in re.findall(r"--config-name[= ](\S+)", command):
+                if not (DEFAULT_CONFIG_DIR / f"{name}.yaml").is_file():
+                    problems.append(f"{path.name}: `{command}`: no config {name}")
+            for item in _overrides(command) or []:
+                item = item.lstrip("+~")
+                if "=" in item and item.split("=")[0] != "plugins" and (why := _problem(item)):
+                    problems.append(f"{path.name}: `{command}`: {item}: {why}")
+    assert not problems, "\n".join(problems)
+
+
+def test_the_command_checker_finds_a_stale_override_and_a_missing_script():
+    assert _overrides("torchrun --nproc-per-node 2 -m nemo_sspo.cli train --config-name x parallel=pp2 "
+                      "trainer.max_steps=2") == ["parallel=pp2", "trainer.max_steps=2"]
+    assert _overrides("python benchmarks/train_step.py") is None
+    assert _problem("trainer.max_stepz=2") == "no such config key"
+    assert _commands("```bash\nnemo-sspo train \\\n    loss=grpo   # two lines\n```\n") == ["nemo-sspo train loss=grpo"]
+
+
+_LINK = re.compile(r"\]\(([^)\s]+)\)")
+
+
+def _anchors(path: Path) -> set[str]:
+    """A Markdown file's anchors: ``<a id="...">`` tags, and GitHub's heading anchors (lower case,
+    punctuation dropped, spaces as '-')."""
+    text = _FENCE.sub("", path.read_text())
+    headings = re.findall(r"(?m)^#+ (.+)$", text)
+    explicit = set(re.findall(r'<a id="([^"]+)"></a>', text))
+    return explicit | {re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-") for h in headings}
+
+
+def test_every_link_between_the_docs_resolves():
+    problems = []
+    for path in DOCS:
+        for target in _LINK.findall(_FENCE.sub("", path.read_text())):
+            if re.match(r"\w+://", target):
+                continue
+            file, _, anchor = target.partition("#")
+            dest = (path.parent / file).resolve() if file else path
+            if not dest.exists():
+                problems.append(f"{path.name}: ({target}): no such file")
+            elif anchor and dest.suffix == ".md" and anchor not in _anchors(dest):
+                problems.append(f"{path.name}: ({target}): no heading #{anchor} in {dest.name}")
+    assert not problems, "\n".join(problems)
+
+
+def test_the_readme_fits_on_a_screen_links_every_page_and_keeps_the_ci_command():
+    readme = (ROOT / "README.md").read_text()
+    assert len(readme.splitlines()) <= 200
+    linked = {(ROOT / target.partition("#")[0]).resolve() for target in _LINK.findall(readme)}
+    unlinked = [page.name for page in sorted((ROOT / "docs").glob("*.md")) if page.resolve() not in linked]
+    assert not unlinked, f"link {unlinked} from README.md"
+    command = ".venv/bin/python -m pytest -q tests"
+    assert f"bash install.sh && {command}" in readme
+    assert (ROOT / ".ci" / "run").read_text().splitlines()[-1] == f"bash install.sh && {command}"
+
+
+def test_the_guide_commands_compose(guide_files):
+    # Each `nemo-sspo train` command of docs/extending.md, with $PWD the folder holding the guide's files.
+    folder = next(iter(guide_files.values())).parent
+    commands = [c for c in _commands((ROOT / "docs" / "extending.md").read_text()) if _overrides(c) is not None]
+    assert len(commands) == 6
+    for command in commands:
+        overrides = [item.replace("$PWD", str(folder)) for item in _overrides(command.replace("{tolerance: 0.5}",
+                                                                                             "{tolerance:0.5}"))]
+        cfg = load_config(overrides=overrides)
+        assert cfg.plugins and all(Path(p).parent == folder for p in cfg.plugins), command

@@ -133,3 +133,66 @@ def test_loss_terms_defaults_for_an_objective_without_clip():
     for flag in (terms.clip_low, terms.clip_high, terms.clip_dual, terms.grad_zero):
         assert flag.dtype == torch.bool and not flag.any()
     assert isinstance(PolicyLossConfig(), PolicyLossConfig)
+
+
+def test_unknown_loss_names_plugins_as_the_way_to_add_one():
+    with pytest.raises(ValueError) as err:
+        load_config(overrides=["loss=no_such_loss"])
+    message = str(err.value)
+    assert "loss=no_such_loss is neither a registered policy loss nor a variant YAML" in message
+    assert "'grpo'" in message and "plugins=[my_loss.py] loss=no_such_loss" in message
+    with pytest.raises(ValueError, match=r"loss.name='no_such_loss' is not a registered policy loss; .*plugins=\["):
+        load_config(overrides=["loss.name=no_such_loss"])
+
+
+@dataclass
+class _MaskConfig(PolicyLossConfig):
+    """-A log pi per token (test loss)."""
+
+    aggregation: str = "token-mean"
+
+
+def _mask_loss(narrow: bool, extra: dict | None = None):
+    """-A log pi per token; returns a copy of the input mask, or one without its last column."""
+
+    def objective(inputs, segments):
+        mask = inputs.response_mask.clone()
+        if narrow:
+            mask[:, -1] = False
+        zero = torch.zeros((), dtype=inputs.logprobs.dtype)
+        loss = torch.where(mask, -inputs.advantages[:, None] * inputs.logprobs, zero)
+        log_ratio = torch.where(mask, (inputs.logprobs - inputs.old_logprobs).detach(), zero)
+        return LossTerms(loss, mask, segments, log_ratio, torch.exp(log_ratio), extra_metrics=extra or {})
+
+    return lambda config: objective
+
+
+@pytest.fixture
+def mask_losses():
+    """Registers ``mask_copy``, ``mask_narrow`` and ``mask_extra_clash``; removed afterwards."""
+    from nemo_sspo.metrics import mean_pair
+
+    records = [LossRecord("mask_copy", _MaskConfig, _mask_loss(False), unit="token"),
+               LossRecord("mask_narrow", _MaskConfig, _mask_loss(True), unit="token"),
+               LossRecord("mask_extra_clash", _MaskConfig,
+                          _mask_loss(False, {"policy/ratio": mean_pair(1.0, 1.0)}), unit="token")]
+    for record in records:
+        register_policy_loss(record)
+    yield
+    for record in records:
+        unregister_policy_loss(record.name)
+
+
+def test_the_denominator_counts_the_input_mask_and_a_narrower_one_is_refused(mask_losses):
+    logprobs = torch.tensor([[-1.0, -3.0], [-2.0, -4.0]])
+    mask = torch.tensor([[True, True], [True, False]])
+    inputs = LossInputs(logprobs, logprobs, torch.tensor([1.0, 1.0]), mask)
+    # An equal copy is accepted: token mean over the 3 valid tokens, -(-1 - 3 - 2) / 3 = 2.
+    loss, _ = compute_policy_loss("mask_copy", inputs)
+    assert loss.item() == pytest.approx(2.0)
+    # Dropping column 1 would give -(-1 - 2) / 2 = 1.5 if honoured, (1 + 2) / 3 = 1 if ignored: refused.
+    with pytest.raises(ValueError, match="loss 'mask_narrow': LossTerms.response_mask differs from "
+                                         "LossInputs.response_mask; .* set its per_token_loss to 0 and its grad_zero"):
+        compute_policy_loss("mask_narrow", inputs)
+    with pytest.raises(ValueError, match=r"extra_metrics keys \['policy/ratio'\] are shared metrics"):
+        compute_policy_loss("mask_extra_clash", inputs)

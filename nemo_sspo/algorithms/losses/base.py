@@ -28,7 +28,7 @@ from nemo_sspo.algorithms.losses.inputs import LossInputs
 from nemo_sspo.algorithms.losses.metrics import policy_metrics
 from nemo_sspo.algorithms.ratios import segment_mean
 from nemo_sspo.algorithms.segmentation import SEGMENTATIONS, mask_segment_ids
-from nemo_sspo.metrics import mean_pair
+from nemo_sspo.metrics import MetricPair, mean_pair
 
 
 def config_error(config, message: str) -> ValueError:
@@ -225,7 +225,8 @@ class LossTerms:
 
     Attributes:
         per_token_loss: value to minimise (differentiable), 0 at masked positions.
-        response_mask: bool, valid tokens.
+        response_mask: bool, valid tokens: ``LossInputs.response_mask`` itself (the denominator
+            of the aggregation counts that mask; another mask is refused when the loss is called).
         segments: int64 ids of the loss's ratio segments (-1 masked).
         log_ratio: detached token log-ratio d_t = log pi_theta - log pi_old (0 masked).
         ratio: detached ratio (or weight) the loss applies to each token.
@@ -238,7 +239,9 @@ class LossTerms:
         grad_zero: bool, the loss's clip/selection removed the token's gradient; None: never.
         b_low / b_high: clip bounds at each token, or None for losses without bounds.
         gate_weight: factor by which a soft gate scales the token's gradient, or None.
-        extra_metrics: loss-specific ``MetricPair`` s (:mod:`nemo_sspo.metrics`).
+        extra_metrics: loss-specific ``MetricPair`` s (:mod:`nemo_sspo.metrics`) by metric key,
+            logged beside the shared ones (summed over micro-batches and data-parallel ranks, then
+            reported as total / count); a key the shared metrics already use is refused.
     """
 
     per_token_loss: torch.Tensor
@@ -255,7 +258,7 @@ class LossTerms:
     b_low: torch.Tensor | None = None
     b_high: torch.Tensor | None = None
     gate_weight: torch.Tensor | None = None
-    extra_metrics: dict[str, torch.Tensor] = field(default_factory=dict)
+    extra_metrics: dict[str, MetricPair] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         """Fill the defaulted flags (all False) and the segment lengths (from ``segments``)."""

@@ -139,6 +139,9 @@ def policy_metrics(terms, old_entropy: torch.Tensor | None, *,
     Without ``old_entropy`` (``[B, T]`` or None) the entropy keys and bands are left out.
     ``cp``: context parallelism (module docstring); ``terms.segment_length`` must then be the
     CP-reduced one.
+
+    Raises:
+        ValueError: ``terms.extra_metrics`` reuses a key computed here.
     """
     mask = terms.response_mask
     weights = _Weights(mask, terms.segment_length, cp)
@@ -166,6 +169,10 @@ def policy_metrics(terms, old_entropy: torch.Tensor | None, *,
         metrics["policy/b_high"] = weights.mean(terms.b_high, "segments")
     if terms.gate_weight is not None:
         metrics["policy/gate_weight"] = weights.mean(terms.gate_weight, "tokens")
+    taken = sorted(set(terms.extra_metrics) & set(metrics))
+    if taken:
+        raise ValueError(f"LossTerms.extra_metrics keys {taken} are shared metrics of every loss; "
+                         "give the loss's own metrics other names (e.g. policy/<loss>_<what>)")
     metrics.update(terms.extra_metrics)
     return metrics
 

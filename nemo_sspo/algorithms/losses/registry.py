@@ -102,7 +102,9 @@ class BoundPolicyLoss:
 
         Raises:
             ValueError: an input this config needs is None (``segment_ids``, ``old_entropy``,
-                ``ref_logprobs``, ``entropy``: the message names it), or segment ids out of range.
+                ``ref_logprobs``, ``entropy``: the message names it), segment ids out of range,
+                or an objective whose ``LossTerms.response_mask`` differs from
+                ``LossInputs.response_mask`` (:func:`_check_terms_mask`).
         """
         check_optional_inputs(self.config, inputs)
         if self.requirements.old_entropy and inputs.old_entropy is None:
@@ -110,6 +112,7 @@ class BoundPolicyLoss:
                              "depend on the old policy's token entropy); pass it")
         segments = resolve_segments(self.requirements.segmentation, inputs)
         terms = self._objective(inputs, segments)
+        _check_terms_mask(self.name, terms, inputs)
         per_token, metrics = finish_policy_loss(terms, self.config, inputs)
         return LossOutput(per_token, metrics)
 
@@ -117,7 +120,29 @@ class BoundPolicyLoss:
         return f"BoundPolicyLoss({self.name!r}, {self.config!r})"
 
 
-_REGISTRY: Registry[LossRecord] = Registry("policy loss")
+def _check_terms_mask(name: str, terms: LossTerms, inputs: LossInputs) -> None:
+    """Refuses a ``LossTerms.response_mask`` other than the input's.
+
+    The aggregation's denominator (tokens or responses) counts ``LossInputs.response_mask``, and a
+    host (the trainer, verl, NeMo-RL) reduces with its own copy of that mask, so a narrower mask
+    returned by an objective could not change the denominator; only the metrics would read it.
+    The usual case, the input's own tensor, costs nothing; another tensor is compared (one sync).
+
+    Raises:
+        ValueError: naming the loss and how to leave a token out instead.
+    """
+    mask = inputs.response_mask
+    if terms.response_mask is mask or (terms.response_mask.shape == mask.shape
+                                       and torch.equal(terms.response_mask.bool(), mask.bool())):
+        return
+    raise ValueError(f"loss {name!r}: LossTerms.response_mask differs from LossInputs.response_mask; "
+                     "return the input's mask (the aggregation's denominator counts it). To leave a "
+                     "valid token out of the loss, set its per_token_loss to 0 and its grad_zero flag")
+
+
+_REGISTRY: Registry[LossRecord] = Registry(
+    "policy loss", hint=" (a module that registers one is loaded with the config key plugins, e.g. "
+                        "plugins=[my_loss.py] loss=my_loss; see docs/extending.md)")
 
 
 def register_policy_loss(record: LossRecord) -> LossRecord:
