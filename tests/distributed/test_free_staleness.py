@@ -17,19 +17,17 @@ The drop counts are also recomputed from the versions the training rank received
 wrapper around ``recv_rollout``, not by the trainer's own bookkeeping).
 """
 
-import datetime
 import json
 import time
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from nemo_sspo.cli import load_config
 from nemo_sspo.megatron import destroy_parallel
 from nemo_sspo.models import load_hf_checkpoint
-from nemo_sspo.parallel.placement import split_world
 from nemo_sspo.trainer import loop, placement
+from tests.distributed._split_world import fit_side, resplit
 from tests.integration._loop_runs import TINY, ParityReward, make_trainer
 
 RUN = [*TINY, "rollout.correction=token_tis", "optim.lr=0.05", "trainer.max_steps=3"]
@@ -55,24 +53,16 @@ def _recording_recv(received):
 def _free_run(split, tiny, out_dir, overrides):
     cfg = load_config(overrides=[*RUN, f"trainer.output_dir={out_dir}", "rollout.placement=separate",
                                  "rollout.num_ranks=1", "rollout.staleness_schedule=free", *overrides])
-    if split.is_rollout:
-        loop.run_rollout_rank(cfg, split, checkpoint=tiny, reward=ParityReward())
-        return None
     received = []
     placement.recv_rollout = _recording_recv(received)
-    trainer = loop.GRPOTrainer(cfg, loop.start_parallel(cfg.parallel, cfg.trainer.seed), checkpoint=tiny, split=split)
-    try:
-        return trainer.fit(), received, trainer.problems_drawn  # the data position a checkpoint would save
-    finally:
-        destroy_parallel()
+    # the data position a checkpoint would save is trainer.problems_drawn
+    return fit_side(cfg, split, tiny, ParityReward(),
+                    run=lambda trainer: (trainer.fit(), received, trainer.problems_drawn))
 
 
 def _child(rank, world_size, out_dir):
     tiny = load_hf_checkpoint("tiny-random-llama")
-    store = dist.distributed_c10d._get_default_store()
-    dist.destroy_process_group()
-    split = split_world(store, rank=rank, world_size=world_size, num_rollout_ranks=1,
-                        timeout=datetime.timedelta(seconds=60))
+    split = resplit(rank, world_size, 1, 60)
     loop.GRPOTrainer.update = _slow_update
     recv = placement.recv_rollout
     results = {}

@@ -16,7 +16,6 @@ rank) dies while generating step 2: replica 0, which takes its groups from it, m
 naming rank 2, with step 1's metrics kept.
 """
 
-import datetime
 import json
 import os
 import pickle
@@ -28,9 +27,9 @@ import torch.distributed as dist
 from nemo_sspo.cli import load_config
 from nemo_sspo.megatron import destroy_parallel, export_hf_state_dict
 from nemo_sspo.models import load_hf_checkpoint
-from nemo_sspo.parallel.placement import split_world
 from nemo_sspo.trainer import loop
 from nemo_sspo.trainer.placement import RolloutWorker
+from tests.distributed._split_world import dies_at_step, fit_side, resplit
 from tests.integration._loop_runs import TINY, ParityReward
 
 RUN = [*TINY, "rollout.correction=token_tis", "optim.lr=0.05"]
@@ -56,37 +55,31 @@ def _record_rollouts():
 
 
 def _fit(cfg, tiny, split=None):
-    trainer = loop.GRPOTrainer(cfg, loop.start_parallel(cfg.parallel, cfg.trainer.seed), checkpoint=tiny,
-                               reward=ParityReward(), split=split)
-    _SEEN.clear()
-    try:
+    def recorded(trainer):
+        _SEEN.clear()
         history = trainer.fit()
         policy = export_hf_state_dict(trainer.model.module, trainer.hf_config)
         return {"history": history, "policy": policy, "rollouts": list(_SEEN)}
-    finally:
-        destroy_parallel()
 
-
-def _dies_at_step_two(self, step, version, inner=RolloutWorker._generate_and_send):
-    if step == 2:
-        os._exit(17)
-    inner(self, step, version)
+    if split is None:  # colocated: this side's world is the training ranks
+        trainer = loop.GRPOTrainer(cfg, loop.start_parallel(cfg.parallel, cfg.trainer.seed), checkpoint=tiny,
+                                   reward=ParityReward())
+        try:
+            return recorded(trainer)
+        finally:
+            destroy_parallel()
+    return fit_side(cfg, split, tiny, ParityReward(), run=recorded)
 
 
 def _killed(rank, world_size, store, out_dir, tiny):
     """The DP2 layout, separate, with rollout rank 2 dying in step 2; training rank 0 writes its error."""
-    dist.destroy_process_group()
-    split = split_world(dist.PrefixStore("killed", store), rank=rank, world_size=world_size,
-                        num_rollout_ranks=ROLLOUT_RANKS, timeout=datetime.timedelta(seconds=60))
+    split = resplit(rank, world_size, ROLLOUT_RANKS, 60, prefix="killed", store=store)
     cfg = load_config(overrides=[*RUN, *LAYOUTS["dp2_dynamic"], f"trainer.output_dir={out_dir}/killed",
                                  "rollout.placement=separate", f"rollout.num_ranks={ROLLOUT_RANKS}"])
     if rank == 2:
-        RolloutWorker._generate_and_send = _dies_at_step_two
+        RolloutWorker._generate_and_send = dies_at_step(2)
     try:  # the survivors fail too (their peers are gone); only rank 2's exit is the run's failure
-        if split.is_rollout:
-            loop.run_rollout_rank(cfg, split, checkpoint=tiny, reward=ParityReward())
-        else:
-            _fit(cfg, tiny, split)
+        _fit(cfg, tiny, split)
         message = "no error"
     except RuntimeError as err:
         message = str(err)
@@ -110,14 +103,12 @@ def _layout(rank, world_size, store, out_dir, name, tiny):
             dist.destroy_process_group()
             os.environ["WORLD_SIZE"] = str(world_size)
     # The rollout ranks wait here while the training ranks run the colocated reference.
-    split = split_world(dist.PrefixStore(name, store), rank=rank, world_size=world_size,
-                        num_rollout_ranks=ROLLOUT_RANKS, timeout=datetime.timedelta(seconds=240))
+    split = resplit(rank, world_size, ROLLOUT_RANKS, 240, prefix=name, store=store)
     cfg = load_config(overrides=[*overrides, f"trainer.output_dir={out_dir}/{name}s", "rollout.placement=separate",
                                  f"rollout.num_ranks={ROLLOUT_RANKS}"])
-    if split.is_rollout:
-        loop.run_rollout_rank(cfg, split, checkpoint=tiny, reward=ParityReward())
-    else:
-        result["separate"] = _fit(cfg, tiny, split)
+    separate = _fit(cfg, tiny, split)
+    if separate is not None:
+        result["separate"] = separate
     return result
 
 

@@ -7,15 +7,13 @@ buckets bit for bit; then the stop notice. Then rank 0 exits while the rollout r
 notice: its poll fails with an error naming training rank 0.
 """
 
-import datetime
 import time
 
 import torch
-import torch.distributed as dist
 
-from nemo_sspo.parallel.placement import split_world
 from nemo_sspo.parallel.version_notice import STOP, Notice, NoticeListener, post_notice
 from nemo_sspo.parallel.weight_broadcast import receive_weight_buckets, start_weight_broadcast
+from tests.distributed._split_world import resplit
 
 HOLD_S = 1.0  # each side's pause, so the other's state at that moment is known
 
@@ -26,10 +24,7 @@ def _buckets():
 
 
 def _child(rank, world_size):
-    store = dist.distributed_c10d._get_default_store()
-    dist.destroy_process_group()
-    split = split_world(store, rank=rank, world_size=world_size, num_rollout_ranks=1,
-                        timeout=datetime.timedelta(seconds=10))
+    split = resplit(rank, world_size, 1, 10)
     if rank == 0:
         time.sleep(HOLD_S)  # the rollout rank polls meanwhile
         tensor, work = post_notice(Notice(3, 5), group=split.refit)

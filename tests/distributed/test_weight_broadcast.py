@@ -24,8 +24,8 @@ from nemo_sspo.megatron import (
     iter_hf_weight_buckets,
     load_hf_into_megatron,
 )
-from nemo_sspo.parallel.placement import split_world
 from nemo_sspo.parallel.weight_broadcast import receive_weight_buckets, send_weight_buckets
+from tests.distributed._split_world import resplit
 
 LAYOUTS = ((2, 1, False), (2, 1, True), (1, 2, False), (1, 2, True))  # (tp, pp, tied)
 TIMEOUT = datetime.timedelta(seconds=20)
@@ -79,9 +79,7 @@ _SPLIT = []
 
 
 def _split_and_broadcast(rank, world_size, out_dir):
-    store = dist.distributed_c10d._get_default_store()  # the launch's rendezvous, kept alive by this reference
-    dist.destroy_process_group()
-    split = split_world(store, rank=rank, world_size=world_size, num_rollout_ranks=1, timeout=TIMEOUT)
+    split = resplit(rank, world_size, 1, TIMEOUT.total_seconds())
     _SPLIT.append(split)
     assert split.is_rollout == (rank == 2) and split.num_training_ranks == 2
     assert dist.get_world_size() == (1 if rank == 2 else 2)  # each side's own default group
