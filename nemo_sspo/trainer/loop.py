@@ -40,11 +40,9 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, replace
 from pathlib import Path
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -122,27 +120,11 @@ from nemo_sspo.trainer.rollout_metrics import TruncationWatch, rollout_metric_su
 from nemo_sspo.trainer.run_config import composed_config, read_config, resume_changes, write_config
 from nemo_sspo.trainer.sampling import Rollout, RolloutSampler
 from nemo_sspo.trainer.throughput import ModelShape, peak_tflops, step_work_sums, throughput_metrics
-from nemo_sspo.trainer.staleness import (
-    LockStepRollouts,
-    VersionedRollout,
-    dropped_sums,
-    rollout_idle_s,
-    version_lag_sums,
-)
+from nemo_sspo.trainer.sources import ColocatedSource, FreeRunningSource, LockStepSource, RolloutSource
+from nemo_sspo.trainer.staleness import VersionedRollout
 from nemo_sspo.trainer.timeline import Timeline
 from nemo_sspo.parallel.placement import WorldSplit
-from nemo_sspo.parallel.weight_broadcast import send_weight_buckets
-from nemo_sspo.trainer.placement import (
-    FreeRefit,
-    RolloutWorker,
-    drain_rollouts,
-    merge_rollouts,
-    receive_fresh_rollout,
-    recv_rollout,
-    rollout_replica,
-    send_start,
-    slot_routes,
-)
+from nemo_sspo.trainer.placement import RolloutWorker, rollout_replica
 
 __all__ = ["GRPOTrainer", "Rollout", "build_rollout", "run_rollout_rank", "start_parallel"]
 
@@ -362,22 +344,14 @@ class GRPOTrainer:
         """Per-prompt reward stats of DCPO's smooth standardisation (the same on every rank)."""
         self.engine_step = 0  # the step whose update the rollout engine holds (saved if a step fails)
         self.interrupted_dir: Path | None = None  # set when fit stops early (hf_checkpoint_interrupted)
-        # async (issue 21): rollouts generated k steps ahead, and the data position of the trained one.
-        self.in_flight = LockStepRollouts(cfg.rollout.max_staleness, cfg.trainer.max_steps)
-        self.problems_drawn = 0
+        self.source = self._rollout_source()
+        self.problems_drawn = 0  # the data position of the trained rollout (later ones may be in flight)
         self.timeline = Timeline()
-        # free-running (rollout.staleness_schedule=free): training rank 0 posts refits without waiting
-        self.free_refit = None
-        if cfg.rollout.staleness_schedule == "free" and dist.get_rank() == 0:
-            self.free_refit = FreeRefit(split.refit, [split.num_training_ranks])
-        self.dropped_total = 0
-        self._generation_end: float | None = None  # of the last rollout received (rollout idle time)
         self.resume_changes: dict[str, tuple] = {}  # allowed config changes of a resume (run_config.resume_changes)
         if resume_path is not None:
             self._resume(resume_path)
-        elif split is not None:
-            self._announce_start(0, 0)
-        self.rollouts_received = self.completed_steps  # free-running rollouts are numbered from here
+        else:
+            self.source.start(0, 0)
         self.logger = MetricsLogger(cfg.trainer.output_dir, cfg.trainer.max_steps, enabled=dist.get_rank() == 0,
                                     resume_step=self.completed_steps if resume_path is not None else None,
                                     trainer=cfg.trainer, params=asdict(cfg))
@@ -573,53 +547,31 @@ class GRPOTrainer:
             sums = merge_metric_sums(sums, mb_sums)
         return sums, sum(norms) / len(norms)
 
-    def refit(self) -> float | None:
-        """Streams the updated Megatron weights into the rollout engine, bucket by bucket
-        (``rollout.refit_bucket_mb``), gathered only on the generating rank (collective over TP/PP).
+    def _rollout_source(self) -> RolloutSource:
+        """This run's rollout source (:mod:`nemo_sspo.trainer.sources`), from ``rollout.placement`` and
+        ``rollout.staleness_schedule``.
+        """
+        ro, g = self.cfg.rollout, self.groups
+        export = lambda: iter_hf_weight_buckets(self.model.module, self.hf_config,  # noqa: E731
+                                                ro.refit_bucket_mb << 20, dst_rank=g.mp_src_rank)
+        if self.split is None:
+            return ColocatedSource(self._versioned_rollout, export, self.engine, max_staleness=ro.max_staleness,
+                                   last_step=self.cfg.trainer.max_steps)
+        if ro.staleness_schedule == "free":
+            return FreeRunningSource(g, self.split, export, max_staleness=ro.max_staleness,
+                                     last_step=self.cfg.trainer.max_steps)
+        return LockStepSource(g, self.split, export, max_staleness=ro.max_staleness,
+                              prompts_per_step=ro.prompts_per_step, pad_id=self.tokenizer.pad_token_id)
 
-        With ``placement: separate`` the first replica's export rank broadcasts them to every rollout
-        rank at once (the other replicas hold the same weights and send nothing).
+    def refit(self) -> float | None:
+        """Loads the current Megatron weights into the rollout side now (bucket by bucket,
+        ``rollout.refit_bucket_mb``; collective over the training ranks).
 
         Returns:
-            With ``placement: separate``: seconds per GB of the broadcast, export included (the same
-            on every training rank); None colocated.
+            With ``placement: separate``: seconds per GB of the broadcast to the rollout ranks, export
+            included (the same on every training rank); None colocated.
         """
-        if self.split is not None:
-            return self._broadcast_refit()
-        buckets = iter_hf_weight_buckets(self.model.module, self.hf_config, self.cfg.rollout.refit_bucket_mb << 20,
-                                         dst_rank=self.groups.mp_src_rank)
-        if self.is_generator:
-            self.engine.load_weight_buckets(buckets)
-        else:
-            for _ in buckets:  # yields nothing here; runs this rank's gathers and sends
-                pass
-        return None
-
-    def _broadcast_refit(self) -> float:
-        """The refit of ``placement: separate`` (:meth:`refit`); returns its seconds per GB."""
-        seconds_per_gb = torch.zeros(1, dtype=torch.float64)
-        receivers = list(range(self.split.num_training_ranks, self.split.world_size))
-        stats = self._export_to_rollout_ranks(
-            lambda buckets: send_weight_buckets(buckets, group=self.split.refit, receivers=receivers))
-        if stats is not None:
-            seconds_per_gb[0] = stats.seconds_per_gb
-        on_device = seconds_per_gb.to(collective_device(None))
-        dist.broadcast(on_device, src=0)
-        return float(on_device.item())
-
-    def _export_to_rollout_ranks(self, send: Callable[[Iterator], Any]) -> Any:
-        """The first replica exports the weights for the rollout ranks (collective over its TP/PP group):
-        its export rank (training rank 0) returns ``send(buckets)``; every other rank returns None.
-        """
-        if self.groups.dp_rank != 0:
-            return None
-        buckets = iter_hf_weight_buckets(self.model.module, self.hf_config, self.cfg.rollout.refit_bucket_mb << 20,
-                                         dst_rank=self.groups.mp_src_rank)
-        if dist.get_rank() == self.groups.mp_src_rank:
-            return send(buckets)
-        for _ in buckets:  # this rank's share of the gathers
-            pass
-        return None
+        return self.source.push_weights()
 
     def _versioned_rollout(self, step: int, version: int) -> VersionedRollout:
         """Step ``step``'s rollout from the engine's current weights, ``version`` updates in."""
@@ -627,31 +579,6 @@ class GRPOTrainer:
         rollout = self.generate_and_score(step)
         drawn = self.sampler.problems_drawn if self.sampler is not None else 0
         return VersionedRollout(rollout, version=version, problems_drawn=drawn, generated=(start, time.time()))
-
-    def _received_rollout(self, step: int) -> tuple[VersionedRollout, list[tuple[int, tuple[float, float]]]]:
-        """``placement: separate``: step ``step``'s rollout, shared across the replica, and the version and
-        generation window of each rollout dropped before it (free-running ``drop``; none otherwise).
-
-        Lock-step: the parts from the rollout ranks generating this replica's slots
-        (:func:`nemo_sspo.trainer.placement.slot_routes`), stacked in slot order. Free-running: the next
-        fresh rollout from the one rollout rank.
-        """
-        g, ro, split = self.groups, self.cfg.rollout, self.split
-        box = [None, []]
-        if g.mp_rank == 0:
-            if ro.staleness_schedule == "free":
-                versioned, dropped = receive_fresh_rollout(step, self.rollouts_received, ro.max_staleness,
-                                                           src=split.num_training_ranks, group=split.bridge)
-                box = [versioned, [(d.version, d.generated) for d in dropped]]
-            else:
-                routes = slot_routes(ro.prompts_per_step, g.dp_size, split.num_rollout_ranks)
-                parts = [recv_rollout(src=split.num_training_ranks + route.source, group=split.bridge, tag=step)
-                         for route in routes if route.replica == g.dp_rank]
-                box[0] = merge_rollouts(parts, pad_id=self.tokenizer.pad_token_id)
-        if g.mp_size > 1:
-            dist.broadcast_object_list(box, src=g.mp_src_rank, group=g.mp_group)
-        self.rollouts_received += 1 + len(box[1])
-        return box[0], box[1]
 
     def _rollout_side_window(self, versioned: VersionedRollout) -> VersionedRollout:
         """``versioned`` with the generation window of the whole step over every generating rank (earliest
@@ -666,44 +593,16 @@ class GRPOTrainer:
         start, end = on_device.cpu().tolist()
         return replace(versioned, generated=(-start, end))
 
-    def _free_refit(self, step: int) -> float:
-        """Free-running refit after step ``step`` (:mod:`nemo_sspo.trainer.placement`): training rank 0
-        posts version ``step`` and its weights without waiting for the rollout rank; after the last
-        step it posts the stop instead and every receiving rank drains the rollouts not taken.
-
-        Returns:
-            Seconds this rank waited for the rollout rank (training rank 0: to take the previous
-            version; receiving ranks after the last step: to drain); 0 otherwise.
-        """
-        g, waited = self.groups, 0.0
-        if step == self.cfg.trainer.max_steps:
-            if self.free_refit is not None:
-                waited += self.free_refit.stop(self.rollouts_received)
-            if g.mp_rank == 0:
-                start = time.perf_counter()
-                drain_rollouts(self.rollouts_received, src=self.split.num_training_ranks, group=self.split.bridge)
-                waited += time.perf_counter() - start
-            return waited
-        posted = self._export_to_rollout_ranks(lambda buckets: self.free_refit.post(step, self.rollouts_received,
-                                                                                    buckets))
-        return waited if posted is None else posted
-
     def train_step(self, step: int) -> dict[str, float]:
         """One step (module docstring); returns its metrics, the same on every rank."""
         timer = _Timer()
         step_start = time.perf_counter()
         if torch.cuda.is_available():
             torch.cuda.reset_peak_memory_stats()
-        dropped = []
         with timer.time("generation"):
-            if self.split is not None:
-                versioned, dropped = self._received_rollout(step)
-            else:  # the engine holds the weights after step - 1's update (refit at the end of every step)
-                versioned = self.in_flight.take(step, lambda ahead: self._versioned_rollout(ahead, version=step - 1))
-            versioned = self._rollout_side_window(versioned)
+            got = self.source.next_rollout(step)
+            versioned = self._rollout_side_window(got.versioned)
             rollout, self.problems_drawn = versioned.rollout, versioned.problems_drawn
-            if self.engine is not None:
-                self.engine.sleep()  # e.g. rollout.vllm.enable_sleep_mode on GPU: memory freed until the refit
         with timer.time("train"):
             batch, batch_sums = self.prepare_batch(rollout)
             batch_sums.update(self.routing_sums(batch, step))
@@ -713,25 +612,16 @@ class GRPOTrainer:
             with timer.time("critic"):
                 critic_sums, extra["critic/grad_norm"] = self.critic.update(self._critic_batch(rollout))
             sums.update(critic_sums)
-        free = self.cfg.rollout.staleness_schedule == "free"
-        refit_wait_s = 0.0
         with timer.time("refit"):
-            if free:  # no seconds per GB: the broadcast completes whenever the rollout rank joins
-                seconds_per_gb, refit_wait_s = None, self._free_refit(step)
-            else:
-                seconds_per_gb = self.refit()
+            refit = self.source.after_update(step)
         self.engine_step = step
-        if seconds_per_gb is not None:
-            extra["timing/refit_s_per_gb"] = seconds_per_gb
-        if free:
-            self.dropped_total += len(dropped)
-            extra["rollout/dropped_total"] = float(self.dropped_total)
+        if refit.seconds_per_gb is not None:
+            extra["timing/refit_s_per_gb"] = refit.seconds_per_gb
+        source_sums, source_values = self.source.step_metrics(step, replace(got, versioned=versioned),
+                                                              timer.seconds["timing/generation_s"], refit)
         if self.groups.is_last_stage:
             sums.update(batch_sums)
-            if self.cfg.rollout.max_staleness > 0 or free:
-                sums.update(version_lag_sums(versioned, step))
-            if free:
-                sums.update(dropped_sums(len(dropped)))
+            sums.update(source_sums)
             sums.update(rollout_metric_sums(rollout, batch, samples_per_prompt=self.cfg.rollout.samples_per_prompt,
                                             shaped_rewards=self.cfg.reward.overlong_buffer_len > 0))
             rb = rollout.batch  # old log-probs (1), reference log-probs (1), update forward + backward (3)
@@ -746,45 +636,28 @@ class GRPOTrainer:
         metrics.update(timer.seconds)
         metrics["timing/step_s"] = time.perf_counter() - step_start
         metrics["timing/rollout_generation_s"] = versioned.generated[1] - versioned.generated[0]
-        rollout_gpus = None if self.split is None else self.split.num_rollout_ranks
         metrics.update(throughput_metrics(metrics, dp_size=self.groups.dp_size, training_gpus=dist.get_world_size(),
-                                          rollout_gpus=rollout_gpus, peak=self.peak_tflops))
+                                          rollout_gpus=self.source.rollout_gpus, peak=self.peak_tflops))
         if torch.cuda.is_available():
             metrics["memory/peak_allocated_gib"] = torch.cuda.max_memory_allocated() / 2**30
-        if self.split is not None:
-            metrics.update(self._side_metrics(timer, versioned, dropped, refit_wait_s))
-        self._record_timeline(step, timer, versioned, dropped)
+        metrics.update(source_values)
+        self._record_timeline(step, timer, versioned, got.dropped)
         return metrics
-
-    def _side_metrics(self, timer: _Timer, versioned: VersionedRollout, dropped: list[tuple[int, tuple[float, float]]],
-                      refit_wait_s: float) -> dict[str, float]:
-        """``placement: separate``: each side's idle seconds in this step.
-
-        ``timing/train_idle_s``: this rank's wait for the step's rollout(s) plus, free-running, the
-        refit's wait for the rollout rank. ``timing/rollout_idle_s``: the rollout rank's time between
-        the rollouts this step received (waiting for the trainer, taking weights;
-        :func:`nemo_sspo.trainer.staleness.rollout_idle_s`).
-        """
-        windows = [window for _, window in dropped] + [versioned.generated]
-        out = {"timing/train_idle_s": timer.seconds["timing/generation_s"] + refit_wait_s,
-               "timing/rollout_idle_s": rollout_idle_s(windows, self._generation_end)}
-        self._generation_end = versioned.generated[1]
-        return out
 
     def _record_timeline(self, step: int, timer: _Timer, versioned: VersionedRollout,
                          dropped: list[tuple[int, tuple[float, float]]]) -> None:
         """This step's phases and its rollout's generation window (:mod:`nemo_sspo.trainer.timeline`);
         rollouts dropped for staleness as ``dropped`` windows on the rollout lane.
         """
-        rollout_lane = "rollout rank" if self.split is not None else "training ranks"
+        lane = self.source.lane
         for _, window in dropped:
-            self.timeline.add(rollout_lane, "dropped", step, *window)
-        self.timeline.add(rollout_lane, "generation", step, *versioned.generated)
+            self.timeline.add(lane, "dropped", step, *window)
+        self.timeline.add(lane, "generation", step, *versioned.generated)
         for phase, window in timer.windows.items():
             if phase == "generation":
-                if self.split is None:  # colocated: the rollouts' own windows above show this rank generating
+                if self.source.wait_phase is None:  # the rollouts' own windows above show this rank generating
                     continue
-                phase = "wait"  # separate: waiting for the rollout rank
+                phase = self.source.wait_phase  # waiting for the rollout ranks
             self.timeline.add("training ranks", phase, step, *window)
 
     # ---- evaluation and checkpoints ----------------------------------------------------------------
@@ -848,9 +721,7 @@ class GRPOTrainer:
                                "loss.params.smooth_advantages): every prompt restarts at its first visit", path)
             self.advantage_history = {key: PromptRewardStats(int(visits), float(mean), float(std))
                                       for key, (visits, mean, std) in (state.advantage_history or {}).items()}
-        if self.split is not None:
-            self._announce_start(state.step, state.problems_drawn)
-        self.refit()
+        self.source.start(state.step, state.problems_drawn)  # the rollout side takes the restored weights
         self.engine_step = state.step
         if dist.get_rank() == 0:
             logger.warning("resumed from %s after step %d", path, state.step)
@@ -858,20 +729,6 @@ class GRPOTrainer:
                 logger.warning("rollout.max_staleness=%d: generation restarts from the resumed weights, so steps "
                                "%d.. train on fresher rollouts than an uninterrupted run (lag 0 at step %d)",
                                self.cfg.rollout.max_staleness, state.step + 1, state.step + 1)
-
-    def _announce_start(self, completed_steps: int, problems_drawn: int) -> None:
-        """``placement: separate``: tells every rollout rank where the run starts (the steps done, the data
-        position and each replica's receiving rank; a resumed run's weights follow with the refit).
-        Collective over the training ranks.
-        """
-        g = self.groups
-        mine = torch.tensor([g.dp_rank if g.mp_rank == 0 else -1, dist.get_rank()], device=collective_device(None))
-        gathered = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
-        dist.all_gather(gathered, mine)
-        replicas = [rank for dp, rank in sorted(t.tolist() for t in gathered) if dp >= 0]  # in data-parallel order
-        if dist.get_rank() == 0:
-            for dst in range(self.split.num_training_ranks, self.split.world_size):
-                send_start(completed_steps, problems_drawn, replicas, dst=dst, group=self.split.bridge)
 
     def _save_hf(self, name: str, extra: dict | None = None) -> None:
         """The current policy as a Hugging Face folder ``output_dir/name`` (collective export, rank 0 writes)."""

@@ -1,0 +1,75 @@
+"""``rollout.placement: colocated``: the training ranks generate with their own engines.
+
+With ``rollout.max_staleness = k`` up to k + 1 steps' rollouts are in flight
+(:class:`~nemo_sspo.trainer.staleness.LockStepRollouts`): step t trains on the rollout generated
+with the weights of step t - 1 - k. After every update the weights stream into the engine bucket by
+bucket, gathered on the replica's generating rank (its other model-parallel ranks run their share of
+the gathers and load nothing).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+from nemo_sspo.metrics import MetricPair
+from nemo_sspo.trainer.sources.protocol import RefitOutcome, StepRollout
+from nemo_sspo.trainer.staleness import LockStepRollouts, VersionedRollout, version_lag_sums
+
+__all__ = ["ColocatedSource"]
+
+
+class ColocatedSource:
+    """The colocated mode (module docstring; :class:`~nemo_sspo.trainer.sources.RolloutSource`).
+
+    Args:
+        generate: ``(step, version) -> VersionedRollout``: step ``step``'s prompts generated and scored
+            with the engine's current weights, ``version`` updates in (collective over the replica).
+        export: ``() -> iterator of weight buckets`` of the current policy, yielding on the generating
+            rank only (collective over the replica's model-parallel ranks).
+        engine: this rank's rollout engine, or None on ranks that do not generate.
+        max_staleness: k >= 0 (``rollout.max_staleness``).
+        last_step: ``trainer.max_steps`` (nothing is generated beyond it).
+    """
+
+    rollout_gpus = None
+    lane = "training ranks"
+    wait_phase = None
+
+    def __init__(self, generate: Callable[[int, int], VersionedRollout], export: Callable[[], Iterator[dict]],
+                 engine, *, max_staleness: int, last_step: int) -> None:  # noqa: D107 - documented on the class
+        self.generate, self.export, self.engine = generate, export, engine
+        self.max_staleness = max_staleness
+        self.in_flight = LockStepRollouts(max_staleness, last_step)
+
+    def start(self, completed_steps: int, problems_drawn: int) -> None:
+        """A resumed run's engine takes the restored weights (a fresh one holds the initial weights)."""
+        if completed_steps > 0:
+            self.push_weights()
+
+    def next_rollout(self, step: int) -> StepRollout:
+        """The rollout of step ``step`` (generated now, or k steps ago); the engine then sleeps
+        (e.g. ``rollout.vllm.enable_sleep_mode``: its memory freed until the refit).
+        """
+        versioned = self.in_flight.take(step, lambda ahead: self.generate(ahead, step - 1))
+        if self.engine is not None:
+            self.engine.sleep()
+        return StepRollout(versioned)
+
+    def push_weights(self) -> None:
+        """Streams the current weights into the engine (collective over the replica)."""
+        buckets = self.export()
+        if self.engine is not None:
+            self.engine.load_weight_buckets(buckets)
+        else:
+            for _ in buckets:  # yields nothing here; runs this rank's gathers and sends
+                pass
+        return None
+
+    def after_update(self, step: int) -> RefitOutcome:
+        """The refit: the engine holds the weights after step ``step`` from here on."""
+        return RefitOutcome(self.push_weights())
+
+    def step_metrics(self, step: int, got: StepRollout, generation_wait_s: float,
+                     refit: RefitOutcome) -> tuple[dict[str, MetricPair], dict[str, float]]:
+        """The version lag under lock-step staleness (k > 0); nothing else."""
+        return (version_lag_sums(got.versioned, step) if self.max_staleness > 0 else {}), {}

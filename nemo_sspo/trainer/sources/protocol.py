@@ -1,0 +1,81 @@
+"""The rollout-source protocol and what its calls return (package docstring)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from nemo_sspo.metrics import MetricPair
+from nemo_sspo.trainer.staleness import VersionedRollout
+
+__all__ = ["RefitOutcome", "RolloutSource", "StepRollout"]
+
+
+@dataclass(frozen=True)
+class StepRollout:
+    """The rollout a step trains on.
+
+    Attributes:
+        versioned: the rollout with its policy version, data position and generation window.
+        dropped: ``(version, (start, end))`` of each rollout dropped as too stale before it (only a
+            free-running source drops).
+    """
+
+    versioned: VersionedRollout
+    dropped: list[tuple[int, tuple[float, float]]] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class RefitOutcome:
+    """What handing the updated weights to the rollout side cost.
+
+    Attributes:
+        seconds_per_gb: the broadcast's rate, export included (lock-step separate); None where it is
+            not measured (colocated: the engine loads in place; free-running: the broadcast completes
+            whenever the rollout rank joins).
+        wait_s: seconds this rank waited for the rollout side (free-running: for the rollout rank to
+            take the previous version, or to drain after the last step); 0 otherwise.
+    """
+
+    seconds_per_gb: float | None = None
+    wait_s: float = 0.0
+
+
+class RolloutSource(Protocol):
+    """Where the trainer's rollouts come from (package docstring). Every method is collective over
+    the training ranks.
+
+    Attributes:
+        rollout_gpus: GPUs of the rollout ranks, or None when the training GPUs generate.
+        lane: the timeline lane of its generation windows.
+        wait_phase: the timeline name of the trainer's wait for a rollout, or None when the trainer
+            generates (its rollouts' own windows show it).
+    """
+
+    rollout_gpus: int | None
+    lane: str
+    wait_phase: str | None
+
+    def start(self, completed_steps: int, problems_drawn: int) -> None:
+        """Begins a run after ``completed_steps`` (0: fresh; else resumed, the restored weights are the
+        rollout side's first) at data position ``problems_drawn``.
+        """
+
+    def next_rollout(self, step: int) -> StepRollout:
+        """The rollout step ``step`` trains on, shared across the replica's model-parallel ranks."""
+
+    def after_update(self, step: int) -> RefitOutcome:
+        """Hands the weights after step ``step``'s update to the rollout side (after the last step:
+        ends the rollout side's run).
+        """
+
+    def push_weights(self) -> float | None:
+        """Loads the trainer's current weights into the rollout side now, waiting until it has them;
+        returns the seconds per GB where measured.
+        """
+
+    def step_metrics(self, step: int, got: StepRollout, generation_wait_s: float,
+                     refit: RefitOutcome) -> tuple[dict[str, MetricPair], dict[str, float]]:
+        """This mode's metrics of the step: pairs reduced over the data-parallel ranks (version lag,
+        drops) and plain values the same on every rank (idle times, totals).
+        """

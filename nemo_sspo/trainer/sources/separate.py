@@ -1,0 +1,148 @@
+"""``rollout.placement: separate``: rollouts from the rollout ranks, weights broadcast to them.
+
+What both separate modes share (:class:`SeparateSource`): the start announcement (where the run
+starts and each replica's receiving rank), the weight broadcast from the first replica's export rank
+(training rank 0) to every rollout rank, the replica-wide share of a received rollout, and each
+side's idle time. :class:`LockStepSource` is the lock-step mode: step t's prompt groups come from the
+rollout ranks that generate this replica's slots (:func:`~nemo_sspo.trainer.placement.slot_routes`),
+stacked in slot order, and after every update the rollout ranks wait for the broadcast.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from nemo_sspo.metrics import MetricPair
+from nemo_sspo.parallel.metrics import collective_device
+from nemo_sspo.parallel.placement import WorldSplit
+from nemo_sspo.parallel.weight_broadcast import send_weight_buckets
+from nemo_sspo.trainer.placement import merge_rollouts, recv_rollout, send_start, slot_routes
+from nemo_sspo.trainer.sources.protocol import RefitOutcome, StepRollout
+from nemo_sspo.trainer.staleness import rollout_idle_s, version_lag_sums
+
+__all__ = ["LockStepSource", "SeparateSource"]
+
+
+class SeparateSource:
+    """The parts both separate modes share (module docstring).
+
+    Args:
+        groups: this training rank's parallel groups (``nemo_sspo.megatron.ParallelGroups``).
+        split: its place in the split world.
+        export: ``() -> iterator of weight buckets`` of the current policy, yielding on the replica's
+            export rank only (collective over the replica's model-parallel ranks).
+        max_staleness: k >= 0 (``rollout.max_staleness``).
+    """
+
+    lane = "rollout rank"
+    wait_phase = "wait"
+
+    def __init__(self, groups, split: WorldSplit, export: Callable[[], Iterator[dict]], *,
+                 max_staleness: int) -> None:  # noqa: D107 - documented on the class
+        self.groups, self.split, self.export, self.max_staleness = groups, split, export, max_staleness
+        self.rollout_gpus = split.num_rollout_ranks
+        self._generation_end: float | None = None  # of the last rollout received (rollout idle time)
+
+    @property
+    def rollout_ranks(self) -> list[int]:
+        """World ranks of the rollout ranks."""
+        return list(range(self.split.num_training_ranks, self.split.world_size))
+
+    def start(self, completed_steps: int, problems_drawn: int) -> None:
+        """Tells every rollout rank where the run starts (the steps done, the data position and each
+        replica's receiving rank); a resumed run's weights follow with a broadcast.
+        """
+        g = self.groups
+        mine = torch.tensor([g.dp_rank if g.mp_rank == 0 else -1, dist.get_rank()], device=collective_device(None))
+        gathered = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
+        dist.all_gather(gathered, mine)
+        replicas = [rank for dp, rank in sorted(t.tolist() for t in gathered) if dp >= 0]  # in data-parallel order
+        if dist.get_rank() == 0:
+            for dst in self.rollout_ranks:
+                send_start(completed_steps, problems_drawn, replicas, dst=dst, group=self.split.bridge)
+        if completed_steps > 0:
+            self.push_weights()
+
+    def export_to_rollout_ranks(self, send: Callable[[Iterator], Any]) -> Any:
+        """The first replica exports the weights (collective over its model-parallel group): its
+        export rank (training rank 0) returns ``send(buckets)``; every other rank returns None.
+        """
+        if self.groups.dp_rank != 0:
+            return None
+        buckets = self.export()
+        if dist.get_rank() == self.groups.mp_src_rank:
+            return send(buckets)
+        for _ in buckets:  # this rank's share of the gathers
+            pass
+        return None
+
+    def push_weights(self) -> float:
+        """Broadcasts the current weights to every rollout rank; returns the broadcast's seconds per
+        GB, export included (the same on every training rank).
+        """
+        seconds_per_gb = torch.zeros(1, dtype=torch.float64)
+        stats = self.export_to_rollout_ranks(
+            lambda buckets: send_weight_buckets(buckets, group=self.split.refit, receivers=self.rollout_ranks))
+        if stats is not None:
+            seconds_per_gb[0] = stats.seconds_per_gb
+        on_device = seconds_per_gb.to(collective_device(None))
+        dist.broadcast(on_device, src=0)
+        return float(on_device.item())
+
+    def share(self, box: list) -> list:
+        """``box`` as the replica's first model-parallel rank filled it, on every rank of the replica."""
+        if self.groups.mp_size > 1:
+            dist.broadcast_object_list(box, src=self.groups.mp_src_rank, group=self.groups.mp_group)
+        return box
+
+    def idle_seconds(self, got: StepRollout, generation_wait_s: float, refit: RefitOutcome) -> dict[str, float]:
+        """``timing/train_idle_s``: this rank's wait for the step's rollout(s) plus the refit's wait for
+        the rollout side. ``timing/rollout_idle_s``: the rollout side's time between the rollouts this
+        step received (waiting for the trainer, taking weights;
+        :func:`~nemo_sspo.trainer.staleness.rollout_idle_s`).
+        """
+        windows = [window for _, window in got.dropped] + [got.versioned.generated]
+        out = {"timing/train_idle_s": generation_wait_s + refit.wait_s,
+               "timing/rollout_idle_s": rollout_idle_s(windows, self._generation_end)}
+        self._generation_end = got.versioned.generated[1]
+        return out
+
+
+class LockStepSource(SeparateSource):
+    """The lock-step separate mode (module docstring;
+    :class:`~nemo_sspo.trainer.sources.RolloutSource`).
+
+    Args:
+        prompts_per_step: ``rollout.prompts_per_step`` (the slots the rollout ranks split).
+        pad_id: the tokenizer's pad id (the parts are padded to one width when stacked).
+        Others: as :class:`SeparateSource`.
+    """
+
+    def __init__(self, groups, split: WorldSplit, export: Callable[[], Iterator[dict]], *, max_staleness: int,
+                 prompts_per_step: int, pad_id: int) -> None:  # noqa: D107 - documented on the class
+        super().__init__(groups, split, export, max_staleness=max_staleness)
+        self.prompts_per_step, self.pad_id = prompts_per_step, pad_id
+
+    def next_rollout(self, step: int) -> StepRollout:
+        """This replica's parts of step ``step``'s rollout, from the rollout ranks generating its slots."""
+        g, box = self.groups, [None]
+        if g.mp_rank == 0:
+            routes = slot_routes(self.prompts_per_step, g.dp_size, self.split.num_rollout_ranks)
+            parts = [recv_rollout(src=self.split.num_training_ranks + route.source, group=self.split.bridge, tag=step)
+                     for route in routes if route.replica == g.dp_rank]
+            box[0] = merge_rollouts(parts, pad_id=self.pad_id)
+        return StepRollout(self.share(box)[0])
+
+    def after_update(self, step: int) -> RefitOutcome:
+        """The rollout ranks wait for the weights after step ``step``."""
+        return RefitOutcome(self.push_weights())
+
+    def step_metrics(self, step: int, got: StepRollout, generation_wait_s: float,
+                     refit: RefitOutcome) -> tuple[dict[str, MetricPair], dict[str, float]]:
+        """The version lag (k > 0) and each side's idle time."""
+        pairs = version_lag_sums(got.versioned, step) if self.max_staleness > 0 else {}
+        return pairs, self.idle_seconds(got, generation_wait_s, refit)
