@@ -30,6 +30,7 @@ from typing import Any, Callable, get_type_hints
 
 from hydra.core.config_store import ConfigStore
 
+from nemo_sspo.algorithms.advantage_estimators import get_advantage_estimator
 from nemo_sspo.algorithms.losses import (
     SSPOLossConfig,
     build_policy_loss_config,
@@ -57,6 +58,7 @@ __all__ = [
     "RewardConfig",
     "OptimConfig",
     "LossSection",
+    "AdvantageConfig",
     "CriticConfig",
     "TrainerConfig",
     "TrainConfig",
@@ -68,6 +70,7 @@ __all__ = [
     "build_loss_config",
     "register_config_nodes",
     "resolve_loss_settings",
+    "advantage_estimator_name",
     "schema",
     "at_key",
 ]
@@ -359,6 +362,21 @@ class LossSection:
 
 
 @dataclass
+class AdvantageConfig:
+    """``advantage``: the registered advantage estimator (``nemo_sspo.algorithms.advantage_estimators``)."""
+
+    name: str | None = None
+    """Registered estimator (``advantage_estimator_names()``; a ``plugins`` module may add one):
+    ``group`` (GRPO's group-normalised advantage; ``loss.params.advantage_std_normalisation`` switches
+    the std, off for Dr. GRPO), ``leave_one_out`` (RLOO, arXiv 2402.14740), ``batch_std`` (group mean,
+    std over the optimizer batch: REINFORCE++-baseline, arXiv 2501.03262), ``critic`` (SPPO's
+    r - sigmoid(V), trains the critic of section ``critic``). null: as the loss asks, resolved when
+    the config is loaded: ``critic`` for a loss whose advantages come from the critic (``loss=sppo``),
+    ``group`` otherwise. Its statistics (group, optimizer batch or step) are summed over the
+    data-parallel ranks, so its advantages do not depend on the data-parallel size or micro-batches."""
+
+
+@dataclass
 class CriticConfig:
     """``critic``: the SPPO critic (read by losses whose advantage source is the critic)."""
 
@@ -488,6 +506,7 @@ class TrainConfig:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     critic: CriticConfig = field(default_factory=CriticConfig)
+    advantage: AdvantageConfig = field(default_factory=AdvantageConfig)
     plugins: list[str] = field(default_factory=list)
     """Python modules (dotted names on ``sys.path``, or ``.py`` file paths) imported before the config
     is composed, so that the losses, rewards, rollout engines and prompt sources they register can be
@@ -496,14 +515,19 @@ class TrainConfig:
 
 
 def resolve_loss_settings(cfg: TrainConfig) -> None:
-    """Fill the settings left null for the loss to decide (``rollout.dynamic_sampling``), in place.
+    """Fill the settings left null for the loss to decide (``rollout.dynamic_sampling``,
+    ``advantage.name``), in place.
 
     Raises:
         ValueError: unknown ``loss.name`` (lists the registered ones).
     """
-    if cfg.rollout.dynamic_sampling is None:
+    if cfg.rollout.dynamic_sampling is None or cfg.advantage.name is None:
         record = at_key("loss.", lambda: get_policy_loss(cfg.loss.name))
-        cfg.rollout.dynamic_sampling = record.requirements(build_loss_config(cfg.loss)).dynamic_sampling
+        needs = record.requirements(build_loss_config(cfg.loss))
+        if cfg.rollout.dynamic_sampling is None:
+            cfg.rollout.dynamic_sampling = needs.dynamic_sampling
+        if cfg.advantage.name is None:
+            cfg.advantage.name = "critic" if needs.advantage_source == "critic" else "group"
 
 
 def build_loss_config(section: LossSection) -> Any:
@@ -818,8 +842,58 @@ def _validate_micro_batches(par: ParallelConfig, responses: int, dp: int, miniba
     )
 
 
+def advantage_estimator_name(cfg: TrainConfig) -> str:
+    """``advantage.name``, or for null what :func:`resolve_loss_settings` resolves it to.
+
+    Raises:
+        ValueError: unknown ``loss.name``.
+    """
+    if cfg.advantage.name is not None:
+        return cfg.advantage.name
+    record = at_key("loss.", lambda: get_policy_loss(cfg.loss.name))
+    return "critic" if record.advantage_source == "critic" else "group"
+
+
+def _validate_advantage(cfg: TrainConfig, loss_config: Any):
+    """``advantage.name`` against the loss (its advantage source, std switch, DCPO's smooth
+    standardisation), the group size and dynamic sampling; returns the estimator.
+    """
+    name = advantage_estimator_name(cfg)
+    estimator = at_key("advantage.", lambda: get_advantage_estimator(name))
+    needs = get_policy_loss(cfg.loss.name).requirements(loss_config)
+    loss_key = f"loss={cfg.loss.name}"
+    if needs.advantage_source == "critic":
+        _require(estimator.needs_critic,
+                 f"advantage.name={name!r} with {loss_key}: the loss takes its advantages from the critic "
+                 f"(advantage source 'critic'); remove advantage.name (it then resolves to critic) or set "
+                 f"advantage.name=critic")
+    else:
+        _require(not estimator.needs_critic,
+                 f"advantage.name={name!r} trains a critic, but {loss_key} uses group-relative advantages "
+                 f"(only losses with advantage source 'critic', e.g. loss=sppo, read it); remove advantage.name "
+                 f"or choose loss=sppo")
+    _require(not needs.smooth_advantages or name == "group",
+             f"loss.params.smooth_advantages=true (DCPO's smooth standardisation of the group statistics) "
+             f"with advantage.name={name!r}: the smooth standardisation replaces the group estimator; set "
+             f"advantage.name=group or loss.params.smooth_advantages=false")
+    _require(estimator.std != "always" or needs.normalize_std,
+             f"advantage.name={name!r} divides by a standard deviation, but loss.params."
+             f"advantage_std_normalisation=false asks for none; set advantage.name=group (r - mean, as "
+             f"Dr. GRPO) or loss.params.advantage_std_normalisation=true")
+    group = cfg.rollout.samples_per_prompt
+    _require(group >= estimator.min_group_size,
+             f"rollout.samples_per_prompt={group} is below the {estimator.min_group_size} responses per "
+             f"prompt that advantage.name={name!r} needs (a group of one response gets advantage 0 from a "
+             f"group baseline); use >= {estimator.min_group_size}, or loss=sppo (its critic is the baseline)")
+    _require(not cfg.rollout.dynamic_sampling or estimator.masks_equal_groups,
+             f"rollout.dynamic_sampling=true refills the prompt groups whose task rewards are all equal "
+             f"because their advantage is 0, but advantage.name={name!r} gives them a non-zero advantage; "
+             "set rollout.dynamic_sampling=false")
+    return estimator
+
+
 def _validate_sampling_and_critic(cfg: TrainConfig, dp: int, loss_config: Any) -> None:
-    """Dynamic sampling, overlong shaping and the SPPO critic, against the loss's advantage source."""
+    """Dynamic sampling, overlong shaping and the SPPO critic, against the advantage estimator."""
     ro, rw, cr = cfg.rollout, cfg.reward, cfg.critic
     _require(ro.max_sampling_rounds >= 1, "rollout.max_sampling_rounds must be >= 1")
     _require(not ro.dynamic_sampling or ro.samples_per_prompt >= 2,
@@ -829,10 +903,7 @@ def _validate_sampling_and_critic(cfg: TrainConfig, dp: int, loss_config: Any) -
              f"reward.overlong_buffer_len={rw.overlong_buffer_len} must be in [0, rollout.max_new_tokens="
              f"{ro.max_new_tokens}] (0 disables overlong shaping)")
     _require(rw.overlong_penalty >= 0, "reward.overlong_penalty must be >= 0")
-    if get_policy_loss(cfg.loss.name).requirements(loss_config).advantage_source != "critic":
-        _require(ro.samples_per_prompt >= 2,
-                 f"rollout.samples_per_prompt=1 gives every response advantage 0 with the group-relative "
-                 f"advantages of loss '{cfg.loss.name}'; use >= 2, or loss=sppo (its critic is the baseline)")
+    if not _validate_advantage(cfg, loss_config).needs_critic:
         return
     prompts_per_rank = ro.prompts_per_step // dp
     _require(rw.overlong_buffer_len == 0,

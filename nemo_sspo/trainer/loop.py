@@ -51,13 +51,12 @@ import torch.distributed as dist
 
 from nemo_sspo.algorithms import (
     PromptRewardStats,
-    group_advantages,
     segment_ids,
     smooth_group_advantages,
     zero_variance_groups,
 )
+from nemo_sspo.algorithms.advantage_estimators import AdvantageInputs, get_advantage_estimator
 from nemo_sspo.algorithms.batch import PolicyBatch, concat_policy_batches, pack_critic_batch
-from nemo_sspo.algorithms.critic import critic_advantages
 from nemo_sspo.algorithms.losses import make_policy_loss
 from nemo_sspo.algorithms.off_policy import effective_sample_size, off_policy_weights
 from nemo_sspo.algorithms.segmentation import TABLE_FREE_SEGMENTATIONS, build_segment_tables
@@ -93,6 +92,7 @@ from nemo_sspo.models import load_hf_checkpoint
 from nemo_sspo.models.hf_checkpoint import SOURCES, resolve_model_dir
 from nemo_sspo.models.hf_folder import stop_token_ids
 from nemo_sspo.metrics import MetricPair, mean_pair, merge_metric_sums
+from nemo_sspo.parallel.advantage_scope import data_parallel_advantages
 from nemo_sspo.parallel.data_balance import balance_across_data_parallel
 from nemo_sspo.parallel.metrics import collective_device, reduce_metric_sums
 from nemo_sspo.rewards import Reward, build_reward
@@ -109,6 +109,7 @@ from nemo_sspo.trainer.checkpoint import (
 from nemo_sspo.trainer.config import (
     ParallelConfig,
     TrainConfig,
+    advantage_estimator_name,
     at_key,
     build_loss_config,
     micro_batch_layout,
@@ -338,7 +339,8 @@ class GRPOTrainer:
         # R3: the engine's routes of this stage's MoE layers become the batch's routes.
         self.route_layers = stage_moe_layers(self.model) if cfg.model.router_replay == "r3" else None
         self.ref_model = self._build_reference(state_dict) if needs.reference_policy else None
-        self.critic = self._build_critic(state_dict) if needs.advantage_source == "critic" else None
+        self.estimator = get_advantage_estimator(advantage_estimator_name(cfg))
+        self.critic = self._build_critic(state_dict) if self.estimator.needs_critic else None
         self.is_generator = self.groups.mp_rank == 0 and split is None
         self.engine = self.reward = self.sampler = None
         if self.is_generator:
@@ -440,28 +442,34 @@ class GRPOTrainer:
     def compute_advantages(self, rollout: Rollout) -> tuple[torch.Tensor, dict[str, MetricPair]]:
         """``[B]`` float32 advantages and their metric pairs.
 
-        Group-relative (``group_advantages``, std normalisation per the loss config), or DCPO's smooth
-        standardisation over each prompt's visits (:meth:`_smooth_advantages`) when the loss asks for
-        it, or for a critic loss A = r - sigmoid(V(prompt)) with the critic before its update
-        (collective over the critic's layout; ranks off the last pipeline stage, which never read
-        advantages, get 0).
+        By the estimator ``advantage.name`` (:mod:`nemo_sspo.algorithms.advantage_estimators`), its scope
+        statistics summed over the data-parallel ranks (collective for optimizer-batch and step scopes;
+        :func:`nemo_sspo.parallel.advantage_scope.data_parallel_advantages`), before the rows are split
+        into mini- and micro-batches. DCPO's smooth standardisation (:meth:`_smooth_advantages`) replaces
+        the ``group`` estimator when the loss asks for it. The critic estimator reads V(prompt) from the
+        critic before its update (collective over the critic's layout; ranks off the last pipeline
+        stage, which never read advantages, get 0).
         """
         group = self.cfg.rollout.samples_per_prompt
-        if self.critic is None:
-            needs = self.loss.requirements
-            if needs.smooth_advantages:
-                advantages = self._smooth_advantages(rollout)
-            else:
-                # Groups with equal task rewards carry no signal whatever their shaped rewards (the
-                # dynamic-sampling filter and its round-limit warning rely on this; config: reward).
-                advantages, _ = group_advantages(rollout.rewards, group, task_rewards=rollout.task_rewards,
-                                                 normalize_std=needs.normalize_std)
-            zero = zero_variance_groups(rollout.task_rewards, group)
-            return advantages, {"advantages/zero_variance_group_frac": mean_pair(float(zero.sum()), zero.numel())}
-        value_logits = self.critic.predict(self._critic_batch(rollout))
-        if value_logits is None:
-            return torch.zeros_like(rollout.rewards), {}
-        return critic_advantages(rollout.rewards, value_logits, group), {}
+        needs, estimator, g = self.loss.requirements, self.estimator, self.groups
+        value_logits = None
+        if estimator.needs_critic:
+            value_logits = self.critic.predict(self._critic_batch(rollout))
+            if value_logits is None:
+                return torch.zeros_like(rollout.rewards), {}
+        if needs.smooth_advantages:  # advantage.name=group (checked at load)
+            advantages = self._smooth_advantages(rollout)
+        else:
+            # Groups with equal task rewards carry no signal whatever their shaped rewards (the
+            # dynamic-sampling filter and its round-limit warning rely on this; config: reward).
+            inputs = AdvantageInputs(rollout.rewards, rollout.task_rewards, group, normalize_std=needs.normalize_std,
+                                     value_logits=value_logits)
+            advantages = data_parallel_advantages(estimator, inputs, minibatches=self.cfg.trainer.minibatches_per_step,
+                                                  dp_group=g.dp_group, dp_size=g.dp_size)
+        if not estimator.masks_equal_groups:
+            return advantages, {}
+        zero = zero_variance_groups(rollout.task_rewards, group)
+        return advantages, {"advantages/zero_variance_group_frac": mean_pair(float(zero.sum()), zero.numel())}
 
     def _smooth_advantages(self, rollout: Rollout) -> torch.Tensor:
         """This rank's rows of DCPO's smooth standardisation (``smooth_group_advantages``).
