@@ -277,7 +277,9 @@ class RolloutConfig:
     all equal (before overlong shaping; DAPO filters on accuracy) with a fresh prompt until each of the
     step's groups has task-reward variance or ``max_sampling_rounds`` rounds have run (see
     ``nemo_sspo.trainer.sampling``). null: as the loss asks (``LossRequirements.dynamic_sampling``: on
-    for ``loss=dapo``, off otherwise), resolved when the config is loaded; true/false force it."""
+    for ``loss=dapo``, off otherwise), resolved when the config is loaded; true/false force it. The refilled
+    groups are those the advantage estimator gives advantage 0 (``masks_equal_groups``), so true is
+    refused with ``advantage.name=critic``."""
     max_sampling_rounds: int = 8
     """Generation rounds per step with ``dynamic_sampling`` (the first included). At the limit the step
     trains on the full batch, the groups still without variance taking advantage 0, and says so."""
@@ -358,7 +360,8 @@ class LossSection:
     """That loss's own config dataclass (its schema comes with the group ``loss=<name>``; e.g.
     ``loss.params.gamma``, ``aggregation``, ``segmentation``, ``kl_coef``). The trainer also reads ``segmentation`` / ``segment_k`` (segment
     ids), ``advantage_std_normalisation`` (group advantages), ``kl_coef`` (> 0 keeps a frozen
-    reference policy) and the loss's ``advantage_source`` (``critic`` trains the SPPO critic)."""
+    reference policy) and the loss's ``advantage_source`` (``critic``: ``advantage.name`` resolves to
+    ``critic``, which trains the SPPO critic)."""
 
 
 @dataclass
@@ -378,11 +381,11 @@ class AdvantageConfig:
 
 @dataclass
 class CriticConfig:
-    """``critic``: the SPPO critic (read by losses whose advantage source is the critic)."""
+    """``critic``: the SPPO critic (read with ``advantage.name=critic``, which ``loss=sppo`` resolves to)."""
 
     source: str | None = None
     """Checkpoint of the SPPO critic's trunk (as ``model.source``; same tokenizer as the policy); null =
-    ``model.source``. Read only by losses whose ``advantage_source`` is ``critic`` (``loss=sppo``)."""
+    ``model.source``. Read only with ``advantage.name=critic`` (``loss=sppo``)."""
     num_layers: int | None = None
     """Keep only the first N decoder layers of ``source`` (a smaller critic); null = all of them."""
     micro_batch_size: int = 2
@@ -509,7 +512,7 @@ class TrainConfig:
     advantage: AdvantageConfig = field(default_factory=AdvantageConfig)
     plugins: list[str] = field(default_factory=list)
     """Python modules (dotted names on ``sys.path``, or ``.py`` file paths) imported before the config
-    is composed, so that the losses, rewards, rollout engines and prompt sources they register can be
+    is composed, so that the losses, rewards, rollout engines, advantage estimators and prompt sources they register can be
     selected (``plugins=[my_lab.losses] loss=my_loss``); installed packages can instead declare an
     entry point in the group ``nemo_sspo.plugins`` (:mod:`nemo_sspo.trainer.plugins`)."""
 

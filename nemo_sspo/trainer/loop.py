@@ -3,8 +3,9 @@
 One step reads top to bottom as named phases::
 
     sample prompts -> generate (rollout engine, current weights) -> score (the reward)
-    [-> refill zero-variance groups: DAPO dynamic sampling] -> advantages (group-relative, or
-    r - sigmoid(V) from the SPPO critic) -> segment ids (the loss's segmentation) -> old (and
+    [-> refill zero-variance groups: DAPO dynamic sampling] -> advantages (the estimator
+    ``advantage.name``: group-relative, leave-one-out, batch std, r - sigmoid(V) from the SPPO critic,
+    or a plug-in's) -> segment ids (the loss's segmentation) -> old (and
     reference) log-probs/entropy (Megatron, forward only) -> mini-batch updates -> critic update
     -> refit (Megatron -> rollout engine) -> metrics
 
@@ -19,8 +20,9 @@ What the loss config asks of the trainer (:class:`nemo_sspo.algorithms.losses.Po
 advantage; DCPO's ``smooth_advantages`` mixes each prompt's group statistics with those of its
 earlier visits (a per-prompt history kept identical on every rank and saved in checkpoints);
 ``kl_coef > 0`` keeps a frozen Megatron copy of the initial policy and adds its ``ref_logprobs`` to
-the batch (nothing is built when it is 0); ``advantage_source == "critic"`` trains the SPPO critic
-(:mod:`nemo_sspo.trainer.critic`).
+the batch (nothing is built when it is 0). ``advantage.name`` (:mod:`nemo_sspo.algorithms.advantage_estimators`;
+null resolves from the loss's ``advantage_source``) picks the advantage estimator; ``critic`` trains the
+SPPO critic (:mod:`nemo_sspo.trainer.critic`).
 
 Around the steps: ``rollout.correction`` multiplies each token's loss by an importance weight of
 pi_old / pi_rollout, truncated or masked (:mod:`nemo_sspo.algorithms.off_policy`);
