@@ -512,9 +512,9 @@ class TrainConfig:
     advantage: AdvantageConfig = field(default_factory=AdvantageConfig)
     plugins: list[str] = field(default_factory=list)
     """Python modules (dotted names on ``sys.path``, or ``.py`` file paths) imported before the config
-    is composed, so that the losses, rewards, rollout engines, advantage estimators and prompt sources they register can be
-    selected (``plugins=[my_lab.losses] loss=my_loss``); installed packages can instead declare an
-    entry point in the group ``nemo_sspo.plugins`` (:mod:`nemo_sspo.trainer.plugins`)."""
+    is composed, so that the losses, rewards, rollout engines, advantage estimators and prompt sources
+    they register can be selected (``plugins=[my_lab.losses] loss=my_loss``); installed packages can
+    instead declare an entry point in the group ``nemo_sspo.plugins`` (:mod:`nemo_sspo.trainer.plugins`)."""
 
 
 def resolve_loss_settings(cfg: TrainConfig) -> None:
