@@ -36,27 +36,45 @@ Built-ins (B rows, G responses per prompt, prompt k owning rows ``k G .. k G + G
 Every built-in except ``critic`` gives a group whose *task* rewards are all equal advantage exactly
 0 (``masks_equal_groups``; DAPO, arXiv 2503.14476 sec. 3.2), whatever its shaped rewards: the
 groups DAPO's dynamic sampling refills are exactly those.
+
+Per-prompt history. A ``step``-scope estimator may keep statistics of each prompt across steps: it
+gives per-group values (``group_values``: ``[P_local, K]``), the host gathers every rank's groups of the
+step in slot order with their prompt keys (:class:`StepGroups`, ``ScopeStats.step_groups``), passes the
+history before the step (``AdvantageInputs.history``) and keeps what ``next_history`` returns (the same
+on every rank, saved in checkpoints). DCPO's smooth standardisation is such an estimator,
+:data:`DCPO_SMOOTH` (``loss.params.smooth_advantages`` selects it in place of ``group``; formula in
+:mod:`nemo_sspo.algorithms.advantages`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
 
-from nemo_sspo.algorithms.advantages import _check_rewards, group_advantages, zero_variance_groups
+from nemo_sspo.algorithms.advantages import (
+    PromptRewardStats,
+    _check_rewards,
+    _merge,
+    _standardised,
+    group_advantages,
+    zero_variance_groups,
+)
 from nemo_sspo.algorithms.critic import critic_advantages
 from nemo_sspo.registry import Registry
 
 __all__ = [
     "ADVANTAGE_SCOPES",
+    "DCPO_SMOOTH",
     "STD_RULES",
     "AdvantageEstimator",
     "AdvantageInputs",
     "ScopeStats",
+    "StepGroups",
     "advantage_estimator_names",
     "estimate_advantages",
+    "estimate_advantages_and_history",
     "get_advantage_estimator",
     "register_advantage_estimator",
     "scope_index",
@@ -85,6 +103,9 @@ class AdvantageInputs:
         group_size: G, responses per prompt (``B % G == 0``).
         normalize_std: the loss's ``advantage_std_normalisation`` (read by ``std="switch"`` estimators).
         value_logits: ``[B / G]`` the critic's V(x) per prompt, for estimators with ``needs_critic``; else None.
+        prompt_keys: ``B / G`` stable keys of the groups' prompts, for estimators with ``group_values``.
+        history: key -> the prompt's statistics before this step, for estimators with ``next_history``
+            (missing key: first visit; not modified).
     """
 
     rewards: torch.Tensor
@@ -92,6 +113,23 @@ class AdvantageInputs:
     group_size: int
     normalize_std: bool = True
     value_logits: torch.Tensor | None = None
+    prompt_keys: Sequence[str] | None = None
+    history: Mapping[str, PromptRewardStats] | None = None
+
+
+@dataclass(frozen=True)
+class StepGroups:
+    """Every prompt group of the step, over every data-parallel rank, in slot order.
+
+    Attributes:
+        keys: ``P`` prompt keys.
+        values: ``[P, K]`` float64, the estimator's ``group_values`` of each group.
+        first: index of this rank's first group (its groups are ``first .. first + B / G - 1``).
+    """
+
+    keys: list[str]
+    values: torch.Tensor
+    first: int
 
 
 @dataclass(frozen=True)
@@ -101,10 +139,12 @@ class ScopeStats:
     Attributes:
         count: ``[B]`` float64, responses in the row's scope.
         sums: ``[B, K]`` float64, the sum of each of the K row values over the row's scope.
+        step_groups: the step's groups, for estimators with ``group_values``; else None.
     """
 
     count: torch.Tensor
     sums: torch.Tensor
+    step_groups: StepGroups | None = None
 
     @property
     def means(self) -> torch.Tensor:
@@ -127,6 +167,10 @@ class AdvantageEstimator:
             (applied by :func:`estimate_advantages`); DAPO dynamic sampling refills those groups.
         min_group_size: smallest G the estimator is defined for.
         std: one of :data:`STD_RULES`.
+        group_values: ``group_values(inputs) -> [B / G, K]`` float64 per-group values the host gathers
+            over the step in slot order (``step`` scope only), or None.
+        next_history: ``next_history(step_groups, history) -> dict`` the per-prompt history after the
+            step (needs ``group_values``), or None for an estimator without memory.
     """
 
     name: str
@@ -137,6 +181,8 @@ class AdvantageEstimator:
     masks_equal_groups: bool = True
     min_group_size: int = 2
     std: str = "never"
+    group_values: Callable[[AdvantageInputs], torch.Tensor] | None = None
+    next_history: Callable[[StepGroups, Mapping[str, PromptRewardStats]], dict] | None = None
 
 
 _REGISTRY: Registry[AdvantageEstimator] = Registry(
@@ -147,8 +193,14 @@ def register_advantage_estimator(estimator: AdvantageEstimator) -> AdvantageEsti
     """Adds ``estimator`` to the registry; returns it.
 
     Raises:
-        ValueError: the name is taken, an unknown scope or std rule, or ``min_group_size < 1``.
+        ValueError: the name is taken, an unknown scope or std rule, ``min_group_size < 1``, or
+            ``group_values`` / ``next_history`` outside their rules (``AdvantageEstimator``).
     """
+    _check_estimator(estimator)
+    return _REGISTRY.add(estimator.name, estimator)
+
+
+def _check_estimator(estimator: AdvantageEstimator) -> None:
     if estimator.scope not in ADVANTAGE_SCOPES:
         raise ValueError(f"advantage estimator {estimator.name!r}: scope={estimator.scope!r}; valid: "
                          f"{', '.join(ADVANTAGE_SCOPES)}")
@@ -159,7 +211,12 @@ def register_advantage_estimator(estimator: AdvantageEstimator) -> AdvantageEsti
             or estimator.min_group_size < 1:
         raise ValueError(f"advantage estimator {estimator.name!r}: min_group_size={estimator.min_group_size!r} "
                          "must be an int >= 1")
-    return _REGISTRY.add(estimator.name, estimator)
+    if estimator.group_values is not None and estimator.scope != "step":
+        raise ValueError(f"advantage estimator {estimator.name!r}: group_values needs scope='step' (the host "
+                         f"gathers the whole step's groups), got scope={estimator.scope!r}")
+    if estimator.next_history is not None and estimator.group_values is None:
+        raise ValueError(f"advantage estimator {estimator.name!r}: next_history reads the step's groups; "
+                         "give group_values too")
 
 
 def unregister_advantage_estimator(name: str) -> AdvantageEstimator:
@@ -226,8 +283,9 @@ def scope_table(values: torch.Tensor, index: torch.Tensor, num_scopes: int) -> t
 
 
 def estimate_advantages(estimator: AdvantageEstimator, inputs: AdvantageInputs, *, minibatches: int = 1,
-                        reduce: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
-    """``[B]`` float32 advantages of this rank's rows by ``estimator``.
+                        reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                        gather: Callable[[object], tuple[list, int]] | None = None) -> torch.Tensor:
+    """``[B]`` float32 advantages of this rank's rows by ``estimator`` (one without ``next_history``).
 
     Args:
         estimator: a registered estimator.
@@ -236,10 +294,32 @@ def estimate_advantages(estimator: AdvantageEstimator, inputs: AdvantageInputs, 
         reduce: sums a ``[S, 1 + K]`` float64 scope table over the data-parallel ranks (the same S
             scopes on each: ``optimizer_batch`` and ``step`` scopes); None on one rank. Never called for
             ``group`` scopes (a group lives on one rank).
+        gather: ``gather(obj) -> (every rank's obj in data-parallel order, this rank's index)``, for
+            estimators with ``group_values``; None on one rank.
 
     Raises:
         ValueError: bad rewards (``_check_rewards``), ``G < estimator.min_group_size``, a critic
-            estimator without ``value_logits``, or row values / advantages of the wrong shape.
+            estimator without ``value_logits``, missing ``prompt_keys``, row or group values or
+            advantages of the wrong shape, or an estimator with ``next_history`` (use
+            :func:`estimate_advantages_and_history`, which returns the history).
+    """
+    if estimator.next_history is not None:
+        raise ValueError(f"advantage estimator {estimator.name!r} keeps a per-prompt history: call "
+                         "estimate_advantages_and_history, which returns it")
+    return estimate_advantages_and_history(estimator, inputs, minibatches=minibatches, reduce=reduce,
+                                           gather=gather)[0]
+
+
+def estimate_advantages_and_history(
+    estimator: AdvantageEstimator, inputs: AdvantageInputs, *, minibatches: int = 1,
+    reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    gather: Callable[[object], tuple[list, int]] | None = None,
+) -> tuple[torch.Tensor, dict[str, PromptRewardStats] | None]:
+    """``([B] float32 advantages, history after the step or None)``: :func:`estimate_advantages` for any
+    estimator; the history is ``next_history``'s (None for an estimator without one).
+
+    Raises:
+        ValueError: as :func:`estimate_advantages` (but accepts estimators with ``next_history``).
     """
     rewards, group_size = inputs.rewards, inputs.group_size
     _check_rewards(rewards, group_size, 0.0)
@@ -259,7 +339,8 @@ def estimate_advantages(estimator: AdvantageEstimator, inputs: AdvantageInputs, 
     table = scope_table(values, index, num_scopes)
     if reduce is not None and estimator.scope != "group":
         table = reduce(table)
-    stats = ScopeStats(count=table[index, 0], sums=table[index, 1:])
+    step_groups = _step_groups(estimator, inputs, gather) if estimator.group_values is not None else None
+    stats = ScopeStats(count=table[index, 0], sums=table[index, 1:], step_groups=step_groups)
     advantages = estimator.compute(inputs, stats)
     if tuple(advantages.shape) != (rows,):
         raise ValueError(f"advantage estimator {estimator.name!r} returned shape {tuple(advantages.shape)}, "
@@ -268,7 +349,27 @@ def estimate_advantages(estimator: AdvantageEstimator, inputs: AdvantageInputs, 
     if estimator.masks_equal_groups:
         equal = zero_variance_groups(inputs.task_rewards, group_size).repeat_interleave(group_size)
         advantages = torch.where(equal, torch.zeros_like(advantages), advantages)
-    return advantages
+    history = None
+    if estimator.next_history is not None:
+        history = estimator.next_history(step_groups, inputs.history or {})
+    return advantages, history
+
+
+def _step_groups(estimator: AdvantageEstimator, inputs: AdvantageInputs, gather) -> StepGroups:
+    """The step's groups in slot order (every rank's, by ``gather``)."""
+    groups = inputs.rewards.numel() // inputs.group_size
+    keys = list(inputs.prompt_keys) if inputs.prompt_keys is not None else None
+    if keys is None or len(keys) != groups:
+        raise ValueError(f"advantage estimator {estimator.name!r} reads the prompt keys: pass prompt_keys, "
+                         f"one per group ({groups}), got {None if keys is None else len(keys)}")
+    values = estimator.group_values(inputs).to(torch.float64)
+    if values.dim() != 2 or values.shape[0] != groups:
+        raise ValueError(f"advantage estimator {estimator.name!r}: group_values gave shape "
+                         f"{tuple(values.shape)}, expected [{groups}, K]")
+    parts, mine = gather((keys, values)) if gather is not None else ([(keys, values)], 0)
+    first = sum(len(part_keys) for part_keys, _ in parts[:mine])
+    return StepGroups(keys=[key for part_keys, _ in parts for key in part_keys],
+                      values=torch.cat([part_values for _, part_values in parts]), first=first)
 
 
 # ---- built-ins -----------------------------------------------------------------------------------
@@ -322,3 +423,48 @@ register_advantage_estimator(AdvantageEstimator("batch_std", "optimizer_batch", 
                                                 row_values=_centred_moments, std="always"))
 register_advantage_estimator(AdvantageEstimator("critic", "group", _critic, needs_critic=True,
                                                 masks_equal_groups=False, min_group_size=1))
+
+
+# ---- DCPO's smooth standardisation (formula: nemo_sspo.algorithms.advantages) ------------------------
+
+def _group_mean_std(inputs: AdvantageInputs) -> torch.Tensor:
+    """``[B / G, 2]`` float64: each group's mean and unbiased std (as the official code)."""
+    grouped = inputs.rewards.to(torch.float64).reshape(-1, inputs.group_size)
+    return torch.tensor([[float(group.mean()), float(group.std(unbiased=True))] for group in grouped],
+                        dtype=torch.float64).reshape(-1, 2)
+
+
+def _visits(groups: StepGroups, history: Mapping[str, PromptRewardStats]):
+    """Each group's prompt statistics after its visit (slot order), and the history after the step."""
+    updated, merged = dict(history), []
+    for key, (mean, std) in zip(groups.keys, groups.values.tolist(), strict=True):
+        updated[key] = _merge(updated.get(key), mean, std)
+        merged.append(updated[key])
+    return merged, updated
+
+
+def _dcpo_smooth(inputs: AdvantageInputs, stats: ScopeStats) -> torch.Tensor:
+    """A = the smaller-magnitude mix of z_new and z_cum per response (``smooth_group_advantages``)."""
+    groups = stats.step_groups
+    merged, _ = _visits(groups, inputs.history or {})
+    grouped = inputs.rewards.to(torch.float64).reshape(-1, inputs.group_size)
+    rows = []
+    for j, group in enumerate(grouped):
+        mean_new, std_new = groups.values[groups.first + j].tolist()
+        visit = merged[groups.first + j]
+        z_new = _standardised(group, mean_new, std_new, inputs.normalize_std)
+        z_cum = _standardised(group, visit.mean, visit.std, inputs.normalize_std)
+        weight = 1.0 / visit.visits
+        a1 = weight * z_cum + (1.0 - weight) * z_new
+        a2 = weight * z_new + (1.0 - weight) * z_cum
+        rows.append(torch.where(a1.abs() < a2.abs(), a1, a2))
+    return torch.cat(rows)
+
+
+DCPO_SMOOTH = AdvantageEstimator("dcpo_smooth", "step", _dcpo_smooth, masks_equal_groups=False, std="switch",
+                                 group_values=_group_mean_std, next_history=lambda groups, history: _visits(
+                                     groups, history)[1])
+"""DCPO's smooth standardisation (arXiv 2509.02333 sec. 4.2) as a history-keeping estimator: not a
+registered name; the trainer uses it in place of ``group`` when ``loss.params.smooth_advantages`` is on.
+Groups whose rewards are all equal keep ``z_cum`` (DCPO's point), so ``masks_equal_groups`` is off."""
+_check_estimator(DCPO_SMOOTH)

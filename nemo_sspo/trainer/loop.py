@@ -54,10 +54,9 @@ import torch.distributed as dist
 from nemo_sspo.algorithms import (
     PromptRewardStats,
     segment_ids,
-    smooth_group_advantages,
     zero_variance_groups,
 )
-from nemo_sspo.algorithms.advantage_estimators import AdvantageInputs, get_advantage_estimator
+from nemo_sspo.algorithms.advantage_estimators import DCPO_SMOOTH, AdvantageInputs, get_advantage_estimator
 from nemo_sspo.algorithms.batch import PolicyBatch, concat_policy_batches, pack_critic_batch
 from nemo_sspo.algorithms.losses import make_policy_loss
 from nemo_sspo.algorithms.off_policy import effective_sample_size, off_policy_weights
@@ -341,7 +340,9 @@ class GRPOTrainer:
         # R3: the engine's routes of this stage's MoE layers become the batch's routes.
         self.route_layers = stage_moe_layers(self.model) if cfg.model.router_replay == "r3" else None
         self.ref_model = self._build_reference(state_dict) if needs.reference_policy else None
-        self.estimator = get_advantage_estimator(advantage_estimator_name(cfg))
+        # DCPO's smooth standardisation takes the place of advantage.name=group (checked at load).
+        self.estimator = DCPO_SMOOTH if needs.smooth_advantages else get_advantage_estimator(
+            advantage_estimator_name(cfg))
         self.critic = self._build_critic(state_dict) if self.estimator.needs_critic else None
         self.is_generator = self.groups.mp_rank == 0 and split is None
         self.engine = self.reward = self.sampler = None
@@ -447,10 +448,12 @@ class GRPOTrainer:
         By the estimator ``advantage.name`` (:mod:`nemo_sspo.algorithms.advantage_estimators`), its scope
         statistics summed over the data-parallel ranks (collective for optimizer-batch and step scopes;
         :func:`nemo_sspo.parallel.advantage_scope.data_parallel_advantages`), before the rows are split
-        into mini- and micro-batches. DCPO's smooth standardisation (:meth:`_smooth_advantages`) replaces
-        the ``group`` estimator when the loss asks for it. The critic estimator reads V(prompt) from the
-        critic before its update (collective over the critic's layout; ranks off the last pipeline
-        stage, which never read advantages, get 0).
+        into mini- and micro-batches. DCPO's smooth standardisation (``DCPO_SMOOTH``, in place of
+        ``group`` when the loss asks for it) gathers the step's groups of every data-parallel rank in
+        slot order, so each rank's per-prompt history takes the same updates in the same order, whatever
+        the data-parallel size. The critic estimator reads V(prompt) from the critic before its update
+        (collective over the critic's layout; ranks off the last pipeline stage, which never read
+        advantages, get 0).
         """
         group = self.cfg.rollout.samples_per_prompt
         needs, estimator, g = self.loss.requirements, self.estimator, self.groups
@@ -459,37 +462,20 @@ class GRPOTrainer:
             value_logits = self.critic.predict(self._critic_batch(rollout))
             if value_logits is None:
                 return torch.zeros_like(rollout.rewards), {}
-        if needs.smooth_advantages:  # advantage.name=group (checked at load)
-            advantages = self._smooth_advantages(rollout)
-        else:
-            # Groups with equal task rewards carry no signal whatever their shaped rewards (the
-            # dynamic-sampling filter and its round-limit warning rely on this; config: reward).
-            inputs = AdvantageInputs(rollout.rewards, rollout.task_rewards, group, normalize_std=needs.normalize_std,
-                                     value_logits=value_logits)
-            advantages = data_parallel_advantages(estimator, inputs, minibatches=self.cfg.trainer.minibatches_per_step,
-                                                  dp_group=g.dp_group, dp_size=g.dp_size)
-        if not estimator.masks_equal_groups:
+        # Groups with equal task rewards carry no signal whatever their shaped rewards (the
+        # dynamic-sampling filter and its round-limit warning rely on this; config: reward).
+        inputs = AdvantageInputs(rollout.rewards, rollout.task_rewards, group, normalize_std=needs.normalize_std,
+                                 value_logits=value_logits, prompt_keys=rollout.prompt_keys,
+                                 history=self.advantage_history)
+        advantages, history = data_parallel_advantages(
+            estimator, inputs, minibatches=self.cfg.trainer.minibatches_per_step, dp_group=g.dp_group,
+            dp_size=g.dp_size)
+        if history is not None:
+            self.advantage_history = history
+        if estimator.needs_critic:
             return advantages, {}
         zero = zero_variance_groups(rollout.task_rewards, group)
         return advantages, {"advantages/zero_variance_group_frac": mean_pair(float(zero.sum()), zero.numel())}
-
-    def _smooth_advantages(self, rollout: Rollout) -> torch.Tensor:
-        """This rank's rows of DCPO's smooth standardisation (``smooth_group_advantages``).
-
-        Every rank runs it over the step's groups of all data-parallel ranks, gathered in slot order
-        (collective over the data-parallel group), so each rank's history takes the same updates in
-        the same order, whatever the data-parallel size.
-        """
-        keys, rewards, g = rollout.prompt_keys, rollout.rewards.tolist(), self.groups
-        if g.dp_size > 1:
-            parts = [None] * g.dp_size
-            dist.all_gather_object(parts, (keys, rewards), group=g.dp_group)
-            keys, rewards = [k for ks, _ in parts for k in ks], [r for _, rs in parts for r in rs]
-        advantages, self.advantage_history = smooth_group_advantages(
-            torch.tensor(rewards, dtype=torch.float32), self.cfg.rollout.samples_per_prompt, keys,
-            self.advantage_history, normalize_std=self.loss.requirements.normalize_std)
-        rows = rollout.rewards.numel()
-        return advantages[g.dp_rank * rows:(g.dp_rank + 1) * rows]
 
     def _critic_batch(self, rollout: Rollout):
         """The critic's prompts and BCE targets (the 0/1 task rewards)."""
@@ -832,7 +818,7 @@ class GRPOTrainer:
         box = [self.problems_drawn]  # of the step just trained (later steps may be in flight); rank 0 generates
         dist.broadcast_object_list(box, src=0)
         history = None
-        if self.loss.requirements.smooth_advantages:
+        if self.estimator.next_history is not None:  # DCPO's smooth standardisation, or a plug-in's history
             history = {key: [st.visits, st.mean, st.std] for key, st in self.advantage_history.items()}
         state = TrainerState(step=step, problems_drawn=box[0], seed=tr.seed, world_size=dist.get_world_size(),
                              best_eval_mean=self.best.mean, best_eval_step=self.best.step,
@@ -855,10 +841,11 @@ class GRPOTrainer:
             self.sampler.fast_forward(state.problems_drawn)
         self.completed_steps = state.step
         self.best = BestEval(state.best_eval_mean, state.best_eval_step)
-        if self.loss.requirements.smooth_advantages:
+        if self.estimator.next_history is not None:
             if state.advantage_history is None and dist.get_rank() == 0:
                 logger.warning("checkpoint %s holds no per-prompt reward history (written without "
-                               "loss.params.smooth_advantages): every prompt restarts at its first visit", path)
+                               "loss.params.smooth_advantages or a history-keeping advantage.name): every "
+                               "prompt restarts at its first visit", path)
             self.advantage_history = {key: PromptRewardStats(int(visits), float(mean), float(std))
                                       for key, (visits, mean, std) in (state.advantage_history or {}).items()}
         if self.split is not None:

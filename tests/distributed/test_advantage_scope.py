@@ -15,16 +15,19 @@ import torch
 import torch.distributed as dist
 
 from nemo_sspo.algorithms.advantage_estimators import (
+    DCPO_SMOOTH,
     AdvantageEstimator,
     AdvantageInputs,
     get_advantage_estimator,
     register_advantage_estimator,
 )
+from nemo_sspo.algorithms.advantages import smooth_group_advantages
 from nemo_sspo.parallel.advantage_scope import data_parallel_advantages
 from tests.unit.advantage_reference import reference_advantages
 
 GROUP, PROMPTS = 2, 8  # 16 rows: 8 per training rank at DP 2
 NAMES = ("group", "leave_one_out", "batch_std", "critic", "step_mean")
+KEYS = ["p", "q", "p", "r", "s", "q", "t", "p"]  # prompt keys of the 8 groups: p thrice, q twice, across ranks
 STEP_MEAN = AdvantageEstimator("step_mean", "step", lambda inputs, stats: inputs.rewards.double() - stats.means[:, 0],
                                row_values=lambda inputs: inputs.rewards.double().unsqueeze(1))
 """A step-scope estimator for this test: r_i minus the mean reward of the whole step (0 for equal groups)."""
@@ -69,10 +72,20 @@ def _advantages(rank, world_size):
             # DP 2: this rank's groups; DP 1: the whole step on each process alone (no collective).
             mine = _inputs(task, rewards, logits, slice(rank * half, (rank + 1) * half))
             out[name, 2, minibatches] = data_parallel_advantages(estimator, mine, minibatches=minibatches,
-                                                                 dp_group=training, dp_size=2)
+                                                                 dp_group=training, dp_size=2)[0]
             whole = _inputs(task, rewards, logits, slice(0, PROMPTS))
             out[name, 1, minibatches] = data_parallel_advantages(estimator, whole, minibatches=minibatches,
-                                                                 dp_group=None, dp_size=1)
+                                                                 dp_group=None, dp_size=1)[0]
+    # DCPO's smooth standardisation over two steps (the second reads the first's history), DP 2.
+    history = {}
+    for step in range(2):
+        rows = slice(rank * half * GROUP, (rank + 1) * half * GROUP)
+        step_rewards = torch.tensor(rewards[::-1] if step else rewards)[rows]
+        inputs = AdvantageInputs(step_rewards, step_rewards, GROUP, prompt_keys=KEYS[rank * half:(rank + 1) * half],
+                                 history=history)
+        out["dcpo", step], history = data_parallel_advantages(DCPO_SMOOTH, inputs, minibatches=1, dp_group=training,
+                                                              dp_size=2)
+    out["dcpo", "history"] = history
     dist.barrier(group=training)
     return out
 
@@ -99,6 +112,15 @@ def test_every_builtin_matches_the_reference_for_dp_minibatches_and_micro_batche
                               for r in range(dp) for i in range(0, per_rank, micro)]
                     torch.testing.assert_close(torch.cat(pieces), want, rtol=1e-6, atol=1e-6,
                                                msg=f"{name} dp={dp} minibatches={minibatches} micro={micro}")
+    # DCPO: every rank's history equals one process's, and the advantages its (hand-checked, see
+    # tests/unit/test_advantages.py) smooth_group_advantages over the whole step.
+    reference, history = {}, {}
+    for step in range(2):
+        reference[step], history = smooth_group_advantages(torch.tensor(rewards[::-1] if step else rewards), GROUP,
+                                                           KEYS, history)
+        assert torch.equal(torch.cat([rank0["dcpo", step], rank1["dcpo", step]]), reference[step])
+    assert rank0["dcpo", "history"] == rank1["dcpo", "history"] == history
+    assert history["p"].visits == 6  # three groups per step, two steps
     # With two optimizer steps the batch std of DP 2 (rank d's first half per batch) differs from DP 1's,
     # as the optimizer batches hold other responses: the check above is not vacuous.
     assert not torch.allclose(torch.cat([rank0["batch_std", 2, 2], rank1["batch_std", 2, 2]]),

@@ -162,3 +162,42 @@ def test_advantage_name_resolves_from_the_loss():
 def test_contradictions_are_refused_at_load(overrides, fragment):
     with pytest.raises(ValueError, match=fragment):
         load_config(overrides=overrides)
+
+
+# ---- per-prompt history: DCPO's smooth standardisation through the seam ------------------------------
+
+def test_dcpo_smooth_estimator_equals_smooth_group_advantages_on_each_rank_of_a_split_step():
+    from nemo_sspo.algorithms.advantage_estimators import DCPO_SMOOTH, estimate_advantages_and_history
+    from nemo_sspo.algorithms.advantages import PromptRewardStats, smooth_group_advantages
+
+    rewards = torch.tensor([1.0, 1.0, 0.0, 0.0, 1.0, 1.0, 1.0, 1.0, 1.0, 0.0, 0.0, 0.0, 0.0, 1.0, 0.0, 1.0])
+    keys = ["p", "q", "p", "r"]  # "p" visited twice in the step: its second group sees the first's stats
+    history = {"q": PromptRewardStats(1, 0.5, math.sqrt(1 / 3))}
+    want, want_history = smooth_group_advantages(rewards, 4, keys, history)  # hand-checked in test_advantages.py
+    halves = [AdvantageInputs(rewards[:8], rewards[:8], 4, prompt_keys=keys[:2], history=history),
+              AdvantageInputs(rewards[8:], rewards[8:], 4, prompt_keys=keys[2:], history=history)]
+    parts = [(list(h.prompt_keys), DCPO_SMOOTH.group_values(h)) for h in halves]  # what the gather collects
+    got = [estimate_advantages_and_history(DCPO_SMOOTH, half, gather=lambda obj, r=r: (parts, r))
+           for r, half in enumerate(halves)]
+    assert torch.equal(torch.cat([got[0][0], got[1][0]]), want)
+    assert got[0][1] == got[1][1] == want_history and want_history["p"].visits == 2
+    assert history == {"q": PromptRewardStats(1, 0.5, math.sqrt(1 / 3))}  # the caller's history is not modified
+    # A group with all-equal rewards keeps a signal from its history (q: visit 2 of [1, 1, 1, 1]).
+    assert torch.all(want[4:8] != 0)
+
+
+def test_history_estimators_are_refused_where_they_cannot_work():
+    from nemo_sspo.algorithms.advantage_estimators import DCPO_SMOOTH
+
+    rewards = torch.tensor([1.0, 0.0, 1.0, 1.0])
+    with pytest.raises(ValueError, match="estimate_advantages_and_history"):
+        estimate_advantages(DCPO_SMOOTH, AdvantageInputs(rewards, rewards, 2, prompt_keys=["a", "b"]))
+    from nemo_sspo.algorithms.advantage_estimators import estimate_advantages_and_history
+    with pytest.raises(ValueError, match="pass prompt_keys, one per group"):
+        estimate_advantages_and_history(DCPO_SMOOTH, AdvantageInputs(rewards, rewards, 2, prompt_keys=["a"]))
+    with pytest.raises(ValueError, match="group_values needs scope='step'"):
+        register_advantage_estimator(AdvantageEstimator("t_bad", "group", lambda i, s: i.rewards,
+                                                        group_values=lambda i: i.rewards[:, None]))
+    with pytest.raises(ValueError, match="give group_values too"):
+        register_advantage_estimator(AdvantageEstimator("t_bad", "step", lambda i, s: i.rewards,
+                                                        next_history=lambda groups, history: {}))
