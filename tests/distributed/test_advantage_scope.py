@@ -4,15 +4,25 @@ reference of the whole step (``tests/unit/advantage_reference.py``; and a step-s
 module) for DP 1 and 2, 1 or 2 optimizer
 steps per training step and micro-batches of 1, 2 and 4 rows.
 
-One spawn of 3 processes in the layout of ``rollout.placement: separate`` with one rollout rank:
-ranks 0 and 1 train (their data-parallel group excludes rank 2), rank 2 only joins the group
-creation and then waits, as a rollout rank never enters the trainer's collectives.
+One spawn of 3 processes. First in the layout of ``rollout.placement: separate`` with one rollout
+rank: ranks 0 and 1 train (their data-parallel group excludes rank 2), rank 2 only joins the group
+creation and then waits, as a rollout rank never enters the trainer's collectives. Then the real
+thing: one step of the tiny Llama with ``rollout.placement: separate`` (training DP 2 + 1 rollout rank),
+``advantage.name=batch_std``, 2 optimizer steps and 1-row micro-batches: the advantages of every
+update equal the reference of the rewards the rollout rank sent.
 """
 
+import datetime
 import random
 
 import torch
 import torch.distributed as dist
+
+from nemo_sspo.cli import load_config
+from nemo_sspo.megatron import destroy_parallel
+from nemo_sspo.models import load_hf_checkpoint
+from nemo_sspo.parallel.placement import split_world
+from nemo_sspo.trainer import loop
 
 from nemo_sspo.algorithms.advantage_estimators import (
     DCPO_SMOOTH,
@@ -23,6 +33,7 @@ from nemo_sspo.algorithms.advantage_estimators import (
 )
 from nemo_sspo.algorithms.advantages import smooth_group_advantages
 from nemo_sspo.parallel.advantage_scope import data_parallel_advantages
+from tests.integration._loop_runs import TINY, ParityReward
 from tests.unit.advantage_reference import reference_advantages
 
 GROUP, PROMPTS = 2, 8  # 16 rows: 8 per training rank at DP 2
@@ -58,7 +69,46 @@ def _inputs(task, rewards, logits, groups: slice) -> AdvantageInputs:
                            value_logits=torch.tensor(logits[groups]))
 
 
-def _advantages(rank, world_size):
+def _advantages(rank, world_size, out_dir):
+    pure = _estimators(rank)
+    dist.barrier()
+    return pure, _separate_step(rank, world_size, out_dir)
+
+
+def _separate_step(rank, world_size, out_dir):
+    """``(rewards of the received rollout, advantages of each update in order)`` on a training rank."""
+    tiny = load_hf_checkpoint("tiny-random-llama")
+    store = dist.distributed_c10d._get_default_store()
+    dist.destroy_process_group()
+    split = split_world(store, rank=rank, world_size=world_size, num_rollout_ranks=1,
+                        timeout=datetime.timedelta(seconds=60))
+    cfg = load_config(overrides=[*TINY, f"trainer.output_dir={out_dir}", "trainer.max_steps=1",
+                                 "rollout.samples_per_prompt=4", "parallel.micro_batch_size=1",
+                                 "advantage.name=batch_std", "rollout.placement=separate", "rollout.num_ranks=1"])
+    if split.is_rollout:
+        loop.run_rollout_rank(cfg, split, checkpoint=tiny, reward=ParityReward())
+        return None
+    seen, updates = [], []
+    prepare, train = loop.GRPOTrainer.prepare_batch, loop.train_on_batch
+
+    def recorded_prepare(self, rollout):
+        seen.append(rollout.rewards.tolist())
+        return prepare(self, rollout)
+
+    def recorded_train(model, optimizer, batch, *args, **kwargs):
+        updates.append(batch.advantages.clone())
+        return train(model, optimizer, batch, *args, **kwargs)
+
+    loop.GRPOTrainer.prepare_batch, loop.train_on_batch = recorded_prepare, recorded_train
+    trainer = loop.GRPOTrainer(cfg, loop.start_parallel(cfg.parallel, cfg.trainer.seed), checkpoint=tiny, split=split)
+    try:
+        trainer.fit()
+    finally:
+        destroy_parallel()
+    return seen[0], updates
+
+
+def _estimators(rank):
     training = dist.new_group([0, 1])  # every rank creates the group, as split_world does
     if rank == 2:
         return None
@@ -90,10 +140,19 @@ def _advantages(rank, world_size):
     return out
 
 
-def test_every_builtin_matches_the_reference_for_dp_minibatches_and_micro_batches(run_distributed):
+def test_every_builtin_matches_the_reference_for_dp_minibatches_and_micro_batches(run_distributed, tmp_path):
     task, rewards, logits = _step()
-    rank0, rank1, rollout_rank = run_distributed(_advantages, 3, timeout_s=60)
-    assert rollout_rank is None
+    (rank0, step0), (rank1, step1), (rollout_rank, rollout_step) = run_distributed(_advantages, 3, str(tmp_path),
+                                                                                   timeout_s=120)
+    assert rollout_rank is None and rollout_step is None
+    # The separate-placement step: rank d trained on the groups it received; the updates' rows in order.
+    step_rewards = step0[0] + step1[0]  # slot order: training rank 0 owns the first prompt group
+    want = reference_advantages("batch_std", step_rewards, 4, dp=2, minibatches=2)
+    assert len(step0[1]) == len(step1[1]) == 2  # trainer.minibatches_per_step=2 updates of 2 rows per rank
+    got = torch.cat([*step0[1], *step1[1]])
+    torch.testing.assert_close(got, torch.tensor(want, dtype=torch.float32), rtol=1e-6, atol=1e-6)
+    group = reference_advantages("group", step_rewards, 4)
+    assert not torch.allclose(got, torch.tensor(group, dtype=torch.float32), atol=1e-3), "rewards too uniform"
     rows = GROUP * PROMPTS
     for name in NAMES:
         for dp in (1, 2):
