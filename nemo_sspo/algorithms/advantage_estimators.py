@@ -22,13 +22,17 @@ Built-ins (B rows, G responses per prompt, prompt k owning rows ``k G .. k G + G
 - ``group``: GRPO's group-normalised advantage (``group_advantages``; DeepSeekMath arXiv 2402.03300
   sec. 4.1.2), ``(r_i - mean_g r) / (std_g r + eps)`` with the population std, or ``r_i - mean_g r``
   when the loss sets ``advantage_std_normalisation: false`` (Dr. GRPO, arXiv 2503.20783).
-- ``leave_one_out``: RLOO (Ahmadian et al. 2024, "Back to Basics", arXiv 2402.14740, sec. 3.2, the
-  REINFORCE leave-one-out estimator of Kool et al. 2019): ``A_i = r_i - (1 / (G - 1)) sum_{j != i} r_j``
-  over the prompt's group, i.e. ``G / (G - 1) (r_i - mean_g r)``. No std normalisation.
-- ``batch_std``: group mean, batch std (REINFORCE++-baseline, Hu et al. 2025, arXiv 2501.03262,
-  sec. 3: subtract the prompt group's mean reward, then normalise by the global batch's std):
-  ``A'_i = r_i - mean_g r``, ``A_i = A'_i / (std_b A' + eps)``, std_b the population std of A' over
-  the optimizer batch ``b`` (its mean is 0 up to rounding, every group being centred). We
+- ``leave_one_out``: RLOO (Ahmadian et al. 2024, "Back to Basics: Revisiting REINFORCE Style
+  Optimization for Learning from Human Feedback in LLMs", arXiv 2402.14740: the RLOO estimator, whose
+  baseline for sample i is the mean reward of the other k - 1 samples, after Kool et al. 2019):
+  ``A_i = r_i - (1 / (G - 1)) sum_{j != i} r_j`` over the prompt's group, i.e.
+  ``G / (G - 1) (r_i - mean_g r)``. No std normalisation (the paper's 1/k average over the samples
+  is the loss's aggregation).
+- ``batch_std``: group mean, batch std (REINFORCE++ with baseline, Hu et al. 2025, "REINFORCE++:
+  Stabilizing Critic-Free Policy Optimization with Global Advantage Normalization", arXiv 2501.03262:
+  subtract the prompt group's mean reward, then divide by the std of those centred rewards over the
+  global batch): ``A'_i = r_i - mean_g r``, ``A_i = A'_i / (std_b A' + eps)``, std_b the population std
+  of A' over the optimizer batch ``b`` (its mean is 0 up to rounding, every group being centred). We
   normalise per response (a response weighs one in the std), not per token as OpenRLHF does.
 - ``critic``: SPPO's ``A_i = r_i - sigmoid(V(x_i))`` (``nemo_sspo.algorithms.critic``), V the learned
   prompt value; the host runs the critic and passes its logits.
