@@ -11,8 +11,8 @@ Terms per rank of a pipeline stage (the per-tensor sources are in :mod:`nemo_ssp
 * ``policy weights``, ``policy gradients``, ``policy optimizer``: :func:`~nemo_sspo.megatron.memory.model_state_bytes`
   (exact: equal to the built objects' bytes);
 * ``reference weights`` (a loss with ``kl_coef > 0`` keeps a frozen copy), ``critic state`` and
-  ``critic activations`` (``advantage.name=critic``, e.g. ``loss=sppo``: the critic's weights, gradients and Adam states, and one
-  critic micro-batch of prompts);
+  ``critic activations`` (``advantage.name=critic``, e.g. ``loss=sppo``: the critic's weights,
+  gradients and Adam states, and one critic micro-batch of prompts);
 * ``activations``: one micro-batch's saved activations times the micro-batches in flight under
   1F1B pipelining (``PP - stage``: stage 0 holds PP of them), plus, with ``parallel.recompute=full``,
   one recomputed chunk rebuilt during the backward;
