@@ -375,8 +375,10 @@ class AdvantageConfig:
     std over the optimizer batch: REINFORCE++-baseline, arXiv 2501.03262), ``critic`` (SPPO's
     r - sigmoid(V), trains the critic of section ``critic``). null: as the loss asks, resolved when
     the config is loaded: ``critic`` for a loss whose advantages come from the critic (``loss=sppo``),
-    ``group`` otherwise. Its statistics (group, optimizer batch or step) are summed over the
-    data-parallel ranks, so its advantages do not depend on the data-parallel size or micro-batches."""
+    ``group`` otherwise. ``loss.params.smooth_advantages=true`` (DCPO) needs ``group``: its smooth
+    standardisation then takes the group statistics' place. The estimator's statistics (group,
+    optimizer batch or step) are summed over the data-parallel ranks, so its advantages do not depend
+    on the data-parallel size, the micro-batches or ``rollout.placement``."""
 
 
 @dataclass
