@@ -469,6 +469,7 @@ DCPO_SMOOTH = AdvantageEstimator("dcpo_smooth", "step", _dcpo_smooth, masks_equa
                                  group_values=_group_mean_std, next_history=lambda groups, history: _visits(
                                      groups, history)[1])
 """DCPO's smooth standardisation (arXiv 2509.02333 sec. 4.2) as a history-keeping estimator: not a
-registered name; the trainer uses it in place of ``group`` when ``loss.params.smooth_advantages`` is on.
+registered name; a host uses it in place of ``group`` when the loss asks for the smooth standardisation
+(``LossRequirements.smooth_advantages``).
 Groups whose rewards are all equal keep ``z_cum`` (DCPO's point), so ``masks_equal_groups`` is off."""
 _check_estimator(DCPO_SMOOTH)
