@@ -1,10 +1,20 @@
 """Pure-torch algorithms: segmentation, segment ratios, clip bounds, advantages, aggregation, KL
-estimators, DAPO's group selection and overlong shaping, and the policy-loss registry. No process
-groups, no Megatron, no Hydra: usable in any GRPO loop.
+estimators, DAPO's group selection and overlong shaping, the advantage-estimator and policy-loss
+registries. No process groups, no Megatron, no Hydra: usable in any GRPO loop.
 
 Shape letters: B responses (rows), T response positions, V vocabulary, G responses per prompt.
 """
 
+from nemo_sspo.algorithms.advantage_estimators import (
+    ADVANTAGE_SCOPES,
+    AdvantageEstimator,
+    AdvantageInputs,
+    ScopeStats,
+    advantage_estimator_names,
+    estimate_advantages,
+    get_advantage_estimator,
+    register_advantage_estimator,
+)
 from nemo_sspo.algorithms.advantages import (
     PromptRewardStats,
     group_advantages,
@@ -34,19 +44,26 @@ from nemo_sspo.algorithms.segmentation import (
 )
 
 __all__ = [
+    "ADVANTAGE_SCOPES",
     "AGGREGATION_MODES",
     "KL_ESTIMATORS",
     "LOG_RATIO_CLAMP",
     "LOWER_BOUND_RULES",
     "SEGMENTATIONS",
+    "AdvantageEstimator",
+    "AdvantageInputs",
     "LossInputs",
     "PolicyLoss",
     "PolicyLossConfig",
     "PromptRewardStats",
+    "ScopeStats",
     "SegmentTables",
+    "advantage_estimator_names",
     "aggregate",
     "build_segment_tables",
     "entropy_adaptive_bounds",
+    "estimate_advantages",
+    "get_advantage_estimator",
     "compute_policy_loss",
     "group_advantages",
     "kl_estimate",
@@ -54,6 +71,7 @@ __all__ = [
     "make_policy_loss",
     "policy_loss_names",
     "policy_loss_sums",
+    "register_advantage_estimator",
     "segment_ids",
     "segment_mean",
     "select_nonzero_variance_groups",

@@ -30,6 +30,7 @@ from typing import Any, Callable, get_type_hints
 
 from hydra.core.config_store import ConfigStore
 
+from nemo_sspo.algorithms.advantage_estimators import get_advantage_estimator
 from nemo_sspo.algorithms.losses import (
     SSPOLossConfig,
     build_policy_loss_config,
@@ -57,6 +58,7 @@ __all__ = [
     "RewardConfig",
     "OptimConfig",
     "LossSection",
+    "AdvantageConfig",
     "CriticConfig",
     "TrainerConfig",
     "TrainConfig",
@@ -68,6 +70,7 @@ __all__ = [
     "build_loss_config",
     "register_config_nodes",
     "resolve_loss_settings",
+    "advantage_estimator_name",
     "schema",
     "at_key",
 ]
@@ -274,7 +277,9 @@ class RolloutConfig:
     all equal (before overlong shaping; DAPO filters on accuracy) with a fresh prompt until each of the
     step's groups has task-reward variance or ``max_sampling_rounds`` rounds have run (see
     ``nemo_sspo.trainer.sampling``). null: as the loss asks (``LossRequirements.dynamic_sampling``: on
-    for ``loss=dapo``, off otherwise), resolved when the config is loaded; true/false force it."""
+    for ``loss=dapo``, off otherwise), resolved when the config is loaded; true/false force it. The refilled
+    groups are those the advantage estimator gives advantage 0 (``masks_equal_groups``), so true is
+    refused with ``advantage.name=critic``."""
     max_sampling_rounds: int = 8
     """Generation rounds per step with ``dynamic_sampling`` (the first included). At the limit the step
     trains on the full batch, the groups still without variance taking advantage 0, and says so."""
@@ -355,16 +360,34 @@ class LossSection:
     """That loss's own config dataclass (its schema comes with the group ``loss=<name>``; e.g.
     ``loss.params.gamma``, ``aggregation``, ``segmentation``, ``kl_coef``). The trainer also reads ``segmentation`` / ``segment_k`` (segment
     ids), ``advantage_std_normalisation`` (group advantages), ``kl_coef`` (> 0 keeps a frozen
-    reference policy) and the loss's ``advantage_source`` (``critic`` trains the SPPO critic)."""
+    reference policy) and the loss's ``advantage_source`` (``critic``: ``advantage.name`` resolves to
+    ``critic``, which trains the SPPO critic)."""
+
+
+@dataclass
+class AdvantageConfig:
+    """``advantage``: the registered advantage estimator (``nemo_sspo.algorithms.advantage_estimators``)."""
+
+    name: str | None = None
+    """Registered estimator (``advantage_estimator_names()``; a ``plugins`` module may add one):
+    ``group`` (GRPO's group-normalised advantage; ``loss.params.advantage_std_normalisation`` switches
+    the std, off for Dr. GRPO), ``leave_one_out`` (RLOO, arXiv 2402.14740), ``batch_std`` (group mean,
+    std over the optimizer batch: REINFORCE++-baseline, arXiv 2501.03262), ``critic`` (SPPO's
+    r - sigmoid(V), trains the critic of section ``critic``). null: as the loss asks, resolved when
+    the config is loaded: ``critic`` for a loss whose advantages come from the critic (``loss=sppo``),
+    ``group`` otherwise. ``loss.params.smooth_advantages=true`` (DCPO) needs ``group``: its smooth
+    standardisation then takes the group statistics' place. The estimator's statistics (group,
+    optimizer batch or step) are summed over the data-parallel ranks, so its advantages do not depend
+    on the data-parallel size, the micro-batches or ``rollout.placement``."""
 
 
 @dataclass
 class CriticConfig:
-    """``critic``: the SPPO critic (read by losses whose advantage source is the critic)."""
+    """``critic``: the SPPO critic (read with ``advantage.name=critic``, which ``loss=sppo`` resolves to)."""
 
     source: str | None = None
     """Checkpoint of the SPPO critic's trunk (as ``model.source``; same tokenizer as the policy); null =
-    ``model.source``. Read only by losses whose ``advantage_source`` is ``critic`` (``loss=sppo``)."""
+    ``model.source``. Read only with ``advantage.name=critic`` (``loss=sppo``)."""
     num_layers: int | None = None
     """Keep only the first N decoder layers of ``source`` (a smaller critic); null = all of them."""
     micro_batch_size: int = 2
@@ -488,11 +511,12 @@ class TrainConfig:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     critic: CriticConfig = field(default_factory=CriticConfig)
+    advantage: AdvantageConfig = field(default_factory=AdvantageConfig)
     plugins: list[str] = field(default_factory=list)
     """Python modules (dotted names on ``sys.path``, or ``.py`` file paths) imported before the config
-    is composed, so that the losses, rewards, rollout engines and prompt sources they register can be
-    selected (``plugins=[my_lab.losses] loss=my_loss``); installed packages can instead declare an
-    entry point in the group ``nemo_sspo.plugins`` (:mod:`nemo_sspo.trainer.plugins`)."""
+    is composed, so that the losses, rewards, rollout engines, advantage estimators and prompt sources
+    they register can be selected (``plugins=[my_lab.losses] loss=my_loss``); installed packages can
+    instead declare an entry point in the group ``nemo_sspo.plugins`` (:mod:`nemo_sspo.trainer.plugins`)."""
     entry_point_plugins: list[str] = field(default_factory=list)
     """Recorded, not chosen: the entry points of the group ``nemo_sspo.plugins`` that
     :func:`nemo_sspo.cli.load_config` imported, as ``"<name> = <module> (<distribution> <version>)"``,
@@ -501,14 +525,19 @@ class TrainConfig:
 
 
 def resolve_loss_settings(cfg: TrainConfig) -> None:
-    """Fill the settings left null for the loss to decide (``rollout.dynamic_sampling``), in place.
+    """Fill the settings left null for the loss to decide (``rollout.dynamic_sampling``,
+    ``advantage.name``), in place.
 
     Raises:
         ValueError: unknown ``loss.name`` (lists the registered ones).
     """
-    if cfg.rollout.dynamic_sampling is None:
+    if cfg.rollout.dynamic_sampling is None or cfg.advantage.name is None:
         record = at_key("loss.", lambda: get_policy_loss(cfg.loss.name))
-        cfg.rollout.dynamic_sampling = record.requirements(build_loss_config(cfg.loss)).dynamic_sampling
+        needs = record.requirements(build_loss_config(cfg.loss))
+        if cfg.rollout.dynamic_sampling is None:
+            cfg.rollout.dynamic_sampling = needs.dynamic_sampling
+        if cfg.advantage.name is None:
+            cfg.advantage.name = "critic" if needs.advantage_source == "critic" else "group"
 
 
 def build_loss_config(section: LossSection) -> Any:
@@ -823,8 +852,58 @@ def _validate_micro_batches(par: ParallelConfig, responses: int, dp: int, miniba
     )
 
 
+def advantage_estimator_name(cfg: TrainConfig) -> str:
+    """``advantage.name``, or for null what :func:`resolve_loss_settings` resolves it to.
+
+    Raises:
+        ValueError: unknown ``loss.name``.
+    """
+    if cfg.advantage.name is not None:
+        return cfg.advantage.name
+    record = at_key("loss.", lambda: get_policy_loss(cfg.loss.name))
+    return "critic" if record.advantage_source == "critic" else "group"
+
+
+def _validate_advantage(cfg: TrainConfig, loss_config: Any):
+    """``advantage.name`` against the loss (its advantage source, std switch, DCPO's smooth
+    standardisation), the group size and dynamic sampling; returns the estimator.
+    """
+    name = advantage_estimator_name(cfg)
+    estimator = at_key("advantage.", lambda: get_advantage_estimator(name))
+    needs = get_policy_loss(cfg.loss.name).requirements(loss_config)
+    loss_key = f"loss={cfg.loss.name}"
+    if needs.advantage_source == "critic":
+        _require(estimator.needs_critic,
+                 f"advantage.name={name!r} with {loss_key}: the loss takes its advantages from the critic "
+                 f"(advantage source 'critic'); remove advantage.name (it then resolves to critic) or set "
+                 f"advantage.name=critic")
+    else:
+        _require(not estimator.needs_critic,
+                 f"advantage.name={name!r} trains a critic, but {loss_key} uses group-relative advantages "
+                 f"(only losses with advantage source 'critic', e.g. loss=sppo, read it); remove advantage.name "
+                 f"or choose loss=sppo")
+    _require(not needs.smooth_advantages or name == "group",
+             f"loss.params.smooth_advantages=true (DCPO's smooth standardisation of the group statistics) "
+             f"with advantage.name={name!r}: the smooth standardisation replaces the group estimator; set "
+             f"advantage.name=group or loss.params.smooth_advantages=false")
+    _require(estimator.std != "always" or needs.normalize_std,
+             f"advantage.name={name!r} divides by a standard deviation, but loss.params."
+             f"advantage_std_normalisation=false asks for none; set advantage.name=group (r - mean, as "
+             f"Dr. GRPO) or loss.params.advantage_std_normalisation=true")
+    group = cfg.rollout.samples_per_prompt
+    _require(group >= estimator.min_group_size,
+             f"rollout.samples_per_prompt={group} is below the {estimator.min_group_size} responses per "
+             f"prompt that advantage.name={name!r} needs (a group of one response gets advantage 0 from a "
+             f"group baseline); use >= {estimator.min_group_size}, or loss=sppo (its critic is the baseline)")
+    _require(not cfg.rollout.dynamic_sampling or estimator.masks_equal_groups,
+             f"rollout.dynamic_sampling=true refills the prompt groups whose task rewards are all equal "
+             f"because their advantage is 0, but advantage.name={name!r} gives them a non-zero advantage; "
+             "set rollout.dynamic_sampling=false")
+    return estimator
+
+
 def _validate_sampling_and_critic(cfg: TrainConfig, dp: int, loss_config: Any) -> None:
-    """Dynamic sampling, overlong shaping and the SPPO critic, against the loss's advantage source."""
+    """Dynamic sampling, overlong shaping and the SPPO critic, against the advantage estimator."""
     ro, rw, cr = cfg.rollout, cfg.reward, cfg.critic
     _require(ro.max_sampling_rounds >= 1, "rollout.max_sampling_rounds must be >= 1")
     _require(not ro.dynamic_sampling or ro.samples_per_prompt >= 2,
@@ -834,10 +913,7 @@ def _validate_sampling_and_critic(cfg: TrainConfig, dp: int, loss_config: Any) -
              f"reward.overlong_buffer_len={rw.overlong_buffer_len} must be in [0, rollout.max_new_tokens="
              f"{ro.max_new_tokens}] (0 disables overlong shaping)")
     _require(rw.overlong_penalty >= 0, "reward.overlong_penalty must be >= 0")
-    if get_policy_loss(cfg.loss.name).requirements(loss_config).advantage_source != "critic":
-        _require(ro.samples_per_prompt >= 2,
-                 f"rollout.samples_per_prompt=1 gives every response advantage 0 with the group-relative "
-                 f"advantages of loss '{cfg.loss.name}'; use >= 2, or loss=sppo (its critic is the baseline)")
+    if not _validate_advantage(cfg, loss_config).needs_critic:
         return
     prompts_per_rank = ro.prompts_per_step // dp
     _require(rw.overlong_buffer_len == 0,

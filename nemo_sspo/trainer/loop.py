@@ -3,8 +3,9 @@
 One step reads top to bottom as named phases::
 
     sample prompts -> generate (rollout engine, current weights) -> score (the reward)
-    [-> refill zero-variance groups: DAPO dynamic sampling] -> advantages (group-relative, or
-    r - sigmoid(V) from the SPPO critic) -> segment ids (the loss's segmentation) -> old (and
+    [-> refill zero-variance groups: DAPO dynamic sampling] -> advantages (the estimator
+    ``advantage.name``: group-relative, leave-one-out, batch std, r - sigmoid(V) from the SPPO critic,
+    or a plug-in's) -> segment ids (the loss's segmentation) -> old (and
     reference) log-probs/entropy (Megatron, forward only) -> mini-batch updates -> critic update
     -> refit (Megatron -> rollout engine) -> metrics
 
@@ -19,8 +20,9 @@ What the loss config asks of the trainer (:class:`nemo_sspo.algorithms.losses.Po
 advantage; DCPO's ``smooth_advantages`` mixes each prompt's group statistics with those of its
 earlier visits (a per-prompt history kept identical on every rank and saved in checkpoints);
 ``kl_coef > 0`` keeps a frozen Megatron copy of the initial policy and adds its ``ref_logprobs`` to
-the batch (nothing is built when it is 0); ``advantage_source == "critic"`` trains the SPPO critic
-(:mod:`nemo_sspo.trainer.critic`).
+the batch (nothing is built when it is 0). ``advantage.name`` (:mod:`nemo_sspo.algorithms.advantage_estimators`;
+null resolves from the loss's ``advantage_source``) picks the advantage estimator; ``critic`` trains the
+SPPO critic (:mod:`nemo_sspo.trainer.critic`).
 
 Around the steps: ``rollout.correction`` multiplies each token's loss by an importance weight of
 pi_old / pi_rollout, truncated or masked (:mod:`nemo_sspo.algorithms.off_policy`);
@@ -49,13 +51,11 @@ import torch.distributed as dist
 
 from nemo_sspo.algorithms import (
     PromptRewardStats,
-    group_advantages,
     segment_ids,
-    smooth_group_advantages,
     zero_variance_groups,
 )
+from nemo_sspo.algorithms.advantage_estimators import DCPO_SMOOTH, AdvantageInputs, get_advantage_estimator
 from nemo_sspo.algorithms.batch import PolicyBatch, concat_policy_batches, pack_critic_batch
-from nemo_sspo.algorithms.critic import critic_advantages
 from nemo_sspo.algorithms.losses import make_policy_loss
 from nemo_sspo.algorithms.off_policy import effective_sample_size, off_policy_weights
 from nemo_sspo.algorithms.segmentation import TABLE_FREE_SEGMENTATIONS, build_segment_tables
@@ -91,6 +91,7 @@ from nemo_sspo.models import load_hf_checkpoint
 from nemo_sspo.models.hf_checkpoint import SOURCES, resolve_model_dir
 from nemo_sspo.models.hf_folder import stop_token_ids
 from nemo_sspo.metrics import MetricPair, mean_pair, merge_metric_sums
+from nemo_sspo.parallel.advantage_scope import data_parallel_advantages
 from nemo_sspo.parallel.data_balance import balance_across_data_parallel
 from nemo_sspo.parallel.metrics import collective_device, reduce_metric_sums
 from nemo_sspo.rewards import Reward, build_reward
@@ -107,6 +108,7 @@ from nemo_sspo.trainer.checkpoint import (
 from nemo_sspo.trainer.config import (
     ParallelConfig,
     TrainConfig,
+    advantage_estimator_name,
     at_key,
     build_loss_config,
     micro_batch_layout,
@@ -320,7 +322,10 @@ class GRPOTrainer:
         # R3: the engine's routes of this stage's MoE layers become the batch's routes.
         self.route_layers = stage_moe_layers(self.model) if cfg.model.router_replay == "r3" else None
         self.ref_model = self._build_reference(state_dict) if needs.reference_policy else None
-        self.critic = self._build_critic(state_dict) if needs.advantage_source == "critic" else None
+        # DCPO's smooth standardisation takes the place of advantage.name=group (checked at load).
+        self.estimator = DCPO_SMOOTH if needs.smooth_advantages else get_advantage_estimator(
+            advantage_estimator_name(cfg))
+        self.critic = self._build_critic(state_dict) if self.estimator.needs_critic else None
         self.is_generator = self.groups.mp_rank == 0 and split is None
         self.engine = self.reward = self.sampler = None
         if self.is_generator:
@@ -414,46 +419,37 @@ class GRPOTrainer:
     def compute_advantages(self, rollout: Rollout) -> tuple[torch.Tensor, dict[str, MetricPair]]:
         """``[B]`` float32 advantages and their metric pairs.
 
-        Group-relative (``group_advantages``, std normalisation per the loss config), or DCPO's smooth
-        standardisation over each prompt's visits (:meth:`_smooth_advantages`) when the loss asks for
-        it, or for a critic loss A = r - sigmoid(V(prompt)) with the critic before its update
+        By the estimator ``advantage.name`` (:mod:`nemo_sspo.algorithms.advantage_estimators`), its scope
+        statistics summed over the data-parallel ranks (collective for optimizer-batch and step scopes;
+        :func:`nemo_sspo.parallel.advantage_scope.data_parallel_advantages`), before the rows are split
+        into mini- and micro-batches. DCPO's smooth standardisation (``DCPO_SMOOTH``, in place of
+        ``group`` when the loss asks for it) gathers the step's groups of every data-parallel rank in
+        slot order, so each rank's per-prompt history takes the same updates in the same order, whatever
+        the data-parallel size. The critic estimator reads V(prompt) from the critic before its update
         (collective over the critic's layout; ranks off the last pipeline stage, which never read
         advantages, get 0).
         """
         group = self.cfg.rollout.samples_per_prompt
-        if self.critic is None:
-            needs = self.loss.requirements
-            if needs.smooth_advantages:
-                advantages = self._smooth_advantages(rollout)
-            else:
-                # Groups with equal task rewards carry no signal whatever their shaped rewards (the
-                # dynamic-sampling filter and its round-limit warning rely on this; config: reward).
-                advantages, _ = group_advantages(rollout.rewards, group, task_rewards=rollout.task_rewards,
-                                                 normalize_std=needs.normalize_std)
-            zero = zero_variance_groups(rollout.task_rewards, group)
-            return advantages, {"advantages/zero_variance_group_frac": mean_pair(float(zero.sum()), zero.numel())}
-        value_logits = self.critic.predict(self._critic_batch(rollout))
-        if value_logits is None:
-            return torch.zeros_like(rollout.rewards), {}
-        return critic_advantages(rollout.rewards, value_logits, group), {}
-
-    def _smooth_advantages(self, rollout: Rollout) -> torch.Tensor:
-        """This rank's rows of DCPO's smooth standardisation (``smooth_group_advantages``).
-
-        Every rank runs it over the step's groups of all data-parallel ranks, gathered in slot order
-        (collective over the data-parallel group), so each rank's history takes the same updates in
-        the same order, whatever the data-parallel size.
-        """
-        keys, rewards, g = rollout.prompt_keys, rollout.rewards.tolist(), self.groups
-        if g.dp_size > 1:
-            parts = [None] * g.dp_size
-            dist.all_gather_object(parts, (keys, rewards), group=g.dp_group)
-            keys, rewards = [k for ks, _ in parts for k in ks], [r for _, rs in parts for r in rs]
-        advantages, self.advantage_history = smooth_group_advantages(
-            torch.tensor(rewards, dtype=torch.float32), self.cfg.rollout.samples_per_prompt, keys,
-            self.advantage_history, normalize_std=self.loss.requirements.normalize_std)
-        rows = rollout.rewards.numel()
-        return advantages[g.dp_rank * rows:(g.dp_rank + 1) * rows]
+        needs, estimator, g = self.loss.requirements, self.estimator, self.groups
+        value_logits = None
+        if estimator.needs_critic:
+            value_logits = self.critic.predict(self._critic_batch(rollout))
+            if value_logits is None:
+                return torch.zeros_like(rollout.rewards), {}
+        # Groups with equal task rewards carry no signal whatever their shaped rewards (the
+        # dynamic-sampling filter and its round-limit warning rely on this; config: reward).
+        inputs = AdvantageInputs(rollout.rewards, rollout.task_rewards, group, normalize_std=needs.normalize_std,
+                                 value_logits=value_logits, prompt_keys=rollout.prompt_keys,
+                                 history=self.advantage_history)
+        advantages, history = data_parallel_advantages(
+            estimator, inputs, minibatches=self.cfg.trainer.minibatches_per_step, dp_group=g.dp_group,
+            dp_size=g.dp_size)
+        if history is not None:
+            self.advantage_history = history
+        if estimator.needs_critic:
+            return advantages, {}
+        zero = zero_variance_groups(rollout.task_rewards, group)
+        return advantages, {"advantages/zero_variance_group_frac": mean_pair(float(zero.sum()), zero.numel())}
 
     def _critic_batch(self, rollout: Rollout):
         """The critic's prompts and BCE targets (the 0/1 task rewards)."""
@@ -692,7 +688,7 @@ class GRPOTrainer:
         box = [self.problems_drawn]  # of the step just trained (later steps may be in flight); rank 0 generates
         dist.broadcast_object_list(box, src=0)
         history = None
-        if self.loss.requirements.smooth_advantages:
+        if self.estimator.next_history is not None:  # DCPO's smooth standardisation, or a plug-in's history
             history = {key: [st.visits, st.mean, st.std] for key, st in self.advantage_history.items()}
         state = TrainerState(step=step, problems_drawn=box[0], seed=tr.seed, world_size=dist.get_world_size(),
                              best_eval_mean=self.best.mean, best_eval_step=self.best.step,
@@ -715,10 +711,11 @@ class GRPOTrainer:
             self.sampler.fast_forward(state.problems_drawn)
         self.completed_steps = state.step
         self.best = BestEval(state.best_eval_mean, state.best_eval_step)
-        if self.loss.requirements.smooth_advantages:
+        if self.estimator.next_history is not None:
             if state.advantage_history is None and dist.get_rank() == 0:
                 logger.warning("checkpoint %s holds no per-prompt reward history (written without "
-                               "loss.params.smooth_advantages): every prompt restarts at its first visit", path)
+                               "loss.params.smooth_advantages or a history-keeping advantage.name): every "
+                               "prompt restarts at its first visit", path)
             self.advantage_history = {key: PromptRewardStats(int(visits), float(mean), float(std))
                                       for key, (visits, mean, std) in (state.advantage_history or {}).items()}
         self.source.start(state.step, state.problems_drawn)  # the rollout side takes the restored weights

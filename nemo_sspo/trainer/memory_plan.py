@@ -11,8 +11,8 @@ Terms per rank of a pipeline stage (the per-tensor sources are in :mod:`nemo_ssp
 * ``policy weights``, ``policy gradients``, ``policy optimizer``: :func:`~nemo_sspo.megatron.memory.model_state_bytes`
   (exact: equal to the built objects' bytes);
 * ``reference weights`` (a loss with ``kl_coef > 0`` keeps a frozen copy), ``critic state`` and
-  ``critic activations`` (``loss=sppo``: the critic's weights, gradients and Adam states, and one
-  critic micro-batch of prompts);
+  ``critic activations`` (``advantage.name=critic``, e.g. ``loss=sppo``: the critic's weights,
+  gradients and Adam states, and one critic micro-batch of prompts);
 * ``activations``: one micro-batch's saved activations times the micro-batches in flight under
   1F1B pipelining (``PP - stage``: stage 0 holds PP of them), plus, with ``parallel.recompute=full``,
   one recomputed chunk rebuilt during the backward;
@@ -42,7 +42,9 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from nemo_sspo.algorithms.advantage_estimators import get_advantage_estimator
 from nemo_sspo.megatron.memory import activation_bytes, model_state_bytes, rank_parameters
+from nemo_sspo.trainer.config import advantage_estimator_name
 
 __all__ = ["GIB", "PROMPT_ALLOWANCE", "MemoryPlan", "StagePlan", "check_memory_plan", "format_memory_plan",
            "gpu_memory_gib", "memory_plan", "plan_for_config"]
@@ -174,7 +176,7 @@ def memory_plan(cfg: Any, hf_config: Any, *, world_size: int, gpu_gib: float | N
     impl = _impl(cfg, gpu_bytes is not None)
     tokens, rows, width = _sequence_shape(cfg, hf_config)
     kl = getattr(cfg.loss.params, "kl_coef", 0.0) or 0.0
-    critic = cfg.loss.name == "sppo" or getattr(cfg.loss.params, "advantage_source", None) == "critic"
+    critic = get_advantage_estimator(advantage_estimator_name(cfg)).needs_critic  # the SPPO critic's own model
     vocab_local = math.ceil(hf_config.vocab_size / (128 * tp)) * 128
     total_params = sum(p.numel for p in rank_parameters(hf_config, tp=1, pp=1, ep=1))
     stages = []

@@ -3,7 +3,8 @@
 A plugin is any Python module whose import registers something: a policy loss
 (:func:`nemo_sspo.algorithms.losses.register_policy_loss`), a reward
 (:func:`nemo_sspo.rewards.register_reward`), a rollout engine
-(:func:`nemo_sspo.rollout.register_rollout_engine`) or a prompt source. It is named by the config key
+(:func:`nemo_sspo.rollout.register_rollout_engine`), an advantage estimator
+(:func:`nemo_sspo.algorithms.advantage_estimators.register_advantage_estimator`) or a prompt source. It is named by the config key
 ``plugins`` (a dotted module name on ``sys.path``, or the path of a ``.py`` file), or declared by an
 installed package as an entry point of the group :data:`ENTRY_POINT_GROUP`; see docs/extending.md.
 """

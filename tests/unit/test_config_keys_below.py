@@ -12,7 +12,7 @@ from tests.unit.test_docs import _config_key_exists
 
 ROOT = Path(__file__).resolve().parents[2]
 LOWER_LAYERS = ("metrics", "algorithms", "parallel", "megatron", "models", "data", "rewards", "rollout", "evaluation")
-_KEY = re.compile(r"\b((?:model|parallel|data|rollout|reward|optim|loss|trainer|eval|critic)\.[a-z_]+(?:\.[a-z_]+)*)")
+_KEY = re.compile(r"\b((?:model|parallel|data|rollout|reward|optim|loss|trainer|eval|critic|advantage)\.[a-z_]+(?:\.[a-z_]+)*)")
 # Files still holding YAML keys, with how many lines do: the micro-batch, model-build, packing and
 # vLLM modules (work in flight elsewhere) and the eval command's own config reader. The count may
 # only go down; a file not listed may hold none.

@@ -15,6 +15,7 @@ from typing import get_type_hints
 import pytest
 import torch
 
+from nemo_sspo.algorithms.advantage_estimators import advantage_estimator_names, unregister_advantage_estimator
 from nemo_sspo.algorithms.losses import LossInputs, compute_policy_loss, get_policy_loss, policy_loss_names
 from nemo_sspo.cli import DEFAULT_CONFIG_DIR, load_config
 from nemo_sspo.data import SOURCE_OPTIONS
@@ -138,7 +139,8 @@ def guide_files(tmp_path):
     files = _extending_files()
     for name, body in files.items():
         (tmp_path / name).write_text(body)
-    before = (set(policy_loss_names()), set(reward_names()), set(rollout_engine_names()), set(SOURCE_OPTIONS))
+    before = (set(policy_loss_names()), set(reward_names()), set(rollout_engine_names()), set(SOURCE_OPTIONS),
+              set(advantage_estimator_names()))
     yield {name: tmp_path / name for name in files}
     from nemo_sspo.algorithms.losses import unregister_policy_loss
     from nemo_sspo.data import PROMPT_SOURCES
@@ -151,12 +153,26 @@ def guide_files(tmp_path):
         unregister_rollout_engine(name)
     for name in set(SOURCE_OPTIONS) - before[3]:
         del SOURCE_OPTIONS[name], PROMPT_SOURCES[name]
+    for name in set(advantage_estimator_names()) - before[4]:
+        unregister_advantage_estimator(name)
     for name in files:
         sys.modules.pop(f"nemo_sspo_plugin_{Path(name).stem}", None)
 
 
 def test_the_guide_has_a_file_for_each_seam():
-    assert set(_extending_files()) == {"my_loss.py", "my_reward.py", "my_prompts.py", "my_engine.py"}
+    assert set(_extending_files()) == {"my_loss.py", "my_reward.py", "my_prompts.py", "my_engine.py",
+                                       "my_advantage.py"}
+
+
+def test_guide_advantage_estimator_is_selectable_and_has_its_documented_value(guide_files):
+    from nemo_sspo.algorithms.advantage_estimators import AdvantageInputs, estimate_advantages, get_advantage_estimator
+
+    cfg = load_config(overrides=[f"plugins=[{guide_files['my_advantage.py']}]", "advantage.name=positive_rate"])
+    assert cfg.advantage.name == "positive_rate"
+    # The guide's hand value: N = 8, N+ = 3 -> alpha = 8/3 times [3/4, -1/4 x 3, 1/2, 1/2, -1/2, -1/2].
+    rewards = torch.tensor([1.0, 0.0, 0.0, 0.0, 1.0, 1.0, 0.0, 0.0])
+    adv = estimate_advantages(get_advantage_estimator("positive_rate"), AdvantageInputs(rewards, rewards, 4))
+    torch.testing.assert_close(adv, torch.tensor([2.0, -2 / 3, -2 / 3, -2 / 3, 4 / 3, 4 / 3, -4 / 3, -4 / 3]))
 
 
 def test_guide_loss_is_selectable_and_has_its_documented_value(guide_files):
@@ -329,7 +345,7 @@ def test_the_guide_commands_compose(guide_files):
     # Each `nemo-sspo train` command of docs/extending.md, with $PWD the folder holding the guide's files.
     folder = next(iter(guide_files.values())).parent
     commands = [c for c in _commands((ROOT / "docs" / "extending.md").read_text()) if _overrides(c) is not None]
-    assert len(commands) == 6
+    assert len(commands) == 7
     for command in commands:
         overrides = [item.replace("$PWD", str(folder)) for item in _overrides(command.replace("{tolerance: 0.5}",
                                                                                              "{tolerance:0.5}"))]

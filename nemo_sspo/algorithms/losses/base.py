@@ -100,7 +100,9 @@ class PolicyLossConfig:
     """Reduction mode passed to ``aggregate`` (one of ``AGGREGATION_MODES``)."""
     advantage_std_normalisation: bool = True
     """Read by the trainer: divide group-centred rewards by the group std (GRPO) or not (Dr. GRPO);
-    passed as ``group_advantages(..., normalize_std=...)``."""
+    passed as ``group_advantages(..., normalize_std=...)`` by the ``group`` advantage estimator (and
+    DCPO's smooth standardisation). ``batch_std`` needs it true; ``leave_one_out`` and ``critic`` do
+    not read it (``nemo_sspo.algorithms.advantage_estimators.STD_RULES``)."""
     kl_coef: float = 0.0
     """Weight of the per-token KL(pi_theta || pi_ref) penalty; > 0 needs ``ref_logprobs``."""
     kl_estimator: str = "k3"
