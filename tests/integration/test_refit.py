@@ -107,14 +107,14 @@ def test_non_finite_gradient_stops_the_run_and_keeps_the_last_good_policy(monkey
     ])
     trainer = loop.GRPOTrainer(cfg, loop.start_parallel(cfg.parallel, cfg.trainer.seed), reward=_ParityReward())
     try:
-        refit = trainer.refit
+        refit = trainer.source.push_weights
         good = {}
 
         def refit_and_keep():  # the policy after each completed step, as exported for the refit
             refit()
             good["policy"] = export_hf_state_dict(trainer.model.module, trainer.hf_config)
 
-        trainer.refit = refit_and_keep
+        trainer.source.push_weights = refit_and_keep
         with pytest.raises(FloatingPointError, match="mini-batch 1"):
             trainer.fit()
         after_bad_update = export_hf_state_dict(trainer.model.module, trainer.hf_config)
