@@ -5,21 +5,11 @@ subprocess timeout is only the harness's safety net."""
 
 import json
 import os
-import socket
 import subprocess
-import sys
 import time
-from pathlib import Path
 
 from tests.integration._hung_rollout_worker import PEER_TIMEOUT_S
-
-REPO = Path(__file__).resolve().parents[2]
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+from tests.integration._launch import REPO, TORCHRUN, free_port, launch_env
 
 
 def _alive(pid: int) -> bool:
@@ -31,10 +21,9 @@ def _alive(pid: int) -> bool:
 
 
 def test_hung_rollout_rank_ends_the_run_within_the_peer_timeout(tmp_path):
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO)}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(_free_port()),
+    cmd = [*TORCHRUN, "--nproc-per-node", "2", "--master-port", str(free_port()),
            "-m", "tests.integration._hung_rollout_worker", str(tmp_path)]
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=240)
+    proc = subprocess.run(cmd, cwd=REPO, env=launch_env(), capture_output=True, text=True, timeout=240)
     assert proc.returncode != 0, proc.stderr[-3000:]
     failure = json.loads((tmp_path / "failure.json").read_text())
     assert failure["step"] == 2

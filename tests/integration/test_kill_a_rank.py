@@ -7,15 +7,13 @@ update of step 2 begins (``_fault_plugin.py``), rank 0 being inside the update's
 """
 
 import json
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from tests.integration._launch import REPO, TORCHRUN, free_port, launch_env
 from tests.integration._loop_runs import PARITY_REWARD, TINY
-from tests.integration.test_hung_rollout_rank import REPO, _free_port
 
 PLUGIN = Path(__file__).with_name("_fault_plugin.py")
 LAUNCH = [*TINY, "rollout.prompts_per_step=4", "trainer.checkpoint_interval=1", f"reward.name={PARITY_REWARD}",
@@ -23,11 +21,10 @@ LAUNCH = [*TINY, "rollout.prompts_per_step=4", "trainer.checkpoint_interval=1", 
 
 
 def _launch(out: Path, *overrides: str, fault: bool = False) -> subprocess.CompletedProcess:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO),
-           "NEMO_SSPO_TEST_SIGNAL_MARKER": str(out.parent / f"{out.name}_killed")}
+    env = launch_env(NEMO_SSPO_TEST_SIGNAL_MARKER=str(out.parent / f"{out.name}_killed"))
     if fault:
         env.update(NEMO_SSPO_TEST_FAULT="kill_rank", NEMO_SSPO_TEST_FAULT_RANK="1", NEMO_SSPO_TEST_FAULT_STEP="2")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(_free_port()),
+    cmd = [*TORCHRUN, "--nproc-per-node", "2", "--master-port", str(free_port()),
            "-m", "nemo_sspo.cli", "train", *LAUNCH, f"trainer.output_dir={out}", *overrides]
     return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
 

@@ -8,29 +8,18 @@ token ratios were about 1e-5 off."""
 
 import json
 import math
-import os
-import socket
 import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+from tests.integration._launch import REPO, TORCHRUN, free_port, launch_env
 
 
 @pytest.mark.slow
 def test_tp2_and_distributed_optimizer_resume_continue_with_identical_metrics(tmp_path):
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO)}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(_free_port()),
+    cmd = [*TORCHRUN, "--nproc-per-node", "2", "--master-port", str(free_port()),
            "-m", "tests.integration._resume_worker", str(tmp_path)]
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(cmd, cwd=REPO, env=launch_env(), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     results = json.loads((tmp_path / "result.json").read_text())
     assert sorted(results) == ["dp2_distributed_optimizer", "tp2"]

@@ -3,9 +3,10 @@
 #   1. installs Debian's slurm-wlm and munge with apt (skipped when already installed),
 #   2. starts munged, slurmctld and slurmd as a one-node cluster (config in a temp dir),
 #   3. submits the CPU tiny run (model=tiny_random, 2 steps) through examples/slurm/sspo.sbatch
-#      with 2 tasks x 1 worker, as pipeline parallel PP=2 over gloo: it can only start when both
-#      Slurm tasks joined one rendezvous (world size 2; PP=2 refuses world size 1),
-#   4. waits, checks the job COMPLETED with exit code 0 and metrics.jsonl holds 2 finite steps,
+#      with 2 tasks x 1 worker, twice: as pipeline parallel PP=2 over gloo (it can only start when
+#      both Slurm tasks joined one rendezvous: PP=2 refuses world size 1), and with the separate
+#      rollout placement (1 training rank + 1 rollout rank, rollout.num_ranks=1),
+#   4. waits for each, checks it COMPLETED with exit code 0 and metrics.jsonl holds 2 finite steps,
 #   5. stops the daemons it started.
 #
 #   bash tests/slurm/run_slurm_check.sh            # PYTHON=... to pick the interpreter (default .venv)
@@ -50,7 +51,7 @@ as_root runuser -u munge -- munged --pid-file "/run/munge/munged.pid"
 pids+=("$(cat /run/munge/munged.pid)")
 munge -n | unmunge >/dev/null && log "munge works"
 
-cpus=$(nproc)
+cpus=$(nproc --all)  # all of them: plain nproc gives OMP_NUM_THREADS, and a 1-CPU node never starts 2 tasks
 mem_mb=$(( $(awk '/MemTotal/ {print $2}' /proc/meminfo) / 1024 - 2048 ))
 mkdir -p "${work}"/{state,spool,log}
 cat > "${work}/slurm.conf" <<EOF
@@ -88,28 +89,33 @@ pids+=("$(cat "${work}/slurmctld.pid")" "$(cat "${work}/slurmd.pid")")
 for _ in $(seq 30); do sinfo -h -o '%t' | grep -qE '^(idle|mix)' && break; sleep 1; done
 sinfo
 
-# ---- 3. the tiny CPU run through the production sbatch script ------------------------------------
-out="${work}/run"
-cd "${work}"
-job=$(NPROC_PER_TASK=1 NEMO_SSPO_PYTHON="${python_bin}" OMP_NUM_THREADS=1 HF_HUB_OFFLINE=1 \
-  sbatch --parsable --ntasks 2 --ntasks-per-node 2 --gpus-per-node 0 --cpus-per-task 1 --time 30:00 \
-  --output "${work}/job-%j.out" "${repo}/examples/slurm/sspo.sbatch" \
-  model=tiny_random trainer.max_steps=2 rollout.prompts_per_step=2 rollout.samples_per_prompt=4 \
-  rollout.max_new_tokens=24 parallel=pp2 parallel.micro_batch_size=2 reward.num_workers=1 optim.lr=1e-3 \
-  "trainer.output_dir=${out}")
-log "submitted job ${job}"
-
-# ---- 4. wait and check ---------------------------------------------------------------------------
-for _ in $(seq 900); do
-  state=$(scontrol show job "${job}" | grep -oP 'JobState=\K\S+')
-  [[ "${state}" =~ ^(PENDING|CONFIGURING|RUNNING|COMPLETING)$ ]] || break
-  sleep 2
-done
-scontrol show job "${job}" | grep -E 'JobState|ExitCode|NumTasks|NodeList=' || true
-log "job log:"; cat "${work}/job-${job}.out" | grep -v -i warn | tail -40
-exit_code=$(scontrol show job "${job}" | grep -oP ' ExitCode=\K\S+')
-[[ "${state}" == COMPLETED && "${exit_code}" == 0:0 ]] || { log "FAIL: state=${state} exit=${exit_code}"; exit 1; }
-"${python_bin}" - "${out}/metrics.jsonl" <<'PY'
+# ---- 3.-4. tiny CPU runs through the production sbatch script, each waited for and checked ----------
+# run_job NAME OVERRIDES...: submits 2 tasks x 1 worker, waits, checks COMPLETED 0:0 and 2 finite steps.
+run_job() {
+  local name=$1; shift
+  local out="${work}/${name}" job state exit_code
+  cd "${work}"
+  job=$(NPROC_PER_TASK=1 NEMO_SSPO_PYTHON="${python_bin}" OMP_NUM_THREADS=1 HF_HUB_OFFLINE=1 \
+    sbatch --parsable --ntasks 2 --ntasks-per-node 2 --gpus-per-node 0 --cpus-per-task 1 --time 30:00 \
+    --output "${work}/job-%j.out" "${repo}/examples/slurm/sspo.sbatch" \
+    model=tiny_random trainer.max_steps=2 rollout.prompts_per_step=2 rollout.samples_per_prompt=4 \
+    rollout.max_new_tokens=24 parallel.micro_batch_size=2 reward.num_workers=1 optim.lr=1e-3 \
+    "trainer.output_dir=${out}" "$@")
+  log "${name}: submitted job ${job}"
+  for i in $(seq 900); do
+    state=$(scontrol show job "${job}" | grep -oP 'JobState=\K\S+')
+    [[ "${state}" =~ ^(PENDING|CONFIGURING|RUNNING|COMPLETING)$ ]] || break
+    if [[ "${state}" == PENDING && ${i} -gt 30 ]]; then  # an idle one-node cluster starts it at once
+      log "FAIL ${name}: still pending after 60 s: $(scontrol show job "${job}" | grep -oP 'Reason=\S+')"
+      scancel "${job}"; exit 1
+    fi
+    sleep 2
+  done
+  scontrol show job "${job}" | grep -E 'JobState|ExitCode|NumTasks|NodeList=' || true
+  log "${name}: job log:"; grep -v -i warn "${work}/job-${job}.out" | tail -40
+  exit_code=$(scontrol show job "${job}" | grep -oP ' ExitCode=\K\S+')
+  [[ "${state}" == COMPLETED && "${exit_code}" == 0:0 ]] || { log "FAIL ${name}: state=${state} exit=${exit_code}"; exit 1; }
+  "${python_bin}" - "${out}/metrics.jsonl" "${name}" <<'PY'
 import json, math, sys
 records = [json.loads(line) for line in open(sys.argv[1])]
 assert [r["step"] for r in records] == [1, 2], records
@@ -117,6 +123,12 @@ for r in records:
     assert all(math.isfinite(v) for v in r.values()), r
     assert 0.0 <= r["reward/mean"] <= 1.0 and r["response/length_mean"] > 0
     assert "timing/train_s" in r and "policy/entropy" in r
-print(f"[slurm-check] metrics ok: 2 steps, loss/policy {[round(r['loss/policy'], 5) for r in records]}")
+print(f"[slurm-check] {sys.argv[2]}: metrics ok: 2 steps, loss/policy {[round(r['loss/policy'], 5) for r in records]}")
 PY
+}
+
+# PP=2 over gloo: it can only start when both Slurm tasks joined one rendezvous (PP=2 refuses world size 1)
+run_job pp2 parallel=pp2
+# the separate placement: the world's last rank (one task's worker) generates, the other trains
+run_job separate rollout.placement=separate rollout.num_ranks=1
 log "PASS"

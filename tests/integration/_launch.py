@@ -1,0 +1,32 @@
+"""What the torchrun-launching integration tests share: the repository root, a free port, the
+workers' environment and the launcher's command prefix.
+
+The workers run this checkout (``PYTHONPATH``), one thread each (the development machine has 2
+cores), without reaching the Hugging Face Hub.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+from pathlib import Path
+
+__all__ = ["REPO", "TORCHRUN", "free_port", "launch_env"]
+
+REPO = Path(__file__).resolve().parents[2]
+
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
+"""torchrun of the test's interpreter (the ``torchrun`` script on PATH may belong to another one)."""
+
+
+def free_port() -> int:
+    """A TCP port free on the loopback now (the launcher binds it a moment later)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def launch_env(**extra: str) -> dict[str, str]:
+    """This process's environment for a launch of this checkout, plus ``extra``."""
+    return {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO), **extra}
