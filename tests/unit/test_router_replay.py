@@ -13,13 +13,7 @@ import torch
 import torch.nn.functional as F
 from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-from nemo_sspo.megatron import (
-    build_policy_model,
-    destroy_parallel,
-    forward_logits,
-    initialize_parallel,
-    load_hf_into_megatron,
-)
+from nemo_sspo.megatron import forward_logits
 from nemo_sspo.megatron.router_replay import (
     clear_routes,
     record_routes,
@@ -27,19 +21,14 @@ from nemo_sspo.megatron.router_replay import (
     replay_routes,
     routing_agreement,
 )
-from nemo_sspo.models import split_expert_weights
+from tests.unit.mapping_cases import TINY_MOE, VOCAB, megatron_copy, relative_error
 
-VOCAB, SEQ, BATCH, EXPERTS, TOP_K = 100, 7, 2, 8, 2
+SEQ, BATCH, EXPERTS, TOP_K = 7, 2, TINY_MOE["num_experts"], TINY_MOE["num_experts_per_tok"]
 
 
 def _hf_model(seed: int, router_seed: int) -> Qwen3MoeForCausalLM:
-    config = Qwen3MoeConfig(
-        hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_experts=EXPERTS,
-        num_experts_per_tok=TOP_K, norm_topk_prob=True, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=32, vocab_size=VOCAB, tie_word_embeddings=False,
-        max_position_embeddings=32, rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
     torch.manual_seed(seed)
-    model = Qwen3MoeForCausalLM(config).eval()
+    model = Qwen3MoeForCausalLM(Qwen3MoeConfig(**TINY_MOE)).eval()
     generator = torch.Generator().manual_seed(router_seed)
     with torch.no_grad():
         for name, param in model.named_parameters():
@@ -83,22 +72,8 @@ def _forced_logits(model: Qwen3MoeForCausalLM, ids: torch.Tensor, routes: torch.
             layer.mlp.gate.forward = original
 
 
-def _relative(actual: torch.Tensor, expected: torch.Tensor) -> float:
-    return float((actual.double() - expected).abs().max() / expected.abs().max())
-
-
 def _megatron(hf_model: Qwen3MoeForCausalLM):
-    model = build_policy_model(hf_model.config).eval()
-    load_hf_into_megatron(model, split_expert_weights({k: v.float() for k, v in hf_model.state_dict().items()}),
-                          hf_model.config)
-    return model
-
-
-@pytest.fixture(scope="module")
-def parallel_1():
-    initialize_parallel(tp_size=1, pp_size=1, seed=3)
-    yield
-    destroy_parallel()
+    return megatron_copy(hf_model.config, {k: v.float() for k, v in hf_model.state_dict().items()})
 
 
 def test_recorded_routes_are_transformers_routes_and_replay_forces_them(parallel_1):
@@ -126,8 +101,8 @@ def test_recorded_routes_are_transformers_routes_and_replay_forces_them(parallel
         replayed = forward_logits(model_b, ids, positions)[..., :VOCAB]
         clear_routes(model_b)
         after = forward_logits(model_b, ids, positions)[..., :VOCAB]
-    assert _relative(replayed, expected) < 1e-5
-    assert _relative(plain, expected) > 1e-3  # without replay, B's own routes give other logits
+    assert relative_error(replayed, expected) < 1e-5
+    assert relative_error(plain, expected) > 1e-3  # without replay, B's own routes give other logits
     assert torch.equal(after, plain)  # clear_routes restores plain routing
 
 
