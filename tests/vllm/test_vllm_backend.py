@@ -64,6 +64,7 @@ def _reference_logprobs(model, batch) -> torch.Tensor:
 
 
 def _gap(engine, model, prompts, seed=1) -> float:
+    """Max |engine log-prob - transformers fp32 log-softmax(logits / T)| over the sampled tokens."""
     batch = engine.generate(prompts, seed=seed)
     return float((batch.rollout_logprobs - _reference_logprobs(model, batch)).abs().max())
 
