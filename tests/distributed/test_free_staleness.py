@@ -17,19 +17,17 @@ The drop counts are also recomputed from the versions the training rank received
 wrapper around ``recv_rollout``, not by the trainer's own bookkeeping).
 """
 
-import datetime
 import json
 import time
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from nemo_sspo.cli import load_config
 from nemo_sspo.megatron import destroy_parallel
 from nemo_sspo.models import load_hf_checkpoint
-from nemo_sspo.parallel.placement import split_world
 from nemo_sspo.trainer import loop, placement
+from tests.distributed._separate_runs import split_spawned_world
 from tests.integration._loop_runs import TINY, ParityReward, make_trainer
 
 RUN = [*TINY, "rollout.correction=token_tis", "optim.lr=0.05", "trainer.max_steps=3"]
@@ -69,10 +67,7 @@ def _free_run(split, tiny, out_dir, overrides):
 
 def _child(rank, world_size, out_dir):
     tiny = load_hf_checkpoint("tiny-random-llama")
-    store = dist.distributed_c10d._get_default_store()
-    dist.destroy_process_group()
-    split = split_world(store, rank=rank, world_size=world_size, num_rollout_ranks=1,
-                        timeout=datetime.timedelta(seconds=60))
+    split = split_spawned_world(rank, world_size)
     loop.GRPOTrainer.update = _slow_update
     recv = placement.recv_rollout
     results = {}

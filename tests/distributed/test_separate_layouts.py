@@ -31,6 +31,7 @@ from nemo_sspo.models import load_hf_checkpoint
 from nemo_sspo.parallel.placement import split_world
 from nemo_sspo.trainer import loop
 from nemo_sspo.trainer.placement import RolloutWorker
+from tests.distributed._separate_runs import dies_at_step_two
 from tests.integration._loop_runs import TINY, ParityReward
 
 RUN = [*TINY, "rollout.correction=token_tis", "optim.lr=0.05"]
@@ -67,12 +68,6 @@ def _fit(cfg, tiny, split=None):
         destroy_parallel()
 
 
-def _dies_at_step_two(self, step, version, inner=RolloutWorker._generate_and_send):
-    if step == 2:
-        os._exit(17)
-    inner(self, step, version)
-
-
 def _killed(rank, world_size, store, out_dir, tiny):
     """The DP2 layout, separate, with rollout rank 2 dying in step 2; training rank 0 writes its error."""
     dist.destroy_process_group()
@@ -81,7 +76,7 @@ def _killed(rank, world_size, store, out_dir, tiny):
     cfg = load_config(overrides=[*RUN, *LAYOUTS["dp2_dynamic"], f"trainer.output_dir={out_dir}/killed",
                                  "rollout.placement=separate", f"rollout.num_ranks={ROLLOUT_RANKS}"])
     if rank == 2:
-        RolloutWorker._generate_and_send = _dies_at_step_two
+        RolloutWorker._generate_and_send = dies_at_step_two
     try:  # the survivors fail too (their peers are gone); only rank 2's exit is the run's failure
         if split.is_rollout:
             loop.run_rollout_rank(cfg, split, checkpoint=tiny, reward=ParityReward())

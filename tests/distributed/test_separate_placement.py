@@ -6,21 +6,18 @@ same final policy. Then the rollout rank dies while generating step 2: the train
 with an error naming rollout rank 1, with step 1's metrics kept.
 """
 
-import datetime
 import json
-import os
 import pickle
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from nemo_sspo.cli import load_config
 from nemo_sspo.megatron import destroy_parallel, export_hf_state_dict
 from nemo_sspo.models import load_hf_checkpoint
-from nemo_sspo.parallel.placement import split_world
 from nemo_sspo.trainer import loop
 from nemo_sspo.trainer.placement import RolloutWorker
+from tests.distributed._separate_runs import dies_at_step_two, split_spawned_world
 from tests.integration._loop_runs import TINY, ParityReward, make_trainer
 
 RUN = [*TINY, "rollout.correction=token_tis", "optim.lr=0.05", "trainer.max_steps=3"]
@@ -45,23 +42,14 @@ def _separate(split, tiny, out_dir, overrides):
         destroy_parallel()
 
 
-def _dies_at_step_two(self, step, version, inner=RolloutWorker._generate_and_send):
-    if step == 2:
-        os._exit(17)
-    inner(self, step, version)
-
-
 def _child(rank, world_size, out_dir):
     tiny = load_hf_checkpoint("tiny-random-llama")
-    store = dist.distributed_c10d._get_default_store()
-    dist.destroy_process_group()
-    split = split_world(store, rank=rank, world_size=world_size, num_rollout_ranks=1,
-                        timeout=datetime.timedelta(seconds=60))
+    split = split_spawned_world(rank, world_size)
     results = {k: _separate(split, tiny, f"{out_dir}/k{k}", [f"rollout.max_staleness={k}"]) for k in (0, 1)}
     with open(f"{out_dir}/rank{rank}.pkl", "wb") as f:
         pickle.dump(results, f)
     if split.is_rollout:
-        RolloutWorker._generate_and_send = _dies_at_step_two
+        RolloutWorker._generate_and_send = dies_at_step_two
     try:
         _separate(split, tiny, f"{out_dir}/killed", [])
         message = "no error"
