@@ -21,6 +21,7 @@ from nemo_sspo.megatron.router_replay import (
     replay_routes,
     routing_agreement,
 )
+from nemo_sspo.algorithms.batch import route_dtype
 from tests.unit.mapping_cases import TINY_MOE, VOCAB, megatron_copy, relative_error
 
 SEQ, BATCH, EXPERTS, TOP_K = 7, 2, TINY_MOE["num_experts"], TINY_MOE["num_experts_per_tok"]
@@ -55,7 +56,7 @@ def _forced_logits(model: Qwen3MoeForCausalLM, ids: torch.Tensor, routes: torch.
     originals = []
     for index, layer in enumerate(model.model.layers):
         gate = layer.mlp.gate
-        chosen = routes[:, :, index].reshape(-1, routes.shape[-1])  # HF rows are batch-first
+        chosen = routes[:, :, index].reshape(-1, routes.shape[-1]).long()  # HF rows are batch-first; gather: int64
 
         def forced(hidden, gate=gate, chosen=chosen):
             logits = F.linear(hidden.reshape(-1, gate.hidden_dim), gate.weight)
@@ -104,6 +105,29 @@ def test_recorded_routes_are_transformers_routes_and_replay_forces_them(parallel
     assert relative_error(replayed, expected) < 1e-5
     assert relative_error(plain, expected) > 1e-3  # without replay, B's own routes give other logits
     assert torch.equal(after, plain)  # clear_routes restores plain routing
+    # Routes are held in int16 (8 experts); replaying them widened to int64 gives the same logits.
+    assert routes_a.dtype == torch.int16
+    with torch.no_grad():
+        replay_routes(model_b, routes_a.long())
+        replayed_int64 = forward_logits(model_b, ids, positions)[..., :VOCAB]
+        clear_routes(model_b)
+    assert torch.equal(replayed_int64, replayed)
+
+
+@pytest.mark.parametrize(("experts", "dtype"), [
+    (1, torch.int16), (8, torch.int16), (128, torch.int16),
+    (32768, torch.int16),  # ids 0 .. 32767 = int16 max
+    (32769, torch.int32),  # id 32768 does not fit
+])
+def test_route_dtype_is_the_smallest_that_holds_every_expert_id(experts, dtype):
+    assert route_dtype(experts) == dtype
+    ids = torch.tensor([0, experts - 1])
+    assert torch.equal(ids.to(dtype).long(), ids)  # the largest id survives the round trip
+
+
+def test_route_dtype_refuses_no_experts():
+    with pytest.raises(ValueError, match="num_experts=0 must be >= 1"):
+        route_dtype(0)
 
 
 def test_replay_refuses_routes_of_another_layer_count(parallel_1):
