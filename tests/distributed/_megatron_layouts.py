@@ -15,6 +15,17 @@ from nemo_sspo.megatron import (
 )
 
 
+WORLD_4_LAYOUTS = ((2, 1), (1, 2), (2, 2))
+"""(tp, pp) on world 4, the rest data parallel: TP x DP, PP x DP and TP x PP."""
+
+
+def check_world_4_layouts(check) -> None:
+    """``check(tp, pp, tied)`` for every :data:`WORLD_4_LAYOUTS` layout, with untied and tied embeddings."""
+    for tp, pp in WORLD_4_LAYOUTS:
+        for tied in (False, True):
+            check(tp, pp, tied)
+
+
 @contextmanager
 def megatron_layout(tp: int, pp: int, ep: int = 1, *, seed: int = 7):
     """Megatron's parallel state of a TP x PP (x EP) layout over the spawned world, torn down on

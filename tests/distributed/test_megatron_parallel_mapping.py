@@ -11,11 +11,10 @@ import torch.distributed as dist
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from nemo_sspo.megatron import cpu_device_context, export_hf_state_dict, forward_logits, vocab_shard
-from tests.distributed._megatron_layouts import megatron_layout
-from tests.unit.mapping_cases import TINY, VOCAB, megatron_copy
+from tests.distributed._megatron_layouts import check_world_4_layouts, megatron_layout
+from tests.unit.mapping_cases import TINY, VOCAB, assert_same_tensors, megatron_copy
 
 SEQ, MICRO_BATCH, MICROBATCHES = 6, 2, 2
-LAYOUTS = ((2, 1), (1, 2), (2, 2))  # (tp, pp) on world 4; the rest is data parallel
 
 
 def _llama_config(tied: bool) -> LlamaConfig:
@@ -71,16 +70,11 @@ def _check_layout(tp: int, pp: int, tied: bool) -> None:
                 assert torch.count_nonzero(full[..., VOCAB:]) == 0  # zero pad rows -> zero logits
         else:
             assert logits == []
-        exported = export_hf_state_dict(model, config)
-        assert list(exported) == list(hf_state)
-        for name, tensor in hf_state.items():
-            assert torch.equal(exported[name], tensor), f"{name} (tp={tp}, pp={pp}, tied={tied})"
+        assert_same_tensors(export_hf_state_dict(model, config), hf_state, f"(tp={tp}, pp={pp}, tied={tied})")
 
 
 def _all_layouts(rank: int, world_size: int) -> None:
-    for tp, pp in LAYOUTS:
-        for tied in (True, False):
-            _check_layout(tp, pp, tied)
+    check_world_4_layouts(_check_layout)
 
 
 def test_tp_pp_logits_and_export_match_hf(run_distributed):

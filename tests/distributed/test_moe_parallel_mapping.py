@@ -29,7 +29,7 @@ from nemo_sspo.megatron import export_hf_state_dict, iter_hf_weight_buckets, par
 from nemo_sspo.megatron.router_replay import stage_moe_layers
 from nemo_sspo.models import split_expert_weights
 from tests.distributed._megatron_layouts import full_vocab_logits, megatron_layout
-from tests.unit.mapping_cases import TINY_MOE, VOCAB, float64_logits, megatron_copy, redraw_, relative_error
+from tests.unit.mapping_cases import TINY_MOE, VOCAB, assert_same_tensors, float64_logits, megatron_copy, redraw_, relative_error
 
 SEQ, BATCH, EXPERTS = 6, 2, TINY_MOE["num_experts"]
 
@@ -62,14 +62,10 @@ def _check_layout(tp: int, ep: int, pp: int = 1) -> dict:
         for bucket in iter_hf_weight_buckets(model, config, bucket_bytes=1):  # one unit per bucket
             most_experts = max(most_experts, sum(".mlp.experts." in name for name in bucket))
             streamed.update(bucket)
-        if dist.get_rank() == groups.mp_src_rank:
-            assert list(streamed) == list(hf_state)
+        assert_same_tensors(exported, hf_state, f"(tp={tp}, ep={ep})")
+        if dist.get_rank() == groups.mp_src_rank:  # the streamed refit reaches the engine rank only
+            assert_same_tensors(streamed, hf_state, f"streamed (tp={tp}, ep={ep})")
             assert most_experts == 3 * EXPERTS  # one layer's experts (gate, up, down each)
-        assert list(exported) == list(hf_state)
-        for name, tensor in hf_state.items():
-            assert torch.equal(exported[name], tensor), f"{name} (tp={tp}, ep={ep})"
-            if dist.get_rank() == groups.mp_src_rank:
-                assert torch.equal(streamed[name], tensor), f"{name} streamed (tp={tp}, ep={ep})"
         return {"rel_diff": relative_error(full[..., :VOCAB], expected)}
 
 

@@ -26,7 +26,7 @@ from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCau
 
 from nemo_sspo.megatron import build_policy_model, export_hf_state_dict, iter_hf_weight_buckets, parameter_counts
 from tests.distributed._megatron_layouts import full_vocab_logits, megatron_layout
-from tests.unit.mapping_cases import TINY, VOCAB, float64_logits, megatron_copy, redraw_, relative_error
+from tests.unit.mapping_cases import TINY, VOCAB, assert_same_tensors, float64_logits, megatron_copy, redraw_, relative_error
 
 SEQ, BATCH = 6, 2
 ARCHS = {
@@ -72,10 +72,8 @@ def _check_layout(arch: str, tp: int, pp: int) -> dict:
         assert torch.count_nonzero(full[..., VOCAB:]) == 0
         exported = export_hf_state_dict(model, config)
         streamed = _streamed(model, config, groups)
-        assert list(exported) == list(hf_state) == list(streamed)
-        for name, tensor in hf_state.items():
-            assert torch.equal(exported[name], tensor), f"{name} ({arch}, tp={tp}, pp={pp})"
-            assert torch.equal(streamed[name], tensor), f"{name} streamed ({arch}, tp={tp}, pp={pp})"
+        assert_same_tensors(exported, hf_state, f"({arch}, tp={tp}, pp={pp})")
+        assert_same_tensors(streamed, hf_state, f"streamed ({arch}, tp={tp}, pp={pp})")
 
         # Refit: perturb the weights, export, reload into HF. The same seed on every rank keeps
         # TP-replicated parameters (norms) identical across ranks, as training does.

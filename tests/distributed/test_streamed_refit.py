@@ -12,11 +12,10 @@ import torch.distributed as dist
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from nemo_sspo.megatron import export_hf_state_dict, iter_hf_weight_buckets
-from tests.distributed._megatron_layouts import megatron_layout
+from tests.distributed._megatron_layouts import check_world_4_layouts, megatron_layout
 from tests.unit.mapping_cases import TINY, megatron_copy
 
 LAYERS = 4
-LAYOUTS = ((2, 1), (1, 2), (2, 2))  # (tp, pp) on world 4; the rest is data parallel
 
 
 def _config(tied: bool) -> LlamaConfig:
@@ -97,9 +96,7 @@ def _check_layout(tp: int, pp: int, tied: bool) -> None:
 
 
 def _all_layouts(rank: int, world_size: int) -> None:
-    for tp, pp in LAYOUTS:
-        for tied in (False, True):
-            _check_layout(tp, pp, tied)
+    check_world_4_layouts(_check_layout)
 
 
 def test_streamed_refit_equals_full_export_and_only_reaches_the_engine_rank(run_distributed):

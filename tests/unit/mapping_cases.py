@@ -85,3 +85,11 @@ def tiny_random_case(source: str) -> TinyRandomCase:
     with torch.no_grad():
         logits = forward_logits(model, ids, torch.arange(ids.shape[1]).expand_as(ids))[..., :config.vocab_size]
     return TinyRandomCase(config, state_dict, tokenizer, build_hf_model(config, state_dict), ids, logits)
+
+
+def assert_same_tensors(actual: dict[str, torch.Tensor], expected: dict[str, torch.Tensor], where: str = "") -> None:
+    """``actual`` holds exactly ``expected``'s names, in its order, each tensor bit-equal (an export
+    against the HF state dict it was loaded from); ``where`` is added to failure messages."""
+    assert list(actual) == list(expected), where
+    for name, tensor in expected.items():
+        assert torch.equal(actual[name], tensor), f"{name} {where}"

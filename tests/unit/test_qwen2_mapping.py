@@ -14,7 +14,7 @@ from nemo_sspo.cli import load_config
 from nemo_sspo.megatron import export_hf_state_dict, forward_logits, transformer_config_from_hf
 from nemo_sspo.megatron import model as model_module
 from nemo_sspo.megatron.hf_mapping import expected_hf_keys
-from tests.unit.mapping_cases import TINY, VOCAB, megatron_copy, redraw_, tiny_random_case
+from tests.unit.mapping_cases import TINY, VOCAB, assert_same_tensors, megatron_copy, redraw_, tiny_random_case
 
 SEQ = 7
 
@@ -43,10 +43,7 @@ def test_qwen2_logits_match_transformers_and_export_round_trips(parallel_1, tied
     with torch.no_grad():
         logits = forward_logits(model, ids, positions)[..., :VOCAB]
         torch.testing.assert_close(logits, hf_model(ids).logits, atol=1e-5, rtol=1e-5)
-    exported = export_hf_state_dict(model, config)
-    assert list(exported) == list(hf_model.state_dict())  # HF order, biases included
-    for name, tensor in hf_model.state_dict().items():
-        assert torch.equal(exported[name], tensor), name
+    assert_same_tensors(export_hf_state_dict(model, config), hf_model.state_dict())  # biases included
 
 
 def test_qwen2_keys_include_qkv_biases():

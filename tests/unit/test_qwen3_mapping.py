@@ -13,7 +13,7 @@ from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from nemo_sspo.megatron import export_hf_state_dict, forward_logits, transformer_config_from_hf
 from nemo_sspo.megatron.hf_mapping import expected_hf_keys
-from tests.unit.mapping_cases import TINY, VOCAB, float64_logits, megatron_copy, redraw_, relative_error, tiny_random_case
+from tests.unit.mapping_cases import TINY, VOCAB, assert_same_tensors, float64_logits, megatron_copy, redraw_, relative_error, tiny_random_case
 
 SEQ = 7
 
@@ -38,10 +38,7 @@ def test_qwen3_logits_match_float64_transformers_and_export_round_trips(parallel
     with torch.no_grad():
         logits = forward_logits(model, ids, torch.arange(SEQ).expand(2, SEQ))[..., :VOCAB]
     assert relative_error(logits, float64_logits(hf_model, ids)) < 1e-5  # fp32 against float64
-    exported = export_hf_state_dict(model, config)
-    assert list(exported) == list(hf_model.state_dict())  # HF order, q/k norms included
-    for name, tensor in hf_model.state_dict().items():
-        assert torch.equal(exported[name], tensor), name
+    assert_same_tensors(export_hf_state_dict(model, config), hf_model.state_dict())  # q/k norms included
 
 
 def test_qwen3_keys_include_qk_norms_and_no_biases():
