@@ -134,9 +134,10 @@ def record_routes(model: torch.nn.Module) -> None:
 
 
 def recorded_routes(model: torch.nn.Module, batch_size: int, seq_len: int) -> torch.Tensor:
-    """``[B, S, L, k]`` routes (dtype :func:`~nemo_sspo.algorithms.batch.route_dtype`) of the last recorded forward of a ``[B, S]`` micro-batch
-    (``S``: the width the routers saw, :func:`router_width`). Under sequence parallelism each TP
-    rank recorded its ``S / tp`` positions; they are all-gathered over TP (collective over it).
+    """``[B, S, L, k]`` routes (dtype :func:`~nemo_sspo.algorithms.batch.route_dtype`) of the last
+    recorded forward of a ``[B, S]`` micro-batch (``S``: the width the routers saw,
+    :func:`router_width`). Under sequence parallelism each TP rank recorded its ``S / tp``
+    positions; they are all-gathered over TP (collective over it) in Megatron's int64.
 
     Raises:
         ValueError: nothing was recorded, or a layer saw another token count than ``B * S``

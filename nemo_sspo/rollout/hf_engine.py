@@ -34,8 +34,8 @@ class RolloutBatch:
         rollout_logprobs: ``[B, T]`` float32, natural-log probability of each sampled token under
             the sampling distribution (after temperature / top-k / top-p); 0 where the mask is False.
         routes: ``[B, S, L_all, k]`` int16 (int32 past 32768 experts:
-            :func:`nemo_sspo.algorithms.batch.route_dtype`), the k experts the engine's router chose for each input
-            token in each of the model's L_all MoE layers, in the trainer's packed input frame: row
+            :func:`nemo_sspo.algorithms.batch.route_dtype`), the k experts the engine's router
+            chose for each input token in each of the model's L_all MoE layers, in the trainer's packed input frame: row
             ``b`` holds its prompt tokens then its response tokens at ``0 .. P_b + T_b - 1`` (0
             after them), ``S = max(P_b + T_b)``. Only with router replay R3 on an engine that
             records them (``HFRolloutEngine(record_routes=True)``); None otherwise.
