@@ -26,14 +26,14 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
-import socket
 import statistics
 import time
 import warnings
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+
+from vocab_parallel import run_ranks  # benchmarks/ is the script's directory, first on sys.path
 
 LAYOUTS = {"ep1": (1, 1, 1), "ep1_half": (1, 1, 2), "dp2": (2, 1, 2), "ep2": (2, 2, 2)}
 """name -> (processes, EP, divisor of --threads giving each process's threads)."""
@@ -65,7 +65,7 @@ def _step(ddp, optimizer, batch, spec, layout, groups, num_experts):
     return sums
 
 
-def _worker(rank: int, world: int, ep: int, threads: int, port: int, queue, args) -> None:
+def _worker(rank: int, port: int, queue, world: int, ep: int, threads: int, args) -> None:
     warnings.filterwarnings("ignore")
     torch.set_num_threads(threads)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
@@ -113,20 +113,7 @@ def _worker(rank: int, world: int, ep: int, threads: int, port: int, queue, args
 
 def _run(world: int, ep: int, threads: int, args) -> tuple:
     """Spawns ``world`` ranks of one layout; returns rank 0's (s/step, aux loss, expert load)."""
-    context = mp.get_context("spawn")
-    queue = context.SimpleQueue()
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    procs = [context.Process(target=_worker, args=(rank, world, ep, threads, port, queue, args)) for rank in range(world)]
-    for proc in procs:
-        proc.start()
-    result = queue.get()
-    for proc in procs:
-        proc.join()
-        if proc.exitcode:
-            raise RuntimeError(f"a rank of the {world}-process EP {ep} run exited with {proc.exitcode}")
-    return result
+    return run_ranks(world, _worker, world, ep, threads, args)
 
 
 def main() -> None:

@@ -250,24 +250,23 @@ def _parameter_counts_comment(cfg) -> str:
     A source neither found nor listed gives one comment line saying so instead of the counts.
 
     Raises:
-        ValueError: naming the key: the layout does not split the model.
+        ValueError: naming the key: the layout does not fit the model
+            (:func:`nemo_sspo.trainer.config.check_model_layout`).
     """
     from nemo_sspo.megatron import parameter_counts
-    from nemo_sspo.megatron.model import PRECISIONS, check_architecture
-    from nemo_sspo.models import load_hf_config
-    from nemo_sspo.models.published import published_config
+    from nemo_sspo.megatron.model import PRECISIONS
+    from nemo_sspo.trainer.config import check_model_layout
+    from nemo_sspo.trainer.memory_plan import hf_architecture
 
     source = cfg.model.source
     try:
-        hf_config, origin = load_hf_config(source, cache_dir=cfg.model.cache_dir), "its config.json"
-    except (ValueError, FileNotFoundError) as err:
-        hf_config, origin = published_config(source), "its published architecture: not in the local cache"
-        if hf_config is None:  # a config check on a machine without the model: say so, fail nothing
-            return f"# parameters per rank: not counted, model.source has no config here ({err})"
+        hf_config, origin = hf_architecture(source, cfg.model.cache_dir)
+    except FileNotFoundError as err:  # a config check on a machine without the model: say so, fail nothing
+        return f"# parameters per rank: not counted, model.source has no config here ({err})"
+    # The same layout checks as a run's load_config (not the launch's world size: any is given here).
+    check_model_layout(cfg, hf_config, world_size=1)
     par = cfg.parallel
     tp, pp, ep = par.tensor_model_parallel_size, par.pipeline_model_parallel_size, par.expert_model_parallel_size
-    check_architecture(hf_config, tp, pp, ep_size=ep, tp_name="parallel.tensor_model_parallel_size",
-                       pp_name="parallel.pipeline_model_parallel_size", ep_name="parallel.expert_model_parallel_size")
     counts = parameter_counts(hf_config, tp_size=tp, pp_size=pp, ep_size=ep, precision=cfg.model.precision)
     width = PRECISIONS[cfg.model.precision].itemsize
     lines = [f"# parameters per rank of model.source={source} under TP={tp} x PP={pp} x EP={ep} "

@@ -1,19 +1,26 @@
 """A name -> entry table for each plug-in point: policy losses, soft gates, rewards, rollout engines.
 
 Ours. Every plug-in point keeps one :class:`Registry`, and its public functions
-(``register_reward``, ``get_policy_loss``, ...) are thin names over it, so the rules (a name is
-taken once; removing or looking up an unknown name fails, listing what is registered) and the
-messages are the same everywhere. The messages name the caller's argument (``key``), so the config
+(``register_reward``, ``get_policy_loss``, ...) are its methods or thin names over them, so the
+rules (a name is taken once; removing or looking up an unknown name fails, listing what is
+registered) and the messages are the same everywhere. A plug-in point of builders (rewards,
+rollout engines) is a :class:`BuilderRegistry`, whose ``build`` calls the chosen builder. The messages name the caller's argument (``key``), so the config
 layer's ``at_key`` turns them into YAML keys.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Generic, TypeVar
 
-__all__ = ["Registry"]
+__all__ = ["PLUGINS_HINT", "BuilderRegistry", "Registry"]
 
 T = TypeVar("T")
+A = TypeVar("A")
+R = TypeVar("R")
+
+PLUGINS_HINT = " (a module that registers one is loaded with the config key plugins)"
+"""The unknown-name hint of the plug-in points a user module can extend."""
 
 
 class Registry(Generic[T]):
@@ -70,3 +77,24 @@ class Registry(Generic[T]):
     def items(self) -> list[tuple[str, T]]:
         """``(name, entry)`` pairs in name order."""
         return sorted(self._entries.items())
+
+
+class BuilderRegistry(Registry[Callable[[A], R]]):
+    """A :class:`Registry` of builders ``build(arg) -> R``, for a plug-in point whose config section
+    names what to build (``reward.name``, ``rollout.backend``); unknown names get :data:`PLUGINS_HINT`.
+
+    Args:
+        kind: as :class:`Registry`.
+        key: as :class:`Registry`.
+    """
+
+    def __init__(self, kind: str, *, key: str = "name") -> None:  # noqa: D107 - on the class
+        super().__init__(kind, key=key, hint=PLUGINS_HINT)
+
+    def build(self, name: str, arg: A) -> R:
+        """What the builder registered as ``name`` returns for ``arg``.
+
+        Raises:
+            ValueError: unknown ``name`` (as :meth:`Registry.get`), or the builder's own checks.
+        """
+        return self.get(name)(arg)

@@ -37,6 +37,26 @@ AGGREGATION_MODES = (
 _RENAMED = {"seq-mean-token-sum-norm": "constant-denominator"}
 
 
+def check_response_matrix(name: str, values: torch.Tensor, response_mask: torch.Tensor) -> None:
+    """Checks a per-token matrix against its mask: both ``[B, T]`` with the same shape, the mask bool.
+
+    Args:
+        name: what ``values`` is called in the messages (the caller's argument).
+        values: ``[B, T]``, any dtype.
+        response_mask: ``[B, T]`` bool.
+
+    Raises:
+        ValueError: naming ``name`` and both shapes, or the mask's dtype.
+    """
+    if values.dim() != 2 or values.shape != response_mask.shape:
+        raise ValueError(
+            f"{name} {tuple(values.shape)} and response_mask "
+            f"{tuple(response_mask.shape)} must both be [B, T] with the same shape"
+        )
+    if response_mask.dtype != torch.bool:
+        raise ValueError(f"response_mask must be torch.bool, got {response_mask.dtype}")
+
+
 def _check_inputs(
     per_token_loss: torch.Tensor,
     response_mask: torch.Tensor,
@@ -47,13 +67,7 @@ def _check_inputs(
         hint = f" (here it is called {_RENAMED[mode]!r})" if mode in _RENAMED else ""
         raise ValueError(f"unknown aggregation mode {mode!r}{hint}; valid modes: "
                          f"{AGGREGATION_MODES}")
-    if per_token_loss.dim() != 2 or per_token_loss.shape != response_mask.shape:
-        raise ValueError(
-            f"per_token_loss {tuple(per_token_loss.shape)} and response_mask "
-            f"{tuple(response_mask.shape)} must both be [B, T] with the same shape"
-        )
-    if response_mask.dtype != torch.bool:
-        raise ValueError(f"response_mask must be torch.bool, got {response_mask.dtype}")
+    check_response_matrix("per_token_loss", per_token_loss, response_mask)
     if mode == "constant-denominator" and (
         max_response_length is None or max_response_length < 1
     ):

@@ -16,7 +16,20 @@ import torch
 from nemo_sspo.algorithms.critic import critic_targets
 
 __all__ = ["CriticBatch", "PolicyBatch", "RolloutTensors", "concat_policy_batches", "pack_critic_batch", "pack_rollouts",
-           "pack_rows", "pack_tokens", "pad_cat", "response_to_target_frame"]
+           "pack_rows", "pack_tokens", "pad_cat", "response_to_target_frame", "route_dtype"]
+
+
+def route_dtype(num_experts: int) -> torch.dtype:
+    """The integer dtype MoE routes (expert ids ``0 .. E - 1``) are held and sent in: ``torch.int16``
+    when every id fits (E <= 32768), else ``torch.int32``. Routes are ``[B, S, L, k]`` per batch, so
+    this is a quarter (a half) of int64's bytes; index ops that need int64 convert at the op.
+
+    Raises:
+        ValueError: ``num_experts < 1``.
+    """
+    if num_experts < 1:
+        raise ValueError(f"num_experts={num_experts} must be >= 1")
+    return torch.int16 if num_experts - 1 <= torch.iinfo(torch.int16).max else torch.int32
 
 
 class RolloutTensors(Protocol):
@@ -26,7 +39,7 @@ class RolloutTensors(Protocol):
         prompt_ids: ``[B, P]`` int64, left-padded prompts; prompt_mask: ``[B, P]`` bool.
         response_ids: ``[B, T]`` int64, right-padded responses; response_mask: ``[B, T]`` bool.
         rollout_logprobs: ``[B, T]`` float32, the engine's log-probs of the sampled tokens.
-        routes: ``[B, S, L_all, k]`` int64 experts the engine chose for each input token, in the
+        routes: ``[B, S, L_all, k]`` experts the engine chose (dtype :func:`route_dtype`) for each input token, in the
             packed input frame of :func:`pack_tokens` (row ``b``'s prompt then response tokens at
             ``0 .. P_b + T_b - 1``), for all ``L_all`` MoE layers; or None (dense models, or an
             engine that does not report routes).
@@ -66,7 +79,7 @@ class PolicyBatch:
             (0 outside the mask), or None. Carried with the rows so that whatever rank a row moves
             to (``nemo_sspo.parallel.data_balance``) reads its own engine log-probs (TIS weights,
             the trainer-vs-engine gap metric).
-        routes: [B, S, L, k] int64 MoE routes (mixture-of-experts models with
+        routes: [B, S, L, k] MoE routes (dtype :func:`route_dtype`; mixture-of-experts models with
             ``model.router_replay``): the k experts of input token ``(b, s)`` in MoE layer ``l`` of
             this rank's pipeline stage, which the training forwards replay (R2: the old-policy
             forward's, R3: the rollout engine's); or None.

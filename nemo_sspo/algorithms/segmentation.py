@@ -41,6 +41,8 @@ from dataclasses import dataclass, fields
 
 import torch
 
+from nemo_sspo.algorithms.aggregation import check_response_matrix
+
 SEGMENTATIONS = ("newline", "double_newline", "sentence", "pause_punctuation", "fixed_k",
                  "response", "token")
 TABLE_FREE_SEGMENTATIONS = ("fixed_k", "response", "token")
@@ -139,16 +141,6 @@ def build_segment_tables(tokenizer) -> SegmentTables:
     )
 
 
-def _check_ids_and_mask(response_ids: torch.Tensor, response_mask: torch.Tensor) -> None:
-    if response_ids.dim() != 2 or response_ids.shape != response_mask.shape:
-        raise ValueError(
-            f"response_ids {tuple(response_ids.shape)} and response_mask "
-            f"{tuple(response_mask.shape)} must both be [B, T] with the same shape"
-        )
-    if response_mask.dtype != torch.bool:
-        raise ValueError(f"response_mask must be torch.bool, got {response_mask.dtype}")
-
-
 def _lookup(table: torch.Tensor, response_ids: torch.Tensor, response_mask: torch.Tensor):
     """``table[id]`` at every position, False where masked; ids of valid tokens range-checked."""
     table = table.to(response_ids.device)
@@ -225,7 +217,7 @@ def segment_ids(
     """
     if strategy not in SEGMENTATIONS:
         raise ValueError(f"unknown segmentation {strategy!r}; valid: {SEGMENTATIONS}")
-    _check_ids_and_mask(response_ids, response_mask)
+    check_response_matrix("response_ids", response_ids, response_mask)
     if strategy == "fixed_k":
         if not isinstance(k, int) or isinstance(k, bool) or k < 1:
             raise ValueError(f"segmentation 'fixed_k' needs an int k >= 1, got k={k!r}")

@@ -8,7 +8,9 @@ its gradient flows) or none (plain routing). Megatron also keeps every instance 
 list; the functions here address the routers of one model only (the policy and the reference
 model are separate models with separate routers).
 
-Route layout (ours): ``routes [B, S, L, k]`` int64, the k experts chosen for input token ``(b, s)`` in
+Route layout (ours): ``routes [B, S, L, k]`` int16 (int32 past 32768 experts:
+:func:`nemo_sspo.algorithms.batch.route_dtype`, the dtype routes are held and sent in; replay widens
+them to int64 for Megatron's gather), the k experts chosen for input token ``(b, s)`` in
 MoE layer ``l`` of this pipeline stage (local layer order), as Megatron's top-k returns them (in
 order of score). Megatron's router sees the tokens sequence-first, flattened: router row
 ``s * B + b``.
@@ -42,6 +44,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
+from nemo_sspo.algorithms.batch import route_dtype
 from nemo_sspo.megatron.model import unwrap_model, uses_transformer_engine
 from nemo_sspo.megatron.moe import is_moe
 from nemo_sspo.megatron.packed_seq import padded_width, thd_alignment
@@ -131,9 +134,10 @@ def record_routes(model: torch.nn.Module) -> None:
 
 
 def recorded_routes(model: torch.nn.Module, batch_size: int, seq_len: int) -> torch.Tensor:
-    """``[B, S, L, k]`` int64 routes of the last recorded forward of a ``[B, S]`` micro-batch
-    (``S``: the width the routers saw, :func:`router_width`). Under sequence parallelism each TP
-    rank recorded its ``S / tp`` positions; they are all-gathered over TP (collective over it).
+    """``[B, S, L, k]`` routes (dtype :func:`~nemo_sspo.algorithms.batch.route_dtype`) of the last
+    recorded forward of a ``[B, S]`` micro-batch (``S``: the width the routers saw,
+    :func:`router_width`). Under sequence parallelism each TP rank recorded its ``S / tp``
+    positions; they are all-gathered over TP (collective over it) in Megatron's int64.
 
     Raises:
         ValueError: nothing was recorded, or a layer saw another token count than ``B * S``
@@ -150,7 +154,7 @@ def recorded_routes(model: torch.nn.Module, batch_size: int, seq_len: int) -> to
                              f"{batch_size} * {local}: call record_routes() before the forward")
         routes = gather_sequence(indices.detach().view(local, batch_size, -1).long(), config)
         layers.append(routes.transpose(0, 1))
-    return torch.stack(layers, dim=2).long()
+    return torch.stack(layers, dim=2).to(route_dtype(config.num_moe_experts))
 
 
 def replay_routes(model: torch.nn.Module, routes: torch.Tensor) -> None:
@@ -158,7 +162,7 @@ def replay_routes(model: torch.nn.Module, routes: torch.Tensor) -> None:
 
     Args:
         model: a mixture-of-experts model (this pipeline stage).
-        routes: ``[B, S, L, k]`` int64 expert ids in ``[0, E)``, L = this stage's MoE layers; the
+        routes: ``[B, S, L, k]`` integer expert ids in ``[0, E)``, L = this stage's MoE layers; the
             forward's micro-batch must be ``[B, S]`` (``S``: the width the routers see,
             :func:`router_width`). Under sequence parallelism each TP rank's routers get their
             positions' slice ``routes[:, r * S / tp : (r + 1) * S / tp]``.
@@ -176,7 +180,8 @@ def replay_routes(model: torch.nn.Module, routes: torch.Tensor) -> None:
     batch_size, seq_len = routes.shape[:2]
     for layer, replay in enumerate(replays):
         replay.clear_indices()
-        replay.set_target_indices(routes[:, :, layer].transpose(0, 1).reshape(batch_size * seq_len, -1))
+        # int64: Megatron gathers the router scores at these indices
+        replay.set_target_indices(routes[:, :, layer].transpose(0, 1).reshape(batch_size * seq_len, -1).long())
         replay.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
 
 
@@ -191,8 +196,8 @@ def routing_agreement(routes: torch.Tensor, other: torch.Tensor, mask: torch.Ten
     """Share of (token, layer) pairs whose top-k expert sets match (order inside the top-k ignored).
 
     Args:
-        routes: ``[B, S, L, k]`` int64 expert ids (e.g. the trainer's routes).
-        other: ``[B, S, L, k]`` int64 expert ids to compare with (e.g. the engine's routes).
+        routes: ``[B, S, L, k]`` integer expert ids (e.g. the trainer's routes).
+        other: ``[B, S, L, k]`` integer expert ids to compare with (e.g. the engine's routes).
         mask: ``[B, S]`` bool, the tokens to count (e.g. response tokens).
 
     Returns:
@@ -270,7 +275,7 @@ def micro_batch_routes(micro) -> torch.Tensor:
 def _filler(shape, like: torch.Tensor) -> torch.Tensor:
     """``[*shape, L, k]`` routes to experts ``0 .. k-1`` (L, k of ``like``) for tokens whose outputs nobody reads."""
     top_k = like.shape[-1]
-    return torch.arange(top_k).expand(*shape, like.shape[2], top_k).contiguous()
+    return torch.arange(top_k, dtype=like.dtype).expand(*shape, like.shape[2], top_k).contiguous()
 
 
 def router_width(micro, model: torch.nn.Module) -> int:
@@ -352,7 +357,7 @@ def expert_load_pair(routes: torch.Tensor, lengths: torch.Tensor, num_experts: i
     ratio, as MoE papers report expert load).
 
     Args:
-        routes: ``[B, S, L, k]`` int64 routes of this rank's rows (``PolicyBatch.routes``).
+        routes: ``[B, S, L, k]`` integer routes of this rank's rows (``PolicyBatch.routes``).
         lengths: ``[B]`` int64 valid input tokens per row.
         num_experts: E.
         dp_group: the data-parallel group whose ranks' tokens are counted together.

@@ -320,7 +320,8 @@ def compute_old_logprobs(model, batch: PolicyBatch, spec: LossSpec, layout: Micr
     recorded = [] if record_routes else None
     stats = forward_logprobs(model, batch, spec, layout, dp_group=dp_group, recorded=recorded)
     if recorded:
-        routes = torch.zeros(*batch.input_ids.shape, *recorded[0][1].shape[2:], dtype=torch.long)
+        first = recorded[0][1]
+        routes = torch.zeros(*batch.input_ids.shape, *first.shape[2:], dtype=first.dtype)
         for micro, micro_routes in recorded:
             write_micro_batch_routes(routes, micro, micro_routes)
         batch = replace(batch, routes=routes)

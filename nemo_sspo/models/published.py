@@ -14,19 +14,20 @@ from transformers import PretrainedConfig, Qwen2Config, Qwen3Config, Qwen3MoeCon
 __all__ = ["PUBLISHED_ARCHITECTURES", "published_config"]
 
 _QWEN = dict(rms_norm_eps=1e-6, hidden_act="silu")
+# Qwen2.5-Math-1.5B's layers, which DeepSeek-R1-Distill-Qwen-1.5B (distilled from it) keeps; the
+# two configs differ in head tying and context length.
+_QWEN25_1_5B = dict(
+    hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2,
+    vocab_size=151936, rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, **_QWEN)
 PUBLISHED_ARCHITECTURES: dict[str, tuple[type[PretrainedConfig], dict]] = {
-    "Qwen/Qwen2.5-Math-1.5B": (Qwen2Config, dict(
-        hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
-        num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True, max_position_embeddings=4096,
-        rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, **_QWEN)),
+    "Qwen/Qwen2.5-Math-1.5B": (Qwen2Config, dict(_QWEN25_1_5B, tie_word_embeddings=True,
+                                                 max_position_embeddings=4096)),
     "Qwen/Qwen2.5-Math-7B": (Qwen2Config, dict(
         hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
         num_key_value_heads=4, vocab_size=152064, tie_word_embeddings=False, max_position_embeddings=4096,
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, **_QWEN)),
-    "deepseek-ai/DeepSeek-R1-Distill-Qwen-1.5B": (Qwen2Config, dict(
-        hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
-        num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=False, max_position_embeddings=131072,
-        rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, **_QWEN)),
+    "deepseek-ai/DeepSeek-R1-Distill-Qwen-1.5B": (Qwen2Config, dict(_QWEN25_1_5B, tie_word_embeddings=False,
+                                                                    max_position_embeddings=131072)),
     "Qwen/Qwen3-8B": (Qwen3Config, dict(
         hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
         num_key_value_heads=8, head_dim=128, vocab_size=151936, tie_word_embeddings=False,

@@ -9,10 +9,9 @@ here; a user module registers its own and is named by the config key ``plugins``
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any, Protocol, runtime_checkable
 
-from nemo_sspo.registry import Registry
+from nemo_sspo.registry import BuilderRegistry
 from nemo_sspo.rewards.math_reward import MathVerifyReward
 
 __all__ = ["REWARD_REGISTRY", "Reward", "build_reward", "register_reward", "reward_names", "unregister_reward"]
@@ -36,44 +35,25 @@ class Reward(Protocol):
         ...
 
 
-RewardBuilder = Callable[[Any], Reward]
-"""``build(reward_section) -> Reward``, with ``reward_section`` the run's ``reward`` config."""
+REWARD_REGISTRY: BuilderRegistry[Any, Reward] = BuilderRegistry("reward")
+"""``reward.name`` -> builder ``build(section) -> Reward`` (``section``: the run's ``reward`` config).
 
-REWARD_REGISTRY: Registry[RewardBuilder] = Registry(
-    "reward", hint=" (a module that registers one is loaded with the config key plugins)")
+The public functions below are its methods, so the rules and messages are the registry's
+(:mod:`nemo_sspo.registry`):
 
+- ``register_reward(name, build) -> build``: ``reward.name=<name>`` builds with ``build``;
+  ``ValueError`` if the name is taken.
+- ``unregister_reward(name) -> build``: removes it (tests and plug-ins that register temporarily);
+  ``ValueError`` for an unknown name.
+- ``reward_names() -> list[str]``: the sorted registered names.
+- ``build_reward(name, section) -> Reward``: the reward built from the ``reward`` config section;
+  ``ValueError`` for an unknown name (listing the registered ones) or from the builder's checks.
+"""
 
-def register_reward(name: str, build: RewardBuilder) -> RewardBuilder:
-    """Make ``reward.name=<name>`` build its reward with ``build``; returns ``build``.
-
-    Raises:
-        ValueError: the name is taken.
-    """
-    return REWARD_REGISTRY.add(name, build)
-
-
-def unregister_reward(name: str) -> RewardBuilder:
-    """Remove and return the builder of ``name`` (tests and plug-ins that register temporarily).
-
-    Raises:
-        ValueError: unknown name.
-    """
-    return REWARD_REGISTRY.remove(name)
-
-
-def reward_names() -> list[str]:
-    """Sorted names of the registered rewards."""
-    return REWARD_REGISTRY.names()
-
-
-def build_reward(name: str, section: Any) -> Reward:
-    """The reward registered as ``name``, built from the ``reward`` config ``section``.
-
-    Raises:
-        ValueError: unknown ``name``, or the builder's own checks.
-    """
-    return REWARD_REGISTRY.get(name)(section)
-
+register_reward = REWARD_REGISTRY.add
+unregister_reward = REWARD_REGISTRY.remove
+reward_names = REWARD_REGISTRY.names
+build_reward = REWARD_REGISTRY.build
 
 register_reward("math_verify", lambda section: MathVerifyReward(num_workers=section.num_workers,
                                                                 timeout_s=section.timeout_s))

@@ -10,7 +10,7 @@ module registers its own and is named by the config key ``plugins``.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
@@ -18,7 +18,7 @@ import torch
 
 from nemo_sspo.models import build_hf_model
 from nemo_sspo.models.hf_checkpoint import engine_model_dir
-from nemo_sspo.registry import Registry
+from nemo_sspo.registry import BuilderRegistry
 from nemo_sspo.rollout.hf_engine import HFRolloutEngine, RolloutBatch
 from nemo_sspo.rollout.vllm_engine import VLLMRolloutEngine
 
@@ -104,43 +104,26 @@ class EngineContext:
     record_routes: bool
 
 
-EngineBuilder = Callable[[EngineContext], RolloutEngine]
-"""``build(context) -> RolloutEngine``."""
+ROLLOUT_ENGINE_REGISTRY: BuilderRegistry[EngineContext, RolloutEngine] = BuilderRegistry(
+    "rollout engine", key="backend")
+"""``rollout.backend`` -> builder ``build(context) -> RolloutEngine``.
 
-ROLLOUT_ENGINE_REGISTRY: Registry[EngineBuilder] = Registry(
-    "rollout engine", key="backend", hint=" (a module that registers one is loaded with the config key plugins)")
+The public functions below are its methods, so the rules and messages are the registry's
+(:mod:`nemo_sspo.registry`):
 
+- ``register_rollout_engine(name, build) -> build``: ``rollout.backend=<name>`` builds with
+  ``build``; ``ValueError`` if the name is taken.
+- ``unregister_rollout_engine(name) -> build``: removes it (tests and plug-ins that register
+  temporarily); ``ValueError`` for an unknown name.
+- ``rollout_engine_names() -> list[str]``: the sorted registered names.
+- ``build_rollout_engine(name, context) -> RolloutEngine``: the engine built from ``context``;
+  ``ValueError`` for an unknown name (listing the registered ones) or from the builder's checks.
+"""
 
-def register_rollout_engine(name: str, build: EngineBuilder) -> EngineBuilder:
-    """Make ``rollout.backend=<name>`` build its engine with ``build``; returns ``build``.
-
-    Raises:
-        ValueError: the name is taken.
-    """
-    return ROLLOUT_ENGINE_REGISTRY.add(name, build)
-
-
-def unregister_rollout_engine(name: str) -> EngineBuilder:
-    """Remove and return the builder of ``name`` (tests and plug-ins that register temporarily).
-
-    Raises:
-        ValueError: unknown name.
-    """
-    return ROLLOUT_ENGINE_REGISTRY.remove(name)
-
-
-def rollout_engine_names() -> list[str]:
-    """Sorted names of the registered rollout engines."""
-    return ROLLOUT_ENGINE_REGISTRY.names()
-
-
-def build_rollout_engine(name: str, context: EngineContext) -> RolloutEngine:
-    """The engine registered as ``name``, built from ``context``.
-
-    Raises:
-        ValueError: unknown ``name``, or the builder's own checks.
-    """
-    return ROLLOUT_ENGINE_REGISTRY.get(name)(context)
+register_rollout_engine = ROLLOUT_ENGINE_REGISTRY.add
+unregister_rollout_engine = ROLLOUT_ENGINE_REGISTRY.remove
+rollout_engine_names = ROLLOUT_ENGINE_REGISTRY.names
+build_rollout_engine = ROLLOUT_ENGINE_REGISTRY.build
 
 
 def sampling_settings(rollout: Any) -> dict[str, Any]:

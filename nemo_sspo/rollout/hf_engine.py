@@ -9,7 +9,7 @@ import torch
 from transformers import GenerationConfig
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
 
-from nemo_sspo.algorithms.batch import pack_rows
+from nemo_sspo.algorithms.batch import pack_rows, route_dtype
 from nemo_sspo.models.hf_checkpoint import check_state_dict_keys
 from nemo_sspo.models.hf_folder import stop_token_ids as model_stop_token_ids
 from nemo_sspo.models.moe_weights import fuse_expert_weights
@@ -33,8 +33,9 @@ class RolloutBatch:
         response_texts: the responses decoded without special tokens.
         rollout_logprobs: ``[B, T]`` float32, natural-log probability of each sampled token under
             the sampling distribution (after temperature / top-k / top-p); 0 where the mask is False.
-        routes: ``[B, S, L_all, k]`` int64, the k experts the engine's router chose for each input
-            token in each of the model's L_all MoE layers, in the trainer's packed input frame: row
+        routes: ``[B, S, L_all, k]`` int16 (int32 past 32768 experts:
+            :func:`nemo_sspo.algorithms.batch.route_dtype`), the k experts the engine's router
+            chose for each input token in each of the model's L_all MoE layers, in the trainer's packed input frame: row
             ``b`` holds its prompt tokens then its response tokens at ``0 .. P_b + T_b - 1`` (0
             after them), ``S = max(P_b + T_b)``. Only with router replay R3 on an engine that
             records them (``HFRolloutEngine(record_routes=True)``); None otherwise.
@@ -213,6 +214,8 @@ class HFRolloutEngine:
             raise ValueError("record_routes=True needs a mixture-of-experts model (Qwen3MoeSparseMoeBlock "
                              f"layers); {type(model).__name__} has none")
         self.record_routes = record_routes
+        # Every decode step's top-k is kept until generate returns: keep it in the small dtype.
+        self.route_dtype = route_dtype(self.routers[0].num_experts) if self.routers else None
         if tokenizer.pad_token_id is None:
             raise ValueError("tokenizer needs pad_token_id; set pad_token = eos_token")
         if stop_token_ids is None:
@@ -284,7 +287,7 @@ class HFRolloutEngine:
         def hook(router, _inputs, output):
             if router is self.routers[0]:
                 forwards.append([])
-            forwards[-1].append(output[2].detach().view(rows, -1, output[2].shape[-1]).cpu())
+            forwards[-1].append(output[2].detach().view(rows, -1, output[2].shape[-1]).to(self.route_dtype).cpu())
 
         handles = [router.register_forward_hook(hook) for router in self.routers]
         try:
@@ -317,7 +320,7 @@ class HFRolloutEngine:
         if engine.shape[1] != width - 1:
             raise ValueError(f"the engine's forwards covered {engine.shape[1]} positions, expected prompt width + "
                              f"response width - 1 = {width - 1}: routes cannot be matched to tokens")
-        engine = torch.cat([engine, engine[:, -1:]], dim=1).long()
+        engine = torch.cat([engine, engine[:, -1:]], dim=1)
         return pack_rows(engine, torch.cat([prompt_mask, response_mask], dim=1), 0)
 
     def load_weights(self, hf_state_dict: dict[str, torch.Tensor]) -> None:

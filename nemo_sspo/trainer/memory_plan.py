@@ -47,7 +47,7 @@ from nemo_sspo.megatron.memory import activation_bytes, model_state_bytes, rank_
 from nemo_sspo.trainer.config import advantage_estimator_name
 
 __all__ = ["GIB", "PROMPT_ALLOWANCE", "MemoryPlan", "StagePlan", "check_memory_plan", "format_memory_plan",
-           "gpu_memory_gib", "memory_plan", "plan_for_config"]
+           "gpu_memory_gib", "hf_architecture", "memory_plan", "plan_for_config"]
 
 GIB = 2**30
 PROMPT_ALLOWANCE = 1024
@@ -287,8 +287,9 @@ def check_memory_plan(plan: MemoryPlan) -> None:
         f"start anyway")
 
 
-def _architecture(source: str, cache_dir: str | None) -> tuple[Any, str]:
-    """``(hf_config, origin)``: the local config.json, else the published architecture.
+def hf_architecture(source: str, cache_dir: str | None) -> tuple[Any, str]:
+    """``(hf_config, origin)`` of a model source: its local config.json, else its published
+    architecture (:mod:`nemo_sspo.models.published`); ``origin`` says which, for messages.
 
     Raises:
         FileNotFoundError: neither is available (names ``source``).
@@ -315,10 +316,10 @@ def plan_for_config(cfg: Any, world_size: int, hf_config: Any | None = None) -> 
     """
     origin = "the given config"
     if hf_config is None:
-        hf_config, origin = _architecture(cfg.model.source, cfg.model.cache_dir)
+        hf_config, origin = hf_architecture(cfg.model.source, cfg.model.cache_dir)
     critic_hf = None
     if cfg.critic.source is not None and cfg.critic.source != cfg.model.source:
-        critic_hf = _architecture(cfg.critic.source, cfg.model.cache_dir)[0]
+        critic_hf = hf_architecture(cfg.critic.source, cfg.model.cache_dir)[0]
     plan = memory_plan(cfg, hf_config, world_size=world_size, gpu_gib=gpu_memory_gib(cfg), critic_hf_config=critic_hf)
     plan.notes.insert(0, f"model.source={cfg.model.source} ({origin}); world size {world_size}")
     return plan

@@ -10,28 +10,15 @@ import torch
 import torch.distributed as dist
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from nemo_sspo.megatron import (
-    build_policy_model,
-    cpu_device_context,
-    destroy_parallel,
-    export_hf_state_dict,
-    forward_logits,
-    get_parallel_groups,
-    initialize_parallel,
-    load_hf_into_megatron,
-    vocab_shard,
-)
+from nemo_sspo.megatron import cpu_device_context, export_hf_state_dict, forward_logits, vocab_shard
+from tests.distributed._megatron_layouts import check_world_4_layouts, megatron_layout
+from tests.unit.mapping_cases import TINY, VOCAB, assert_same_tensors, megatron_copy
 
-VOCAB, SEQ, MICRO_BATCH, MICROBATCHES = 100, 6, 2, 2
-LAYOUTS = ((2, 1), (1, 2), (2, 2))  # (tp, pp) on world 4; the rest is data parallel
+SEQ, MICRO_BATCH, MICROBATCHES = 6, 2, 2
 
 
 def _llama_config(tied: bool) -> LlamaConfig:
-    return LlamaConfig(
-        hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
-        num_key_value_heads=2, vocab_size=VOCAB, tie_word_embeddings=tied, rope_theta=5000.0,
-        max_position_embeddings=32, rms_norm_eps=1e-6,
-    )
+    return LlamaConfig(**(TINY | dict(num_hidden_layers=4, tie_word_embeddings=tied)))
 
 
 def _pipeline_logits(model, batches):
@@ -67,11 +54,8 @@ def _check_layout(tp: int, pp: int, tied: bool) -> None:
     with torch.no_grad():
         expected = [hf_model(ids).logits for ids in batches]
 
-    initialize_parallel(tp_size=tp, pp_size=pp, seed=7)
-    try:
-        groups = get_parallel_groups()
-        model = build_policy_model(config).eval()
-        load_hf_into_megatron(model, hf_state, config)
+    with megatron_layout(tp, pp) as groups:
+        model = megatron_copy(config, hf_state)
         logits = _pipeline_logits(model, batches)
         if groups.is_last_stage:
             vocab_start, true_vocab = vocab_shard(model)
@@ -86,18 +70,11 @@ def _check_layout(tp: int, pp: int, tied: bool) -> None:
                 assert torch.count_nonzero(full[..., VOCAB:]) == 0  # zero pad rows -> zero logits
         else:
             assert logits == []
-        exported = export_hf_state_dict(model, config)
-        assert list(exported) == list(hf_state)
-        for name, tensor in hf_state.items():
-            assert torch.equal(exported[name], tensor), f"{name} (tp={tp}, pp={pp}, tied={tied})"
-    finally:
-        destroy_parallel()
+        assert_same_tensors(export_hf_state_dict(model, config), hf_state, f"(tp={tp}, pp={pp}, tied={tied})")
 
 
 def _all_layouts(rank: int, world_size: int) -> None:
-    for tp, pp in LAYOUTS:
-        for tied in (True, False):
-            _check_layout(tp, pp, tied)
+    check_world_4_layouts(_check_layout)
 
 
 def test_tp_pp_logits_and_export_match_hf(run_distributed):

@@ -25,82 +25,27 @@ import torch
 import torch.distributed as dist
 from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-from nemo_sspo.megatron import (
-    build_policy_model,
-    cpu_device_context,
-    destroy_parallel,
-    export_hf_state_dict,
-    forward_logits,
-    get_parallel_groups,
-    initialize_parallel,
-    iter_hf_weight_buckets,
-    load_hf_into_megatron,
-    parameter_counts,
-)
+from nemo_sspo.megatron import export_hf_state_dict, iter_hf_weight_buckets, parameter_counts
 from nemo_sspo.megatron.router_replay import stage_moe_layers
 from nemo_sspo.models import split_expert_weights
+from tests.distributed._megatron_layouts import full_vocab_logits, megatron_layout
+from tests.unit.mapping_cases import TINY_MOE, VOCAB, assert_same_tensors, float64_logits, megatron_copy, redraw_, relative_error
 
-VOCAB, SEQ, BATCH, EXPERTS = 100, 6, 2, 8
-
-
-def _hf_model() -> Qwen3MoeForCausalLM:
-    config = Qwen3MoeConfig(
-        hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_experts=EXPERTS,
-        num_experts_per_tok=2, norm_topk_prob=True, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=32, vocab_size=VOCAB, tie_word_embeddings=False,
-        max_position_embeddings=32, rms_norm_eps=1e-6,
-        rope_parameters={"rope_type": "default", "rope_theta": 5000.0})
-    model = Qwen3MoeForCausalLM(config).eval()
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "norm" in name:
-                param.normal_(1.0, 0.3)
-            elif name.endswith("mlp.gate.weight"):
-                param.normal_(0.0, 0.5)
-    model.config._experts_implementation = "eager"  # grouped_mm has no float64 kernel
-    return model
-
-
-def _full_logits(model, ids) -> torch.Tensor:
-    """This replica's full-vocabulary logits [B, S, V_padded] (pipeline schedule, TP all-gather)."""
-    from megatron.core.pipeline_parallel import get_forward_backward_func
-
-    groups = get_parallel_groups()
-    collected = []
-
-    def forward_step(data_iterator, stage_model):
-        batch = next(data_iterator)
-        output = forward_logits(stage_model, batch, torch.arange(batch.shape[1]).expand_as(batch))
-        return output, lambda out: (collected.append(out.detach()) or out.sum() * 0.0, {})
-
-    with cpu_device_context(), torch.no_grad():
-        get_forward_backward_func()(
-            forward_step_func=forward_step, data_iterator=iter([ids]), model=[model], num_microbatches=1,
-            seq_length=ids.shape[1], micro_batch_size=ids.shape[0], forward_only=True)
-    local = collected[0] if groups.is_last_stage else torch.empty(*ids.shape, 128)
-    dist.broadcast(local, src=groups.pp_last_rank, group=groups.pp_group)
-    shards = [torch.empty_like(local) for _ in range(groups.tp_size)]
-    dist.all_gather(shards, local.contiguous(), group=groups.tp_group)
-    return torch.cat(shards, dim=-1)
+SEQ, BATCH, EXPERTS = 6, 2, TINY_MOE["num_experts"]
 
 
 def _check_layout(tp: int, ep: int, pp: int = 1) -> dict:
     torch.manual_seed(1234)  # the same HF weights on every rank
-    hf_model = _hf_model()
+    hf_model = redraw_(Qwen3MoeForCausalLM(Qwen3MoeConfig(**TINY_MOE)).eval())
     config, hf_state = hf_model.config, split_expert_weights(hf_model.state_dict())
     predicted = parameter_counts(config, tp_size=tp, pp_size=pp, ep_size=ep)  # meta build, before the real one
-    initialize_parallel(tp_size=tp, pp_size=pp, seed=7, ep_size=ep)
-    try:
-        groups = get_parallel_groups()
+    with megatron_layout(tp, pp, ep) as groups:
         assert groups.ep_size == ep and groups.dp_size == dist.get_world_size() // (tp * pp)  # EP splits DP
         seq = SEQ - 2 * groups.dp_rank  # unequal token counts across the EP group
         ids = torch.randint(0, VOCAB, (BATCH, seq), generator=torch.Generator().manual_seed(10 + groups.dp_rank))
-        with torch.no_grad():
-            expected = hf_model.double()(ids).logits
-            hf_model.float()
-        model = build_policy_model(config).eval()
+        expected = float64_logits(hf_model, ids)
+        model = megatron_copy(config, hf_state)
         assert sum(p.numel() for p in model.parameters()) == predicted[groups.pp_rank][groups.tp_rank]
-        load_hf_into_megatron(model, hf_state, config)
         # router replay R3: each stage takes its own layers of the engine's [B, S, L_all, k] routes
         # (2 layers: both at PP 1; layer 0 on stage 0 and layer 1 on stage 1 at PP 2)
         per_stage = 2 // pp
@@ -110,24 +55,18 @@ def _check_layout(tp: int, ep: int, pp: int = 1) -> dict:
         last_expert = groups.ep_rank * local + local - 1
         down = hf_state[f"model.layers.{layer.layer_number - 1}.mlp.experts.{last_expert}.down_proj.weight"]
         assert torch.equal(fc2, down.chunk(tp, dim=1)[groups.tp_rank])
-        full = _full_logits(model, ids)
+        full = full_vocab_logits(model, ids)
         torch.testing.assert_close(full[..., :VOCAB].double(), expected, atol=1e-5, rtol=1e-5)
         exported = export_hf_state_dict(model, config)
         streamed, most_experts = {}, 0
         for bucket in iter_hf_weight_buckets(model, config, bucket_bytes=1):  # one unit per bucket
             most_experts = max(most_experts, sum(".mlp.experts." in name for name in bucket))
             streamed.update(bucket)
-        if dist.get_rank() == groups.mp_src_rank:
-            assert list(streamed) == list(hf_state)
+        assert_same_tensors(exported, hf_state, f"(tp={tp}, ep={ep})")
+        if dist.get_rank() == groups.mp_src_rank:  # the streamed refit reaches the engine rank only
+            assert_same_tensors(streamed, hf_state, f"streamed (tp={tp}, ep={ep})")
             assert most_experts == 3 * EXPERTS  # one layer's experts (gate, up, down each)
-        assert list(exported) == list(hf_state)
-        for name, tensor in hf_state.items():
-            assert torch.equal(exported[name], tensor), f"{name} (tp={tp}, ep={ep})"
-            if dist.get_rank() == groups.mp_src_rank:
-                assert torch.equal(streamed[name], tensor), f"{name} streamed (tp={tp}, ep={ep})"
-        return {"rel_diff": float((full[..., :VOCAB].double() - expected).abs().max() / expected.abs().max())}
-    finally:
-        destroy_parallel()
+        return {"rel_diff": relative_error(full[..., :VOCAB], expected)}
 
 
 def _world_2(rank: int, world_size: int) -> dict:

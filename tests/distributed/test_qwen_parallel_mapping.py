@@ -24,73 +24,28 @@ import torch
 import torch.distributed as dist
 from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
-from nemo_sspo.megatron import (
-    build_policy_model,
-    cpu_device_context,
-    destroy_parallel,
-    export_hf_state_dict,
-    forward_logits,
-    get_parallel_groups,
-    initialize_parallel,
-    iter_hf_weight_buckets,
-    load_hf_into_megatron,
-    parameter_counts,
-)
+from nemo_sspo.megatron import build_policy_model, export_hf_state_dict, iter_hf_weight_buckets, parameter_counts
+from tests.distributed._megatron_layouts import full_vocab_logits, megatron_layout
+from tests.unit.mapping_cases import TINY, VOCAB, assert_same_tensors, float64_logits, megatron_copy, redraw_, relative_error
 
-VOCAB, SEQ, BATCH = 100, 6, 2
-_COMMON = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-               num_key_value_heads=2, vocab_size=VOCAB, tie_word_embeddings=False,
-               max_position_embeddings=32, rms_norm_eps=1e-6,
-               rope_parameters={"rope_type": "default", "rope_theta": 5000.0})
+SEQ, BATCH = 6, 2
 ARCHS = {
-    "qwen2": (Qwen2ForCausalLM, lambda: Qwen2Config(**_COMMON)),
-    "qwen3": (Qwen3ForCausalLM, lambda: Qwen3Config(head_dim=24, **_COMMON)),  # 24 != 64 / 4
+    "qwen2": (Qwen2ForCausalLM, lambda: Qwen2Config(**TINY)),
+    "qwen3": (Qwen3ForCausalLM, lambda: Qwen3Config(head_dim=24, **TINY)),  # 24 != 64 / 4
 }
 
 
 def _hf_model(arch: str, state=None):
     model_cls, config = ARCHS[arch]
     model = model_cls(config()).eval()
-    if state is not None:
-        model.load_state_dict(state, strict=True)
-        return model
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if name.endswith(".bias"):
-                param.normal_(0.0, 0.5)  # transformers zero-initialises biases
-            elif "norm" in name:
-                param.normal_(1.0, 0.3)  # and sets norm weights to 1
+    if state is None:
+        return redraw_(model)
+    model.load_state_dict(state, strict=True)
     return model
 
 
-def _megatron_logits(model, ids):
-    """Full-vocabulary logits [B, S, V_padded] on every rank (pipeline schedule, TP all-gather)."""
-    from megatron.core.pipeline_parallel import get_forward_backward_func
-
-    groups = get_parallel_groups()
-    collected = []
-
-    def forward_step(data_iterator, stage_model):
-        batch = next(data_iterator)
-        output = forward_logits(stage_model, batch, torch.arange(SEQ).expand_as(batch))
-        return output, lambda out: (collected.append(out.detach()) or out.sum() * 0.0, {})
-
-    with cpu_device_context(), torch.no_grad():
-        get_forward_backward_func()(
-            forward_step_func=forward_step, data_iterator=iter([ids]), model=[model],
-            num_microbatches=1, seq_length=SEQ, micro_batch_size=BATCH, forward_only=True,
-        )
-    local = collected[0] if groups.is_last_stage else torch.empty(BATCH, SEQ, 128)
-    shards = [torch.empty_like(local) for _ in range(groups.tp_size)]
-    dist.all_gather(shards, local.contiguous(), group=groups.tp_group)
-    full = torch.cat(shards, dim=-1)
-    dist.broadcast(full, src=groups.pp_last_rank, group=groups.pp_group)
-    return full
-
-
-def _streamed(model, config) -> dict:
+def _streamed(model, config, groups) -> dict:
     """The streamed export on the engine rank, broadcast so every rank can compare it."""
-    groups = get_parallel_groups()
     merged = {}
     for bucket in iter_hf_weight_buckets(model, config, bucket_bytes=1):  # one unit per bucket
         merged.update(bucket)
@@ -105,26 +60,20 @@ def _check_layout(arch: str, tp: int, pp: int) -> dict:
     config = hf_model.config
     hf_state = hf_model.state_dict()
     ids = torch.randint(0, VOCAB, (BATCH, SEQ))
-    with torch.no_grad():
-        expected = _hf_model(arch, hf_state).double()(ids).logits
+    expected = float64_logits(hf_model, ids)
 
     predicted = parameter_counts(config, tp_size=tp, pp_size=pp)
-    initialize_parallel(tp_size=tp, pp_size=pp, seed=7)
-    try:
-        model = build_policy_model(config).eval()
-        groups = get_parallel_groups()
+    with megatron_layout(tp, pp) as groups:
+        model = megatron_copy(config, hf_state)
         assert sum(p.numel() for p in model.parameters()) == predicted[groups.pp_rank][groups.tp_rank]
-        load_hf_into_megatron(model, hf_state, config)
-        full = _megatron_logits(model, ids)
+        full = full_vocab_logits(model, ids)
         assert full.shape[-1] == 128 * tp  # vocab 100 padded to a multiple of 128 * tp
         torch.testing.assert_close(full[..., :VOCAB].double(), expected, atol=1e-5, rtol=1e-5)
         assert torch.count_nonzero(full[..., VOCAB:]) == 0
         exported = export_hf_state_dict(model, config)
-        streamed = _streamed(model, config)
-        assert list(exported) == list(hf_state) == list(streamed)
-        for name, tensor in hf_state.items():
-            assert torch.equal(exported[name], tensor), f"{name} ({arch}, tp={tp}, pp={pp})"
-            assert torch.equal(streamed[name], tensor), f"{name} streamed ({arch}, tp={tp}, pp={pp})"
+        streamed = _streamed(model, config, groups)
+        assert_same_tensors(exported, hf_state, f"({arch}, tp={tp}, pp={pp})")
+        assert_same_tensors(streamed, hf_state, f"streamed ({arch}, tp={tp}, pp={pp})")
 
         # Refit: perturb the weights, export, reload into HF. The same seed on every rank keeps
         # TP-replicated parameters (norms) identical across ranks, as training does.
@@ -132,29 +81,21 @@ def _check_layout(arch: str, tp: int, pp: int) -> dict:
         with torch.no_grad():
             for param in model.parameters():
                 param.add_(0.01 * torch.randn(param.shape, generator=generator))
-        moved = _megatron_logits(model, ids)[..., :VOCAB]
+        moved = full_vocab_logits(model, ids)[..., :VOCAB]
         refit = _hf_model(arch, export_hf_state_dict(model, config))
         with torch.no_grad():
             refit_logits = refit(ids).logits
         torch.testing.assert_close(refit_logits, moved, atol=1e-5, rtol=1e-5)
-        # Relative to the logits' scale: max |fp32 - float64| / max |float64|.
-        return {"rel_diff": float((full[..., :VOCAB].double() - expected).abs().max()
-                                  / expected.abs().max()),
+        return {"rel_diff": relative_error(full[..., :VOCAB], expected),
                 "refit_changed": float((refit_logits - expected).abs().max())}
-    finally:
-        destroy_parallel()
 
 
 def _tied_counts(tp: int, pp: int) -> None:
-    config = Qwen3Config(head_dim=24, **(_COMMON | {"tie_word_embeddings": True}))
+    config = Qwen3Config(head_dim=24, **(TINY | {"tie_word_embeddings": True}))
     predicted = parameter_counts(config, tp_size=tp, pp_size=pp)
-    initialize_parallel(tp_size=tp, pp_size=pp, seed=7)
-    try:
-        groups = get_parallel_groups()
+    with megatron_layout(tp, pp) as groups:
         actual = sum(p.numel() for p in build_policy_model(config).parameters())
         assert actual == predicted[groups.pp_rank][groups.tp_rank], (tp, pp, actual, predicted)
-    finally:
-        destroy_parallel()
 
 
 def _all_layouts(rank: int, world_size: int) -> dict:

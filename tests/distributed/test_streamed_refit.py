@@ -11,24 +11,15 @@ import torch
 import torch.distributed as dist
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from nemo_sspo.megatron import (
-    build_policy_model,
-    destroy_parallel,
-    export_hf_state_dict,
-    get_parallel_groups,
-    initialize_parallel,
-    iter_hf_weight_buckets,
-    load_hf_into_megatron,
-)
+from nemo_sspo.megatron import export_hf_state_dict, iter_hf_weight_buckets
+from tests.distributed._megatron_layouts import check_world_4_layouts, megatron_layout
+from tests.unit.mapping_cases import TINY, megatron_copy
 
 LAYERS = 4
-LAYOUTS = ((2, 1), (1, 2), (2, 2))  # (tp, pp) on world 4; the rest is data parallel
 
 
 def _config(tied: bool) -> LlamaConfig:
-    return LlamaConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=LAYERS, num_attention_heads=4,
-                       num_key_value_heads=2, vocab_size=100, tie_word_embeddings=tied,
-                       max_position_embeddings=32)
+    return LlamaConfig(**(TINY | dict(num_hidden_layers=LAYERS, tie_word_embeddings=tied)))
 
 
 def _layer_of(name: str) -> int | None:
@@ -73,11 +64,8 @@ def _check_layout(tp: int, pp: int, tied: bool) -> None:
     hf_state = LlamaForCausalLM(config).state_dict()
     layer_bytes = _layer_bytes(hf_state, 0)  # 4 * (64x64 q/o) + 2 * (32x64 k/v) + 3 * (96x64) + 2 * 64 floats
     assert layer_bytes == 4 * (2 * 64 * 64 + 2 * 32 * 64 + 3 * 96 * 64 + 2 * 64)
-    initialize_parallel(tp_size=tp, pp_size=pp, seed=7)
-    try:
-        groups = get_parallel_groups()
-        model = build_policy_model(config).eval()
-        load_hf_into_megatron(model, hf_state, config)
+    with megatron_layout(tp, pp) as groups:
+        model = megatron_copy(config, hf_state)
         full = export_hf_state_dict(model, config)
         engine_rank = dist.get_rank() == groups.mp_src_rank
         # 2.5 layers per bucket -> [[0, 1], [2, 3]]; 1 byte (smaller than any layer) -> one layer each
@@ -105,14 +93,10 @@ def _check_layout(tp: int, pp: int, tied: bool) -> None:
                 raise AssertionError("dst_rank outside the model-parallel group was accepted")
             except ValueError as err:
                 assert "model-parallel group" in str(err)
-    finally:
-        destroy_parallel()
 
 
 def _all_layouts(rank: int, world_size: int) -> None:
-    for tp, pp in LAYOUTS:
-        for tied in (False, True):
-            _check_layout(tp, pp, tied)
+    check_world_4_layouts(_check_layout)
 
 
 def test_streamed_refit_equals_full_export_and_only_reaches_the_engine_rank(run_distributed):

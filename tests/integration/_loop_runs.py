@@ -66,6 +66,18 @@ def record_updates(monkeypatch, store):
     monkeypatch.setattr(loop, "train_on_batch", wrapped)
 
 
+def record_prepared(trainer, store) -> None:
+    """Wraps ``trainer.prepare_batch``: appends ``(rollout, batch)`` for every rollout it prepares."""
+    inner = trainer.prepare_batch
+
+    def wrapped(rollout):
+        batch, sums = inner(rollout)
+        store.append((rollout, batch))
+        return batch, sums
+
+    trainer.prepare_batch = wrapped
+
+
 def on_policy_loss(batch, aggregation: str, max_response_length: int) -> tuple[float, float]:
     """(loss, denominator) of a mini-batch whose ratios are all 1 under a ratio loss: every token's
     loss is -A_i, reduced by hand (``tests.unit.loss_cases.hand_aggregate``)."""

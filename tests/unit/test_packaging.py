@@ -19,14 +19,9 @@ def _requirements() -> dict[str, Requirement]:
     return {Requirement(line).name: Requirement(line) for line in _project()["dependencies"]}
 
 
-def _pins(name: str) -> dict[str, str]:
-    pins = {}
-    for raw in (ROOT / "constraints" / name).read_text().splitlines():
-        line = raw.split("#", 1)[0].strip()
-        if line:
-            package, version = line.split("==")
-            pins[package] = version
-    return pins
+def lane_pins(name: str) -> dict[str, str]:
+    """A constraints file's pins (normalised name -> version), read as install.sh's helper reads them."""
+    return _helper().read_pins(str(ROOT / "constraints" / name))
 
 
 def _helper():
@@ -68,7 +63,7 @@ def test_megatron_core_range_is_016_through_019():
 @pytest.mark.parametrize("lane", ["py311.txt", "py312.txt"])
 def test_every_lane_pin_is_inside_the_declared_range(lane):
     requirements = _requirements()
-    pins = _pins(lane)
+    pins = lane_pins(lane)
     assert pins["megatron-core"] == {"py311.txt": "0.16.1", "py312.txt": "0.19.2"}[lane]
     for name, req in requirements.items():
         if name in pins:
@@ -78,8 +73,8 @@ def test_every_lane_pin_is_inside_the_declared_range(lane):
 def test_only_the_311_lane_pins_torch_and_it_is_the_installed_one():
     import torch
 
-    assert _pins("py311.txt")["torch"] == "2.13.0"
-    assert "torch" not in _pins("py312.txt")  # the 3.12 lane / container keeps the torch it has
+    assert lane_pins("py311.txt")["torch"] == "2.13.0"
+    assert "torch" not in lane_pins("py312.txt")  # the 3.12 lane / container keeps the torch it has
     assert torch.__version__.split("+")[0] == "2.13.0"
 
 

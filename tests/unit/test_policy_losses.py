@@ -268,26 +268,19 @@ def _identity_inputs():
     return log_ratio, torch.tensor([1.0, -2.0, 0.5]), mask, torch.rand(3, 6, generator=gen)
 
 
-def test_one_segment_per_response_equals_gspo():
+@pytest.mark.parametrize(("segments", "other", "eps_low", "eps_high"), [
+    (lambda mask: torch.where(mask, 0, -1), GSPOLossConfig, 0.05, 0.08),  # one segment per response
+    (lambda mask: torch.where(mask, torch.arange(6).expand(3, 6), -1), GRPOLossConfig, 0.2, 0.28),  # one per token
+], ids=["whole_response_is_gspo", "one_token_is_grpo"])
+def test_sspo_with_one_segment_per_response_or_per_token_is_gspo_or_grpo(segments, other, eps_low, eps_high):
     log_ratio, adv, mask, entropy = _identity_inputs()
-    whole_row = torch.where(mask, 0, -1)
-    sspo = _run(SSPOFixedClipConfig(eps_low=0.05, eps_high=0.08), log_ratio, adv, mask,
-                whole_row, entropy)
-    # GSPO ignores the newline ids: give it different ones to prove they are not read.
-    gspo = _run(GSPOLossConfig(eps_low=0.05, eps_high=0.08), log_ratio, adv, mask,
-                torch.zeros_like(whole_row), entropy)
-    for a, b in zip(sspo[:4], gspo[:4]):
-        assert torch.allclose(a, b, atol=1e-7, rtol=0)
-
-
-def test_one_token_per_segment_equals_grpo():
-    log_ratio, adv, mask, entropy = _identity_inputs()
-    per_token = torch.where(mask, torch.arange(6).expand(3, 6), -1)
-    sspo = _run(SSPOFixedClipConfig(eps_low=0.2, eps_high=0.28), log_ratio, adv, mask,
-                per_token, entropy)
-    grpo = _run(GRPOLossConfig(eps_low=0.2, eps_high=0.28), log_ratio, adv, mask,
-                torch.zeros_like(per_token), entropy)
-    for a, b in zip(sspo[:4], grpo[:4]):
+    segment_ids = segments(mask)
+    sspo = _run(SSPOFixedClipConfig(eps_low=eps_low, eps_high=eps_high), log_ratio, adv, mask,
+                segment_ids, entropy)
+    # GSPO and GRPO ignore the segment ids: give them other ones to prove they are not read.
+    reference = _run(other(eps_low=eps_low, eps_high=eps_high), log_ratio, adv, mask,
+                     torch.zeros_like(segment_ids), entropy)
+    for a, b in zip(sspo[:4], reference[:4]):
         assert torch.allclose(a, b, atol=1e-7, rtol=0)
 
 

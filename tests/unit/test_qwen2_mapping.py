@@ -10,48 +10,22 @@ import pytest
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from nemo_sspo.megatron import (
-    build_policy_model,
-    destroy_parallel,
-    export_hf_state_dict,
-    forward_logits,
-    initialize_parallel,
-    load_hf_into_megatron,
-    transformer_config_from_hf,
-)
-from nemo_sspo.megatron import model as model_module
 from nemo_sspo.cli import load_config
+from nemo_sspo.megatron import export_hf_state_dict, forward_logits, transformer_config_from_hf
+from nemo_sspo.megatron import model as model_module
 from nemo_sspo.megatron.hf_mapping import expected_hf_keys
-from nemo_sspo.models import build_hf_model, load_hf_checkpoint
+from tests.unit.mapping_cases import TINY, VOCAB, assert_same_tensors, megatron_copy, redraw_, tiny_random_case
 
-VOCAB, SEQ = 100, 7
+SEQ = 7
 
 
 def _qwen2_config(tied: bool = False, **overrides) -> Qwen2Config:
-    fields = dict(
-        hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, vocab_size=VOCAB, tie_word_embeddings=tied, max_position_embeddings=32,
-        rms_norm_eps=1e-6, rope_parameters={"rope_type": "default", "rope_theta": 5000.0},
-    )
-    fields.update(overrides)
-    return Qwen2Config(**fields)
+    return Qwen2Config(**(TINY | dict(tie_word_embeddings=tied) | overrides))
 
 
 def _hf_model(config: Qwen2Config) -> Qwen2ForCausalLM:
     torch.manual_seed(0)
-    model = Qwen2ForCausalLM(config).eval()
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if name.endswith(".bias"):
-                param.normal_(0.0, 0.5)
-    return model
-
-
-@pytest.fixture(scope="module")
-def parallel_1():
-    initialize_parallel(tp_size=1, pp_size=1, seed=3)
-    yield
-    destroy_parallel()
+    return redraw_(Qwen2ForCausalLM(config).eval())
 
 
 def _inputs(vocab: int = VOCAB):
@@ -63,17 +37,13 @@ def _inputs(vocab: int = VOCAB):
 def test_qwen2_logits_match_transformers_and_export_round_trips(parallel_1, tied):
     config = _qwen2_config(tied)
     hf_model = _hf_model(config)
-    model = build_policy_model(config).eval()
+    model = megatron_copy(config, hf_model.state_dict())
     assert model.config.add_qkv_bias and not model.config.add_bias_linear
-    load_hf_into_megatron(model, hf_model.state_dict(), config)
     ids, positions = _inputs()
     with torch.no_grad():
         logits = forward_logits(model, ids, positions)[..., :VOCAB]
         torch.testing.assert_close(logits, hf_model(ids).logits, atol=1e-5, rtol=1e-5)
-    exported = export_hf_state_dict(model, config)
-    assert list(exported) == list(hf_model.state_dict())  # HF order, biases included
-    for name, tensor in hf_model.state_dict().items():
-        assert torch.equal(exported[name], tensor), name
+    assert_same_tensors(export_hf_state_dict(model, config), hf_model.state_dict())  # biases included
 
 
 def test_qwen2_keys_include_qkv_biases():
@@ -89,22 +59,17 @@ def test_load_rejects_state_dict_without_biases(parallel_1):
     config = _qwen2_config()
     state = {k: v for k, v in _hf_model(config).state_dict().items() if not k.endswith("v_proj.bias")}
     with pytest.raises(ValueError, match=r"missing=\['model.layers.0.self_attn.v_proj.bias'"):
-        load_hf_into_megatron(build_policy_model(config), state, config)
+        megatron_copy(config, state)
 
 
 def test_tiny_random_qwen2_source_matches_megatron(parallel_1):
-    config, state_dict, tokenizer = load_hf_checkpoint("tiny-random-qwen2")
-    assert (config.model_type, config.tie_word_embeddings, config.vocab_size) == ("qwen2", False, 151936)
-    assert len(tokenizer) <= config.vocab_size  # Qwen2.5: 151,936 rows for ~151.7k token ids
-    assert state_dict["model.layers.0.self_attn.k_proj.bias"].abs().max() > 0  # non-zero biases
-    hf_model = build_hf_model(config, state_dict)
-    model = build_policy_model(config).eval()
-    load_hf_into_megatron(model, state_dict, config)
-    ids = tokenizer(["Let x = 2.\n\nThen 2x = 4."], return_tensors="pt")["input_ids"]
-    positions = torch.arange(ids.shape[1]).expand_as(ids)
+    case = tiny_random_case("tiny-random-qwen2")
+    assert (case.config.model_type, case.config.tie_word_embeddings, case.config.vocab_size) == (
+        "qwen2", False, 151936)
+    assert len(case.tokenizer) <= case.config.vocab_size  # Qwen2.5: 151,936 rows for ~151.7k token ids
+    assert case.state_dict["model.layers.0.self_attn.k_proj.bias"].abs().max() > 0  # non-zero biases
     with torch.no_grad():
-        logits = forward_logits(model, ids, positions)[..., : config.vocab_size]
-        torch.testing.assert_close(logits, hf_model(ids).logits, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(case.logits, case.hf_model(case.ids).logits, atol=1e-5, rtol=1e-5)
 
 
 def test_sliding_window_is_refused():

@@ -11,78 +11,34 @@ import pytest
 import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
-from nemo_sspo.megatron import (
-    build_policy_model,
-    destroy_parallel,
-    export_hf_state_dict,
-    forward_logits,
-    initialize_parallel,
-    load_hf_into_megatron,
-    transformer_config_from_hf,
-)
+from nemo_sspo.megatron import export_hf_state_dict, forward_logits, transformer_config_from_hf
 from nemo_sspo.megatron.hf_mapping import expected_hf_keys
-from nemo_sspo.models import build_hf_model, load_hf_checkpoint
+from tests.unit.mapping_cases import TINY, VOCAB, assert_same_tensors, float64_logits, megatron_copy, redraw_, relative_error, tiny_random_case
 
-VOCAB, SEQ = 100, 7
+SEQ = 7
 
 
 def _config(tied: bool = False, **overrides) -> Qwen3Config:
-    fields = dict(
-        hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=24, vocab_size=VOCAB, tie_word_embeddings=tied,
-        max_position_embeddings=32, rms_norm_eps=1e-6,
-        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
-    )
-    fields.update(overrides)
-    return Qwen3Config(**fields)
+    return Qwen3Config(**(TINY | dict(head_dim=24, tie_word_embeddings=tied) | overrides))  # 24 != 64 / 4
 
 
 def _hf_model(config: Qwen3Config) -> Qwen3ForCausalLM:
     torch.manual_seed(0)
-    model = Qwen3ForCausalLM(config).eval()
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "norm" in name:
-                param.normal_(1.0, 0.3)
-    return model
-
-
-@pytest.fixture(scope="module")
-def parallel_1():
-    initialize_parallel(tp_size=1, pp_size=1, seed=3)
-    yield
-    destroy_parallel()
-
-
-def _float64_logits(model: Qwen3ForCausalLM, ids: torch.Tensor) -> torch.Tensor:
-    reference = Qwen3ForCausalLM(model.config).eval()
-    reference.load_state_dict(model.state_dict())
-    with torch.no_grad():
-        return reference.double()(ids).logits
-
-
-def _assert_relative(actual: torch.Tensor, expected: torch.Tensor) -> None:
-    # max |fp32 - float64| relative to the logits' scale
-    rel = float((actual.double() - expected).abs().max() / expected.abs().max())
-    assert rel < 1e-5, rel
+    return redraw_(Qwen3ForCausalLM(config).eval())
 
 
 @pytest.mark.parametrize("tied", [False, True])
 def test_qwen3_logits_match_float64_transformers_and_export_round_trips(parallel_1, tied):
     config = _config(tied)
     hf_model = _hf_model(config)
-    model = build_policy_model(config).eval()
+    model = megatron_copy(config, hf_model.state_dict())
     assert model.config.qk_layernorm and model.config.kv_channels == 24
     assert not (model.config.add_qkv_bias or model.config.add_bias_linear)
-    load_hf_into_megatron(model, hf_model.state_dict(), config)
     ids = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(5))
     with torch.no_grad():
         logits = forward_logits(model, ids, torch.arange(SEQ).expand(2, SEQ))[..., :VOCAB]
-    _assert_relative(logits, _float64_logits(hf_model, ids))
-    exported = export_hf_state_dict(model, config)
-    assert list(exported) == list(hf_model.state_dict())  # HF order, q/k norms included
-    for name, tensor in hf_model.state_dict().items():
-        assert torch.equal(exported[name], tensor), name
+    assert relative_error(logits, float64_logits(hf_model, ids)) < 1e-5  # fp32 against float64
+    assert_same_tensors(export_hf_state_dict(model, config), hf_model.state_dict())  # q/k norms included
 
 
 def test_qwen3_keys_include_qk_norms_and_no_biases():
@@ -98,7 +54,7 @@ def test_load_rejects_state_dict_without_k_norm(parallel_1):
     config = _config()
     state = {k: v for k, v in _hf_model(config).state_dict().items() if "layers.1.self_attn.k_norm" not in k}
     with pytest.raises(ValueError, match=r"missing=\['model.layers.1.self_attn.k_norm.weight'\]"):
-        load_hf_into_megatron(build_policy_model(config), state, config)
+        megatron_copy(config, state)
 
 
 def test_qwen3_attention_bias_is_refused():
@@ -107,17 +63,10 @@ def test_qwen3_attention_bias_is_refused():
 
 
 def test_tiny_random_qwen3_source_matches_megatron(parallel_1):
-    config, state_dict, tokenizer = load_hf_checkpoint("tiny-random-qwen3")
-    assert (config.model_type, config.tie_word_embeddings, config.vocab_size, config.head_dim) == (
-        "qwen3", True, 151936, 32)
-    assert "lm_head.weight" not in state_dict  # tied: the output layer is the embedding
-    q_norm = state_dict["model.layers.0.self_attn.q_norm.weight"]
+    case = tiny_random_case("tiny-random-qwen3")
+    assert (case.config.model_type, case.config.tie_word_embeddings, case.config.vocab_size,
+            case.config.head_dim) == ("qwen3", True, 151936, 32)
+    assert "lm_head.weight" not in case.state_dict  # tied: the output layer is the embedding
+    q_norm = case.state_dict["model.layers.0.self_attn.q_norm.weight"]
     assert q_norm.shape == (32,) and (q_norm - 1).abs().max() > 0.05  # redrawn around 1
-    hf_model = build_hf_model(config, state_dict)
-    model = build_policy_model(config).eval()
-    load_hf_into_megatron(model, state_dict, config)
-    ids = tokenizer(["Let x = 2.\n\nThen 2x = 4."], return_tensors="pt")["input_ids"]
-    with torch.no_grad():
-        logits = forward_logits(model, ids, torch.arange(ids.shape[1]).expand_as(ids))[..., :config.vocab_size]
-    _assert_relative(logits, _float64_logits(hf_model, ids))
-
+    assert relative_error(case.logits, float64_logits(case.hf_model, case.ids)) < 1e-5

@@ -3,8 +3,8 @@
 Reference: transformers' ``Qwen3MoeForCausalLM`` on the same weights in float64 (its eager experts
 loop: the grouped-mm default has no float64 kernel). The router weights are redrawn with std 0.5
 (transformers' 0.02 leaves the routing near uniform), so routes depend on the token and a wrong
-top-k rule moves the logits: the two ``norm_topk_prob`` settings give logits 8e-3 apart (relative
-to their scale) on these weights, 800 times the 1e-5 tolerance.
+top-k rule moves the logits: the two ``norm_topk_prob`` settings give logits 5.5e-3 apart (relative
+to their scale) on these weights, 550 times the 1e-5 tolerance.
 """
 
 import pytest
@@ -12,63 +12,31 @@ import torch
 from safetensors.torch import load_file
 from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-from nemo_sspo.megatron import (
-    build_policy_model,
-    destroy_parallel,
-    export_hf_state_dict,
-    forward_logits,
-    initialize_parallel,
-    load_hf_into_megatron,
-    transformer_config_from_hf,
-)
+from nemo_sspo.megatron import export_hf_state_dict, forward_logits, transformer_config_from_hf
 from nemo_sspo.megatron.hf_mapping import expected_hf_keys
-from nemo_sspo.models import build_hf_model, fuse_expert_weights, load_hf_checkpoint, split_expert_weights
+from nemo_sspo.models import build_hf_model, fuse_expert_weights, split_expert_weights
+from tests.unit.mapping_cases import (
+    TINY,
+    TINY_MOE,
+    VOCAB,
+    assert_same_tensors,
+    float64_logits,
+    megatron_copy,
+    redraw_,
+    relative_error,
+    tiny_random_case,
+)
 
-VOCAB, SEQ, EXPERTS = 100, 7, 4
+SEQ, EXPERTS = 7, 4
 
 
 def _config(**overrides) -> Qwen3MoeConfig:
-    fields = dict(
-        hidden_size=64, intermediate_size=96, moe_intermediate_size=40, num_experts=EXPERTS,
-        num_experts_per_tok=2, norm_topk_prob=True, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=24, vocab_size=VOCAB, tie_word_embeddings=False,
-        max_position_embeddings=32, rms_norm_eps=1e-6,
-        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
-    )
-    fields.update(overrides)
-    return Qwen3MoeConfig(**fields)
+    return Qwen3MoeConfig(**(TINY_MOE | dict(moe_intermediate_size=40, num_experts=EXPERTS) | overrides))
 
 
 def _hf_model(config: Qwen3MoeConfig) -> Qwen3MoeForCausalLM:
     torch.manual_seed(0)
-    model = Qwen3MoeForCausalLM(config).eval()
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "norm" in name:
-                param.normal_(1.0, 0.3)
-            elif name.endswith("mlp.gate.weight"):
-                param.normal_(0.0, 0.5)
-    return model
-
-
-def _float64_logits(model: Qwen3MoeForCausalLM, ids: torch.Tensor) -> torch.Tensor:
-    reference = Qwen3MoeForCausalLM(model.config).eval()
-    reference.load_state_dict(model.state_dict())
-    reference.config._experts_implementation = "eager"  # grouped_mm has no float64 kernel
-    with torch.no_grad():
-        return reference.double()(ids).logits
-
-
-def _relative(actual: torch.Tensor, expected: torch.Tensor) -> float:
-    # max |fp32 - float64| relative to the logits' scale
-    return float((actual.double() - expected).abs().max() / expected.abs().max())
-
-
-@pytest.fixture(scope="module")
-def parallel_1():
-    initialize_parallel(tp_size=1, pp_size=1, seed=3)
-    yield
-    destroy_parallel()
+    return redraw_(Qwen3MoeForCausalLM(config).eval())
 
 
 def test_logits_match_float64_transformers_for_both_top_k_rules_and_export_round_trips(parallel_1):
@@ -78,22 +46,19 @@ def test_logits_match_float64_transformers_for_both_top_k_rules_and_export_round
         config = _config(norm_topk_prob=norm_topk)
         hf_model = _hf_model(config)
         state = split_expert_weights(hf_model.state_dict())
-        model = build_policy_model(config).eval()
+        model = megatron_copy(config, state)
         # norm_topk_prob=True: top-k of the logits, then softmax over those k (no pre-softmax)
         assert model.config.moe_router_pre_softmax is not norm_topk
         assert (model.config.num_moe_experts, model.config.moe_router_topk, model.config.moe_ffn_hidden_size) == (
             EXPERTS, 2, 40)
-        load_hf_into_megatron(model, state, config)
         with torch.no_grad():
             logits[norm_topk] = forward_logits(model, ids, torch.arange(SEQ).expand(2, SEQ))[..., :VOCAB]
-        expected = _float64_logits(hf_model, ids)
-        assert _relative(logits[norm_topk], expected) < 1e-5, norm_topk
-        exported = export_hf_state_dict(model, config)
-        assert list(exported) == list(state) == expected_hf_keys(config)
-        for name, tensor in state.items():
-            assert torch.equal(exported[name], tensor), name
+        expected = float64_logits(hf_model, ids)
+        assert relative_error(logits[norm_topk], expected) < 1e-5, norm_topk
+        assert list(state) == expected_hf_keys(config)
+        assert_same_tensors(export_hf_state_dict(model, config), state)
     # The two rules route the same weights to differently weighted experts: the test sees a swap.
-    assert _relative(logits[True], logits[False].double()) > 1e-3
+    assert relative_error(logits[True], logits[False].double()) > 1e-3
 
 
 def test_expert_names_are_what_save_pretrained_writes_and_from_pretrained_reads(tmp_path):
@@ -136,22 +101,16 @@ def test_unsupported_moe_layouts_are_refused(overrides, ep_size, message):
 def test_expert_parallelism_on_a_dense_model_is_refused():
     from transformers import Qwen3Config
 
-    dense = Qwen3Config(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-                        num_key_value_heads=2, vocab_size=VOCAB)
+    dense = Qwen3Config(**TINY)
     with pytest.raises(ValueError, match="^ep_size=2 needs a mixture-of-experts model"):
         transformer_config_from_hf(dense, tp_size=1, pp_size=1, ep_size=2)
 
 
 def test_tiny_random_qwen3_moe_source_matches_megatron(parallel_1):
-    config, state_dict, tokenizer = load_hf_checkpoint("tiny-random-qwen3-moe")
+    case = tiny_random_case("tiny-random-qwen3-moe")
+    config = case.config
     assert (config.model_type, config.num_experts, config.num_experts_per_tok, config.norm_topk_prob,
             config.head_dim) == ("qwen3_moe", 8, 2, True, 32)
-    router = state_dict["model.layers.0.mlp.gate.weight"]
+    router = case.state_dict["model.layers.0.mlp.gate.weight"]
     assert router.shape == (8, 64) and 0.4 < float(router.std()) < 0.6  # redrawn with std 0.5
-    hf_model = build_hf_model(config, state_dict)
-    model = build_policy_model(config).eval()
-    load_hf_into_megatron(model, state_dict, config)
-    ids = tokenizer(["Let x = 2.\n\nThen 2x = 4."], return_tensors="pt")["input_ids"]
-    with torch.no_grad():
-        logits = forward_logits(model, ids, torch.arange(ids.shape[1]).expand_as(ids))[..., :config.vocab_size]
-    assert _relative(logits, _float64_logits(hf_model, ids)) < 1e-5
+    assert relative_error(case.logits, float64_logits(case.hf_model, case.ids)) < 1e-5

@@ -3,7 +3,7 @@
 import pytest
 
 from nemo_sspo.algorithms.losses import get_soft_gate
-from nemo_sspo.registry import Registry
+from nemo_sspo.registry import PLUGINS_HINT, BuilderRegistry, Registry
 from nemo_sspo.rewards import reward_names
 from nemo_sspo.rollout import rollout_engine_names
 from nemo_sspo.trainer.config import at_key
@@ -46,3 +46,25 @@ def test_the_package_plug_in_points_use_it():
     assert "math_verify" in reward_names()
     with pytest.raises(ValueError, match="gate='nope' is not a registered soft gate"):
         get_soft_gate("nope")
+
+
+def test_a_builder_registry_calls_the_named_builder_and_names_the_plugins_key():
+    table: BuilderRegistry[int, int] = BuilderRegistry("widget", key="kind")
+    table.add("double", lambda n: 2 * n)
+    assert table.build("double", 21) == 42
+    message = r"kind='z' is not a registered widget; registered: \['double'\] \(a module that registers one"
+    with pytest.raises(ValueError, match=message):
+        table.build("z", 1)
+    assert PLUGINS_HINT.endswith("loaded with the config key plugins)")
+
+
+def test_the_reward_and_engine_functions_are_their_registries_methods():
+    # One copy of the rules: each public name is bound to its registry (no wrapper to drift).
+    from nemo_sspo import rewards, rollout
+
+    assert rewards.register_reward.__self__ is rewards.REWARD_REGISTRY
+    assert rollout.build_rollout_engine.__self__ is rollout.ROLLOUT_ENGINE_REGISTRY
+    with pytest.raises(ValueError, match=r"^backend='nope' is not a registered rollout engine; registered: \["):
+        rollout.build_rollout_engine("nope", None)
+    with pytest.raises(ValueError, match=r"^name='nope' is not a registered reward; registered: \["):
+        rewards.build_reward("nope", None)

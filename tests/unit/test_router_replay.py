@@ -13,13 +13,7 @@ import torch
 import torch.nn.functional as F
 from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-from nemo_sspo.megatron import (
-    build_policy_model,
-    destroy_parallel,
-    forward_logits,
-    initialize_parallel,
-    load_hf_into_megatron,
-)
+from nemo_sspo.megatron import forward_logits
 from nemo_sspo.megatron.router_replay import (
     clear_routes,
     record_routes,
@@ -27,19 +21,15 @@ from nemo_sspo.megatron.router_replay import (
     replay_routes,
     routing_agreement,
 )
-from nemo_sspo.models import split_expert_weights
+from nemo_sspo.algorithms.batch import route_dtype
+from tests.unit.mapping_cases import TINY_MOE, VOCAB, megatron_copy, relative_error
 
-VOCAB, SEQ, BATCH, EXPERTS, TOP_K = 100, 7, 2, 8, 2
+SEQ, BATCH, EXPERTS, TOP_K = 7, 2, TINY_MOE["num_experts"], TINY_MOE["num_experts_per_tok"]
 
 
 def _hf_model(seed: int, router_seed: int) -> Qwen3MoeForCausalLM:
-    config = Qwen3MoeConfig(
-        hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_experts=EXPERTS,
-        num_experts_per_tok=TOP_K, norm_topk_prob=True, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=32, vocab_size=VOCAB, tie_word_embeddings=False,
-        max_position_embeddings=32, rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
     torch.manual_seed(seed)
-    model = Qwen3MoeForCausalLM(config).eval()
+    model = Qwen3MoeForCausalLM(Qwen3MoeConfig(**TINY_MOE)).eval()
     generator = torch.Generator().manual_seed(router_seed)
     with torch.no_grad():
         for name, param in model.named_parameters():
@@ -66,7 +56,7 @@ def _forced_logits(model: Qwen3MoeForCausalLM, ids: torch.Tensor, routes: torch.
     originals = []
     for index, layer in enumerate(model.model.layers):
         gate = layer.mlp.gate
-        chosen = routes[:, :, index].reshape(-1, routes.shape[-1])  # HF rows are batch-first
+        chosen = routes[:, :, index].reshape(-1, routes.shape[-1]).long()  # HF rows are batch-first; gather: int64
 
         def forced(hidden, gate=gate, chosen=chosen):
             logits = F.linear(hidden.reshape(-1, gate.hidden_dim), gate.weight)
@@ -83,22 +73,8 @@ def _forced_logits(model: Qwen3MoeForCausalLM, ids: torch.Tensor, routes: torch.
             layer.mlp.gate.forward = original
 
 
-def _relative(actual: torch.Tensor, expected: torch.Tensor) -> float:
-    return float((actual.double() - expected).abs().max() / expected.abs().max())
-
-
 def _megatron(hf_model: Qwen3MoeForCausalLM):
-    model = build_policy_model(hf_model.config).eval()
-    load_hf_into_megatron(model, split_expert_weights({k: v.float() for k, v in hf_model.state_dict().items()}),
-                          hf_model.config)
-    return model
-
-
-@pytest.fixture(scope="module")
-def parallel_1():
-    initialize_parallel(tp_size=1, pp_size=1, seed=3)
-    yield
-    destroy_parallel()
+    return megatron_copy(hf_model.config, {k: v.float() for k, v in hf_model.state_dict().items()})
 
 
 def test_recorded_routes_are_transformers_routes_and_replay_forces_them(parallel_1):
@@ -126,9 +102,32 @@ def test_recorded_routes_are_transformers_routes_and_replay_forces_them(parallel
         replayed = forward_logits(model_b, ids, positions)[..., :VOCAB]
         clear_routes(model_b)
         after = forward_logits(model_b, ids, positions)[..., :VOCAB]
-    assert _relative(replayed, expected) < 1e-5
-    assert _relative(plain, expected) > 1e-3  # without replay, B's own routes give other logits
+    assert relative_error(replayed, expected) < 1e-5
+    assert relative_error(plain, expected) > 1e-3  # without replay, B's own routes give other logits
     assert torch.equal(after, plain)  # clear_routes restores plain routing
+    # Routes are held in int16 (8 experts); replaying them widened to int64 gives the same logits.
+    assert routes_a.dtype == torch.int16
+    with torch.no_grad():
+        replay_routes(model_b, routes_a.long())
+        replayed_int64 = forward_logits(model_b, ids, positions)[..., :VOCAB]
+        clear_routes(model_b)
+    assert torch.equal(replayed_int64, replayed)
+
+
+@pytest.mark.parametrize(("experts", "dtype"), [
+    (1, torch.int16), (8, torch.int16), (128, torch.int16),
+    (32768, torch.int16),  # ids 0 .. 32767 = int16 max
+    (32769, torch.int32),  # id 32768 does not fit
+])
+def test_route_dtype_is_the_smallest_that_holds_every_expert_id(experts, dtype):
+    assert route_dtype(experts) == dtype
+    ids = torch.tensor([0, experts - 1])
+    assert torch.equal(ids.to(dtype).long(), ids)  # the largest id survives the round trip
+
+
+def test_route_dtype_refuses_no_experts():
+    with pytest.raises(ValueError, match="num_experts=0 must be >= 1"):
+        route_dtype(0)
 
 
 def test_replay_refuses_routes_of_another_layer_count(parallel_1):

@@ -63,7 +63,23 @@ def _reference_logprobs(model, batch) -> torch.Tensor:
     return torch.where(batch.response_mask, logprobs, 0.0)
 
 
+def megatron_buckets(config, state_dict: dict) -> list[dict]:
+    """The streamed refit of a one-process Megatron model holding ``state_dict``, one unit (decoder
+    layer, embeddings, final norm and head) per bucket."""
+    from nemo_sspo.megatron import (build_policy_model, destroy_parallel, initialize_parallel, iter_hf_weight_buckets,
+                                    load_hf_into_megatron)
+
+    initialize_parallel(tp_size=1, pp_size=1, seed=0)
+    try:
+        megatron = build_policy_model(config)
+        load_hf_into_megatron(megatron, state_dict, config)
+        return list(iter_hf_weight_buckets(megatron, config, 1))
+    finally:
+        destroy_parallel()
+
+
 def _gap(engine, model, prompts, seed=1) -> float:
+    """Max |engine log-prob - transformers fp32 log-softmax(logits / T)| over the sampled tokens."""
     batch = engine.generate(prompts, seed=seed)
     return float((batch.rollout_logprobs - _reference_logprobs(model, batch)).abs().max())
 
@@ -108,9 +124,6 @@ def test_streamed_refit_gives_the_logprobs_of_a_full_refit(engine, tiny):
     # The trainer's refit: Megatron -> iter_hf_weight_buckets -> one reload_weights call per bucket. With a
     # 1-byte budget every decoder layer is its own call (30 layers + embeddings + final norm); vLLM then
     # samples exactly as after one full-dict reload_weights call: same ids, same log-probs, bit for bit.
-    from nemo_sspo.megatron import (build_policy_model, destroy_parallel, initialize_parallel, iter_hf_weight_buckets,
-                                    load_hf_into_megatron)
-
     config, state_dict, _ = tiny
     generator = torch.Generator().manual_seed(3)
     moved = {k: v + 1e-3 * torch.randn(v.shape, generator=generator) for k, v in state_dict.items()
@@ -120,14 +133,8 @@ def test_streamed_refit_gives_the_logprobs_of_a_full_refit(engine, tiny):
     engine.load_weights(moved)
     full = engine.generate(prompts, seed=4)
     engine.load_weights(state_dict)  # back to the start: the streamed refit must change every weight
-    initialize_parallel(tp_size=1, pp_size=1, seed=0)
-    try:
-        megatron = build_policy_model(config)
-        load_hf_into_megatron(megatron, moved, config)
-        buckets = list(iter_hf_weight_buckets(megatron, config, 1))
-        engine.load_weight_buckets(iter(buckets))
-    finally:
-        destroy_parallel()
+    buckets = megatron_buckets(config, moved)
+    engine.load_weight_buckets(iter(buckets))
     streamed = engine.generate(prompts, seed=4)
     engine.load_weights(state_dict)  # the initial weights for the other tests
     assert len(buckets) == config.num_hidden_layers + 2

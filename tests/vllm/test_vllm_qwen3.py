@@ -17,8 +17,8 @@ from nemo_sspo.models import build_hf_model, load_hf_checkpoint
 from nemo_sspo.models.hf_checkpoint import engine_model_dir
 from nemo_sspo.rollout import VLLMRolloutEngine
 from nemo_sspo.trainer.config import VLLMConfig
+from tests.vllm.test_vllm_backend import TEMPERATURE, _gap, megatron_buckets
 
-TEMPERATURE = 0.7
 PROMPTS = ["Let x = 2.\n\nThen 2x =", "Sam has 5 stamps. He buys 2 more."]
 
 
@@ -33,39 +33,16 @@ def qwen3(request, tmp_path_factory):
     return config, state_dict, engine
 
 
-def _gap(engine, model) -> float:
-    """Max |engine log-prob - transformers fp32 log-softmax(logits / T)| over sampled tokens."""
-    batch = engine.generate(PROMPTS, seed=3)
-    ids = torch.cat([batch.prompt_ids, batch.response_ids], 1)
-    mask = torch.cat([batch.prompt_mask, batch.response_mask], 1)
-    positions = (mask.long().cumsum(-1) - 1).clamp(min=0)
-    with torch.no_grad():
-        logits = model(input_ids=ids, attention_mask=mask.long(), position_ids=positions).logits.float()
-    width = batch.prompt_ids.shape[1]
-    logprobs = torch.log_softmax(logits[:, width - 1:-1] / TEMPERATURE, -1)
-    logprobs = logprobs.gather(-1, batch.response_ids.unsqueeze(-1)).squeeze(-1)
-    return float((batch.rollout_logprobs - torch.where(batch.response_mask, logprobs, 0.0)).abs().max())
-
-
 def test_vllm_loads_our_qwen3_folder_and_refits_from_megatron(qwen3):
-    from nemo_sspo.megatron import (build_policy_model, destroy_parallel, initialize_parallel,
-                                    iter_hf_weight_buckets, load_hf_into_megatron)
-
     config, state_dict, engine = qwen3
-    assert _gap(engine, build_hf_model(config, state_dict)) < 1e-4
+    assert _gap(engine, build_hf_model(config, state_dict), PROMPTS, seed=3) < 1e-4
     generator = torch.Generator().manual_seed(5)
     moved = {k: v + 0.05 * torch.randn(v.shape, generator=generator) for k, v in state_dict.items()}
     reference = build_hf_model(config, moved)
-    assert _gap(engine, reference) > 1e-2  # the engine still holds the initial weights: the check can fail
-    initialize_parallel(tp_size=1, pp_size=1, seed=0)
-    try:
-        megatron = build_policy_model(config)
-        load_hf_into_megatron(megatron, moved, config)
-        buckets = list(iter_hf_weight_buckets(megatron, config, 1))
-        engine.load_weight_buckets(iter(buckets))
-    finally:
-        destroy_parallel()
+    assert _gap(engine, reference, PROMPTS, seed=3) > 1e-2  # the engine still holds the initial weights: the check can fail
+    buckets = megatron_buckets(config, moved)
+    engine.load_weight_buckets(iter(buckets))
     assert len(buckets) == config.num_hidden_layers + 2
-    assert _gap(engine, reference) < 1e-4
+    assert _gap(engine, reference, PROMPTS, seed=3) < 1e-4
     engine.load_weight_buckets(iter([state_dict]))  # back to the initial weights (MoE: repacked again)
-    assert _gap(engine, build_hf_model(config, state_dict)) < 1e-4
+    assert _gap(engine, build_hf_model(config, state_dict), PROMPTS, seed=3) < 1e-4
