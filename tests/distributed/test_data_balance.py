@@ -6,9 +6,12 @@ rows each rank ends with can be compared with the partition worked out by hand.
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from nemo_sspo.algorithms.batch import PolicyBatch
+
+pytestmark = pytest.mark.fast  # seconds: kept in the fast tier (tests/conftest.py)
 
 # lengths (prompt + response tokens) of each rank's rows, per world size
 LENGTHS = {

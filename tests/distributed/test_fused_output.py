@@ -7,11 +7,14 @@ output layer sees them without sequence parallelism); the gradient of h must be 
 shards' contributions, the gradient of each weight shard its own rows of the reference.
 """
 
+import pytest
 import torch
 import torch.distributed as dist
 
 from nemo_sspo.parallel import vocab_shard_range
 from nemo_sspo.parallel.fused_output import fused_linear_logprobs_entropy
+
+pytestmark = pytest.mark.fast  # seconds: kept in the fast tier (tests/conftest.py)
 
 N, H, VOCAB, PADDED, TEMPERATURE = 7, 5, 11, 16, 0.8
 

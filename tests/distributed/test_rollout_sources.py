@@ -6,6 +6,7 @@ rollout for step 1 and takes the weight broadcast; the source must return that r
 rewards, version, window), report the broadcast's rate, and deliver the weights bit for bit.
 """
 
+import pytest
 import torch
 
 from nemo_sspo.parallel.weight_broadcast import receive_weight_buckets
@@ -15,6 +16,8 @@ from nemo_sspo.trainer.sampling import Rollout
 from nemo_sspo.trainer.sources import LockStepSource
 from nemo_sspo.trainer.staleness import VersionedRollout
 from tests.distributed._split_world import resplit
+
+pytestmark = pytest.mark.fast  # seconds: kept in the fast tier (tests/conftest.py)
 
 WEIGHTS = [{"w": torch.arange(6, dtype=torch.float32).reshape(2, 3)}, {"b": torch.tensor([0.5, -1.5])}]
 

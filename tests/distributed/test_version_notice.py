@@ -7,6 +7,7 @@ buckets bit for bit; then the stop notice. Then rank 0 exits while the rollout r
 notice: its poll fails with an error naming training rank 0.
 """
 
+import pytest
 import time
 
 import torch
@@ -14,6 +15,8 @@ import torch
 from nemo_sspo.parallel.version_notice import STOP, Notice, NoticeListener, post_notice
 from nemo_sspo.parallel.weight_broadcast import receive_weight_buckets, start_weight_broadcast
 from tests.distributed._split_world import resplit
+
+pytestmark = pytest.mark.fast  # seconds: kept in the fast tier (tests/conftest.py)
 
 HOLD_S = 1.0  # each side's pause, so the other's state at that moment is known
 

@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import os
 import socket
+import subprocess
 import sys
 from pathlib import Path
 
-__all__ = ["REPO", "TORCHRUN", "free_port", "launch_env"]
+__all__ = ["REPO", "TORCHRUN", "free_port", "launch_env", "torchrun_worker"]
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -30,3 +31,12 @@ def free_port() -> int:
 def launch_env(**extra: str) -> dict[str, str]:
     """This process's environment for a launch of this checkout, plus ``extra``."""
     return {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO), **extra}
+
+
+def torchrun_worker(module: str, *args: str, nproc: int = 2, timeout_s: float = 600) -> subprocess.CompletedProcess:
+    """``torchrun --nproc-per-node nproc -m module args`` on a free port, output captured; raises
+    ``AssertionError`` with the tail of its stderr when it fails."""
+    cmd = [*TORCHRUN, "--nproc-per-node", str(nproc), "--master-port", str(free_port()), "-m", module, *args]
+    proc = subprocess.run(cmd, cwd=REPO, env=launch_env(), capture_output=True, text=True, timeout=timeout_s)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return proc

@@ -7,6 +7,9 @@ The math-verify reward pool is replaced by a stub reward passed to the trainer (
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 from nemo_sspo.cli import load_config
 from nemo_sspo.megatron import destroy_parallel
 from nemo_sspo.rewards import register_reward
@@ -103,3 +106,14 @@ def run(monkeypatch, tmp_path, overrides, *, checkpoint=None, reward=ParityRewar
         return trainer.fit()
     finally:
         destroy_parallel()
+
+
+def untimed(record: dict) -> dict:
+    """A metrics record without its wall-clock values (``timing/``, ``throughput/``): what two runs of the
+    same seed must agree on."""
+    return {k: v for k, v in record.items() if not k.startswith(("timing/", "throughput/"))}
+
+
+def records_by_step(path: Path) -> dict[int, dict]:
+    """A ``metrics.jsonl``'s records by step, :func:`untimed`."""
+    return {r["step"]: untimed(r) for r in map(json.loads, path.read_text().splitlines())}

@@ -12,6 +12,8 @@ import torch
 
 from nemo_sspo.integrations.nemo_aligner import make_actor_loss_func
 
+pytestmark = pytest.mark.fast  # seconds: kept in the fast tier (tests/conftest.py)
+
 
 class _LossType(enum.Enum):
     TOKEN_LEVEL = "token_level"

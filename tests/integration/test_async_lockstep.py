@@ -19,6 +19,8 @@ from nemo_sspo.models import load_hf_checkpoint
 from nemo_sspo.trainer.checkpoint import STATE_FILE
 from tests.integration._loop_runs import make_trainer, record_prepared
 
+pytestmark = pytest.mark.fast  # seconds: kept in the fast tier (tests/conftest.py)
+
 # lr large enough that one update moves pi_old visibly away from the engine's initial weights.
 CORRECTED = ["rollout.correction=segment_tis", "rollout.correction_cap=1.5", "optim.lr=0.05"]
 

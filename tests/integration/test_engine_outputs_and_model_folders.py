@@ -18,6 +18,8 @@ from nemo_sspo.rollout import HFRolloutEngine
 from nemo_sspo.trainer.checkpoint import write_hf_checkpoint
 from tests.integration._loop_runs import make_trainer
 
+pytestmark = pytest.mark.fast  # seconds: kept in the fast tier (tests/conftest.py)
+
 # SmolLM2's tokenizer: EOS <|im_end|> 2, <|endoftext|> 0. The folder's generation config adds 17 and 23,
 # as Llama-3's [128001, 128008, 128009] adds <|eom_id|> and <|eot_id|> to the tokenizer's 128001.
 SOURCE_EOS = [2, 17, 23]

@@ -6,14 +6,13 @@ Two ranks (data-parallel 2) through the CLI, as a user launches them; rank 1 kil
 update of step 2 begins (``_fault_plugin.py``), rank 0 being inside the update's collectives.
 """
 
-import json
 import subprocess
 from pathlib import Path
 
 import pytest
 
 from tests.integration._launch import REPO, TORCHRUN, free_port, launch_env
-from tests.integration._loop_runs import PARITY_REWARD, TINY
+from tests.integration._loop_runs import PARITY_REWARD, TINY, records_by_step
 
 PLUGIN = Path(__file__).with_name("_fault_plugin.py")
 LAUNCH = [*TINY, "rollout.prompts_per_step=4", "trainer.checkpoint_interval=1", f"reward.name={PARITY_REWARD}",
@@ -29,11 +28,6 @@ def _launch(out: Path, *overrides: str, fault: bool = False) -> subprocess.Compl
     return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
 
 
-def _by_step(path: Path) -> dict[int, dict]:
-    records = [json.loads(line) for line in path.read_text().splitlines()]
-    return {r["step"]: {k: v for k, v in r.items() if not k.startswith(("timing/", "throughput/"))} for r in records}
-
-
 @pytest.mark.slow
 def test_a_rank_killed_mid_step_then_resume_auto_equals_an_uninterrupted_launch(tmp_path):
     out = tmp_path / "run"
@@ -42,11 +36,11 @@ def test_a_rank_killed_mid_step_then_resume_auto_equals_an_uninterrupted_launch(
     assert killed.returncode != 0
     assert "exitcode  : -9" in killed.stderr, killed.stderr[-3000:]  # torchrun reports the killed rank
     assert (out / "checkpoints" / "latest").read_text() == "step_000001"
-    assert sorted(_by_step(out / "metrics.jsonl")) == [1]
+    assert sorted(records_by_step(out / "metrics.jsonl")) == [1]
 
     resumed = _launch(out, "trainer.resume=auto")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     straight = _launch(tmp_path / "straight")
     assert straight.returncode == 0, straight.stderr[-3000:]
-    got, want = _by_step(out / "metrics.jsonl"), _by_step(tmp_path / "straight" / "metrics.jsonl")
+    got, want = records_by_step(out / "metrics.jsonl"), records_by_step(tmp_path / "straight" / "metrics.jsonl")
     assert sorted(got) == [1, 2] and got == want

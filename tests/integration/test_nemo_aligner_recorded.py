@@ -20,6 +20,8 @@ import torch
 from nemo_sspo.integrations.nemo_aligner import make_actor_loss_func
 from tests.integration import _host_batches as hb
 
+pytestmark = pytest.mark.fast  # seconds: kept in the fast tier (tests/conftest.py)
+
 RECORD = json.loads((Path(__file__).parent / "data" / "nemo_aligner_recorded.json").read_text())
 LOSS_ATOL, GRAD_ATOL = 2e-6, 1e-6
 # Our GRPO set up as the host actors' clipped surrogate: eps 0.2, mean over the micro-batch's

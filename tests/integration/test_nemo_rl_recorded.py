@@ -31,6 +31,8 @@ from nemo_sspo.algorithms.losses import (
 )
 from nemo_sspo.algorithms.segmentation import build_segment_tables, segment_ids
 
+pytestmark = pytest.mark.fast  # seconds: kept in the fast tier (tests/conftest.py)
+
 RECORD = json.loads((Path(__file__).parent / "data" / "nemo_rl_recorded.json").read_text())
 LOSS_ATOL, GRAD_ATOL = 2e-6, 1e-6
 _UNPACKED = [name for name in RECORD["cases"]

@@ -8,24 +8,20 @@ token ratios were about 1e-5 off."""
 
 import json
 import math
-import subprocess
 
 import pytest
 
-from tests.integration._launch import REPO, TORCHRUN, free_port, launch_env
+from tests.integration._launch import torchrun_worker
+from tests.integration._loop_runs import untimed
 
 
 @pytest.mark.slow
 def test_tp2_and_distributed_optimizer_resume_continue_with_identical_metrics(tmp_path):
-    cmd = [*TORCHRUN, "--nproc-per-node", "2", "--master-port", str(free_port()),
-           "-m", "tests.integration._resume_worker", str(tmp_path)]
-    proc = subprocess.run(cmd, cwd=REPO, env=launch_env(), capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    torchrun_worker("tests.integration._resume_worker", str(tmp_path))
     results = json.loads((tmp_path / "result.json").read_text())
     assert sorted(results) == ["dp2_distributed_optimizer", "tp2"]
     for name, result in results.items():
-        straight, resumed = ({k: v for k, v in r.items() if not k.startswith(("timing/", "throughput/"))}
-                             for r in result.values())
+        straight, resumed = (untimed(r) for r in result.values())
         assert straight["step"] == resumed["step"] == 3
         assert resumed == straight, name
         # update 6 of 6 (2 per step) under cosine decay from 2e-5 with warmup 2: r = (6 - 2) / (6 - 2) = 1

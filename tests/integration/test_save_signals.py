@@ -16,7 +16,6 @@ Each CLI run has its own process group and is signalled from inside its step-2 s
 thread, as the CLI runs) with the same reward rule.
 """
 
-import json
 import os
 import subprocess
 import sys
@@ -26,16 +25,11 @@ import pytest
 import torch
 
 from nemo_sspo.models import load_hf_checkpoint
-from tests.integration._loop_runs import PARITY_REWARD, TINY, run
+from tests.integration._loop_runs import PARITY_REWARD, TINY, records_by_step, run
 
 PLUGIN = Path(__file__).with_name("_fault_plugin.py")
 SHARED = ["trainer.max_steps=3", "trainer.checkpoint_interval=2", f"reward.name={PARITY_REWARD}",
           "trainer.loggers=[console,jsonl]"]
-
-
-def _by_step(path: Path) -> dict[int, dict]:
-    records = [json.loads(line) for line in path.read_text().splitlines()]
-    return {r["step"]: {k: v for k, v in r.items() if not k.startswith(("timing/", "throughput/"))} for r in records}
 
 
 def _signalled_cli_run(tmp_path: Path, signal_name: str, overrides: list[str]) -> subprocess.CompletedProcess:
@@ -69,7 +63,7 @@ def uninterrupted(tmp_path_factory) -> dict[int, dict]:
     with pytest.MonkeyPatch.context() as monkeypatch:
         _in_this_process(monkeypatch, straight, ["trainer.resume=auto", "trainer.overwrite_output_dir=false"])
     assert (straight / "earlier_run_1" / "metrics.jsonl").read_text() == '{"step": 1, "reward/mean": 9.0}\n'
-    return _by_step(straight / "metrics.jsonl")
+    return records_by_step(straight / "metrics.jsonl")
 
 
 @pytest.mark.slow
@@ -87,7 +81,7 @@ def test_group_sigterm_during_a_save_keeps_it_and_resume_equals_an_uninterrupted
     assert sorted(p.name for p in ckpts.iterdir()) == ["latest", "step_000002"]  # no .step_000002.tmp left
 
     _in_this_process(monkeypatch, out, ["trainer.resume=auto"])
-    got = _by_step(out / "metrics.jsonl")
+    got = records_by_step(out / "metrics.jsonl")
     assert sorted(got) == [1, 2, 3] and got == uninterrupted
 
 
@@ -103,10 +97,10 @@ def test_group_sigkill_during_a_save_resumes_from_the_previous_checkpoint_as_if_
     assert (ckpts / "latest").read_text() == "step_000001"
     assert sorted(p.name for p in ckpts.iterdir()) == [".step_000002.tmp", "latest", "step_000001"]
     assert not (ckpts / ".step_000002.tmp" / "trainer_state.json").exists()
-    assert sorted(_by_step(out / "metrics.jsonl")) == [1, 2]
+    assert sorted(records_by_step(out / "metrics.jsonl")) == [1, 2]
 
     _in_this_process(monkeypatch, out, [*every_step, "trainer.resume=auto"])
-    got = _by_step(out / "metrics.jsonl")
+    got = records_by_step(out / "metrics.jsonl")
     assert sorted(got) == [1, 2, 3] and got == uninterrupted
     assert (ckpts / "latest").read_text() == "step_000003"
     assert not (ckpts / ".step_000002.tmp").exists()

@@ -29,6 +29,8 @@ from nemo_sspo.algorithms.losses import LossInputs, get_policy_loss, make_policy
 from nemo_sspo.algorithms.segmentation import build_segment_tables, segment_ids
 from nemo_sspo.integrations import verl as sspo_verl
 
+pytestmark = pytest.mark.fast  # seconds: kept in the fast tier (tests/conftest.py)
+
 RTOL, ATOL = 1e-7, 1e-12
 # verl's name -> ours (the Dr. GRPO constant denominator; verl's L_max is the padded width T).
 MODES = {
