@@ -18,7 +18,7 @@ _KEY = re.compile(r"\b((?:model|parallel|data|rollout|reward|optim|loss|trainer|
 # only go down; a file not listed may hold none.
 PENDING = {
     "nemo_sspo/algorithms/micro_batches.py": 1,
-    "nemo_sspo/megatron/model.py": 8,
+    "nemo_sspo/megatron/model.py": 6,
     "nemo_sspo/megatron/packed_seq.py": 1,
     "nemo_sspo/rollout/vllm_engine.py": 3,
     "nemo_sspo/evaluation/run.py": 2,
@@ -26,9 +26,18 @@ PENDING = {
 
 
 def _docstring_ids(tree: ast.AST) -> set[int]:
+    """Docstrings: a body's first string statement, and a string statement right after an assignment
+    (an attribute's docstring, as Sphinx reads it)."""
     nodes = (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)
-    return {id(node.body[0].value) for node in ast.walk(tree) if isinstance(node, nodes) and node.body
-            and isinstance(node.body[0], ast.Expr) and isinstance(node.body[0].value, ast.Constant)}
+    ids = set()
+    for node in ast.walk(tree):
+        if not isinstance(node, nodes):
+            continue
+        for i, stmt in enumerate(node.body):
+            documents = i == 0 or isinstance(node.body[i - 1], (ast.Assign, ast.AnnAssign))
+            if documents and isinstance(stmt, ast.Expr) and isinstance(stmt.value, ast.Constant):
+                ids.add(id(stmt.value))
+    return ids
 
 
 def yaml_key_literals(path: Path) -> list[tuple[int, str]]:
@@ -57,5 +66,7 @@ def test_the_scanner_finds_a_key_and_skips_docstrings(tmp_path):
     module = tmp_path / "m.py"
     module.write_text('"""Docs may name rollout.top_p."""\n\n\ndef f(cap):\n'
                       '    """And here: rollout.top_p."""\n'
-                      '    raise ValueError(f"rollout.top_p={cap} must be >= 1; trainer.nope is not a key")\n')
-    assert yaml_key_literals(module) == [(6, "rollout.top_p")]
+                      '    raise ValueError(f"rollout.top_p={cap} must be >= 1; trainer.nope is not a key")\n'
+                      'TABLE = {}\n"""An attribute docstring may name rollout.top_p."""\n'
+                      '"rollout.top_p"  # a bare string that documents nothing is a literal\n')
+    assert sorted(yaml_key_literals(module)) == [(6, "rollout.top_p"), (9, "rollout.top_p")]
