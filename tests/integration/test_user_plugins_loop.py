@@ -11,11 +11,11 @@ from nemo_sspo.rewards import reward_names, unregister_reward
 from nemo_sspo.rollout import rollout_engine_names, unregister_rollout_engine
 from tests.integration._loop_runs import TINY
 
+pytestmark = pytest.mark.fast  # seconds: kept in the fast tier (tests/conftest.py)
+
 PLUGIN = '''
 from nemo_sspo.rewards import register_reward
 from nemo_sspo.rollout import build_rollout_engine, register_rollout_engine
-
-pytestmark = pytest.mark.fast  # seconds: kept in the fast tier (tests/conftest.py)
 
 CALLS = {"generate": 0, "load_weight_buckets": 0, "sleep": 0}
 
