@@ -7,7 +7,14 @@ from nemo_sspo.data.math_datasets import (
     load_math_dataset,
     resolve_data_dir,
 )
-from nemo_sspo.data.tasks import PROMPT_SOURCES, SOURCE_OPTIONS, Problem, PromptSource, build_prompt_source
+from nemo_sspo.data.tasks import (
+    PROMPT_SOURCES,
+    SOURCE_OPTIONS,
+    Problem,
+    PromptSource,
+    ShardedSource,
+    build_prompt_source,
+)
 from nemo_sspo.data.templates import TEMPLATES, render_prompt
 
 __all__ = [
@@ -19,6 +26,7 @@ __all__ = [
     "MathRecord",
     "Problem",
     "PromptSource",
+    "ShardedSource",
     "build_prompt_source",
     "load_math_dataset",
     "render_prompt",

@@ -35,6 +35,7 @@ __all__ = [
     "Problem",
     "PromptSource",
     "ReasoningGymOptions",
+    "ShardedSource",
     "WordProblemOptions",
     "build_prompt_source",
 ]
@@ -54,6 +55,33 @@ class PromptSource(Protocol):
     def sample(self, n: int) -> list[Problem]:
         """The next ``n`` problems (same seed -> same sequence)."""
         ...
+
+
+class ShardedSource:
+    """Shard ``index`` of ``count`` of a prompt source: its problems ``index``, ``index + count``,
+    ``index + 2 count``, ... (ours).
+
+    ``count`` shards of identically seeded sources are disjoint and together hold the whole stream,
+    so generators that draw at their own pace (free-running rollout ranks) never share a problem
+    unless the stream itself repeats it.
+
+    Args:
+        source: the stream to shard (it is drawn ``count`` problems per problem returned).
+        index: this shard, 0 <= index < count.
+        count: shards, >= 1 (1 is the stream itself).
+
+    Raises:
+        ValueError: ``count < 1`` or ``index`` outside ``[0, count)``.
+    """
+
+    def __init__(self, source: PromptSource, *, index: int, count: int) -> None:  # noqa: D107
+        if count < 1 or not 0 <= index < count:
+            raise ValueError(f"shard index={index} of count={count}: need count >= 1 and 0 <= index < count")
+        self.source, self.index, self.count = source, index, count
+
+    def sample(self, n: int) -> list[Problem]:
+        """The shard's next ``n`` problems."""
+        return self.source.sample(n * self.count)[self.index::self.count]
 
 
 _NAMES = [("Mia", "she"), ("Tom", "he"), ("Ava", "she"), ("Leo", "he"), ("Zoe", "she"), ("Sam", "he"),

@@ -2,9 +2,10 @@
 
 ``rollout.staleness_schedule: free`` (``nemo_sspo.trainer.placement``). Over the refit group
 (:mod:`nemo_sspo.parallel.placement`), group rank 0 (the trainer's export rank) broadcasts a notice
-``int64 [2]`` = (policy version, rollouts the trainer has taken so far) after each update; the
-weight broadcast of that version (:mod:`nemo_sspo.parallel.weight_broadcast`) follows it. The last
-notice carries version :data:`STOP` and no weights.
+``int64 [1 + R]`` = (policy version, then for each of the R rollout ranks the rollouts the trainer
+has taken from it so far) after each update; the weight broadcast of that version
+(:mod:`nemo_sspo.parallel.weight_broadcast`) follows it. The last notice carries version
+:data:`STOP` and no weights.
 
 They are collectives, not point-to-point messages, because of how gloo runs them: an asynchronous
 collective runs on the group's worker threads, reports ``Work.is_completed()`` when it is done and
@@ -33,12 +34,12 @@ class Notice(NamedTuple):
 
     Attributes:
         version: updates behind the weights that follow, or :data:`STOP`.
-        taken: rollouts the trainer has received so far (trained or dropped), counted from the
-            run's start (a resumed run counts from its completed steps).
+        taken: for each rollout rank, its rollouts the trainer has received so far (trained or
+            dropped), counted from the run's start (a resumed run counts from its checkpoint).
     """
 
     version: int
-    taken: int
+    taken: tuple[int, ...]
 
 
 def post_notice(notice: Notice, *, group: dist.ProcessGroup) -> tuple[torch.Tensor, object]:
@@ -52,7 +53,7 @@ def post_notice(notice: Notice, *, group: dist.ProcessGroup) -> tuple[torch.Tens
         ``(tensor, work)``: keep the tensor alive until ``work.wait()`` has returned (it raises gloo's
         RuntimeError when a rollout rank died or did not take the notice within the group's timeout).
     """
-    tensor = torch.tensor(list(notice), dtype=torch.int64)
+    tensor = torch.tensor([notice.version, *notice.taken], dtype=torch.int64)
     return tensor, post_broadcast(group, tensor)
 
 
@@ -61,15 +62,16 @@ class NoticeListener:
 
     Args:
         group: the refit group (this rank is not its rank 0).
+        num_rollout_ranks: R, the rollout ranks (a notice holds 1 + R numbers).
     """
 
-    def __init__(self, group: dist.ProcessGroup) -> None:  # noqa: D107 - documented on the class
-        self._group = group
-        self._tensor, self._work = torch.zeros(2, dtype=torch.int64), None
+    def __init__(self, group: dist.ProcessGroup, num_rollout_ranks: int) -> None:  # noqa: D107
+        self._group, self._size = group, 1 + num_rollout_ranks
+        self._tensor, self._work = torch.zeros(self._size, dtype=torch.int64), None
         self._post()  # posted ahead: the first notice comes after step 1's update
 
     def _post(self) -> None:
-        self._tensor = torch.zeros(2, dtype=torch.int64)
+        self._tensor = torch.zeros(self._size, dtype=torch.int64)
         self._work = post_broadcast(self._group, self._tensor)
 
     def poll(self, *, block: bool) -> Notice | None:
@@ -99,4 +101,5 @@ class NoticeListener:
             raise RuntimeError(f"training rank 0 sent no new policy version (it died or hung past the timeout): "
                                f"{err}") from err
         self._work = None
-        return Notice(*self._tensor.tolist())
+        version, *taken = self._tensor.tolist()
+        return Notice(version, tuple(taken))

@@ -45,7 +45,9 @@ RNG states are per rank, and the data-parallel size decides which responses shar
 Data position: prompt sources are seeded streams whose state depends only on the number of
 problems drawn so far (``RolloutSampler.problems_drawn``); resuming replays that many draws. Sampling
 seeds derive from ``(trainer.seed, step, round, slot)`` (:mod:`nemo_sspo.trainer.sampling`), so with
-the step counter restored the rollouts continue exactly. DCPO's per-prompt reward history (smooth
+the step counter restored the rollouts continue exactly. Free-running rollout ranks each draw from a
+shard of the stream at their own pace, so their checkpoint keeps a position per rollout rank
+(:attr:`TrainerState.rollout_positions`). DCPO's per-prompt reward history (smooth
 advantage standardisation) is part of :class:`TrainerState`, so the advantages continue exactly too.
 """
 
@@ -127,6 +129,8 @@ class TrainerState:
         advantage_history: DCPO's per-prompt reward stats (``loss.params.smooth_advantages``), prompt
             key -> ``[visits, mean, std]``; None when the loss keeps none. JSON floats round-trip
             exactly, so a resumed run continues with the same stats.
+        rollout_positions: free-running: each rollout rank's ``[rollouts received, problems drawn]``
+            (``nemo_sspo.trainer.placement.RolloutPosition``); None for the other modes.
     """
 
     step: int
@@ -136,6 +140,7 @@ class TrainerState:
     best_eval_mean: float | None = None
     best_eval_step: int | None = None
     advantage_history: dict[str, list[float]] | None = None
+    rollout_positions: list[list[int]] | None = None
 
 
 def checkpoint_name(step: int) -> str:

@@ -246,15 +246,17 @@ class RolloutConfig:
     and weights move between them as tensors over torch.distributed."""
     num_ranks: int = 0
     """Rollout ranks R with ``placement: separate`` (>= 1, dividing ``prompts_per_step``: rollout rank j
-    generates the j-th R-th of every step's prompt groups with its own engine replica; 1 with
-    ``staleness_schedule: free``); 0 with ``colocated``."""
+    generates the j-th R-th of every step's prompt groups with its own engine replica; with
+    ``staleness_schedule: free`` each rollout holds P / R groups and a step trains R of them); 0 with
+    ``colocated``."""
     peer_timeout_s: float = 1800.0
     """``placement: separate``: longest wait, in seconds, for the other side (a step's rollout, a
     refit). A rollout or training rank that died or hangs ends the run on every rank after at most
     this long, with an error naming it (a dead peer's closed connection fails at once). With
     ``staleness_schedule: free`` it also bounds a training step and a generation: the rollout rank's
     receive of the next version is posted ahead, and the trainer's broadcast waits for the rollout
-    rank to finish the rollout it is generating."""
+    ranks to finish the rollouts they are generating; and a rollout rank that sends nothing this long
+    while the others send is named as dead or hung."""
     max_staleness: int = 0
     """Lock-step staleness k: the rollout of step t is generated with the weights after step
     ``t - 1 - k`` (the first k+1 steps' rollouts with the initial weights), so a sample is at most k
@@ -262,13 +264,15 @@ class RolloutConfig:
     (``nemo_sspo.trainer.staleness``). With ``staleness_schedule: free`` it is a bound, not a schedule."""
     staleness_schedule: str = "lockstep"
     """``lockstep``: the deterministic schedule of ``max_staleness`` above (reproducible; colocated or
-    separate). ``free`` (``placement: separate`` with ``num_ranks: 1``): the rollout rank generates continuously with the
-    newest weights it has received, checking for new ones between two rollouts without blocking, and the
-    trainer never trains on a sample more than ``max_staleness`` versions old (``stale_policy``;
-    ``nemo_sspo.trainer.placement``)."""
+    separate). ``free`` (``placement: separate``): each rollout rank generates continuously with the
+    newest weights it has received, checking for new ones between two rollouts without blocking; a
+    step trains the first R fresh rollouts to arrive from any rollout ranks, and never a sample more
+    than ``max_staleness`` versions old (``stale_policy``; ``nemo_sspo.trainer.placement``). Runs are
+    reproducible only given the same arrival order (``nemo_sspo.trainer.placement``)."""
     stale_policy: str = "wait"
-    """With ``staleness_schedule: free``: ``wait``: the rollout rank starts no rollout that would be more
-    than ``max_staleness`` versions old when it trains (it waits for new weights instead), so nothing is
+    """With ``staleness_schedule: free``: ``wait``: a rollout rank keeps at most ``max_staleness + 1`` of
+    its rollouts untaken (it waits for new weights instead), so with one rollout rank nothing is
+    dropped; with several, a slow rank's rollout can still age past the bound behind the others' and is
     dropped. ``drop``: it keeps up to 2 (max_staleness + 1) rollouts ahead whatever their age, and the
     trainer discards a received rollout older than ``max_staleness`` (its prompts are consumed, as in verl
     and slime) and takes the next (``rollout/dropped_share``). ``lockstep`` accepts only ``wait``."""
@@ -776,7 +780,7 @@ def _validate_placement(ro: RolloutConfig, cfg: TrainConfig, world_size: int) ->
     if ro.placement == "colocated":
         _require(ro.staleness_schedule == "lockstep",
                  "rollout.staleness_schedule=free needs rollout.placement=separate (colocated ranks generate and "
-                 "train in turn, nothing runs free); set rollout.placement=separate with rollout.num_ranks=1, or "
+                 "train in turn, nothing runs free); set rollout.placement=separate with rollout.num_ranks >= 1, or "
                  "rollout.staleness_schedule=lockstep")
         _require(ro.num_ranks == 0, f"rollout.num_ranks={ro.num_ranks} needs rollout.placement=separate "
                  "(colocated replicas generate themselves); set rollout.num_ranks=0")
@@ -784,10 +788,6 @@ def _validate_placement(ro: RolloutConfig, cfg: TrainConfig, world_size: int) ->
     _require(ro.peer_timeout_s > 0, f"rollout.peer_timeout_s={ro.peer_timeout_s} must be > 0 (seconds)")
     _require(ro.num_ranks >= 1, f"rollout.num_ranks={ro.num_ranks}: rollout.placement=separate needs at least "
              "one rollout rank; set rollout.num_ranks=1 (or more)")
-    _require(ro.staleness_schedule == "lockstep" or ro.num_ranks == 1,
-             f"rollout.num_ranks={ro.num_ranks}: rollout.staleness_schedule=free runs one rollout rank (its "
-             "version notices and rollout numbers are per rollout rank); set rollout.num_ranks=1 or "
-             "rollout.staleness_schedule=lockstep")
     _require(ro.prompts_per_step % ro.num_ranks == 0,
              f"rollout.num_ranks={ro.num_ranks} does not divide rollout.prompts_per_step={ro.prompts_per_step} (each "
              "rollout rank generates an equal share of a step's prompt groups); pick a rollout.num_ranks that "

@@ -59,7 +59,7 @@ from nemo_sspo.algorithms.batch import PolicyBatch, concat_policy_batches, pack_
 from nemo_sspo.algorithms.losses import make_policy_loss
 from nemo_sspo.algorithms.off_policy import effective_sample_size, off_policy_weights
 from nemo_sspo.algorithms.segmentation import TABLE_FREE_SEGMENTATIONS, build_segment_tables
-from nemo_sspo.data import build_prompt_source
+from nemo_sspo.data import ShardedSource, build_prompt_source
 from nemo_sspo.megatron import (
     build_policy_model,
     export_hf_state_dict,
@@ -122,7 +122,7 @@ from nemo_sspo.trainer.rollout_metrics import TruncationWatch, rollout_metric_su
 from nemo_sspo.trainer.run_config import composed_config, read_config, resume_changes, write_config
 from nemo_sspo.trainer.sampling import Rollout, RolloutSampler
 from nemo_sspo.trainer.throughput import ModelShape, peak_tflops, step_work_sums, throughput_metrics
-from nemo_sspo.trainer.sources import ColocatedSource, FreeRunningSource, LockStepSource, RolloutSource
+from nemo_sspo.trainer.sources import ColocatedSource, FreeRunningSource, LockStepSource, RolloutSource, StepRollout
 from nemo_sspo.trainer.staleness import VersionedRollout
 from nemo_sspo.trainer.timeline import Timeline
 from nemo_sspo.parallel.placement import WorldSplit
@@ -199,7 +199,7 @@ def run_stop_ids(cfg: TrainConfig, tokenizer) -> list[int]:
 
 
 def build_rollout(cfg: TrainConfig, hf_config, state_dict, tokenizer, prompts, groups, *, stop_ids: list[int],
-                  reward: Reward | None = None, engine: RolloutEngine | None = None):
+                  reward: Reward | None = None, engine: RolloutEngine | None = None, shared_stream: bool = True):
     """Rollout engine, reward and sampler of a generating rank.
 
     The engine and reward passed in, else ``rollout.backend`` and ``reward.name`` from their
@@ -215,6 +215,8 @@ def build_rollout(cfg: TrainConfig, hf_config, state_dict, tokenizer, prompts, g
         stop_ids: the run's stop list (:func:`run_stop_ids`).
         reward: a reward to score with, or None to build ``reward.name``.
         engine: an engine holding the initial weights, or None to build ``rollout.backend``.
+        shared_stream: as :class:`nemo_sspo.trainer.sampling.RolloutSampler` (False: a free-running
+            rollout rank's own stream and slots).
 
     Returns:
         ``(engine, reward, sampler)``.
@@ -228,7 +230,7 @@ def build_rollout(cfg: TrainConfig, hf_config, state_dict, tokenizer, prompts, g
     if reward is None:
         reward = build_reward(cfg.reward.name, cfg.reward)
     sampler = RolloutSampler(engine=engine, reward=reward, prompts=prompts, tokenizer=tokenizer, cfg=cfg,
-                             groups=groups)
+                             groups=groups, shared_stream=shared_stream)
     return engine, reward, sampler
 
 
@@ -250,13 +252,17 @@ def run_rollout_rank(cfg: TrainConfig, split: WorldSplit, checkpoint=None, *, re
     """
     prompts = at_key("data.options.", lambda: build_prompt_source(cfg.data.source, seed=cfg.trainer.seed,
                                                                   **asdict(cfg.data.options)))
+    free = cfg.rollout.staleness_schedule == "free"
+    if free:  # each free-running rollout rank draws at its own pace from its own shard of the stream
+        prompts = ShardedSource(prompts, index=split.rollout_index(split.rank), count=split.num_rollout_ranks)
     if checkpoint is None:
         checkpoint = load_hf_checkpoint(cfg.model.source, cache_dir=cfg.model.cache_dir)
     hf_config, state_dict, tokenizer = checkpoint
     sampler = None
     try:
         engine, reward, sampler = build_rollout(cfg, hf_config, state_dict, tokenizer, prompts, rollout_replica(split),
-                                                stop_ids=run_stop_ids(cfg, tokenizer), reward=reward)
+                                                stop_ids=run_stop_ids(cfg, tokenizer), reward=reward,
+                                                shared_stream=not free)
         RolloutWorker(cfg, split, engine, sampler).run()
     finally:
         if sampler is not None:  # the reward (its worker processes) is closed as GRPOTrainer.close does
@@ -555,7 +561,8 @@ class GRPOTrainer:
                                    last_step=self.cfg.trainer.max_steps)
         if ro.staleness_schedule == "free":
             return FreeRunningSource(g, self.split, export, max_staleness=ro.max_staleness,
-                                     last_step=self.cfg.trainer.max_steps)
+                                     last_step=self.cfg.trainer.max_steps, peer_timeout_s=ro.peer_timeout_s,
+                                     pad_id=self.tokenizer.pad_token_id)
         return LockStepSource(g, self.split, export, max_staleness=ro.max_staleness,
                               prompts_per_step=ro.prompts_per_step, pad_id=self.tokenizer.pad_token_id)
 
@@ -637,18 +644,15 @@ class GRPOTrainer:
         if torch.cuda.is_available():
             metrics["memory/peak_allocated_gib"] = torch.cuda.max_memory_allocated() / 2**30
         metrics.update(source_values)
-        self._record_timeline(step, timer, versioned, got.dropped)
+        self._record_timeline(step, timer, got, versioned.generated)
         return metrics
 
-    def _record_timeline(self, step: int, timer: _Timer, versioned: VersionedRollout,
-                         dropped: list[tuple[int, tuple[float, float]]]) -> None:
-        """This step's phases and its rollout's generation window (:mod:`nemo_sspo.trainer.timeline`);
-        rollouts dropped for staleness as ``dropped`` windows on the rollout lane.
+    def _record_timeline(self, step: int, timer: _Timer, got: StepRollout, generated: tuple[float, float]) -> None:
+        """This step's phases and its rollout generation (:mod:`nemo_sspo.trainer.timeline`; the source
+        gives the generation windows and their lanes, ``generated`` spanning every generating rank).
         """
-        lane = self.source.lane
-        for _, window in dropped:
-            self.timeline.add(lane, "dropped", step, *window)
-        self.timeline.add(lane, "generation", step, *versioned.generated)
+        for lane, phase, window in self.source.windows(got, generated):
+            self.timeline.add(lane, phase, step, *window)
         for phase, window in timer.windows.items():
             if phase == "generation":
                 if self.source.wait_phase is None:  # the rollouts' own windows above show this rank generating
@@ -685,12 +689,15 @@ class GRPOTrainer:
         tr = self.cfg.trainer
         if tr.checkpoint_interval == 0 or (step % tr.checkpoint_interval and step != tr.max_steps):
             return
-        box = [self.problems_drawn]  # of the step just trained (later steps may be in flight); rank 0 generates
+        # of the step just trained (later steps may be in flight); rank 0 generates or collects
+        box = [self.problems_drawn, self.source.rollout_positions()]
         dist.broadcast_object_list(box, src=0)
         history = None
         if self.estimator.next_history is not None:  # DCPO's smooth standardisation, or a plug-in's history
             history = {key: [st.visits, st.mean, st.std] for key, st in self.advantage_history.items()}
+        positions = None if box[1] is None else [list(position) for position in box[1]]
         state = TrainerState(step=step, problems_drawn=box[0], seed=tr.seed, world_size=dist.get_world_size(),
+                             rollout_positions=positions,
                              best_eval_mean=self.best.mean, best_eval_step=self.best.step,
                              advantage_history=history)
         save_checkpoint(Path(tr.output_dir) / CHECKPOINTS_DIR, state, self._checkpointed_models(),
@@ -718,7 +725,8 @@ class GRPOTrainer:
                                "prompt restarts at its first visit", path)
             self.advantage_history = {key: PromptRewardStats(int(visits), float(mean), float(std))
                                       for key, (visits, mean, std) in (state.advantage_history or {}).items()}
-        self.source.start(state.step, state.problems_drawn)  # the rollout side takes the restored weights
+        # the rollout side takes the restored weights
+        self.source.start(state.step, state.problems_drawn, state.rollout_positions)
         self.engine_step = state.step
         if dist.get_rank() == 0:
             logger.warning("resumed from %s after step %d", path, state.step)

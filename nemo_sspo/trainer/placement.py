@@ -23,32 +23,49 @@ ranks replay the data position and generate the next steps from those weights (l
 resumed step, whatever k), and log that they did.
 
 Rollouts travel as plain tensors over the bridge group (:func:`send_rollout` / :func:`recv_rollout`):
-a header ``int64 [11]`` (rows, prompt width, response width, rounds, groups generated, policy
-version, data position, text bytes, generation start and end in unix microseconds, prompt groups),
-then prompt ids / mask, response ids / mask, truncation flags, engine log-probs, task and shaped
+a header ``int64 [12]`` (rows, prompt width, response width, rounds, groups generated, policy
+version, data position, text bytes, generation start and end in unix microseconds, prompt groups,
+and the tag of the parts that follow), then prompt ids / mask, response ids / mask, truncation flags, engine log-probs, task and shaped
 rewards, response text lengths and bytes, and each group's prompt key as ``uint8 [groups, 16]``
 (DCPO's per-prompt history is keyed by it). Sends are asynchronous,
 so a rollout rank never waits for a trainer that is busy with an earlier step.
 
-``rollout.staleness_schedule: free`` (one rollout rank; :class:`nemo_sspo.trainer.staleness.FreeQueue` decides when to
-generate). The rollout rank numbers its rollouts and generates them back to back with the newest
-weights it has; between two rollouts it looks, without blocking, for a version notice
+``rollout.staleness_schedule: free`` (:class:`nemo_sspo.trainer.staleness.FreeQueue` decides when
+to generate). Each of the R rollout ranks numbers its rollouts and generates them back to back with
+the newest weights it has, each holding its P / R slots of "step" n for its number n, drawn from a
+shard of the prompt stream of its own (:class:`nemo_sspo.data.ShardedSource`; no collective between
+rollout ranks, so none waits for another). It sends every rollout to training rank 0, the header with
+tag :data:`_ROLLOUT_TAG` and the parts with its number. Training rank 0 receives headers from any
+rollout rank (gloo's any-source receive) and so takes R rollouts per step in the order they arrive
+(:class:`RolloutCollector`), dropping those too stale; the training ranks get the step from it.
+Between two rollouts a rollout rank looks, without blocking, for a version notice
 (:mod:`nemo_sspo.parallel.version_notice`) and, when one has come, takes that version's weights
 bucket by bucket. The trainer posts the notice and its whole weight broadcast without waiting
 (:func:`nemo_sspo.parallel.weight_broadcast.start_weight_broadcast`) and goes on to its next step.
 What blocks what:
 
-- a training rank blocks when the next rollout has not arrived (:func:`receive_fresh_rollout`);
-- training rank 0 blocks, before it posts version t + 1, until the rollout rank has taken version t;
-  it takes it between two rollouts, so the wait is at most the rest of one generation and happens only
-  when a generation outlasts a training step. Until then rank 0 keeps one host copy of the export;
-- the rollout rank blocks for the next notice when :meth:`FreeQueue.may_generate` says no (with
-  ``wait``: k + 1 rollouts not yet taken, or the last step's rollout sent).
+- training rank 0 blocks when fewer than R fresh rollouts have arrived for the step;
+- training rank 0 blocks, before it posts version t + 1, until every rollout rank has taken version
+  t; a rank takes it between two rollouts, so the wait is at most the rest of one generation and
+  happens only when a generation outlasts a training step. Until then rank 0 keeps one host copy of
+  the export;
+- a rollout rank blocks for the next notice when :meth:`FreeQueue.may_generate` says no (with
+  ``wait``: k + 1 of its rollouts not yet taken, or as many as the remaining steps can train).
 
-After the last step the trainer posts a stop notice instead of weights; the rollout rank finishes
-the rollout it is generating, sends each receiving rank the number of rollouts it sent (tag
-:data:`_END_TAG`), and the trainer receives and discards those it has not taken
-(:func:`drain_rollouts`), so every send is matched and both sides exit.
+A rollout rank that dies or hangs is named: the any-source receive fails after the group's timeout
+when no rank sends, and a rank that sends nothing for longer than ``rollout.peer_timeout_s`` while
+others do is named at the next arrival (:meth:`RolloutCollector.next`).
+
+After the last step the trainer posts a stop notice instead of weights; each rollout rank finishes
+the rollout it is generating, sends training rank 0 the number of rollouts it sent (tag
+:data:`_END_TAG`), and rank 0 receives and discards those it has not taken
+(:meth:`RolloutCollector.drain`), so every send is matched and both sides exit.
+
+What is reproducible: a rollout is a function of the seed, its rank, its number, the version it was
+generated with and its rank's data position (which follows from that rank's earlier rollouts), and a
+step trains the rollouts it took in arrival order. So a run repeats exactly given the same arrival
+order and versions; which rollout arrives first and which version a rank holds depend on timing, so
+two free-running runs generally differ (lock-step runs do not).
 """
 
 from __future__ import annotations
@@ -56,6 +73,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -66,17 +84,19 @@ from nemo_sspo.parallel.weight_broadcast import PendingBroadcast, receive_weight
 from nemo_sspo.rollout import RolloutBatch
 from nemo_sspo.trainer.batch import concat_rollouts
 from nemo_sspo.trainer.sampling import Rollout
-from nemo_sspo.trainer.staleness import FreeQueue, VersionedRollout, is_fresh
+from nemo_sspo.trainer.staleness import FreeQueue, VersionedRollout
 
-__all__ = ["FreeRefit", "RolloutWorker", "SlotRoute", "drain_rollouts", "merge_rollouts", "receive_fresh_rollout",
-           "recv_rollout", "rollout_replica", "send_rollout", "send_start", "slot_routes", "slot_rows"]
+__all__ = ["FreeRefit", "RolloutCollector", "RolloutPosition", "RolloutWorker", "SlotRoute", "merge_rollouts",
+           "recv_free_rollout", "recv_rollout", "rollout_replica", "send_rollout", "send_start", "slot_routes",
+           "slot_rows", "stack_rollouts"]
 
 logger = logging.getLogger(__name__)
 
 _START_TAG = 0  # step tags start at 1
 _END_TAG = 2**31 - 1  # free-running: the number of rollouts sent, after the stop notice
+_ROLLOUT_TAG = 2**31 - 2  # free-running: every rollout's header (received from any rollout rank)
 
-_HEADER = 11
+_HEADER = 12
 
 
 def slot_rows(rollout: Rollout, start: int, stop: int) -> Rollout:
@@ -193,14 +213,36 @@ def merge_rollouts(parts: list[VersionedRollout], *, pad_id: int) -> VersionedRo
     if len(rounds) > 1 or len(drawn) > 1:
         raise ValueError(f"rollout ranks out of step: sampling rounds {sorted(rounds)}, data positions "
                          f"{sorted(drawn)} (each must be one number)")
+    return stack_rollouts(parts, pad_id=pad_id, problems_drawn=drawn.pop())
+
+
+def stack_rollouts(parts: list[VersionedRollout], *, pad_id: int, problems_drawn: int) -> VersionedRollout:
+    """Rollouts stacked in order into one (:func:`merge_rollouts` without its checks).
+
+    Rows are stacked with :func:`nemo_sspo.trainer.batch.concat_rollouts` (re-padded to the widest),
+    rewards and prompt keys concatenated, generated groups summed, sampling rounds the most of any.
+    Each response keeps its part's version (:attr:`VersionedRollout.sample_versions`); the rollout's
+    version is the oldest, its generation window spans every part's.
+
+    Args:
+        parts: rollouts, at least one.
+        pad_id: the tokenizer's pad id.
+        problems_drawn: the data position the stack records.
+
+    Returns:
+        The stacked :class:`VersionedRollout`.
+    """
     rollouts = [p.rollout for p in parts]
     rollout = Rollout(batch=concat_rollouts([r.batch for r in rollouts], pad_id=pad_id),
                       task_rewards=torch.cat([r.task_rewards for r in rollouts]),
-                      rewards=torch.cat([r.rewards for r in rollouts]), rounds=rounds.pop(),
+                      rewards=torch.cat([r.rewards for r in rollouts]), rounds=max(r.rounds for r in rollouts),
                       generated_groups=sum(r.generated_groups for r in rollouts),
                       prompt_keys=[key for r in rollouts for key in r.prompt_keys])
-    return VersionedRollout(rollout, version=min(p.version for p in parts), problems_drawn=drawn.pop(),
-                            generated=(min(p.generated[0] for p in parts), max(p.generated[1] for p in parts)))
+    versions = torch.cat([p.versions() for p in parts])
+    uniform = bool((versions == versions[0]).all())
+    return VersionedRollout(rollout, version=int(versions.min()), problems_drawn=problems_drawn,
+                            generated=(min(p.generated[0] for p in parts), max(p.generated[1] for p in parts)),
+                            sample_versions=None if uniform else versions)
 
 
 @dataclass
@@ -211,14 +253,17 @@ class _Sent:
     works: list
 
 
-def send_rollout(versioned: VersionedRollout, *, dst: int, group: dist.ProcessGroup, tag: int) -> _Sent:
+def send_rollout(versioned: VersionedRollout, *, dst: int, group: dist.ProcessGroup, tag: int,
+                 header_tag: int | None = None) -> _Sent:
     """Starts sending a versioned rollout to world rank ``dst`` over ``group`` (module docstring).
 
     Args:
-        versioned: the rollout, its policy version and data position.
+        versioned: the rollout, its policy version and data position (one version for all its rows).
         dst: the receiving rank (rank numbering of ``group``).
         group: the bridge group.
-        tag: message tag, the same on both sides (the step).
+        tag: message tag of the parts, the same on both sides (lock-step: the step; free-running:
+            the rollout's number).
+        header_tag: the header's tag, when it differs from ``tag`` (free-running: :data:`_ROLLOUT_TAG`).
 
     Returns:
         The pending send; call ``wait`` on each of its works (or keep it) before dropping it.
@@ -227,7 +272,7 @@ def send_rollout(versioned: VersionedRollout, *, dst: int, group: dist.ProcessGr
     text = [t.encode() for t in rb.response_texts]
     header = torch.tensor([rb.prompt_ids.shape[0], rb.prompt_ids.shape[1], rb.response_ids.shape[1], r.rounds,
                            r.generated_groups, versioned.version, versioned.problems_drawn, sum(map(len, text)),
-                           *(round(t * 1e6) for t in versioned.generated), len(r.prompt_keys)],
+                           *(round(t * 1e6) for t in versioned.generated), len(r.prompt_keys), tag],
                           dtype=torch.int64)
     # The groups' prompt keys (32 hex digits each, sampling.prompt_key) as 16 bytes per group.
     keys = torch.tensor([list(bytes.fromhex(key)) for key in r.prompt_keys], dtype=torch.uint8).reshape(-1, 16)
@@ -235,33 +280,79 @@ def send_rollout(versioned: VersionedRollout, *, dst: int, group: dist.ProcessGr
             rb.truncated.to(torch.uint8), rb.rollout_logprobs.float(), r.task_rewards.float(), r.rewards.float(),
             torch.tensor([len(t) for t in text], dtype=torch.int64),
             torch.frombuffer(bytearray(b"".join(text) or b"\0"), dtype=torch.uint8), keys]
-    tensors = [header, *(t.contiguous() for t in body)]
-    return _Sent(tensors, [group.send([t], dst, tag) for t in tensors])
+    parts = [t.contiguous() for t in body]
+    works = [group.send([header], dst, tag if header_tag is None else header_tag)]
+    return _Sent([header, *parts], works + [group.send([t], dst, tag) for t in parts])
 
 
 def recv_rollout(*, src: int, group: dist.ProcessGroup, tag: int, what: str | None = None) -> VersionedRollout:
-    """Receives what :func:`send_rollout` sent from world rank ``src`` with ``tag``.
+    """Receives what :func:`send_rollout` sent from world rank ``src`` with ``tag`` (header included).
 
     Args:
         src: the sending rollout rank (world rank).
         group: the bridge group.
-        tag: the message tag (lock-step: the step; free-running: the rollout number).
+        tag: the message tag (the step).
         what: the awaited rollout, for the error (default ``"rollout for step <tag>"``).
 
     Raises:
         RuntimeError: naming ``src`` and ``what``, when it died or sent nothing within the group's timeout.
     """
+    what = what or f"rollout for step {tag}"
     try:
         header = _recv(torch.zeros(_HEADER, dtype=torch.int64), src, group, tag)
-        rows, prompt_w, response_w, rounds, generated, version, drawn, text_bytes, start, end, groups = header.tolist()
-        shapes = [((rows, prompt_w), torch.int64), ((rows, prompt_w), torch.uint8), ((rows, response_w), torch.int64),
-                  ((rows, response_w), torch.uint8), ((rows,), torch.uint8), ((rows, response_w), torch.float32),
-                  ((rows,), torch.float32), ((rows,), torch.float32), ((rows,), torch.int64),
-                  ((max(text_bytes, 1),), torch.uint8), ((groups, 16), torch.uint8)]
+    except RuntimeError as err:
+        raise _silent(src, what, err) from err
+    return _recv_parts(header, src, group, what)
+
+
+def recv_free_rollout(*, group: dist.ProcessGroup, sources: list[int], src: int | None = None,
+                      what: str) -> tuple[int, int, VersionedRollout]:
+    """Receives the next free-running rollout (header tag :data:`_ROLLOUT_TAG`) from world rank ``src``,
+    or with ``src`` None from whichever of ``sources`` sends first.
+
+    Args:
+        group: the bridge group.
+        sources: world ranks of the rollout ranks (named in the error).
+        src: the sender, or None for any.
+        what: the awaited rollout, for the error.
+
+    Returns:
+        ``(src, number, rollout)``: its sender's world rank, its number and the rollout.
+
+    Raises:
+        RuntimeError: naming the rank(s) and ``what``, when none sent within the group's timeout.
+    """
+    header = torch.zeros(_HEADER, dtype=torch.int64)
+    try:
+        if src is None:
+            work = group.recv_anysource([header], _ROLLOUT_TAG)
+            work.wait()
+            src = work.source_rank()
+        else:
+            _recv(header, src, group, _ROLLOUT_TAG)
+    except RuntimeError as err:
+        raise _silent(sources if src is None else src, what, err) from err
+    return src, int(header[-1]), _recv_parts(header, src, group, what)
+
+
+def _silent(src: int | list[int], what: str, err: RuntimeError) -> RuntimeError:
+    if isinstance(src, int):
+        return RuntimeError(f"rollout rank {src} sent no {what} (it died or hung past the timeout): {err}")
+    return RuntimeError(f"no rollout rank of {src} sent {what} (they died or hung past the timeout): {err}")
+
+
+def _recv_parts(header: torch.Tensor, src: int, group: dist.ProcessGroup, what: str) -> VersionedRollout:
+    """The parts that follow a received ``header`` from ``src`` (on the tag it names)."""
+    rows, prompt_w, response_w, rounds, generated, version, drawn, text_bytes, start, end, groups, tag = \
+        header.tolist()
+    shapes = [((rows, prompt_w), torch.int64), ((rows, prompt_w), torch.uint8), ((rows, response_w), torch.int64),
+              ((rows, response_w), torch.uint8), ((rows,), torch.uint8), ((rows, response_w), torch.float32),
+              ((rows,), torch.float32), ((rows,), torch.float32), ((rows,), torch.int64),
+              ((max(text_bytes, 1),), torch.uint8), ((groups, 16), torch.uint8)]
+    try:
         parts = [_recv(torch.zeros(shape, dtype=dtype), src, group, tag) for shape, dtype in shapes]
     except RuntimeError as err:
-        raise RuntimeError(f"rollout rank {src} sent no {what or f'rollout for step {tag}'} (it died or hung past "
-                           f"the timeout): {err}") from err
+        raise _silent(src, what, err) from err
     prompt_ids, prompt_mask, response_ids, response_mask, truncated, logprobs, task, shaped, lengths, raw, keys = parts
     blob, texts, offset = bytes(raw[:text_bytes].tolist()), [], 0
     for length in lengths.tolist():
@@ -275,21 +366,34 @@ def recv_rollout(*, src: int, group: dist.ProcessGroup, tag: int, what: str | No
     return VersionedRollout(rollout, version=version, problems_drawn=drawn, generated=(start / 1e6, end / 1e6))
 
 
-def send_start(completed_steps: int, problems_drawn: int, replicas: list[int], *, dst: int,
+class RolloutPosition(NamedTuple):
+    """Where a rollout rank's stream stands: what a free-running checkpoint keeps per rollout rank.
+
+    Attributes:
+        received: its rollouts the trainer has received (trained or dropped); the next is number
+            ``received + 1`` (lock-step: the steps done).
+        problems_drawn: problems it had drawn from its prompt stream by then.
+    """
+
+    received: int
+    problems_drawn: int
+
+
+def send_start(completed_steps: int, position: RolloutPosition, replicas: list[int], *, dst: int,
                group: dist.ProcessGroup) -> None:
     """Training rank 0 tells rollout rank ``dst`` where the run starts (once to each rollout rank).
 
-    The message holds the steps already done, the data position (both 0 for a fresh run; a resumed
+    The message holds the steps already done, ``dst``'s position (all 0 for a fresh run; a resumed
     run's weights follow, as a refit) and the world rank that receives each data-parallel replica's
     rollouts (its first model-parallel rank), in data-parallel order.
 
     Raises:
         RuntimeError: naming ``dst``, when it died or did not listen within the group's timeout.
     """
-    message = torch.tensor([completed_steps, problems_drawn, len(replicas), *replicas], dtype=torch.int64)
+    message = torch.tensor([completed_steps, *position, len(replicas), *replicas], dtype=torch.int64)
     try:
-        group.send([message[:3].clone()], dst, _START_TAG).wait()
-        group.send([message[3:].clone()], dst, _START_TAG).wait()
+        group.send([message[:4].clone()], dst, _START_TAG).wait()
+        group.send([message[4:].clone()], dst, _START_TAG).wait()
     except RuntimeError as err:
         raise RuntimeError(f"rollout rank {dst} did not take the start of the run (it died or hung past the "
                            f"timeout): {err}") from err
@@ -358,23 +462,25 @@ class RolloutWorker:
         """
         last, k = self.cfg.trainer.max_steps, self.cfg.rollout.max_staleness
         try:
-            done, drawn, replicas = _recv(torch.zeros(3, dtype=torch.int64), 0, self.split.bridge, _START_TAG).tolist()
+            done, received, drawn, replicas = _recv(torch.zeros(4, dtype=torch.int64), 0, self.split.bridge,
+                                                    _START_TAG).tolist()
             self.replica_ranks = _recv(torch.zeros(replicas, dtype=torch.int64), 0, self.split.bridge,
                                        _START_TAG).tolist()
         except RuntimeError as err:
             raise RuntimeError(f"training rank 0 sent no start of the run (it died or hung past the timeout): "
                                f"{err}") from err
-        me = self.split.rollout_index(self.split.rank)
-        self.routes = [route for route in slot_routes(self.cfg.rollout.prompts_per_step, replicas,
-                                                      self.split.num_rollout_ranks) if route.source == me]
+        me, free = self.split.rollout_index(self.split.rank), self.cfg.rollout.staleness_schedule == "free"
+        if not free:  # free-running rollouts all go to training rank 0
+            self.routes = [route for route in slot_routes(self.cfg.rollout.prompts_per_step, replicas,
+                                                          self.split.num_rollout_ranks) if route.source == me]
         if done:  # a resumed run: its weights come as a refit; generation restarts from them
             self.sampler.fast_forward(drawn)
             self.engine.load_weight_buckets(receive_weight_buckets(group=self.split.refit))
             logger.warning("resumed after step %d: generation restarts from the resumed weights (the first %d "
                            "step(s) are fresher than in an uninterrupted run with rollout.max_staleness=%d)",
                            done, min(k, last - done), k)
-        if self.cfg.rollout.staleness_schedule == "free":
-            self._run_free(done)
+        if free:
+            self._run_free(done, received)
             return
         generated = done
         for step in range(done + 1, last + 1):
@@ -385,91 +491,119 @@ class RolloutWorker:
             self._drain(keep=k + 1)
         self._drain(keep=0)
 
-    def _run_free(self, done: int) -> None:
-        """The free-running schedule (module docstring), from the weights of step ``done``."""
-        ro = self.cfg.rollout
+    def _run_free(self, done: int, received: int) -> None:
+        """The free-running schedule (module docstring), from the weights of step ``done``, numbering
+        rollouts from ``received + 1``.
+        """
+        ro, split = self.cfg.rollout, self.split
         if done >= self.cfg.trainer.max_steps:  # nothing left to train: the trainer expects nothing
             return
-        queue = FreeQueue(ro.max_staleness, ro.stale_policy, self.cfg.trainer.max_steps, done)
-        notices = NoticeListener(self.split.refit)
+        me = split.rollout_index(split.rank)
+        queue = FreeQueue(ro.max_staleness, ro.stale_policy, self.cfg.trainer.max_steps, done, received,
+                          split.num_rollout_ranks)
+        notices = NoticeListener(split.refit, split.num_rollout_ranks)
         while True:
             notice = notices.poll(block=not queue.may_generate())
             if notice is None:
-                self._generate_and_send(queue.record(queue.version), queue.version)
+                version = queue.version
+                start = time.time()
+                rollout = self.sampler.collect(queue.record(version))
+                versioned = VersionedRollout(rollout, version, self.sampler.problems_drawn, (start, time.time()))
+                self._pending.append(send_rollout(versioned, dst=0, group=split.bridge, tag=queue.sent,
+                                                  header_tag=_ROLLOUT_TAG))
             elif notice.version == STOP:
                 break
             else:
-                self.engine.load_weight_buckets(receive_weight_buckets(group=self.split.refit))
-                self._drain(keep=queue.take_notice(notice.version, notice.taken))
-        ends = [torch.tensor([queue.sent], dtype=torch.int64) for _ in self.replica_ranks]
-        self._pending.append(_Sent(ends, [self.split.bridge.send([end], dst, _END_TAG)
-                                          for end, dst in zip(ends, self.replica_ranks, strict=True)]))
+                self.engine.load_weight_buckets(receive_weight_buckets(group=split.refit))
+                self._drain(keep=queue.take_notice(notice.version, notice.taken[me]))
+        end = torch.tensor([queue.sent], dtype=torch.int64)
+        self._pending.append(_Sent([end], [split.bridge.send([end], 0, _END_TAG)]))
         self._drain(keep=0)
 
     def _drain(self, keep: int) -> None:
-        """Waits for all but the newest ``keep`` steps' sends (their tensors may then be freed)."""
-        per_step = len(self.routes)
-        while len(self._pending) > keep * per_step:
+        """Waits for all but the newest ``keep`` rollouts' sends (their tensors may then be freed)."""
+        per_rollout = max(1, len(self.routes))  # free-running: one send, to training rank 0
+        while len(self._pending) > keep * per_rollout:
             sent = self._pending.pop(0)
             try:
                 for work in sent.works:
                     work.wait()
             except RuntimeError as err:
-                receivers = [self.replica_ranks[route.replica] for route in self.routes]
+                receivers = [self.replica_ranks[route.replica] for route in self.routes] or [0]
                 raise RuntimeError(f"training ranks {receivers} took no rollout (a training rank died or hung past "
                                    f"the timeout): {err}") from err
 
 
-def receive_fresh_rollout(step: int, received: int, max_staleness: int, *, src: int,
-                          group: dist.ProcessGroup) -> tuple[VersionedRollout, list[VersionedRollout]]:
-    """Free-running: the rollouts after number ``received`` until one step ``step`` may train on.
+class RolloutCollector:
+    """Training rank 0's receive of free-running rollouts from every rollout rank (module docstring).
 
     Args:
-        step: the step about to train (1-based).
-        received: rollouts this rank has received so far (the next one is number ``received + 1``).
-        max_staleness: k (:func:`nemo_sspo.trainer.staleness.is_fresh`).
-        src: the rollout rank (world rank).
-        group: the bridge group.
+        split: the split world (this rank is training rank 0).
+        positions: each rollout rank's :class:`RolloutPosition` at the start (all zeros, or a
+            resumed run's).
+        peer_timeout_s: a rollout rank that sends nothing for longer while others do is named as
+            dead or hung (``rollout.peer_timeout_s``).
 
-    Returns:
-        ``(accepted, dropped)``: the rollout to train on and those received before it that were too
-        old, in order (their prompts are consumed).
-
-    Raises:
-        RuntimeError: as :func:`recv_rollout`.
+    Attributes:
+        positions: each rollout rank's position: its rollouts received (trained or dropped) and its
+            data position after the last of them.
     """
-    dropped = []
-    while True:
-        received += 1
-        versioned = recv_rollout(src=src, group=group, tag=received,
-                                 what=f"rollout {received} (the next one for step {step})")
-        if is_fresh(versioned.version, step, max_staleness):
-            return versioned, dropped
-        dropped.append(versioned)
 
+    def __init__(self, split: WorldSplit, positions: list[RolloutPosition], peer_timeout_s: float) -> None:  # noqa: D107
+        self.bridge, self.first, self.peer_timeout_s = split.bridge, split.num_training_ranks, peer_timeout_s
+        self.sources = list(range(split.num_training_ranks, split.world_size))
+        self.positions = list(positions)
+        self._heard = [time.monotonic()] * len(self.sources)
 
-def drain_rollouts(received: int, *, src: int, group: dist.ProcessGroup) -> int:
-    """Free-running, after the stop notice: receives and discards the rollouts not taken.
+    def next(self, what: str) -> tuple[int, VersionedRollout]:
+        """The next rollout to arrive, from any rollout rank.
 
-    Args:
-        received: rollouts this rank has received.
-        src: the rollout rank (world rank).
-        group: the bridge group.
+        Args:
+            what: the awaited rollout, for the errors.
 
-    Returns:
-        The number discarded.
+        Returns:
+            ``(j, rollout)``: the index of the rollout rank that sent it and the rollout.
 
-    Raises:
-        RuntimeError: naming ``src``, when it died or hung past the group's timeout.
-    """
-    try:
-        sent = int(_recv(torch.zeros(1, dtype=torch.int64), src, group, _END_TAG))
-    except RuntimeError as err:
-        raise RuntimeError(f"rollout rank {src} did not end its rollouts (it died or hung past the timeout): "
-                           f"{err}") from err
-    for number in range(received + 1, sent + 1):
-        recv_rollout(src=src, group=group, tag=number, what=f"rollout {number} (sent before the stop)")
-    return max(0, sent - received)
+        Raises:
+            RuntimeError: no rollout rank sent one within the group's timeout; or one arrived out of
+                its rank's order; or another rank has sent nothing for longer than ``peer_timeout_s``
+                (naming it: it died or hung).
+        """
+        src, number, versioned = recv_free_rollout(group=self.bridge, sources=self.sources, what=what)
+        j, now = src - self.first, time.monotonic()
+        if number != self.positions[j].received + 1:
+            raise RuntimeError(f"rollout rank {src} sent rollout {number}, expected {self.positions[j].received + 1}")
+        self.positions[j] = RolloutPosition(number, versioned.problems_drawn)
+        self._heard[j] = now
+        silent = [(self.sources[i], now - heard) for i, heard in enumerate(self._heard)
+                  if now - heard > self.peer_timeout_s]
+        if silent:
+            rank, seconds = max(silent, key=lambda item: item[1])
+            raise RuntimeError(f"rollout rank {rank} sent no rollout for {seconds:.0f} s while the others did (it "
+                               f"died or hung past rollout.peer_timeout_s={self.peer_timeout_s:g})")
+        return j, versioned
+
+    def drain(self) -> int:
+        """After the stop notice: receives and discards every rollout not taken, rank by rank.
+
+        Returns:
+            The number discarded.
+
+        Raises:
+            RuntimeError: naming the rollout rank, when it died or hung past the group's timeout.
+        """
+        discarded = 0
+        for j, src in enumerate(self.sources):
+            try:
+                sent = int(_recv(torch.zeros(1, dtype=torch.int64), src, self.bridge, _END_TAG))
+            except RuntimeError as err:
+                raise RuntimeError(f"rollout rank {src} did not end its rollouts (it died or hung past the "
+                                   f"timeout): {err}") from err
+            for number in range(self.positions[j].received + 1, sent + 1):
+                recv_free_rollout(group=self.bridge, sources=self.sources, src=src,
+                                  what=f"rollout {number} (sent before the stop)")
+                discarded += 1
+        return discarded
 
 
 class FreeRefit:
@@ -484,12 +618,12 @@ class FreeRefit:
         self.group, self.receivers = group, receivers
         self._in_flight: tuple[torch.Tensor, object, PendingBroadcast | None] | None = None
 
-    def post(self, version: int, taken: int, buckets) -> float:
-        """Posts the notice of ``version`` and its weight broadcast without waiting for the rollout rank.
+    def post(self, version: int, taken: list[int], buckets) -> float:
+        """Posts the notice of ``version`` and its weight broadcast without waiting for the rollout ranks.
 
         Args:
             version: the policy version (the step just updated).
-            taken: rollouts the trainer has received.
+            taken: for each rollout rank, its rollouts the trainer has received.
             buckets: the export's HF weight buckets (drawn now; the drawing may be collective).
 
         Returns:
@@ -500,11 +634,11 @@ class FreeRefit:
                 the group's timeout.
         """
         waited = self.wait()
-        tensor, work = post_notice(Notice(version, taken), group=self.group)
+        tensor, work = post_notice(Notice(version, tuple(taken)), group=self.group)
         self._in_flight = (tensor, work, start_weight_broadcast(buckets, group=self.group, receivers=self.receivers))
         return waited
 
-    def stop(self, taken: int) -> float:
+    def stop(self, taken: list[int]) -> float:
         """Waits for the previous version to be taken, then tells the rollout rank(s) to stop.
 
         Returns:
@@ -515,7 +649,7 @@ class FreeRefit:
         """
         start = time.perf_counter()
         self.wait()
-        tensor, work = post_notice(Notice(STOP, taken), group=self.group)
+        tensor, work = post_notice(Notice(STOP, tuple(taken)), group=self.group)
         self._in_flight = (tensor, work, None)
         self.wait()
         return time.perf_counter() - start

@@ -16,6 +16,11 @@ every response are the same for any data-parallel split, and every rank ends wit
 groups (the same rows per update on every rank). The filter reads the task reward (DAPO filters on
 accuracy), not the shaped one.
 
+A generator built with ``shared_stream=False`` (a free-running rollout rank, which generates at its
+own pace) instead draws only its own slots' problems from a prompt stream of its own (a
+:class:`nemo_sspo.data.ShardedSource` of the common one) and refills only its own slots: no
+all-reduce, and its rollouts depend on nothing the other generators do.
+
 At the round limit the step still trains on the full batch: each still-open slot keeps its last
 (zero-variance) group, whose advantage is 0; rank 0 logs a warning with the counts, and the metrics
 ``rollout/sampling_rounds`` and ``rollout/kept_group_frac`` (groups with reward variance / groups
@@ -107,11 +112,14 @@ class RolloutSampler:
         tokenizer: for the prompt template and padding.
         cfg: the run's ``TrainConfig`` (reads ``rollout``, ``reward``, ``data.template``, ``trainer.seed``).
         groups: this rank's ``ParallelGroups`` (data-parallel rank, size and group).
+        shared_stream: True: every generator draws all open slots' problems from identically seeded
+            streams and the open slots are all-reduced; False: this generator's own stream and slots
+            only (module docstring).
     """
 
-    def __init__(self, *, engine, reward, prompts, tokenizer, cfg, groups) -> None:
+    def __init__(self, *, engine, reward, prompts, tokenizer, cfg, groups, shared_stream: bool = True) -> None:
         self.engine, self.reward, self.prompts, self.tokenizer = engine, reward, prompts, tokenizer
-        self.cfg, self.groups = cfg, groups
+        self.cfg, self.groups, self.shared_stream = cfg, groups, shared_stream
         self.slots_per_rank = cfg.rollout.prompts_per_step // groups.dp_size
         self.first_slot = groups.dp_rank * self.slots_per_rank
         self.problems_drawn = 0
@@ -138,7 +146,9 @@ class RolloutSampler:
         slots: list[tuple[RolloutBatch, torch.Tensor, bool] | None] = [None] * self.slots_per_rank
         keys: list[str | None] = [None] * self.slots_per_rank
         generated = [0] * self.slots_per_rank
-        open_slots = list(range(ro.prompts_per_step))
+        open_slots = list(range(ro.prompts_per_step) if self.shared_stream else
+                          range(self.first_slot, self.first_slot + self.slots_per_rank))
+        total = len(open_slots)
         self._timeouts = 0 if hasattr(self.reward, "timeouts") else None
         self._scored = 0
         rounds = 0
@@ -153,12 +163,12 @@ class RolloutSampler:
                 generated[slot - self.first_slot] += 1
             rounds += 1
             open_slots = self._open_slots(slots) if ro.dynamic_sampling else []
-        if open_slots and self.groups.dp_rank == 0:
+        if open_slots and (self.groups.dp_rank == 0 or not self.shared_stream):
             logger.warning(
                 "step %d: dynamic sampling found %d of %d prompt groups with reward variance after %d rounds "
                 "(rollout.max_sampling_rounds=%d); training on the full batch, the other %d groups have "
                 "advantage 0. Raise rollout.max_sampling_rounds or use easier/harder prompts.",
-                step, ro.prompts_per_step - len(open_slots), ro.prompts_per_step, rounds,
+                step, total - len(open_slots), total, rounds,
                 ro.max_sampling_rounds, len(open_slots))
         batch = concat_rollouts([part for part, _, _ in slots], pad_id=self.tokenizer.pad_token_id)
         task_rewards = torch.cat([rewards for _, rewards, _ in slots])
@@ -193,7 +203,7 @@ class RolloutSampler:
         flags = torch.zeros(self.cfg.rollout.prompts_per_step, dtype=torch.int64)
         for k, (_, _, varied) in enumerate(slots):
             flags[self.first_slot + k] = int(not varied)
-        if self.groups.dp_size > 1:
+        if self.shared_stream and self.groups.dp_size > 1:
             on_device = flags.to(collective_device(self.groups.dp_group))
             dist.all_reduce(on_device, group=self.groups.dp_group)
             flags = on_device.cpu()

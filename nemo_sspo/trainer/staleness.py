@@ -12,32 +12,40 @@ Every step's rollout still draws its prompts in step order with the seeds of
 :func:`nemo_sspo.trainer.sampling.generation_seed` ``(seed, step, ...)``, so k changes which weights
 sample a step's prompts, never which prompts. k = 0 is today's on-policy loop.
 
-Free-running (``rollout.staleness_schedule: free``, ``placement: separate`` only): the rollout rank
-numbers its rollouts 1, 2, ... (the number seeds the rollout's prompts as a step would), generates
-each with the newest weights it has, and the trainer takes them in that order. Step t accepts a
-rollout when its lag ``(t - 1) - version <= k`` (:func:`is_fresh`), else drops it and takes the next.
-:class:`FreeQueue` decides on the rollout rank when it may start another rollout: with
-``stale_policy: wait`` it keeps at most k + 1 rollouts the trainer has not taken and none beyond the
-last step, which makes every rollout fresh when it trains (nothing is dropped, rollout n trains at
-step n); with ``drop`` it keeps up to 2 (k + 1) rollouts ahead that could still be fresh at the next
-step (a memory bound, ours), whatever the trainer's progress, so stale ones get dropped.
+Free-running (``rollout.staleness_schedule: free``, ``placement: separate`` only) over R >= 1
+rollout ranks: rollout rank j numbers its rollouts 1, 2, ... (its number n seeds the rollout's
+prompts as step n would seed rank j's slots), generates each with the newest weights it has, and
+each holds P / R prompt groups. Step t takes R rollouts in the order they arrive, from whichever
+ranks sent them (:class:`~nemo_sspo.trainer.placement.RolloutCollector`), so one step may mix
+versions: every response carries its own (:attr:`VersionedRollout.sample_versions`). The bound holds
+per response: step t trains a rollout only when every response's lag ``(t - 1) - version <= k``
+(:func:`is_fresh` of its oldest), else drops it and takes the next to arrive.
 
-Resume: the queue is not checkpointed. A resumed run restores the data position of its last trained
-step and regenerates from the resumed weights, so its first k steps have a smaller lag than an
+:class:`FreeQueue` decides on each rollout rank when it may start another rollout: with
+``stale_policy: wait`` it keeps at most k + 1 of its rollouts the trainer has not taken and none the
+run cannot use. With one rollout rank that makes every rollout fresh when it trains (nothing is
+dropped, rollout n trains at step n). With R > 1 the trainer takes rollouts in arrival order, so a
+slow rank's rollout can still age past the bound behind faster ranks' and is dropped. With ``drop``
+each rank keeps up to 2 (k + 1) rollouts ahead that could still be fresh at the next step (a memory
+bound, ours), whatever the trainer's progress, so stale ones get dropped.
+
+Resume: the queues are not checkpointed. A checkpoint keeps each rollout rank's position (its
+rollouts the trainer received and the problems it had drawn by then); a resumed run restores them
+and regenerates from the resumed weights, so its first k steps have a smaller lag than an
 uninterrupted run's (the trainer logs it).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import torch
 
 from nemo_sspo.metrics import MetricPair, max_pair, mean_pair
 from nemo_sspo.trainer.sampling import Rollout
 
-__all__ = ["FreeQueue", "LockStepRollouts", "VersionedRollout", "dropped_sums", "is_fresh", "rollout_idle_s",
+__all__ = ["FreeQueue", "LockStepRollouts", "Piece", "VersionedRollout", "dropped_sums", "is_fresh", "rollout_idle_s",
            "version_lag_sums"]
 
 
@@ -51,12 +59,37 @@ class VersionedRollout:
         problems_drawn: the sampler's data position right after generating it (what a checkpoint
             taken once this rollout is trained must restore); 0 off generator ranks.
         generated: unix seconds (start, end) of its generation and scoring, on the rank that ran them.
+        sample_versions: ``[B]`` int64, each response's version, where they differ (a free-running
+            step's rollouts from several rollout ranks); None: every response has ``version``.
     """
 
     rollout: Rollout
     version: int
     problems_drawn: int
     generated: tuple[float, float] = (0.0, 0.0)
+    sample_versions: torch.Tensor | None = None
+
+    def versions(self) -> torch.Tensor:
+        """``[B]`` int64: each response's policy version."""
+        if self.sample_versions is not None:
+            return self.sample_versions
+        return torch.full((self.rollout.rewards.numel(),), self.version, dtype=torch.int64)
+
+
+class Piece(NamedTuple):
+    """A free-running rollout as the trainer received it (for metrics, the timeline and resume).
+
+    Attributes:
+        source: index j in 0..R-1 of the rollout rank that generated it.
+        number: its number among that rank's rollouts (1-based).
+        version: its (oldest response's) policy version.
+        generated: unix seconds (start, end) of its generation, on the rollout rank.
+    """
+
+    source: int
+    number: int
+    version: int
+    generated: tuple[float, float]
 
 
 class LockStepRollouts:
@@ -107,10 +140,10 @@ def version_lag_sums(versioned: VersionedRollout, step: int) -> dict[str, Metric
         step: the step training on it (1-based; it starts from version ``step - 1``).
 
     Returns:
-        A ``"mean"`` and a ``"max"`` metric pair over the rollout's responses.
+        A ``"mean"`` and a ``"max"`` metric pair over the rollout's responses (each its own version).
     """
-    samples = versioned.rollout.rewards.numel()
-    lags = torch.full((samples,), float(step - 1 - versioned.version))
+    lags = (step - 1 - versioned.versions()).float()
+    samples = lags.numel()
     valid = torch.ones(samples, dtype=torch.bool)
     return {"rollout/version_lag_mean": mean_pair(lags.sum(), samples),
             "rollout/version_lag_max": max_pair(lags, valid)}
@@ -131,25 +164,28 @@ def is_fresh(version: int, step: int, max_staleness: int) -> bool:
 
 
 class FreeQueue:
-    """The rollout rank's view of the free-running schedule (module docstring).
+    """A rollout rank's view of the free-running schedule (module docstring).
 
     Args:
         max_staleness: k >= 0.
         policy: ``wait`` or ``drop`` (``rollout.stale_policy``).
         last_step: ``trainer.max_steps``.
-        done: steps already done (0, or a resumed run's step): the weights the rollout rank holds
-            are version ``done`` and its rollouts are numbered from ``done + 1``.
+        version: updates behind the weights the rollout rank holds (0, or a resumed run's step).
+        sent: this rank's rollouts the trainer had received (0, or a resumed run's position): the next
+            one is number ``sent + 1``.
+        num_ranks: R, the rollout ranks (the run needs R fresh rollouts per step).
 
     Attributes:
         version: updates behind the weights the rollout rank holds.
         sent: the number of the last rollout sent.
     """
 
-    def __init__(self, max_staleness: int, policy: str, last_step: int, done: int) -> None:  # noqa: D107
+    def __init__(self, max_staleness: int, policy: str, last_step: int, version: int, sent: int,
+                 num_ranks: int = 1) -> None:  # noqa: D107 - documented on the class
         if policy not in ("wait", "drop"):
             raise ValueError(f"policy={policy!r} must be 'wait' or 'drop'")
-        self.max_staleness, self.policy, self.last_step = max_staleness, policy, last_step
-        self.version = self.sent = done
+        self.max_staleness, self.policy, self.last_step, self.num_ranks = max_staleness, policy, last_step, num_ranks
+        self.version, self.sent = version, sent
         self._pending: list[tuple[int, int]] = []  # (rollout number, version) sent but not known taken
 
     def record(self, version: int) -> int:
@@ -159,7 +195,7 @@ class FreeQueue:
         return self.sent
 
     def take_notice(self, version: int, taken: int) -> int:
-        """Takes a notice: the trainer holds ``version`` and has received ``taken`` rollouts.
+        """Takes a notice: the trainer holds ``version`` and has received ``taken`` of this rank's rollouts.
 
         Returns:
             How many sent rollouts it has not received (their sends may still be running).
@@ -173,26 +209,28 @@ class FreeQueue:
 
         Only pending rollouts that can still be fresh when the next step (``version + 1``) trains them
         count against the bound: older ones will be dropped, so the rollout rank replaces them instead
-        of idling while the trainer would wait for a fresh one. The trainer never starves: each step
-        takes at least one rollout, so after each notice at least one more may start.
+        of idling while the trainer would wait for a fresh one. With ``wait`` a rank also keeps no
+        more than the R (last_step - version) rollouts the remaining steps train. The trainer never
+        starves: each step takes at least one rollout, so after each notice at least one more may start.
         """
         k = self.max_staleness
         could_train = sum(v >= self.version - k for _, v in self._pending)
         if self.policy == "wait":
-            return could_train < k + 1 and self.sent < self.last_step
+            return could_train < min(k + 1, self.num_ranks * (self.last_step - self.version))
         return could_train < 2 * (k + 1)
 
 
-def dropped_sums(dropped: int) -> dict[str, MetricPair]:
-    """``rollout/dropped_share``: rollouts dropped / rollouts received in a step that trained on one.
+def dropped_sums(dropped: int, trained: int = 1) -> dict[str, MetricPair]:
+    """``rollout/dropped_share``: rollouts dropped / rollouts received, in one step.
 
     Args:
-        dropped: rollouts this step dropped before the one it trains on.
+        dropped: rollouts this step dropped before those it trains on.
+        trained: rollouts it trains on (free-running: the R rollout ranks' share of a step).
 
     Returns:
         A ``"mean"`` pair (the same on every data-parallel rank, which all see the same rollouts).
     """
-    return {"rollout/dropped_share": mean_pair(float(dropped), dropped + 1)}
+    return {"rollout/dropped_share": mean_pair(float(dropped), dropped + trained)}
 
 
 def rollout_idle_s(windows: list[tuple[float, float]], previous_end: float | None) -> float:

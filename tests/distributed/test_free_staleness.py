@@ -14,7 +14,7 @@ the faster side; then the schedule fixes every rollout's version whatever the ti
 data position a checkpoint saves is the trained rollout's: 5 x 2 prompts = 10, not 12.
 
 The drop counts are also recomputed from the versions the training rank received (recorded by a
-wrapper around ``recv_rollout``, not by the trainer's own bookkeeping).
+wrapper around ``recv_free_rollout``, not by the trainer's own bookkeeping).
 """
 
 import json
@@ -41,12 +41,12 @@ def _slow_update(self, batch, inner=loop.GRPOTrainer.update):
 
 
 def _recording_recv(received):
-    inner = placement.recv_rollout
+    inner = placement.recv_free_rollout
 
-    def recv(*, src, group, tag, what=None):
-        versioned = inner(src=src, group=group, tag=tag, what=what)
-        received.append((tag, versioned.version))
-        return versioned
+    def recv(*, group, sources, src=None, what):
+        got = inner(group=group, sources=sources, src=src, what=what)
+        received.append((got[1], got[2].version))
+        return got
     return recv
 
 
@@ -54,7 +54,7 @@ def _free_run(split, tiny, out_dir, overrides):
     cfg = load_config(overrides=[*RUN, f"trainer.output_dir={out_dir}", "rollout.placement=separate",
                                  "rollout.num_ranks=1", "rollout.staleness_schedule=free", *overrides])
     received = []
-    placement.recv_rollout = _recording_recv(received)
+    placement.recv_free_rollout = _recording_recv(received)
     # the data position a checkpoint would save is trainer.problems_drawn
     return fit_side(cfg, split, tiny, ParityReward(),
                     run=lambda trainer: (trainer.fit(), received, trainer.problems_drawn))
@@ -64,12 +64,12 @@ def _child(rank, world_size, out_dir):
     tiny = load_hf_checkpoint("tiny-random-llama")
     split = resplit(rank, world_size, 1, 60)
     loop.GRPOTrainer.update = _slow_update
-    recv = placement.recv_rollout
+    recv = placement.recv_free_rollout
     results = {}
     for name, overrides in {"wait": ["rollout.max_staleness=1", "rollout.stale_policy=wait"],
                             "drop": ["rollout.max_staleness=0", "rollout.stale_policy=drop"]}.items():
         results[name] = _free_run(split, tiny, f"{out_dir}/{name}", overrides)
-        placement.recv_rollout = recv
+        placement.recv_free_rollout = recv
     return results
 
 

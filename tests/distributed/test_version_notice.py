@@ -30,15 +30,15 @@ def _child(rank, world_size):
     split = resplit(rank, world_size, 1, 10)
     if rank == 0:
         time.sleep(HOLD_S)  # the rollout rank polls meanwhile
-        tensor, work = post_notice(Notice(3, 5), group=split.refit)
+        tensor, work = post_notice(Notice(3, (5,)), group=split.refit)
         pending = start_weight_broadcast(_buckets(), group=split.refit, receivers=[1])
         running = not pending.works[-1][0].is_completed()  # the rollout rank joins HOLD_S after the notice
         work.wait()
         stats = pending.wait()
-        tensor, work = post_notice(Notice(STOP, 6), group=split.refit)
+        tensor, work = post_notice(Notice(STOP, (6,)), group=split.refit)
         work.wait()
         return running, stats.buckets, stats.bytes  # then this process exits: the rollout rank's next poll fails
-    listener = NoticeListener(split.refit)
+    listener = NoticeListener(split.refit, num_rollout_ranks=1)
     early = listener.poll(block=False)
     notice = listener.poll(block=True)
     time.sleep(HOLD_S)
@@ -55,7 +55,7 @@ def _child(rank, world_size):
 def test_notice_then_non_blocking_broadcast_then_stop_and_a_dead_trainer_is_named(run_distributed):
     (running, buckets, sent), (early, notice, received, stop, error) = run_distributed(_child, 2, timeout_s=120)
     assert early is None  # polled before rank 0 posted anything
-    assert notice == Notice(version=3, taken=5) and stop == Notice(version=STOP, taken=6)
+    assert notice == Notice(version=3, taken=(5,)) and stop == Notice(version=STOP, taken=(6,))
     assert running  # the broadcast was still waiting for the rollout rank when rank 0 went on
     # a: 6 float32 = 24 bytes; b: 4 bf16 = 8 bytes, c: 1 int64 = 8 bytes
     assert (buckets, sent) == (2, 40)

@@ -14,7 +14,7 @@ def _simulate(k, policy, last, per_notice):
 
     Fails if the trainer would wait for a rollout the rollout rank refuses to start (a deadlock).
     """
-    queue, sent, drops = FreeQueue(k, policy, last, done=0), [], []
+    queue, sent, drops = FreeQueue(k, policy, last, version=0, sent=0), [], []
 
     def generate(limit):
         made = 0
@@ -83,12 +83,13 @@ def test_is_fresh_at_the_bound():
 
 def test_unknown_policy_is_refused():
     with pytest.raises(ValueError, match="policy='skip' must be 'wait' or 'drop'"):
-        FreeQueue(1, "skip", 3, 0)
+        FreeQueue(1, "skip", 3, 0, 0)
 
 
 def test_dropped_share_and_rollout_idle():
-    # 2 dropped before the trained one: 2 of 3 received
+    # 2 dropped before the trained one: 2 of 3 received; with 2 rollout ranks, 1 dropped of 3 received
     assert dropped_sums(2)["rollout/dropped_share"].as_tensor().tolist() == [2.0, 3.0]
+    assert dropped_sums(1, 2)["rollout/dropped_share"].as_tensor().tolist() == [1.0, 3.0]
     # gaps: 10 - 9 = 1 before the first window, 15 - 12 = 3 before the second
     assert rollout_idle_s([(10.0, 12.0), (15.0, 16.0)], 9.0) == 4.0
     assert rollout_idle_s([(10.0, 12.0), (15.0, 16.0)], None) == 3.0
@@ -105,8 +106,6 @@ SEPARATE = ["rollout.placement=separate", "rollout.num_ranks=1"]
     (["rollout.staleness_schedule=free"], r"staleness_schedule=free needs rollout\.placement=separate .* or "
      r"rollout\.staleness_schedule=lockstep"),
     ([*SEPARATE, "rollout.stale_policy=drop"], r"stale_policy='drop' needs rollout\.staleness_schedule=free"),
-    (["rollout.placement=separate", "rollout.num_ranks=2", "rollout.staleness_schedule=free"],
-     r"rollout\.num_ranks=2: rollout\.staleness_schedule=free runs one rollout rank"),
 ])
 def test_bad_free_running_settings_fail_at_load(monkeypatch, overrides, match):
     monkeypatch.setenv("WORLD_SIZE", "3")
@@ -119,3 +118,23 @@ def test_free_running_loads(monkeypatch):
     cfg = load_config(overrides=["model=tiny_random", *SEPARATE, "rollout.staleness_schedule=free",
                                  "rollout.stale_policy=drop"])
     assert (cfg.rollout.staleness_schedule, cfg.rollout.stale_policy) == ("free", "drop")
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    cfg = load_config(overrides=["model=tiny_random", "rollout.placement=separate", "rollout.num_ranks=2",
+                                 "rollout.staleness_schedule=free", "rollout.prompts_per_step=2"])
+    assert cfg.rollout.num_ranks == 2
+
+
+def test_wait_bounds_each_rank_by_what_the_remaining_steps_can_train():
+    # R = 2, k = 3, 2 steps: the run trains 4 rollouts, so before any notice a rank may keep at most
+    # min(k + 1, R (last - version)) = min(4, 4) = 4; after notice 1 (1 step left) at most 2 untaken.
+    queue = FreeQueue(3, "wait", 2, version=0, sent=0, num_ranks=2)
+    while queue.may_generate():
+        queue.record(queue.version)
+    assert queue.sent == 4
+    assert queue.take_notice(1, taken=3) == 1  # rollout 4 untaken
+    assert queue.may_generate()  # 1 < min(4, 2)
+    queue.record(1)
+    assert not queue.may_generate()  # 2 untaken that can still train
+    # a resumed rank numbers on from its position
+    resumed = FreeQueue(1, "wait", 9, version=5, sent=7, num_ranks=2)
+    assert resumed.record(5) == 8

@@ -41,10 +41,18 @@ class ColocatedSource:
         self.max_staleness = max_staleness
         self.in_flight = LockStepRollouts(max_staleness, last_step)
 
-    def start(self, completed_steps: int, problems_drawn: int) -> None:
+    def start(self, completed_steps: int, problems_drawn: int, positions=None) -> None:
         """A resumed run's engine takes the restored weights (a fresh one holds the initial weights)."""
         if completed_steps > 0:
             self.push_weights()
+
+    def rollout_positions(self) -> None:
+        """None: the trainer's data position is the whole of it."""
+        return None
+
+    def windows(self, got: StepRollout, generated: tuple[float, float]) -> list[tuple[str, str, tuple[float, float]]]:
+        """The step's generation window on the training ranks' lane."""
+        return [(self.lane, "generation", generated)]
 
     def next_rollout(self, step: int) -> StepRollout:
         """The rollout of step ``step`` (generated now, or k steps ago); the engine then sleeps

@@ -1,10 +1,13 @@
-"""``rollout.placement: separate`` with ``rollout.staleness_schedule: free``: the rollout rank runs free.
+"""``rollout.placement: separate`` with ``rollout.staleness_schedule: free``: R >= 1 rollout ranks run free.
 
-It numbers its rollouts and generates each with the newest weights it has taken; step t trains on
-the next received rollout at most ``rollout.max_staleness`` versions old and drops the older ones
-(:func:`~nemo_sspo.trainer.placement.receive_fresh_rollout`). After every update training rank 0
-posts the version and its weights without waiting (:class:`~nemo_sspo.trainer.placement.FreeRefit`);
-after the last step it posts the stop and every receiving rank drains the rollouts not taken.
+Each numbers its rollouts (P / R prompt groups each) and generates each with the newest weights it
+has taken. Training rank 0 takes a step's R rollouts in the order they arrive, from whichever ranks
+sent them, and drops those older than ``rollout.max_staleness`` versions
+(:class:`~nemo_sspo.trainer.placement.RolloutCollector`); every training rank then gets the step's
+rows of its replica, each response with its own version. After every update training rank 0 posts
+the version and its weights without waiting (:class:`~nemo_sspo.trainer.placement.FreeRefit`);
+after the last step it posts the stop and drains the rollouts not taken. A checkpoint keeps each
+rollout rank's :class:`~nemo_sspo.trainer.placement.RolloutPosition`.
 """
 
 from __future__ import annotations
@@ -12,14 +15,15 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterator
 
+import torch
 import torch.distributed as dist
 
 from nemo_sspo.metrics import MetricPair
 from nemo_sspo.parallel.placement import WorldSplit
-from nemo_sspo.trainer.placement import FreeRefit, drain_rollouts, receive_fresh_rollout
+from nemo_sspo.trainer.placement import FreeRefit, RolloutCollector, RolloutPosition, slot_rows, stack_rollouts
 from nemo_sspo.trainer.sources.protocol import RefitOutcome, StepRollout
 from nemo_sspo.trainer.sources.separate import SeparateSource
-from nemo_sspo.trainer.staleness import dropped_sums, version_lag_sums
+from nemo_sspo.trainer.staleness import Piece, VersionedRollout, dropped_sums, is_fresh, version_lag_sums
 
 __all__ = ["FreeRunningSource"]
 
@@ -29,55 +33,120 @@ class FreeRunningSource(SeparateSource):
 
     Args:
         last_step: ``trainer.max_steps`` (its refit is the stop).
+        peer_timeout_s: ``rollout.peer_timeout_s`` (a rollout rank silent that long is named).
+        pad_id: the tokenizer's pad id (a step's rollouts are re-padded to one width).
         Others: as :class:`~nemo_sspo.trainer.sources.separate.SeparateSource`.
     """
 
     def __init__(self, groups, split: WorldSplit, export: Callable[[], Iterator[dict]], *, max_staleness: int,
-                 last_step: int) -> None:  # noqa: D107 - documented on the class
+                 last_step: int, peer_timeout_s: float, pad_id: int) -> None:  # noqa: D107 - documented on the class
         super().__init__(groups, split, export, max_staleness=max_staleness)
-        self.last_step = last_step
-        self.free_refit = FreeRefit(split.refit, [split.num_training_ranks]) if dist.get_rank() == 0 else None
-        self.received = 0  # rollouts received (trained and dropped): the rollout rank numbers them 1, 2, ...
+        self.last_step, self.peer_timeout_s, self.pad_id = last_step, peer_timeout_s, pad_id
+        self.free_refit = FreeRefit(split.refit, self.rollout_ranks) if dist.get_rank() == 0 else None
+        self.collector: RolloutCollector | None = None  # training rank 0's, from start()
         self.dropped_total = 0
+        self._ends: dict[int, float] = {}  # rollout rank -> end of its last generation received (idle time)
 
-    def start(self, completed_steps: int, problems_drawn: int) -> None:
-        """As :meth:`SeparateSource.start`; the rollout rank numbers its rollouts from ``completed_steps``."""
-        super().start(completed_steps, problems_drawn)
-        self.received = completed_steps
+    def start(self, completed_steps: int, problems_drawn: int,
+              positions: list[RolloutPosition] | None = None) -> None:
+        """As :meth:`SeparateSource.start`; rollout rank j resumes from ``positions[j]`` (None: a fresh
+        run, or a checkpoint of one rollout rank written before positions were kept, whose position is
+        ``(completed_steps, problems_drawn)``).
+
+        Raises:
+            ValueError: ``positions`` does not hold one position per rollout rank, or is None for a
+                resumed run of several.
+        """
+        count = self.split.num_rollout_ranks
+        if positions is None:
+            if completed_steps and count > 1:
+                raise ValueError("the checkpoint keeps no rollout rank positions, which a free-running resume of "
+                                 f"rollout.num_ranks={count} needs; resume it with its own settings")
+            positions = [RolloutPosition(completed_steps, problems_drawn)] * count
+        if len(positions) != count:
+            raise ValueError(f"the checkpoint keeps the positions of {len(positions)} rollout rank(s), this run has "
+                             f"rollout.num_ranks={count}; resume free-running with rollout.num_ranks={len(positions)}")
+        positions = [RolloutPosition(*position) for position in positions]
+        if dist.get_rank() == 0:
+            self.collector = RolloutCollector(self.split, positions, self.peer_timeout_s)
+        super().start(completed_steps, problems_drawn, positions)
+
+    def rollout_positions(self) -> list[RolloutPosition] | None:
+        """Each rollout rank's position after the rollouts received so far (training rank 0; None elsewhere)."""
+        return None if self.collector is None else list(self.collector.positions)
 
     def next_rollout(self, step: int) -> StepRollout:
-        """The next rollout fresh enough for step ``step``, and the versions and windows of those dropped."""
-        box = [None, []]
-        if self.groups.mp_rank == 0:
-            versioned, dropped = receive_fresh_rollout(step, self.received, self.max_staleness,
-                                                       src=self.split.num_training_ranks, group=self.split.bridge)
-            box = [versioned, [(d.version, d.generated) for d in dropped]]
-        versioned, dropped = self.share(box)
-        self.received += 1 + len(dropped)
+        """The step's R fresh rollouts in arrival order, this replica's rows of them, and the pieces
+        received (trained and dropped).
+        """
+        box = [self._collect(step) if self.collector is not None else None]
+        dist.broadcast_object_list(box, src=0)  # over the training ranks
+        stacked, pieces, dropped = box[0]
+        g = self.groups
+        rows = stacked.rollout.rewards.numel() // g.dp_size
+        cut = slice(g.dp_rank * rows, (g.dp_rank + 1) * rows)
+        versions = stacked.versions()[cut]
+        mine = VersionedRollout(slot_rows(stacked.rollout, cut.start, cut.stop), version=int(versions.min()),
+                                problems_drawn=stacked.problems_drawn, generated=stacked.generated,
+                                sample_versions=versions)
         self.dropped_total += len(dropped)
-        return StepRollout(versioned, dropped)
+        return StepRollout(mine, pieces=pieces, dropped=dropped)
+
+    def _collect(self, step: int) -> tuple[VersionedRollout, list[Piece], list[Piece]]:
+        """Training rank 0: rollouts in arrival order until R are fresh for step ``step``."""
+        accepted, pieces, dropped = [], [], []
+        while len(accepted) < self.split.num_rollout_ranks:
+            j, versioned = self.collector.next(f"rollout for step {step}")
+            piece = Piece(j, self.collector.positions[j].received, versioned.version, versioned.generated)
+            if is_fresh(versioned.version, step, self.max_staleness):
+                accepted.append(versioned)
+                pieces.append(piece)
+            else:
+                dropped.append(piece)
+        drawn = sum(position.problems_drawn for position in self.collector.positions)
+        return stack_rollouts(accepted, pad_id=self.pad_id, problems_drawn=drawn), pieces, dropped
 
     def after_update(self, step: int) -> RefitOutcome:
-        """Training rank 0 posts version ``step`` and its weights without waiting for the rollout rank;
-        after the last step the stop instead, and every receiving rank drains the rollouts not taken.
-        The wait is training rank 0's for the rollout rank to take the previous version, or a
-        receiving rank's drain.
+        """Training rank 0 posts version ``step`` and its weights without waiting for the rollout ranks;
+        after the last step the stop instead, and drains the rollouts not taken. The wait is training
+        rank 0's for the rollout ranks to take the previous version, or its drain.
         """
-        waited = 0.0
         if step == self.last_step:
-            if self.free_refit is not None:
-                waited += self.free_refit.stop(self.received)
-            if self.groups.mp_rank == 0:
+            waited = 0.0
+            if self.collector is not None:
+                waited = self.free_refit.stop(self._taken())
                 start = time.perf_counter()
-                drain_rollouts(self.received, src=self.split.num_training_ranks, group=self.split.bridge)
+                self.collector.drain()
                 waited += time.perf_counter() - start
             return RefitOutcome(None, waited)
-        posted = self.export_to_rollout_ranks(lambda buckets: self.free_refit.post(step, self.received, buckets))
+        posted = self.export_to_rollout_ranks(lambda buckets: self.free_refit.post(step, self._taken(), buckets))
         return RefitOutcome(None, 0.0 if posted is None else posted)
+
+    def _taken(self) -> list[int]:
+        return [position.received for position in self.collector.positions]
 
     def step_metrics(self, step: int, got: StepRollout, generation_wait_s: float,
                      refit: RefitOutcome) -> tuple[dict[str, MetricPair], dict[str, float]]:
-        """The version lag, the drops (the step's share and the run's total) and each side's idle time."""
-        pairs = {**version_lag_sums(got.versioned, step), **dropped_sums(len(got.dropped))}
-        return pairs, {**self.idle_seconds(got, generation_wait_s, refit),
-                       "rollout/dropped_total": float(self.dropped_total)}
+        """The version lag of every response, the drops (the step's share and the run's total) and
+        each side's idle time (the rollout side's: the mean over rollout ranks).
+        """
+        pairs = {**version_lag_sums(got.versioned, step), **dropped_sums(len(got.dropped), len(got.pieces))}
+        values = {**self.idle_seconds(got, generation_wait_s, refit), "rollout/dropped_total": float(self.dropped_total)}
+        return pairs, values
+
+    def rollout_idle(self, got: StepRollout) -> float:
+        """Mean over rollout ranks of each one's gaps before its rollouts received this step (a rank
+        that sent none this step counts 0).
+        """
+        idle = torch.zeros(self.split.num_rollout_ranks, dtype=torch.float64)
+        for piece in sorted(got.pieces + got.dropped, key=lambda p: (p.source, p.number)):
+            end = self._ends.get(piece.source)
+            if end is not None:
+                idle[piece.source] += max(0.0, piece.generated[0] - end)
+            self._ends[piece.source] = piece.generated[1]
+        return float(idle.mean())
+
+    def windows(self, got: StepRollout, generated: tuple[float, float]) -> list[tuple[str, str, tuple[float, float]]]:
+        """Each rollout received this step on its rank's lane (``generation`` or ``dropped``)."""
+        return [(f"{self.lane} {p.source}", phase, p.generated)
+                for phase, pieces in (("dropped", got.dropped), ("generation", got.pieces)) for p in pieces]

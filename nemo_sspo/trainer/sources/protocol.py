@@ -6,7 +6,8 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from nemo_sspo.metrics import MetricPair
-from nemo_sspo.trainer.staleness import VersionedRollout
+from nemo_sspo.trainer.placement import RolloutPosition
+from nemo_sspo.trainer.staleness import Piece, VersionedRollout
 
 __all__ = ["RefitOutcome", "RolloutSource", "StepRollout"]
 
@@ -16,13 +17,14 @@ class StepRollout:
     """The rollout a step trains on.
 
     Attributes:
-        versioned: the rollout with its policy version, data position and generation window.
-        dropped: ``(version, (start, end))`` of each rollout dropped as too stale before it (only a
-            free-running source drops).
+        versioned: this replica's rollout with its policy version(s), data position and generation window.
+        pieces: the free-running rollouts it stacks, in arrival order (empty for the other modes).
+        dropped: the free-running rollouts dropped as too stale meanwhile.
     """
 
     versioned: VersionedRollout
-    dropped: list[tuple[int, tuple[float, float]]] = field(default_factory=list)
+    pieces: list[Piece] = field(default_factory=list)
+    dropped: list[Piece] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -56,10 +58,15 @@ class RolloutSource(Protocol):
     lane: str
     wait_phase: str | None
 
-    def start(self, completed_steps: int, problems_drawn: int) -> None:
+    def start(self, completed_steps: int, problems_drawn: int,
+              positions: list[RolloutPosition] | None = None) -> None:
         """Begins a run after ``completed_steps`` (0: fresh; else resumed, the restored weights are the
-        rollout side's first) at data position ``problems_drawn``.
+        rollout side's first) at data position ``problems_drawn`` (free-running: each rollout rank's
+        ``positions`` where the checkpoint kept them).
         """
+
+    def rollout_positions(self) -> list[RolloutPosition] | None:
+        """What a checkpoint keeps per rollout rank (free-running, on training rank 0), else None."""
 
     def next_rollout(self, step: int) -> StepRollout:
         """The rollout step ``step`` trains on, shared across the replica's model-parallel ranks."""
@@ -72,6 +79,11 @@ class RolloutSource(Protocol):
     def push_weights(self) -> float | None:
         """Loads the trainer's current weights into the rollout side now, waiting until it has them;
         returns the seconds per GB where measured.
+        """
+
+    def windows(self, got: StepRollout, generated: tuple[float, float]) -> list[tuple[str, str, tuple[float, float]]]:
+        """The timeline's ``(lane, phase, window)`` of the step's rollout generation (``generated``: its
+        window over every generating rank).
         """
 
     def step_metrics(self, step: int, got: StepRollout, generation_wait_s: float,

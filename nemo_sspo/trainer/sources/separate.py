@@ -20,7 +20,7 @@ from nemo_sspo.metrics import MetricPair
 from nemo_sspo.parallel.metrics import collective_device
 from nemo_sspo.parallel.placement import WorldSplit
 from nemo_sspo.parallel.weight_broadcast import send_weight_buckets
-from nemo_sspo.trainer.placement import merge_rollouts, recv_rollout, send_start, slot_routes
+from nemo_sspo.trainer.placement import RolloutPosition, merge_rollouts, recv_rollout, send_start, slot_routes
 from nemo_sspo.trainer.sources.protocol import RefitOutcome, StepRollout
 from nemo_sspo.trainer.staleness import rollout_idle_s, version_lag_sums
 
@@ -52,9 +52,11 @@ class SeparateSource:
         """World ranks of the rollout ranks."""
         return list(range(self.split.num_training_ranks, self.split.world_size))
 
-    def start(self, completed_steps: int, problems_drawn: int) -> None:
-        """Tells every rollout rank where the run starts (the steps done, the data position and each
-        replica's receiving rank); a resumed run's weights follow with a broadcast.
+    def start(self, completed_steps: int, problems_drawn: int,
+              positions: list[RolloutPosition] | None = None) -> None:
+        """Tells every rollout rank where the run starts (the steps done, its position: ``positions[j]``
+        or else ``(completed_steps, problems_drawn)``, and each replica's receiving rank); a resumed
+        run's weights follow with a broadcast.
         """
         g = self.groups
         mine = torch.tensor([g.dp_rank if g.mp_rank == 0 else -1, dist.get_rank()], device=collective_device(None))
@@ -62,10 +64,19 @@ class SeparateSource:
         dist.all_gather(gathered, mine)
         replicas = [rank for dp, rank in sorted(t.tolist() for t in gathered) if dp >= 0]  # in data-parallel order
         if dist.get_rank() == 0:
-            for dst in self.rollout_ranks:
-                send_start(completed_steps, problems_drawn, replicas, dst=dst, group=self.split.bridge)
+            for j, dst in enumerate(self.rollout_ranks):
+                position = positions[j] if positions else RolloutPosition(completed_steps, problems_drawn)
+                send_start(completed_steps, position, replicas, dst=dst, group=self.split.bridge)
         if completed_steps > 0:
             self.push_weights()
+
+    def rollout_positions(self) -> None:
+        """None: a lock-step checkpoint's data position is the trainer's."""
+        return None
+
+    def windows(self, got: StepRollout, generated: tuple[float, float]) -> list[tuple[str, str, tuple[float, float]]]:
+        """The step's generation window on the rollout ranks' lane."""
+        return [(self.lane, "generation", generated)]
 
     def export_to_rollout_ranks(self, send: Callable[[Iterator], Any]) -> Any:
         """The first replica exports the weights (collective over its model-parallel group): its
@@ -102,14 +113,15 @@ class SeparateSource:
     def idle_seconds(self, got: StepRollout, generation_wait_s: float, refit: RefitOutcome) -> dict[str, float]:
         """``timing/train_idle_s``: this rank's wait for the step's rollout(s) plus the refit's wait for
         the rollout side. ``timing/rollout_idle_s``: the rollout side's time between the rollouts this
-        step received (waiting for the trainer, taking weights;
-        :func:`~nemo_sspo.trainer.staleness.rollout_idle_s`).
+        step received (waiting for the trainer, taking weights; :meth:`rollout_idle`).
         """
-        windows = [window for _, window in got.dropped] + [got.versioned.generated]
-        out = {"timing/train_idle_s": generation_wait_s + refit.wait_s,
-               "timing/rollout_idle_s": rollout_idle_s(windows, self._generation_end)}
+        return {"timing/train_idle_s": generation_wait_s + refit.wait_s, "timing/rollout_idle_s": self.rollout_idle(got)}
+
+    def rollout_idle(self, got: StepRollout) -> float:
+        """The rollout ranks' gap before this step's rollout (:func:`~nemo_sspo.trainer.staleness.rollout_idle_s`)."""
+        idle = rollout_idle_s([got.versioned.generated], self._generation_end)
         self._generation_end = got.versioned.generated[1]
-        return out
+        return idle
 
 
 class LockStepSource(SeparateSource):
