@@ -565,23 +565,32 @@ class RolloutCollector:
             ``(j, rollout)``: the index of the rollout rank that sent it and the rollout.
 
         Raises:
-            RuntimeError: no rollout rank sent one within the group's timeout; or one arrived out of
-                its rank's order; or another rank has sent nothing for longer than ``peer_timeout_s``
-                (naming it: it died or hung).
+            RuntimeError: naming the rollout rank silent longest (it died or hung), when none sent a
+                rollout within the group's timeout, or when one has sent nothing for longer than
+                ``peer_timeout_s`` while the others sent; or a rollout out of its rank's order.
         """
-        src, number, versioned = recv_free_rollout(group=self.bridge, sources=self.sources, what=what)
-        j, now = src - self.first, time.monotonic()
+        try:
+            src, number, versioned = recv_free_rollout(group=self.bridge, sources=self.sources, what=what)
+        except RuntimeError as err:
+            raise self._silence(f"no rollout rank sent {what}") from err
+        j = src - self.first
         if number != self.positions[j].received + 1:
             raise RuntimeError(f"rollout rank {src} sent rollout {number}, expected {self.positions[j].received + 1}")
         self.positions[j] = RolloutPosition(number, versioned.problems_drawn)
-        self._heard[j] = now
-        silent = [(self.sources[i], now - heard) for i, heard in enumerate(self._heard)
-                  if now - heard > self.peer_timeout_s]
-        if silent:
-            rank, seconds = max(silent, key=lambda item: item[1])
-            raise RuntimeError(f"rollout rank {rank} sent no rollout for {seconds:.0f} s while the others did (it "
-                               f"died or hung past rollout.peer_timeout_s={self.peer_timeout_s:g})")
+        self._heard[j] = time.monotonic()
+        if max(self._silent_s()) > self.peer_timeout_s:
+            raise self._silence("the others sent")
         return j, versioned
+
+    def _silent_s(self) -> list[float]:
+        now = time.monotonic()
+        return [now - heard for heard in self._heard]
+
+    def _silence(self, context: str) -> RuntimeError:
+        silent = self._silent_s()
+        j = max(range(len(silent)), key=silent.__getitem__)
+        return RuntimeError(f"rollout rank {self.sources[j]} sent no rollout for {silent[j]:.1f} s (it died or hung "
+                            f"past rollout.peer_timeout_s={self.peer_timeout_s:g}); {context}")
 
     def drain(self) -> int:
         """After the stop notice: receives and discards every rollout not taken, rank by rank.

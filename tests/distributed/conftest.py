@@ -70,7 +70,7 @@ def _import_roots(*functions) -> list[str]:
     return roots
 
 
-def _run(fn, world_size: int, *args, timeout_s: float = _TIMEOUT_S) -> list:
+def _run(fn, world_size: int, *args, timeout_s: float = _TIMEOUT_S, grace_s: float = _GRACE_S) -> list:
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     ctx = mp.get_context("spawn")
@@ -92,10 +92,10 @@ def _run(fn, world_size: int, *args, timeout_s: float = _TIMEOUT_S) -> list:
             proc.start()
     finally:
         sys.path[:] = saved_path
-    return _collect(procs, results, world_size, timeout_s)
+    return _collect(procs, results, world_size, timeout_s, grace_s)
 
 
-def _collect(procs, results, world_size: int, timeout_s: float) -> list:
+def _collect(procs, results, world_size: int, timeout_s: float, grace_s: float) -> list:
     """Wait for every rank; raise on the first failure or when the deadline passes."""
     deadline = time.monotonic() + timeout_s
     values, failures = {}, {}
@@ -111,7 +111,7 @@ def _collect(procs, results, world_size: int, timeout_s: float) -> list:
             if silent and proc.exitcode is not None and results.empty():
                 failures[rank] = f"exited with code {proc.exitcode} without reporting (killed?)"
         if failures:  # the other ranks may be stuck in a collective: give them a short grace
-            deadline = min(deadline, time.monotonic() + _GRACE_S)
+            deadline = min(deadline, time.monotonic() + grace_s)
         time.sleep(0.02)
     for proc in procs:
         proc.join(timeout=1.0)
@@ -131,11 +131,12 @@ def _collect(procs, results, world_size: int, timeout_s: float) -> list:
 
 @pytest.fixture(scope="session")
 def run_distributed():
-    """``run_distributed(fn, world_size, *args, timeout_s=120) -> [fn result of rank 0, 1, ...]``.
+    """``run_distributed(fn, world_size, *args, timeout_s=120, grace_s=5) -> [fn result of rank 0, 1, ...]``.
 
     ``fn(rank, world_size, *args)`` runs in each spawned process after
     ``torch.distributed.init_process_group("gloo")`` (default group = all ranks; build
     subgroups with ``dist.new_group`` on every rank). Raises ``RuntimeError`` with the child's
-    traceback when any rank raises, ``TimeoutError`` when ranks hang.
+    traceback when any rank raises, ``TimeoutError`` when ranks hang. After the first failure the
+    other ranks get ``grace_s`` seconds to finish (what they report of it is lost after that).
     """
     return _run

@@ -1,7 +1,7 @@
 """The lock-step separate rollout source alone: one training rank with :class:`LockStepSource` and a
 stand-in rollout rank that speaks the rollout side's protocol by hand (world 2, gloo, no model).
 
-The stand-in takes the start (steps done, data position, receiving ranks), sends a two-group
+The stand-in takes the start (steps done, its position, receiving ranks), sends a two-group
 rollout for step 1 and takes the weight broadcast; the source must return that rollout as sent (ids,
 rewards, version, window), report the broadcast's rate, and deliver the weights bit for bit.
 """
@@ -37,8 +37,8 @@ def _rollout() -> VersionedRollout:
 def _child(rank, world_size):
     split = resplit(rank, world_size, 1, 30)
     if split.is_rollout:  # the stand-in rollout rank
-        start = _recv(torch.zeros(3, dtype=torch.int64), 0, split.bridge, _START_TAG).tolist()
-        replicas = _recv(torch.zeros(start[2], dtype=torch.int64), 0, split.bridge, _START_TAG).tolist()
+        start = _recv(torch.zeros(4, dtype=torch.int64), 0, split.bridge, _START_TAG).tolist()
+        replicas = _recv(torch.zeros(start[3], dtype=torch.int64), 0, split.bridge, _START_TAG).tolist()
         sent = send_rollout(_rollout(), dst=replicas[0], group=split.bridge, tag=1)
         for work in sent.works:
             work.wait()
@@ -54,7 +54,8 @@ def _child(rank, world_size):
 
 def test_lock_step_source_receives_the_rollout_and_broadcasts_the_weights(run_distributed):
     (got, refit), (start, replicas, received) = run_distributed(_child, 2, timeout_s=120)
-    assert start == [0, 0, 1] and replicas == [0]  # fresh run, data position 0, one replica received by rank 0
+    # fresh run: no steps done, position (0 received, 0 drawn), one replica received by rank 0
+    assert start == [0, 0, 0, 1] and replicas == [0]
     sent = _rollout()
     mine, theirs = got.versioned.rollout, sent.rollout
     assert torch.equal(mine.batch.response_ids, theirs.batch.response_ids)

@@ -6,8 +6,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from nemo_sspo.trainer.sources import ColocatedSource, LockStepSource, RefitOutcome, StepRollout
-from nemo_sspo.trainer.staleness import VersionedRollout
+from nemo_sspo.trainer.sources import ColocatedSource, FreeRunningSource, LockStepSource, RefitOutcome, StepRollout
+from nemo_sspo.trainer.staleness import Piece, VersionedRollout
 
 
 class _Engine:
@@ -77,15 +77,25 @@ def test_colocated_off_the_generating_rank_runs_the_export_and_loads_nothing():
 
 
 def test_separate_idle_seconds_by_hand():
-    # Rollout windows (10, 12), then (15, 16) with one dropped (12.5, 14) before it: the rollout side
-    # idled 0 before the first (nothing earlier), then 0.5 + 1.0 = 1.5 s between 12 -> 12.5 -> 14 -> 15.
+    # Lock-step: windows (10, 12), then (15, 16): the rollout side idled 0 before the first (nothing
+    # earlier), then 3 s between 12 and 15; the trainer's idle is its wait plus the refit's.
     split = SimpleNamespace(num_rollout_ranks=2, num_training_ranks=1, world_size=3)
     source = LockStepSource(SimpleNamespace(), split, lambda: iter(()), max_staleness=0, prompts_per_step=2, pad_id=0)
     assert source.rollout_gpus == 2 and source.wait_phase == "wait"
     first = StepRollout(VersionedRollout(None, version=0, problems_drawn=2, generated=(10.0, 12.0)))
     assert source.idle_seconds(first, 0.75, RefitOutcome(None, 0.25)) == {
         "timing/train_idle_s": 1.0, "timing/rollout_idle_s": 0.0}
-    second = StepRollout(VersionedRollout(None, version=1, problems_drawn=4, generated=(15.0, 16.0)),
-                         dropped=[(0, (12.5, 14.0))])
+    second = StepRollout(VersionedRollout(None, version=1, problems_drawn=4, generated=(15.0, 16.0)))
     assert source.idle_seconds(second, 2.0, RefitOutcome(None, 0.0)) == pytest.approx(
-        {"timing/train_idle_s": 2.0, "timing/rollout_idle_s": 1.5})
+        {"timing/train_idle_s": 2.0, "timing/rollout_idle_s": 3.0})
+
+
+def test_free_running_rollout_idle_is_the_mean_over_rollout_ranks_by_hand():
+    # Two rollout ranks. Step 1: rank 0 sent (10, 12), rank 1 (10, 13): no gaps yet. Step 2: rank 0
+    # (12.5, 14) dropped then (15, 16); rank 1 (13, 17): rank 0 idled 0.5 + 1.0, rank 1 0 -> mean 0.75.
+    free = SimpleNamespace(split=SimpleNamespace(num_rollout_ranks=2), _ends={})
+    step1 = StepRollout(None, pieces=[Piece(0, 1, 0, (10.0, 12.0)), Piece(1, 1, 0, (10.0, 13.0))])
+    assert FreeRunningSource.rollout_idle(free, step1) == 0.0
+    step2 = StepRollout(None, pieces=[Piece(1, 2, 1, (13.0, 17.0)), Piece(0, 3, 1, (15.0, 16.0))],
+                        dropped=[Piece(0, 2, 0, (12.5, 14.0))])
+    assert FreeRunningSource.rollout_idle(free, step2) == pytest.approx(0.75)

@@ -1,0 +1,66 @@
+"""Worker of ``test_free_running_ranks.py``, started by torchrun with 3 processes: 1 training rank and
+2 free-running rollout ranks, split once from torchrun's rendezvous.
+
+Runs, in turn: ``wait`` with k = 0 for 4 steps with checkpoints at 2 and 4; the same resumed from
+its step-2 checkpoint; ``drop`` with k = 0 and a slow trainer (0.5 s per update). The training rank
+records the (rank, number, version) of every rollout it receives (a wrapper around
+``recv_free_rollout``) and writes each run's history and receipts to ``<out>/result.json``.
+Usage: ``torchrun --nproc-per-node 3 -m tests.integration._free_ranks_worker OUT``.
+
+Imports live inside the functions: Megatron's checkpoint writer starts a spawned helper process,
+which re-imports this (main) module, and should not pay for torch and Megatron again.
+"""
+
+import json
+import sys
+from pathlib import Path
+
+RUN = ["trainer.max_steps=4", "trainer.minibatches_per_step=1", "rollout.correction=token_tis", "optim.lr=0.05",
+       "rollout.placement=separate", "rollout.num_ranks=2", "rollout.staleness_schedule=free", "rollout.max_staleness=0"]
+UPDATE_DELAY_S = 0.5
+
+
+def _run(split, tiny, overrides):
+    from nemo_sspo.cli import load_config
+    from nemo_sspo.trainer import placement
+    from tests.distributed._split_world import fit_side
+    from tests.integration._loop_runs import TINY, ParityReward
+
+    cfg = load_config(overrides=[*TINY, *RUN, *overrides])
+    received, inner = [], placement.recv_free_rollout
+
+    def recv(*, group, sources, src=None, what):
+        got = inner(group=group, sources=sources, src=src, what=what)
+        received.append((got[0], got[1], got[2].version))
+        return got
+    placement.recv_free_rollout = recv
+    try:
+        history = fit_side(cfg, split, tiny, ParityReward(), run=lambda trainer: trainer.fit())
+    finally:
+        placement.recv_free_rollout = inner
+    return None if history is None else {"history": history, "received": received}
+
+
+def main(out: Path) -> None:
+    import datetime
+    import time
+
+    from nemo_sspo.models import load_hf_checkpoint
+    from nemo_sspo.parallel.placement import split_launched_world
+    from nemo_sspo.trainer import loop
+
+    split = split_launched_world(2, timeout=datetime.timedelta(seconds=120))
+    tiny = load_hf_checkpoint("tiny-random-llama")
+    wait = ["rollout.stale_policy=wait", "trainer.checkpoint_interval=2"]
+    results = {"full": _run(split, tiny, [*wait, f"trainer.output_dir={out / 'full'}"])}
+    step2 = out / "full" / "checkpoints" / "step_000002"
+    results["resumed"] = _run(split, tiny, [*wait, f"trainer.output_dir={out / 'resumed'}", f"trainer.resume={step2}"])
+    inner = loop.GRPOTrainer.update
+    loop.GRPOTrainer.update = lambda self, batch: (time.sleep(UPDATE_DELAY_S), inner(self, batch))[1]
+    results["drop"] = _run(split, tiny, ["rollout.stale_policy=drop", f"trainer.output_dir={out / 'drop'}"])
+    if split.rank == 0:
+        (out / "result.json").write_text(json.dumps(results))
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]))
