@@ -1,10 +1,22 @@
 """Free-running staleness without processes: the rollout rank's generation bound (FreeQueue) driven
-by a simulated trainer, the acceptance rule, the per-side metrics and the settings refused at load."""
+by a simulated trainer, the acceptance rule, the per-side metrics, per-response versions of a step
+stacked from several rollouts, and the settings refused at load."""
 
 import pytest
+import torch
 
 from nemo_sspo.cli import load_config
-from nemo_sspo.trainer.staleness import FreeQueue, dropped_sums, is_fresh, rollout_idle_s
+from nemo_sspo.rollout import RolloutBatch
+from nemo_sspo.trainer.placement import stack_rollouts
+from nemo_sspo.trainer.sampling import Rollout
+from nemo_sspo.trainer.staleness import (
+    FreeQueue,
+    VersionedRollout,
+    dropped_sums,
+    is_fresh,
+    rollout_idle_s,
+    version_lag_sums,
+)
 
 
 def _simulate(k, policy, last, per_notice):
@@ -138,3 +150,25 @@ def test_wait_bounds_each_rank_by_what_the_remaining_steps_can_train():
     # a resumed rank numbers on from its position
     resumed = FreeQueue(1, "wait", 9, version=5, sent=7, num_ranks=2)
     assert resumed.record(5) == 8
+
+
+def test_responses_stacked_from_two_versions_keep_their_own_lags():
+    # Rollout A (version 2, 2 responses) and B (version 3, 2 responses) stacked for step 5 (starting
+    # from version 4): lags 2, 2, 1, 1 -> mean 1.5, max 2; the stack's version is the oldest.
+    parts = []
+    for version, ids in ((2, [[5, 6], [7, 0]]), (3, [[8, 9], [1, 2]])):
+        batch = RolloutBatch(prompt_ids=torch.tensor([[1], [1]]), prompt_mask=torch.ones(2, 1, dtype=torch.bool),
+                             response_ids=torch.tensor(ids), response_mask=torch.tensor(ids) > 0,
+                             truncated=torch.zeros(2, dtype=torch.bool), response_texts=["a", "b"],
+                             rollout_logprobs=torch.zeros(2, 2))
+        rollout = Rollout(batch=batch, task_rewards=torch.zeros(2), rewards=torch.zeros(2), rounds=1,
+                          generated_groups=1, prompt_keys=["00" * 16])
+        parts.append(VersionedRollout(rollout, version=version, problems_drawn=0, generated=(version, version + 1)))
+    stacked = stack_rollouts(parts, pad_id=0, problems_drawn=7)
+    assert stacked.version == 2 and stacked.sample_versions.tolist() == [2, 2, 3, 3]
+    assert stacked.generated == (2, 4) and stacked.problems_drawn == 7
+    lags = version_lag_sums(stacked, 5)
+    assert lags["rollout/version_lag_mean"].as_tensor().tolist() == [6.0, 4.0]
+    assert lags["rollout/version_lag_max"].as_tensor().tolist()[0] == 2.0
+    # one version for all: no per-response versions kept
+    assert stack_rollouts(parts[:1], pad_id=0, problems_drawn=0).sample_versions is None

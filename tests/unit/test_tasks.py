@@ -5,7 +5,7 @@ import re
 
 import pytest
 
-from nemo_sspo.data import PROMPT_SOURCES, Problem, build_prompt_source, render_prompt
+from nemo_sspo.data import PROMPT_SOURCES, Problem, ShardedSource, build_prompt_source, render_prompt
 from nemo_sspo.models import load_hf_checkpoint
 from nemo_sspo.rewards import MathVerifyReward
 
@@ -144,3 +144,15 @@ def test_chat_cot_template_on_the_qwen_tokenizer():
 def test_unknown_template(tokenizer):
     with pytest.raises(ValueError, match="chat-boxed"):
         render_prompt(tokenizer, "q", "alpaca")
+
+
+def test_shards_of_a_stream_are_disjoint_and_hold_all_of_it():
+    # 3 shards of identically seeded streams, drawn at different paces (2 + 2, 4, 1 + 3 problems):
+    # shard j's k-th problem is the stream's problem 3k + j, so together they are its first 12.
+    stream = build_prompt_source("word_problems", seed=5).sample(12)
+    shards = [ShardedSource(build_prompt_source("word_problems", seed=5), index=j, count=3) for j in range(3)]
+    drawn = [shards[0].sample(2) + shards[0].sample(2), shards[1].sample(4), shards[2].sample(1) + shards[2].sample(3)]
+    for j, problems in enumerate(drawn):
+        assert problems == stream[j::3]
+    with pytest.raises(ValueError, match=r"shard index=3 of count=3"):
+        ShardedSource(stream, index=3, count=3)
