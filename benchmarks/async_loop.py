@@ -12,9 +12,13 @@ seed, so the same prompts), each with 2 cores in all:
 - ``d``: ``max_staleness=2``;
 - ``e``: free-running (``rollout.staleness_schedule=free``) with ``max_staleness=1``, ``stale_policy=wait``;
 - ``f``: free-running with ``max_staleness=1``, ``stale_policy=drop`` (dropped rollouts count as rollout
-  busy time; the table's ``dropped`` column is the share of received rollouts dropped).
+  busy time; the table's ``dropped`` column is the share of received rollouts dropped);
+- ``g``: free-running over two rollout ranks (1 training + 2 rollout processes, 1 thread each, on the
+  2 cores), ``max_staleness=1``, ``stale_policy=wait``, on a generation-bound setting (:data:`_GEN_BOUND`);
+- ``h``: lock-step over the same two rollout ranks and setting, ``max_staleness=1``.
 
-``--variants`` runs a subset (the summary line needs ``a`` and ``c``).
+``--variants`` runs a subset (the summary line needs ``a`` and ``c``; the free-running line ``g``
+and ``h``).
 
 Per run, over the wall window from the end of step 1 (which fills the pipeline and pays start-up
 costs) to the end of step S, from the training rank's ``timeline.jsonl`` and ``metrics.jsonl``:
@@ -34,6 +38,8 @@ import sys
 from pathlib import Path
 
 _COMMON = ["trainer.save_hf_checkpoint=false", "trainer.overwrite_output_dir=true", "rollout.correction=token_tis"]
+_GEN_BOUND = ["rollout.max_new_tokens=96", "trainer.minibatches_per_step=1"]
+"""Longer responses and one update per step: generation outweighs training (the line prints the share)."""
 _VARIANTS = {
     "a": (1, 2, []),
     "b": (2, 1, ["rollout.placement=separate", "rollout.num_ranks=1", "rollout.max_staleness=0"]),
@@ -43,6 +49,9 @@ _VARIANTS = {
                  "rollout.staleness_schedule=free", "rollout.stale_policy=wait"]),
     "f": (2, 1, ["rollout.placement=separate", "rollout.num_ranks=1", "rollout.max_staleness=1",
                  "rollout.staleness_schedule=free", "rollout.stale_policy=drop"]),
+    "g": (3, 1, ["rollout.placement=separate", "rollout.num_ranks=2", "rollout.max_staleness=1",
+                 "rollout.staleness_schedule=free", "rollout.stale_policy=wait", *_GEN_BOUND]),
+    "h": (3, 1, ["rollout.placement=separate", "rollout.num_ranks=2", "rollout.max_staleness=1", *_GEN_BOUND]),
 }
 
 
@@ -73,9 +82,14 @@ def _summary(name: str, history: list[dict], events: list[dict], responses_per_s
     end = max(e["end"] for e in trainer)
     wall = end - start
     tokens = sum(h["response/length_mean"] * responses_per_step for h in steady)
+    rollout_ranks = max(1, _VARIANTS[name][0] - 1)  # separate: every process but the training one
+    generation = [e["end"] - e["start"] for e in events if e["lane"] != "training ranks" and e["phase"] == "generation"
+                  and e["step"] > 1]
     return {
         "variant": name, "step_s": wall / len(steady), "tokens_per_s": tokens / wall,
-        "rollout_busy": _busy(events, ("generation", "dropped"), start, end) / wall,
+        "rollout_busy": _busy(events, ("generation", "dropped"), start, end) / (wall * rollout_ranks),
+        "generation_s": sum(generation) / max(1, len(generation)),  # one rollout's generation window
+        "train_s": sum(h["timing/train_s"] + h.get("timing/refit_s", 0.0) for h in steady) / len(steady),
         "train_busy": _busy(trainer, ("train", "refit", "critic"), start, end) / wall,
         "lag": sum(h.get("rollout/version_lag_mean", 0.0) for h in steady) / len(steady),
         "reward": sum(h["reward/mean"] for h in history[-2:]) / 2,
@@ -109,6 +123,15 @@ def main() -> None:
         a, c = rows["a"], rows["c"]
         print(f"bottleneck_busy={max(c['rollout_busy'], c['train_busy']):.3f} "
               f"async_vs_sync={a['step_s'] / c['step_s']:.3f}")
+    if "g" in rows and "h" in rows:
+        g, h = rows["g"], rows["h"]
+        # a step of R = 2 rollout ranks generates one rollout on each (in parallel), then trains
+        share = g["generation_s"] / (g["generation_s"] + g["train_s"])
+        projected = (g["generation_s"] + g["train_s"]) / max(g["generation_s"], g["train_s"])
+        print(f"free_running_R2: bottleneck_busy={max(g['rollout_busy'], g['train_busy']):.3f} "
+              f"free_vs_lockstep={h['step_s'] / g['step_s']:.3f} generation_share={share:.2f} "
+              f"projected_free_vs_sync_on_own_gpus={projected:.2f} (a projection from the measured phase times: "
+              f"each side on its own GPUs, no shared cores)")
 
 
 if __name__ == "__main__":
