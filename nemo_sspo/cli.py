@@ -367,8 +367,10 @@ def main(argv: list[str] | None = None) -> int:
 
                 from nemo_sspo.parallel.placement import split_launched_world
 
+                # Free-running keeps a gloo refit group until its notices move to split.notice (docs/async.md).
                 split = split_launched_world(cfg.rollout.num_ranks,
-                                             timeout=datetime.timedelta(seconds=cfg.rollout.peer_timeout_s))
+                                             timeout=datetime.timedelta(seconds=cfg.rollout.peer_timeout_s),
+                                             device_refit=cfg.rollout.staleness_schedule == "lockstep")
                 if split.is_rollout:
                     run_rollout_rank(cfg, split)
                     return 0
