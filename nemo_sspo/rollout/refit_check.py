@@ -32,8 +32,8 @@ def _read_back(engine, names: list[str]) -> dict[str, torch.Tensor]:
     read = getattr(engine, "read_weights", None)
     held = read(names) if read is not None else None
     if held is None:
-        raise ValueError(f"rollout.verify_refit=true needs an engine that reads its weights back under HF names "
-                         f"(read_weights); {type(engine).__name__} does not: set rollout.verify_refit=false")
+        raise ValueError(f"the refit check needs an engine that reads its weights back under HF names "
+                         f"(read_weights); {type(engine).__name__} does not: turn the check off for it")
     missing = [name for name in names if name not in held]
     if missing:
         raise ValueError(f"{type(engine).__name__}.read_weights returned no {missing[:3]} of the refit's weights")
@@ -88,7 +88,7 @@ def load_verified(engine, buckets: Iterable[dict[str, torch.Tensor]], *, step: i
         if bool(differs.any()):
             first = names[int(differs.nonzero()[0, 0])]
             when = f"step {step}" if step is not None else "an unnamed step (the sender gave no version)"
-            raise RuntimeError(f"rollout.verify_refit: after the refit of {when}, the engine's weights of bucket "
+            raise RuntimeError(f"refit check: after the refit of {when}, the engine's weights of bucket "
                                f"{index} differ from the trainer's export; first differing weight: {first!r} "
                                f"({int(differs.sum())} of the bucket's {len(names)} differ). The engine did not "
                                "load what the trainer sent: the run stops rather than generate from it")

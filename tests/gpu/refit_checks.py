@@ -50,7 +50,7 @@ def _payload_paths(buckets, engine):
         torch.cuda.synchronize()
         start, copied = time.perf_counter(), 0
 
-        def decoded():
+        def decoded(path=path, device=device):
             nonlocal copied, on_gpu
             for bucket in buckets:
                 (_, table, names, payload), moved = _encode(bucket, device)

@@ -154,7 +154,7 @@ def test_an_engine_that_cannot_read_back_is_refused_naming_the_setting(tiny):
                 pass
 
     _, buckets = _buckets(tiny)
-    with pytest.raises(ValueError, match="rollout.verify_refit=true .* NoReadBack does not"):
+    with pytest.raises(ValueError, match="the refit check needs an engine that reads its weights back .* NoReadBack does not"):
         load_verified(NoReadBack(), iter(buckets), step=1)
     assert VLLMRolloutEngine.read_weights(None, ["x"]) is None  # vLLM's processed weights: no read-back
 
@@ -214,7 +214,8 @@ def test_the_hf_engine_head_computes_in_the_output_precision_and_follows_a_refit
 
     def error(engine) -> tuple[float, torch.dtype]:
         head = engine.model.get_output_embeddings()
-        logits = head(hidden)
+        with torch.no_grad():
+            logits = head(hidden)
         reference = hidden.double() @ head.weight.double().t()
         return float((logits.double() - reference).abs().max()), logits.dtype
 
