@@ -25,8 +25,14 @@ __all__ = ["collective_device", "reduce_metric_sums"]
 def collective_device(group) -> torch.device:
     """Where tensors for a collective over ``group`` must live: the current CUDA device for NCCL,
     the CPU otherwise (gloo).
+
+    ``group``: a process group from ``init_process_group`` / ``new_group`` (None: the default
+    group), or a backend object built directly (``dist.ProcessGroupGloo(store, rank, size, ...)``,
+    as :func:`nemo_sspo.parallel.placement.split_world` builds the bridge and refit groups), which
+    the world's group map does not know: its own ``name()`` says the backend.
     """
-    if dist.get_backend(group) == "nccl":
+    backend = dist.get_backend(group) if group is None or isinstance(group, dist.ProcessGroup) else group.name()
+    if backend == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
 

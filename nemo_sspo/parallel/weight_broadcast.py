@@ -9,18 +9,32 @@ holds its model plus one bucket, never the model twice.
 Wire format per bucket, all plain tensors (no pickling): a header ``int64 [3]`` = (tensor count,
 name bytes, payload bytes), a table ``int64 [n, 2 + MAX_DIMS]`` = (dtype code, ndim, dims...), the
 names as UTF-8 bytes joined by newlines, and one ``uint8`` payload holding each tensor's bytes in
-order, each padded to a multiple of 8 bytes (so every view is aligned for its dtype). A header of zeros ends the stream. The receiver's tensors are views of the payload with the
-sender's dtype and shape, so they equal the export bit for bit.
+order, each padded to a multiple of 8 bytes (so every view is aligned for its dtype). A header
+``(0, version, 1)`` (``(0, 0, 0)`` when the sender gives no version) ends the stream. The
+receiver's tensors are views of the payload with the sender's dtype and shape, so they equal the
+export bit for bit.
+
+Every tensor of the stream lives on the group's device
+(:func:`nemo_sspo.parallel.metrics.collective_device`): over an NCCL refit group the export's GPU
+tensors are packed into a GPU payload and received into GPU buffers, so no weight byte passes
+through host memory; over gloo (CPU runs, or a GPU run whose refit group is gloo) the payload is on
+the host and the sender copies each GPU tensor there. :attr:`BroadcastStats.bytes_to_host` counts
+the weight bytes the sender copied from a device to the host (0 when the export is on the CPU,
+since nothing is then a device copy, and 0 over NCCL). The small header, table and names tensors
+(metadata, ``16 * (2 + MAX_DIMS)`` bytes per weight plus the names) go to the host on the receiver
+(it reads the sizes from them) and are not counted.
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Iterable, Iterator, Sequence
+from typing import Generator, Iterable, Sequence
 
 import torch
 import torch.distributed as dist
+
+from nemo_sspo.parallel.metrics import collective_device
 
 __all__ = ["BroadcastStats", "MAX_DIMS", "PendingBroadcast", "post_broadcast", "receive_weight_buckets",
            "send_weight_buckets", "start_weight_broadcast"]
@@ -45,11 +59,14 @@ class BroadcastStats:
         buckets: buckets sent.
         bytes: payload bytes sent (weights only).
         seconds: wall time from the first header to the end marker, export included.
+        bytes_to_host: weight bytes the sender copied from a device to host memory to send them
+            (module docstring; 0 over NCCL and for a CPU export).
     """
 
     buckets: int
     bytes: int
     seconds: float
+    bytes_to_host: int
 
     @property
     def seconds_per_gb(self) -> float:
@@ -77,26 +94,37 @@ def _failed(receivers: Sequence[int], count: int, err: RuntimeError) -> RuntimeE
                         f"a rollout rank died or stopped receiving within the timeout ({err})")
 
 
-def _encode(bucket: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(header, table, names, payload) of one bucket (module docstring)."""
+def _end_marker(version: int | None, device: torch.device) -> torch.Tensor:
+    """The header that ends a stream (module docstring)."""
+    values = [0, 0, 0] if version is None else [0, version, 1]
+    return torch.tensor(values, dtype=torch.int64).to(device)
+
+
+def _encode(bucket: dict[str, torch.Tensor], device: torch.device
+            ) -> tuple[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], int]:
+    """``((header, table, names, payload), bytes copied device -> host)`` of one bucket, every tensor
+    on ``device`` (module docstring).
+    """
     table = torch.zeros(len(bucket), 2 + MAX_DIMS, dtype=torch.int64)
-    chunks = []
+    chunks, to_host = [], 0
     for row, (name, tensor) in enumerate(bucket.items()):
         if tensor.dtype not in _CODES or tensor.dim() > MAX_DIMS:
             raise ValueError(f"weight {name!r}: dtype {tensor.dtype} / {tensor.dim()} dimensions cannot be sent "
                              f"(dtypes {', '.join(map(str, _DTYPES))}; at most {MAX_DIMS} dimensions)")
         table[row, 0], table[row, 1] = _CODES[tensor.dtype], tensor.dim()
         table[row, 2:2 + tensor.dim()] = torch.tensor(tensor.shape, dtype=torch.int64)
-        raw = tensor.detach().contiguous().cpu().reshape(-1).view(torch.uint8)
+        if tensor.device.type != "cpu" and device.type == "cpu":
+            to_host += tensor.numel() * tensor.element_size()
+        raw = tensor.detach().contiguous().to(device).reshape(-1).view(torch.uint8)
         chunks.append(torch.nn.functional.pad(raw, (0, _padded(raw.numel()) - raw.numel())))
     names = torch.frombuffer(bytearray("\n".join(bucket).encode()), dtype=torch.uint8)
-    payload = torch.cat(chunks) if chunks else torch.zeros(0, dtype=torch.uint8)
+    payload = torch.cat(chunks) if chunks else torch.zeros(0, dtype=torch.uint8, device=device)
     header = torch.tensor([len(bucket), names.numel(), payload.numel()], dtype=torch.int64)
-    return header, table, names, payload
+    return (header.to(device), table.to(device), names.to(device), payload), to_host
 
 
 def send_weight_buckets(buckets: Iterable[dict[str, torch.Tensor]], *, group: dist.ProcessGroup,
-                        receivers: Sequence[int]) -> BroadcastStats:
+                        receivers: Sequence[int], version: int | None = None) -> BroadcastStats:
     """Broadcasts every non-empty bucket, then the end marker, from group rank 0 (this rank).
 
     Args:
@@ -104,6 +132,8 @@ def send_weight_buckets(buckets: Iterable[dict[str, torch.Tensor]], *, group: di
             (drawing a bucket may itself be collective over the trainer's model-parallel group).
         group: the refit group (:func:`nemo_sspo.parallel.placement.split_world`), this rank its rank 0.
         receivers: world ranks of the other members (named in the error when one fails).
+        version: the policy version (the step whose update the weights hold), sent in the end
+            marker for the receivers' refit check to name; None sends none.
 
     Returns:
         :class:`BroadcastStats` of this refit.
@@ -114,19 +144,20 @@ def send_weight_buckets(buckets: Iterable[dict[str, torch.Tensor]], *, group: di
         RuntimeError: naming ``receivers``, when one of them died or hung past the group's timeout
             (gloo's error chained).
     """
-    start, count, sent = time.perf_counter(), 0, 0
+    start, count, sent, to_host = time.perf_counter(), 0, 0, 0
+    device = collective_device(group)
     try:
         for bucket in buckets:
             if not bucket:
                 continue
-            header, table, names, payload = _encode(bucket)
-            for tensor in (header, table, names, payload):
+            encoded, copied = _encode(bucket, device)
+            for tensor in encoded:
                 _broadcast(group, tensor)
-            count, sent = count + 1, sent + payload.numel()
-        _broadcast(group, torch.zeros(3, dtype=torch.int64))
-    except RuntimeError as err:  # gloo's errors (closed connection, timeout) are RuntimeErrors
+            count, sent, to_host = count + 1, sent + encoded[3].numel(), to_host + copied
+        _broadcast(group, _end_marker(version, device))
+    except RuntimeError as err:  # gloo's and NCCL's errors (closed connection, timeout) are RuntimeErrors
         raise _failed(receivers, count, err) from err
-    return BroadcastStats(buckets=count, bytes=sent, seconds=time.perf_counter() - start)
+    return BroadcastStats(buckets=count, bytes=sent, seconds=time.perf_counter() - start, bytes_to_host=to_host)
 
 
 @dataclass
@@ -139,6 +170,7 @@ class PendingBroadcast:
         receivers: world ranks of the receiving members (named in the error).
         bytes: payload bytes posted.
         start: ``time.perf_counter()`` when the first bucket was posted.
+        bytes_to_host: as :attr:`BroadcastStats.bytes_to_host`.
     """
 
     works: list[list]
@@ -146,6 +178,7 @@ class PendingBroadcast:
     receivers: Sequence[int]
     bytes: int
     start: float
+    bytes_to_host: int
 
     def wait(self) -> BroadcastStats:
         """Waits until every receiver has taken every bucket.
@@ -166,7 +199,8 @@ class PendingBroadcast:
         except RuntimeError as err:
             raise _failed(self.receivers, done, err) from err
         self.tensors.clear()
-        return BroadcastStats(buckets=len(self.works) - 1, bytes=self.bytes, seconds=time.perf_counter() - self.start)
+        return BroadcastStats(buckets=len(self.works) - 1, bytes=self.bytes, seconds=time.perf_counter() - self.start,
+                              bytes_to_host=self.bytes_to_host)
 
 
 def start_weight_broadcast(buckets: Iterable[dict[str, torch.Tensor]], *, group: dist.ProcessGroup,
@@ -174,8 +208,9 @@ def start_weight_broadcast(buckets: Iterable[dict[str, torch.Tensor]], *, group:
     """Posts the whole broadcast of :func:`send_weight_buckets` without waiting for the receivers.
 
     The wire format is the same, so the receivers take it with :func:`receive_weight_buckets`, bucket
-    by bucket, whenever they join. The price: this rank keeps every encoded bucket (one host copy of
-    the exported model) until :meth:`PendingBroadcast.wait` returns. The free-running schedule uses it
+    by bucket, whenever they join. The price: this rank keeps every encoded bucket (one copy of the
+    exported model, on the group's device: host memory over gloo, GPU memory over NCCL) until
+    :meth:`PendingBroadcast.wait` returns. The free-running schedule uses it
     so the trainer's next step need not wait for a rollout rank that is still generating.
 
     Args:
@@ -189,25 +224,28 @@ def start_weight_broadcast(buckets: Iterable[dict[str, torch.Tensor]], *, group:
     Raises:
         ValueError: as :func:`send_weight_buckets`.
     """
-    start, works, tensors, sent = time.perf_counter(), [], [], 0
+    start, works, tensors, sent, to_host = time.perf_counter(), [], [], 0, 0
+    device = collective_device(group)
     for bucket in buckets:
         if not bucket:
             continue
-        encoded = _encode(bucket)
+        encoded, copied = _encode(bucket, device)
         works.append([post_broadcast(group, tensor) for tensor in encoded])
         tensors.extend(encoded)
-        sent += encoded[3].numel()
-    end = torch.zeros(3, dtype=torch.int64)
+        sent, to_host = sent + encoded[3].numel(), to_host + copied
+    end = _end_marker(None, device)
     works.append([post_broadcast(group, end)])
     tensors.append(end)
-    return PendingBroadcast(works=works, tensors=tensors, receivers=receivers, bytes=sent, start=start)
+    return PendingBroadcast(works=works, tensors=tensors, receivers=receivers, bytes=sent, start=start,
+                            bytes_to_host=to_host)
 
 
-def receive_weight_buckets(*, group: dist.ProcessGroup) -> Iterator[dict[str, torch.Tensor]]:
+def receive_weight_buckets(*, group: dist.ProcessGroup) -> Generator[dict[str, torch.Tensor], None, int | None]:
     """Yields the buckets group rank 0 sends, in order, until its end marker.
 
-    Each yielded tensor is a view of that bucket's payload buffer (host memory, the sender's dtype
-    and shape); consume a bucket (copy it into the engine) before asking for the next.
+    Each yielded tensor is a view of that bucket's payload buffer (on the group's device: host memory
+    over gloo, the current GPU over NCCL; the sender's dtype and shape); consume a bucket (copy it
+    into the engine) before asking for the next.
 
     Args:
         group: the refit group; this rank is not its rank 0.
@@ -215,20 +253,25 @@ def receive_weight_buckets(*, group: dist.ProcessGroup) -> Iterator[dict[str, to
     Yields:
         HF name -> tensor dicts, one per bucket sent.
 
+    Returns:
+        The version the sender put in the end marker, or None (the value of the generator's
+        ``StopIteration``, e.g. ``version = yield from receive_weight_buckets(...)``).
+
     Raises:
         RuntimeError: naming training rank 0, when it died or hung past the group's timeout (gloo's
-            error chained).
+            or NCCL's error chained).
     """
+    device = collective_device(group)
     while True:
         try:
-            header = torch.zeros(3, dtype=torch.int64)
+            header = torch.zeros(3, dtype=torch.int64, device=device)
             _broadcast(group, header)
             n, name_bytes, payload_bytes = header.tolist()
             if n == 0:
-                return
-            table = torch.zeros(n, 2 + MAX_DIMS, dtype=torch.int64)
-            names = torch.zeros(name_bytes, dtype=torch.uint8)
-            payload = torch.zeros(payload_bytes, dtype=torch.uint8)
+                return name_bytes if payload_bytes == 1 else None  # the end marker (module docstring)
+            table = torch.zeros(n, 2 + MAX_DIMS, dtype=torch.int64, device=device)
+            names = torch.zeros(name_bytes, dtype=torch.uint8, device=device)
+            payload = torch.zeros(payload_bytes, dtype=torch.uint8, device=device)
             for tensor in (table, names, payload):
                 _broadcast(group, tensor)
         except RuntimeError as err:

@@ -32,6 +32,15 @@ class RolloutEngine(Protocol):
 
     Attributes:
         stop_token_ids: the ids that end a response (also written to saved checkpoints).
+
+    An engine may also define ``read_weights(names: list[str]) -> dict[str, torch.Tensor] | None``,
+    which ``rollout.verify_refit`` needs (``nemo_sspo.rollout.refit_check``; not a member of this
+    protocol, so engines without it stay valid): the weights it holds now under the refit buckets'
+    HF names (every name it holds; names it lacks left out), each tensor in the dtype the engine
+    computes with and exactly as loaded (its own tensor or a view; a copy is allowed but costs
+    memory), or None when it cannot read them back exactly. A fake engine that keeps the buckets it
+    loaded returns those tensors; one that changes what it loads must return what it holds, not
+    what it was sent. ``HFRolloutEngine`` returns its parameters; ``VLLMRolloutEngine`` returns None.
     """
 
     stop_token_ids: list[int]
@@ -90,6 +99,8 @@ class EngineContext:
             the trainer also writes into every model folder.
         record_routes: the trainer replays the engine's MoE routes (``model.router_replay=r3``):
             the engine must return them as ``RolloutBatch.routes``.
+        output_precision: ``model.output_layer_precision`` (``auto``, ``bf16``, ``tf32``, ``fp32``): the
+            precision the engine's output layer should compute logits in, as the trainer's does.
     """
 
     hf_config: Any
@@ -102,6 +113,7 @@ class EngineContext:
     device: torch.device
     stop_ids: list[int]
     record_routes: bool
+    output_precision: str
 
 
 ROLLOUT_ENGINE_REGISTRY: BuilderRegistry[EngineContext, RolloutEngine] = BuilderRegistry(
@@ -135,7 +147,8 @@ def _build_hf(context: EngineContext) -> HFRolloutEngine:
     """A transformers copy of the policy on the training device, stopping at the model's list."""
     return HFRolloutEngine(build_hf_model(context.hf_config, context.state_dict), context.tokenizer,
                            device=context.device, stop_token_ids=context.stop_ids,
-                           record_routes=context.record_routes, **sampling_settings(context.rollout))
+                           record_routes=context.record_routes, output_precision=context.output_precision,
+                           **sampling_settings(context.rollout))
 
 
 def _build_vllm(context: EngineContext) -> VLLMRolloutEngine:
@@ -144,7 +157,8 @@ def _build_vllm(context: EngineContext) -> VLLMRolloutEngine:
     ro = context.rollout
     return VLLMRolloutEngine.build(model_dir, context.tokenizer, vllm_config=ro.vllm, seed=context.seed,
                                    truncation_corrected=ro.correction != "none",
-                                   stop_token_ids=context.stop_ids, **sampling_settings(ro))
+                                   stop_token_ids=context.stop_ids, output_precision=context.output_precision,
+                                   **sampling_settings(ro))
 
 
 register_rollout_engine("hf", _build_hf)

@@ -12,7 +12,8 @@ from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBl
 from nemo_sspo.algorithms.batch import pack_rows, route_dtype
 from nemo_sspo.models.hf_checkpoint import check_state_dict_keys
 from nemo_sspo.models.hf_folder import stop_token_ids as model_stop_token_ids
-from nemo_sspo.models.moe_weights import fuse_expert_weights
+from nemo_sspo.models.moe_weights import fuse_expert_weights, split_expert_weights
+from nemo_sspo.parallel.fused_output import OUTPUT_PRECISIONS, output_matmul_dtype, tf32_matmuls
 
 __all__ = ["HFRolloutEngine", "RolloutBatch", "check_engine_outputs", "check_sampling_settings", "encode_prompts",
            "finish_rollout_batch"]
@@ -196,19 +197,26 @@ class HFRolloutEngine:
             keeps the model where it is. Returned tensors are always on the CPU.
         record_routes: record the experts every MoE layer chose for every token it ran
             (:attr:`RolloutBatch.routes`, router replay R3; :meth:`_routes`); needs a Qwen3-MoE model.
+        output_precision: the output layer's matmul precision (``model.output_layer_precision``, as the
+            trainer's fused path: ``nemo_sspo.parallel.fused_output``): ``auto`` leaves the model as
+            it is; otherwise the final hidden states and the head weight are cast to that dtype for
+            the logits (the cast weight kept until the next refit: one extra ``[V, H]`` tensor).
 
     Memory: ``generate`` keeps the processed scores of every step, ``B * T * V`` fp32 values
     (32 x 160 x 49152 x 4 B = 1.0 GB for SmolLM2), until :meth:`generate` returns.
 
     Raises:
-        ValueError: a sampling setting out of range, a tokenizer without pad/EOS ids, or
-            ``record_routes`` for a model without Qwen3-MoE layers.
+        ValueError: a sampling setting out of range, a tokenizer without pad/EOS ids,
+            ``record_routes`` for a model without Qwen3-MoE layers, or an unknown ``output_precision``.
     """
 
     def __init__(self, model, tokenizer, *, max_new_tokens: int, temperature: float, top_p: float = 1.0,
                  top_k: int = 0, device: torch.device | str | None = None,
-                 stop_token_ids: list[int] | None = None, record_routes: bool = False) -> None:
+                 stop_token_ids: list[int] | None = None, record_routes: bool = False,
+                 output_precision: str = "auto") -> None:
         check_sampling_settings(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k)
+        if output_precision not in OUTPUT_PRECISIONS:
+            raise ValueError(f"output_precision={output_precision!r} must be one of {', '.join(OUTPUT_PRECISIONS)}")
         self.routers = [block.gate for block in model.modules() if isinstance(block, Qwen3MoeSparseMoeBlock)]
         if record_routes and not self.routers:
             raise ValueError("record_routes=True needs a mixture-of-experts model (Qwen3MoeSparseMoeBlock "
@@ -238,6 +246,26 @@ class HFRolloutEngine:
             output_scores=True,
             return_dict_in_generate=True,
         )
+        self._head_weight: torch.Tensor | None = None  # the head weight in the output precision, until a refit
+        if output_precision != "auto":
+            self._set_output_precision(output_precision)
+
+    def _set_output_precision(self, precision: str) -> None:
+        """Replaces the head's forward by ``hidden.to(dtype) @ W.to(dtype)^T`` (+ bias) in the dtype of
+        ``precision`` (TF32 products on CUDA for ``tf32``); the module and its parameters stay as they
+        are, so state dicts, tying and refit are unchanged.
+        """
+        head = self.model.get_output_embeddings()
+        dtype = output_matmul_dtype(precision, head.weight.dtype)
+
+        def forward(hidden: torch.Tensor) -> torch.Tensor:
+            if self._head_weight is None:
+                self._head_weight = head.weight.detach().to(dtype)
+            bias = None if head.bias is None else head.bias.detach().to(dtype)
+            with tf32_matmuls(precision == "tf32", hidden.device):
+                return torch.nn.functional.linear(hidden.to(dtype), self._head_weight, bias)
+
+        head.forward = forward
 
     @torch.no_grad()
     def generate(self, prompts: list[str], *, seed: int) -> RolloutBatch:
@@ -354,6 +382,7 @@ class HFRolloutEngine:
             bucket = fuse_expert_weights(bucket)  # Qwen3-MoE: buckets hold whole layers' experts
             _check_bucket(bucket, params, seen)
             self.model.load_state_dict(bucket, strict=False)
+            self._head_weight = None  # recast from the refitted weights at the next forward
             seen.update(bucket)
             del bucket  # release it before the iterator produces the next one
         check_state_dict_keys(self.model, dict.fromkeys(seen))
@@ -367,6 +396,21 @@ class HFRolloutEngine:
     def hf_state_dict(self) -> dict[str, torch.Tensor]:
         """The model's current (refitted) weights under HF names."""
         return self.model.state_dict()
+
+    def read_weights(self, names: list[str]) -> dict[str, torch.Tensor]:
+        """The named weights as the model holds them (its own tensors, no copy; ``rollout.verify_refit``).
+
+        Args:
+            names: HF names as the refit buckets carry them (Qwen3-MoE experts one per expert:
+                ``...mlp.experts.{e}.gate_proj.weight``, views of the fused parameters).
+
+        Returns:
+            name -> tensor (the model's dtype and device) for each of ``names`` the model has.
+        """
+        state = self.model.state_dict()
+        if self.routers:
+            state = split_expert_weights(state)
+        return {name: state[name] for name in names if name in state}
 
     def shutdown(self) -> None:
         """Nothing to release: the model is an ordinary module (``RolloutEngine`` protocol)."""

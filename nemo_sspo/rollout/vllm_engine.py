@@ -82,6 +82,7 @@ __all__ = [
 _FINISH_REASONS = ("stop", "length")
 _LM_HEAD, _EMBED = "lm_head.weight", "model.embed_tokens.weight"
 _GIB = 1 << 30
+_HEAD_DTYPES = {"auto": None, "bf16": "bfloat16", "fp32": "float32"}  # model.output_layer_precision -> head_dtype
 # vLLM's in-place reload logs, per call, every layer a call leaves out ("<Layer>: Failed to load
 # weights", "Following weights were not loaded from checkpoint"): ~1,100 lines per streamed refit of
 # SmolLM2, all expected, since each bucket holds only some layers.
@@ -172,7 +173,7 @@ def resolve_dtype(dtype: str) -> str:
 def build_llm(model_dir: str | Path, *, seed: int, tensor_parallel_size: int = 1, gpu_memory_utilization: float = 0.5,
               dtype: str = "auto", max_model_len: int | None = None, enforce_eager: bool = False,
               cpu_kv_cache_gib: float = 1.0, enable_sleep_mode: bool = False,
-              logprobs_mode: str | None = "processed_logprobs"):
+              logprobs_mode: str | None = "processed_logprobs", head_dtype: str | None = None):
     """A ``vllm.LLM`` for the Hugging Face folder ``model_dir`` (module docstring), built without side
     effects on this process (:func:`preserve_process_state`).
 
@@ -187,6 +188,9 @@ def build_llm(model_dir: str | Path, *, seed: int, tensor_parallel_size: int = 1
         cpu_kv_cache_gib: KV cache size in GiB on CPU.
         enable_sleep_mode: build with sleep mode (GPU only; vLLM's CPU worker has none).
         logprobs_mode: vLLM's ``logprobs_mode`` (None: vLLM's default, for greedy evaluation).
+        head_dtype: the output layer's dtype (``float32`` or ``bfloat16``; vLLM's
+            ``hf_overrides={"head_dtype": ...}``: it casts the final hidden states and the head weight,
+            or on CUDA accumulates a bf16 product into fp32 logits); None: the model dtype.
 
     Raises:
         ValueError: vllm is missing; ``cpu_kv_cache_gib <= 0`` (names ``rollout.vllm.cpu_kv_cache_gib``).
@@ -198,6 +202,8 @@ def build_llm(model_dir: str | Path, *, seed: int, tensor_parallel_size: int = 1
                                   seed=seed, generation_config="vllm")
     if logprobs_mode is not None:
         kwargs["logprobs_mode"] = logprobs_mode
+    if head_dtype is not None:
+        kwargs["hf_overrides"] = {"head_dtype": head_dtype}
     if cuda:
         kwargs.update(gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=enable_sleep_mode)
     else:
@@ -360,7 +366,8 @@ class VLLMRolloutEngine:
 
     @classmethod
     def build(cls, model_dir: str | Path, tokenizer, *, vllm_config, seed: int,
-              stop_token_ids: Sequence[int] | None = None, **sampling) -> "VLLMRolloutEngine":
+              stop_token_ids: Sequence[int] | None = None, output_precision: str = "auto",
+              **sampling) -> "VLLMRolloutEngine":
         """A new engine for the HF model folder ``model_dir`` (its initial weights).
 
         Args:
@@ -369,14 +376,22 @@ class VLLMRolloutEngine:
             vllm_config: the ``rollout.vllm`` section (the keyword arguments of :func:`build_llm`).
             seed: engine seed (``trainer.seed``).
             stop_token_ids: the stop list (default: the tokenizer's and ``model_dir``'s generation config's).
+            output_precision: ``model.output_layer_precision``: ``auto`` (vLLM's model dtype), ``bf16``
+                or ``fp32`` (:func:`build_llm`'s ``head_dtype``).
             **sampling: the constructor's sampling arguments.
+
+        Raises:
+            ValueError: ``output_precision='tf32'`` (vLLM has no TF32 head) or another unknown value.
         """
+        if output_precision not in _HEAD_DTYPES:
+            raise ValueError(f"output_precision={output_precision!r}: vLLM's head takes one of "
+                             f"{', '.join(_HEAD_DTYPES)} (no tf32)")
         if stop_token_ids is None:
             stop_token_ids = model_stop_token_ids(tokenizer, model_dir)
         settings = {key: getattr(vllm_config, key) for key in (
             "tensor_parallel_size", "gpu_memory_utilization", "dtype", "max_model_len", "enforce_eager",
             "cpu_kv_cache_gib", "enable_sleep_mode")}
-        llm = build_llm(model_dir, seed=seed, **settings)
+        llm = build_llm(model_dir, seed=seed, head_dtype=_HEAD_DTYPES[output_precision], **settings)
         sleep = bool(settings["enable_sleep_mode"]) and torch.cuda.is_available()
         config = _model_config(model_dir)
         return cls(llm, tokenizer, vocab_size=int(config["vocab_size"]), stop_token_ids=stop_token_ids,
@@ -430,6 +445,14 @@ class VLLMRolloutEngine:
 
     def hf_state_dict(self) -> None:
         """None: the engine's weights cannot be read back (``RolloutEngine`` protocol)."""
+        return None
+
+    def read_weights(self, names: list[str]) -> None:
+        """None: vLLM holds processed weights, not the HF tensors (q/k/v and gate/up stacked into one
+        parameter, sharded by its own tensor parallelism, and on CPU each linear weight repacked for
+        its kernel), so they cannot be read back exactly under HF names; ``rollout.verify_refit`` is
+        refused with ``rollout.backend=vllm`` at load.
+        """
         return None
 
     def shutdown(self) -> None:

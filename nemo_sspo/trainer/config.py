@@ -87,6 +87,14 @@ class ModelConfig:
     """Where dequantised weights are cached; None = ``$NEMO_SSPO_CACHE`` or ``~/.cache/nemo_sspo``."""
     precision: str = "fp32"
     """Policy parameter dtype: ``fp32`` (CPU, exact tests) or ``bf16`` (GPU training)."""
+    output_layer_precision: str = "auto"
+    """Precision of the output layer's matmul (hidden states x output weight -> logits) on the trainer's
+    fused log-prob path and in the ``hf`` rollout engine: ``auto`` (today's behaviour: the model's
+    precision, i.e. bf16 logits for a bf16 policy), ``bf16``, ``tf32`` (fp32 inputs, TF32 tensor-core
+    matmul on CUDA; plain fp32 on CPU) or ``fp32``. Wider logits cut the trainer/engine log-prob gap at
+    its source (bf16 rounding of logits dominates it). Needs ``parallel.output_chunk_size`` (the fused
+    path). vLLM: ``bf16`` / ``fp32`` set its ``head_dtype`` (``hf_overrides``; on CUDA an fp32 head
+    accumulates bf16 inputs into fp32 logits), ``tf32`` is refused."""
     fp8: str | None = None
     """FP8 GEMMs through TransformerEngine: null (off), ``hybrid`` or ``e4m3``; needs precision=bf16."""
     fp8_recipe: str = "delayed"
@@ -226,6 +234,13 @@ class RolloutConfig:
     layers of at most this many MiB (at least one layer; embeddings and final norm / head in their own
     buckets), gathered only on the replica's generating rank (``nemo_sspo.megatron.iter_hf_weight_buckets``).
     Peak extra memory there: about one bucket plus one layer; one layer on the other ranks."""
+    verify_refit: bool = False
+    """After every refit, read the engine's weights back and compare per-bucket checksums (exact,
+    over the bytes, in the engine's dtype: ``nemo_sspo.rollout.refit_check``) with the trainer's
+    export; a difference stops the run naming the step and the bucket's first differing weight.
+    Colocated the engine checks the export itself; on rollout ranks the received buckets. Needs an
+    engine that reads its weights back (``hf``; ``vllm`` holds processed weights and is refused).
+    Costs two checksum passes over the weights per refit on their device."""
     correction: str = "none"
     """Off-policy correction of the behaviour policy mu (the engine's log-probs) towards pi_old (the
     trainer's recompute) multiplying each token's policy loss (``nemo_sspo.algorithms.off_policy``):
@@ -975,6 +990,18 @@ def _validate_model_rollout_eval(cfg: TrainConfig) -> None:
                  f"model.router_replay='r3' with rollout.placement={cfg.rollout.placement!r} is not supported "
                  "(the rollout rank does not send the engine's routes): use rollout.placement=colocated, or "
                  "model.router_replay=r2")
+    _require(m.output_layer_precision in OUTPUT_LAYER_PRECISIONS,
+             f"model.output_layer_precision={m.output_layer_precision!r} is not one of "
+             f"{', '.join(OUTPUT_LAYER_PRECISIONS)}")
+    _require(m.output_layer_precision == "auto" or cfg.parallel.output_chunk_size is not None,
+             f"model.output_layer_precision={m.output_layer_precision!r} needs the fused output layer: set "
+             "parallel.output_chunk_size (e.g. 128), or model.output_layer_precision=auto")
+    _require(m.output_layer_precision != "tf32" or cfg.rollout.backend != "vllm",
+             "model.output_layer_precision='tf32' has no vLLM counterpart (vLLM's head_dtype takes float32 or "
+             "bfloat16): use model.output_layer_precision=fp32, or rollout.backend=hf")
+    _require(not cfg.rollout.verify_refit or cfg.rollout.backend != "vllm",
+             "rollout.verify_refit=true cannot read vLLM's weights back (it holds q/k/v and gate/up stacked and, on "
+             "CPU, repacked): use rollout.backend=hf, or rollout.verify_refit=false")
     _require(m.routing_agreement_interval >= 0,
              f"model.routing_agreement_interval={m.routing_agreement_interval} must be >= 0 (0 = never)")
     _require(m.router_aux_loss_coef >= 0, f"model.router_aux_loss_coef={m.router_aux_loss_coef} must be >= 0 "
@@ -1007,6 +1034,9 @@ STALENESS_SCHEDULES = ("lockstep", "free")
 
 STALE_POLICIES = ("wait", "drop")
 """Values of ``rollout.stale_policy``."""
+
+OUTPUT_LAYER_PRECISIONS = ("auto", "bf16", "tf32", "fp32")
+"""Values of ``model.output_layer_precision``."""
 
 R3_ENGINES = ("hf",)
 """Rollout backends whose engine records the experts it routed to (``model.router_replay: r3``)."""

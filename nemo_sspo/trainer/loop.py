@@ -96,6 +96,7 @@ from nemo_sspo.parallel.data_balance import balance_across_data_parallel
 from nemo_sspo.parallel.metrics import collective_device, reduce_metric_sums
 from nemo_sspo.rewards import Reward, build_reward
 from nemo_sspo.rollout import EngineContext, RolloutEngine, build_rollout_engine
+from nemo_sspo.rollout.refit_check import VerifiedRefitEngine
 from nemo_sspo.trainer.checkpoint import (
     CHECKPOINTS_DIR,
     TrainerState,
@@ -225,7 +226,8 @@ def build_rollout(cfg: TrainConfig, hf_config, state_dict, tokenizer, prompts, g
         context = EngineContext(hf_config=hf_config, state_dict=state_dict, tokenizer=tokenizer,
                                 model_source=cfg.model.source, cache_dir=cfg.model.cache_dir, rollout=cfg.rollout,
                                 seed=cfg.trainer.seed, device=training_device(), stop_ids=stop_ids,
-                                record_routes=cfg.model.router_replay == "r3")
+                                record_routes=cfg.model.router_replay == "r3",
+                                output_precision=cfg.model.output_layer_precision)
         engine = build_rollout_engine(cfg.rollout.backend, context)
     if reward is None:
         reward = build_reward(cfg.reward.name, cfg.reward)
@@ -263,7 +265,9 @@ def run_rollout_rank(cfg: TrainConfig, split: WorldSplit, checkpoint=None, *, re
         engine, reward, sampler = build_rollout(cfg, hf_config, state_dict, tokenizer, prompts, rollout_replica(split),
                                                 stop_ids=run_stop_ids(cfg, tokenizer), reward=reward,
                                                 shared_stream=not free)
-        RolloutWorker(cfg, split, engine, sampler).run()
+        # verify_refit: every received refit is checked (the step comes with the stream); sampling uses the
+        # same inner engine, which the wrapper only forwards to.
+        RolloutWorker(cfg, split, VerifiedRefitEngine(engine) if cfg.rollout.verify_refit else engine, sampler).run()
     finally:
         if sampler is not None:  # the reward (its worker processes) is closed as GRPOTrainer.close does
             try:
@@ -348,7 +352,8 @@ class GRPOTrainer:
                              temperature=cfg.rollout.temperature,
                              max_response_length=cfg.rollout.max_new_tokens,
                              output_chunk_size=cfg.parallel.output_chunk_size,
-                             router_aux_loss_coef=cfg.model.router_aux_loss_coef)
+                             router_aux_loss_coef=cfg.model.router_aux_loss_coef,
+                             output_precision=cfg.model.output_layer_precision)
         self.layout = micro_batch_layout(cfg.parallel)
         self.completed_steps, self.best = 0, BestEval()
         self.advantage_history: dict[str, PromptRewardStats] = {}
@@ -558,7 +563,7 @@ class GRPOTrainer:
                                                 ro.refit_bucket_mb << 20, dst_rank=g.mp_src_rank)
         if self.split is None:
             return ColocatedSource(self._versioned_rollout, export, self.engine, max_staleness=ro.max_staleness,
-                                   last_step=self.cfg.trainer.max_steps)
+                                   last_step=self.cfg.trainer.max_steps, verify_refit=ro.verify_refit)
         if ro.staleness_schedule == "free":
             return FreeRunningSource(g, self.split, export, max_staleness=ro.max_staleness,
                                      last_step=self.cfg.trainer.max_steps, peer_timeout_s=ro.peer_timeout_s,
@@ -620,6 +625,8 @@ class GRPOTrainer:
         self.engine_step = step
         if refit.seconds_per_gb is not None:
             extra["timing/refit_s_per_gb"] = refit.seconds_per_gb
+        if refit.bytes_to_host is not None:
+            extra["refit/bytes_to_host"] = float(refit.bytes_to_host)
         source_sums, source_values = self.source.step_metrics(step, replace(got, versioned=versioned),
                                                               timer.seconds["timing/generation_s"], refit)
         if self.groups.is_last_stage:

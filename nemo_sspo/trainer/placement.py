@@ -501,7 +501,7 @@ class RolloutWorker:
         me = split.rollout_index(split.rank)
         queue = FreeQueue(ro.max_staleness, ro.stale_policy, self.cfg.trainer.max_steps, done, received,
                           split.num_rollout_ranks)
-        notices = NoticeListener(split.refit, split.num_rollout_ranks)
+        notices = NoticeListener(split.notice, split.num_rollout_ranks)
         while True:
             notice = notices.poll(block=not queue.may_generate())
             if notice is None:
@@ -619,12 +619,13 @@ class FreeRefit:
     """Training rank 0's side of the free-running refit (module docstring: what blocks what).
 
     Args:
-        group: the refit group (this rank its rank 0).
+        split: the split world (this rank training rank 0): notices over its ``notice`` group, weights
+            over its ``refit`` group (NCCL on GPUs, so the weights stay on the device).
         receivers: world ranks of the rollout ranks (named in errors).
     """
 
-    def __init__(self, group: dist.ProcessGroup, receivers: list[int]) -> None:  # noqa: D107
-        self.group, self.receivers = group, receivers
+    def __init__(self, split: WorldSplit, receivers: list[int]) -> None:  # noqa: D107
+        self.notices, self.weights, self.receivers = split.notice, split.refit, receivers
         self._in_flight: tuple[torch.Tensor, object, PendingBroadcast | None] | None = None
 
     def post(self, version: int, taken: list[int], buckets) -> float:
@@ -643,8 +644,8 @@ class FreeRefit:
                 the group's timeout.
         """
         waited = self.wait()
-        tensor, work = post_notice(Notice(version, tuple(taken)), group=self.group)
-        self._in_flight = (tensor, work, start_weight_broadcast(buckets, group=self.group, receivers=self.receivers))
+        tensor, work = post_notice(Notice(version, tuple(taken)), group=self.notices)
+        self._in_flight = (tensor, work, start_weight_broadcast(buckets, group=self.weights, receivers=self.receivers))
         return waited
 
     def stop(self, taken: list[int]) -> float:
@@ -658,7 +659,7 @@ class FreeRefit:
         """
         start = time.perf_counter()
         self.wait()
-        tensor, work = post_notice(Notice(STOP, tuple(taken)), group=self.group)
+        tensor, work = post_notice(Notice(STOP, tuple(taken)), group=self.notices)
         self._in_flight = (tensor, work, None)
         self.wait()
         return time.perf_counter() - start

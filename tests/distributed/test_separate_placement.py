@@ -86,6 +86,9 @@ def test_separate_placement_equals_colocated_and_a_dead_rollout_rank_is_named(ru
         if k == 1:
             assert [h["rollout/version_lag_mean"] for h in history] == [0.0, 1.0, 1.0]
         assert all(h["timing/refit_s_per_gb"] > 0 for h in history)  # the broadcast's rate, reported per step
+        # CPU: no weight is on a device, so none is copied to the host (0 on GPU too, over NCCL)
+        assert [h["refit/bytes_to_host"] for h in history] == [0.0] * 3
+        assert [h["refit/bytes_to_host"] for h in ref_history] == [0.0] * 3  # colocated: never a host copy
         for name, tensor in ref_policy.items():
             torch.testing.assert_close(policy[name], tensor, rtol=1e-5, atol=1e-7, msg=name)
     message = (tmp_path / "killed.txt").read_text()

@@ -56,8 +56,9 @@ def _trainer_side(split, tp, pp, tied):
                     seen.append(list(bucket))
                     yield bucket
 
-            stats = send_weight_buckets(recorded(), group=split.refit, receivers=[2])
-            return {"export": export, "layout": seen, "bytes": stats.bytes, "buckets": stats.buckets}
+            stats = send_weight_buckets(recorded(), group=split.refit, receivers=[2], version=10 * tp + pp)
+            return {"export": export, "layout": seen, "bytes": stats.bytes, "buckets": stats.buckets,
+                    "to_host": stats.bytes_to_host, "version": 10 * tp + pp}
         for _ in buckets:  # rank 1's share of the gathers
             pass
         return {}
@@ -67,12 +68,16 @@ def _trainer_side(split, tp, pp, tied):
 
 def _rollout_side():
     """Rollout rank: receive bucket by bucket; record what it holds at each bucket."""
-    received, layout, live = {}, [], []
-    for bucket in receive_weight_buckets(group=_SPLIT[0].refit):
+    received, layout, live, end = {}, [], [], {}
+
+    def stream():
+        end["version"] = yield from receive_weight_buckets(group=_SPLIT[0].refit)
+
+    for bucket in stream():
         layout.append(list(bucket))
         live.append(len({t.untyped_storage().data_ptr() for t in bucket.values()}))  # one payload buffer
         received.update({name: tensor.clone() for name, tensor in bucket.items()})
-    return {"received": received, "layout": layout, "live": live}
+    return {"received": received, "layout": layout, "live": live, "version": end["version"]}
 
 
 _SPLIT = []
@@ -82,6 +87,7 @@ def _split_and_broadcast(rank, world_size, out_dir):
     split = resplit(rank, world_size, 1, TIMEOUT.total_seconds())
     _SPLIT.append(split)
     assert split.is_rollout == (rank == 2) and split.num_training_ranks == 2
+    assert split.notice is split.refit if rank != 1 else split.notice is split.refit is None  # a gloo refit group
     assert dist.get_world_size() == (1 if rank == 2 else 2)  # each side's own default group
     results = [_rollout_side() if split.is_rollout else _trainer_side(split, tp, pp, tied)
                for tp, pp, tied in LAYOUTS]
@@ -120,6 +126,8 @@ def test_broadcast_equals_export_bit_for_bit_and_a_dead_rollout_rank_is_named(ru
             assert got["received"][name].dtype == tensor.dtype and torch.equal(got["received"][name], tensor), name
         assert got["layout"] == sent["layout"] and sent["buckets"] == len(sent["layout"]) == 4
         assert got["live"] == [1] * 4  # every bucket arrives as one buffer, released before the next
+        assert got["version"] == sent["version"]  # the end marker carries the sender's version
+        assert sent["to_host"] == 0  # a CPU export: no tensor is on a device, nothing is copied to the host
         weights = sum(t.numel() * t.element_size() for b in sent["layout"] for t in (export[n] for n in b))
         assert weights <= sent["bytes"] < weights + 8 * sum(len(b) for b in sent["layout"])  # 8-byte padding only
     message = (tmp_path / "kill.txt").read_text()

@@ -7,7 +7,7 @@
 # packages (--system-site-packages), so the machine's torch is used and never replaced.
 #
 #   bash tests/gpu/run_checks.sh --bundle .gpu_bundle            # every group, from the bundle
-#   bash tests/gpu/run_checks.sh --bundle .gpu_bundle kernels    # only some groups: kernels train vllm te async
+#   bash tests/gpu/run_checks.sh --bundle .gpu_bundle kernels    # only some groups: kernels train vllm te async refit
 #   bash tests/gpu/run_checks.sh --bundle .gpu_bundle --dry-run  # CPU: the bundle installs, the scripts import
 #   bash tests/gpu/run_checks.sh                                 # a full environment (.venv), no bundle
 #
@@ -31,7 +31,14 @@
 #      random weights: 1 training rank (BF16 policy, NCCL default group) + 2 rollout ranks (HF engines on the
 #      same GPU: LOCAL_RANK modulo the GPUs visible), 2 steps with max_staleness=0 against the colocated run of
 #      the same seed (rewards equal, loss and grad norm within 1e-3), and the broadcast's s/GB. Rollouts and
-#      the bucketed weight broadcast go over gloo with host tensors: NCCL between the sides is not built.
+#      the bucketed weight broadcast go over gloo with host tensors (two rollout ranks share the one GPU, which
+#      NCCL refuses, so the refit group stays gloo there).
+#   refit: tests/gpu/refit_checks.py device: a bf16 Megatron export at SmolLM2-135M's shape, bucketed on the GPU,
+#      encoded for the NCCL refit group's device and for gloo's, loaded into a bf16 HF engine on the GPU with the
+#      rollout.verify_refit check: bytes_to_host 0 on the device path, seconds per GB of both paths; then the
+#      engine/trainer log-prob gap with model.output_layer_precision auto and fp32. With 2+ GPUs,
+#      tests/gpu/refit_checks.py nccl under torchrun: 1 GiB broadcast over the NCCL refit group, received on the
+#      GPU bit for bit (SKIP with one GPU).
 # Exit status: 0 when nothing failed, 1 otherwise, 2 without a GPU (real run) or for a bad argument.
 #
 # Run so far: the dry run on CPU (tests/unit/test_gpu_bundle.py). The kernels, train, vllm, te and async groups
@@ -44,11 +51,11 @@ while [ $# -gt 0 ]; do
   case $1 in
     --bundle) BUNDLE=${2:?--bundle needs a folder}; shift 2;;
     --dry-run) DRY=1; shift;;
-    kernels|train|vllm|te|async) GROUPS_WANTED="$GROUPS_WANTED $1"; shift;;
-    *) echo "unknown argument '$1': use --bundle DIR, --dry-run and groups kernels, train, vllm, te, async" >&2; exit 2;;
+    kernels|train|vllm|te|async|refit) GROUPS_WANTED="$GROUPS_WANTED $1"; shift;;
+    *) echo "unknown argument '$1': use --bundle DIR, --dry-run and groups kernels, train, vllm, te, async, refit" >&2; exit 2;;
   esac
 done
-GROUPS_WANTED=${GROUPS_WANTED:-kernels train vllm te async}
+GROUPS_WANTED=${GROUPS_WANTED:-kernels train vllm te async refit}
 want() { [[ " $GROUPS_WANTED " == *" $1 "* ]]; }
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-8} HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false NO_VCS_VERSION=1
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
@@ -134,12 +141,14 @@ for module in ("hydra", "omegaconf", "antlr4", "math_verify", "latex2sympy2_exte
             raise
         print(f"     import {module}: needs {err.name}, which the GPU machine has")
 py_compile.compile("tests/gpu/gpu_checks.py", doraise=True)
+py_compile.compile("tests/gpu/refit_checks.py", doraise=True)
 print(f"PASS bundle imports: Python {sys.version.split()[0]}")
 EOF
   bash -n "$0" || status=1
   if [ -n "$BUNDLE" ]; then
     DEV=${DEV_PYTHON:-$([ -x .venv/bin/python ] && echo .venv/bin/python || echo python)}
     PYTHONPATH=$PWD "$DEV" tests/gpu/gpu_checks.py dry-run "$BUNDLE/smollm2_shape" || status=1
+    PYTHONPATH=$PWD "$DEV" tests/gpu/refit_checks.py dry-run "$BUNDLE/smollm2_shape" || status=1
   fi
   [ $status -eq 0 ] && echo "DRY RUN PASSED (nothing ran on a GPU)" || echo "DRY RUN FAILED (see FAIL lines)"
   exit $status
@@ -215,6 +224,19 @@ if want async; then
   run "async separate, 1 training + 2 rollout ranks" 240 "$PY" -m torch.distributed.run --nproc-per-node=3 \
       tests/gpu/gpu_checks.py async "$ASYNC_MODEL" "$WORK/async"
   run "async compare" 30 "$PY" tests/gpu/gpu_checks.py async-compare "$WORK/async"
+fi
+
+if want refit; then
+  REFIT_MODEL=${BUNDLE:+$BUNDLE/smollm2_shape}
+  if [ -z "$REFIT_MODEL" ]; then
+    REFIT_MODEL=$("$PY" -c "from nemo_sspo.models.hf_checkpoint import engine_model_dir; print(engine_model_dir('smollm2-135m-instruct'))")
+  fi
+  run "device-resident refit" 180 "$PY" tests/gpu/refit_checks.py device "$REFIT_MODEL"
+  if [ "$("$PY" -c 'import torch; print(torch.cuda.device_count())')" -ge 2 ]; then
+    run "nccl refit broadcast" 120 "$PY" -m torch.distributed.run --nproc-per-node=2 tests/gpu/refit_checks.py nccl
+  else
+    echo "SKIP nccl refit broadcast: one GPU visible; the NCCL weight broadcast between two processes needs 2"
+  fi
 fi
 
 [ $status -eq 0 ] && echo "ALL GPU CHECKS PASSED" || echo "SOME GPU CHECKS FAILED (see FAIL lines)"

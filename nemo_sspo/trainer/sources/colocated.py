@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 
 from nemo_sspo.metrics import MetricPair
+from nemo_sspo.rollout.refit_check import load_verified
 from nemo_sspo.trainer.sources.protocol import RefitOutcome, StepRollout
 from nemo_sspo.trainer.staleness import LockStepRollouts, VersionedRollout, version_lag_sums
 
@@ -29,6 +30,7 @@ class ColocatedSource:
         engine: this rank's rollout engine, or None on ranks that do not generate.
         max_staleness: k >= 0 (``rollout.max_staleness``).
         last_step: ``trainer.max_steps`` (nothing is generated beyond it).
+        verify_refit: check every refit (``rollout.verify_refit``; the engine needs ``read_weights``).
     """
 
     rollout_gpus = None
@@ -36,13 +38,16 @@ class ColocatedSource:
     wait_phase = None
 
     def __init__(self, generate: Callable[[int, int], VersionedRollout], export: Callable[[], Iterator[dict]],
-                 engine, *, max_staleness: int, last_step: int) -> None:  # noqa: D107 - documented on the class
+                 engine, *, max_staleness: int, last_step: int,
+                 verify_refit: bool) -> None:  # noqa: D107 - documented on the class
         self.generate, self.export, self.engine = generate, export, engine
-        self.max_staleness = max_staleness
+        self.max_staleness, self.verify_refit = max_staleness, verify_refit
         self.in_flight = LockStepRollouts(max_staleness, last_step)
+        self.version = 0  # the step whose update the trainer's weights hold (named by the refit check)
 
     def start(self, completed_steps: int, problems_drawn: int, positions=None) -> None:
         """A resumed run's engine takes the restored weights (a fresh one holds the initial weights)."""
+        self.version = completed_steps
         if completed_steps > 0:
             self.push_weights()
 
@@ -64,9 +69,13 @@ class ColocatedSource:
         return StepRollout(versioned)
 
     def push_weights(self) -> None:
-        """Streams the current weights into the engine (collective over the replica)."""
+        """Streams the current weights into the engine (collective over the replica), checked with
+        ``verify_refit`` (RuntimeError naming the step and the first differing weight).
+        """
         buckets = self.export()
-        if self.engine is not None:
+        if self.engine is not None and self.verify_refit:
+            load_verified(self.engine, buckets, step=self.version)
+        elif self.engine is not None:
             self.engine.load_weight_buckets(buckets)
         else:
             for _ in buckets:  # yields nothing here; runs this rank's gathers and sends
@@ -74,8 +83,11 @@ class ColocatedSource:
         return None
 
     def after_update(self, step: int) -> RefitOutcome:
-        """The refit: the engine holds the weights after step ``step`` from here on."""
-        return RefitOutcome(self.push_weights())
+        """The refit: the engine holds the weights after step ``step`` from here on (no weight byte goes
+        to the host: ``bytes_to_host`` 0).
+        """
+        self.version = step
+        return RefitOutcome(self.push_weights(), bytes_to_host=0)
 
     def step_metrics(self, step: int, got: StepRollout, generation_wait_s: float,
                      refit: RefitOutcome) -> tuple[dict[str, MetricPair], dict[str, float]]:

@@ -42,7 +42,7 @@ class FreeRunningSource(SeparateSource):
                  last_step: int, peer_timeout_s: float, pad_id: int) -> None:  # noqa: D107 - documented on the class
         super().__init__(groups, split, export, max_staleness=max_staleness)
         self.last_step, self.peer_timeout_s, self.pad_id = last_step, peer_timeout_s, pad_id
-        self.free_refit = FreeRefit(split.refit, self.rollout_ranks) if dist.get_rank() == 0 else None
+        self.free_refit = FreeRefit(split, self.rollout_ranks) if dist.get_rank() == 0 else None
         self.collector: RolloutCollector | None = None  # training rank 0's, from start()
         self.dropped_total = 0
         self._ends: dict[int, float] = {}  # rollout rank -> end of its last generation received (idle time)

@@ -37,10 +37,17 @@ class RefitOutcome:
             whenever the rollout rank joins).
         wait_s: seconds this rank waited for the rollout side (free-running: for the rollout rank to
             take the previous version, or to drain after the last step); 0 otherwise.
+        bytes_to_host: weight bytes the refit copied from a device to host memory
+            (``refit/bytes_to_host``): colocated 0 (the export goes straight into the engine on its
+            device; what an engine does inside its own load is not counted), lock-step separate the
+            broadcast's (``nemo_sspo.parallel.weight_broadcast.BroadcastStats.bytes_to_host``: 0 over
+            NCCL; on a CPU run also 0, since no tensor is then on a device); None where not measured
+            (free-running).
     """
 
     seconds_per_gb: float | None = None
     wait_s: float = 0.0
+    bytes_to_host: int | None = None
 
 
 class RolloutSource(Protocol):

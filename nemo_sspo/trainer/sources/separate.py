@@ -95,14 +95,25 @@ class SeparateSource:
         """Broadcasts the current weights to every rollout rank; returns the broadcast's seconds per
         GB, export included (the same on every training rank).
         """
-        seconds_per_gb = torch.zeros(1, dtype=torch.float64)
-        stats = self.export_to_rollout_ranks(
-            lambda buckets: send_weight_buckets(buckets, group=self.split.refit, receivers=self.rollout_ranks))
+        return self.broadcast_weights(None)[0]
+
+    def broadcast_weights(self, version: int | None) -> tuple[float, int]:
+        """Broadcasts the current weights to every rollout rank, ``version`` (the step whose update
+        they hold, or None) in the stream for the rollout ranks' refit check.
+
+        Returns:
+            ``(seconds per GB, export included; weight bytes copied to the host)``, the same on every
+            training rank.
+        """
+        stats_row = torch.zeros(2, dtype=torch.float64)
+        stats = self.export_to_rollout_ranks(lambda buckets: send_weight_buckets(
+            buckets, group=self.split.refit, receivers=self.rollout_ranks, version=version))
         if stats is not None:
-            seconds_per_gb[0] = stats.seconds_per_gb
-        on_device = seconds_per_gb.to(collective_device(None))
+            stats_row[0], stats_row[1] = stats.seconds_per_gb, stats.bytes_to_host
+        on_device = stats_row.to(collective_device(None))
         dist.broadcast(on_device, src=0)
-        return float(on_device.item())
+        seconds_per_gb, to_host = on_device.tolist()
+        return seconds_per_gb, int(to_host)
 
     def share(self, box: list) -> list:
         """``box`` as the replica's first model-parallel rank filled it, on every rank of the replica."""
@@ -151,7 +162,8 @@ class LockStepSource(SeparateSource):
 
     def after_update(self, step: int) -> RefitOutcome:
         """The rollout ranks wait for the weights after step ``step``."""
-        return RefitOutcome(self.push_weights())
+        seconds_per_gb, to_host = self.broadcast_weights(step)
+        return RefitOutcome(seconds_per_gb, bytes_to_host=to_host)
 
     def step_metrics(self, step: int, got: StepRollout, generation_wait_s: float,
                      refit: RefitOutcome) -> tuple[dict[str, MetricPair], dict[str, float]]:
