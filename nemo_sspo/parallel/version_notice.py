@@ -74,6 +74,14 @@ class NoticeListener:
         self._tensor = torch.zeros(self._size, dtype=torch.int64)
         self._work = post_broadcast(self._group, self._tensor)
 
+    def ready(self) -> bool:
+        """Whether the next notice has come (posting its receive first if needed); call it only
+        between notices, once the weights of the last one are taken.
+        """
+        if self._work is None:
+            self._post()
+        return self._work.is_completed()
+
     def poll(self, *, block: bool) -> Notice | None:
         """The next notice if it has come (or, with ``block``, once it comes); None otherwise.
 

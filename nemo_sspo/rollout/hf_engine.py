@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import copy
+from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
-from transformers import GenerationConfig
+from transformers import GenerationConfig, StoppingCriteria, StoppingCriteriaList
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
 
-from nemo_sspo.algorithms.batch import pack_rows, route_dtype
+from nemo_sspo.algorithms.batch import pack_rows, pad_cat, route_dtype
 from nemo_sspo.models.hf_checkpoint import check_state_dict_keys
 from nemo_sspo.models.hf_folder import stop_token_ids as model_stop_token_ids
 from nemo_sspo.models.moe_weights import fuse_expert_weights, split_expert_weights
@@ -40,6 +42,10 @@ class RolloutBatch:
             ``b`` holds its prompt tokens then its response tokens at ``0 .. P_b + T_b - 1`` (0
             after them), ``S = max(P_b + T_b)``. Only with router replay R3 on an engine that
             records them (``HFRolloutEngine(record_routes=True)``); None otherwise.
+        token_versions: ``[B, T]`` int64, the policy version (updates behind the weights) that
+            sampled each response token, where a response was continued across a refit (partial
+            rollouts, :mod:`nemo_sspo.rollout.partial`); -1 off the mask. None: one version sampled
+            the whole batch.
     """
 
     prompt_ids: torch.Tensor
@@ -50,6 +56,17 @@ class RolloutBatch:
     response_texts: list[str]
     rollout_logprobs: torch.Tensor
     routes: torch.Tensor | None = None
+    token_versions: torch.Tensor | None = None
+
+
+class _Interrupt(StoppingCriteria):
+    """Stops every row of a ``generate`` once ``interrupt()`` returns True (polled after each decode step)."""
+
+    def __init__(self, interrupt: Callable[[], bool]) -> None:
+        self.interrupt = interrupt
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor, **kwargs) -> torch.Tensor:
+        return torch.full((input_ids.shape[0],), bool(self.interrupt()), dtype=torch.bool, device=input_ids.device)
 
 
 def check_sampling_settings(*, max_new_tokens: int, temperature: float, top_p: float, top_k: int) -> None:
@@ -284,22 +301,74 @@ class HFRolloutEngine:
                 outside the vocabulary or an over-long response (:func:`check_engine_outputs`).
         """
         prompt_ids, prompt_mask = encode_prompts(self.tokenizer, prompts)
-        device = self.model.device
-        # Fork (and so restore) the generator that sampling draws from: the CPU's, or the device's.
         forwards: list[list[torch.Tensor]] = []
-        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), \
-                self._recording(forwards, len(prompts)):
-            torch.manual_seed(seed)
-            out = self.model.generate(input_ids=prompt_ids.to(device), attention_mask=prompt_mask.long().to(device),
-                                      generation_config=self._generation_config)
-        response_ids = out.sequences[:, prompt_ids.shape[1]:]
-        logprobs = self._sampled_logprobs(out.scores, response_ids).cpu()
-        response_ids = response_ids.cpu().clone()
+        with self._recording(forwards, len(prompts)):
+            response_ids, logprobs = self._sample(prompt_ids, prompt_mask, seed, self._generation_config)
         response_mask, truncated = self._response_mask(response_ids)
         routes = self._routes(forwards, prompt_mask, response_mask) if self.record_routes else None
         return finish_rollout_batch(self.tokenizer, prompt_ids, prompt_mask, response_ids, response_mask, truncated,
                                     logprobs, engine="hf", vocab_size=self.model.config.vocab_size,
                                     max_new_tokens=self.max_new_tokens, routes=routes)
+
+    @torch.no_grad()
+    def generate_partial(self, prompts: list[str], prefixes: list[torch.Tensor], *, seed: int,
+                         interrupt: Callable[[], bool] | None = None) -> RolloutBatch:
+        """Continues each prompt's response after the tokens already sampled (partial rollouts,
+        :mod:`nemo_sspo.rollout.partial`), stopping early when ``interrupt`` says so.
+
+        Row ``b`` is fed ``prompts[b]`` followed by ``prefixes[b]`` and samples at most
+        ``max_new_tokens - len(prefixes[b])`` more tokens, until a stop id. With empty prefixes and
+        no interruption it samples exactly what :meth:`generate` does with the same seed.
+
+        Args:
+            prompts: rendered prompts, as :meth:`generate`.
+            prefixes: ``[n_b]`` int64 response tokens row ``b`` already has, ``n_b < max_new_tokens``.
+            seed: sampling seed (the global torch RNG is left as it was).
+            interrupt: polled after every decode step; when it returns True every row stops there
+                (a row then ends without a stop id below its budget: it is unfinished).
+
+        Returns:
+            A :class:`RolloutBatch` of the new tokens only (``response_*`` and ``rollout_logprobs``
+            ``[B, T']``; ``truncated``: no stop id among them), the prompts as :meth:`generate` pads them.
+
+        Raises:
+            ValueError: a prefix as long as ``max_new_tokens`` or longer, ``record_routes`` (routes of
+                a continued response are not recorded), or as :meth:`generate`.
+        """
+        lengths = torch.tensor([len(prefix) for prefix in prefixes], dtype=torch.int64)
+        if len(prefixes) != len(prompts) or bool((lengths >= self.max_new_tokens).any()):
+            raise ValueError(f"generate_partial needs one prefix per prompt, each shorter than max_new_tokens="
+                             f"{self.max_new_tokens}; got lengths {lengths.tolist()} for {len(prompts)} prompts")
+        if self.record_routes:
+            raise ValueError("generate_partial does not record routes (router replay R3 needs whole responses)")
+        prompt_ids, prompt_mask = encode_prompts(self.tokenizer, prompts)
+        fed = [torch.cat([ids[mask], prefix.to(ids.dtype)]) for ids, mask, prefix in zip(prompt_ids, prompt_mask,
+                                                                                         prefixes, strict=True)]
+        input_ids = pad_cat([row[None] for row in fed], self.tokenizer.pad_token_id, left=True)
+        input_mask = pad_cat([torch.ones(1, len(row), dtype=torch.bool) for row in fed], False, left=True)
+        remaining = self.max_new_tokens - lengths
+        config = copy.deepcopy(self._generation_config)
+        config.max_new_tokens = int(remaining.max())
+        stopping = StoppingCriteriaList([_Interrupt(interrupt)] if interrupt is not None else [])
+        response_ids, logprobs = self._sample(input_ids, input_mask, seed, config, stopping)
+        response_mask, truncated = self._response_mask(response_ids)
+        response_mask &= torch.arange(response_ids.shape[1])[None] < remaining[:, None]  # each row's own budget
+        return finish_rollout_batch(self.tokenizer, prompt_ids, prompt_mask, response_ids, response_mask, truncated,
+                                    logprobs, engine="hf", vocab_size=self.model.config.vocab_size,
+                                    max_new_tokens=config.max_new_tokens)
+
+    def _sample(self, input_ids: torch.Tensor, input_mask: torch.Tensor, seed: int, config: GenerationConfig,
+                stopping: StoppingCriteriaList | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(new ids [B, T] int64, their log-probs [B, T] float32)`` on the CPU, sampled with ``seed``."""
+        device = self.model.device
+        # Fork (and so restore) the generator that sampling draws from: the CPU's, or the device's.
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+            torch.manual_seed(seed)
+            out = self.model.generate(input_ids=input_ids.to(device), attention_mask=input_mask.long().to(device),
+                                      generation_config=config, stopping_criteria=stopping)
+        response_ids = out.sequences[:, input_ids.shape[1]:]
+        logprobs = self._sampled_logprobs(out.scores, response_ids).cpu()
+        return response_ids.cpu().clone(), logprobs
 
     @contextmanager
     def _recording(self, forwards: list[list[torch.Tensor]], rows: int):

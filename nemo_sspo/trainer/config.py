@@ -291,6 +291,13 @@ class RolloutConfig:
     dropped. ``drop``: it keeps up to 2 (max_staleness + 1) rollouts ahead whatever their age, and the
     trainer discards a received rollout older than ``max_staleness`` (its prompts are consumed, as in verl
     and slime) and takes the next (``rollout/dropped_share``). ``lockstep`` accepts only ``wait``."""
+    partial: bool = False
+    """Partial rollouts (``staleness_schedule: free``; ``nemo_sspo.rollout.partial``): a rollout rank
+    stops its unfinished responses as soon as new weights wait, loads them and continues the same
+    responses with them; each token keeps the version and engine log-prob it was sampled with, the
+    corrections use those log-probs, and ``max_staleness`` bounds a response's oldest token
+    (``rollout/partial_share``: responses sampled by more than one version). Needs an engine with
+    ``generate_partial`` (``backend: hf``)."""
     dynamic_sampling: bool | None = None
     """DAPO dynamic sampling (arXiv 2503.14476 sec. 3.2): refill every prompt group whose task rewards are
     all equal (before overlong shaping; DAPO filters on accuracy) with a fresh prompt until each of the
@@ -792,6 +799,13 @@ def _validate_placement(ro: RolloutConfig, cfg: TrainConfig, world_size: int) ->
              f"rollout.stale_policy={ro.stale_policy!r} needs rollout.staleness_schedule=free (lock-step never has "
              "a sample older than rollout.max_staleness); set rollout.staleness_schedule=free or "
              "rollout.stale_policy=wait")
+    _require(not ro.partial or ro.staleness_schedule == "free",
+             "rollout.partial=true needs rollout.staleness_schedule=free (lock-step rollouts never see new weights "
+             "mid-generation); set rollout.staleness_schedule=free with rollout.placement=separate, or "
+             "rollout.partial=false")
+    _require(not ro.partial or ro.backend != "vllm",
+             "rollout.partial=true needs an engine that can stop a generation at a refit and continue it; the vllm "
+             "engine cannot yet: set rollout.backend=hf or rollout.partial=false")
     if ro.placement == "colocated":
         _require(ro.staleness_schedule == "lockstep",
                  "rollout.staleness_schedule=free needs rollout.placement=separate (colocated ranks generate and "

@@ -265,6 +265,10 @@ def run_rollout_rank(cfg: TrainConfig, split: WorldSplit, checkpoint=None, *, re
         engine, reward, sampler = build_rollout(cfg, hf_config, state_dict, tokenizer, prompts, rollout_replica(split),
                                                 stop_ids=run_stop_ids(cfg, tokenizer), reward=reward,
                                                 shared_stream=not free)
+        if cfg.rollout.partial and not hasattr(engine, "generate_partial"):
+            raise ValueError(f"rollout.partial=true: the {cfg.rollout.backend!r} engine ({type(engine).__name__}) has no "
+                             "generate_partial to continue responses across refits; use rollout.backend=hf or "
+                             "rollout.partial=false")
         # verify_refit: every received refit is checked (the step comes with the stream); sampling uses the
         # same inner engine, which the wrapper only forwards to.
         RolloutWorker(cfg, split, VerifiedRefitEngine(engine) if cfg.rollout.verify_refit else engine, sampler).run()

@@ -25,9 +25,10 @@ resumed step, whatever k), and log that they did.
 Rollouts travel as plain tensors over the bridge group (:func:`send_rollout` / :func:`recv_rollout`):
 a header ``int64 [12]`` (rows, prompt width, response width, rounds, groups generated, policy
 version, data position, text bytes, generation start and end in unix microseconds, prompt groups,
-and the tag of the parts that follow), then prompt ids / mask, response ids / mask, truncation flags, engine log-probs, task and shaped
+the tag of the parts that follow, and 1 when token versions follow), then prompt ids / mask, response ids / mask, truncation flags, engine log-probs, task and shaped
 rewards, response text lengths and bytes, and each group's prompt key as ``uint8 [groups, 16]``
-(DCPO's per-prompt history is keyed by it). Sends are asynchronous,
+(DCPO's per-prompt history is keyed by it), then, for a partial rollout, each token's version
+``int64 [rows, response width]``. Sends are asynchronous,
 so a rollout rank never waits for a trainer that is busy with an earlier step.
 
 ``rollout.staleness_schedule: free`` (:class:`nemo_sspo.trainer.staleness.FreeQueue` decides when
@@ -82,8 +83,9 @@ from nemo_sspo.parallel.placement import WorldSplit
 from nemo_sspo.parallel.version_notice import STOP, Notice, NoticeListener, post_notice
 from nemo_sspo.parallel.weight_broadcast import PendingBroadcast, receive_weight_buckets, start_weight_broadcast
 from nemo_sspo.rollout import RolloutBatch
+from nemo_sspo.rollout.partial import RolloutStopped
 from nemo_sspo.trainer.batch import concat_rollouts
-from nemo_sspo.trainer.sampling import Rollout
+from nemo_sspo.trainer.sampling import RefitHooks, Rollout
 from nemo_sspo.trainer.staleness import FreeQueue, VersionedRollout
 
 __all__ = ["FreeRefit", "RolloutCollector", "RolloutPosition", "RolloutWorker", "SlotRoute", "merge_rollouts",
@@ -96,7 +98,7 @@ _START_TAG = 0  # step tags start at 1
 _END_TAG = 2**31 - 1  # free-running: the number of rollouts sent, after the stop notice
 _ROLLOUT_TAG = 2**31 - 2  # free-running: every rollout's header (received from any rollout rank)
 
-_HEADER = 12
+_HEADER = 13
 
 
 def slot_rows(rollout: Rollout, start: int, stop: int) -> Rollout:
@@ -132,7 +134,8 @@ def slot_rows(rollout: Rollout, start: int, stop: int) -> Rollout:
         prompt_mask=rb.prompt_mask[cut, rb.prompt_mask.shape[1] - prompt_width:],
         response_ids=rb.response_ids[cut, :response_width], response_mask=rb.response_mask[cut, :response_width],
         truncated=rb.truncated[cut], response_texts=rb.response_texts[cut],
-        rollout_logprobs=rb.rollout_logprobs[cut, :response_width])
+        rollout_logprobs=rb.rollout_logprobs[cut, :response_width],
+        token_versions=None if rb.token_versions is None else rb.token_versions[cut, :response_width])
     return Rollout(batch=batch, task_rewards=rollout.task_rewards[cut], rewards=rollout.rewards[cut],
                    rounds=rollout.rounds, generated_groups=generated, prompt_keys=rollout.prompt_keys[groups],
                    slot_generated=per_slot)
@@ -272,14 +275,16 @@ def send_rollout(versioned: VersionedRollout, *, dst: int, group: dist.ProcessGr
     text = [t.encode() for t in rb.response_texts]
     header = torch.tensor([rb.prompt_ids.shape[0], rb.prompt_ids.shape[1], rb.response_ids.shape[1], r.rounds,
                            r.generated_groups, versioned.version, versioned.problems_drawn, sum(map(len, text)),
-                           *(round(t * 1e6) for t in versioned.generated), len(r.prompt_keys), tag],
+                           *(round(t * 1e6) for t in versioned.generated), len(r.prompt_keys), tag,
+                           int(rb.token_versions is not None)],
                           dtype=torch.int64)
     # The groups' prompt keys (32 hex digits each, sampling.prompt_key) as 16 bytes per group.
     keys = torch.tensor([list(bytes.fromhex(key)) for key in r.prompt_keys], dtype=torch.uint8).reshape(-1, 16)
     body = [rb.prompt_ids, rb.prompt_mask.to(torch.uint8), rb.response_ids, rb.response_mask.to(torch.uint8),
             rb.truncated.to(torch.uint8), rb.rollout_logprobs.float(), r.task_rewards.float(), r.rewards.float(),
             torch.tensor([len(t) for t in text], dtype=torch.int64),
-            torch.frombuffer(bytearray(b"".join(text) or b"\0"), dtype=torch.uint8), keys]
+            torch.frombuffer(bytearray(b"".join(text) or b"\0"), dtype=torch.uint8), keys,
+            *([] if rb.token_versions is None else [rb.token_versions])]
     parts = [t.contiguous() for t in body]
     works = [group.send([header], dst, tag if header_tag is None else header_tag)]
     return _Sent([header, *parts], works + [group.send([t], dst, tag) for t in parts])
@@ -343,24 +348,25 @@ def _silent(src: int | list[int], what: str, err: RuntimeError) -> RuntimeError:
 
 def _recv_parts(header: torch.Tensor, src: int, group: dist.ProcessGroup, what: str) -> VersionedRollout:
     """The parts that follow a received ``header`` from ``src`` (on the tag it names)."""
-    rows, prompt_w, response_w, rounds, generated, version, drawn, text_bytes, start, end, groups, tag = \
+    rows, prompt_w, response_w, rounds, generated, version, drawn, text_bytes, start, end, groups, tag, partial = \
         header.tolist()
     shapes = [((rows, prompt_w), torch.int64), ((rows, prompt_w), torch.uint8), ((rows, response_w), torch.int64),
               ((rows, response_w), torch.uint8), ((rows,), torch.uint8), ((rows, response_w), torch.float32),
               ((rows,), torch.float32), ((rows,), torch.float32), ((rows,), torch.int64),
-              ((max(text_bytes, 1),), torch.uint8), ((groups, 16), torch.uint8)]
+              ((max(text_bytes, 1),), torch.uint8), ((groups, 16), torch.uint8),
+              *([((rows, response_w), torch.int64)] if partial else [])]
     try:
         parts = [_recv(torch.zeros(shape, dtype=dtype), src, group, tag) for shape, dtype in shapes]
     except RuntimeError as err:
         raise _silent(src, what, err) from err
-    prompt_ids, prompt_mask, response_ids, response_mask, truncated, logprobs, task, shaped, lengths, raw, keys = parts
+    prompt_ids, prompt_mask, response_ids, response_mask, truncated, logprobs, task, shaped, lengths, raw, keys = parts[:11]
     blob, texts, offset = bytes(raw[:text_bytes].tolist()), [], 0
     for length in lengths.tolist():
         texts.append(blob[offset:offset + length].decode())
         offset += length
     batch = RolloutBatch(prompt_ids=prompt_ids, prompt_mask=prompt_mask.bool(), response_ids=response_ids,
                          response_mask=response_mask.bool(), truncated=truncated.bool(), response_texts=texts,
-                         rollout_logprobs=logprobs)
+                         rollout_logprobs=logprobs, token_versions=parts[11] if partial else None)
     rollout = Rollout(batch=batch, task_rewards=task, rewards=shaped, rounds=rounds, generated_groups=generated,
                       prompt_keys=[bytes(row).hex() for row in keys.tolist()])
     return VersionedRollout(rollout, version=version, problems_drawn=drawn, generated=(start / 1e6, end / 1e6))
@@ -502,23 +508,36 @@ class RolloutWorker:
         queue = FreeQueue(ro.max_staleness, ro.stale_policy, self.cfg.trainer.max_steps, done, received,
                           split.num_rollout_ranks)
         notices = NoticeListener(split.notice, split.num_rollout_ranks)
+        if ro.partial:  # responses stop at a new version and continue with its weights
+            self.sampler.refits = RefitHooks(
+                version=lambda: queue.version, pending=notices.ready,
+                take=lambda: queue.version if self._take(notices.poll(block=True), queue, me) else None)
         while True:
             notice = notices.poll(block=not queue.may_generate())
             if notice is None:
-                version = queue.version
-                start = time.time()
-                rollout = self.sampler.collect(queue.record(version))
+                version, start = queue.version, time.time()  # the oldest token's version
+                try:
+                    rollout = self.sampler.collect(queue.sent + 1)
+                except RolloutStopped:
+                    break
                 versioned = VersionedRollout(rollout, version, self.sampler.problems_drawn, (start, time.time()))
-                self._pending.append(send_rollout(versioned, dst=0, group=split.bridge, tag=queue.sent,
+                self._pending.append(send_rollout(versioned, dst=0, group=split.bridge, tag=queue.record(version),
                                                   header_tag=_ROLLOUT_TAG))
-            elif notice.version == STOP:
+            elif not self._take(notice, queue, me):
                 break
-            else:
-                self.engine.load_weight_buckets(receive_weight_buckets(group=split.refit))
-                self._drain(keep=queue.take_notice(notice.version, notice.taken[me]))
         end = torch.tensor([queue.sent], dtype=torch.int64)
         self._pending.append(_Sent([end], [split.bridge.send([end], 0, _END_TAG)]))
         self._drain(keep=0)
+
+    def _take(self, notice: Notice, queue: FreeQueue, me: int) -> bool:
+        """Takes a version notice: loads the weights that follow and counts the rollouts the trainer
+        has; False for the stop.
+        """
+        if notice.version == STOP:
+            return False
+        self.engine.load_weight_buckets(receive_weight_buckets(group=self.split.refit))
+        self._drain(keep=queue.take_notice(notice.version, notice.taken[me]))
+        return True
 
     def _drain(self, keep: int) -> None:
         """Waits for all but the newest ``keep`` rollouts' sends (their tensors may then be freed)."""

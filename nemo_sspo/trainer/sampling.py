@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -47,9 +48,10 @@ from nemo_sspo.algorithms import overlong_reward_shaping, select_nonzero_varianc
 from nemo_sspo.data import render_prompt
 from nemo_sspo.parallel.metrics import collective_device
 from nemo_sspo.rollout import RolloutBatch
+from nemo_sspo.rollout.partial import generate_with_refits
 from nemo_sspo.trainer.batch import concat_rollouts
 
-__all__ = ["Rollout", "RolloutSampler", "generation_seed", "prompt_key"]
+__all__ = ["RefitHooks", "Rollout", "RolloutSampler", "generation_seed", "prompt_key"]
 
 logger = logging.getLogger(__name__)
 
@@ -83,6 +85,21 @@ class Rollout:
     slot_generated: list[int] | None = None
     reward_timeouts: int | None = None
     scored_responses: int = 0
+
+
+@dataclass(frozen=True)
+class RefitHooks:
+    """How a generation with partial rollouts (``rollout.partial``) learns of and takes new weights.
+
+    Attributes:
+        version: the version of the weights the engine holds now.
+        pending: whether new weights wait (polled between decode steps).
+        take: loads them; returns their version, or None when the run stops instead.
+    """
+
+    version: Callable[[], int]
+    pending: Callable[[], bool]
+    take: Callable[[], int | None]
 
 
 def generation_seed(seed: int, step: int, round_: int, slot: int) -> int:
@@ -124,6 +141,9 @@ class RolloutSampler:
         self.first_slot = groups.dp_rank * self.slots_per_rank
         self.problems_drawn = 0
         """Problems drawn from ``prompts`` so far: the data position saved in checkpoints."""
+        self.refits: RefitHooks | None = None
+        """Partial rollouts (a free-running rollout rank sets them): responses continue across refits
+        (:func:`nemo_sspo.rollout.partial.generate_with_refits`); None: each group is one ``generate``."""
 
     def fast_forward(self, problems_drawn: int) -> None:
         """Replays ``problems_drawn`` draws of the (seeded) prompt source, to resume a run's data position.
@@ -185,7 +205,7 @@ class RolloutSampler:
         for slot, problem in work:
             prompt = render_prompt(self.tokenizer, problem.question, self.cfg.data.template)
             seed = generation_seed(self.cfg.trainer.seed, step, round_, slot)
-            parts.append(self.engine.generate([prompt] * group, seed=seed))
+            parts.append(self._sample([prompt] * group, seed))
         if not parts:
             return []
         texts = [text for part in parts for text in part.response_texts]
@@ -197,6 +217,16 @@ class RolloutSampler:
             self._timeouts += self.reward.timeouts - before
         varied = set(select_nonzero_variance_groups(rewards, group).tolist())
         return [(part, r, k in varied) for k, (part, r) in enumerate(zip(parts, rewards.split(group), strict=True))]
+
+    def _sample(self, prompts: list[str], seed: int) -> RolloutBatch:
+        """One group's responses: one ``generate``, or continued across refits with :attr:`refits`."""
+        hooks = self.refits
+        if hooks is None:
+            return self.engine.generate(prompts, seed=seed)
+        return generate_with_refits(self.engine, prompts, seed=seed, version=hooks.version(),
+                                    max_new_tokens=self.cfg.rollout.max_new_tokens, interrupt=hooks.pending,
+                                    refit=hooks.take, pad_id=self.tokenizer.pad_token_id,
+                                    decode=lambda ids: self.tokenizer.batch_decode(ids, skip_special_tokens=True))
 
     def _open_slots(self, slots) -> list[int]:
         """Global indices of the slots whose group has no reward variance, over all generators."""

@@ -45,7 +45,7 @@ import torch
 from nemo_sspo.metrics import MetricPair, max_pair, mean_pair
 from nemo_sspo.trainer.sampling import Rollout
 
-__all__ = ["FreeQueue", "LockStepRollouts", "Piece", "VersionedRollout", "dropped_sums", "is_fresh", "rollout_idle_s",
+__all__ = ["FreeQueue", "LockStepRollouts", "Piece", "VersionedRollout", "dropped_sums", "partial_sums", "is_fresh", "rollout_idle_s",
            "version_lag_sums"]
 
 
@@ -70,9 +70,12 @@ class VersionedRollout:
     sample_versions: torch.Tensor | None = None
 
     def versions(self) -> torch.Tensor:
-        """``[B]`` int64: each response's policy version."""
+        """``[B]`` int64: each response's policy version (a partial rollout's: its oldest token's)."""
         if self.sample_versions is not None:
             return self.sample_versions
+        per_token = self.rollout.batch.token_versions
+        if per_token is not None:
+            return torch.where(self.rollout.batch.response_mask, per_token, torch.iinfo(torch.int64).max).amin(dim=1)
         return torch.full((self.rollout.rewards.numel(),), self.version, dtype=torch.int64)
 
 
@@ -147,6 +150,18 @@ def version_lag_sums(versioned: VersionedRollout, step: int) -> dict[str, Metric
     valid = torch.ones(samples, dtype=torch.bool)
     return {"rollout/version_lag_mean": mean_pair(lags.sum(), samples),
             "rollout/version_lag_max": max_pair(lags, valid)}
+
+
+def partial_sums(versioned: VersionedRollout) -> dict[str, MetricPair]:
+    """``rollout/partial_share``: responses sampled by more than one policy version (partial
+    rollouts, continued across a refit) over the rollout's responses; {} without token versions.
+    """
+    rb = versioned.rollout.batch
+    if rb.token_versions is None:
+        return {}
+    newest = torch.where(rb.response_mask, rb.token_versions, -1).amax(dim=1)
+    spans = (newest > versioned.versions()).sum()
+    return {"rollout/partial_share": mean_pair(spans.float(), rb.response_mask.shape[0])}
 
 
 def is_fresh(version: int, step: int, max_staleness: int) -> bool:

@@ -23,7 +23,14 @@ from nemo_sspo.parallel.placement import WorldSplit
 from nemo_sspo.trainer.placement import FreeRefit, RolloutCollector, RolloutPosition, slot_rows, stack_rollouts
 from nemo_sspo.trainer.sources.protocol import RefitOutcome, StepRollout
 from nemo_sspo.trainer.sources.separate import SeparateSource
-from nemo_sspo.trainer.staleness import Piece, VersionedRollout, dropped_sums, is_fresh, version_lag_sums
+from nemo_sspo.trainer.staleness import (
+    Piece,
+    VersionedRollout,
+    dropped_sums,
+    is_fresh,
+    partial_sums,
+    version_lag_sums,
+)
 
 __all__ = ["FreeRunningSource"]
 
@@ -127,10 +134,12 @@ class FreeRunningSource(SeparateSource):
 
     def step_metrics(self, step: int, got: StepRollout, generation_wait_s: float,
                      refit: RefitOutcome) -> tuple[dict[str, MetricPair], dict[str, float]]:
-        """The version lag of every response, the drops (the step's share and the run's total) and
-        each side's idle time (the rollout side's: the mean over rollout ranks).
+        """The version lag of every response (a partial one's: its oldest token's), the drops (the
+        step's share and the run's total), the share of partial responses and each side's idle time
+        (the rollout side's: the mean over rollout ranks).
         """
-        pairs = {**version_lag_sums(got.versioned, step), **dropped_sums(len(got.dropped), len(got.pieces))}
+        pairs = {**version_lag_sums(got.versioned, step), **dropped_sums(len(got.dropped), len(got.pieces)),
+                 **partial_sums(got.versioned)}
         values = {**self.idle_seconds(got, generation_wait_s, refit), "rollout/dropped_total": float(self.dropped_total)}
         return pairs, values
 
