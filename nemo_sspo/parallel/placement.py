@@ -3,16 +3,19 @@
 torchrun (or Slurm) starts one world of N processes with one rendezvous. The last R of them
 (``rollout.num_ranks``) become rollout ranks, the first N - R training ranks. Each side gets a
 default process group of its own, so Megatron's parallel state on the training ranks sees a world
-of N - R ranks (TP x PP x DP as in a colocated run) and never waits for a rollout rank. Three
-dedicated groups join the sides, built from the same rendezvous store under their own prefixes:
+of N - R ranks (TP x PP x DP as in a colocated run) and never waits for a rollout rank. Dedicated
+groups join the sides, built from the same rendezvous store under their own prefixes:
 
 - ``bridge``: every rank, world rank numbering, for point-to-point tensors between the sides;
 - ``refit``: training rank 0 (the trainer's export rank) and the rollout ranks, group rank 0 being
   training rank 0 and rollout rank j being ``1 + j``, for the weight broadcast
   (:mod:`nemo_sspo.parallel.weight_broadcast`). Other training ranks are not in it;
-- ``notice``: the same members as ``refit``, always gloo, for the free-running version notices
-  (:mod:`nemo_sspo.parallel.version_notice`), which rely on gloo's asynchronous collectives being
-  polled with ``is_completed()`` on host tensors. It is the ``refit`` group itself when that is gloo.
+- ``pairs``: for each rollout rank j, a gloo group of training rank 0 (group rank 0) and rollout
+  rank j (group rank 1), for the free-running version notices
+  (:mod:`nemo_sspo.parallel.version_notice`, which rely on gloo's asynchronous collectives being
+  polled with ``is_completed()`` on host tensors) and weights. One group per rollout rank, because
+  gloo relays a broadcast through its receivers: over one group of all rollout ranks, a rank that
+  wants the new weights between two rollouts waits until the others stop generating to join.
 
 The bridge is always a gloo group over host tensors (rollouts are small, and the free-running
 collector receives from any source, which NCCL lacks). The refit group takes ``refit_backend``:
@@ -45,8 +48,8 @@ class WorldSplit:
         bridge: gloo group of all N ranks (ranks as in the launched world).
         refit: group (gloo or NCCL, :func:`split_world`'s ``refit_backend``) of training rank 0 and
             the rollout ranks, or None on the other training ranks.
-        notice: gloo group of the same members as ``refit`` (``refit`` itself when that is gloo),
-            or None on the other training ranks.
+        pairs: rollout index j -> gloo group of training rank 0 and rollout rank j: every j on
+            training rank 0, its own on a rollout rank, none on the other training ranks.
     """
 
     rank: int
@@ -54,7 +57,7 @@ class WorldSplit:
     num_rollout_ranks: int
     bridge: dist.ProcessGroup
     refit: dist.ProcessGroup | None
-    notice: dist.ProcessGroup | None
+    pairs: dict[int, dist.ProcessGroup]
 
     @property
     def num_training_ranks(self) -> int:
@@ -122,14 +125,16 @@ def split_world(store: dist.Store, *, rank: int, world_size: int, num_rollout_ra
                             rank=rank - training if is_rollout else rank,
                             world_size=num_rollout_ranks if is_rollout else training, timeout=timeout)
     bridge = dist.ProcessGroupGloo(dist.PrefixStore("nemo_sspo/bridge", store), rank, world_size, timeout)
-    refit = notice = None
+    refit, pairs = None, {}
     if is_rollout or rank == 0:
         refit_rank, members = 1 + rank - training if is_rollout else 0, 1 + num_rollout_ranks
-        notice = dist.ProcessGroupGloo(dist.PrefixStore("nemo_sspo/refit", store), refit_rank, members, timeout)
-        refit = notice if refit_backend == "gloo" else _nccl_group(
-            dist.PrefixStore("nemo_sspo/refit_nccl", store), refit_rank, members, timeout)
+        refit = (dist.ProcessGroupGloo if refit_backend == "gloo" else _nccl_group)(
+            dist.PrefixStore(f"nemo_sspo/refit_{refit_backend}", store), refit_rank, members, timeout)
+        for j in [rank - training] if is_rollout else range(num_rollout_ranks):
+            pairs[j] = dist.ProcessGroupGloo(dist.PrefixStore(f"nemo_sspo/pair{j}", store), int(is_rollout), 2,
+                                             timeout)
     return WorldSplit(rank=rank, world_size=world_size, num_rollout_ranks=num_rollout_ranks,
-                      bridge=bridge, refit=refit, notice=notice)
+                      bridge=bridge, refit=refit, pairs=pairs)
 
 
 def _nccl_group(store: dist.Store, rank: int, size: int, timeout: datetime.timedelta):

@@ -1,9 +1,10 @@
 """Version notices of free-running staleness: the trainer says, without waiting, that new weights follow.
 
-``rollout.staleness_schedule: free`` (``nemo_sspo.trainer.placement``). Over the refit group
-(:mod:`nemo_sspo.parallel.placement`), group rank 0 (the trainer's export rank) broadcasts a notice
-``int64 [1 + R]`` = (policy version, then for each of the R rollout ranks the rollouts the trainer
-has taken from it so far) after each update; the weight broadcast of that version
+``rollout.staleness_schedule: free`` (``nemo_sspo.trainer.placement``). Over a rollout rank's pair
+group (``WorldSplit.pairs``, :mod:`nemo_sspo.parallel.placement`), group rank 0 (the trainer's
+export rank) broadcasts a notice ``int64 [1 + R]`` = (policy version, then for each of the R
+rollout ranks the rollouts the trainer has taken from it so far) after an update; the weight
+broadcast of that version
 (:mod:`nemo_sspo.parallel.weight_broadcast`) follows it. The last notice carries version
 :data:`STOP` and no weights.
 
@@ -47,7 +48,7 @@ def post_notice(notice: Notice, *, group: dist.ProcessGroup) -> tuple[torch.Tens
 
     Args:
         notice: the version about to be broadcast (or :data:`STOP`) and the rollouts taken.
-        group: the refit group, this rank its rank 0.
+        group: a rollout rank's pair group, this rank its rank 0.
 
     Returns:
         ``(tensor, work)``: keep the tensor alive until ``work.wait()`` has returned (it raises gloo's
@@ -61,7 +62,7 @@ class NoticeListener:
     """A rollout rank's receive of the next notice, posted ahead (module docstring).
 
     Args:
-        group: the refit group (this rank is not its rank 0).
+        group: this rollout rank's pair group (this rank is not its rank 0).
         num_rollout_ranks: R, the rollout ranks (a notice holds 1 + R numbers).
     """
 

@@ -36,8 +36,8 @@ import torch.distributed as dist
 
 from nemo_sspo.parallel.metrics import collective_device
 
-__all__ = ["BroadcastStats", "MAX_DIMS", "PendingBroadcast", "post_broadcast", "receive_weight_buckets",
-           "send_weight_buckets", "start_weight_broadcast"]
+__all__ = ["BroadcastStats", "EncodedBuckets", "MAX_DIMS", "PendingBroadcast", "encode_weight_buckets",
+           "post_broadcast", "post_weight_broadcast", "receive_weight_buckets", "send_weight_buckets"]
 
 MAX_DIMS = 8
 """Most dimensions of a tensor the wire format carries."""
@@ -162,7 +162,7 @@ def send_weight_buckets(buckets: Iterable[dict[str, torch.Tensor]], *, group: di
 
 @dataclass
 class PendingBroadcast:
-    """A weight broadcast posted by :func:`start_weight_broadcast` that may still be running.
+    """A weight broadcast posted by :func:`post_weight_broadcast` that may still be running.
 
     Attributes:
         works: each bucket's four works, then the end marker's.
@@ -179,6 +179,10 @@ class PendingBroadcast:
     bytes: int
     start: float
     bytes_to_host: int
+
+    def is_completed(self) -> bool:
+        """Whether every receiver has taken every bucket (or one failed: :meth:`wait` then raises); never blocks."""
+        return all(work.is_completed() for bucket in self.works for work in bucket)
 
     def wait(self) -> BroadcastStats:
         """Waits until every receiver has taken every bucket.
@@ -203,41 +207,68 @@ class PendingBroadcast:
                               bytes_to_host=self.bytes_to_host)
 
 
-def start_weight_broadcast(buckets: Iterable[dict[str, torch.Tensor]], *, group: dist.ProcessGroup,
-                           receivers: Sequence[int]) -> PendingBroadcast:
-    """Posts the whole broadcast of :func:`send_weight_buckets` without waiting for the receivers.
+@dataclass
+class EncodedBuckets:
+    """An export encoded once for :func:`post_weight_broadcast` (possibly over several groups).
 
-    The wire format is the same, so the receivers take it with :func:`receive_weight_buckets`, bucket
-    by bucket, whenever they join. The price: this rank keeps every encoded bucket (one copy of the
-    exported model, on the group's device: host memory over gloo, GPU memory over NCCL) until
-    :meth:`PendingBroadcast.wait` returns. The free-running schedule uses it
-    so the trainer's next step need not wait for a rollout rank that is still generating.
+    Attributes:
+        buckets: each bucket's (header, table, names, payload) tensors, on the groups' device.
+        bytes: payload bytes.
+        bytes_to_host: as :attr:`BroadcastStats.bytes_to_host`.
+        start: ``time.perf_counter()`` when encoding began.
+    """
+
+    buckets: list[tuple[torch.Tensor, ...]]
+    bytes: int
+    bytes_to_host: int
+    start: float
+
+
+def encode_weight_buckets(buckets: Iterable[dict[str, torch.Tensor]], device: torch.device) -> EncodedBuckets:
+    """Encodes every non-empty bucket (the wire format of :func:`send_weight_buckets`) on ``device``.
 
     Args:
         buckets: as :func:`send_weight_buckets` (drawing them may be collective; that part runs now).
-        group: the refit group, this rank its rank 0.
-        receivers: world ranks of the other members (named in errors).
-
-    Returns:
-        The :class:`PendingBroadcast`.
+        device: the groups' device (:func:`nemo_sspo.parallel.metrics.collective_device`).
 
     Raises:
         ValueError: as :func:`send_weight_buckets`.
     """
-    start, works, tensors, sent, to_host = time.perf_counter(), [], [], 0, 0
-    device = collective_device(group)
+    start, encoded, sent, to_host = time.perf_counter(), [], 0, 0
     for bucket in buckets:
         if not bucket:
             continue
-        encoded, copied = _encode(bucket, device)
-        works.append([post_broadcast(group, tensor) for tensor in encoded])
-        tensors.extend(encoded)
-        sent, to_host = sent + encoded[3].numel(), to_host + copied
+        tensors, copied = _encode(bucket, device)
+        encoded.append(tensors)
+        sent, to_host = sent + tensors[3].numel(), to_host + copied
+    return EncodedBuckets(buckets=encoded, bytes=sent, bytes_to_host=to_host, start=start)
+
+
+def post_weight_broadcast(encoded: EncodedBuckets, *, group: dist.ProcessGroup,
+                          receivers: Sequence[int]) -> PendingBroadcast:
+    """Posts the whole broadcast of :func:`send_weight_buckets` without waiting for the receivers.
+
+    The wire format is the same, so the receivers take it with :func:`receive_weight_buckets`, bucket
+    by bucket, whenever they join. The price: this rank keeps every encoded bucket (one copy of the
+    exported model, on the group's device) until each :meth:`PendingBroadcast.wait` of it returns;
+    one encoding may be posted over several groups. The free-running schedule uses it so the
+    trainer's next step need not wait for a rollout rank that is still generating.
+
+    Args:
+        encoded: the export, from :func:`encode_weight_buckets`.
+        group: a group whose rank 0 is this rank.
+        receivers: world ranks of the other members (named in errors).
+
+    Returns:
+        The :class:`PendingBroadcast`.
+    """
+    device = collective_device(group)
     end = _end_marker(None, device)
+    works = [[post_broadcast(group, tensor) for tensor in bucket] for bucket in encoded.buckets]
     works.append([post_broadcast(group, end)])
-    tensors.append(end)
-    return PendingBroadcast(works=works, tensors=tensors, receivers=receivers, bytes=sent, start=start,
-                            bytes_to_host=to_host)
+    tensors = [tensor for bucket in encoded.buckets for tensor in bucket] + [end]
+    return PendingBroadcast(works=works, tensors=tensors, receivers=receivers, bytes=encoded.bytes,
+                            start=encoded.start, bytes_to_host=encoded.bytes_to_host)
 
 
 def receive_weight_buckets(*, group: dist.ProcessGroup) -> Generator[dict[str, torch.Tensor], None, int | None]:

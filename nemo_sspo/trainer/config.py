@@ -269,9 +269,9 @@ class RolloutConfig:
     refit). A rollout or training rank that died or hangs ends the run on every rank after at most
     this long, with an error naming it (a dead peer's closed connection fails at once). With
     ``staleness_schedule: free`` it also bounds a training step and a generation: the rollout rank's
-    receive of the next version is posted ahead, and the trainer's broadcast waits for the rollout
-    ranks to finish the rollouts they are generating; and a rollout rank that sends nothing this long
-    while the others send is named as dead or hung."""
+    receive of the next version is posted ahead, and a posted broadcast waits for the rollout ranks
+    to finish the rollouts they are generating; and a rollout rank that sends nothing this long while
+    the others send is named as dead or hung."""
     max_staleness: int = 0
     """Lock-step staleness k: the rollout of step t is generated with the weights after step
     ``t - 1 - k`` (the first k+1 steps' rollouts with the initial weights), so a sample is at most k

@@ -42,14 +42,15 @@ rollout rank (gloo's any-source receive) and so takes R rollouts per step in the
 Between two rollouts a rollout rank looks, without blocking, for a version notice
 (:mod:`nemo_sspo.parallel.version_notice`) and, when one has come, takes that version's weights
 bucket by bucket. The trainer posts the notice and its whole weight broadcast without waiting
-(:func:`nemo_sspo.parallel.weight_broadcast.start_weight_broadcast`) and goes on to its next step.
+(:func:`nemo_sspo.parallel.weight_broadcast.post_weight_broadcast`) and goes on to its next step.
 What blocks what:
 
 - training rank 0 blocks when fewer than R fresh rollouts have arrived for the step;
-- training rank 0 blocks, before it posts version t + 1, until every rollout rank has taken version
-  t; a rank takes it between two rollouts, so the wait is at most the rest of one generation and
-  happens only when a generation outlasts a training step. Until then rank 0 keeps one host copy of
-  the export;
+- training rank 0 never waits to post weights: after step t it posts version t only when every
+  rollout rank has taken the version it posted before (:meth:`FreeRefit.busy`), else it skips
+  version t and posts a newer one after a later step, so a rank that finishes a long generation
+  takes the newest weights there are. Until a post is taken rank 0 keeps one host copy of the
+  export;
 - a rollout rank blocks for the next notice when :meth:`FreeQueue.may_generate` says no (with
   ``wait``: k + 1 of its rollouts not yet taken, or as many as the remaining steps can train).
 
@@ -81,7 +82,12 @@ import torch.distributed as dist
 
 from nemo_sspo.parallel.placement import WorldSplit
 from nemo_sspo.parallel.version_notice import STOP, Notice, NoticeListener, post_notice
-from nemo_sspo.parallel.weight_broadcast import PendingBroadcast, receive_weight_buckets, start_weight_broadcast
+from nemo_sspo.parallel.weight_broadcast import (
+    PendingBroadcast,
+    encode_weight_buckets,
+    post_weight_broadcast,
+    receive_weight_buckets,
+)
 from nemo_sspo.rollout import RolloutBatch
 from nemo_sspo.rollout.partial import RolloutStopped
 from nemo_sspo.trainer.batch import concat_rollouts
@@ -99,6 +105,7 @@ _END_TAG = 2**31 - 1  # free-running: the number of rollouts sent, after the sto
 _ROLLOUT_TAG = 2**31 - 2  # free-running: every rollout's header (received from any rollout rank)
 
 _HEADER = 13
+_TAG_FIELD = 11  # the header's field holding the parts' tag (a free-running rollout's number)
 
 
 def slot_rows(rollout: Rollout, start: int, stop: int) -> Rollout:
@@ -337,7 +344,7 @@ def recv_free_rollout(*, group: dist.ProcessGroup, sources: list[int], src: int 
             _recv(header, src, group, _ROLLOUT_TAG)
     except RuntimeError as err:
         raise _silent(sources if src is None else src, what, err) from err
-    return src, int(header[-1]), _recv_parts(header, src, group, what)
+    return src, int(header[_TAG_FIELD]), _recv_parts(header, src, group, what)
 
 
 def _silent(src: int | list[int], what: str, err: RuntimeError) -> RuntimeError:
@@ -507,7 +514,7 @@ class RolloutWorker:
         me = split.rollout_index(split.rank)
         queue = FreeQueue(ro.max_staleness, ro.stale_policy, self.cfg.trainer.max_steps, done, received,
                           split.num_rollout_ranks)
-        notices = NoticeListener(split.notice, split.num_rollout_ranks)
+        notices = NoticeListener(split.pairs[me], split.num_rollout_ranks)
         if ro.partial:  # responses stop at a new version and continue with its weights
             self.sampler.refits = RefitHooks(
                 version=lambda: queue.version, pending=notices.ready,
@@ -535,7 +542,7 @@ class RolloutWorker:
         """
         if notice.version == STOP:
             return False
-        self.engine.load_weight_buckets(receive_weight_buckets(group=self.split.refit))
+        self.engine.load_weight_buckets(receive_weight_buckets(group=self.split.pairs[me]))
         self._drain(keep=queue.take_notice(notice.version, notice.taken[me]))
         return True
 
@@ -637,63 +644,83 @@ class RolloutCollector:
 class FreeRefit:
     """Training rank 0's side of the free-running refit (module docstring: what blocks what).
 
+    Each rollout rank j takes its notices and weights over its own pair group (``split.pairs[j]``),
+    whenever it is between two rollouts; one rank's post never waits for another rank.
+
     Args:
-        split: the split world (this rank training rank 0): notices over its ``notice`` group, weights
-            over its ``refit`` group (NCCL on GPUs, so the weights stay on the device).
-        receivers: world ranks of the rollout ranks (named in errors).
+        split: the split world (this rank training rank 0).
     """
 
-    def __init__(self, split: WorldSplit, receivers: list[int]) -> None:  # noqa: D107
-        self.notices, self.weights, self.receivers = split.notice, split.refit, receivers
-        self._in_flight: tuple[torch.Tensor, object, PendingBroadcast | None] | None = None
+    def __init__(self, split: WorldSplit) -> None:  # noqa: D107
+        self.pairs = split.pairs
+        self.ranks = {j: split.num_training_ranks + j for j in split.pairs}  # world ranks, named in errors
+        self._in_flight: dict[int, tuple[torch.Tensor, object, PendingBroadcast | None]] = {}
 
-    def post(self, version: int, taken: list[int], buckets) -> float:
-        """Posts the notice of ``version`` and its weight broadcast without waiting for the rollout ranks.
+    def free_ranks(self) -> list[int]:
+        """The rollout ranks that have taken the last version posted to them (never blocks).
+
+        Raises:
+            RuntimeError: as :meth:`wait`, when a post to one of them failed.
+        """
+        free = []
+        for j in self.pairs:
+            posted = self._in_flight.get(j)
+            if posted is not None:
+                _, work, weights = posted
+                if not work.is_completed() or (weights is not None and not weights.is_completed()):
+                    continue
+                self._wait(j)  # done (or failed: raises)
+            free.append(j)
+        return free
+
+    def post(self, version: int, taken: list[int], buckets, to: list[int]) -> None:
+        """Posts the notice of ``version`` and its weights to rollout ranks ``to`` (free ones) without
+        waiting for them; the export is encoded once, on the host, for all of them.
 
         Args:
             version: the policy version (the step just updated).
             taken: for each rollout rank, its rollouts the trainer has received.
             buckets: the export's HF weight buckets (drawn now; the drawing may be collective).
-
-        Returns:
-            Seconds this call waited for the rollout rank to take the previous version.
-
-        Raises:
-            RuntimeError: naming the rollout rank(s), when the previous version was not taken within
-                the group's timeout.
+            to: indices of the rollout ranks to post to (from :meth:`free_ranks`).
         """
-        waited = self.wait()
-        tensor, work = post_notice(Notice(version, tuple(taken)), group=self.notices)
-        self._in_flight = (tensor, work, start_weight_broadcast(buckets, group=self.weights, receivers=self.receivers))
-        return waited
+        encoded = encode_weight_buckets(buckets, torch.device("cpu"))
+        for j in to:
+            tensor, work = post_notice(Notice(version, tuple(taken)), group=self.pairs[j])
+            self._in_flight[j] = (tensor, work, post_weight_broadcast(encoded, group=self.pairs[j],
+                                                                      receivers=[self.ranks[j]]))
 
     def stop(self, taken: list[int]) -> float:
-        """Waits for the previous version to be taken, then tells the rollout rank(s) to stop.
+        """Waits for every rollout rank to take its last post, then tells each to stop.
 
         Returns:
-            Seconds waited (the previous version and the stop notice).
+            Seconds waited (the last posts and the stop notices).
 
         Raises:
-            RuntimeError: as :meth:`post`.
+            RuntimeError: as :meth:`wait`.
         """
         start = time.perf_counter()
-        self.wait()
-        tensor, work = post_notice(Notice(STOP, tuple(taken)), group=self.notices)
-        self._in_flight = (tensor, work, None)
-        self.wait()
+        for j in self.pairs:
+            self._wait(j)
+            tensor, work = post_notice(Notice(STOP, tuple(taken)), group=self.pairs[j])
+            self._in_flight[j] = (tensor, work, None)
+        for j in self.pairs:
+            self._wait(j)
         return time.perf_counter() - start
 
-    def wait(self) -> float:
-        """Waits until the rollout rank(s) took the last posted notice and weights; returns the seconds."""
-        start = time.perf_counter()
-        if self._in_flight is not None:
-            _, work, weights = self._in_flight
-            try:
-                work.wait()
-            except RuntimeError as err:
-                raise RuntimeError(f"rollout rank(s) {self.receivers} took no new policy version (died or hung "
-                                   f"past the timeout): {err}") from err
-            if weights is not None:
-                weights.wait()
-            self._in_flight = None
-        return time.perf_counter() - start
+    def _wait(self, j: int) -> None:
+        """Waits until rollout rank ``j`` took its last notice and weights.
+
+        Raises:
+            RuntimeError: naming it, when it did not within the group's timeout (it died or hung).
+        """
+        posted = self._in_flight.pop(j, None)
+        if posted is None:
+            return
+        _, work, weights = posted
+        try:
+            work.wait()
+        except RuntimeError as err:
+            raise RuntimeError(f"rollout rank {self.ranks[j]} took no new policy version (it died or hung past "
+                               f"the timeout): {err}") from err
+        if weights is not None:
+            weights.wait()

@@ -13,7 +13,7 @@ import time
 import torch
 
 from nemo_sspo.parallel.version_notice import STOP, Notice, NoticeListener, post_notice
-from nemo_sspo.parallel.weight_broadcast import receive_weight_buckets, start_weight_broadcast
+from nemo_sspo.parallel.weight_broadcast import encode_weight_buckets, post_weight_broadcast, receive_weight_buckets
 from tests.distributed._split_world import resplit
 
 pytestmark = pytest.mark.fast  # seconds: kept in the fast tier (tests/conftest.py)
@@ -30,19 +30,20 @@ def _child(rank, world_size):
     split = resplit(rank, world_size, 1, 10)
     if rank == 0:
         time.sleep(HOLD_S)  # the rollout rank polls meanwhile
-        tensor, work = post_notice(Notice(3, (5,)), group=split.refit)
-        pending = start_weight_broadcast(_buckets(), group=split.refit, receivers=[1])
+        tensor, work = post_notice(Notice(3, (5,)), group=split.pairs[0])
+        pending = post_weight_broadcast(encode_weight_buckets(_buckets(), torch.device("cpu")), group=split.pairs[0],
+                                        receivers=[1])
         running = not pending.works[-1][0].is_completed()  # the rollout rank joins HOLD_S after the notice
         work.wait()
         stats = pending.wait()
-        tensor, work = post_notice(Notice(STOP, (6,)), group=split.refit)
+        tensor, work = post_notice(Notice(STOP, (6,)), group=split.pairs[0])
         work.wait()
         return running, stats.buckets, stats.bytes  # then this process exits: the rollout rank's next poll fails
-    listener = NoticeListener(split.refit, num_rollout_ranks=1)
+    listener = NoticeListener(split.pairs[0], num_rollout_ranks=1)
     early = listener.poll(block=False)
     notice = listener.poll(block=True)
     time.sleep(HOLD_S)
-    received = [{name: t.clone() for name, t in bucket.items()} for bucket in receive_weight_buckets(group=split.refit)]
+    received = [{name: t.clone() for name, t in bucket.items()} for bucket in receive_weight_buckets(group=split.pairs[0])]
     stop = listener.poll(block=True)
     try:
         listener.poll(block=True)

@@ -87,7 +87,7 @@ def _split_and_broadcast(rank, world_size, out_dir):
     split = resplit(rank, world_size, 1, TIMEOUT.total_seconds())
     _SPLIT.append(split)
     assert split.is_rollout == (rank == 2) and split.num_training_ranks == 2
-    assert split.notice is split.refit if rank != 1 else split.notice is split.refit is None  # a gloo refit group
+    assert list(split.pairs) == ([] if rank == 1 else [0])  # training rank 0 and the rollout rank: one pair
     assert dist.get_world_size() == (1 if rank == 2 else 2)  # each side's own default group
     results = [_rollout_side() if split.is_rollout else _trainer_side(split, tp, pp, tied)
                for tp, pp, tied in LAYOUTS]

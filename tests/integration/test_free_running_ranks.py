@@ -11,6 +11,10 @@ groups, and a step trains the first two fresh rollouts to arrive, from whichever
 - ``drop`` with k = 0 and a slow trainer: each rank runs up to two rollouts ahead and stale ones are
   dropped. The drops, the dropped share and the version lags are recomputed from the receipts in
   arrival order; every trained sample is within k; each rank numbers its own rollouts 1, 2, ...
+- partial rollouts (``wait``, k = 1) with a slow engine: some responses are continued after a refit
+  (sampled by two versions); every response's token versions only grow, a rollout's version is its
+  oldest token's, and each step's ``rollout/partial_share`` and lags equal those recomputed from the
+  receipts' token versions, none older than k.
 """
 
 import json
@@ -44,6 +48,7 @@ def test_two_free_running_rollout_ranks_bound_resume_and_drop(tmp_path):
     results = json.loads((tmp_path / "result.json").read_text())
 
     history, received = results["full"]["history"], [tuple(r) for r in results["full"]["received"]]
+    received = [r[:3] for r in received]
     for step in range(1, 5):  # both ranks' rollout t from version t - 1, in whatever order they arrived
         assert sorted(received[2 * (step - 1):2 * step]) == [(1, step, step - 1), (2, step, step - 1)]
     assert len(received) == 8  # nothing beyond the last step, nothing drained
@@ -52,12 +57,12 @@ def test_two_free_running_rollout_ranks_bound_resume_and_drop(tmp_path):
     assert state["rollout_positions"] == [[2, 2], [2, 2]]  # 2 rollouts of 1 problem each, per rank
     resumed = results["resumed"]
     assert [h["step"] for h in resumed["history"]] == [3, 4]
-    assert sorted(tuple(r) for r in resumed["received"]) == [(src, n, n - 1) for src in (1, 2) for n in (3, 4)]
+    assert sorted(tuple(r[:3]) for r in resumed["received"]) == [(src, n, n - 1) for src in (1, 2) for n in (3, 4)]
     for mine, theirs in zip(resumed["history"], history[2:], strict=True):
         for key in KEYS:
             assert mine[key] == pytest.approx(theirs[key], rel=1e-5, abs=1e-7), (mine["step"], key)
 
-    history, received = results["drop"]["history"], [tuple(r) for r in results["drop"]["received"]]
+    history, received = results["drop"]["history"], [tuple(r[:3]) for r in results["drop"]["received"]]
     drops, trained = _replay(received, 4, k=0)  # what is left was drained after the stop
     assert [h["rollout/dropped_share"] for h in history] == pytest.approx([d / (d + 2) for d in drops])
     assert [h["rollout/dropped_total"] for h in history] == [float(sum(drops[:s])) for s in range(1, 5)]
@@ -68,3 +73,22 @@ def test_two_free_running_rollout_ranks_bound_resume_and_drop(tmp_path):
     for src in (1, 2):
         numbers = [n for s, n, _ in received if s == src]
         assert numbers == list(range(1, len(numbers) + 1))
+
+    history, receipts = results["partial"]["history"], results["partial"]["received"]
+    trained, queue = [], list(receipts)
+    for step in range(1, 5):  # the trained rollouts of each step, in arrival order (k = 1)
+        taken = []
+        while len(taken) < 2:
+            receipt = queue.pop(0)
+            if step - 1 - receipt[2] <= 1:
+                taken.append(receipt)
+        trained.append(taken)
+    for src, number, version, oldest, newest in receipts:
+        assert version == min(oldest) and all(o <= n for o, n in zip(oldest, newest, strict=True)), (src, number)
+    for step, (h, taken) in enumerate(zip(history, trained, strict=True), 1):
+        oldest = [o for receipt in taken for o in receipt[3]]
+        spans = sum(n > o for receipt in taken for o, n in zip(receipt[3], receipt[4], strict=True))
+        assert h["rollout/partial_share"] == pytest.approx(spans / len(oldest))
+        assert h["rollout/version_lag_mean"] == pytest.approx(sum(step - 1 - o for o in oldest) / len(oldest))
+        assert h["rollout/version_lag_max"] == max(step - 1 - o for o in oldest) <= 1
+    assert sum(h["rollout/partial_share"] for h in history) > 0  # responses were continued across a refit

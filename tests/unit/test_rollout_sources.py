@@ -26,7 +26,7 @@ def _colocated(k: int, engine):
 
     def generate(step, version):
         generated.append((step, version))
-        rollout = SimpleNamespace(rewards=torch.zeros(4), step=step)  # 4 responses
+        rollout = SimpleNamespace(rewards=torch.zeros(4), batch=SimpleNamespace(token_versions=None), step=step)  # 4 rows
         return VersionedRollout(rollout, version=version, problems_drawn=2 * step, generated=(step, step + 0.5))
 
     buckets = [{"w": torch.ones(2)}, {"b": torch.zeros(1)}]

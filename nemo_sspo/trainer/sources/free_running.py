@@ -5,7 +5,8 @@ has taken. Training rank 0 takes a step's R rollouts in the order they arrive, f
 sent them, and drops those older than ``rollout.max_staleness`` versions
 (:class:`~nemo_sspo.trainer.placement.RolloutCollector`); every training rank then gets the step's
 rows of its replica, each response with its own version. After every update training rank 0 posts
-the version and its weights without waiting (:class:`~nemo_sspo.trainer.placement.FreeRefit`);
+the version and its weights without waiting to every rollout rank that has taken the one posted to
+it before (:class:`~nemo_sspo.trainer.placement.FreeRefit`);
 after the last step it posts the stop and drains the rollouts not taken. A checkpoint keeps each
 rollout rank's :class:`~nemo_sspo.trainer.placement.RolloutPosition`.
 """
@@ -49,9 +50,10 @@ class FreeRunningSource(SeparateSource):
                  last_step: int, peer_timeout_s: float, pad_id: int) -> None:  # noqa: D107 - documented on the class
         super().__init__(groups, split, export, max_staleness=max_staleness)
         self.last_step, self.peer_timeout_s, self.pad_id = last_step, peer_timeout_s, pad_id
-        self.free_refit = FreeRefit(split, self.rollout_ranks) if dist.get_rank() == 0 else None
+        self.free_refit = FreeRefit(split) if dist.get_rank() == 0 else None
         self.collector: RolloutCollector | None = None  # training rank 0's, from start()
         self.dropped_total = 0
+        self.skipped_total = 0  # versions not posted to a rollout rank still taking the one before
         self._ends: dict[int, float] = {}  # rollout rank -> end of its last generation received (idle time)
 
     def start(self, completed_steps: int, problems_drawn: int,
@@ -114,9 +116,9 @@ class FreeRunningSource(SeparateSource):
         return stack_rollouts(accepted, pad_id=self.pad_id, problems_drawn=drawn), pieces, dropped
 
     def after_update(self, step: int) -> RefitOutcome:
-        """Training rank 0 posts version ``step`` and its weights without waiting for the rollout ranks;
-        after the last step the stop instead, and drains the rollouts not taken. The wait is training
-        rank 0's for the rollout ranks to take the previous version, or its drain.
+        """Training rank 0 posts version ``step`` and its weights without waiting, to every rollout rank
+        that has taken the version posted to it before (the others skip this one); after the last
+        step it posts the stop instead (waiting for the last posts) and drains the rollouts not taken.
         """
         if step == self.last_step:
             waited = 0.0
@@ -126,8 +128,13 @@ class FreeRunningSource(SeparateSource):
                 self.collector.drain()
                 waited += time.perf_counter() - start
             return RefitOutcome(None, waited)
-        posted = self.export_to_rollout_ranks(lambda buckets: self.free_refit.post(step, self._taken(), buckets))
-        return RefitOutcome(None, 0.0 if posted is None else posted)
+        box = [self.free_refit.free_ranks() if self.free_refit is not None else None]
+        dist.broadcast_object_list(box, src=0)  # every training rank exports, or skips it, together
+        free = box[0]
+        self.skipped_total += self.split.num_rollout_ranks - len(free)
+        if free:  # the ranks still taking an earlier version get a newer one after a later step
+            self.export_to_rollout_ranks(lambda buckets: self.free_refit.post(step, self._taken(), buckets, free))
+        return RefitOutcome(None, 0.0)
 
     def _taken(self) -> list[int]:
         return [position.received for position in self.collector.positions]
@@ -140,7 +147,8 @@ class FreeRunningSource(SeparateSource):
         """
         pairs = {**version_lag_sums(got.versioned, step), **dropped_sums(len(got.dropped), len(got.pieces)),
                  **partial_sums(got.versioned)}
-        values = {**self.idle_seconds(got, generation_wait_s, refit), "rollout/dropped_total": float(self.dropped_total)}
+        values = {**self.idle_seconds(got, generation_wait_s, refit), "rollout/dropped_total": float(self.dropped_total),
+                  "rollout/refits_skipped_total": float(self.skipped_total)}
         return pairs, values
 
     def rollout_idle(self, got: StepRollout) -> float:

@@ -35,8 +35,8 @@ class RefitOutcome:
         seconds_per_gb: the broadcast's rate, export included (lock-step separate); None where it is
             not measured (colocated: the engine loads in place; free-running: the broadcast completes
             whenever the rollout rank joins).
-        wait_s: seconds this rank waited for the rollout side (free-running: for the rollout rank to
-            take the previous version, or to drain after the last step); 0 otherwise.
+        wait_s: seconds this rank waited for the rollout side (free-running: after the last step, for
+            the last post to be taken and the drain); 0 otherwise.
         bytes_to_host: weight bytes the refit copied from a device to host memory
             (``refit/bytes_to_host``): colocated 0 (the export goes straight into the engine on its
             device; what an engine does inside its own load is not counted), lock-step separate the
