@@ -14,8 +14,8 @@ seed, so the same prompts), each with 2 cores in all:
 - ``f``: free-running with ``max_staleness=1``, ``stale_policy=drop`` (dropped rollouts count as rollout
   busy time; the table's ``dropped`` column is the share of received rollouts dropped);
 - ``g``: free-running over two rollout ranks (1 training + 2 rollout processes, 1 thread each, on the
-  2 cores), ``max_staleness=1``, ``stale_policy=wait``, on a generation-bound setting (:data:`_GEN_BOUND`);
-- ``h``: lock-step over the same two rollout ranks and setting, ``max_staleness=1``.
+  2 cores), ``max_staleness=2``, ``stale_policy=wait``, on a generation-bound setting (:data:`_GEN_BOUND`);
+- ``h``: lock-step over the same two rollout ranks and setting, ``max_staleness=2``.
 
 ``--variants`` runs a subset (the summary line needs ``a`` and ``c``; the free-running line ``g``
 and ``h``).
@@ -52,9 +52,9 @@ _VARIANTS = {
                  "rollout.staleness_schedule=free", "rollout.stale_policy=wait"]),
     "f": (2, 1, ["rollout.placement=separate", "rollout.num_ranks=1", "rollout.max_staleness=1",
                  "rollout.staleness_schedule=free", "rollout.stale_policy=drop"]),
-    "g": (3, 1, ["rollout.placement=separate", "rollout.num_ranks=2", "rollout.max_staleness=1",
+    "g": (3, 1, ["rollout.placement=separate", "rollout.num_ranks=2", "rollout.max_staleness=2",
                  "rollout.staleness_schedule=free", "rollout.stale_policy=wait", *_GEN_BOUND]),
-    "h": (3, 1, ["rollout.placement=separate", "rollout.num_ranks=2", "rollout.max_staleness=1", *_GEN_BOUND]),
+    "h": (3, 1, ["rollout.placement=separate", "rollout.num_ranks=2", "rollout.max_staleness=2", *_GEN_BOUND]),
 }
 
 
