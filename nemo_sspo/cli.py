@@ -367,9 +367,7 @@ def main(argv: list[str] | None = None) -> int:
 
                 from nemo_sspo.parallel.placement import split_launched_world
 
-                # Free-running keeps its weights on gloo: over NCCL a posted broadcast would wait on the GPU for a
-                # rollout rank still generating, beside the training ranks' own collectives (not yet checked on
-                # GPUs; docs/async.md).
+                # Free-running posts its weights over gloo pair groups (docs/async.md); the refit group is lock-step's.
                 split = split_launched_world(cfg.rollout.num_ranks,
                                              timeout=datetime.timedelta(seconds=cfg.rollout.peer_timeout_s),
                                              device_refit=cfg.rollout.staleness_schedule == "lockstep")

@@ -44,7 +44,7 @@ class Notice(NamedTuple):
 
 
 def post_notice(notice: Notice, *, group: dist.ProcessGroup) -> tuple[torch.Tensor, object]:
-    """Starts broadcasting ``notice`` from group rank 0 (this rank) of the refit group.
+    """Starts broadcasting ``notice`` from group rank 0 (this rank) of a pair group.
 
     Args:
         notice: the version about to be broadcast (or :data:`STOP`) and the rollouts taken.
