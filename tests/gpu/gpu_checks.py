@@ -658,34 +658,27 @@ def check_dry_run(model_dir: str) -> None:
            "nothing ran on a GPU")
 
 
-def main() -> int:
+def run_command(commands: dict, doc: str) -> int:
+    """Runs ``commands[argv[1]](*argv[2:])`` as one check (its exception reported as a failed check);
+    prints ``doc`` for an unknown command. Returns the exit status: 2 unknown, 1 a check failed, else 0.
+    """
     command = sys.argv[1] if len(sys.argv) > 1 else ""
+    if command not in commands:
+        print(doc)
+        return 2
     try:
-        if command == "vllm":
-            check_vllm()
-        elif command == "packed":
-            check_packed()
-        elif command == "metrics":
-            check_metrics(sys.argv[2], float(sys.argv[3]))
-        elif command == "fused":
-            check_fused()
-        elif command == "train":
-            check_train(sys.argv[2])
-        elif command == "memory":
-            check_memory(sys.argv[2])
-        elif command == "dry-run":
-            check_dry_run(sys.argv[2])
-        elif command == "async":
-            run_async(sys.argv[2], sys.argv[3])
-        elif command == "async-compare":
-            check_async(sys.argv[2])
-        else:
-            print(__doc__)
-            return 2
+        commands[command](*sys.argv[2:])
     except Exception:  # noqa: BLE001 - reported as a failed check with its traceback
         traceback.print_exc()
         report(command, False, "raised (traceback above)")
     return 1 if _FAILED else 0
+
+
+def main() -> int:
+    return run_command({"vllm": check_vllm, "packed": check_packed,
+                        "metrics": lambda model_dir, gap: check_metrics(model_dir, float(gap)), "fused": check_fused,
+                        "train": check_train, "memory": check_memory, "dry-run": check_dry_run, "async": run_async,
+                        "async-compare": check_async}, __doc__)
 
 
 if __name__ == "__main__":

@@ -27,7 +27,6 @@ import datetime
 import os
 import sys
 import time
-import traceback
 
 import torch
 
@@ -177,21 +176,7 @@ def check_dry_run(model_dir: str) -> None:
 def main() -> int:
     import gpu_checks
 
-    command = sys.argv[1] if len(sys.argv) > 1 else ""
-    try:
-        if command == "device":
-            check_device(sys.argv[2])
-        elif command == "nccl":
-            check_nccl()
-        elif command == "dry-run":
-            check_dry_run(sys.argv[2])
-        else:
-            print(__doc__)
-            return 2
-    except Exception:  # noqa: BLE001 - reported as a failed check with its traceback
-        traceback.print_exc()
-        report(command, False, "raised (traceback above)")
-    return 1 if gpu_checks._FAILED else 0
+    return gpu_checks.run_command({"device": check_device, "nccl": check_nccl, "dry-run": check_dry_run}, __doc__)
 
 
 if __name__ == "__main__":
