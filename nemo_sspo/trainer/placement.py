@@ -23,12 +23,12 @@ ranks replay the data position and generate the next steps from those weights (l
 resumed step, whatever k), and log that they did.
 
 Rollouts travel as plain tensors over the bridge group (:func:`send_rollout` / :func:`recv_rollout`):
-a header ``int64 [12]`` (rows, prompt width, response width, rounds, groups generated, policy
+a header ``int64 [13]`` (rows, prompt width, response width, rounds, groups generated, policy
 version, data position, text bytes, generation start and end in unix microseconds, prompt groups,
-the tag of the parts that follow, and 1 when token versions follow), then prompt ids / mask, response ids / mask, truncation flags, engine log-probs, task and shaped
-rewards, response text lengths and bytes, and each group's prompt key as ``uint8 [groups, 16]``
-(DCPO's per-prompt history is keyed by it), then, for a partial rollout, each token's version
-``int64 [rows, response width]``. Sends are asynchronous,
+the tag of the parts that follow, and 1 when token versions follow), then prompt ids / mask,
+response ids / mask, truncation flags, engine log-probs, task and shaped rewards, response text
+lengths and bytes, each group's prompt key as ``uint8 [groups, 16]`` (DCPO's per-prompt history is
+keyed by it) and, for a partial rollout, each token's version ``int64 [rows, response width]``. Sends are asynchronous,
 so a rollout rank never waits for a trainer that is busy with an earlier step.
 
 ``rollout.staleness_schedule: free`` (:class:`nemo_sspo.trainer.staleness.FreeQueue` decides when
@@ -41,16 +41,17 @@ rollout rank (gloo's any-source receive) and so takes R rollouts per step in the
 (:class:`RolloutCollector`), dropping those too stale; the training ranks get the step from it.
 Between two rollouts a rollout rank looks, without blocking, for a version notice
 (:mod:`nemo_sspo.parallel.version_notice`) and, when one has come, takes that version's weights
-bucket by bucket. The trainer posts the notice and its whole weight broadcast without waiting
+bucket by bucket; with ``rollout.partial`` it also looks between two decode steps and continues the
+unfinished responses with the new weights (:mod:`nemo_sspo.rollout.partial`). The trainer posts the notice and its whole weight broadcast without waiting
 (:func:`nemo_sspo.parallel.weight_broadcast.post_weight_broadcast`) and goes on to its next step.
 What blocks what:
 
 - training rank 0 blocks when fewer than R fresh rollouts have arrived for the step;
-- training rank 0 never waits to post weights: after step t it posts version t only when every
-  rollout rank has taken the version it posted before (:meth:`FreeRefit.busy`), else it skips
-  version t and posts a newer one after a later step, so a rank that finishes a long generation
-  takes the newest weights there are. Until a post is taken rank 0 keeps one host copy of the
-  export;
+- training rank 0 never waits to post weights: after step t it posts version t to every rollout
+  rank that has taken the version it posted to it before, each over its own pair group
+  (:meth:`FreeRefit.free_ranks`), and the others skip version t and get a newer one after a later
+  step, so a rank that finishes a long generation takes the newest weights there are. Until a post
+  is taken rank 0 keeps one host copy of the export;
 - a rollout rank blocks for the next notice when :meth:`FreeQueue.may_generate` says no (with
   ``wait``: k + 1 of its rollouts not yet taken, or as many as the remaining steps can train).
 
@@ -366,7 +367,8 @@ def _recv_parts(header: torch.Tensor, src: int, group: dist.ProcessGroup, what: 
         parts = [_recv(torch.zeros(shape, dtype=dtype), src, group, tag) for shape, dtype in shapes]
     except RuntimeError as err:
         raise _silent(src, what, err) from err
-    prompt_ids, prompt_mask, response_ids, response_mask, truncated, logprobs, task, shaped, lengths, raw, keys = parts[:11]
+    prompt_ids, prompt_mask, response_ids, response_mask, truncated, logprobs, task, shaped, lengths, raw, keys = \
+        parts[:11]
     blob, texts, offset = bytes(raw[:text_bytes].tolist()), [], 0
     for length in lengths.tolist():
         texts.append(blob[offset:offset + length].decode())
