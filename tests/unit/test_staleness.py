@@ -1,6 +1,8 @@
 """Lock-step staleness: which weights generate which step's rollout, the version-lag metrics, and the
 settings refused at load."""
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -47,8 +49,8 @@ def test_negative_staleness_is_refused():
 
 
 def test_version_lag_metrics():
-    rollout = Rollout(batch=None, task_rewards=torch.zeros(6), rewards=torch.zeros(6), rounds=1, generated_groups=3,
-                      prompt_keys=["a" * 32, "b" * 32, "c" * 32])
+    rollout = Rollout(batch=SimpleNamespace(token_versions=None), task_rewards=torch.zeros(6), rewards=torch.zeros(6),
+                      rounds=1, generated_groups=3, prompt_keys=["a" * 32, "b" * 32, "c" * 32])  # one version for all
     sums = version_lag_sums(VersionedRollout(rollout, version=2, problems_drawn=0), step=5)
     # step 5 starts from version 4: lag 2 for each of the 6 samples
     assert sums["rollout/version_lag_mean"].as_tensor().tolist() == [12.0, 6.0]
