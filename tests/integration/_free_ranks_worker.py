@@ -3,7 +3,7 @@
 
 Runs, in turn: ``wait`` with k = 0 for 4 steps with checkpoints at 2 and 4; the same resumed from
 its step-2 checkpoint; ``drop`` with k = 0 and a slow trainer (0.5 s per update); partial rollouts
-(``wait``, k = 1) with a slow engine (``DECODE_DELAY_S`` per decode step, so a 1-group rollout of 8
+(``wait``, k = 1, 3 steps) with a slow engine (``DECODE_DELAY_S`` per decode step, so a 1-group rollout of 8
 tokens takes ~1.2 s while a training step takes less): a rank's second rollout is still generating
 when the trainer posts version 1, and continues with it. The training rank records, for every
 rollout it receives (a wrapper around ``recv_free_rollout``), its rank, number and version and each
@@ -85,7 +85,7 @@ def main(out: Path) -> None:
     results["drop"] = _run(split, tiny, ["rollout.stale_policy=drop", f"trainer.output_dir={out / 'drop'}"])
     loop.GRPOTrainer.update = inner
     _slow_decoding()
-    results["partial"] = _run(split, tiny, ["rollout.partial=true", "rollout.max_staleness=1",
+    results["partial"] = _run(split, tiny, ["rollout.partial=true", "rollout.max_staleness=1", "trainer.max_steps=3",
                                             f"trainer.output_dir={out / 'partial'}"])
     if split.rank == 0:
         (out / "result.json").write_text(json.dumps(results))
