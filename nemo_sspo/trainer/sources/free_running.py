@@ -16,7 +16,6 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterator
 
-import torch
 import torch.distributed as dist
 
 from nemo_sspo.metrics import MetricPair
@@ -30,6 +29,7 @@ from nemo_sspo.trainer.staleness import (
     dropped_sums,
     is_fresh,
     partial_sums,
+    rollout_idle_s,
     version_lag_sums,
 )
 
@@ -155,13 +155,14 @@ class FreeRunningSource(SeparateSource):
         """Mean over rollout ranks of each one's gaps before its rollouts received this step (a rank
         that sent none this step counts 0).
         """
-        idle = torch.zeros(self.split.num_rollout_ranks, dtype=torch.float64)
-        for piece in sorted(got.pieces + got.dropped, key=lambda p: (p.source, p.number)):
-            end = self._ends.get(piece.source)
-            if end is not None:
-                idle[piece.source] += max(0.0, piece.generated[0] - end)
-            self._ends[piece.source] = piece.generated[1]
-        return float(idle.mean())
+        received = sorted(got.pieces + got.dropped, key=lambda p: p.number)
+        idle = []
+        for j in range(self.split.num_rollout_ranks):
+            windows = [p.generated for p in received if p.source == j]
+            idle.append(rollout_idle_s(windows, self._ends.get(j)))
+            if windows:
+                self._ends[j] = windows[-1][1]
+        return sum(idle) / len(idle)
 
     def windows(self, got: StepRollout, generated: tuple[float, float]) -> list[tuple[str, str, tuple[float, float]]]:
         """Each rollout received this step on its rank's lane (``generation`` or ``dropped``)."""
