@@ -12,9 +12,9 @@ import pytest
 
 from nemo_sspo.cli import load_config
 from nemo_sspo.models import load_hf_checkpoint
-from nemo_sspo.trainer import loop, sampling
+from nemo_sspo.trainer import sampling
 from tests.distributed._split_world import fit_side, resplit
-from tests.integration._loop_runs import TINY, ParityReward
+from tests.integration._loop_runs import TINY, ParityReward, record_step_starts
 
 PEER_TIMEOUT_S = 8
 RUN = [*TINY, "trainer.max_steps=4", "rollout.placement=separate", "rollout.num_ranks=2",
@@ -27,13 +27,7 @@ def _killed_child(rank, world_size, out_dir):
     if rank == 2:
         inner = sampling.RolloutSampler.collect
         sampling.RolloutSampler.collect = lambda self, step: os._exit(17) if step == 2 else inner(self, step)
-    starts = {}
-    step_inner = loop.GRPOTrainer.train_step
-
-    def timed(self, step):
-        starts[step] = time.monotonic()
-        return step_inner(self, step)
-    loop.GRPOTrainer.train_step = timed
+    starts = record_step_starts()
     try:
         cfg = load_config(overrides=[*RUN, f"trainer.output_dir={out_dir}/killed"])
         fit_side(cfg, split, tiny, ParityReward(), run=lambda trainer: trainer.fit())

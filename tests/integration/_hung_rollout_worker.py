@@ -41,7 +41,7 @@ def main(out: Path) -> None:
     from nemo_sspo.models import load_hf_checkpoint
     from nemo_sspo.parallel.placement import split_launched_world
     from nemo_sspo.trainer import loop
-    from tests.integration._loop_runs import TINY
+    from tests.integration._loop_runs import TINY, record_step_starts
 
     split = split_launched_world(1, timeout=datetime.timedelta(seconds=PEER_TIMEOUT_S))
     tiny = load_hf_checkpoint("tiny-random-llama")
@@ -53,14 +53,7 @@ def main(out: Path) -> None:
         per_step = cfg.rollout.prompts_per_step * cfg.rollout.samples_per_prompt
         loop.run_rollout_rank(cfg, split, checkpoint=tiny, reward=HangingReward(per_step))
         return
-    starts = {}
-    inner = loop.GRPOTrainer.train_step
-
-    def timed_step(self, step):
-        starts[step] = time.monotonic()
-        return inner(self, step)
-
-    loop.GRPOTrainer.train_step = timed_step
+    starts = record_step_starts()
     trainer = loop.GRPOTrainer(cfg, loop.start_parallel(cfg.parallel, cfg.trainer.seed), checkpoint=tiny, split=split)
     try:
         trainer.fit()

@@ -8,6 +8,7 @@ The math-verify reward pool is replaced by a stub reward passed to the trainer (
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 from nemo_sspo.cli import load_config
@@ -79,6 +80,19 @@ def record_prepared(trainer, store) -> None:
         return batch, sums
 
     trainer.prepare_batch = wrapped
+
+
+def record_step_starts() -> dict[int, float]:
+    """Wraps ``GRPOTrainer.train_step`` in this process: the returned dict gets step -> its
+    ``time.monotonic()`` start (for tests that time how long a failing step took)."""
+    starts, inner = {}, loop.GRPOTrainer.train_step
+
+    def timed_step(self, step):
+        starts[step] = time.monotonic()
+        return inner(self, step)
+
+    loop.GRPOTrainer.train_step = timed_step
+    return starts
 
 
 def on_policy_loss(batch, aggregation: str, max_response_length: int) -> tuple[float, float]:
