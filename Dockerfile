@@ -47,5 +47,5 @@ RUN python -m pip wheel --no-deps -w /tmp/dist . \
  && python tools/install_beside_torch.py constraints/py312.txt /tmp/dist/nemo_sspo-*.whl \
  && rm -rf /tmp/dist \
  && if [ "$WITH_VLLM" = 1 ]; then bash tools/install_vllm_cuda.sh; fi \
- && cd / && nemo-sspo train --print-config --config-name sspo_qwen2.5_math_7b > /dev/null \
+ && cd / && WORLD_SIZE=8 nemo-sspo train --print-config --config-name sspo_qwen2.5_math_7b > /dev/null \
  && python -c "import megatron.core, transformer_engine, torch; print('nemo_sspo ready: torch', torch.__version__, 'megatron-core', megatron.core.__version__)"

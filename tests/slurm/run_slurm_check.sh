@@ -3,9 +3,9 @@
 #   1. installs Debian's slurm-wlm and munge with apt (skipped when already installed),
 #   2. starts munged, slurmctld and slurmd as a one-node cluster (config in a temp dir),
 #   3. submits the CPU tiny run (model=tiny_random, 2 steps) through examples/slurm/sspo.sbatch
-#      with 2 tasks x 1 worker, twice: as pipeline parallel PP=2 over gloo (it can only start when
-#      both Slurm tasks joined one rendezvous: PP=2 refuses world size 1), and with the separate
-#      rollout placement (1 training rank + 1 rollout rank, rollout.num_ranks=1),
+#      with 1 task (the script runs one torchrun agent per node) x 2 workers, twice: as pipeline
+#      parallel PP=2 over gloo (PP=2 refuses world size 1), and with the separate rollout placement
+#      (1 training rank + 1 rollout rank, rollout.num_ranks=1),
 #   4. waits for each, checks it COMPLETED with exit code 0 and metrics.jsonl holds 2 finite steps,
 #   5. stops the daemons it started.
 #
@@ -90,13 +90,13 @@ for _ in $(seq 30); do sinfo -h -o '%t' | grep -qE '^(idle|mix)' && break; sleep
 sinfo
 
 # ---- 3.-4. tiny CPU runs through the production sbatch script, each waited for and checked ----------
-# run_job NAME OVERRIDES...: submits 2 tasks x 1 worker, waits, checks COMPLETED 0:0 and 2 finite steps.
+# run_job NAME OVERRIDES...: submits 1 task x 2 workers, waits, checks COMPLETED 0:0 and 2 finite steps.
 run_job() {
   local name=$1; shift
   local out="${work}/${name}" job state exit_code
   cd "${work}"
-  job=$(NPROC_PER_TASK=1 NEMO_SSPO_PYTHON="${python_bin}" OMP_NUM_THREADS=1 HF_HUB_OFFLINE=1 \
-    sbatch --parsable --ntasks 2 --ntasks-per-node 2 --gpus-per-node 0 --cpus-per-task 1 --time 30:00 \
+  job=$(NPROC_PER_TASK=2 NEMO_SSPO_PYTHON="${python_bin}" OMP_NUM_THREADS=1 HF_HUB_OFFLINE=1 \
+    sbatch --parsable --ntasks 1 --gpus-per-node 0 --cpus-per-task 2 --time 30:00 \
     --output "${work}/job-%j.out" "${repo}/examples/slurm/sspo.sbatch" \
     model=tiny_random trainer.max_steps=2 rollout.prompts_per_step=2 rollout.samples_per_prompt=4 \
     rollout.max_new_tokens=24 parallel.micro_batch_size=2 reward.num_workers=1 optim.lr=1e-3 \
