@@ -222,9 +222,27 @@ def _restore_adam_steps(optimizer) -> None:
                     state["step"] = torch.tensor(float(group["step"]), dtype=state["step"].dtype)
 
 
+def _group_settings(optimizer) -> list[dict[str, Any]]:
+    """This run's settings of each optimizer param group: everything but its parameters and Adam's
+    update count (``step``), e.g. the schedule's bounds ``max_lr`` / ``min_lr``, ``betas``, ``eps``."""
+    return [{key: value for key, value in group.items() if key not in ("params", "step")}
+            for group in optimizer.param_groups]
+
+
 def _load_sharded(directory: Path, model, optimizer, lr_scheduler) -> None:
+    """Loads one model's checkpoint folder into ``model``, ``optimizer`` and ``lr_scheduler``.
+
+    The checkpoint gives the weights, the optimizer's states and update counts, and the schedule's
+    position; the settings stay this run's (an allowed change of ``optim.lr``, ``optim.min_lr`` or the
+    schedule's shape takes effect from the next update). The optimizer's ``load_state_dict`` puts the
+    checkpoint's param groups back, ``max_lr`` / ``min_lr`` included, and megatron-core's scheduler
+    reads a group's bounds before its own: without restoring this run's group settings, a resume at
+    another ``optim.lr`` ran at the checkpoint's rates (measured: steps 3-4 of a cosine run resumed at
+    2e-3 ran at the 1e-3 run's rates).
+    """
     from megatron.core import dist_checkpointing
 
+    settings = _group_settings(optimizer)
     with cpu_device_context():
         _create_distributed_optimizer_states(optimizer)
         loaded = dist_checkpointing.load(_sharded_state(model, optimizer, lr_scheduler, is_loading=True),
@@ -233,6 +251,8 @@ def _load_sharded(directory: Path, model, optimizer, lr_scheduler) -> None:
         with torch.no_grad():  # an fp32 model's distributed-optimizer shards are views of its parameters
             optimizer.load_state_dict(loaded["optimizer"])
         _restore_adam_steps(optimizer)
+    for group, own in zip(optimizer.param_groups, settings, strict=True):
+        group.update(own)
     if lr_scheduler is not None:  # the update count; this run's schedule settings stay (override)
         lr_scheduler.load_state_dict(loaded["lr_scheduler"])
 

@@ -3,8 +3,9 @@ learning-rate schedule and warmup, so the checkpoint holds the schedule's positi
 TP=2 (plain Adam), and DP=2 with the distributed optimizer (Adam's states sharded over the two ranks).
 
 For each: runs 3 steps saving a checkpoint at step 2, then resumes a second trainer from that
-checkpoint into another output folder and runs step 3 again. Rank 0 writes both runs' step-3 metrics
-per layout to ``<out>/result.json``. Usage:
+checkpoint into another output folder and runs step 3 again, and once more with
+:data:`CHANGED_SCHEDULE`. Rank 0 writes the three runs' step-3 metrics per layout to
+``<out>/result.json``. Usage:
 ``torchrun --nproc-per-node 2 -m tests.integration._resume_worker OUT``.
 
 Imports live inside the functions: Megatron's checkpoint writer starts a spawned helper process,
@@ -15,6 +16,10 @@ import json
 import sys
 from pathlib import Path
 
+
+CHANGED_SCHEDULE = ["optim.lr=4e-5", "optim.min_lr=2e-6", "optim.lr_decay_steps=8"]
+"""A resume's allowed changes of the schedule (the checkpoint's: peak 2e-5, minimum 1e-6, decay over
+the run's 6 updates), which must take effect at the checkpoint's position."""
 
 LAYOUTS = {"tp2": ["parallel.tensor_model_parallel_size=2"],
            "dp2_distributed_optimizer": ["optim.use_distributed_optimizer=true", "rollout.prompts_per_step=4"]}
@@ -52,7 +57,10 @@ def main(out: Path) -> None:
         straight = _fit([*common, *layout, f"trainer.output_dir={run / 'straight'}"], tiny)
         step2 = run / "straight" / "checkpoints" / "step_000002"
         resumed = _fit([*common, *layout, f"trainer.output_dir={run / 'resumed'}", f"trainer.resume={step2}"], tiny)
-        results[name] = {"straight": straight[-1] if straight else None, "resumed": resumed[-1] if resumed else None}
+        changed = _fit([*common, *layout, *CHANGED_SCHEDULE, f"trainer.output_dir={run / 'changed'}",
+                        f"trainer.resume={step2}"], tiny)
+        results[name] = {run_name: history[-1] if history else None for run_name, history
+                         in (("straight", straight), ("resumed", resumed), ("changed", changed))}
     if dist.get_rank() == 0:  # rank 0 logs; its history holds every step
         (out / "result.json").write_text(json.dumps(results))
     dist.destroy_process_group()
