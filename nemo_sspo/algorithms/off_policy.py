@@ -35,7 +35,7 @@ import math
 import torch
 
 from nemo_sspo.algorithms.ratios import segment_mean
-from nemo_sspo.metrics import MetricPair, mean_pair, mean_sq_pair
+from nemo_sspo.metrics import SQ_CENTRE, MetricPair, mean_pair, mean_sq_pair
 
 __all__ = ["CORRECTIONS", "TRUNCATING_CORRECTIONS", "MASKING_CORRECTIONS", "effective_sample_size",
            "off_policy_weights"]
@@ -146,7 +146,7 @@ def _weight_metrics(mode: str, weights: torch.Tensor, outside: torch.Tensor, mas
     count = unit_mask.sum()
     return {
         "rollout/is_weight": mean_pair(unit_weights.sum(), count),
-        "rollout/is_weight_sq": mean_sq_pair(unit_weights.double().square().sum(), count),
+        "rollout/is_weight_sq": mean_sq_pair((unit_weights.double() - SQ_CENTRE).square().sum(), count),
         share_key: mean_pair(unit_outside.sum(), count),
     }
 

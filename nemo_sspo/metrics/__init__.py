@@ -9,6 +9,7 @@ pipeline stages, ``nemo_sspo.trainer.rollout_metrics`` computes a rollout's metr
 """
 
 from nemo_sspo.metrics.pairs import (
+    SQ_CENTRE,
     MetricPair,
     max_pair,
     mean_pair,
@@ -19,6 +20,7 @@ from nemo_sspo.metrics.pairs import (
 )
 
 __all__ = [
+    "SQ_CENTRE",
     "MetricPair",
     "max_pair",
     "mean_pair",

@@ -8,8 +8,15 @@ A metric is a :class:`MetricPair` ``(total, count, kind)`` whose kind says how i
 - ``"min"`` / ``"max"``: ``total`` is the extreme over ``count`` items; pairs combine with
   MIN / MAX and add their counts, a pair whose count is 0 takes no part (value 0 when nothing
   anywhere is valid);
-- ``"mean_sq"``: a ``"mean"`` pair of squared values stored under ``<base>_sq`` next to the
-  ``"mean"`` pair ``<base>``; the summary also derives ``<base>_std = sqrt(max(sq - mean^2, 0))``.
+- ``"mean_sq"``: a ``"mean"`` pair of the squared deviations ``(x - 1)^2`` from :data:`SQ_CENTRE`,
+  stored under ``<base>_sq`` next to the ``"mean"`` pair ``<base>`` of ``x``; the summary reports
+  ``<base>_sq`` as the mean square ``E[x^2] = E[(x - 1)^2] + 2 E[x] - 1`` and derives
+  ``<base>_std = sqrt(max(E[(x - 1)^2] - (E[x] - 1)^2, 0))``.
+
+Totals and counts are float64. The spreads we log are of importance ratios and weights, which sit
+near 1: ``sqrt(E[x^2] - E[x]^2)`` from float32 means cancels (a true spread of 1e-6 read as 3e-4),
+and even in float64 its error grows with the number of items; about 1 both terms are small and the
+difference keeps its digits (the algebra is exact for any values; centring is ours).
 
 :func:`merge_metric_sums` combines micro-batches in one process, :func:`summarize_metric_pairs`
 turns pairs into floats; ``nemo_sspo.parallel.metrics.reduce_metric_sums`` does both across
@@ -24,11 +31,14 @@ from typing import Literal
 
 import torch
 
+SQ_CENTRE = 1.0
+"""The value ``"mean_sq"`` pairs square their deviations from (module docstring)."""
+
 MetricKind = Literal["mean", "min", "max", "mean_sq"]
 METRIC_KINDS: tuple[str, ...] = ("mean", "min", "max", "mean_sq")
 _ADDITIVE_KINDS = ("mean", "mean_sq")  # pairs that combine by adding total and count
 
-_F32 = torch.float32
+_F64 = torch.float64
 
 
 @dataclass(frozen=True)
@@ -36,8 +46,8 @@ class MetricPair:
     """One metric of one or more micro-batches (module docstring).
 
     Attributes:
-        total: 0-d float32 tensor: the sum (additive kinds) or the extreme (``"min"``/``"max"``).
-        count: 0-d float32 tensor: the number of items; 0 marks an empty pair.
+        total: 0-d float64 tensor: the sum (additive kinds) or the extreme (``"min"``/``"max"``).
+        count: 0-d float64 tensor: the number of items; 0 marks an empty pair.
         kind: one of :data:`METRIC_KINDS`.
 
     Raises:
@@ -57,7 +67,7 @@ class MetricPair:
         """Whether pairs of this kind combine by summation (``"mean"``, ``"mean_sq"``)."""
         return self.kind in _ADDITIVE_KINDS
 
-    def as_tensor(self, dtype: torch.dtype = _F32) -> torch.Tensor:
+    def as_tensor(self, dtype: torch.dtype = _F64) -> torch.Tensor:
         """``[2]`` tensor ``(total, count)`` of ``dtype`` on the pair's device, detached."""
         return torch.stack([self.total, self.count]).detach().to(dtype)
 
@@ -67,7 +77,7 @@ class MetricPair:
 
 
 def _scalar(value: torch.Tensor | float) -> torch.Tensor:
-    return torch.as_tensor(value).to(_F32).reshape(())
+    return torch.as_tensor(value).to(_F64).reshape(())
 
 
 def mean_pair(total: torch.Tensor | float, count: torch.Tensor | float) -> MetricPair:
@@ -76,14 +86,16 @@ def mean_pair(total: torch.Tensor | float, count: torch.Tensor | float) -> Metri
 
 
 def mean_sq_pair(total: torch.Tensor | float, count: torch.Tensor | float) -> MetricPair:
-    """A ``"mean_sq"`` pair: a sum of squares over ``count`` items (store it under ``<base>_sq``)."""
+    """A ``"mean_sq"`` pair: ``total`` = the sum of ``(x - SQ_CENTRE)^2`` over ``count`` items
+    (store it under ``<base>_sq``; sum in float64 where the values are close together).
+    """
     return MetricPair(_scalar(total), _scalar(count), "mean_sq")
 
 
 def _extreme(values: torch.Tensor, mask: torch.Tensor, count: torch.Tensor | None,
              kind: MetricKind) -> MetricPair:
     fill = torch.inf if kind == "min" else -torch.inf
-    masked = torch.where(mask, values.to(_F32), torch.full((), fill, dtype=_F32, device=values.device))
+    masked = torch.where(mask, values.to(_F64), torch.full((), fill, dtype=_F64, device=values.device))
     masked = masked.reshape(-1)
     if masked.numel() == 0:  # an empty batch (B = 0 or T = 0): an empty pair, not a reduction error
         masked = masked.new_full((1,), fill)
@@ -136,8 +148,9 @@ def merge_metric_sums(total: dict[str, MetricPair], new: dict[str, MetricPair]) 
 
 def summarize_metric_pairs(pairs: dict[str, MetricPair]) -> dict[str, float]:
     """Floats from (already reduced) pairs: ``total / count`` for additive kinds, the extreme for
-    ``"min"`` / ``"max"``, plus ``<base>_std`` for each ``"mean_sq"`` pair ``<base>_sq`` whose
-    ``"mean"`` pair ``<base>`` is present; a pair whose count is 0 reports 0.0.
+    ``"min"`` / ``"max"``; for each ``"mean_sq"`` pair ``<base>_sq`` whose ``"mean"`` pair ``<base>``
+    is present, the mean square ``E[x^2]`` and ``<base>_std`` (module docstring); a pair whose count
+    is 0 reports 0.0.
 
     Raises:
         TypeError: a value is not a :class:`MetricPair`.
@@ -160,5 +173,7 @@ def summarize_metric_pairs(pairs: dict[str, MetricPair]) -> dict[str, float]:
             raise ValueError(f"'mean_sq' metric {key!r} must be named '<base>_sq'")
         base = key[: -len("_sq")]
         if base in pairs and pairs[base].kind == "mean":
-            result[f"{base}_std"] = math.sqrt(max(result[key] - result[base] ** 2, 0.0))
+            centred_sq, shift = result[key], result[base] - SQ_CENTRE
+            result[key] = centred_sq + 2 * SQ_CENTRE * result[base] - SQ_CENTRE ** 2
+            result[f"{base}_std"] = math.sqrt(max(centred_sq - shift ** 2, 0.0))
     return result

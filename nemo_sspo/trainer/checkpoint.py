@@ -70,6 +70,7 @@ import torch.distributed as dist
 
 from nemo_sspo.megatron.cpu_shims import cpu_device_context
 from nemo_sspo.trainer.periodic_eval import BEST_DIR
+from nemo_sspo.trainer.rollout_log import ROLLOUT_LOG_DIR
 from nemo_sspo.trainer.run_config import (
     RUN_CONFIG_FILE,
     data_parallel_size,
@@ -105,7 +106,8 @@ EARLIER_RUN_PREFIX = "earlier_run_"
 logger = logging.getLogger(__name__)
 
 _MODEL_FOLDERS = ("hf_checkpoint", "hf_checkpoint_interrupted", BEST_DIR)
-RUN_OUTPUTS = ("metrics.jsonl", "tensorboard", "reward_entropy.png", CHECKPOINTS_DIR, *_MODEL_FOLDERS, "eval",
+RUN_OUTPUTS = ("metrics.jsonl", ROLLOUT_LOG_DIR, "tensorboard", "reward_entropy.png", CHECKPOINTS_DIR, *_MODEL_FOLDERS,
+               "eval",
                RUN_CONFIG_FILE, "throughput_summary.json", "timeline.jsonl", "timeline.png", "trackers.json",
                "wandb", "mlflow.db", "mlflow.db-journal", "mlflow.db-wal", "mlflow.db-shm", "mlflow_artifacts",
                *(f".{name}.{kind}" for name in _MODEL_FOLDERS for kind in ("tmp", "old")))
@@ -224,7 +226,8 @@ def _restore_adam_steps(optimizer) -> None:
 
 def _group_settings(optimizer) -> list[dict[str, Any]]:
     """This run's settings of each optimizer param group: everything but its parameters and Adam's
-    update count (``step``), e.g. the schedule's bounds ``max_lr`` / ``min_lr``, ``betas``, ``eps``."""
+    update count (``step``), e.g. the schedule's bounds ``max_lr`` / ``min_lr``, ``betas``, ``eps``.
+    """
     return [{key: value for key, value in group.items() if key not in ("params", "step")}
             for group in optimizer.param_groups]
 

@@ -492,6 +492,11 @@ class TrainerConfig:
     one line per step), ``jsonl`` (``output_dir/metrics.jsonl``; resuming needs it), ``tensorboard``
     (``output_dir/tensorboard/``), ``wandb`` (``trainer.wandb``) and ``mlflow`` (``trainer.mlflow``). W&B
     and MLflow also get the composed config as parameters and the reward/entropy plot."""
+    rollout_log: bool = False
+    """Write one JSON Lines record per response per step (prompt and response text, task and shaped
+    reward, advantage, length, version, truncation) to ``output_dir/rollouts/replica_<dp rank>.jsonl``
+    (``nemo_sspo.trainer.rollout_log``); kept and replaced on resume like ``metrics.jsonl``. About the
+    responses' text per step: ~12 MB at 1,024 responses of 3,000 tokens."""
     wandb: WandbConfig = field(default_factory=WandbConfig)
     """Weights & Biases run settings, used when ``wandb`` is in ``trainer.loggers``."""
     mlflow: MlflowConfig = field(default_factory=MlflowConfig)

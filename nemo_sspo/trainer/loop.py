@@ -119,6 +119,7 @@ from nemo_sspo.trainer.device import check_host, training_device
 from nemo_sspo.trainer.interrupt import deferred_signals
 from nemo_sspo.trainer.metric_log import MetricsLogger
 from nemo_sspo.trainer.periodic_eval import BEST_DIR, BestEval, evaluate_engine
+from nemo_sspo.trainer.rollout_log import RolloutLog, rollout_records
 from nemo_sspo.trainer.rollout_metrics import TruncationWatch, rollout_metric_sums
 from nemo_sspo.trainer.run_config import composed_config, read_config, resume_changes, write_config
 from nemo_sspo.trainer.sampling import Rollout, RolloutSampler
@@ -372,9 +373,13 @@ class GRPOTrainer:
             self._resume(resume_path)
         else:
             self.source.start(0, 0)
+        resume_step = self.completed_steps if resume_path is not None else None
         self.logger = MetricsLogger(cfg.trainer.output_dir, cfg.trainer.max_steps, enabled=dist.get_rank() == 0,
-                                    resume_step=self.completed_steps if resume_path is not None else None,
-                                    trainer=cfg.trainer, params=asdict(cfg))
+                                    resume_step=resume_step, trainer=cfg.trainer, params=asdict(cfg))
+        g = self.groups  # the replica's rank that holds the step's advantages writes its responses
+        self.rollout_log = (RolloutLog(cfg.trainer.output_dir, g.dp_rank, resume_step=resume_step)
+                            if cfg.trainer.rollout_log and g.is_last_stage and g.tp_rank == 0 and g.cp_rank == 0
+                            else None)
         if self.logger.enabled:
             write_config(cfg.trainer.output_dir, self.config)
         if self.resume_changes:
@@ -472,8 +477,9 @@ class GRPOTrainer:
         return pack_critic_batch(rb.prompt_ids, rb.prompt_mask, rollout.task_rewards,
                                  self.cfg.rollout.samples_per_prompt, pad_id=self.tokenizer.pad_token_id)
 
-    def prepare_batch(self, rollout: Rollout):
-        """Advantages, segment ids and packing; with a token budget
+    def prepare_batch(self, rollout: Rollout, advantages: torch.Tensor, sums: dict[str, MetricPair]):
+        """From the rollout and its ``[B]`` advantages (:meth:`compute_advantages`, whose metric pairs
+        are ``sums``): segment ids and packing; with a token budget
         (``parallel.max_tokens_per_micro_batch``) each mini-batch's rows balanced by tokens across
         data-parallel ranks (:meth:`_balanced`); then pi_old (and pi_ref) log-probs from Megatron,
         and the off-policy correction weights unless ``rollout.correction`` is ``none`` (last pipeline
@@ -483,7 +489,6 @@ class GRPOTrainer:
             ``(PolicyBatch, advantage and correction metric pairs)``.
         """
         rb = rollout.batch
-        advantages, sums = self.compute_advantages(rollout)
         needs = self.loss.requirements
         segments = segment_ids(needs.segmentation, rb.response_ids, rb.response_mask, self.tables,
                                k=needs.segment_k)
@@ -616,7 +621,12 @@ class GRPOTrainer:
             versioned = self._rollout_side_window(got.versioned)
             rollout, self.problems_drawn = versioned.rollout, versioned.problems_drawn
         with timer.time("train"):
-            batch, batch_sums = self.prepare_batch(rollout)
+            advantages, batch_sums = self.compute_advantages(rollout)
+            if self.rollout_log is not None:
+                self.rollout_log.add(rollout_records(step, versioned, advantages, tokenizer=self.tokenizer,
+                                                     group_size=self.cfg.rollout.samples_per_prompt,
+                                                     replica=self.groups.dp_rank))
+            batch, batch_sums = self.prepare_batch(rollout, advantages, batch_sums)
             batch_sums.update(self.routing_sums(batch, step))
             sums, grad_norm = self.update(batch)
         extra = {"optim/grad_norm": grad_norm, "optim/lr": self.optimizer.param_groups[0]["lr"]}  # the last update's
@@ -792,6 +802,8 @@ class GRPOTrainer:
                 metrics.update(self.maybe_evaluate(step))
                 with deferred_signals():  # a stop signal waits: the step's record, checkpoint and count agree
                     self.logger.log(step, metrics)
+                    if self.rollout_log is not None:
+                        self.rollout_log.flush()
                     self.maybe_checkpoint(step)
                     self.completed_steps = step
         except BaseException:
@@ -807,6 +819,8 @@ class GRPOTrainer:
     def close(self) -> None:
         """Closes the logger (writing its plots), draws ``timeline.png`` on rank 0, stops the reward pool."""
         self.logger.close()
+        if self.rollout_log is not None:
+            self.rollout_log.close()
         if dist.get_rank() == 0:
             self.timeline.write(Path(self.cfg.trainer.output_dir))
         if self.reward is not None:

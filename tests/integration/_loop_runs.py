@@ -74,8 +74,8 @@ def record_prepared(trainer, store) -> None:
     """Wraps ``trainer.prepare_batch``: appends ``(rollout, batch)`` for every rollout it prepares."""
     inner = trainer.prepare_batch
 
-    def wrapped(rollout):
-        batch, sums = inner(rollout)
+    def wrapped(rollout, *args):
+        batch, sums = inner(rollout, *args)
         store.append((rollout, batch))
         return batch, sums
 

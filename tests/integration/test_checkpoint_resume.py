@@ -40,8 +40,8 @@ def _record_tis_inputs(store):
     def capture(trainer):
         inner = trainer.prepare_batch
 
-        def wrapped(rollout):
-            batch, sums = inner(rollout)
+        def wrapped(rollout, *args):
+            batch, sums = inner(rollout, *args)
             rb = rollout.batch
             engine = response_to_target_frame(rb.rollout_logprobs, rb.prompt_mask, batch.loss_mask.shape[1])
             store.append((batch.old_logprobs.clone(), engine, batch.loss_mask.clone()))

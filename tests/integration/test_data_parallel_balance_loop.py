@@ -27,10 +27,10 @@ def _first_step(rank, world_size, tmp_dir):
         rolled = []
         inner = trainer.prepare_batch
 
-        def prepare(rollout):
+        def prepare(rollout, *args):
             rb = rollout.batch
             rolled.extend((rb.prompt_mask.sum(1) + rb.response_mask.sum(1)).tolist())
-            return inner(rollout)
+            return inner(rollout, *args)
 
         trainer.prepare_batch = prepare
         metrics = trainer.train_step(1)

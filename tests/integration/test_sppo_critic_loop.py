@@ -20,8 +20,8 @@ def test_critic_baseline_and_training(monkeypatch, tmp_path):
         assert len(unwrap_model(trainer.critic.model).decoder.layers) == 1  # critic.num_layers=1
         inner = trainer.prepare_batch
 
-        def wrapped(rollout):
-            batch, sums = inner(rollout)
+        def wrapped(rollout, *args):
+            batch, sums = inner(rollout, *args)
             seen.append((rollout.rewards.clone(), batch.advantages.clone()))
             return batch, sums
 

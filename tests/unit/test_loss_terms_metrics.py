@@ -30,6 +30,7 @@ from nemo_sspo.algorithms.losses import (
     unregister_soft_gate,
 )
 from nemo_sspo.algorithms.losses.metrics import ENTROPY_BAND_KEYS
+from nemo_sspo.metrics import summarize_metric_pairs
 from tests.unit.loss_cases import LOSS_CASES
 
 ALL_NAMES = sorted(LOSS_CASES)  # the one table of per-loss hand values
@@ -163,8 +164,8 @@ def test_metrics_hand_worked():
     e = math.exp
     tokens = [0.4, 0.0, -0.2, -0.2, -0.5, 0.1, 0.1]
     assert value("policy/ratio_token") == pytest.approx(sum(e(x) for x in tokens) / 7, rel=1e-6)
-    assert value("policy/ratio_token_sq") == pytest.approx(sum(e(2 * x) for x in tokens) / 7,
-                                                           rel=1e-6)
+    assert summarize_metric_pairs(m)["policy/ratio_token_sq"] == pytest.approx(sum(e(2 * x) for x in tokens) / 7,
+                                                                               rel=1e-6)
     assert m["policy/ratio_token_min"].as_tensor().tolist() == pytest.approx([e(-0.5), 7.0], rel=1e-6)
     assert m["policy/ratio_token_max"].as_tensor().tolist() == pytest.approx([e(0.4), 7.0], rel=1e-6)
     seg = [e(0.2), e(-0.2), e(-0.5), e(0.1)]
@@ -263,3 +264,17 @@ def test_builtin_gate_slopes_match_autograd():
         assert torch.allclose(grad, gate.slope(x.detach(), tau), atol=1e-12)
         assert gate.value(torch.zeros(1, dtype=torch.float64), tau).item() == 0.0
         assert gate.slope(torch.zeros(1, dtype=torch.float64), tau).item() == 1.0
+
+
+def test_token_ratio_spread_of_1e_7_is_not_lost_to_cancellation():
+    # Token ratios 1 + k * 2^-23 (k = -1, 0, 1, 0 repeated over 2 x 2,000 tokens): population std
+    # sqrt(1/2) * 2^-23 = 8.43e-8, taken in float64 from the same ratios. sqrt(E[r^2] - E[r]^2) over
+    # float32 sums lost it entirely (0 or ~1e-4).
+    steps = torch.tensor([-1.0, 0.0, 1.0, 0.0], dtype=torch.float64).repeat(1000).reshape(2, 2000) * 2.0 ** -23
+    logprobs = torch.log1p(steps)
+    mask = torch.ones(2, 2000, dtype=torch.bool)
+    _, m = _call("grpo", None, logprobs, torch.zeros_like(logprobs), torch.tensor([1.0, -1.0], dtype=torch.float64),
+                 mask, torch.zeros(2, 2000, dtype=torch.long), None)
+    reference = torch.exp(logprobs).float().double().std(unbiased=False).item()  # the ratios as the metric holds them
+    assert reference == pytest.approx(math.sqrt(0.5) * 2.0 ** -23, rel=1e-6)
+    assert summarize_metric_pairs(m)["policy/ratio_token_std"] == pytest.approx(reference, rel=1e-3)

@@ -66,7 +66,8 @@ def test_summary_errors():
 
 
 def test_single_process_reduction_min_max_std():
-    local = {"r": mean_pair(6, 4), "r_sq": mean_sq_pair(10, 4), "r_min": _extreme(0.5, 4, "min"),
+    # four values with sum 6 and sum of squares 10: sum of (x - 1)^2 = 10 - 2 * 6 + 4 = 2
+    local = {"r": mean_pair(6, 4), "r_sq": mean_sq_pair(2, 4), "r_min": _extreme(0.5, 4, "min"),
              "r_max": _extreme(2.5, 4, "max"), "e_max": _extreme(0, 0, "max"), "n": mean_pair(0, 0)}
     out = reduce_metric_sums(local, dp_group=None, pp_group=None, last_stage_rank=0,
                              is_last_stage=True)

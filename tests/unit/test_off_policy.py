@@ -10,6 +10,7 @@ from nemo_sspo.algorithms.losses import GRPOLossConfig, make_policy_loss
 from nemo_sspo.algorithms.micro_batches import MicroBatch
 from nemo_sspo.algorithms.off_policy import effective_sample_size, off_policy_weights
 from nemo_sspo.megatron.step import LossSpec, PolicyBatch, _policy_loss_func
+from nemo_sspo.metrics import merge_metric_sums, summarize_metric_pairs
 
 # Two responses. Only log pi_old - log mu matters, so mu's log-probs are 0 and pi_old's are log r
 # (float64: the ratios at the band's edges are exact). Row 0: ratios [2, 0.5, 1] (4th column
@@ -24,8 +25,7 @@ def _weights(mode, **bounds):
 
 
 def _value(metrics, key):
-    total, count = metrics[key].as_tensor(torch.float64).tolist()
-    return total / count
+    return summarize_metric_pairs(metrics)[key]  # a "mean_sq" pair's summary is the mean square
 
 
 @pytest.mark.parametrize("mode, bounds, expected, share_key, share, mean, mean_sq", [
@@ -142,3 +142,23 @@ def test_policy_loss_is_weighted_per_token():
     # token-mean numerator: -(1 + 1 + 1) = -3 unweighted; -(2 + 0.5 + 1) = -3.5 weighted; same denominator 3
     assert plain.item() == pytest.approx(-3.0) and weighted.item() == pytest.approx(-3.5)
     assert int(count) == int(count_w) == 3
+
+
+def test_weight_spread_of_1e_7_is_not_lost_to_cancellation():
+    # 4,000 token weights 1 + k * 2^-23 (k = -1, 0, 1, 0 repeated; 2^-23 = 1.19e-7, float32's step at 1),
+    # from log-ratios of exactly those weights, in two micro-batches: population std
+    # sqrt(mean(k^2)) * 2^-23 = sqrt(1/2) * 2^-23 = 8.43e-8, worked out in float64 below.
+    # sqrt(E[w^2] - E[w]^2) from float32 means read ~3e-4 here.
+    steps = torch.tensor([-1.0, 0.0, 1.0, 0.0], dtype=torch.float64).repeat(1000) * 2.0 ** -23
+    weights = (1 + steps).float().reshape(2, 2000)
+    old = torch.log(weights.double()).float()
+    merged = {}
+    for row in range(2):
+        mask = torch.ones(1, 2000, dtype=torch.bool)
+        _, metrics = off_policy_weights("token_tis", old[row:row + 1], torch.zeros(1, 2000), mask, cap=2.0)
+        merged = merge_metric_sums(merged, metrics)
+    summary = summarize_metric_pairs(merged)
+    reference = weights.double().std(unbiased=False).item()
+    assert reference == pytest.approx(math.sqrt(0.5) * 2.0 ** -23, rel=1e-9)
+    assert summary["rollout/is_weight_std"] == pytest.approx(reference, rel=1e-3)
+    assert summary["rollout/is_weight_sq"] == pytest.approx(weights.double().square().mean().item(), rel=1e-12)

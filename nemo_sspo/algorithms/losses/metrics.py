@@ -36,7 +36,7 @@ from nemo_sspo.algorithms.context_parallel import CPContext, cp_sum, items_on_th
 from nemo_sspo.algorithms.kl import kl_estimate
 from nemo_sspo.algorithms.ratios import LOG_RATIO_CLAMP, segment_mean
 from nemo_sspo.algorithms.segmentation import mask_segment_ids
-from nemo_sspo.metrics import MetricPair, max_pair, mean_pair, mean_sq_pair, min_pair
+from nemo_sspo.metrics import SQ_CENTRE, MetricPair, max_pair, mean_pair, mean_sq_pair, min_pair
 
 ENTROPY_BAND_EDGES = (0.2, 0.75, 1.0)
 ENTROPY_BAND_KEYS = (
@@ -80,7 +80,8 @@ class _Weights:
                                                                    device=values.device))
 
     def _weighted_sum(self, values: torch.Tensor, level: str) -> torch.Tensor:
-        return (self._masked(values) * self.by[level]).sum()
+        # float64: the spread of values near 1 is taken from these sums (nemo_sspo.metrics.pairs)
+        return (self._masked(values).double() * self.by[level].double()).sum()
 
     def mean(self, values: torch.Tensor, level: str) -> MetricPair:
         return mean_pair(self._weighted_sum(values, level), self.count[level])
@@ -90,7 +91,7 @@ class _Weights:
         values, count = self._masked(values), self.count[level]
         return {
             key: self.mean(values, level),
-            f"{key}_sq": mean_sq_pair(self._weighted_sum(values.square(), level), count),
+            f"{key}_sq": mean_sq_pair(self._weighted_sum((values.double() - SQ_CENTRE).square(), level), count),
             **self._extremes(key, values, level),
         }
 

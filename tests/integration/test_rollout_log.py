@@ -1,0 +1,63 @@
+"""``trainer.rollout_log``: one record per response per step, its values checked against what they
+must be independently of the logging code (the parity reward recomputed from the response text, the
+GRPO advantage recomputed from the logged rewards by hand, the step's logged means), kept and
+replaced on resume like ``metrics.jsonl``, and cleared by ``trainer.overwrite_output_dir``."""
+
+import json
+import statistics
+from collections import defaultdict
+
+import pytest
+
+from nemo_sspo.models import load_hf_checkpoint
+from tests.integration._loop_runs import run
+
+LOG = ["trainer.rollout_log=true", "trainer.max_steps=2", "trainer.checkpoint_interval=1"]
+
+
+def _log(out):
+    return [json.loads(line) for line in (out / "rollouts" / "replica_000.jsonl").read_text().splitlines()]
+
+
+def _metrics(out):
+    return {r["step"]: r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())}
+
+
+def test_rollout_log_values_resume_and_overwrite(monkeypatch, tmp_path):
+    tiny = load_hf_checkpoint("tiny-random-llama")
+    out = tmp_path / "run"
+    run(monkeypatch, out, LOG, checkpoint=tiny)
+    straight = _log(out)
+    metrics = _metrics(out)
+    assert [(r["step"], r["row"], r["sample"]) for r in straight] == [
+        (step, row, row % 2) for step in (1, 2) for row in range(4)]  # 2 prompts x 2 samples per step
+    for step in (1, 2):
+        records = [r for r in straight if r["step"] == step]
+        groups = defaultdict(list)
+        for r in records:
+            # ParityReward: 1 for an even character count; no overlong shaping here
+            assert r["task_reward"] == r["reward"] == float(len(r["response"]) % 2 == 0)
+            assert r["version"] == step - 1 and r["replica"] == 0  # colocated: the weights of step - 1 updates
+            assert r["truncated"] == (r["response_length"] == 8)  # rollout.max_new_tokens=8, no stop token
+            groups[r["prompt_id"]].append(r)
+        assert len(groups) == 2
+        for group in groups.values():
+            rewards = [r["reward"] for r in group]
+            assert len({r["prompt"] for r in group}) == 1
+            # GRPO: (r - mean) / (population std + 1e-6), 0 for a group of equal rewards
+            mean, std = statistics.fmean(rewards), statistics.pstdev(rewards)
+            for r in group:
+                expected = 0.0 if std == 0 else (r["reward"] - mean) / (std + 1e-6)
+                assert r["advantage"] == pytest.approx(expected, rel=1e-6, abs=1e-7)
+        assert statistics.fmean(r["task_reward"] for r in records) == pytest.approx(metrics[step]["reward/mean"])
+        assert statistics.fmean(r["response_length"] for r in records) == pytest.approx(
+            metrics[step]["response/length_mean"])
+    assert any(r["advantage"] != 0 for r in straight)  # the parity reward varies within a group
+
+    # Resumed from step 1: step 1's records kept, step 2's written again once (the same seed: equal).
+    run(monkeypatch, out, [*LOG, f"trainer.resume={out / 'checkpoints' / 'step_000001'}"], checkpoint=tiny)
+    assert _log(out) == straight
+
+    # Started over in the same folder without the log: the earlier run's is deleted with its other outputs.
+    run(monkeypatch, out, ["trainer.max_steps=1"], checkpoint=tiny)
+    assert not (out / "rollouts").exists() and list(_metrics(out)) == [1]
