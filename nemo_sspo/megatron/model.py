@@ -334,9 +334,11 @@ def recompute_kwargs(recompute: str, method: str, num_layers: int, *, layers_per
         return dict(recompute_granularity="selective", recompute_modules=["core_attn"])
     if method not in ("uniform", "block"):
         raise ValueError(f"recompute_method={method!r} is unknown; valid: uniform, block")
-    if not 1 <= num_layers <= layers_per_stage:
-        raise ValueError(f"recompute_num_layers={num_layers} must be in [1, {layers_per_stage}] (the model's "
-                         "layers per pipeline stage)")
+    if num_layers < 1:
+        raise ValueError(f"recompute_num_layers={num_layers} must be >= 1 (layers per recomputed chunk or stage)")
+    if num_layers > layers_per_stage:
+        raise ValueError(f"recompute_num_layers={num_layers} must be at most the model's layers per pipeline "
+                         f"stage, {layers_per_stage}")
     return dict(recompute_granularity="full", recompute_method=method, recompute_num_layers=num_layers)
 
 

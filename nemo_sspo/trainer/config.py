@@ -24,6 +24,7 @@ from __future__ import annotations
 import difflib
 import importlib.util
 import math
+import os
 
 from dataclasses import dataclass, field, fields, is_dataclass
 from typing import Any, Callable, get_type_hints
@@ -663,6 +664,12 @@ def validate(cfg: TrainConfig, world_size: int | None = 1) -> None:
     _require(tr.checkpoint_interval >= 0, "trainer.checkpoint_interval must be >= 0 (0 disables checkpoints)")
     _require(tr.keep_checkpoints >= 0, "trainer.keep_checkpoints must be >= 0 (0 keeps every checkpoint)")
     _require(tr.max_steps >= 1, "trainer.max_steps must be >= 1")
+    _require(tr.gpu_memory_gib is None or 0 < tr.gpu_memory_gib < math.inf,
+             f"trainer.gpu_memory_gib={tr.gpu_memory_gib} must be one GPU's memory in GiB (> 0, e.g. 80 for an "
+             "H100), or null for the visible GPU's")
+    _require(not os.path.exists(tr.output_dir) or os.path.isdir(tr.output_dir),
+             f"trainer.output_dir={tr.output_dir!r} is an existing file, not a folder: choose another "
+             "trainer.output_dir")
     _require(tr.minibatches_per_step >= 1, "trainer.minibatches_per_step must be >= 1")
     _validate_micro_batches(par, ro.prompts_per_step * ro.samples_per_prompt, dp, tr.minibatches_per_step)
     _validate_loggers(tr)
@@ -988,8 +995,13 @@ def _validate_recompute(par: ParallelConfig, layers_per_stage: int | None = None
     """``parallel.recompute`` with its method and layer count (bounded by the model's layers per
     pipeline stage once the model's config is known).
     """
+    defaults = ParallelConfig()
+    for name in ("recompute_method", "recompute_num_layers"):  # a setting that would be ignored is refused
+        _require(par.recompute == "full" or getattr(par, name) == getattr(defaults, name),
+                 f"parallel.{name}={getattr(par, name)!r} acts only with parallel.recompute=full (it is "
+                 f"{par.recompute!r}): set parallel.recompute=full, or leave {name} out")
     at_key("parallel.", lambda: recompute_kwargs(par.recompute, par.recompute_method, par.recompute_num_layers,
-                                                 layers_per_stage=layers_per_stage or par.recompute_num_layers))
+                                                 layers_per_stage=layers_per_stage or max(par.recompute_num_layers, 1)))
 
 
 def _validate_model_rollout_eval(cfg: TrainConfig) -> None:
@@ -1067,6 +1079,12 @@ RENAMED_KEYS = {
 """Keys of earlier releases and what replaced them (the error an old config gets at load)."""
 
 
+PEER_NAMES = {"learning_rate": "lr", "max_lr": "lr", "warmup_steps": "lr_warmup_steps",
+              "lr_warmup_iters": "lr_warmup_steps", "lr_decay_style": "lr_schedule", "lr_decay_iters": "lr_decay_steps"}
+"""Names other trainers (HF, Megatron-LM, verl) give our settings, which spelling distance does not find
+(``optim.learning_rate`` is far from ``lr``): suggested where the section has the key on the right."""
+
+
 def unknown_key_message(path: str, loss_name: str | None) -> str:
     """Why ``path`` (e.g. ``trainer.max_stepz`` or ``loss.params.gamma``) is not a config key, with
     the closest valid key and, for loss params, which losses have that field.
@@ -1090,7 +1108,8 @@ def unknown_key_message(path: str, loss_name: str | None) -> str:
         hints = get_type_hints(node) if is_dataclass(node) else {}
         if part not in hints:
             where = ".".join(parts[:depth]) or "the config"
-            close = difflib.get_close_matches(part, list(hints), n=1)
+            close = ([PEER_NAMES[part]] if PEER_NAMES.get(part) in hints
+                     else difflib.get_close_matches(part, list(hints), n=1))
             guess = f"; did you mean {'.'.join([*parts[:depth], close[0]])!r}?" if close else ""
             valid = f" Valid keys of {where}: {', '.join(hints)}" if hints else ""
             return f"{path}: {where} has no key {part!r}{guess or '.'}{valid}"

