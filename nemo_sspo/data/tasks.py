@@ -287,15 +287,16 @@ class MathDatasetSource(_ShuffledSource):
 
 
 def _record_to_problem(text: str, file: Path, line: int) -> Problem:
+    where = f"path={str(file)!r}: {file.name}:{line}"  # the argument, then the line as an editor opens it
     try:
         record = json.loads(text)
     except json.JSONDecodeError as err:
-        raise ValueError(f"{file}:{line} is not valid JSON ({err.msg}); one JSON object per line") from err
+        raise ValueError(f"{where} is not valid JSON ({err.msg}); one JSON object per line") from err
     if not isinstance(record, dict):
-        raise ValueError(f"{file}:{line} holds a {type(record).__name__}; each line must be a JSON object")
+        raise ValueError(f"{where} holds a {type(record).__name__}; each line must be a JSON object")
     question = record.get("problem", record.get("question"))
     if question is None or "answer" not in record:
-        raise ValueError(f"{file}:{line} needs a 'problem' or 'question' key and an 'answer' key")
+        raise ValueError(f"{where} needs a 'problem' or 'question' key and an 'answer' key")
     return Problem(question=str(question), answer=str(record["answer"]))
 
 

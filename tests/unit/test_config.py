@@ -173,3 +173,4 @@ def test_an_output_dir_that_is_a_file_is_refused_at_load(tmp_path):
     with pytest.raises(ValueError, match=f"trainer.output_dir='{existing}' is an existing file, not a folder: "
                                          "choose another trainer.output_dir"):
         load_config(overrides=[f"trainer.output_dir={existing}"])
+

@@ -156,3 +156,13 @@ def test_shards_of_a_stream_are_disjoint_and_hold_all_of_it():
         assert problems == stream[j::3]
     with pytest.raises(ValueError, match=r"shard index=3 of count=3"):
         ShardedSource(stream, index=3, count=3)
+
+
+def test_a_bad_data_line_names_the_path_key_as_the_trainer_reports_it(tmp_path):
+    # the trainer builds the source under at_key("data.options.", ...): the key, then file:line
+    from nemo_sspo.trainer.config import at_key
+
+    path = tmp_path / "bad_line.jsonl"
+    path.write_text('{"problem": "1+1?", "answer": "2"}\n{"problem": "2+2?", "answer": "4"}\n{"problem": \n')
+    with pytest.raises(ValueError, match=f"^data.options.path='{path}': bad_line.jsonl:3 is not valid JSON"):
+        at_key("data.options.", lambda: build_prompt_source("jsonl", seed=0, path=str(path)))
