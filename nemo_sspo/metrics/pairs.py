@@ -67,7 +67,7 @@ class MetricPair:
         """Whether pairs of this kind combine by summation (``"mean"``, ``"mean_sq"``)."""
         return self.kind in _ADDITIVE_KINDS
 
-    def as_tensor(self, dtype: torch.dtype = _F64) -> torch.Tensor:
+    def as_tensor(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """``[2]`` tensor ``(total, count)`` of ``dtype`` on the pair's device, detached."""
         return torch.stack([self.total, self.count]).detach().to(dtype)
 

@@ -92,9 +92,9 @@ def _separate_step(rank, world_size, out_dir):
     seen, updates = [], []
     prepare, train = loop.GRPOTrainer.prepare_batch, loop.train_on_batch
 
-    def recorded_prepare(self, rollout):
+    def recorded_prepare(self, rollout, *args):
         seen.append(rollout.rewards.tolist())
-        return prepare(self, rollout)
+        return prepare(self, rollout, *args)
 
     def recorded_train(model, optimizer, batch, *args, **kwargs):
         updates.append(batch.advantages.clone())

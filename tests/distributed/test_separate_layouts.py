@@ -47,9 +47,9 @@ _SEEN = []  # (step's response ids, rewards) of every prepare_batch call of this
 def _record_rollouts():
     inner = loop.GRPOTrainer.prepare_batch
 
-    def recorded(self, rollout):
+    def recorded(self, rollout, *args):
         _SEEN.append((rollout.batch.response_ids.clone(), rollout.rewards.clone()))
-        return inner(self, rollout)
+        return inner(self, rollout, *args)
 
     loop.GRPOTrainer.prepare_batch = recorded
 

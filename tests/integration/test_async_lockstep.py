@@ -62,10 +62,10 @@ def _reference(monkeypatch, tmp_path, tiny):
     trainer = make_trainer(monkeypatch, tmp_path / "ref", CORRECTED, checkpoint=tiny)
     try:
         first, second = trainer.generate_and_score(1), trainer.generate_and_score(2)  # both from the initial weights
-        batch1, _ = trainer.prepare_batch(first)
+        batch1, _ = trainer.prepare_batch(first, *trainer.compute_advantages(first))
         _, norm1 = trainer.update(batch1)
         trainer.refit()
-        batch2, _ = trainer.prepare_batch(second)  # pi_old at the weights after step 1
+        batch2, _ = trainer.prepare_batch(second, *trainer.compute_advantages(second))  # pi_old at the weights after step 1
         _, norm2 = trainer.update(batch2)
         policy = export_hf_state_dict(trainer.model.module, trainer.hf_config)
         trainer.close()

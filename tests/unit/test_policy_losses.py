@@ -159,7 +159,8 @@ def test_sspo_hand_worked_loss_gradient_and_metrics():
     assert METRIC_KEYS <= set(metrics)  # the full key set is checked in test_loss_family.py
     for value in metrics.values():
         for field in (value.total, value.count):
-            assert field.shape == () and field.dtype == torch.float32 and not field.requires_grad
+            # float64: spreads of ratios near 1 are taken from these sums (nemo_sspo.metrics.pairs)
+            assert field.shape == () and field.dtype == torch.float64 and not field.requires_grad
     # Clipped: row0 seg0 (2 tokens) and row1 seg0 (2 tokens) of 7 tokens; 2 of 4 segments.
     assert metrics["policy/clipfrac_tokens"].as_tensor().tolist() == [4.0, 7.0]
     assert torch.allclose(metrics["policy/clipfrac_segments"].as_tensor(), torch.tensor([2.0, 4.0]))
