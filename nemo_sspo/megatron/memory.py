@@ -64,8 +64,10 @@ the activation element size (4 fp32 on CPU, 2 bf16 on GPU), ``t`` TP, ``T = s b`
     recomputation's value).
   - dense MLP: the fc1 output ``2 T f / t``, two ``T f / t`` intermediates of the SwiGLU and the fc2
     input ``T f / t``: ``5 e T f / t``.
-  - MoE MLP (Qwen3-MoE: ``E`` experts of width ``f_e``, top ``k``, allgather dispatcher, no shared
-    expert: the mapping refuses one; expert TP = TP; MoE under TP needs sequence parallelism). The
+  - MoE MLP (Qwen3-MoE, the one MoE architecture the mapping covers: ``E`` experts of width ``f_e``,
+    top ``k``, allgather dispatcher, no shared expert; expert TP = TP; MoE under TP needs sequence
+    parallelism; the term does not depend on EP, and the plan's ``T`` is the largest micro-batch, the
+    count :func:`nemo_sspo.megatron.moe.even_token_dispatch` pads every rank's tokens to). The
     router's fp32 top-k probabilities and int64 top-k indices of its ``T / sp`` tokens
     (``12 T k / sp``); the dispatcher gathers the ``T ep`` tokens of the TP x EP group and saves, for
     this rank's ``E / ep`` experts, the bool routing map and fp32 probabilities (``5 T E``), and, per
@@ -279,8 +281,7 @@ def _has_qk_norm(hf: Any) -> bool:
 
 def layer_activation_bytes(hf: Any, *, tokens: int, rows: int, seq: int, tp: int = 1, act_bytes: int = 2,
                            impl: str = "transformer_engine", recompute: str = "none",
-                           sequence_parallel: bool = False, ep: int = 1,
-                           routed_tokens: float | None = None) -> float:
+                           sequence_parallel: bool = False, routed_tokens: float | None = None) -> float:
     """Bytes one transformer layer saves for its backward on one micro-batch (module docstring: the
     formula of each spec, term by term; ours).
 
@@ -294,11 +295,10 @@ def layer_activation_bytes(hf: Any, *, tokens: int, rows: int, seq: int, tp: int
         impl: ``local`` (unfused attention) or ``transformer_engine`` (flash attention).
         recompute: ``none`` or ``selective`` (``full`` is handled by :func:`activation_bytes`).
         sequence_parallel: split the norm-side activations over TP.
-        ep: expert-parallel size (MoE models).
         routed_tokens: ``R``, the token-expert pairs this rank's experts process (MoE models); None:
-            balanced routing, ``R = T k`` (the ``T ep`` tokens gathered over EP send ``T ep k`` pairs,
-            ``1 / ep`` of them to this rank's experts). Routing is data-dependent: a rank whose
-            experts get more than their share saves ``R - T k`` pairs more than planned.
+            balanced routing, ``R = T k`` whatever EP is (the ``T ep`` tokens gathered over EP send
+            ``T ep k`` pairs, ``1 / ep`` of them to this rank's experts). Routing is data-dependent: a
+            rank whose experts get more than their share saves ``R - T k`` pairs more than planned.
 
     Returns:
         Bytes (a float: ``a / t`` and ``T / t`` need not be integers in a plan).
@@ -366,7 +366,7 @@ class ActivationTerms:
 
 def activation_bytes(hf: Any, *, tokens: int, rows: int, seq: int, tp: int, pp: int, stage: int,
                      act_bytes: int, impl: str, recompute: str = "none", recompute_method: str = "uniform",
-                     recompute_num_layers: int = 1, sequence_parallel: bool = False, ep: int = 1,
+                     recompute_num_layers: int = 1, sequence_parallel: bool = False,
                      routed_tokens: float | None = None) -> ActivationTerms:
     """The activations of ``stage``'s layers for one micro-batch (module docstring; ours).
 
@@ -384,8 +384,8 @@ def activation_bytes(hf: Any, *, tokens: int, rows: int, seq: int, tp: int, pp: 
         recompute_method: ``parallel.recompute_method`` (uniform, block).
         recompute_num_layers: ``parallel.recompute_num_layers``.
         sequence_parallel: ``parallel.sequence_parallel``.
-        ep: ``parallel.expert_model_parallel_size``.
-        routed_tokens: as :func:`layer_activation_bytes` (None: balanced routing).
+        routed_tokens: as :func:`layer_activation_bytes` (None: balanced routing), per MoE layer
+            (the stage's mean: the bytes are linear in it).
 
     Returns:
         :class:`ActivationTerms` in bytes.
@@ -398,7 +398,7 @@ def activation_bytes(hf: Any, *, tokens: int, rows: int, seq: int, tp: int, pp: 
     layer_input = act_bytes * tokens * hf.hidden_size / sp
     keep = "selective" if recompute == "selective" else "none"
     one = layer_activation_bytes(hf, tokens=tokens, rows=rows, seq=seq, tp=tp, act_bytes=act_bytes, impl=impl,
-                                 recompute=keep, sequence_parallel=sequence_parallel, ep=ep,
+                                 recompute=keep, sequence_parallel=sequence_parallel,
                                  routed_tokens=routed_tokens)
     if recompute in ("none", "selective"):
         layers, working = per_stage * one, 0.0

@@ -32,7 +32,7 @@ def planned_bytes(case: GridCase, packing: str, stage: int, routed: float | None
     rows, seq = (GRID_ROWS, GRID_WIDTH) if packing == "padded" else (1, sum(GRID_PACKED))
     return activation_bytes(grid_models()[case.model], tokens=rows * seq, rows=rows, seq=seq, tp=case.tp,
                             pp=case.pp, stage=stage, act_bytes=2 if case.precision == "bf16" else 4,
-                            impl="local", recompute=case.recompute, sequence_parallel=case.sp, ep=case.ep,
+                            impl="local", recompute=case.recompute, sequence_parallel=case.sp,
                             routed_tokens=routed).saved
 
 
