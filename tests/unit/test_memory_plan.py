@@ -7,6 +7,9 @@ activations of every tiny model, precision and layout in tests/unit/test_memory_
 tests/distributed/test_memory_grid_parallel.py.
 """
 
+import copy
+import functools
+
 import pytest
 
 from nemo_sspo.cli import load_config
@@ -90,3 +93,51 @@ def test_an_oversize_config_is_refused_at_load_naming_the_largest_term():
     # the override starts it anyway; a host without a GPU and without gpu_memory_gib checks nothing
     assert load_config(overrides=[*overrides, "trainer.skip_memory_check=true"], check_model=True)
     assert load_config(overrides=overrides[:-1], check_model=True).trainer.gpu_memory_gib is None
+
+
+@functools.cache
+def _qwen3_30b_a3b():
+    return load_config("soft_seq_po_qwen3_30b_a3b", command="eval")
+
+
+def _qwen3_30b_a3b_plan(gib: float, **vllm_or_model):
+    """The recipe's plan on 16 GPUs of ``gib`` GiB, with ``gpu_memory_utilization`` or
+    ``transformer_impl`` changed as given."""
+    from nemo_sspo.models.published import published_config
+    from nemo_sspo.trainer.memory_plan import memory_plan
+
+    cfg = copy.deepcopy(_qwen3_30b_a3b())
+    for key, value in vllm_or_model.items():
+        setattr(cfg.rollout.vllm if key == "gpu_memory_utilization" else cfg.model, key, value)
+    return memory_plan(cfg, published_config(cfg.model.source), world_size=16, gpu_gib=gib)
+
+
+def test_a_vllm_share_that_cannot_hold_the_weights_is_refused_naming_the_minimum():
+    # Qwen3-30B-A3B by hand: per layer q 2,048 x 4,096 + k, v 2 x 2,048 x 512 + o 4,096 x 2,048 + q/k norms
+    # 2 x 128 + norms 2 x 2,048 + router 128 x 2,048 + 128 experts x 3 x 2,048 x 768 = 623,120,640; 48
+    # layers, untied embedding and head 2 x 151,936 x 2,048, final norm 2,048: 30,532,122,624 parameters,
+    # 61,064,245,248 bf16 bytes = 56.87 GiB on the recipe's vLLM TP 1. Its share 0.5 x 80 GiB = 40 GiB;
+    # 56.87 / 80 = 0.711, so at least 0.72.
+    with pytest.raises(ValueError) as err:
+        _qwen3_30b_a3b_plan(80)
+    message = str(err.value)
+    for part in ("rollout.vllm.gpu_memory_utilization=0.5", "40.00 GiB of the GPU's 80.00 GiB", "56.87 GiB",
+                 "at least 0.72"):
+        assert part in message, (part, message)
+    # at 0.72 the share holds the weights: 57.60 - 56.87 = 0.73 GiB of KV cache
+    plan = _qwen3_30b_a3b_plan(80, gpu_memory_utilization=0.72)
+    assert "56.87 GiB bf16 weights + 0.73 GiB KV cache" in "\n".join(plan.notes)
+    # a share the whole GPU cannot give: vLLM's tensor parallelism is the way out
+    with pytest.raises(ValueError, match=r"even the whole GPU cannot hold them: raise "
+                                         r"rollout.vllm.tensor_parallel_size \(now 1\)"):
+        _qwen3_30b_a3b_plan(50)
+
+
+@pytest.mark.parametrize("impl,labelled", [("auto", True), ("local", False)])
+def test_the_transformer_engine_formula_is_labelled_unmeasured(impl, labelled):
+    from nemo_sspo.trainer.memory_plan import format_memory_plan
+
+    # a known GPU memory: "auto" plans the TransformerEngine layers, "local" megatron-core's own
+    text = format_memory_plan(_qwen3_30b_a3b_plan(141, transformer_impl=impl))
+    assert ("transformer_engine layers" in text) == labelled
+    assert ("not yet measured on a GPU" in text) == labelled, text
