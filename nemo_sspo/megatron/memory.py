@@ -35,7 +35,8 @@ al. 2022 (arXiv 2205.05198, sec. 4.1, eq. 1-2): a GPT layer saves ``s b h (34 + 
 recomputation, everything divided by TP with sequence parallelism, and full recomputation keeping
 the layer input ``2 s b h`` only. Our layers differ (GQA with ``g`` key/value heads of size ``d``,
 SwiGLU of width ``f``, RMSNorm, dropout 0, so no dropout masks), so we list what they save, with ``e``
-the activation element size (4 fp32 on CPU, 2 bf16 on GPU), ``t`` TP, ``T = s b`` tokens:
+the activation element size (4 fp32, 2 bf16), ``t`` TP, ``sp`` = ``t`` with sequence parallelism, else
+1, ``T = s b`` tokens:
 
 * local spec (megatron-core's own layers; every term below equals the bytes ``saved_tensors_hooks``
   sees, storages de-duplicated, for the tiny Llama / Qwen2 / Qwen3 / Qwen3-MoE in fp32 and bf16 under
