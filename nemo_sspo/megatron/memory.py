@@ -47,7 +47,9 @@ the activation element size (4 fp32, 2 bf16), ``t`` TP, ``sp`` = ``t`` with sequ
   - norms: each of the two RMSNorms computes in fp32 and saves fp32 copies of its input and of its
     normalised input (``2 T h x 4``) and ``rsqrt`` (``T x 4``); the linear after it (``linear_qkv``,
     ``linear_fc1`` or the MoE router) saves its ``e``-byte input: ``2 (4 (2 T h + T) + e T h)``,
-    divided by ``t`` with sequence parallelism. (In fp32 the norm's input copy is the residual itself.)
+    divided by ``t`` with sequence parallelism. (In fp32 the norm's input copy is the residual itself.
+    This is torch's CPU ``rms_norm``, which upcasts a 16-bit input; a fused CUDA kernel that keeps the
+    16-bit input and ``rsqrt`` only would save less: an over-count, the safe direction.)
   - core attention, unfused: the rotated query, the key (transposed) and the value, both repeated to
     the ``a`` query heads (``3 e T a d / t``), and the softmax: ``attention_softmax_in_fp32`` (True by
     default) keeps its fp32 output (``4 b (a/t) s^2``) and, in 16-bit, also the ``e``-byte copy the
@@ -296,7 +298,8 @@ def layer_activation_bytes(hf: Any, *, tokens: int, rows: int, seq: int, tp: int
         impl: ``local`` (unfused attention) or ``transformer_engine`` (flash attention).
         recompute: ``none`` or ``selective`` (``full`` is handled by :func:`activation_bytes`).
         sequence_parallel: split the norm-side activations over TP.
-        routed_tokens: ``R``, the token-expert pairs this rank's experts process (MoE models); None:
+        routed_tokens: ``R``, the token-expert pairs this rank's experts process (MoE models, local
+            spec; the TransformerEngine formula assumes balanced routing); None:
             balanced routing, ``R = T k`` whatever EP is (the ``T ep`` tokens gathered over EP send
             ``T ep k`` pairs, ``1 / ep`` of them to this rank's experts). Routing is data-dependent: a
             rank whose experts get more than their share saves ``R - T k`` pairs more than planned.

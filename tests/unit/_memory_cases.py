@@ -216,13 +216,17 @@ def counting_routed_tokens(model):
 
 
 def measure_grid_case(case: GridCase, stage: int) -> dict[str, tuple[int, float | None]]:
-    """Builds ``case``'s model under the current parallel state (this rank's ``stage``) and measures
-    one padded and one packed forward: ``{"padded" | "packed": (saved bytes, mean routed pairs per
-    MoE layer or None)}``."""
+    """Builds ``case``'s model under the current parallel state (this rank's ``stage``; a bf16 model in
+    megatron's ``Float16Module``, as ``wrap_for_training`` trains it) and measures one padded and one
+    packed forward: ``{"padded" | "packed": (saved bytes, mean routed pairs per MoE layer or None)}``."""
+    from megatron.core.transformer.module import Float16Module
+
     config = grid_models()[case.model]
     torch.manual_seed(0)
     model = build_policy_model(config, precision=case.precision, transformer_impl="local",
                                recompute=case.recompute, sequence_parallel=case.sp).train()
+    if case.precision == "bf16":
+        model = Float16Module(unwrap_model(model).config, model)
     dtype = torch.bfloat16 if case.precision == "bf16" else torch.float32
     (ids, pos), (packed, packed_pos, lengths) = padded_and_packed_inputs(
         config.vocab_size, GRID_ROWS, GRID_WIDTH, GRID_PACKED)
@@ -230,7 +234,8 @@ def measure_grid_case(case: GridCase, stage: int) -> dict[str, tuple[int, float 
     for name, inputs in (("padded", (ids, pos, None)), ("packed", (packed, packed_pos, lengths))):
         rows, width = inputs[0].shape
         stage_input = None
-        if stage > 0:  # what the previous stage sends: [S, B, H] in the model's dtype
+        if stage > 0:  # what the previous stage sends: [S, B, H] in the model's dtype (as on a GPU;
+            # on CPU the shims' pipeline_dtype is fp32)
             stage_input = torch.randn(width // (case.tp if case.sp else 1), rows, config.hidden_size,
                                       dtype=dtype, requires_grad=True)
         with counting_routed_tokens(model) as routed:
