@@ -35,30 +35,64 @@ al. 2022 (arXiv 2205.05198, sec. 4.1, eq. 1-2): a GPT layer saves ``s b h (34 + 
 recomputation, everything divided by TP with sequence parallelism, and full recomputation keeping
 the layer input ``2 s b h`` only. Our layers differ (GQA with ``g`` key/value heads of size ``d``,
 SwiGLU of width ``f``, RMSNorm, dropout 0, so no dropout masks), so we list what they save, with ``e``
-the activation element size (4 fp32 on CPU, 2 bf16 on GPU), ``t`` TP, ``T = s b`` tokens:
+the activation element size (4 fp32, 2 bf16), ``t`` TP, ``sp`` = ``t`` with sequence parallelism, else
+1, ``T = s b`` tokens:
 
-* local spec (megatron-core's own layers; measured with ``saved_tensors_hooks``): each of the two
-  RMSNorms saves its input and its normalised input (``2 T h``) plus ``rsqrt`` (``T``), the linear
-  after it its input (``T h``): ``6 T h + 2 T`` for the two. Unfused core attention saves the rotated
-  query, the key (transposed) and the value, both repeated to the ``a`` query heads, and the softmax
-  output: ``3 T a d / t + b (a / t) s^2``; the output projection its input ``T a d / t``; the rotary
-  tables ``4 s d`` per layer. The MLP saves the fc1 output ``2 T f / t``, two ``T f / t`` intermediates
-  of the SwiGLU and the fc2 input ``T f / t``: ``5 T f / t``. Total per layer
-  ``e [T (6 h + 2 + 4 a d / t + 5 f / t) + b (a / t) s^2 + 4 s d]`` (sequence parallelism would divide the
-  ``6 T h + 2 T`` part by ``t``). Selective recomputation (``recompute_modules=["core_attn"]``)
-  replaces the core attention's ``3 T a d / t + b (a/t) s^2`` by its checkpointed inputs: the rotated
-  query and key (``T d (a + g) / t``) and the value, a view that keeps the whole fused qkv output
-  alive (``T d (a + 2 g) / t``): ``T d (2 a + 3 g) / t``.
-* TransformerEngine spec (GPU; flash attention; our reading of the modules, not measured here):
-  each ``LayerNormLinear`` saves its input and its normalised output, ``4 T h`` for two; the fused
-  attention the rotated query and key ``T d (a + g) / t``, the value inside the fused qkv output
-  (whose whole storage stays alive) ``T d (a + 2 g) / t``, its output (the projection's input)
-  ``T a d / t`` and the softmax statistics ``4 b (a/t) s`` bytes (fp32); the MLP ``3 T f / t`` (fc1
-  output and SwiGLU output). No ``s^2`` term; selective recomputation changes nothing measurable.
-  With sequence parallelism the ``4 T h`` part is divided by ``t``.
-* mixture-of-experts layers (TE spec, ours, not validated): the MLP part is replaced by the
-  router's fp32 logits and probabilities ``8 T E / e`` and, for the ``k`` experts of each token, the
-  permuted tokens, fc1 output, SwiGLU output and un-permute input: ``T k (2 h + 3 f_moe / t)``.
+* local spec (megatron-core's own layers; every term below equals the bytes ``saved_tensors_hooks``
+  sees, storages de-duplicated, for the tiny Llama / Qwen2 / Qwen3 / Qwen3-MoE in fp32 and bf16 under
+  TP 1 and 2, sequence parallelism, PP 2, EP 2, no / selective / full recomputation, packed and
+  padded: ``tests/unit/test_memory_grid.py`` and ``tests/distributed/test_memory_grid_parallel.py``).
+  Bytes, not elements: several tensors are fp32 (4 B) or integer whatever ``e`` is.
+
+  - norms: each of the two RMSNorms computes in fp32 and saves fp32 copies of its input and of its
+    normalised input (``2 T h x 4``) and ``rsqrt`` (``T x 4``); the linear after it (``linear_qkv``,
+    ``linear_fc1`` or the MoE router) saves its ``e``-byte input: ``2 (4 (2 T h + T) + e T h)``,
+    divided by ``t`` with sequence parallelism. (In fp32 the norm's input copy is the residual itself.
+    This is torch's CPU ``rms_norm``, which upcasts a 16-bit input; a fused CUDA kernel that keeps the
+    16-bit input and ``rsqrt`` only would save less: an over-count, the safe direction.)
+  - core attention, unfused: the rotated query, the key (transposed) and the value, both repeated to
+    the ``a`` query heads (``3 e T a d / t``), and the softmax: ``attention_softmax_in_fp32`` (True by
+    default) keeps its fp32 output (``4 b (a/t) s^2``) and, in 16-bit, also the ``e``-byte copy the
+    value product reads (``e b (a/t) s^2``). The output projection saves its input ``e T a d / t``,
+    the rotary embedding its cos / sin tables for query and key, ``4 e s d`` per layer.
+  - selective recomputation (``recompute_modules=["core_attn"]``) replaces the core attention by its
+    checkpointed inputs: the rotated query and key (``e T d (a + g) / t``) and the value, a view that
+    keeps the whole fused qkv output alive (``e T d (a + 2 g) / t``).
+  - Qwen3's per-head q/k RMSNorms (fp32, as the other norms): the query norm its normalised query and
+    ``rsqrt`` per head (``4 (T a d + T a) / t``) and its input, an fp32 copy of the query
+    (``4 T a d / t``) except in fp32 with one key/value group per rank (``g = t``: the query is then a
+    view of the fused qkv output); the key norm its normalised key and ``rsqrt``
+    (``4 (T g d + T g) / t``) and its input: in 16-bit an fp32 copy of the key (``4 T g d / t``), in
+    fp32 a view of the fused qkv output (``4 T d (a + 2 g) / t``, already kept by selective
+    recomputation's value).
+  - dense MLP: the fc1 output ``2 T f / t``, two ``T f / t`` intermediates of the SwiGLU and the fc2
+    input ``T f / t``: ``5 e T f / t``.
+  - MoE MLP (Qwen3-MoE, the one MoE architecture the mapping covers: ``E`` experts of width ``f_e``,
+    top ``k``, allgather dispatcher, no shared expert; expert TP = TP; MoE under TP needs sequence
+    parallelism; the term does not depend on EP, and the plan's ``T`` is the largest micro-batch, the
+    count :func:`nemo_sspo.megatron.moe.even_token_dispatch` pads every rank's tokens to). The
+    router's fp32 top-k probabilities and int64 top-k indices of its ``T / sp`` tokens
+    (``12 T k / sp``); the dispatcher gathers the ``T ep`` tokens of the TP x EP group and saves, for
+    this rank's ``E / ep`` experts, the bool routing map and fp32 probabilities (``5 T E``), and, per
+    token-expert pair routed here (``R``, ``T k`` when routing is balanced): its int64 permutation
+    index, its fp32 probability, the permuted token (``e h``) and the expert's fc1 output, two SwiGLU
+    intermediates, the probability-weighted product and the fc2 input (``6 e f_e / t``):
+    ``12 T k / sp + 5 T E + R (12 + e h + 6 e f_e / t)``.
+  - outside the layers: the int64 token ids (first stage, ``8 T``; under TP also the embedding's bool
+    mask of the ids outside the rank's vocabulary rows, ``T``), the boolean mask (``s^2``, one per
+    forward), the final norm's fp32 copies (last stage, ``4 (2 T h + T) / sp``).
+
+  Layer total: norms + attention + MLP as listed (:func:`layer_activation_bytes`).
+* TransformerEngine spec (GPU; flash attention; our reading of the modules, not yet measured on a
+  GPU: the plan's output says so): each ``LayerNormLinear`` saves its input and its normalised
+  output, ``4 e T h`` for two; the fused attention the rotated query and key ``T d (a + g) / t``, the
+  value inside the fused qkv output (whose whole storage stays alive) ``T d (a + 2 g) / t``, its
+  output (the projection's input) ``T a d / t`` (all ``e`` bytes) and the softmax statistics
+  ``4 b (a/t) s`` bytes (fp32); the MLP ``3 e T f / t`` (fc1 output and SwiGLU output); MoE layers the
+  router's fp32 logits and probabilities ``8 T E`` and, for the ``k`` experts of each token, the
+  permuted tokens, fc1 output, SwiGLU output and un-permute input: ``e T k (2 h + 3 f_e / t)``. No
+  ``s^2`` term; selective recomputation changes nothing measurable. With sequence parallelism the
+  ``4 e T h`` part is divided by ``t``; the final norm saves ``e T h``.
 * full recomputation keeps each recomputed chunk's input, ``e T h`` (``/ t`` with SP), per chunk of
   ``recompute_num_layers`` layers (``uniform``), or per recomputed layer (``block``: the first
   ``recompute_num_layers`` layers of a stage; the others keep everything); during the backward one
@@ -244,13 +278,18 @@ def model_state_bytes(params: list[RankParameter], *, param_bytes: int, dp: int,
                            optimizer_host=states if cpu_offload else 0.0, numel=numel)
 
 
+def _has_qk_norm(hf: Any) -> bool:
+    return getattr(hf, "model_type", "") in ("qwen3", "qwen3_moe")
+
+
 def layer_activation_bytes(hf: Any, *, tokens: int, rows: int, seq: int, tp: int = 1, act_bytes: int = 2,
                            impl: str = "transformer_engine", recompute: str = "none",
-                           sequence_parallel: bool = False) -> float:
-    """Bytes one transformer layer saves for its backward on one micro-batch (module docstring).
+                           sequence_parallel: bool = False, routed_tokens: float | None = None) -> float:
+    """Bytes one transformer layer saves for its backward on one micro-batch (module docstring: the
+    formula of each spec, term by term; ours).
 
     Args:
-        hf: the HF config.
+        hf: the HF config (Llama / Qwen2 / Qwen3 / Qwen3-MoE).
         tokens: ``T``, the micro-batch's tokens on this rank (rows x padded width, after CP).
         rows: ``b``, rows of the micro-batch (1 for a packed row).
         seq: ``s``, the padded width of a row (the attention score matrix is ``s x s`` per row).
@@ -259,6 +298,14 @@ def layer_activation_bytes(hf: Any, *, tokens: int, rows: int, seq: int, tp: int
         impl: ``local`` (unfused attention) or ``transformer_engine`` (flash attention).
         recompute: ``none`` or ``selective`` (``full`` is handled by :func:`activation_bytes`).
         sequence_parallel: split the norm-side activations over TP.
+        routed_tokens: ``R``, the token-expert pairs this rank's experts process (MoE models, local
+            spec; the TransformerEngine formula assumes balanced routing); None:
+            balanced routing, ``R = T k`` whatever EP is (the ``T ep`` tokens gathered over EP send
+            ``T ep k`` pairs, ``1 / ep`` of them to this rank's experts). Routing is data-dependent: a
+            rank whose experts get more than their share saves ``R - T k`` pairs more than planned.
+
+    Returns:
+        Bytes (a float: ``a / t`` and ``T / t`` need not be integers in a plan).
 
     Raises:
         ValueError: an unknown ``impl`` or ``recompute``.
@@ -266,24 +313,38 @@ def layer_activation_bytes(hf: Any, *, tokens: int, rows: int, seq: int, tp: int
     h, a, g, d, e = hf.hidden_size, hf.num_attention_heads, hf.num_key_value_heads, _head_dim(hf), act_bytes
     if impl not in ("local", "transformer_engine") or recompute not in ("none", "selective"):
         raise ValueError(f"impl={impl!r} / recompute={recompute!r} unknown")
-    t, sp = tp, (tp if sequence_parallel else 1)
+    t, sp, T = tp, (tp if sequence_parallel else 1), tokens
     moe = _is_moe(hf)
+    qkv = T * (a + 2 * g) * d / t  # elements of the fused qkv output
     if impl == "local":
-        norms = (6 * tokens * h + 2 * tokens) / sp
+        norms = 2 * (4 * (2 * T * h + T) + e * T * h) / sp
         if recompute == "selective":
-            attention = tokens * d * (2 * a + 3 * g) / t
+            attention = e * T * (a + g) * d / t + e * qkv
         else:
-            attention = 3 * tokens * a * d / t + rows * (a / t) * seq * seq
-        attention += tokens * a * d / t + 4 * seq * d
-        mlp = 5 * tokens * hf.intermediate_size / t if not moe else None
+            scores = rows * (a / t) * seq * seq
+            attention = 3 * e * T * a * d / t + scores * (4 + (e if e < 4 else 0))
+        attention += e * T * a * d / t + 4 * e * seq * d
+        if _has_qk_norm(hf):
+            attention += 4 * (T * a * d + T * a + T * g * d + T * g) / t
+            if e < 4 or g != t:
+                attention += 4 * T * a * d / t  # the query norm's input: a copy, except an fp32 view (g == t)
+            if e < 4:
+                attention += 4 * T * g * d / t  # the key norm's fp32 copy of its input
+            elif recompute != "selective":
+                attention += 4 * qkv  # fp32: the key norm's input is a view of the whole qkv output
+        mlp = 5 * e * T * hf.intermediate_size / t if not moe else None
     else:
-        norms = 4 * tokens * h / sp
-        attention = tokens * d * (2 * a + 3 * g) / t + tokens * a * d / t + 4 * rows * (a / t) * seq / e
-        mlp = 3 * tokens * hf.intermediate_size / t if not moe else None
+        norms = 4 * e * T * h / sp
+        attention = e * (T * d * (2 * a + 3 * g) / t + T * a * d / t) + 4 * rows * (a / t) * seq
+        mlp = 3 * e * T * hf.intermediate_size / t if not moe else None
     if moe:
-        k = hf.num_experts_per_tok
-        mlp = 8 * tokens * hf.num_experts / e + tokens * k * (2 * h + 3 * hf.moe_intermediate_size / t)
-    return e * (norms + attention + mlp)
+        k, experts, f = hf.num_experts_per_tok, hf.num_experts, hf.moe_intermediate_size / t
+        if impl == "local":
+            routed = T * k if routed_tokens is None else routed_tokens
+            mlp = 12 * T * k / sp + 5 * T * experts + routed * (12 + e * h + 6 * e * f)
+        else:
+            mlp = 8 * T * experts + e * T * k * (2 * h + 3 * f)
+    return norms + attention + mlp
 
 
 @dataclass(frozen=True)
@@ -309,7 +370,8 @@ class ActivationTerms:
 
 def activation_bytes(hf: Any, *, tokens: int, rows: int, seq: int, tp: int, pp: int, stage: int,
                      act_bytes: int, impl: str, recompute: str = "none", recompute_method: str = "uniform",
-                     recompute_num_layers: int = 1, sequence_parallel: bool = False) -> ActivationTerms:
+                     recompute_num_layers: int = 1, sequence_parallel: bool = False,
+                     routed_tokens: float | None = None) -> ActivationTerms:
     """The activations of ``stage``'s layers for one micro-batch (module docstring; ours).
 
     Args:
@@ -326,6 +388,8 @@ def activation_bytes(hf: Any, *, tokens: int, rows: int, seq: int, tp: int, pp: 
         recompute_method: ``parallel.recompute_method`` (uniform, block).
         recompute_num_layers: ``parallel.recompute_num_layers``.
         sequence_parallel: ``parallel.sequence_parallel``.
+        routed_tokens: as :func:`layer_activation_bytes` (None: balanced routing), per MoE layer
+            (the stage's mean: the bytes are linear in it).
 
     Returns:
         :class:`ActivationTerms` in bytes.
@@ -338,7 +402,8 @@ def activation_bytes(hf: Any, *, tokens: int, rows: int, seq: int, tp: int, pp: 
     layer_input = act_bytes * tokens * hf.hidden_size / sp
     keep = "selective" if recompute == "selective" else "none"
     one = layer_activation_bytes(hf, tokens=tokens, rows=rows, seq=seq, tp=tp, act_bytes=act_bytes, impl=impl,
-                                 recompute=keep, sequence_parallel=sequence_parallel)
+                                 recompute=keep, sequence_parallel=sequence_parallel,
+                                 routed_tokens=routed_tokens)
     if recompute in ("none", "selective"):
         layers, working = per_stage * one, 0.0
     elif recompute == "full" and recompute_method == "uniform":
@@ -351,11 +416,13 @@ def activation_bytes(hf: Any, *, tokens: int, rows: int, seq: int, tp: int, pp: 
     else:
         raise ValueError(f"recompute={recompute!r} / recompute_method={recompute_method!r} unknown")
     if stage == pp - 1:
-        norm = (2 * tokens * hf.hidden_size + tokens) if impl == "local" else tokens * hf.hidden_size
-        final = act_bytes * norm / sp
+        # local: fp32 copies of the input and normalised input, and rsqrt, whatever the precision
+        norm = 4 * (2 * tokens * hf.hidden_size + tokens) if impl == "local" else act_bytes * tokens * hf.hidden_size
+        final = norm / sp
     else:
         final = 0.0
-    inputs = 8 * tokens if stage == 0 else 0  # the embedding's int64 token ids
+    # the embedding's int64 token ids; under TP also its bool mask of the ids outside this rank's rows
+    inputs = (8 * tokens + (tokens if tp > 1 else 0)) if stage == 0 else 0
     if impl == "local":
         inputs += seq * seq  # the explicit boolean causal (or block-diagonal) mask, one per forward
     if recompute == "full":

@@ -22,7 +22,9 @@ Terms per rank of a pipeline stage (the per-tensor sources are in :mod:`nemo_ssp
   Megatron's output layer: the fp32 logits and their gradient, ``2 x T x V_local x 4``;
 * ``rollout engine`` (colocated): vLLM takes ``gpu_memory_utilization`` of the GPU's total memory
   for its weights (bf16 model / ``rollout.vllm.tensor_parallel_size``) and KV cache (the rest of that
-  share); the transformers engine a copy of the weights in ``model.precision``.
+  share; a share that does not exceed the weights is refused, naming the smallest
+  ``gpu_memory_utilization`` that holds them); the transformers engine a copy of the weights in
+  ``model.precision``.
 
 Peak: the resident state (weights, gradients, optimizer, reference, critic) plus the larger of the
 training phase (activations, output layer) and the generation phase (the engine) with
@@ -165,7 +167,12 @@ def memory_plan(cfg: Any, hf_config: Any, *, world_size: int, gpu_gib: float | N
         critic_hf_config: ``critic.source``'s config when it differs from ``model.source``.
 
     Returns:
-        :class:`MemoryPlan`.
+        :class:`MemoryPlan` (its notes say when the activations are the TransformerEngine layers'
+        formula, not yet measured on a GPU).
+
+    Raises:
+        ValueError: a colocated vLLM engine's share of the GPU cannot hold the model's weights
+            (names ``rollout.vllm.gpu_memory_utilization`` and the minimum it needs).
     """
     par, ro, op = cfg.parallel, cfg.rollout, cfg.optim
     tp, pp, ep, cp = (par.tensor_model_parallel_size, par.pipeline_model_parallel_size,
@@ -179,6 +186,9 @@ def memory_plan(cfg: Any, hf_config: Any, *, world_size: int, gpu_gib: float | N
     critic = get_advantage_estimator(advantage_estimator_name(cfg)).needs_critic  # the SPPO critic's own model
     vocab_local = math.ceil(hf_config.vocab_size / (128 * tp)) * 128
     total_params = sum(p.numel for p in rank_parameters(hf_config, tp=1, pp=1, ep=1))
+    vllm_weights = 2 * total_params / ro.vllm.tensor_parallel_size  # bf16, per vLLM TP rank
+    if ro.placement == "colocated" and ro.backend == "vllm" and gpu_bytes is not None:
+        _check_engine_share(ro.vllm, gpu_bytes, vllm_weights)
     stages = []
     for stage in range(pp):
         params = rank_parameters(hf_config, tp=tp, pp=pp, ep=ep, stage=stage)
@@ -214,7 +224,7 @@ def memory_plan(cfg: Any, hf_config: Any, *, world_size: int, gpu_gib: float | N
         engine = 0.0
         if ro.placement == "colocated":
             if ro.backend == "vllm" and gpu_bytes is not None:
-                engine = max(ro.vllm.gpu_memory_utilization * gpu_bytes, 2 * total_params / ro.vllm.tensor_parallel_size)
+                engine = ro.vllm.gpu_memory_utilization * gpu_bytes
             elif ro.backend != "vllm":
                 engine = param_bytes * total_params
         terms["rollout engine"] = engine
@@ -229,19 +239,45 @@ def memory_plan(cfg: Any, hf_config: Any, *, world_size: int, gpu_gib: float | N
              f"{impl} layers; micro-batch {tokens:,} tokens per rank ({rows} row(s) of {width:,}); "
              f"recompute={par.recompute}; sequence_parallel={par.sequence_parallel}; "
              f"distributed optimizer={op.use_distributed_optimizer}, cpu_offload={op.cpu_offload}"]
+    if impl == "transformer_engine":
+        notes.append("activations: the TransformerEngine layers' formula (nemo_sspo.megatron.memory) is our "
+                     "reading of their modules, not yet measured on a GPU; the local layers' is measured")
     if ro.placement == "colocated" and ro.backend == "vllm":
         if gpu_bytes is None:
             notes.append("rollout engine: vLLM takes rollout.vllm.gpu_memory_utilization of the GPU's memory, "
                          "unknown here: set trainer.gpu_memory_gib")
         else:
-            weights = 2 * total_params / ro.vllm.tensor_parallel_size
-            kv = ro.vllm.gpu_memory_utilization * gpu_bytes - weights
+            kv = ro.vllm.gpu_memory_utilization * gpu_bytes - vllm_weights
             notes.append(f"rollout engine: vLLM {ro.vllm.gpu_memory_utilization:g} x {gpu_gib:.2f} GiB = "
-                         f"{weights / GIB:.2f} GiB bf16 weights + {kv / GIB:.2f} GiB KV cache and activations; "
+                         f"{vllm_weights / GIB:.2f} GiB bf16 weights + {kv / GIB:.2f} GiB KV cache and activations; "
                          + ("released while training (sleep mode): peak = resident + max(training, generation)"
                             if ro.vllm.enable_sleep_mode else "held while training: peak = training + engine"))
     return MemoryPlan(stages=stages, gpu_bytes=gpu_bytes, layout=f"TP={tp} x PP={pp} x CP={cp} x DP={dp}",
                       notes=notes)
+
+
+def _check_engine_share(vllm: Any, gpu_bytes: float, weights: float) -> None:
+    """Refuses a colocated vLLM share of the GPU (``gpu_memory_utilization x gpu_bytes``) that does not
+    exceed the engine's bf16 ``weights`` (bytes per vLLM TP rank): no room would be left for a KV cache.
+
+    Raises:
+        ValueError: naming ``rollout.vllm.gpu_memory_utilization``, the share against the weights, and the
+            smallest value (2 decimals, rounded up) whose share holds the weights, or, when even the whole
+            GPU cannot, ``rollout.vllm.tensor_parallel_size``.
+    """
+    share = vllm.gpu_memory_utilization * gpu_bytes
+    if share > weights:
+        return
+    minimum = math.floor(100 * weights / gpu_bytes + 1) / 100  # the smallest 2-decimal value above
+    fix = (f"set rollout.vllm.gpu_memory_utilization to at least {minimum:.2f} (the weights alone; the KV "
+           f"cache needs more)" if minimum < 1 else
+           f"even the whole GPU cannot hold them: raise rollout.vllm.tensor_parallel_size "
+           f"(now {vllm.tensor_parallel_size})")
+    raise ValueError(
+        f"memory plan: rollout.vllm.gpu_memory_utilization={vllm.gpu_memory_utilization:g} gives the colocated "
+        f"vLLM engine {share / GIB:.2f} GiB of the GPU's {gpu_bytes / GIB:.2f} GiB, not more than the model's "
+        f"{weights / GIB:.2f} GiB of bf16 weights per engine GPU (rollout.vllm.tensor_parallel_size="
+        f"{vllm.tensor_parallel_size}), so nothing is left for its KV cache: {fix}")
 
 
 def format_memory_plan(plan: MemoryPlan, prefix: str = "") -> str:
@@ -313,6 +349,7 @@ def plan_for_config(cfg: Any, world_size: int, hf_config: Any | None = None) -> 
     Raises:
         FileNotFoundError: ``model.source`` (or ``critic.source``) has no config here and is not a
             published architecture.
+        ValueError: as :func:`memory_plan`.
     """
     origin = "the given config"
     if hf_config is None:
