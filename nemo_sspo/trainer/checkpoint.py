@@ -83,6 +83,7 @@ __all__ = [
     "CHECKPOINTS_DIR",
     "EARLIER_RUN_PREFIX",
     "LATEST_FILE",
+    "INTERRUPTED_DIR",
     "RUN_OUTPUTS",
     "STATE_FILE",
     "TrainerState",
@@ -105,7 +106,11 @@ EARLIER_RUN_PREFIX = "earlier_run_"
 """``<output_dir>/earlier_run_<k>``: where ``trainer.resume=auto`` moves an earlier run that has no checkpoint."""
 logger = logging.getLogger(__name__)
 
-_MODEL_FOLDERS = ("hf_checkpoint", "hf_checkpoint_interrupted", BEST_DIR)
+INTERRUPTED_DIR = "hf_checkpoint_interrupted"
+"""``<output_dir>/hf_checkpoint_interrupted``: the policy of a run that stopped early (removed when a run in
+that folder finishes)."""
+
+_MODEL_FOLDERS = ("hf_checkpoint", INTERRUPTED_DIR, BEST_DIR)
 RUN_OUTPUTS = ("metrics.jsonl", ROLLOUT_LOG_DIR, "tensorboard", "reward_entropy.png", CHECKPOINTS_DIR, *_MODEL_FOLDERS,
                "eval",
                RUN_CONFIG_FILE, "throughput_summary.json", "timeline.jsonl", "timeline.png", "trackers.json",

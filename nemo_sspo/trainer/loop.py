@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import logging
 import math
+import shutil
 import time
 from contextlib import contextmanager
 from dataclasses import asdict, replace
@@ -99,6 +100,7 @@ from nemo_sspo.rollout import EngineContext, RolloutEngine, build_rollout_engine
 from nemo_sspo.rollout.refit_check import VerifiedRefitEngine
 from nemo_sspo.trainer.checkpoint import (
     CHECKPOINTS_DIR,
+    INTERRUPTED_DIR,
     TrainerState,
     load_checkpoint,
     prepare_output_dir,
@@ -777,7 +779,7 @@ class GRPOTrainer:
                            "(rollout.backend=%s); resume from the last checkpoint (trainer.checkpoint_interval)",
                            self.cfg.rollout.backend)
             return None
-        return self._write_hf("hf_checkpoint_interrupted", state)
+        return self._write_hf(INTERRUPTED_DIR, state)
 
     def _write_hf(self, name: str, state: dict, extra: dict | None = None) -> Path:
         """Writes ``output_dir/name`` with the run's stop list (every model folder of a run goes through here)."""
@@ -814,6 +816,8 @@ class GRPOTrainer:
             self.close()
         if self.cfg.trainer.save_hf_checkpoint:
             self._save_hf("hf_checkpoint")
+        if dist.get_rank() == 0:  # the run finished: an earlier stop's export is stale
+            shutil.rmtree(Path(self.cfg.trainer.output_dir) / INTERRUPTED_DIR, ignore_errors=True)
         return self.logger.history
 
     def close(self) -> None:

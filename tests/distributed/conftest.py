@@ -8,6 +8,13 @@ re-raised in the test with the child's traceback; a hung run is killed after a t
 Spawning costs seconds (every child imports torch and the test module), so group many checks
 into one ``fn``. ``fn``, ``args`` and the return values must be picklable: ``fn`` is a
 module-level function of the test module.
+
+On a loaded machine gloo's set-up itself can fail: measured beside 8 CPU-burning processes on 2
+cores, 1 run in 8 of a 2-rank test had a rank's ``init_process_group`` fail with "Gloo
+connectFullMesh failed ... Connection closed by peer" while its peer still waited in its own
+set-up, before ``fn`` ran. Such a world is torn down and launched again on a fresh port, up to
+:data:`_SETUP_ATTEMPTS` times; a failure inside ``fn`` is never retried. How to check it: run the
+fast distributed tests 20 times beside one busy loop per core (tests/README.md).
 """
 
 from __future__ import annotations
@@ -27,6 +34,8 @@ import torch.multiprocessing as mp
 
 _TIMEOUT_S = 120.0
 _GRACE_S = 5.0  # after one rank fails, how long the others get to finish before being killed
+_SETUP_ATTEMPTS = 3  # launches of a world whose gloo set-up failed (module docstring)
+_SETUP = "setup"  # a rank's report that init_process_group failed: fn never ran there
 
 
 def _free_port() -> int:
@@ -36,7 +45,8 @@ def _free_port() -> int:
 
 
 def _child(rank, world_size, port, timeout_s, fn, args, results):
-    """Child entry: set up gloo, run ``fn``, report ``(rank, ok, pickled value or traceback)``."""
+    """Child entry: set up gloo, run ``fn``, report ``(rank, status, pickled value or traceback)``
+    with status True (done), False (``fn`` failed) or :data:`_SETUP` (the gloo set-up failed)."""
     # WORLD_SIZE and RANK as torchrun sets them: load_config checks the layout against WORLD_SIZE.
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1",
                       WORLD_SIZE=str(world_size), RANK=str(rank))
@@ -46,6 +56,10 @@ def _child(rank, world_size, port, timeout_s, fn, args, results):
             "gloo", rank=rank, world_size=world_size,
             timeout=datetime.timedelta(seconds=timeout_s),
         )
+    except BaseException:  # noqa: BLE001 - the parent launches the world again
+        results.put((rank, _SETUP, traceback.format_exc()))
+        sys.exit(1)
+    try:
         # Plain pickle copies tensors by value; torch's queue pickler would pass them through
         # shared memory owned by this process, which is gone once it exits.
         payload = pickle.dumps(fn(rank, world_size, *args))
@@ -73,6 +87,25 @@ def _import_roots(*functions) -> list[str]:
 def _run(fn, world_size: int, *args, timeout_s: float = _TIMEOUT_S, grace_s: float = _GRACE_S) -> list:
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
+    for attempt in range(1, _SETUP_ATTEMPTS + 1):
+        values, failures, setup_failed = _launch(fn, world_size, args, timeout_s, grace_s)
+        if not setup_failed or attempt == _SETUP_ATTEMPTS:
+            break
+        print(f"run_distributed: the gloo set-up failed (attempt {attempt} of {_SETUP_ATTEMPTS}), launching "
+              f"the world again:\n{next(iter(failures.values()))}", file=sys.stderr)
+    if failures:  # the first report is the root cause; later ones are usually broken peers
+        rank, first = next(iter(failures.items()))
+        others = sorted(set(failures) - {rank})
+        raise RuntimeError(f"rank {rank} of {world_size} failed (also failed: {others}):\n{first}")
+    if len(values) < world_size:
+        raise TimeoutError(
+            f"distributed run did not finish in {timeout_s:.0f} s (ranks done: {sorted(values)})"
+        )
+    return [values[rank] for rank in range(world_size)]
+
+
+def _launch(fn, world_size: int, args: tuple, timeout_s: float, grace_s: float) -> tuple[dict, dict, bool]:
+    """One launch of the world on a fresh port: ``(values, failures, whether a set-up failed)``."""
     ctx = mp.get_context("spawn")
     results = ctx.SimpleQueue()
     port = _free_port()
@@ -95,17 +128,19 @@ def _run(fn, world_size: int, *args, timeout_s: float = _TIMEOUT_S, grace_s: flo
     return _collect(procs, results, world_size, timeout_s, grace_s)
 
 
-def _collect(procs, results, world_size: int, timeout_s: float, grace_s: float) -> list:
-    """Wait for every rank; raise on the first failure or when the deadline passes."""
+def _collect(procs, results, world_size: int, timeout_s: float, grace_s: float) -> tuple[dict, dict, bool]:
+    """Waits for every rank until the first failure (plus the grace) or the deadline; returns
+    ``(values by rank, failures by rank in report order, whether a rank's set-up failed)``."""
     deadline = time.monotonic() + timeout_s
-    values, failures = {}, {}
+    values, failures, setup_failed = {}, {}, False
     while len(values) + len(failures) < world_size and time.monotonic() < deadline:
         while not results.empty():
-            rank, ok, payload = results.get()
-            if ok:
+            rank, status, payload = results.get()
+            if status is True:
                 values[rank] = pickle.loads(payload)
             else:
                 failures[rank] = payload
+                setup_failed |= status == _SETUP
         for rank, proc in enumerate(procs):
             silent = rank not in values and rank not in failures
             if silent and proc.exitcode is not None and results.empty():
@@ -118,15 +153,7 @@ def _collect(procs, results, world_size: int, timeout_s: float, grace_s: float) 
         if proc.is_alive():
             proc.kill()
             proc.join()
-    if failures:  # the first report is the root cause; later ones are usually broken peers
-        rank, first = next(iter(failures.items()))
-        others = sorted(set(failures) - {rank})
-        raise RuntimeError(f"rank {rank} of {world_size} failed (also failed: {others}):\n{first}")
-    if len(values) < world_size:
-        raise TimeoutError(
-            f"distributed run did not finish in {timeout_s:.0f} s (ranks done: {sorted(values)})"
-        )
-    return [values[rank] for rank in range(world_size)]
+    return values, failures, setup_failed
 
 
 @pytest.fixture(scope="session")
