@@ -112,6 +112,10 @@ def load_config(config_name: str = DEFAULT_CONFIG_NAME, overrides: list[str] | N
         from nemo_sspo.models import load_hf_config
         from nemo_sspo.trainer.config import check_model_layout
 
+        if command == "train":  # what this host cannot run, refused before the model's config is read
+            from nemo_sspo.trainer.device import check_host
+
+            check_host(cfg)
         hf_config = load_hf_config(cfg.model.source, cache_dir=cfg.model.cache_dir)
         check_model_layout(cfg, hf_config, world_size)
         if command == "train" and not cfg.trainer.skip_memory_check:
@@ -288,6 +292,20 @@ def _memory_plan_comment(cfg) -> str:
         return f"# memory plan: not computed ({err})"
 
 
+def _host_comment(cfg) -> str:
+    """``--print-config``'s last line: whether this host can start the run (the checks a real start runs
+    before anything is loaded, :func:`nemo_sspo.trainer.device.check_host`), without refusing: a GPU
+    recipe's config is checked on a login node too.
+    """
+    from nemo_sspo.trainer.device import check_host
+
+    try:
+        check_host(cfg)
+    except ValueError as err:
+        return f"# this host cannot start this run (the config's own checks passed): {err}"
+    return "# this host can start this run"
+
+
 def _plan(cfg) -> int:
     """``nemo-sspo plan``: the table; 0 when the peak fits the GPU memory (or it is unknown), 2 when not."""
     from nemo_sspo.trainer.memory_plan import format_memory_plan, plan_for_config
@@ -351,6 +369,7 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         if args.command == "train":
             print(_memory_plan_comment(cfg))
+            print(_host_comment(cfg))
         return 0
     if args.command == "eval":
         return _evaluate(cfg)

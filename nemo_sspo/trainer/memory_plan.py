@@ -239,6 +239,11 @@ def memory_plan(cfg: Any, hf_config: Any, *, world_size: int, gpu_gib: float | N
              f"{impl} layers; micro-batch {tokens:,} tokens per rank ({rows} row(s) of {width:,}); "
              f"recompute={par.recompute}; sequence_parallel={par.sequence_parallel}; "
              f"distributed optimizer={op.use_distributed_optimizer}, cpu_offload={op.cpu_offload}"]
+    if cfg.model.transformer_impl == "auto":  # the one rule of plan and --print-config, said where it applies
+        notes.append(f"layers: {impl}, as model.transformer_impl=auto builds them " + (
+            "on a GPU (a GPU is visible or trainer.gpu_memory_gib is set)" if impl == "transformer_engine" else
+            "on a host without a GPU (set trainer.gpu_memory_gib, or model.transformer_impl=transformer_engine, to "
+            "plan the GPU run's TransformerEngine layers)"))
     if impl == "transformer_engine":
         notes.append("activations: the TransformerEngine layers' formula (nemo_sspo.megatron.memory) is our "
                      "reading of their modules, not yet measured on a GPU; the local layers' is measured")
@@ -299,6 +304,8 @@ def format_memory_plan(plan: MemoryPlan, prefix: str = "") -> str:
         verdict = "fits" if plan.fits else "DOES NOT FIT"
         lines.append(f"{prefix}peak {plan.peak / GIB:.2f} GiB of {gpu:.2f} GiB: {verdict} "
                      f"(headroom {100 * (1 - plan.peak / plan.gpu_bytes):.1f}%)")
+        if not plan.fits:
+            lines.append(f"{prefix}{_largest_term_advice(plan)}")
     lines += [prefix + note for note in plan.notes]
     return "\n".join(lines)
 
@@ -313,14 +320,19 @@ def check_memory_plan(plan: MemoryPlan) -> None:
     if plan.fits is not False:
         return
     stage = max(plan.stages, key=lambda s: s.peak)
-    largest = stage.largest_term()
-    shrink = "; ".join(_SHRINK.get(largest, []))
     raise ValueError(
         f"memory plan: the peak of pipeline stage {stage.stage} is {stage.peak / GIB:.2f} GiB per GPU, more than "
-        f"the GPU's {plan.gpu_bytes / GIB:.2f} GiB (trainer.gpu_memory_gib, or the visible device's); the largest "
-        f"term is {largest} ({stage.terms[largest] / GIB:.2f} GiB). Settings that shrink it: {shrink}. "
-        f"See the whole plan with `nemo-sspo plan` (same overrides); set trainer.skip_memory_check=true to "
-        f"start anyway")
+        f"the GPU's {plan.gpu_bytes / GIB:.2f} GiB (trainer.gpu_memory_gib, or the visible device's); "
+        f"{_largest_term_advice(plan)}. See the whole plan with `nemo-sspo plan` (same overrides); set "
+        f"trainer.skip_memory_check=true to start anyway")
+
+
+def _largest_term_advice(plan: MemoryPlan) -> str:
+    """The largest term of the stage with the highest peak, and the settings that shrink it."""
+    stage = max(plan.stages, key=lambda s: s.peak)
+    largest = stage.largest_term()
+    return (f"the largest term is {largest} ({stage.terms[largest] / GIB:.2f} GiB). Settings that shrink it: "
+            f"{'; '.join(_SHRINK.get(largest, []))}")
 
 
 def hf_architecture(source: str, cache_dir: str | None) -> tuple[Any, str]:

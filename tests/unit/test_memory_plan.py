@@ -141,3 +141,36 @@ def test_the_transformer_engine_formula_is_labelled_unmeasured(impl, labelled):
     text = format_memory_plan(_qwen3_30b_a3b_plan(141, transformer_impl=impl))
     assert ("transformer_engine layers" in text) == labelled
     assert ("not yet measured on a GPU" in text) == labelled, text
+
+
+def test_plan_names_the_fix_and_says_which_layers(capsys, monkeypatch):
+    # the oversize case above, through `nemo-sspo plan`: exit 2 and the same advice as the refusal at load
+    from nemo_sspo.cli import main
+
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    overrides = ["model=tiny_random", "rollout.max_new_tokens=2000"]
+    assert main(["plan", *overrides, "model.transformer_impl=local", "trainer.gpu_memory_gib=0.2"]) == 2
+    out = capsys.readouterr().out
+    assert "DOES NOT FIT" in out and "largest term is activations" in out and "parallel.recompute=full" in out
+    # model.transformer_impl=auto: TransformerEngine layers for a GPU of known size, local ones without
+    assert main(["plan", *overrides, "trainer.gpu_memory_gib=80"]) == 0
+    assert "layers: transformer_engine, as model.transformer_impl=auto builds them on a GPU" in capsys.readouterr().out
+    assert main(["plan", *overrides]) == 0
+    assert ("layers: local, as model.transformer_impl=auto builds them on a host without a GPU (set "
+            "trainer.gpu_memory_gib, or model.transformer_impl=transformer_engine") in capsys.readouterr().out
+
+
+def test_print_config_says_what_this_host_cannot_start_and_a_real_start_refuses_it_at_load(capsys, monkeypatch):
+    from nemo_sspo.cli import main
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    overrides = ["model=tiny_random", "parallel.context_parallel_size=2"]
+    assert main(["train", "--print-config", *overrides]) == 0  # a config check, as on a login node
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    assert last.startswith("# this host cannot start this run (the config's own checks passed): "
+                           "parallel.context_parallel_size=2 needs TransformerEngine's attention")
+    with pytest.raises(ValueError, match="parallel.context_parallel_size=2 needs TransformerEngine's attention"):
+        load_config(overrides=overrides, check_model=True)
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    assert main(["train", "--print-config", "model=tiny_random"]) == 0
+    assert capsys.readouterr().out.strip().splitlines()[-1] == "# this host can start this run"
