@@ -493,6 +493,10 @@ class TrainerConfig:
     one line per step), ``jsonl`` (``output_dir/metrics.jsonl``; resuming needs it), ``tensorboard``
     (``output_dir/tensorboard/``), ``wandb`` (``trainer.wandb``) and ``mlflow`` (``trainer.mlflow``). W&B
     and MLflow also get the composed config as parameters and the reward/entropy plot."""
+    progress_interval_s: float = 15.0
+    """Progress inside a step on the console (``nemo_sspo.trainer.progress``): a phase line (generation
+    with groups done, scoring, old and reference log-probs, the update's optimizer steps, refit,
+    checkpoint save) at most every this many seconds, none for a shorter step; 0 = none."""
     rollout_log: bool = False
     """Write one JSON Lines record per response per step (prompt and response text, task and shaped
     reward, advantage, length, version, truncation) to ``output_dir/rollouts/replica_<dp rank>.jsonl``
@@ -664,6 +668,8 @@ def validate(cfg: TrainConfig, world_size: int | None = 1) -> None:
     _require(tr.checkpoint_interval >= 0, "trainer.checkpoint_interval must be >= 0 (0 disables checkpoints)")
     _require(tr.keep_checkpoints >= 0, "trainer.keep_checkpoints must be >= 0 (0 keeps every checkpoint)")
     _require(tr.max_steps >= 1, "trainer.max_steps must be >= 1")
+    _require(0 <= tr.progress_interval_s < math.inf,
+             f"trainer.progress_interval_s={tr.progress_interval_s} must be seconds >= 0 (0 prints no phase lines)")
     _require(tr.gpu_memory_gib is None or 0 < tr.gpu_memory_gib < math.inf,
              f"trainer.gpu_memory_gib={tr.gpu_memory_gib} must be one GPU's memory in GiB (> 0, e.g. 80 for an "
              "H100), or null for the visible GPU's")

@@ -121,6 +121,7 @@ from nemo_sspo.trainer.device import check_host, training_device
 from nemo_sspo.trainer.interrupt import deferred_signals
 from nemo_sspo.trainer.metric_log import MetricsLogger
 from nemo_sspo.trainer.periodic_eval import BEST_DIR, BestEval, evaluate_engine
+from nemo_sspo.trainer.progress import StepProgress
 from nemo_sspo.trainer.rollout_log import RolloutLog, rollout_records
 from nemo_sspo.trainer.rollout_metrics import TruncationWatch, rollout_metric_sums
 from nemo_sspo.trainer.run_config import composed_config, read_config, resume_changes, write_config
@@ -203,7 +204,8 @@ def run_stop_ids(cfg: TrainConfig, tokenizer) -> list[int]:
 
 
 def build_rollout(cfg: TrainConfig, hf_config, state_dict, tokenizer, prompts, groups, *, stop_ids: list[int],
-                  reward: Reward | None = None, engine: RolloutEngine | None = None, shared_stream: bool = True):
+                  reward: Reward | None = None, engine: RolloutEngine | None = None, shared_stream: bool = True,
+                  progress: StepProgress | None = None):
     """Rollout engine, reward and sampler of a generating rank.
 
     The engine and reward passed in, else ``rollout.backend`` and ``reward.name`` from their
@@ -221,6 +223,7 @@ def build_rollout(cfg: TrainConfig, hf_config, state_dict, tokenizer, prompts, g
         engine: an engine holding the initial weights, or None to build ``rollout.backend``.
         shared_stream: as :class:`nemo_sspo.trainer.sampling.RolloutSampler` (False: a free-running
             rollout rank's own stream and slots).
+        progress: the sampler's phase lines (:class:`nemo_sspo.trainer.progress.StepProgress`; None: none).
 
     Returns:
         ``(engine, reward, sampler)``.
@@ -235,7 +238,7 @@ def build_rollout(cfg: TrainConfig, hf_config, state_dict, tokenizer, prompts, g
     if reward is None:
         reward = build_reward(cfg.reward.name, cfg.reward)
     sampler = RolloutSampler(engine=engine, reward=reward, prompts=prompts, tokenizer=tokenizer, cfg=cfg,
-                             groups=groups, shared_stream=shared_stream)
+                             groups=groups, shared_stream=shared_stream, progress=progress)
     return engine, reward, sampler
 
 
@@ -345,6 +348,8 @@ class GRPOTrainer:
         self.critic = self._build_critic(state_dict) if self.estimator.needs_critic else None
         self.is_generator = self.groups.mp_rank == 0 and split is None
         self.engine = self.reward = self.sampler = None
+        self.progress = StepProgress(enabled=dist.get_rank() == 0, interval_s=cfg.trainer.progress_interval_s,
+                                     total_steps=cfg.trainer.max_steps)
         if self.is_generator:
             self._build_rollout(state_dict, prompts, reward, engine)
         self.tables = None
@@ -419,7 +424,7 @@ class GRPOTrainer:
         """Rollout engine, reward and sampler, on generating ranks only (:func:`build_rollout`)."""
         self.engine, self.reward, self.sampler = build_rollout(
             self.cfg, self.hf_config, state_dict, self.tokenizer, prompts, self.groups, stop_ids=self.stop_ids,
-            reward=reward, engine=engine)
+            reward=reward, engine=engine, progress=self.progress)
 
     # ---- phases -------------------------------------------------------------------------------
     def generate_and_score(self, step: int) -> Rollout:
@@ -498,12 +503,14 @@ class GRPOTrainer:
                                          route_layers=self.route_layers)
         if not self.layout.fixed and self.groups.dp_size > 1:
             batch = self._balanced(batch)
+        self.progress.phase("old log-probs")
         batch = compute_old_logprobs(self.model, batch, self.spec, self.layout, dp_group=self.groups.dp_group,
                                      record_routes=self.cfg.model.router_replay == "r2")
         if batch.routes is not None:
             sums["moe/expert_load_max_over_mean"] = expert_load_pair(
                 batch.routes, batch.row_lengths(), num_experts(self.hf_config), dp_group=self.groups.dp_group)
         if self.ref_model is not None:
+            self.progress.phase("reference log-probs")
             batch = compute_ref_logprobs(self.ref_model, batch, self.spec, self.layout, dp_group=self.groups.dp_group,
                                          keep_routes=self.route_layers is not None)
         ro = self.cfg.rollout
@@ -553,6 +560,7 @@ class GRPOTrainer:
         sums: dict[str, MetricPair] = {}
         norms = []
         for start in range(0, rows, size):
+            self.progress.phase("update", start // size + 1, rows // size, "optimizer steps")
             mb_sums, grad_norm = train_on_batch(self.model, self.optimizer, batch.select(slice(start, start + size)),
                                                 self.spec, self.layout, dp_group=self.groups.dp_group,
                                                 lr_scheduler=self.lr_scheduler)
@@ -616,6 +624,7 @@ class GRPOTrainer:
         """One step (module docstring); returns its metrics, the same on every rank."""
         timer = _Timer()
         step_start = time.perf_counter()
+        self.progress.start_step(step)
         if torch.cuda.is_available():
             torch.cuda.reset_peak_memory_stats()
         with timer.time("generation"):
@@ -637,6 +646,7 @@ class GRPOTrainer:
                 critic_sums, extra["critic/grad_norm"] = self.critic.update(self._critic_batch(rollout))
             sums.update(critic_sums)
         with timer.time("refit"):
+            self.progress.phase("refit")
             refit = self.source.after_update(step)
         self.engine_step = step
         if refit.seconds_per_gb is not None:
@@ -707,11 +717,15 @@ class GRPOTrainer:
             models["critic"] = (self.critic.model, self.critic.optimizer, self.critic.lr_scheduler)
         return models
 
-    def maybe_checkpoint(self, step: int) -> None:
-        """Saves a resumable checkpoint every ``trainer.checkpoint_interval`` steps and at the last (collective)."""
+    def maybe_checkpoint(self, step: int) -> tuple[float, float] | None:
+        """Saves a resumable checkpoint every ``trainer.checkpoint_interval`` steps and at the last
+        (collective); returns the save's window (unix seconds, start and end), or None without a save.
+        """
         tr = self.cfg.trainer
         if tr.checkpoint_interval == 0 or (step % tr.checkpoint_interval and step != tr.max_steps):
-            return
+            return None
+        start = time.time()
+        self.progress.phase("checkpoint save")
         # of the step just trained (later steps may be in flight); rank 0 generates or collects
         box = [self.problems_drawn, self.source.rollout_positions()]
         dist.broadcast_object_list(box, src=0)
@@ -725,6 +739,7 @@ class GRPOTrainer:
                              advantage_history=history)
         save_checkpoint(Path(tr.output_dir) / CHECKPOINTS_DIR, state, self._checkpointed_models(),
                         config=self.config, keep=tr.keep_checkpoints)
+        return start, time.time()
 
     def _resume(self, path: Path) -> None:
         """Restores a checkpoint (module docstring of :mod:`nemo_sspo.trainer.checkpoint`) and refits
@@ -795,6 +810,7 @@ class GRPOTrainer:
         holds every completed step). At the end the policy goes to ``output_dir/hf_checkpoint``.
         """
         truncation = TruncationWatch(self.cfg.rollout.max_new_tokens)
+        saved_s = None  # the last step's checkpoint save, reported with the next step (its record was written)
         try:
             for step in range(self.completed_steps + 1, self.cfg.trainer.max_steps + 1):
                 metrics = self.train_step(step)
@@ -802,12 +818,17 @@ class GRPOTrainer:
                 if warning and self.logger.enabled:
                     logger.warning(warning)
                 metrics.update(self.maybe_evaluate(step))
+                if saved_s is not None:
+                    metrics["timing/checkpoint_s"] = saved_s
                 with deferred_signals():  # a stop signal waits: the step's record, checkpoint and count agree
                     self.logger.log(step, metrics)
                     if self.rollout_log is not None:
                         self.rollout_log.flush()
-                    self.maybe_checkpoint(step)
+                    saved = self.maybe_checkpoint(step)
                     self.completed_steps = step
+                saved_s = None if saved is None else saved[1] - saved[0]
+                if saved is not None:
+                    self.timeline.add("training ranks", "checkpoint", step, *saved)
         except BaseException:
             if self.logger.history:
                 self.interrupted_dir = self._save_interrupted()

@@ -50,6 +50,7 @@ from nemo_sspo.parallel.metrics import collective_device
 from nemo_sspo.rollout import RolloutBatch
 from nemo_sspo.rollout.partial import generate_with_refits
 from nemo_sspo.trainer.batch import concat_rollouts
+from nemo_sspo.trainer.progress import StepProgress
 
 __all__ = ["RefitHooks", "Rollout", "RolloutSampler", "generation_seed", "prompt_key"]
 
@@ -132,10 +133,13 @@ class RolloutSampler:
         shared_stream: True: every generator draws all open slots' problems from identically seeded
             streams and the open slots are all-reduced; False: this generator's own stream and slots
             only (module docstring).
+        progress: told of each group generated and of the scoring (None: nothing is shown).
     """
 
-    def __init__(self, *, engine, reward, prompts, tokenizer, cfg, groups, shared_stream: bool = True) -> None:
+    def __init__(self, *, engine, reward, prompts, tokenizer, cfg, groups, shared_stream: bool = True,
+                 progress: StepProgress | None = None) -> None:
         self.engine, self.reward, self.prompts, self.tokenizer = engine, reward, prompts, tokenizer
+        self.progress = progress or StepProgress(enabled=False, interval_s=0, total_steps=0)
         self.cfg, self.groups, self.shared_stream = cfg, groups, shared_stream
         self.slots_per_rank = cfg.rollout.prompts_per_step // groups.dp_size
         self.first_slot = groups.dp_rank * self.slots_per_rank
@@ -206,9 +210,11 @@ class RolloutSampler:
             prompt = render_prompt(self.tokenizer, problem.question, self.cfg.data.template)
             seed = generation_seed(self.cfg.trainer.seed, step, round_, slot)
             parts.append(self._sample([prompt] * group, seed))
+            self.progress.phase("generation", len(parts), len(work), "groups")
         if not parts:
             return []
         texts = [text for part in parts for text in part.response_texts]
+        self.progress.phase(f"scoring {len(texts)} responses")
         answers = [problem.answer for _, problem in work for _ in range(group)]
         before = getattr(self.reward, "timeouts", 0)
         rewards = torch.tensor(self.reward(texts, answers), dtype=torch.float32)

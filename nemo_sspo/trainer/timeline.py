@@ -3,7 +3,7 @@
 The windows themselves go to ``timeline.jsonl`` (lane, phase, step, start, end in unix seconds).
 
 Training rank 0 records its own phases of every step (waiting for / generating the rollout,
-training, refit) and the generation window of every rollout it trains on or drops for staleness
+training, refit, a checkpoint save) and the generation window of every rollout it trains on or drops for staleness
 (``dropped``), which the rollout rank measured (``placement: separate``; colocated, the same rank
 generated it). Both come from ``time.time()`` on one host, or on hosts whose clocks agree to well
 under a phase.
@@ -17,7 +17,8 @@ from pathlib import Path
 
 __all__ = ["Timeline"]
 
-_COLORS = {"generation": "C0", "dropped": "C5", "wait": "0.8", "train": "C1", "critic": "C3", "refit": "C2"}
+_COLORS = {"generation": "C0", "dropped": "C5", "wait": "0.8", "train": "C1", "critic": "C3", "refit": "C2",
+           "checkpoint": "C6"}
 
 
 @dataclass

@@ -1,7 +1,9 @@
 """``trainer.rollout_log``: one record per response per step, its values checked against what they
 must be independently of the logging code (the parity reward recomputed from the response text, the
 GRPO advantage recomputed from the logged rewards by hand, the step's logged means), kept and
-replaced on resume like ``metrics.jsonl``, and cleared by ``trainer.overwrite_output_dir``."""
+replaced on resume like ``metrics.jsonl``, and cleared by ``trainer.overwrite_output_dir``. The same
+run shows the phase lines inside a step (``trainer.progress_interval_s``, here every phase) and the
+checkpoint saves in ``timing/checkpoint_s`` and the timeline."""
 
 import json
 import statistics
@@ -13,6 +15,7 @@ from nemo_sspo.models import load_hf_checkpoint
 from tests.integration._loop_runs import run
 
 LOG = ["trainer.rollout_log=true", "trainer.max_steps=2", "trainer.checkpoint_interval=1"]
+EVERY_PHASE = "trainer.progress_interval_s=1e-9"  # a line for every phase: their order is checked
 
 
 def _log(out):
@@ -23,12 +26,21 @@ def _metrics(out):
     return {r["step"]: r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())}
 
 
-def test_rollout_log_values_resume_and_overwrite(monkeypatch, tmp_path):
+def test_rollout_log_values_resume_and_overwrite_and_phase_lines(monkeypatch, tmp_path, capsys):
     tiny = load_hf_checkpoint("tiny-random-llama")
     out = tmp_path / "run"
-    run(monkeypatch, out, LOG, checkpoint=tiny)
+    run(monkeypatch, out, [*LOG, EVERY_PHASE], checkpoint=tiny)
     straight = _log(out)
     metrics = _metrics(out)
+    # 2 prompt groups of 2, 2 optimizer steps per step, a checkpoint after each step
+    phases = [line.split(": ", 1)[1] for line in capsys.readouterr().err.splitlines() if line.startswith("step 1/2 [")]
+    assert phases == ["generation, 1/2 groups", "generation, 2/2 groups", "scoring 4 responses", "old log-probs",
+                      "update, 1/2 optimizer steps", "update, 2/2 optimizer steps", "refit", "checkpoint save"]
+    # step 1's save is reported with step 2 (step 1's record was written before it), and in the timeline
+    saves = [json.loads(line) for line in (out / "timeline.jsonl").read_text().splitlines()
+             if json.loads(line)["phase"] == "checkpoint"]
+    assert [s["step"] for s in saves] == [1, 2] and "timing/checkpoint_s" not in metrics[1]
+    assert metrics[2]["timing/checkpoint_s"] == pytest.approx(saves[0]["end"] - saves[0]["start"], rel=1e-6)
     assert [(r["step"], r["row"], r["sample"]) for r in straight] == [
         (step, row, row % 2) for step in (1, 2) for row in range(4)]  # 2 prompts x 2 samples per step
     for step in (1, 2):

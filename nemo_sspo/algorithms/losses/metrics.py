@@ -47,6 +47,7 @@ ENTROPY_BAND_KEYS = (
 )
 
 _F32 = torch.float32
+_F64 = torch.float64  # weights and counts: a weighted mean's total and count are the same float64 sums
 _WEIGHTING = {"token": "tokens", "segment": "segments", "response": "responses"}
 
 
@@ -56,15 +57,15 @@ class _Weights:
     def __init__(self, mask: torch.Tensor, segment_length: torch.Tensor,
                  cp: CPContext | None = None) -> None:
         self.mask, self.cp = mask, cp
-        valid = mask.to(_F32)
+        valid = mask.to(_F64)
         lengths = cp_sum(valid.sum(dim=1, keepdim=True), cp)  # the whole row's length
         self.by = {
             "tokens": valid,
-            "segments": valid / segment_length.to(_F32).clamp(min=1),
+            "segments": valid / segment_length.to(_F64).clamp(min=1),
             "responses": valid / lengths.clamp(min=1),
         }
         self.count = {name: w.sum() for name, w in self.by.items()}
-        responses = (lengths > 0).sum().to(_F32)
+        responses = (lengths > 0).sum().to(_F64)
         self.count["responses"] = items_on_this_rank(responses, cp)
         self._group_count: dict[str, torch.Tensor] = {"responses": responses}
 
@@ -81,7 +82,7 @@ class _Weights:
 
     def _weighted_sum(self, values: torch.Tensor, level: str) -> torch.Tensor:
         # float64: the spread of values near 1 is taken from these sums (nemo_sspo.metrics.pairs)
-        return (self._masked(values).double() * self.by[level].double()).sum()
+        return (self._masked(values).double() * self.by[level]).sum()
 
     def mean(self, values: torch.Tensor, level: str) -> MetricPair:
         return mean_pair(self._weighted_sum(values, level), self.count[level])
