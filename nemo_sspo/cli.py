@@ -207,6 +207,11 @@ def _parse(argv: list[str]) -> argparse.Namespace:
                          "<owner>/<repo>/<commit>/<path> of the source files, or prepared JSONL files "
                          "(default: $NEMO_SSPO_DATA_SOURCE, else download)")
     prepare.add_argument("--only", nargs="+", default=None, metavar="NAME", help="these datasets only")
+    prepare.add_argument("--format", default="jsonl", dest="file_format", metavar="{jsonl,parquet}",
+                         help="jsonl (default): the native trainer's files; parquet: verl's RL dataset "
+                         "schema, for examples/integrations/verl (docs/data.md)")
+    prepare.add_argument("--template", default=None, metavar="NAME", help="--format parquet only: the prompt "
+                         "template of the prompt column (default qwen-math, the paper recipes' data.template)")
     return parser.parse_args(argv)
 
 
@@ -216,12 +221,15 @@ def _prepare_data(args: argparse.Namespace) -> int:
     from nemo_sspo.data.prepare import prepare_datasets
 
     try:
-        written = prepare_datasets(args.out, names=args.only, source=args.source)
+        written = prepare_datasets(args.out, names=args.only, source=args.source, file_format=args.file_format,
+                                   template=args.template)
     except (ValueError, OSError, ImportError) as err:
         print(f"nemo-sspo: {err}", file=sys.stderr)
         return 2
     folder = Path(args.out).expanduser().resolve()
-    print(f"datasets written to {folder}: {', '.join(written)}; use them with: export {DATA_DIR_ENV}={folder}")
+    use = (f"export {DATA_DIR_ENV}={folder}" if args.file_format == "jsonl" else
+           "verl's data.train_files / data.val_files (examples/integrations/verl/sspo_grpo.yaml)")
+    print(f"datasets written to {folder}: {', '.join(written)}; use them with: {use}")
     return 0
 
 

@@ -35,6 +35,7 @@ __all__ = [
     "MathRecord",
     "load_math_dataset",
     "normalize_gold",
+    "parse_math_records",
     "resolve_data_dir",
 ]
 
@@ -158,12 +159,27 @@ def load_math_dataset(name: str, data_dir: str | None = None, *, key: str = "dat
     if hashlib.sha256(raw).hexdigest() != spec.sha256:
         warnings.warn(f"{path} differs from the published {spec.file} (sha256 mismatch; expected "
                       f"{spec.rows} rows): results are not comparable with the paper's", stacklevel=2)
-    records = [_parse_line(line, path, number)
-               for number, line in jsonl_lines(raw.decode("utf-8"))]
+    return parse_math_records(raw, path, drop_empty_answers=drop_empty_answers)
+
+
+def parse_math_records(raw: bytes, path: Path | str, *, drop_empty_answers: bool = True) -> list[MathRecord]:
+    """The records of one dataset file's bytes ``raw`` (UTF-8 JSONL) in file order, gold answers
+    normalised (:func:`normalize_gold`); ``path`` names the file in error messages.
+
+    Args:
+        raw: the file's content.
+        path: where it came from.
+        drop_empty_answers: skip records whose gold answer is empty (see :func:`load_math_dataset`).
+
+    Raises:
+        ValueError: a line that is not a JSON object with ``id``, ``problem`` and ``answer`` (names
+            file and line).
+    """
+    records = [_parse_line(line, path, number) for number, line in jsonl_lines(raw.decode("utf-8"))]
     return [r for r in records if r.answer or not drop_empty_answers]
 
 
-def _parse_line(line: str, path: Path, number: int) -> MathRecord:
+def _parse_line(line: str, path: Path | str, number: int) -> MathRecord:
     try:
         record = json.loads(line)
     except json.JSONDecodeError as err:

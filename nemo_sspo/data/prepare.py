@@ -11,6 +11,15 @@ renamed, so a folder never holds half a file). A file already there with the rig
 ``<owner>/<repo>/<commit>/<path>`` (a mirror of the raw files), or a folder of already prepared
 JSONL files (copied after the same checks). Tests and machines without network use it.
 
+``file_format="parquet"`` (``--format parquet``) writes ``<name>.parquet`` instead (the JSONL file
+name with ``.parquet``) in verl's RL dataset schema: the columns verl's ``RLHFDataset`` and reward
+manager read, as in ``examples/data_preprocess/math_dataset.py`` of verl's repository.
+``data_source`` is our ``source`` field, ``prompt`` the chat messages of ``template``'s prompt
+(:func:`nemo_sspo.data.templates.prompt_messages`), ``ability`` ``"math"``, ``reward_model``
+``{"style": "rule", "ground_truth": <gold answer>}`` and ``extra_info`` ``{"split", "index", "id"}``.
+The rows are the records the native trainer reads (``load_math_dataset``: gold answers normalised,
+empty answers dropped), from the same checked JSONL.
+
 The conversions (which fields are kept and how answers are read) are ours; the choice of source
 files and fields follows the files' own documentation in ``docs/data.md``.
 """
@@ -27,9 +36,13 @@ from pathlib import Path
 from typing import Callable
 
 from nemo_sspo.data.jsonl import jsonl_line, jsonl_lines
-from nemo_sspo.data.math_datasets import MATH_DATASETS, MathDatasetFile
+from nemo_sspo.data.math_datasets import MATH_DATASETS, MathDatasetFile, MathRecord, parse_math_records
+from nemo_sspo.data.templates import TEMPLATES, prompt_messages
 
-__all__ = ["SOURCE_ENV", "SOURCES", "RawSource", "prepare_datasets"]
+__all__ = ["FORMATS", "SOURCE_ENV", "SOURCES", "RawSource", "prepare_datasets"]
+
+FORMATS = ("jsonl", "parquet")
+"""Valid ``file_format`` values of :func:`prepare_datasets` (``--format``)."""
 
 SOURCE_ENV = "NEMO_SSPO_DATA_SOURCE"
 """Environment variable naming a local source folder (as ``--source``)."""
@@ -80,15 +93,22 @@ def _math500(raw: bytes) -> list[dict]:
 
 def _table_rows(raw: bytes, kind: str) -> list[dict]:
     """Rows of a parquet file or of an Arrow stream (``datasets.save_to_disk``), with pyarrow."""
+    pa, pq = _pyarrow("reading the parquet / Arrow sources (math_train, amc83)",
+                      "or prepare the others with --only")
+    if kind == "parquet":
+        return pq.read_table(io.BytesIO(raw)).to_pylist()
+    return pa.ipc.open_stream(io.BytesIO(raw)).read_all().to_pylist()
+
+
+def _pyarrow(purpose: str, alternative: str):
+    """``pyarrow`` and ``pyarrow.parquet``, imported here so the JSONL path needs neither."""
     try:
         import pyarrow as pa
         import pyarrow.parquet as pq
     except ImportError as err:
-        raise ImportError("reading the parquet / Arrow sources (math_train, amc83) needs pyarrow: "
-                          "pip install 'nemo_sspo[data]' (or pyarrow), or prepare the others with --only") from err
-    if kind == "parquet":
-        return pq.read_table(io.BytesIO(raw)).to_pylist()
-    return pa.ipc.open_stream(io.BytesIO(raw)).read_all().to_pylist()
+        raise ImportError(f"{purpose} needs pyarrow: pip install 'nemo_sspo[data]' (or pyarrow), "
+                          f"{alternative}") from err
+    return pa, pq
 
 
 def _math_train(raw: bytes) -> list[dict]:
@@ -195,30 +215,67 @@ def _check(name: str, spec: MathDatasetFile, data: bytes, origin: str) -> None:
                          f"{spec.rows} rows, sha256 {spec.sha256}")
 
 
+def _verl_rows(records: list[MathRecord], *, template: str, split: str) -> list[dict]:
+    """``records`` as rows of verl's RL dataset (module docstring), indexed in file order."""
+    return [{"data_source": r.source, "prompt": prompt_messages(r.problem, template), "ability": "math",
+             "reward_model": {"style": "rule", "ground_truth": r.answer},
+             "extra_info": {"split": split, "index": index, "id": r.id}} for index, r in enumerate(records)]
+
+
+def _write_parquet(name: str, data: bytes, origin: str, target: Path, template: str) -> int:
+    """Writes the checked JSONL ``data`` of dataset ``name`` to ``target`` as verl rows; their count."""
+    pa, pq = _pyarrow("--format parquet", "or keep the default --format jsonl")
+    split = "train" if name == "math_train" else "test"
+    rows = _verl_rows(parse_math_records(data, origin), template=template, split=split)
+    tmp = target.with_name(f".{target.name}.tmp")
+    pq.write_table(pa.Table.from_pylist(rows), tmp)
+    tmp.replace(target)
+    return len(rows)
+
+
 def prepare_datasets(out: str | Path, *, names: list[str] | None = None, source: str | Path | None = None,
-                     report: Callable[[str], None] = print) -> dict[str, Path]:
-    """Writes the datasets' JSONL files into ``out``, each checked against its published row count
-    and sha256 (:data:`nemo_sspo.data.MATH_DATASETS`).
+                     report: Callable[[str], None] = print, file_format: str = "jsonl",
+                     template: str | None = None) -> dict[str, Path]:
+    """Writes the datasets into ``out``, each checked against its published row count and sha256
+    (:data:`nemo_sspo.data.MATH_DATASETS`): JSONL files, or verl's parquet files.
 
     Args:
         out: the data folder (created if needed); point ``$NEMO_SSPO_DATA_DIR`` or the config's
-            ``data.options.data_dir`` / ``eval.data_dir`` at it.
+            ``data.options.data_dir`` / ``eval.data_dir`` at it (JSONL), or verl's
+            ``data.train_files`` / ``data.val_files`` at its parquet files.
         names: datasets to prepare (default: all of :data:`MATH_DATASETS`).
         source: a local folder used instead of downloading (module docstring); None reads
             ``$NEMO_SSPO_DATA_SOURCE``, and downloads when that is unset too.
         report: called with one line per file.
+        file_format: ``"jsonl"`` (the native trainer's files) or ``"parquet"`` (verl's RL dataset
+            schema, module docstring; needs pyarrow). The parquet rows come from the checked JSONL:
+            a correct JSONL file already in ``out`` is read instead of the source; no JSONL is written.
+        template: the prompt template of the parquet ``prompt`` column (one of
+            :data:`~nemo_sspo.data.templates.TEMPLATES`; None: ``"qwen-math"``, the paper recipes'
+            ``data.template``). Parquet only: a JSONL file holds the bare problem, rendered by the
+            training config's ``data.template``.
 
     Returns:
         Dataset name -> the file written (or found already correct) in ``out``.
 
     Raises:
-        ValueError: an unknown name, or a source or result that fails its checksum or row count
-            (nothing is written for that file; files already written stay).
+        ValueError: an unknown name, format or template, a template with ``file_format="jsonl"``,
+            or a source or result that fails its checksum or row count (nothing is written for that
+            file; files already written stay).
         FileNotFoundError, OSError: a source file missing from ``source``, or a failed download.
+        ImportError: ``file_format="parquet"`` without pyarrow.
     """
     unknown = sorted(set(names or ()) - set(MATH_DATASETS))
     if unknown:
         raise ValueError(f"unknown datasets {unknown}; valid: {', '.join(MATH_DATASETS)}")
+    if file_format not in FORMATS:
+        raise ValueError(f"--format {file_format} is unknown; valid: {', '.join(FORMATS)}")
+    if template is not None and file_format == "jsonl":
+        raise ValueError(f"--template {template}: JSONL files hold the bare problem (the training config's "
+                         "data.template renders it); drop --template, or add --format parquet")
+    template = template or "qwen-math"
+    if template not in TEMPLATES:
+        raise ValueError(f"--template {template} is unknown; valid: {', '.join(TEMPLATES)}")
     source = source or os.environ.get(SOURCE_ENV) or None
     local = Path(source).expanduser() if source is not None else None
     if local is not None and not local.is_dir():
@@ -228,15 +285,27 @@ def prepare_datasets(out: str | Path, *, names: list[str] | None = None, source:
     written = {}
     for name in names or list(MATH_DATASETS):
         spec = MATH_DATASETS[name]
-        target = out / spec.file
-        if target.is_file() and hashlib.sha256(target.read_bytes()).hexdigest() == spec.sha256:
-            report(f"{target}: already prepared ({spec.rows} rows, sha256 ok)")
+        jsonl = out / spec.file
+        present = jsonl.is_file() and hashlib.sha256(jsonl.read_bytes()).hexdigest() == spec.sha256
+        if present and file_format == "jsonl":
+            report(f"{jsonl}: already prepared ({spec.rows} rows, sha256 ok)")
+            written[name] = jsonl
+            continue
+        if present:
+            data, origin = jsonl.read_bytes(), str(jsonl)
         else:
             data, origin = _prepared(name, spec, local)
             _check(name, spec, data, origin)
-            tmp = target.with_name(f".{target.name}.tmp")
+        if file_format == "jsonl":
+            tmp = jsonl.with_name(f".{jsonl.name}.tmp")
             tmp.write_bytes(data)
-            tmp.replace(target)
-            report(f"{target}: {spec.rows} rows, sha256 ok (from {origin})")
-        written[name] = target
+            tmp.replace(jsonl)
+            report(f"{jsonl}: {spec.rows} rows, sha256 ok (from {origin})")
+            written[name] = jsonl
+        else:
+            target = jsonl.with_suffix(".parquet")
+            rows = _write_parquet(name, data, origin, target, template)
+            report(f"{target}: {rows} rows in verl's schema, template {template} (from {origin}, "
+                   f"{spec.rows} rows, sha256 ok)")
+            written[name] = target
     return written

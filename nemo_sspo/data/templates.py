@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-__all__ = ["QWEN_MATH_TEMPLATE", "TEMPLATES", "render_prompt"]
+__all__ = ["QWEN_MATH_TEMPLATE", "TEMPLATES", "prompt_messages", "render_prompt"]
 
 QWEN_MATH_INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
 # Qwen2.5-Math's chain-of-thought prompt (its evaluation harness calls it "qwen25-math-cot"; the
@@ -47,17 +47,35 @@ def render_prompt(tokenizer, question: str, template: str) -> str:
     Raises:
         ValueError: unknown ``template``, or ``"chat-boxed"`` with a tokenizer lacking a chat template.
     """
+    messages = prompt_messages(question, template)
     if template == "qwen-math":
         return QWEN_MATH_TEMPLATE.replace("{question}", question, 1)  # not .format: \boxed{} has braces
+    return _chat(tokenizer, template, messages)
+
+
+def prompt_messages(question: str, template: str) -> list[dict[str, str]]:
+    """The chat messages of ``template``'s prompt for ``question`` (``{"role", "content"}`` dicts).
+
+    ``"chat-boxed"`` and ``"chat-cot"``: the messages :func:`render_prompt` passes to the
+    tokenizer's chat template. ``"qwen-math"``: a system message holding
+    :data:`QWEN_MATH_INSTRUCTION` and a user message holding ``question``; a ChatML chat template
+    (Qwen2.5, Qwen3) with the assistant turn opened renders them to exactly
+    :data:`QWEN_MATH_TEMPLATE`'s text. Hosts that take messages rather than text (verl's RL
+    dataset) get the same prompts from these.
+
+    Raises:
+        ValueError: unknown ``template``.
+    """
+    if template == "qwen-math":
+        return [{"role": "system", "content": QWEN_MATH_INSTRUCTION}, {"role": "user", "content": question}]
     if template == "chat-boxed":
         example_question, example_answer = CHAT_BOXED_EXAMPLE
-        return _chat(tokenizer, template, [
-            {"role": "system", "content": CHAT_BOXED_SYSTEM},
-            {"role": "user", "content": f"{example_question}\n{CHAT_BOXED_INSTRUCTION}"},
-            {"role": "assistant", "content": example_answer},
-            {"role": "user", "content": f"{question}\n{CHAT_BOXED_INSTRUCTION}"}])
+        return [{"role": "system", "content": CHAT_BOXED_SYSTEM},
+                {"role": "user", "content": f"{example_question}\n{CHAT_BOXED_INSTRUCTION}"},
+                {"role": "assistant", "content": example_answer},
+                {"role": "user", "content": f"{question}\n{CHAT_BOXED_INSTRUCTION}"}]
     if template == "chat-cot":
-        return _chat(tokenizer, template, [{"role": "user", "content": f"{question}\n{QWEN_MATH_INSTRUCTION}"}])
+        return [{"role": "user", "content": f"{question}\n{QWEN_MATH_INSTRUCTION}"}]
     raise ValueError(f"template={template!r} is unknown; valid templates: {', '.join(TEMPLATES)}")
 
 

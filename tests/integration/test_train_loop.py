@@ -8,6 +8,8 @@ import sys
 
 import pytest
 
+from tests.unit.test_metric_names import metric_table
+
 REQUIRED_KEYS = {
     "reward/mean", "reward/accuracy", "response/length_mean", "response/truncated_frac",
     "policy/entropy", "policy/clipfrac_tokens", "policy/clipfrac_segments", "policy/b_low",
@@ -34,8 +36,11 @@ def test_two_step_run_writes_finite_metrics(tmp_path):
     assert proc.returncode == 0, proc.stderr[-4000:]
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [1, 2]
+    # every name of ours in docs/trackers.md's table next to verl and NeMo-RL is one this run logs
+    documented = {ours for ours, _, _ in metric_table()}
     for r in records:
         assert REQUIRED_KEYS <= set(r), REQUIRED_KEYS - set(r)
+        assert documented <= set(r), documented - set(r)
         assert all(math.isfinite(v) for v in r.values())
         # Rollout and trainer log-probs come from the same weights (step 2: after the refit), fp32:
         # their gap is rounding only. A missed refit or a temperature mismatch shows up here.
@@ -49,7 +54,10 @@ def test_two_step_run_writes_finite_metrics(tmp_path):
         assert r["response/length_mean"] == 24.0 and r["response/truncated_frac"] == 1.0
         assert r["advantages/zero_variance_group_frac"] == 1.0
         assert r["loss/policy"] == 0.0 and r["optim/grad_norm"] == 0.0
-        assert r["policy/ratio"] == 1.0 and r["policy/clipfrac_tokens"] == 0.0
+        # policy/ratio is a float32 weighted mean over segments of ratios that are each exactly 1
+        # (policy/ratio_segment_max == 1): within one float32 ulp of 1 (measured 1 + 2**-25).
+        assert r["policy/ratio_segment_min"] == r["policy/ratio_segment_max"] == 1.0
+        assert abs(r["policy/ratio"] - 1.0) <= 2**-23 and r["policy/clipfrac_tokens"] == 0.0
         assert r["policy/approx_kl_k3"] == 0.0
     assert (out / "reward_entropy.png").stat().st_size > 0
     assert (out / "hf_checkpoint" / "config.json").is_file()

@@ -16,6 +16,7 @@ difference of 1e-8 / L_i < 1e-8, hence rtol 1e-7.
 
 from __future__ import annotations
 
+import os
 import sys
 
 import pytest
@@ -282,17 +283,21 @@ def test_install_hooks_feed_verl_ppo_loss_and_trainer():
     assert "actor/pg_loss" in metrics
 
 
-def test_example_config_composes_with_verl_trainer_config(monkeypatch):
-    """examples/integrations/verl/sspo_grpo.yaml on verl's own Hydra config and ActorConfig."""
-    import os
-
+def _example_config():
+    """examples/integrations/verl/sspo_grpo.yaml composed on verl's own Hydra config."""
     from hydra import compose, initialize_config_dir
-    from verl.utils.config import omega_conf_to_dataclass
 
     example = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "integrations",
                            "verl")
     with initialize_config_dir(config_dir=os.path.abspath(example), version_base=None):
-        cfg = compose(config_name="sspo_grpo", overrides=["actor_rollout_ref.model.path=/m"])
+        return compose(config_name="sspo_grpo", overrides=["actor_rollout_ref.model.path=/m"])
+
+
+def test_example_config_composes_with_verl_trainer_config(monkeypatch):
+    """examples/integrations/verl/sspo_grpo.yaml on verl's own Hydra config and ActorConfig."""
+    from verl.utils.config import omega_conf_to_dataclass
+
+    cfg = _example_config()
     actor = omega_conf_to_dataclass(cfg.actor_rollout_ref.actor)
     env = cfg.ray_kwargs.ray_init.runtime_env.env_vars
     assert env.VERL_USE_EXTERNAL_MODULES == "nemo_sspo.integrations.verl_plugin"
@@ -304,3 +309,34 @@ def test_example_config_composes_with_verl_trainer_config(monkeypatch):
     monkeypatch.setenv(sspo_verl.LOSS_ARGS_ENV, "{sspo: 1}")
     with pytest.raises(ValueError, match="not valid JSON"):
         sspo_verl.loss_args_from_env()
+
+
+def test_example_makes_the_native_recipes_optimizer_steps_per_rollout():
+    """The verl example against conf/sspo_qwen2.5_math_1.5b.yaml, both composed. verl's trainer
+    (RayPPOTrainer's actor update) splits a rollout of data.train_batch_size x rollout.n responses
+    into mini-batches of ppo_mini_batch_size x rollout.n, ppo_epochs times: train_batch_size /
+    ppo_mini_batch_size x ppo_epochs optimizer steps. Ours: trainer.minibatches_per_step steps over
+    prompts_per_step x samples_per_prompt responses."""
+    from nemo_sspo.cli import load_config
+
+    cfg = _example_config()
+    native = load_config("sspo_qwen2.5_math_1.5b", command="eval")
+    actor, n = cfg.actor_rollout_ref.actor, cfg.actor_rollout_ref.rollout.n
+    assert cfg.data.train_batch_size % actor.ppo_mini_batch_size == 0
+    verl_steps = cfg.data.train_batch_size // actor.ppo_mini_batch_size * actor.ppo_epochs
+    assert verl_steps == native.trainer.minibatches_per_step == 4
+    assert (cfg.data.train_batch_size * n, actor.ppo_mini_batch_size * n) == (
+        native.rollout.prompts_per_step * native.rollout.samples_per_prompt,
+        native.rollout.prompts_per_step * native.rollout.samples_per_prompt // native.trainer.minibatches_per_step,
+    ) == (1024, 256)
+    assert (actor.optim.lr, actor.optim.weight_decay, actor.grad_clip) == (
+        native.optim.lr, native.optim.weight_decay, native.optim.clip_grad)
+    assert (cfg.trainer.total_training_steps, cfg.trainer.test_freq, cfg.data.max_response_length) == (
+        native.trainer.max_steps, native.eval.every_n_steps, native.rollout.max_new_tokens)
+    reward = cfg.reward.custom_reward_function
+    assert (reward.path, reward.name) == ("pkg://nemo_sspo.rewards.verl_score", "compute_score")
+    assert (reward.reward_kwargs.num_workers, reward.reward_kwargs.timeout_s) == (
+        native.reward.num_workers, native.reward.timeout_s)
+    # the files `nemo-sspo data prepare --format parquet` writes (tests/unit/test_data_prepare_parquet.py)
+    assert (os.path.basename(cfg.data.train_files), os.path.basename(cfg.data.val_files)) == (
+        "math_train_l3to5.parquet", "math500.parquet")
