@@ -54,10 +54,7 @@ def test_two_step_run_writes_finite_metrics(tmp_path):
         assert r["response/length_mean"] == 24.0 and r["response/truncated_frac"] == 1.0
         assert r["advantages/zero_variance_group_frac"] == 1.0
         assert r["loss/policy"] == 0.0 and r["optim/grad_norm"] == 0.0
-        # policy/ratio is a float32 weighted mean over segments of ratios that are each exactly 1
-        # (policy/ratio_segment_max == 1): within one float32 ulp of 1 (measured 1 + 2**-25).
-        assert r["policy/ratio_segment_min"] == r["policy/ratio_segment_max"] == 1.0
-        assert abs(r["policy/ratio"] - 1.0) <= 2**-23 and r["policy/clipfrac_tokens"] == 0.0
+        assert r["policy/ratio"] == 1.0 and r["policy/clipfrac_tokens"] == 0.0
         assert r["policy/approx_kl_k3"] == 0.0
     assert (out / "reward_entropy.png").stat().st_size > 0
     assert (out / "hf_checkpoint" / "config.json").is_file()
