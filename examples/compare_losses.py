@@ -19,7 +19,7 @@ first method); ``--steps 3`` cuts it to about 13.
 
     python examples/compare_losses.py                                   # the default comparison
     python examples/compare_losses.py --steps 1 --output-dir /tmp/cmp model=tiny_random \\
-        data.template=qwen-math rollout.max_new_tokens=8 rollout.samples_per_prompt=4   # smoke test
+        data.template=qwen-math rollout.max_new_tokens=8   # smoke test
 
 Trailing ``key=value`` arguments are Hydra overrides applied to every run (after the defaults).
 """
@@ -64,9 +64,16 @@ def _fingerprint(rollout) -> str:
     return digest.hexdigest()[:16]
 
 
-def _train(name, args, output, checkpoint):
-    """One method's run: its per-step metrics and the fingerprint of its step-1 rollouts."""
+def _config(name, args, output):
+    """The composed, validated config of one method's run (``ValueError`` naming the key if invalid)."""
     from nemo_sspo.cli import load_config
+
+    return load_config(args.config_name, [*DEFAULT_OVERRIDES, f"loss={name}", f"trainer.max_steps={args.steps}",
+                                          f"trainer.output_dir={output / name}", *args.overrides])
+
+
+def _train(cfg, checkpoint):
+    """One method's run: its per-step metrics and the fingerprint of its step-1 rollouts."""
     from nemo_sspo.megatron import destroy_parallel
     from nemo_sspo.trainer.loop import GRPOTrainer, start_parallel
 
@@ -79,8 +86,6 @@ def _train(name, args, output, checkpoint):
                 self.first_rollout = _fingerprint(rollout)
             return rollout
 
-    cfg = load_config(args.config_name, [*DEFAULT_OVERRIDES, f"loss={name}", f"trainer.max_steps={args.steps}",
-                                         f"trainer.output_dir={output / name}", *args.overrides])
     if checkpoint is None:
         from nemo_sspo.models import load_hf_checkpoint
 
@@ -158,11 +163,16 @@ def main(argv=None) -> int:
     args = _parse(sys.argv[1:] if argv is None else argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     output = Path(args.output_dir)
+    try:  # every method's config is checked before the first one trains
+        configs = {name: _config(name, args, output) for name in args.losses}
+    except ValueError as err:
+        print(f"compare_losses.py: {err}", file=sys.stderr)
+        return 2
     output.mkdir(parents=True, exist_ok=True)
     runs, fingerprints, checkpoint = {}, {}, None
-    for name in args.losses:
+    for name, cfg in configs.items():
         start = time.perf_counter()
-        runs[name], fingerprints[name], checkpoint = _train(name, args, output, checkpoint)
+        runs[name], fingerprints[name], checkpoint = _train(cfg, checkpoint)
         elapsed = time.perf_counter() - start
         left = len(args.losses) - len(runs)
         print(f"{name}: {len(runs[name])} steps in {elapsed:.0f} s; about {elapsed * left / 60:.0f} min for the "
