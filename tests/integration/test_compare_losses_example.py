@@ -47,9 +47,8 @@ def test_documented_smoke_command_methods_clip_differently(tmp_path):
     clip = {name: history[0]["policy/clipfrac_tokens"] for name, history in steps.items()}
     # Mini-batches 2-4 are off-policy. GSPO's band on the response's geometric-mean ratio,
     # [1 - 3e-4, 1 + 4e-4], is far inside GRPO's [0.8, 1.2] on each token's ratio, so the same drift
-    # clips strictly more of GSPO's tokens.
+    # clips more of GSPO's tokens (measured: GSPO 0.125, the other three 0).
     assert clip["gspo"] > clip["grpo"], clip
-    assert len(set(clip.values())) > 1, clip
     for name in ("compare_losses.png", "shared_rollouts_clipfrac.png"):
         assert (tmp_path / name).stat().st_size > 0
 
