@@ -204,6 +204,30 @@ def _warm_up_worker() -> None:
     logging.getLogger("math_verify").setLevel(logging.ERROR)
 
 
+_POOL_HANDLER = "(_handle_workers)"  # the name's end of multiprocessing.Pool's worker-keeping thread
+
+
+def _quiet_pool_handler_hook(previous):
+    """A ``threading.excepthook`` that drops the connection errors of a Pool's worker-keeping thread.
+
+    A stop signal sent to every process of a job (Slurm, ``kill -TERM -<pgid>``) ends the pool's workers
+    and the forkserver together; the Pool's handler thread then tries to start new workers through the
+    dead forkserver and dies on ``ConnectionRefusedError`` (or ``EOFError``, when the forkserver went
+    while answering), printing a traceback before the trainer's
+    own stop line. The pool is being stopped anyway, and a pool that lost its forkserver during a run
+    is replaced by :class:`MathVerifyReward`'s deadline, so the traceback tells nobody anything; every
+    other thread exception goes to ``previous``.
+    """
+    def hook(args):
+        if args.thread is not None and args.thread.name.endswith(_POOL_HANDLER) and issubclass(args.exc_type, (OSError, EOFError)):
+            logging.getLogger(__name__).debug("reward pool: %s after its forkserver stopped", args.exc_type.__name__)
+            return
+        previous(args)
+
+    hook.quiets_pool_handler = True
+    return hook
+
+
 class MathVerifyReward:
     r"""Reward function ``responses, answers -> [0.0 | 1.0, ...]`` scored in a process pool.
 
@@ -297,4 +321,6 @@ class MathVerifyReward:
         # preloads math-verify once per process, so each (re)started pool is ready in milliseconds.
         context = multiprocessing.get_context("forkserver")
         context.set_forkserver_preload([__name__, "math_verify"])
+        if not getattr(threading.excepthook, "quiets_pool_handler", False):
+            threading.excepthook = _quiet_pool_handler_hook(threading.excepthook)
         return context.Pool(self.num_workers, initializer=_warm_up_worker)

@@ -176,3 +176,34 @@ def test_close_returns_when_workers_died_holding_the_queue_lock(monkeypatch):
     closer.start()
     closer.join(30)
     assert not closer.is_alive() and time.monotonic() - start < 10
+
+
+_GROUP_STOP = """
+import os, signal, time
+from multiprocessing import forkserver
+from nemo_sspo.rewards.math_reward import MathVerifyReward
+
+if __name__ == "__main__":
+    reward = MathVerifyReward(num_workers=2, timeout_s=2.0)
+    print(reward(["\\\\boxed{2}"], ["2"]), flush=True)
+    # a SIGTERM to every process of the job reaches the pool's workers and its forkserver too
+    for pid in [p.pid for p in reward._pool._pool] + [forkserver._forkserver._forkserver_pid]:
+        os.kill(pid, signal.SIGTERM)
+    time.sleep(1.5)  # the Pool's handler thread tries to replace the workers meanwhile
+    reward.close()
+    print("closed", flush=True)
+"""
+
+
+def test_a_stop_signal_to_the_whole_job_prints_no_pool_thread_traceback(tmp_path):
+    # Before: "Exception in thread Thread-1 (_handle_workers): ... ConnectionRefusedError" on stderr,
+    # before the trainer's own stop line.
+    import subprocess
+    import sys
+
+    script = tmp_path / "group_stop.py"
+    script.write_text(_GROUP_STOP)
+    run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.stdout.splitlines() == ["[1.0]", "closed"]
+    assert "Traceback" not in run.stderr and "ConnectionRefusedError" not in run.stderr, run.stderr[-3000:]
