@@ -21,7 +21,6 @@ import argparse
 import re
 import os
 import sys
-import warnings
 from pathlib import Path
 
 __all__ = ["main", "launch_world_size", "load_config", "DEFAULT_CONFIG_DIR"]
@@ -328,14 +327,12 @@ def _plan(cfg) -> int:
 
 
 def _quiet_known_warnings() -> None:
-    """On a CPU host, silences megatron-core's warnings about GPU-only kernels and settings."""
+    """Silences the third-party warnings of :data:`nemo_sspo.known_warnings.KNOWN_WARNINGS`."""
     import torch
 
-    if torch.cuda.is_available():
-        return
-    for pattern in (".*Apex is not installed.*", ".*Transformer Engine and Apex are not installed.*",
-                    ".*full scope is deprecated.*", ".*CUDA_DEVICE_MAX_CONNECTIONS.*"):
-        warnings.filterwarnings("ignore", message=pattern)
+    from nemo_sspo.known_warnings import ignore_known_warnings
+
+    ignore_known_warnings(cuda=torch.cuda.is_available())
 
 
 def _stopped(err, trainer, output_dir: str) -> str:

@@ -13,6 +13,15 @@ import pytest
 _HEAVY = {"distributed", "integration", "vllm"}
 
 
+def pytest_configure(config):
+    """The third-party warnings the product silences are silenced here too (one list, with reasons:
+    nemo_sspo/known_warnings.py); every other warning shows in the summary."""
+    from nemo_sspo.known_warnings import KNOWN_WARNINGS
+
+    for known in KNOWN_WARNINGS:
+        config.addinivalue_line("filterwarnings", known.pytest_filter())
+
+
 def pytest_collection_modifyitems(items):
     for item in items:
         if Path(item.fspath).parent.name in _HEAVY and item.get_closest_marker("fast") is None:

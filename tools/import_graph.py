@@ -24,6 +24,7 @@ from pathlib import Path
 LAYERS: dict[str, int] = {
     "metrics": 0,
     "registry": 0,
+    "known_warnings": 0,
     "algorithms": 1,
     "parallel": 2,
     "megatron": 3,
