@@ -26,6 +26,7 @@ import socket
 import sys
 import time
 import traceback
+import warnings
 
 import pytest
 import torch
@@ -91,8 +92,9 @@ def _run(fn, world_size: int, *args, timeout_s: float = _TIMEOUT_S, grace_s: flo
         values, failures, setup_failed = _launch(fn, world_size, args, timeout_s, grace_s)
         if not setup_failed or attempt == _SETUP_ATTEMPTS:
             break
-        print(f"run_distributed: the gloo set-up failed (attempt {attempt} of {_SETUP_ATTEMPTS}), launching "
-              f"the world again:\n{next(iter(failures.values()))}", file=sys.stderr)
+        # a warning, so that a passing run's summary still shows the retry
+        warnings.warn(f"run_distributed: the gloo set-up failed (attempt {attempt} of {_SETUP_ATTEMPTS}), "
+                      f"launching the world again:\n{next(iter(failures.values()))}", RuntimeWarning, stacklevel=2)
     if failures:  # the first report is the root cause; later ones are usually broken peers
         rank, first = next(iter(failures.items()))
         others = sorted(set(failures) - {rank})
