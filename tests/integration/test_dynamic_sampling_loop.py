@@ -2,7 +2,9 @@
 clearly (warning + metrics) when the round limit is hit, and keeps the same groups for DP=2 as for
 one process; overlong reward shaping (tiny random Llama, stub rewards)."""
 
+import hashlib
 import logging
+import random
 
 import pytest
 import torch
@@ -140,10 +142,25 @@ def test_shaping_gives_an_all_wrong_group_past_the_round_limit_advantage_0(check
     assert record["loss/policy"] == 0.0  # every token's advantage is 0
 
 
-def test_generation_seed_depends_on_step_round_and_slot_only():
+def test_generation_seed_depends_on_step_round_and_slot_only(monkeypatch):
+    def by_hand(seed, step, round_, slot):  # blake2b-64 of "seed/step/round/slot", top bit cleared
+        digest = hashlib.blake2b(f"{seed}/{step}/{round_}/{slot}".encode(), digest_size=8).digest()
+        return int.from_bytes(digest, "little") & (2**63 - 1)
+
+    tuples = [(1234, 1, 0, 3), (1234, 2, 0, 3), (1234, 1, 1, 3), (1234, 1, 0, 0), (0, 7, 5, 2)]
+    assert [generation_seed(*t) for t in tuples] == [by_hand(*t) for t in tuples]
+    assert generation_seed(1234, 1, 0, 3) == 0x53BC7E784CCDA036  # pinned: a new hash would change every run's samples
     seeds = {generation_seed(1234, step, r, k) for step in (1, 2) for r in range(3) for k in range(4)}
     assert len(seeds) == 24 and all(0 <= s < 2**63 for s in seeds)
-    assert generation_seed(1234, 1, 0, 3) == generation_seed(1234, 1, 0, 3)
+    # Nothing but the four numbers: a rank of a 2-way data-parallel split and a different torch/Python
+    # random state give the same seeds.
+    expected = [by_hand(*t) for t in tuples]
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    torch.manual_seed(99)
+    random.seed(99)
+    assert [generation_seed(*t) for t in tuples] == expected
 
 
 def _dp_rollouts(rank, world_size, tmp_dir):

@@ -437,14 +437,18 @@ def test_wrong_config_type_raises():
 
 # ----------------------------------------------------------------------------- one-call API
 
-@pytest.mark.parametrize(("name", "params", "expected"), [
+@pytest.mark.parametrize(("name", "params", "expected", "row_grads"), [
     # Ratios 1, so each token's loss is -A_i: row 0 (A = +1, 3 tokens) -1, row 1 (A = -1,
-    # 2 tokens) +1.
-    ("grpo", {}, 0.0),  # seq-mean-token-mean: (-1 + 1) / 2
-    ("dapo", {}, -(3 * 1 + 2 * (-1)) / 5),  # token-mean: -0.2
-    ("dr_grpo", {"max_response_length": 4}, ((-3) + 2) / 4 / 2),  # constant-denominator: -0.125
+    # 2 tokens) +1. d ratio / d logprob = ratio = 1 inside the clip range, so each valid token's
+    # gradient is -A_i over the token's aggregation denominator; padding gets 0.
+    ("grpo", {}, 0.0,  # seq-mean-token-mean: (-1 + 1) / 2
+     (-1 / (3 * 2), 1 / (2 * 2))),  # -A_i / (L_i * R): -1/6 and +1/4
+    ("dapo", {}, -(3 * 1 + 2 * (-1)) / 5,  # token-mean: -0.2
+     (-1 / 5, 1 / 5)),  # -A_i / (sum_i L_i = 5)
+    ("dr_grpo", {"max_response_length": 4}, ((-3) + 2) / 4 / 2,  # constant-denominator: -0.125
+     (-1 / (4 * 2), 1 / (4 * 2))),  # -A_i / (L_max * R): -1/8 and +1/8
 ])
-def test_compute_policy_loss_applies_each_losss_aggregation(name, params, expected):
+def test_compute_policy_loss_applies_each_losss_aggregation(name, params, expected, row_grads):
     mask = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0]], dtype=torch.bool)
     logprobs = torch.full((2, 4), -0.7, requires_grad=True)
     inputs = LossInputs(logprobs=logprobs, old_logprobs=logprobs.detach().clone(),
@@ -453,7 +457,9 @@ def test_compute_policy_loss_applies_each_losss_aggregation(name, params, expect
     assert loss.item() == pytest.approx(expected, abs=1e-7)
     assert metrics["loss/policy"] == pytest.approx(expected, abs=1e-7)
     loss.backward()
-    assert torch.isfinite(logprobs.grad).all()
+    g0, g1 = row_grads
+    expected_grad = torch.tensor([[g0, g0, g0, 0.0], [g1, g1, 0.0, 0.0]])
+    assert torch.allclose(logprobs.grad, expected_grad, rtol=1e-6, atol=1e-7), logprobs.grad
 
 
 def test_requirements_read_from_the_registry():

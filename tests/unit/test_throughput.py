@@ -1,6 +1,7 @@
 """Model FLOPs, peak table and per-step throughput (nemo_sspo.trainer.throughput): counts by hand for
 a tiny model, and a second count by torch's FlopCounterMode on the same shape in transformers."""
 
+import dataclasses
 import re
 
 import pytest
@@ -166,7 +167,9 @@ def test_moe_flops_count_the_active_experts_by_hand():
     # MLP: router 64*8 = 512 + 2 experts of 3*64*32 = 6,144 each -> 12,800 (the dense intermediate_size
     # would give 3*64*128 = 24,576: 1.92x too many). (24,576 + 12,800) * 2 FLOPs * 2 layers = 149,504.
     assert shape.linear_flops_per_token() == 149_504
-    assert (3 * 64 * 128) / (64 * 8 + 2 * 3 * 64 * 32) == 1.92
+    # The same shape with every layer dense: (24,576 + 24,576) * 2 * 2 = 196,608 (the count the MoE
+    # layers must not fall back to).
+    assert dataclasses.replace(shape, moe_layers=0).linear_flops_per_token() == 196_608
 
 
 def test_moe_counts_agree_with_torch_flop_counter():
