@@ -271,8 +271,8 @@ def prepare_datasets(out: str | Path, *, names: list[str] | None = None, source:
     if file_format not in FORMATS:
         raise ValueError(f"--format {file_format} is unknown; valid: {', '.join(FORMATS)}")
     if template is not None and file_format == "jsonl":
-        raise ValueError(f"--template {template}: JSONL files hold the bare problem (the training config's "
-                         "data.template renders it); drop --template, or add --format parquet")
+        raise ValueError(f"--template {template}: JSONL files hold the bare problem (a training run renders it "
+                         "with its own template); drop --template, or add --format parquet")
     template = template or "qwen-math"
     if template not in TEMPLATES:
         raise ValueError(f"--template {template} is unknown; valid: {', '.join(TEMPLATES)}")

@@ -23,11 +23,13 @@ def _hi(value, count):
 
 def _local(rank):
     if rank == 2:
-        # ratio values {1, 2}: sum 3, squares 5; min 1, max 2. e_min: this rank has none.
-        return {"r": mean_pair(3, 2), "r_sq": mean_sq_pair(5, 2), "r_min": _lo(1, 2), "r_max": _hi(2, 2),
+        # ratio values {1, 2}: sum 3, squares 5, squared deviations from 1: 0 + 1 = 1; min 1, max 2.
+        # e_min: this rank has none.
+        return {"r": mean_pair(3, 2), "r_sq": mean_sq_pair(1, 2), "r_min": _lo(1, 2), "r_max": _hi(2, 2),
                 "e_min": _lo(0, 0), "e_max": _hi(0, 0), "z_min": _lo(0, 0)}
-    # rank 3, ratio values {0.5, 4.5}: sum 5, squares 20.5; e values {-3}.
-    return {"r": mean_pair(5, 2), "r_sq": mean_sq_pair(20.5, 2), "r_min": _lo(0.5, 2), "r_max": _hi(4.5, 2),
+    # rank 3, ratio values {0.5, 4.5}: sum 5, squares 20.5, squared deviations from 1: 0.25 + 12.25 = 12.5;
+    # e values {-3}.
+    return {"r": mean_pair(5, 2), "r_sq": mean_sq_pair(12.5, 2), "r_min": _lo(0.5, 2), "r_max": _hi(4.5, 2),
             "e_min": _lo(-3, 1), "e_max": _hi(-3, 1), "z_min": _lo(0, 0)}
 
 

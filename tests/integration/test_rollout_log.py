@@ -3,7 +3,8 @@ must be independently of the logging code (the parity reward recomputed from the
 GRPO advantage recomputed from the logged rewards by hand, the step's logged means), kept and
 replaced on resume like ``metrics.jsonl``, and cleared by ``trainer.overwrite_output_dir``. The same
 run shows the phase lines inside a step (``trainer.progress_interval_s``, here every phase) and the
-checkpoint saves in ``timing/checkpoint_s`` and the timeline."""
+checkpoint saves in ``timing/checkpoint_s`` and the timeline, and its resume, once finished, removes an
+earlier stop's stale ``hf_checkpoint_interrupted``."""
 
 import json
 import statistics
@@ -67,8 +68,12 @@ def test_rollout_log_values_resume_and_overwrite_and_phase_lines(monkeypatch, tm
     assert any(r["advantage"] != 0 for r in straight)  # the parity reward varies within a group
 
     # Resumed from step 1: step 1's records kept, step 2's written again once (the same seed: equal).
+    # An earlier stop's export is stale once the resumed run finishes: it is removed.
+    (out / "hf_checkpoint_interrupted").mkdir()
+    (out / "hf_checkpoint_interrupted" / "config.json").write_text("{}")
     run(monkeypatch, out, [*LOG, f"trainer.resume={out / 'checkpoints' / 'step_000001'}"], checkpoint=tiny)
     assert _log(out) == straight
+    assert not (out / "hf_checkpoint_interrupted").exists()
 
     # Started over in the same folder without the log: the earlier run's is deleted with its other outputs.
     run(monkeypatch, out, ["trainer.max_steps=1"], checkpoint=tiny)

@@ -83,8 +83,8 @@ def test_bad_format_and_template_flags_are_refused_with_the_fix(prepared, tmp_pa
     out = str(tmp_path / "out")
     assert main(["data", "prepare", "--out", out, "--source", str(prepared), "--template", "chat-cot"]) == 2
     assert capsys.readouterr().err.strip() == (
-        "nemo-sspo: --template chat-cot: JSONL files hold the bare problem (the training config's data.template "
-        "renders it); drop --template, or add --format parquet")
+        "nemo-sspo: --template chat-cot: JSONL files hold the bare problem (a training run renders it with its "
+        "own template); drop --template, or add --format parquet")
     assert main(["data", "prepare", "--out", out, "--format", "csv"]) == 2
     assert capsys.readouterr().err.strip() == "nemo-sspo: --format csv is unknown; valid: jsonl, parquet"
     assert main(["data", "prepare", "--out", out, "--format", "parquet", "--template", "qwen"]) == 2
