@@ -15,6 +15,7 @@ dispatch, context parallelism) would otherwise wait forever on the rank with few
 
 from __future__ import annotations
 
+import itertools
 from contextlib import contextmanager
 from dataclasses import replace
 from typing import Callable
@@ -168,7 +169,8 @@ def build_lr_scheduler(optimizer, *, lr: float, min_lr: float, schedule: str, wa
         override_opt_param_scheduler=True)
 
 
-def run_schedule(model, micro_batches: list, forward_step_func: Callable, *, forward_only: bool) -> list:
+def run_schedule(model, micro_batches: list, forward_step_func: Callable, *, forward_only: bool,
+                 on_micro_batch: Callable[[int, int], None] | None = None) -> list:
     """Runs Megatron's forward(-backward) schedule over ``micro_batches``.
 
     Args:
@@ -180,12 +182,16 @@ def run_schedule(model, micro_batches: list, forward_step_func: Callable, *, for
             for this call only.
         forward_step_func: ``forward_step(data_iterator, model) -> (output, loss_func)``.
         forward_only: no backward pass (no gradients are touched).
+        on_micro_batch: told ``(k, M)`` as this stage starts the forward of micro-batch k of M
+            (progress reports; None: nobody).
 
     Returns:
         The loss functions' third outputs (metrics / per-micro-batch results), one per
         micro-batch on the last pipeline stage; an empty list on other stages.
     """
     forward_backward = get_forward_backward_func()
+    if on_micro_batch is not None:
+        forward_step_func = _counted(forward_step_func, len(micro_batches), on_micro_batch)
     config = get_model_config(model)
     shapes = {tuple(micro.input_ids.shape) for micro in micro_batches}
     packed = any(getattr(micro, "sequence_lengths", None) is not None for micro in micro_batches)
@@ -355,12 +361,24 @@ def compute_ref_logprobs(ref_model, batch: PolicyBatch, spec: LossSpec, layout: 
     return batch if stats is None else replace(batch, ref_logprobs=stats[0])
 
 
-def accumulate_gradients(model, micro_batches: list, forward_step_func: Callable) -> dict[str, torch.Tensor]:
+def _counted(forward_step_func: Callable, total: int, on_micro_batch: Callable[[int, int], None]) -> Callable:
+    """``forward_step_func`` that first tells ``on_micro_batch`` which of ``total`` forwards starts."""
+    started = itertools.count(1)
+
+    def forward_step(data_iterator, model):
+        on_micro_batch(next(started), total)
+        return forward_step_func(data_iterator, model)
+
+    return forward_step
+
+
+def accumulate_gradients(model, micro_batches: list, forward_step_func: Callable, *,
+                         on_micro_batch: Callable[[int, int], None] | None = None) -> dict[str, torch.Tensor]:
     """Zeroes and accumulates one step's gradients (``param.main_grad``) over ``micro_batches``.
 
     After the call the gradients are already summed over data-parallel ranks and divided by the
     global denominator (``finalize_model_grads``; the loss functions return ``(numerator,
-    denominator, metrics)``).
+    denominator, metrics)``). ``on_micro_batch``: as :func:`run_schedule`.
 
     Returns:
         metric name -> ``MetricPair`` merged over this rank's micro-batches (empty on pipeline
@@ -368,13 +386,13 @@ def accumulate_gradients(model, micro_batches: list, forward_step_func: Callable
     """
     model.zero_grad_buffer()
     sums: dict[str, torch.Tensor] = {}
-    for out in run_schedule(model, micro_batches, forward_step_func, forward_only=False):
+    for out in run_schedule(model, micro_batches, forward_step_func, forward_only=False, on_micro_batch=on_micro_batch):
         sums = merge_metric_sums(sums, out)
     return sums
 
 
 def compute_gradients(model, batch: PolicyBatch, spec: LossSpec, layout: MicroBatchLayout, *,
-                      dp_group) -> dict[str, torch.Tensor]:
+                      dp_group, on_micro_batch: Callable[[int, int], None] | None = None) -> dict[str, torch.Tensor]:
     """The policy loss's gradients over ``batch`` cut into micro-batches by ``layout``.
 
     As many micro-batches run on every rank of ``dp_group`` (:func:`plan_micro_batches`); a batch
@@ -382,7 +400,8 @@ def compute_gradients(model, batch: PolicyBatch, spec: LossSpec, layout: MicroBa
     sums it returns.
     """
     return accumulate_gradients(model, plan_micro_batches(layout, batch, dp_group=dp_group),
-                                _routed(policy_forward_step(spec, compute_loss=True), batch))
+                                _routed(policy_forward_step(spec, compute_loss=True), batch),
+                                on_micro_batch=on_micro_batch)
 
 
 def apply_optimizer_step(optimizer, lr_scheduler=None) -> float:
@@ -402,16 +421,17 @@ def apply_optimizer_step(optimizer, lr_scheduler=None) -> float:
 
 
 def train_on_batch(model, optimizer, batch: PolicyBatch, spec: LossSpec, layout: MicroBatchLayout, *,
-                   dp_group, lr_scheduler=None):
+                   dp_group, lr_scheduler=None, on_micro_batch: Callable[[int, int], None] | None = None):
     """One optimizer step on ``batch`` split into micro-batches (gradient accumulation).
 
     As many micro-batches run on every rank of ``dp_group`` (None for one rank;
-    :func:`plan_micro_batches`); ``lr_scheduler`` as :func:`apply_optimizer_step`.
+    :func:`plan_micro_batches`); ``lr_scheduler`` as :func:`apply_optimizer_step`; ``on_micro_batch``
+    as :func:`run_schedule`.
 
     Returns:
         ``(metric_sums, grad_norm)``: see :func:`compute_gradients`; the global gradient norm
         before clipping (float).
     """
     optimizer.zero_grad()
-    sums = compute_gradients(model, batch, spec, layout, dp_group=dp_group)
+    sums = compute_gradients(model, batch, spec, layout, dp_group=dp_group, on_micro_batch=on_micro_batch)
     return sums, apply_optimizer_step(optimizer, lr_scheduler)

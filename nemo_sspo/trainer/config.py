@@ -495,8 +495,8 @@ class TrainerConfig:
     and MLflow also get the composed config as parameters and the reward/entropy plot."""
     progress_interval_s: float = 15.0
     """Progress inside a step on the console (``nemo_sspo.trainer.progress``): a phase line (generation
-    with groups done, scoring, old and reference log-probs, the update's optimizer steps, refit,
-    checkpoint save) at most every this many seconds, none for a shorter step; 0 = none."""
+    with the responses done, scoring, old and reference log-probs, the update's optimizer steps and
+    micro-batches, refit, checkpoint save) at most every this many seconds, none for a shorter step; 0 = none."""
     rollout_log: bool = False
     """Write one JSON Lines record per response per step (prompt and response text, task and shaped
     reward, advantage, length, version, truncation) to ``output_dir/rollouts/replica_<dp rank>.jsonl``

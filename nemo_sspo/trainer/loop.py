@@ -563,7 +563,7 @@ class GRPOTrainer:
             self.progress.phase("update", start // size + 1, rows // size, "optimizer steps")
             mb_sums, grad_norm = train_on_batch(self.model, self.optimizer, batch.select(slice(start, start + size)),
                                                 self.spec, self.layout, dp_group=self.groups.dp_group,
-                                                lr_scheduler=self.lr_scheduler)
+                                                lr_scheduler=self.lr_scheduler, on_micro_batch=self.progress.micro_batch)
             if not math.isfinite(grad_norm):
                 raise FloatingPointError(
                     f"gradient norm {grad_norm} in mini-batch {start // size + 1}: the loss or its gradient "

@@ -2,8 +2,9 @@
 
 A step of a 7B run takes minutes (generation, scoring, the old and reference log-probs, the update,
 the refit, a checkpoint save), and the per-step line comes only at its end. :class:`StepProgress`
-prints ``step 3/12 [41 s]: generation, 24/64 groups`` style lines to stderr on the logging rank:
-the phases the trainer and the sampler report, at most one line per ``trainer.progress_interval_s``
+prints ``step 3/12 [41 s]: generation, 24/64 responses`` style lines to stderr on the logging rank:
+the phases the trainer and the sampler report (the update's micro-batches through
+``on_micro_batch`` of :func:`nemo_sspo.megatron.training.train_on_batch`), at most one line per ``trainer.progress_interval_s``
 seconds (so a batch job's log stays small: at the default 15 s, four lines a minute at most), and
 nothing for a step shorter than that. ``trainer.progress_interval_s=0`` turns it off.
 """
@@ -37,6 +38,7 @@ class StepProgress:
         self.interval_s, self.total_steps = interval_s, total_steps
         self.stream, self.clock = stream or sys.stderr, clock
         self.step, self._step_start, self._last_line = 0, 0.0, 0.0
+        self._current = ""
 
     def start_step(self, step: int) -> None:
         """A new step begins (its clock starts; no line)."""
@@ -47,13 +49,21 @@ class StepProgress:
         """The step is in phase ``name`` (with ``done`` of ``total`` ``unit`` when given): prints one line
         if at least ``interval_s`` passed since the step began or since the last line.
         """
+        self._current = f"{name}, {done}/{total} {unit}".rstrip() if total is not None else name
+        self._show(self._current)
+
+    def micro_batch(self, done: int, total: int) -> None:
+        """Micro-batch ``done`` of ``total`` of the current phase starts (``on_micro_batch`` of
+        :func:`nemo_sspo.megatron.training.train_on_batch`); throttled as :meth:`phase`.
+        """
+        self._show(f"{self._current}, {done}/{total} micro-batches")
+
+    def _show(self, what: str) -> None:
         if not self.enabled:
             return
         now = self.clock()
         if now - self._last_line < self.interval_s:
             return
         self._last_line = now
-        count = f", {done}/{total} {unit}".rstrip() if total is not None else ""
         # tqdm.write: above the console logger's progress bar, not into it
-        tqdm.write(f"step {self.step}/{self.total_steps} [{now - self._step_start:.0f} s]: {name}{count}",
-                   file=self.stream)
+        tqdm.write(f"step {self.step}/{self.total_steps} [{now - self._step_start:.0f} s]: {what}", file=self.stream)

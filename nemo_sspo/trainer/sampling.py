@@ -133,7 +133,8 @@ class RolloutSampler:
         shared_stream: True: every generator draws all open slots' problems from identically seeded
             streams and the open slots are all-reduced; False: this generator's own stream and slots
             only (module docstring).
-        progress: told of each group generated and of the scoring (None: nothing is shown).
+        progress: told of the responses generated (after each group) and of the scoring (None: nothing
+            is shown).
     """
 
     def __init__(self, *, engine, reward, prompts, tokenizer, cfg, groups, shared_stream: bool = True,
@@ -210,7 +211,7 @@ class RolloutSampler:
             prompt = render_prompt(self.tokenizer, problem.question, self.cfg.data.template)
             seed = generation_seed(self.cfg.trainer.seed, step, round_, slot)
             parts.append(self._sample([prompt] * group, seed))
-            self.progress.phase("generation", len(parts), len(work), "groups")
+            self.progress.phase("generation", len(parts) * group, len(work) * group, "responses")
         if not parts:
             return []
         texts = [text for part in parts for text in part.response_texts]

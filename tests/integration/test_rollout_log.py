@@ -33,10 +33,13 @@ def test_rollout_log_values_resume_and_overwrite_and_phase_lines(monkeypatch, tm
     run(monkeypatch, out, [*LOG, EVERY_PHASE], checkpoint=tiny)
     straight = _log(out)
     metrics = _metrics(out)
-    # 2 prompt groups of 2, 2 optimizer steps per step, a checkpoint after each step
+    # 2 prompt groups of 2, 2 optimizer steps per step of 2 rows, one micro-batch of 2 rows each, a
+    # checkpoint after each step
     phases = [line.split(": ", 1)[1] for line in capsys.readouterr().err.splitlines() if line.startswith("step 1/2 [")]
-    assert phases == ["generation, 1/2 groups", "generation, 2/2 groups", "scoring 4 responses", "old log-probs",
-                      "update, 1/2 optimizer steps", "update, 2/2 optimizer steps", "refit", "checkpoint save"]
+    assert phases == ["generation, 2/4 responses", "generation, 4/4 responses", "scoring 4 responses", "old log-probs",
+                      "update, 1/2 optimizer steps", "update, 1/2 optimizer steps, 1/1 micro-batches",
+                      "update, 2/2 optimizer steps", "update, 2/2 optimizer steps, 1/1 micro-batches", "refit",
+                      "checkpoint save"]
     # step 1's save is reported with step 2 (step 1's record was written before it), and in the timeline
     saves = [json.loads(line) for line in (out / "timeline.jsonl").read_text().splitlines()
              if json.loads(line)["phase"] == "checkpoint"]
