@@ -46,8 +46,7 @@ ENTROPY_BAND_KEYS = (
     "policy/segment_entropy_share/ge_1.00",
 )
 
-_F32 = torch.float32
-_F64 = torch.float64  # weights and counts: a weighted mean's total and count are the same float64 sums
+_F64 = torch.float64  # values, weights and counts: a weighted mean's total and count are the same float64 sums
 _WEIGHTING = {"token": "tokens", "segment": "segments", "response": "responses"}
 
 
@@ -77,12 +76,11 @@ class _Weights:
 
     def _masked(self, values: torch.Tensor) -> torch.Tensor:
         # where, not multiply: inf/NaN at masked positions must not reach a sum.
-        return torch.where(self.mask, values.to(_F32), torch.zeros((), dtype=_F32,
-                                                                   device=values.device))
+        return torch.where(self.mask, values.to(_F64), torch.zeros((), dtype=_F64, device=values.device))
 
     def _weighted_sum(self, values: torch.Tensor, level: str) -> torch.Tensor:
         # float64: the spread of values near 1 is taken from these sums (nemo_sspo.metrics.pairs)
-        return (self._masked(values).double() * self.by[level]).sum()
+        return (self._masked(values) * self.by[level]).sum()
 
     def mean(self, values: torch.Tensor, level: str) -> MetricPair:
         return mean_pair(self._weighted_sum(values, level), self.count[level])
@@ -92,7 +90,7 @@ class _Weights:
         values, count = self._masked(values), self.count[level]
         return {
             key: self.mean(values, level),
-            f"{key}_sq": mean_sq_pair(self._weighted_sum((values.double() - SQ_CENTRE).square(), level), count),
+            f"{key}_sq": mean_sq_pair(self._weighted_sum((values - SQ_CENTRE).square(), level), count),
             **self._extremes(key, values, level),
         }
 
@@ -101,7 +99,7 @@ class _Weights:
             count = self.count[level]
             return {f"{key}_min": min_pair(values, self.mask, count),
                     f"{key}_max": max_pair(values, self.mask, count)}
-        inf = torch.full((), torch.inf, dtype=_F32, device=values.device)
+        inf = torch.full((), torch.inf, dtype=_F64, device=values.device)
         low = torch.where(self.mask, values, inf).reshape(-1)
         high = torch.where(self.mask, values, -inf).reshape(-1)
         local = torch.stack([torch.cat([low, inf[None]]).amin(), -torch.cat([high, -inf[None]]).amax()])
