@@ -79,7 +79,7 @@ def _worker(rank: int, port: int, queue, world: int, ep: int, threads: int, args
     from nemo_sspo.megatron.step import LossSpec
     from nemo_sspo.megatron.training import wrap_for_training
     from nemo_sspo.models import load_hf_checkpoint
-    from nemo_sspo.parallel.metrics import reduce_metric_sums
+    from nemo_sspo.parallel.metric_reduce import reduce_metric_sums
 
     config, state, _ = load_hf_checkpoint("tiny-random-qwen3-moe")
     initialize_parallel(tp_size=1, pp_size=1, seed=0, ep_size=ep)

@@ -389,7 +389,7 @@ def main(argv: list[str] | None = None) -> int:
             if cfg.rollout.placement == "separate":
                 import datetime
 
-                from nemo_sspo.parallel.placement import split_launched_world
+                from nemo_sspo.parallel.world_split import split_launched_world
 
                 # Free-running posts its weights over gloo pair groups (docs/async.md); the refit group is lock-step's.
                 split = split_launched_world(cfg.rollout.num_ranks,

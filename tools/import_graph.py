@@ -3,7 +3,7 @@
 Layers, bottom to top (a module may import its own layer and those below it):
 
     metrics / registry -> algorithms -> parallel -> megatron -> models / data / rewards -> rollout
-    -> evaluation -> trainer -> cli
+    -> evaluation / rollouts -> trainer -> cli
 
 ``integrations`` sits beside ``trainer`` but may import only ``metrics``, ``algorithms``,
 ``parallel``, ``megatron`` and itself (an adapter runs inside another project's loop, never
@@ -33,6 +33,7 @@ LAYERS: dict[str, int] = {
     "rewards": 4,
     "rollout": 5,
     "evaluation": 6,
+    "rollouts": 6,
     "trainer": 7,
     "integrations": 7,
     "cli": 8,

@@ -15,7 +15,7 @@ Modes (L_i = valid tokens of response i, l_it = per-token loss, R = responses wi
   section 3.2: the constant L_max = max_response_length replaces each response's length; verl
   calls this mode "seq-mean-token-sum-norm").
 
-Under context parallelism (``cp``, :mod:`nemo_sspo.algorithms.context_parallel`) each CP rank
+Under context parallelism (``cp``, :mod:`nemo_sspo.algorithms.cp_context`) each CP rank
 holds some positions of every row and returns its share (ours): the numerator sums its own
 tokens' terms, each divided by the row's CP-reduced length L_i where the mode divides by it; the
 denominator is its own valid tokens for "token-mean", and for the other modes the response count
@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import torch
 
-from nemo_sspo.algorithms.context_parallel import CPContext, cp_sum, items_on_this_rank
+from nemo_sspo.algorithms.cp_context import CPContext, cp_sum, items_on_this_rank
 
 AGGREGATION_MODES = (
     "token-mean",

@@ -12,7 +12,7 @@ V(x) of the prompt x alone, so one sample per prompt is enough (no group baselin
   token of response i (the policy loss is the ``sppo`` ratio-clip loss).
 
 The value model is ``nemo_sspo.megatron.value_model``; the trainer's component that runs it is
-``nemo_sspo.trainer.critic``.
+``nemo_sspo.trainer.critic_training``.
 """
 
 from __future__ import annotations

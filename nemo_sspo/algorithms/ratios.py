@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from nemo_sspo.algorithms.context_parallel import CPContext
+from nemo_sspo.algorithms.cp_context import CPContext
 
 LOG_RATIO_CLAMP = 20.0
 """|log-ratio| cap before exp in every loss and metric: exp(20) ~ 4.9e8 stays finite in float32
@@ -35,7 +35,7 @@ def segment_mean(
             range-checked here, to keep the loss free of host syncs.
         mask: ``[B, T]`` bool, True at valid tokens.
         cp: under context parallelism, this rank's share of the sequence
-            (:class:`nemo_sspo.algorithms.context_parallel.CPContext`): ``T`` is then the local
+            (:class:`nemo_sspo.algorithms.cp_context.CPContext`): ``T`` is then the local
             width ``S_local``, ids lie in ``[0, cp.width)``, and the per-(row, segment) sums and
             counts are summed over the CP group (one all-reduce, differentiable) before the mean,
             so a segment split over ranks gets one mean, the CP = 1 one (ours). None: one process.

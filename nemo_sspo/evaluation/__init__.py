@@ -6,7 +6,7 @@ once on a checkpoint.
 """
 
 from nemo_sspo.evaluation.benchmark import MEAN_KEY, as_eval_engine, evaluate, metric_key
-from nemo_sspo.evaluation.engines import EvalEngine, TransformersEvalEngine, VLLMEvalEngine, stop_token_ids
+from nemo_sspo.evaluation.greedy_engines import EvalEngine, TransformersEvalEngine, VLLMEvalEngine, stop_token_ids
 
 __all__ = [
     "MEAN_KEY",

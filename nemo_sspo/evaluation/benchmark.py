@@ -15,7 +15,7 @@ from typing import Any, Sequence
 
 from nemo_sspo.data.jsonl import jsonl_line
 from nemo_sspo.data import PAPER_BENCHMARKS, MathRecord, load_math_dataset, render_prompt
-from nemo_sspo.evaluation.engines import EvalEngine, TransformersEvalEngine, VLLMEvalEngine
+from nemo_sspo.evaluation.greedy_engines import EvalEngine, TransformersEvalEngine, VLLMEvalEngine
 from nemo_sspo.rewards import MathVerifyReward
 
 __all__ = ["as_eval_engine", "evaluate", "metric_key", "MEAN_KEY"]

@@ -9,7 +9,7 @@ from typing import Any
 
 from nemo_sspo.data import load_math_dataset
 from nemo_sspo.evaluation.benchmark import MEAN_KEY, evaluate, metric_key
-from nemo_sspo.evaluation.engines import EvalEngine, TransformersEvalEngine, VLLMEvalEngine
+from nemo_sspo.evaluation.greedy_engines import EvalEngine, TransformersEvalEngine, VLLMEvalEngine
 from nemo_sspo.rewards import MathVerifyReward
 
 __all__ = ["build_eval_engine", "format_results", "run_eval"]

@@ -27,7 +27,7 @@ from nemo_sspo.algorithms.losses import (
     make_policy_loss,
     policy_loss_sums,
 )
-from nemo_sspo.algorithms.losses.registry import BoundPolicyLoss
+from nemo_sspo.algorithms.losses.loss_registry import BoundPolicyLoss
 from nemo_sspo.algorithms.segmentation import (
     TABLE_FREE_SEGMENTATIONS,
     SegmentTables,

@@ -66,7 +66,7 @@ from nemo_sspo.integrations._common import (
     per_response_advantages,
     shifted_logprobs_entropy,
 )
-from nemo_sspo.parallel.metrics import reduce_metric_sums
+from nemo_sspo.parallel.metric_reduce import reduce_metric_sums
 
 __all__ = ["MASK_RULES", "PREV_ENTROPY_KEY", "logprobs_and_entropy", "make_actor_loss_func"]
 

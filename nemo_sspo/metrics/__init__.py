@@ -3,7 +3,7 @@
 micro-batches and summarising into floats (:mod:`nemo_sspo.metrics.pairs`).
 
 Where the other metric modules sit: ``nemo_sspo.algorithms.losses.metrics`` computes a policy
-loss's diagnostics, ``nemo_sspo.parallel.metrics`` reduces pairs over data-parallel ranks and
+loss's diagnostics, ``nemo_sspo.parallel.metric_reduce`` reduces pairs over data-parallel ranks and
 pipeline stages, ``nemo_sspo.trainer.rollout_metrics`` computes a rollout's metrics and
 ``nemo_sspo.trainer.metric_log`` writes the reduced floats (console, jsonl, TensorBoard, plot).
 """

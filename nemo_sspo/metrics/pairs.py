@@ -19,7 +19,7 @@ and even in float64 its error grows with the number of items; about 1 both terms
 difference keeps its digits (the algebra is exact for any values; centring is ours).
 
 :func:`merge_metric_sums` combines micro-batches in one process, :func:`summarize_metric_pairs`
-turns pairs into floats; ``nemo_sspo.parallel.metrics.reduce_metric_sums`` does both across
+turns pairs into floats; ``nemo_sspo.parallel.metric_reduce.reduce_metric_sums`` does both across
 data-parallel ranks and pipeline stages.
 """
 

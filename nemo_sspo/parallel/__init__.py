@@ -6,7 +6,7 @@ communication-free backward; ``fused_linear_logprobs_entropy`` does the same fro
 and the output weight's vocab shard, one chunk of logits at a time; ``vocab_shard_range`` gives a rank's global id range;
 ``nemo_sspo.parallel.data_balance.balance_across_data_parallel`` moves rows between
 data-parallel ranks so each computes about as many tokens;
-``nemo_sspo.parallel.metrics.reduce_metric_sums`` turns per-rank metric pairs
+``nemo_sspo.parallel.metric_reduce.reduce_metric_sums`` turns per-rank metric pairs
 (:mod:`nemo_sspo.metrics`) into global means and extremes on every rank.
 """
 

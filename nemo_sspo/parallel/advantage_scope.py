@@ -22,7 +22,7 @@ from nemo_sspo.algorithms.advantage_estimators import (
     estimate_advantages_and_history,
 )
 from nemo_sspo.algorithms.advantages import PromptRewardStats
-from nemo_sspo.parallel.metrics import collective_device
+from nemo_sspo.parallel.metric_reduce import collective_device
 
 __all__ = ["data_parallel_advantages", "gather_over_data_parallel", "sum_over_data_parallel"]
 

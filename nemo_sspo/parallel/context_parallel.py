@@ -1,5 +1,5 @@
 """Context parallelism on the loss side: Megatron's load-balanced split of a sequence and the
-CP group's reductions for :class:`nemo_sspo.algorithms.context_parallel.CPContext`.
+CP group's reductions for :class:`nemo_sspo.algorithms.cp_context.CPContext`.
 
 The split (megatron-core's ``get_batch_on_this_cp_rank``, megatron/core/utils.py): a sequence of
 ``S`` positions, ``S`` divisible by ``2 * CP``, is cut into ``2 * CP`` equal chunks; CP rank ``r``
@@ -21,7 +21,7 @@ from dataclasses import fields, replace
 import torch
 import torch.distributed as dist
 
-from nemo_sspo.algorithms.context_parallel import CPContext
+from nemo_sspo.algorithms.cp_context import CPContext
 from nemo_sspo.algorithms.micro_batches import MicroBatch
 
 __all__ = ["cp_padded_width", "gather_sequence", "make_cp_context", "split_micro_batch", "split_sequence",

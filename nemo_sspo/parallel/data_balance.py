@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from nemo_sspo.algorithms.batch import PolicyBatch, concat_policy_batches
 from nemo_sspo.algorithms.micro_batches import balanced_partition
-from nemo_sspo.parallel.metrics import collective_device
+from nemo_sspo.parallel.metric_reduce import collective_device
 
 __all__ = ["agree_micro_batch_count", "balance_across_data_parallel"]
 

@@ -2,7 +2,7 @@
 
 The non-colocated refit (``rollout.placement: separate``): the trainer's export rank streams its
 HF-named weight buckets (``nemo_sspo.megatron.iter_hf_weight_buckets``, ``rollout.refit_bucket_mb``)
-over a dedicated group (:mod:`nemo_sspo.parallel.placement`, ``refit``) whose group rank 0 it is;
+over a dedicated group (:mod:`nemo_sspo.parallel.world_split`, ``refit``) whose group rank 0 it is;
 every other member receives each bucket as it comes and hands it to its engine, so a rollout rank
 holds its model plus one bucket, never the model twice.
 
@@ -15,7 +15,7 @@ receiver's tensors are views of the payload with the sender's dtype and shape, s
 export bit for bit.
 
 Every tensor of the stream lives on the group's device
-(:func:`nemo_sspo.parallel.metrics.collective_device`): over an NCCL refit group the export's GPU
+(:func:`nemo_sspo.parallel.metric_reduce.collective_device`): over an NCCL refit group the export's GPU
 tensors are packed into a GPU payload and received into GPU buffers, so no weight byte passes
 through host memory; over gloo (CPU runs, or a GPU run whose refit group is gloo) the payload is on
 the host and the sender copies each GPU tensor there. :attr:`BroadcastStats.bytes_to_host` counts
@@ -34,7 +34,7 @@ from typing import Generator, Iterable, Sequence
 import torch
 import torch.distributed as dist
 
-from nemo_sspo.parallel.metrics import collective_device
+from nemo_sspo.parallel.metric_reduce import collective_device
 
 __all__ = ["BroadcastStats", "EncodedBuckets", "MAX_DIMS", "PendingBroadcast", "encode_weight_buckets",
            "post_broadcast", "post_weight_broadcast", "receive_weight_buckets", "send_weight_buckets"]
@@ -130,7 +130,7 @@ def send_weight_buckets(buckets: Iterable[dict[str, torch.Tensor]], *, group: di
     Args:
         buckets: HF name -> tensor dicts, e.g. ``iter_hf_weight_buckets(..., dst_rank=<this rank>)``
             (drawing a bucket may itself be collective over the trainer's model-parallel group).
-        group: the refit group (:func:`nemo_sspo.parallel.placement.split_world`), this rank its rank 0.
+        group: the refit group (:func:`nemo_sspo.parallel.world_split.split_world`), this rank its rank 0.
         receivers: world ranks of the other members (named in the error when one fails).
         version: the policy version (the step whose update the weights hold), sent in the end
             marker for the receivers' refit check to name; None sends none.
@@ -229,7 +229,7 @@ def encode_weight_buckets(buckets: Iterable[dict[str, torch.Tensor]], device: to
 
     Args:
         buckets: as :func:`send_weight_buckets` (drawing them may be collective; that part runs now).
-        device: the groups' device (:func:`nemo_sspo.parallel.metrics.collective_device`).
+        device: the groups' device (:func:`nemo_sspo.parallel.metric_reduce.collective_device`).
 
     Raises:
         ValueError: as :func:`send_weight_buckets`.

@@ -3,7 +3,7 @@ registry from which the trainer builds its reward by name (``reward.name``).
 """
 
 from nemo_sspo.rewards.math_reward import MathVerifyReward, extract_last_boxed, parse_gold, score_response
-from nemo_sspo.rewards.registry import (
+from nemo_sspo.rewards.reward_registry import (
     REWARD_REGISTRY,
     Reward,
     build_reward,

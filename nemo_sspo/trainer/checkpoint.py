@@ -44,7 +44,7 @@ RNG states are per rank, and the data-parallel size decides which responses shar
 
 Data position: prompt sources are seeded streams whose state depends only on the number of
 problems drawn so far (``RolloutSampler.problems_drawn``); resuming replays that many draws. Sampling
-seeds derive from ``(trainer.seed, step, round, slot)`` (:mod:`nemo_sspo.trainer.sampling`), so with
+seeds derive from ``(trainer.seed, step, round, slot)`` (:mod:`nemo_sspo.rollouts.sampling`), so with
 the step counter restored the rollouts continue exactly. Free-running rollout ranks each draw from a
 shard of the stream at their own pace, so their checkpoint keeps a position per rollout rank
 (:attr:`TrainerState.rollout_positions`). DCPO's per-prompt reward history (smooth
@@ -137,7 +137,7 @@ class TrainerState:
             key -> ``[visits, mean, std]``; None when the loss keeps none. JSON floats round-trip
             exactly, so a resumed run continues with the same stats.
         rollout_positions: free-running: each rollout rank's ``[rollouts received, problems drawn]``
-            (``nemo_sspo.trainer.placement.RolloutPosition``); None for the other modes.
+            (``nemo_sspo.rollouts.records.RolloutPosition``); None for the other modes.
     """
 
     step: int

@@ -38,7 +38,7 @@ from nemo_sspo.algorithms.losses import (
     get_policy_loss,
     policy_loss_names,
 )
-from nemo_sspo.algorithms.losses.registry import losses_with_field
+from nemo_sspo.algorithms.losses.loss_registry import losses_with_field
 from nemo_sspo.algorithms.micro_batches import MicroBatchLayout
 from nemo_sspo.algorithms.off_policy import CORRECTIONS
 from nemo_sspo.data import MATH_DATASETS, PAPER_BENCHMARKS, SOURCE_OPTIONS, TEMPLATES
@@ -258,7 +258,7 @@ class RolloutConfig:
     placement: str = "colocated"
     """``colocated``: every data-parallel replica generates, trains and refits in turn (in-process
     refit). ``separate``: the last ``num_ranks`` processes of the launched world are rollout ranks
-    running the engine and the reward, the others train (``nemo_sspo.trainer.placement``); rollouts
+    running the engine and the reward, the others train (``nemo_sspo.rollouts.worker``); rollouts
     and weights move between them as tensors over torch.distributed."""
     num_ranks: int = 0
     """Rollout ranks R with ``placement: separate`` (>= 1, dividing ``prompts_per_step``: rollout rank j
@@ -277,14 +277,14 @@ class RolloutConfig:
     """Lock-step staleness k: the rollout of step t is generated with the weights after step
     ``t - 1 - k`` (the first k+1 steps' rollouts with the initial weights), so a sample is at most k
     updates old (``rollout/version_lag_mean``, ``_max``). 0 = on-policy. k > 0 needs a ``correction``
-    (``nemo_sspo.trainer.staleness``). With ``staleness_schedule: free`` it is a bound, not a schedule."""
+    (``nemo_sspo.rollouts.staleness``). With ``staleness_schedule: free`` it is a bound, not a schedule."""
     staleness_schedule: str = "lockstep"
     """``lockstep``: the deterministic schedule of ``max_staleness`` above (reproducible; colocated or
     separate). ``free`` (``placement: separate``): each rollout rank generates continuously with the
     newest weights it has received, checking for new ones between two rollouts without blocking; a
     step trains the first R fresh rollouts to arrive from any rollout ranks, and never a sample more
-    than ``max_staleness`` versions old (``stale_policy``; ``nemo_sspo.trainer.placement``). Runs are
-    reproducible only given the same arrival order (``nemo_sspo.trainer.placement``)."""
+    than ``max_staleness`` versions old (``stale_policy``; ``nemo_sspo.rollouts.worker``). Runs are
+    reproducible only given the same arrival order (``nemo_sspo.rollouts.worker``)."""
     stale_policy: str = "wait"
     """With ``staleness_schedule: free``: ``wait``: a rollout rank keeps at most ``max_staleness + 1`` of
     its rollouts untaken (it waits for new weights instead), so with one rollout rank nothing is
@@ -303,7 +303,7 @@ class RolloutConfig:
     """DAPO dynamic sampling (arXiv 2503.14476 sec. 3.2): refill every prompt group whose task rewards are
     all equal (before overlong shaping; DAPO filters on accuracy) with a fresh prompt until each of the
     step's groups has task-reward variance or ``max_sampling_rounds`` rounds have run (see
-    ``nemo_sspo.trainer.sampling``). null: as the loss asks (``LossRequirements.dynamic_sampling``: on
+    ``nemo_sspo.rollouts.sampling``). null: as the loss asks (``LossRequirements.dynamic_sampling``: on
     for ``loss=dapo``, off otherwise), resolved when the config is loaded; true/false force it. The refilled
     groups are those the advantage estimator gives advantage 0 (``masks_equal_groups``), so true is
     refused with ``advantage.name=critic``."""

@@ -10,7 +10,7 @@ One step reads top to bottom as named phases::
     -> refit (Megatron -> rollout engine) -> metrics
 
 Rollouts are generated one prompt group per ``generate`` call, seeded by (seed, step, sampling
-round, global prompt index) (:mod:`nemo_sspo.trainer.sampling`), so the samples do not depend on how
+round, global prompt index) (:mod:`nemo_sspo.rollouts.sampling`), so the samples do not depend on how
 prompts are split over data-parallel ranks: the same seed and config give the same first step for
 any TP x PP x DP layout. Within a data-parallel replica only the first model-parallel rank generates
 and scores; it broadcasts the rollout to the replica's other TP/PP ranks.
@@ -22,13 +22,13 @@ earlier visits (a per-prompt history kept identical on every rank and saved in c
 ``kl_coef > 0`` keeps a frozen Megatron copy of the initial policy and adds its ``ref_logprobs`` to
 the batch (nothing is built when it is 0). ``advantage.name`` (:mod:`nemo_sspo.algorithms.advantage_estimators`;
 null resolves from the loss's ``advantage_source``) picks the advantage estimator; ``critic`` trains the
-SPPO critic (:mod:`nemo_sspo.trainer.critic`).
+SPPO critic (:mod:`nemo_sspo.trainer.critic_training`).
 
 Around the steps: ``rollout.correction`` multiplies each token's loss by an importance weight of
 pi_old / pi_rollout, truncated or masked (:mod:`nemo_sspo.algorithms.off_policy`);
 ``rollout.max_staleness`` trains step t on a rollout generated k steps earlier
-(:mod:`nemo_sspo.trainer.staleness`), or with ``rollout.staleness_schedule: free`` on the next
-received rollout at most k versions old (:mod:`nemo_sspo.trainer.placement`);
+(:mod:`nemo_sspo.rollouts.staleness`), or with ``rollout.staleness_schedule: free`` on the next
+received rollout at most k versions old (:mod:`nemo_sspo.rollouts.worker`);
 ``eval.every_n_steps`` evaluates the rollout engine's weights and keeps the best step
 (:mod:`nemo_sspo.trainer.periodic_eval`);
 ``trainer.checkpoint_interval`` / ``trainer.resume`` save and restore the whole training state
@@ -94,7 +94,7 @@ from nemo_sspo.models.hf_folder import stop_token_ids
 from nemo_sspo.metrics import MetricPair, mean_pair, merge_metric_sums
 from nemo_sspo.parallel.advantage_scope import data_parallel_advantages
 from nemo_sspo.parallel.data_balance import balance_across_data_parallel
-from nemo_sspo.parallel.metrics import collective_device, reduce_metric_sums
+from nemo_sspo.parallel.metric_reduce import collective_device, reduce_metric_sums
 from nemo_sspo.rewards import Reward, build_reward
 from nemo_sspo.rollout import EngineContext, RolloutEngine, build_rollout_engine
 from nemo_sspo.rollout.refit_check import VerifiedRefitEngine
@@ -116,7 +116,7 @@ from nemo_sspo.trainer.config import (
     build_loss_config,
     micro_batch_layout,
 )
-from nemo_sspo.trainer.critic import Critic
+from nemo_sspo.trainer.critic_training import Critic
 from nemo_sspo.trainer.device import check_host, training_device
 from nemo_sspo.trainer.interrupt import deferred_signals
 from nemo_sspo.trainer.metric_log import MetricsLogger
@@ -125,13 +125,15 @@ from nemo_sspo.trainer.progress import StepProgress
 from nemo_sspo.trainer.rollout_log import RolloutLog, rollout_records
 from nemo_sspo.trainer.rollout_metrics import TruncationWatch, rollout_metric_sums
 from nemo_sspo.trainer.run_config import composed_config, read_config, resume_changes, write_config
-from nemo_sspo.trainer.sampling import Rollout, RolloutSampler
+from nemo_sspo.rollouts.records import Rollout
+from nemo_sspo.rollouts.sampling import RolloutSampler
 from nemo_sspo.trainer.throughput import ModelShape, peak_tflops, step_work_sums, throughput_metrics
-from nemo_sspo.trainer.sources import ColocatedSource, FreeRunningSource, LockStepSource, RolloutSource, StepRollout
-from nemo_sspo.trainer.staleness import VersionedRollout
+from nemo_sspo.rollouts import ColocatedSource, FreeRunningSource, LockStepSource, RolloutSource, StepRollout
+from nemo_sspo.rollouts.records import VersionedRollout
 from nemo_sspo.trainer.timeline import Timeline
-from nemo_sspo.parallel.placement import WorldSplit
-from nemo_sspo.trainer.placement import RolloutWorker, rollout_replica
+from nemo_sspo.parallel.world_split import WorldSplit
+from nemo_sspo.rollouts.slots import rollout_replica
+from nemo_sspo.rollouts.worker import RolloutWorker
 
 __all__ = ["GRPOTrainer", "Rollout", "build_rollout", "run_rollout_rank", "start_parallel"]
 
@@ -221,7 +223,7 @@ def build_rollout(cfg: TrainConfig, hf_config, state_dict, tokenizer, prompts, g
         stop_ids: the run's stop list (:func:`run_stop_ids`).
         reward: a reward to score with, or None to build ``reward.name``.
         engine: an engine holding the initial weights, or None to build ``rollout.backend``.
-        shared_stream: as :class:`nemo_sspo.trainer.sampling.RolloutSampler` (False: a free-running
+        shared_stream: as :class:`nemo_sspo.rollouts.sampling.RolloutSampler` (False: a free-running
             rollout rank's own stream and slots).
         progress: the sampler's phase lines (:class:`nemo_sspo.trainer.progress.StepProgress`; None: none).
 
@@ -244,7 +246,7 @@ def build_rollout(cfg: TrainConfig, hf_config, state_dict, tokenizer, prompts, g
 
 def run_rollout_rank(cfg: TrainConfig, split: WorldSplit, checkpoint=None, *, reward: Reward | None = None) -> None:
     """A rollout rank of ``rollout.placement: separate``: builds the engine (``rollout.backend``), reward
-    and prompt stream, runs :class:`nemo_sspo.trainer.placement.RolloutWorker` until the last step's
+    and prompt stream, runs :class:`nemo_sspo.rollouts.worker.RolloutWorker` until the last step's
     refit (lock-step) or the trainer's stop (``rollout.staleness_schedule: free``), then closes the
     reward and stops the engine (an in-process vLLM ends this process's torch.distributed default
     group: nothing of the rollout side's runs after it).
@@ -304,7 +306,7 @@ class GRPOTrainer:
             None builds ``rollout.backend`` from the engine registry. Used on generating ranks only
             (the first model-parallel rank of each data-parallel replica).
         split: with ``rollout.placement: separate``, this training rank's place in the split world
-            (:func:`nemo_sspo.parallel.placement.split_world`): no engine here, rollouts come from the
+            (:func:`nemo_sspo.parallel.world_split.split_world`): no engine here, rollouts come from the
             rollout ranks and the refit is broadcast to them; None (colocated) otherwise.
 
     Raises:
@@ -574,7 +576,7 @@ class GRPOTrainer:
         return sums, sum(norms) / len(norms)
 
     def _rollout_source(self) -> RolloutSource:
-        """This run's rollout source (:mod:`nemo_sspo.trainer.sources`), from ``rollout.placement`` and
+        """This run's rollout source (:mod:`nemo_sspo.rollouts`), from ``rollout.placement`` and
         ``rollout.staleness_schedule``.
         """
         ro, g = self.cfg.rollout, self.groups

@@ -7,7 +7,7 @@ rank that holds the step's advantages (the last pipeline stage's tensor- and con
 is gathered across ranks. A record:
 
 ``step`` (1-based), ``replica`` (data-parallel rank), ``row`` (index in the replica's batch),
-``prompt_id`` (the problem's stable key, :func:`nemo_sspo.trainer.sampling.prompt_key`), ``sample``
+``prompt_id`` (the problem's stable key, :func:`nemo_sspo.rollouts.sampling.prompt_key`), ``sample``
 (index in its group of ``rollout.samples_per_prompt``), ``prompt`` and ``response`` (decoded without
 special tokens), ``task_reward`` (the reward function's score), ``reward`` (with overlong shaping:
 what the advantage used), ``advantage``, ``response_length`` (tokens, the stop token included),

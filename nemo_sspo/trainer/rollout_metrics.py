@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from nemo_sspo.algorithms import select_nonzero_variance_groups
 from nemo_sspo.metrics import MetricPair, mean_pair
-from nemo_sspo.trainer.sampling import Rollout
+from nemo_sspo.rollouts.records import Rollout
 
 __all__ = ["TruncationWatch", "rollout_metric_sums"]
 

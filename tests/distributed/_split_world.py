@@ -14,7 +14,7 @@ import os
 
 import torch.distributed as dist
 
-from nemo_sspo.parallel.placement import WorldSplit, split_world
+from nemo_sspo.parallel.world_split import WorldSplit, split_world
 
 
 def resplit(rank: int, world_size: int, num_rollout_ranks: int, timeout_s: float, *, prefix: str | None = None,
@@ -57,7 +57,7 @@ def fit_side(cfg, split: WorldSplit, checkpoint, reward, *, run=None):
 def dies_at_step(step: int, code: int = 17):
     """A replacement for ``RolloutWorker._generate_and_send`` that exits the process with ``code``
     (no clean-up, as a crash) when asked to generate ``step``."""
-    from nemo_sspo.trainer.placement import RolloutWorker
+    from nemo_sspo.rollouts.worker import RolloutWorker
 
     inner = RolloutWorker._generate_and_send
 

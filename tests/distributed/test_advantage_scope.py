@@ -22,7 +22,7 @@ import torch.distributed as dist
 from nemo_sspo.cli import load_config
 from nemo_sspo.megatron import destroy_parallel
 from nemo_sspo.models import load_hf_checkpoint
-from nemo_sspo.parallel.placement import split_world
+from nemo_sspo.parallel.world_split import split_world
 from nemo_sspo.trainer import loop
 
 from nemo_sspo.algorithms.advantage_estimators import (

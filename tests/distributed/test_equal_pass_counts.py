@@ -53,7 +53,7 @@ def _run(rank, world_size):
     from nemo_sspo.megatron.model import unwrap_model
     from nemo_sspo.megatron.step import LossSpec
     from nemo_sspo.megatron.training import compute_gradients, compute_old_logprobs, wrap_for_training
-    from nemo_sspo.parallel.metrics import reduce_metric_sums
+    from nemo_sspo.parallel.metric_reduce import reduce_metric_sums
 
     configs = {"sspo": SSPOLossConfig(alpha=0.0, beta=0.8, gamma=1.1),
                "dapo": DAPOLossConfig(eps_low=0.2, eps_high=0.28, dual_clip_c=None, aggregation="token-mean")}

@@ -12,7 +12,7 @@ import pytest
 
 from nemo_sspo.cli import load_config
 from nemo_sspo.models import load_hf_checkpoint
-from nemo_sspo.trainer import sampling
+from nemo_sspo.rollouts import sampling
 from tests.distributed._split_world import fit_side, resplit
 from tests.integration._loop_runs import TINY, ParityReward, record_step_starts
 

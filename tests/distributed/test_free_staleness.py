@@ -26,7 +26,8 @@ import torch
 from nemo_sspo.cli import load_config
 from nemo_sspo.megatron import destroy_parallel
 from nemo_sspo.models import load_hf_checkpoint
-from nemo_sspo.trainer import loop, placement
+from nemo_sspo.rollouts import collector
+from nemo_sspo.trainer import loop
 from tests.distributed._split_world import fit_side, resplit
 from tests.integration._loop_runs import TINY, ParityReward, make_trainer
 
@@ -41,7 +42,7 @@ def _slow_update(self, batch, inner=loop.GRPOTrainer.update):
 
 
 def _recording_recv(received):
-    inner = placement.recv_free_rollout
+    inner = collector.recv_free_rollout
 
     def recv(*, group, sources, src=None, what):
         got = inner(group=group, sources=sources, src=src, what=what)
@@ -54,7 +55,7 @@ def _free_run(split, tiny, out_dir, overrides):
     cfg = load_config(overrides=[*RUN, f"trainer.output_dir={out_dir}", "rollout.placement=separate",
                                  "rollout.num_ranks=1", "rollout.staleness_schedule=free", *overrides])
     received = []
-    placement.recv_free_rollout = _recording_recv(received)
+    collector.recv_free_rollout = _recording_recv(received)
     # the data position a checkpoint would save is trainer.problems_drawn
     return fit_side(cfg, split, tiny, ParityReward(),
                     run=lambda trainer: (trainer.fit(), received, trainer.problems_drawn))
@@ -64,12 +65,12 @@ def _child(rank, world_size, out_dir):
     tiny = load_hf_checkpoint("tiny-random-llama")
     split = resplit(rank, world_size, 1, 60)
     loop.GRPOTrainer.update = _slow_update
-    recv = placement.recv_free_rollout
+    recv = collector.recv_free_rollout
     results = {}
     for name, overrides in {"wait": ["rollout.max_staleness=1", "rollout.stale_policy=wait"],
                             "drop": ["rollout.max_staleness=0", "rollout.stale_policy=drop"]}.items():
         results[name] = _free_run(split, tiny, f"{out_dir}/{name}", overrides)
-        placement.recv_free_rollout = recv
+        collector.recv_free_rollout = recv
     return results
 
 

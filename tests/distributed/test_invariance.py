@@ -169,7 +169,7 @@ def _run_layouts(rank, world_size):
     from nemo_sspo.megatron.training import (apply_optimizer_step, compute_gradients,
                                              compute_old_logprobs, wrap_for_training)
     from nemo_sspo.parallel.data_balance import balance_across_data_parallel
-    from nemo_sspo.parallel.metrics import reduce_metric_sums
+    from nemo_sspo.parallel.metric_reduce import reduce_metric_sums
 
     hf_config, hf_state, batch, noise = _fixture_data()
     results = {}

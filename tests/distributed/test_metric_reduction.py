@@ -34,7 +34,7 @@ def _local(rank):
 
 
 def _reduce(rank, world_size):
-    from nemo_sspo.parallel.metrics import reduce_metric_sums
+    from nemo_sspo.parallel.metric_reduce import reduce_metric_sums
 
     dp_groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
     pp_groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]
@@ -62,7 +62,7 @@ def test_min_max_mean_std_over_dp_and_pp(run_distributed):
 
 
 def _reduce_different_keys(rank, world_size):
-    from nemo_sspo.parallel.metrics import reduce_metric_sums
+    from nemo_sspo.parallel.metric_reduce import reduce_metric_sums
 
     if rank == 0:  # a batch with no valid response token: no gap metric at all
         local = {"loss": mean_pair(-1.0, 4), "ratio_max": _hi(1.5, 4)}

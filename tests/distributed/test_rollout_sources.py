@@ -11,10 +11,10 @@ import torch
 
 from nemo_sspo.parallel.weight_broadcast import receive_weight_buckets
 from nemo_sspo.rollout import RolloutBatch
-from nemo_sspo.trainer.placement import _START_TAG, _recv, send_rollout
-from nemo_sspo.trainer.sampling import Rollout
-from nemo_sspo.trainer.sources import LockStepSource
-from nemo_sspo.trainer.staleness import VersionedRollout
+from nemo_sspo.rollouts.codec import _START_TAG, _recv, send_rollout
+from nemo_sspo.rollouts.records import Rollout
+from nemo_sspo.rollouts import LockStepSource
+from nemo_sspo.rollouts.records import VersionedRollout
 from tests.distributed._split_world import resplit
 
 pytestmark = pytest.mark.fast  # seconds: kept in the fast tier (tests/conftest.py)

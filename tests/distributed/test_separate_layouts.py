@@ -28,7 +28,7 @@ from nemo_sspo.cli import load_config
 from nemo_sspo.megatron import destroy_parallel, export_hf_state_dict
 from nemo_sspo.models import load_hf_checkpoint
 from nemo_sspo.trainer import loop
-from nemo_sspo.trainer.placement import RolloutWorker
+from nemo_sspo.rollouts.worker import RolloutWorker
 from tests.distributed._split_world import dies_at_step, fit_side, resplit
 from tests.integration._loop_runs import TINY, ParityReward
 

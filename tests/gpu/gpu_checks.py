@@ -463,7 +463,7 @@ def run_async(model_dir: str, out: str) -> None:
         finally:
             destroy_parallel()
         return
-    from nemo_sspo.parallel.placement import split_launched_world
+    from nemo_sspo.parallel.world_split import split_launched_world
 
     cfg = async_config(model_dir, f"{out}/separate", separate=True)
     split = split_launched_world(ASYNC_ROLLOUT_RANKS, timeout=datetime.timedelta(seconds=cfg.rollout.peer_timeout_s))

@@ -125,7 +125,7 @@ def _output_precision_gap(megatron, config, state_dict, tokenizer) -> None:
 
 def check_nccl() -> None:
     """The ``nccl`` check (module docstring); run under torchrun with 2 processes."""
-    from nemo_sspo.parallel.placement import split_launched_world
+    from nemo_sspo.parallel.world_split import split_launched_world
     from nemo_sspo.parallel.weight_broadcast import receive_weight_buckets, send_weight_buckets
 
     if torch.cuda.device_count() < 2:
@@ -163,7 +163,7 @@ def check_nccl() -> None:
 def check_dry_run(model_dir: str) -> None:
     """CPU: the modules import, and configs with the settings these checks cover load."""
     from nemo_sspo.cli import load_config
-    from nemo_sspo.parallel.placement import split_launched_world  # noqa: F401
+    from nemo_sspo.parallel.world_split import split_launched_world  # noqa: F401
     from nemo_sspo.rollout.refit_check import load_verified  # noqa: F401
 
     cfg = load_config(overrides=[f"model.source={model_dir}", "model.precision=bf16", "rollout.verify_refit=true",

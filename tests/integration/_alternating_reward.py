@@ -2,7 +2,7 @@
 ``test_alternating``, a reward of 1, 0, 1, 0, ... by position in the scoring call.
 
 The sampler scores a round's groups in one call, each group's responses back to back
-(nemo_sspo/trainer/sampling.py), so with an even ``rollout.samples_per_prompt`` every group scores
+(nemo_sspo/rollouts/sampling.py), so with an even ``rollout.samples_per_prompt`` every group scores
 half 1s and half 0s whatever the (random) model wrote: rewards, accuracy and advantages known by hand.
 """
 

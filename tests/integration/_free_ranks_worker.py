@@ -29,12 +29,12 @@ def _run(split, tiny, overrides):
     import torch
 
     from nemo_sspo.cli import load_config
-    from nemo_sspo.trainer import placement
+    from nemo_sspo.rollouts import collector
     from tests.distributed._split_world import fit_side
     from tests.integration._loop_runs import TINY, ParityReward
 
     cfg = load_config(overrides=[*TINY, *RUN, *overrides])
-    received, inner = [], placement.recv_free_rollout
+    received, inner = [], collector.recv_free_rollout
 
     def recv(*, group, sources, src=None, what):
         got = inner(group=group, sources=sources, src=src, what=what)
@@ -42,11 +42,11 @@ def _run(split, tiny, overrides):
         newest = [] if rb.token_versions is None else torch.where(rb.response_mask, rb.token_versions, -1).amax(1).tolist()
         received.append((got[0], got[1], got[2].version, got[2].versions().tolist(), newest))
         return got
-    placement.recv_free_rollout = recv
+    collector.recv_free_rollout = recv
     try:
         history = fit_side(cfg, split, tiny, ParityReward(), run=lambda trainer: trainer.fit())
     finally:
-        placement.recv_free_rollout = inner
+        collector.recv_free_rollout = inner
     return None if history is None else {"history": history, "received": received}
 
 
@@ -71,7 +71,7 @@ def main(out: Path) -> None:
     import time
 
     from nemo_sspo.models import load_hf_checkpoint
-    from nemo_sspo.parallel.placement import split_launched_world
+    from nemo_sspo.parallel.world_split import split_launched_world
     from nemo_sspo.trainer import loop
 
     split = split_launched_world(2, timeout=datetime.timedelta(seconds=120))

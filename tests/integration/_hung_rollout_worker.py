@@ -39,7 +39,7 @@ def main(out: Path) -> None:
 
     from nemo_sspo.cli import load_config
     from nemo_sspo.models import load_hf_checkpoint
-    from nemo_sspo.parallel.placement import split_launched_world
+    from nemo_sspo.parallel.world_split import split_launched_world
     from nemo_sspo.trainer import loop
     from tests.integration._loop_runs import TINY, record_step_starts
 

@@ -36,7 +36,7 @@ def main(out: Path) -> None:
     import datetime
 
     from nemo_sspo.models import load_hf_checkpoint
-    from nemo_sspo.parallel.placement import split_launched_world
+    from nemo_sspo.parallel.world_split import split_launched_world
     split = split_launched_world(1, timeout=datetime.timedelta(seconds=120))
     tiny = load_hf_checkpoint("tiny-random-llama")
     common = ["trainer.max_steps=2", "trainer.checkpoint_interval=1", "optim.lr=0.05"]

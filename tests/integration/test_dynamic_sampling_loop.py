@@ -11,7 +11,7 @@ import torch
 
 from nemo_sspo.megatron import destroy_parallel
 from nemo_sspo.models import load_hf_checkpoint
-from nemo_sspo.trainer.sampling import generation_seed
+from nemo_sspo.rollouts.sampling import generation_seed
 from tests.integration._loop_runs import (OddAnswerReward, ZeroReward, make_trainer, on_policy_loss,
                                          record_updates, run)
 
@@ -61,7 +61,7 @@ def test_batch_never_holds_a_zero_variance_group_when_enough_exist(checkpoint, m
 
 def test_round_limit_warns_and_trains_on_the_full_batch(checkpoint, monkeypatch, tmp_path, caplog):
     rollouts = []
-    with caplog.at_level(logging.WARNING, logger="nemo_sspo.trainer.sampling"):
+    with caplog.at_level(logging.WARNING, logger="nemo_sspo.rollouts.sampling"):
         history = run(monkeypatch, tmp_path, [*DYNAMIC, "rollout.max_sampling_rounds=2"], checkpoint=checkpoint,
                       reward=ZeroReward, capture=_record_rollouts(rollouts))
     messages = [r.getMessage() for r in caplog.records]
@@ -131,7 +131,7 @@ def test_shaping_gives_an_all_wrong_group_past_the_round_limit_advantage_0(check
 
     overrides = [*DYNAMIC, "rollout.prompts_per_step=1", "rollout.samples_per_prompt=4", "trainer.max_steps=1",
                  "rollout.max_sampling_rounds=2", "reward.overlong_buffer_len=4"]
-    with caplog.at_level(logging.WARNING, logger="nemo_sspo.trainer.sampling"):
+    with caplog.at_level(logging.WARNING, logger="nemo_sspo.rollouts.sampling"):
         (record,) = run(monkeypatch, tmp_path, overrides, checkpoint=checkpoint, reward=ZeroReward,
                         capture=capture)
     assert any("the other 1 groups have advantage 0" in r.getMessage() for r in caplog.records)

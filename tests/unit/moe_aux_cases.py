@@ -80,7 +80,7 @@ def megatron_runs(layouts: dict, coefs, *, tp: int = 1, ep: int = 1) -> dict:
     from nemo_sspo.megatron.step import LossSpec
     from nemo_sspo.megatron.training import compute_gradients, compute_old_logprobs, wrap_for_training
     from nemo_sspo.models import split_expert_weights
-    from nemo_sspo.parallel.metrics import reduce_metric_sums
+    from nemo_sspo.parallel.metric_reduce import reduce_metric_sums
 
     torch.set_num_threads(1)
     hf = hf_model()

@@ -61,7 +61,7 @@ def test_from_rollout_places_engine_logprobs_at_the_target_columns():
 
 def test_concat_rollouts_pads_prompts_left_and_responses_right():
     from nemo_sspo.rollout import RolloutBatch
-    from nemo_sspo.trainer.batch import concat_rollouts
+    from nemo_sspo.rollouts.slots import concat_rollouts
 
     a = RolloutBatch(prompt_ids=torch.tensor([[5, 6]]), prompt_mask=torch.tensor([[True, True]]),
                      response_ids=torch.tensor([[7]]), response_mask=torch.tensor([[True]]),

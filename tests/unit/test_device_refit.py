@@ -21,7 +21,7 @@ from nemo_sspo.parallel.weight_checksum import tensor_checksum
 from nemo_sspo.rollout import HFRolloutEngine
 from nemo_sspo.rollout.refit_check import VerifiedRefitEngine, load_verified
 from nemo_sspo.rollout.vllm_engine import VLLMRolloutEngine
-from nemo_sspo.trainer.sources import ColocatedSource
+from nemo_sspo.rollouts import ColocatedSource
 
 MOD = 1 << 64
 

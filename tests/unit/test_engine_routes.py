@@ -14,7 +14,7 @@ from nemo_sspo.algorithms.batch import pack_tokens
 from nemo_sspo.megatron.router_replay import routing_agreement
 from nemo_sspo.models import build_hf_model, load_hf_checkpoint
 from nemo_sspo.rollout import HFRolloutEngine
-from nemo_sspo.trainer.batch import concat_rollouts
+from nemo_sspo.rollouts.slots import concat_rollouts
 
 PROMPTS = ["Hi", "Let x = 2.\n\nThen 2x =", "Sam has 5 stamps. He buys 2 more. How many"]  # 1, 11 and 14 tokens
 

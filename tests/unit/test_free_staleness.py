@@ -7,16 +7,10 @@ import torch
 
 from nemo_sspo.cli import load_config
 from nemo_sspo.rollout import RolloutBatch
-from nemo_sspo.trainer.placement import stack_rollouts
-from nemo_sspo.trainer.sampling import Rollout
-from nemo_sspo.trainer.staleness import (
-    FreeQueue,
-    VersionedRollout,
-    dropped_sums,
-    is_fresh,
-    rollout_idle_s,
-    version_lag_sums,
-)
+from nemo_sspo.rollouts.slots import stack_rollouts
+from nemo_sspo.rollouts.records import Rollout
+from nemo_sspo.rollouts.records import VersionedRollout
+from nemo_sspo.rollouts.staleness import FreeQueue, dropped_sums, is_fresh, rollout_idle_s, version_lag_sums
 
 
 def _simulate(k, policy, last, per_notice):

@@ -13,7 +13,7 @@ from nemo_sspo.metrics import (
     min_pair,
     summarize_metric_pairs,
 )
-from nemo_sspo.parallel.metrics import reduce_metric_sums
+from nemo_sspo.parallel.metric_reduce import reduce_metric_sums
 
 
 def _extreme(value, count, kind):

@@ -12,9 +12,10 @@ from nemo_sspo.algorithms.off_policy import off_policy_weights
 from nemo_sspo.models import build_hf_model, load_hf_checkpoint
 from nemo_sspo.rollout import HFRolloutEngine, RolloutBatch
 from nemo_sspo.rollout.partial import RolloutStopped, continuation_seed, generate_with_refits
-from nemo_sspo.trainer.batch import concat_rollouts
-from nemo_sspo.trainer.sampling import Rollout
-from nemo_sspo.trainer.staleness import VersionedRollout, partial_sums, version_lag_sums
+from nemo_sspo.rollouts.slots import concat_rollouts
+from nemo_sspo.rollouts.records import Rollout
+from nemo_sspo.rollouts.records import VersionedRollout
+from nemo_sspo.rollouts.staleness import partial_sums, version_lag_sums
 
 PROMPTS = ["Tom has 3 apples.", "What is 2 + 2?"]
 MAX_NEW = 8

@@ -6,8 +6,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from nemo_sspo.trainer.sources import ColocatedSource, FreeRunningSource, LockStepSource, RefitOutcome, StepRollout
-from nemo_sspo.trainer.staleness import Piece, VersionedRollout
+from nemo_sspo.rollouts import ColocatedSource, FreeRunningSource, LockStepSource, RefitOutcome, StepRollout
+from nemo_sspo.rollouts.records import Piece, VersionedRollout
 
 
 class _Engine:

@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from nemo_sspo.rollout import RolloutBatch
-from nemo_sspo.trainer.batch import concat_rollouts
-from nemo_sspo.trainer.placement import SlotRoute, merge_rollouts, slot_routes, slot_rows
-from nemo_sspo.trainer.sampling import Rollout
-from nemo_sspo.trainer.staleness import VersionedRollout
+from nemo_sspo.rollouts.slots import concat_rollouts
+from nemo_sspo.rollouts.slots import SlotRoute, merge_rollouts, slot_routes, slot_rows
+from nemo_sspo.rollouts.records import Rollout
+from nemo_sspo.rollouts.records import VersionedRollout
 
 
 @pytest.mark.parametrize("p, d, r, expected", [

@@ -7,8 +7,9 @@ import pytest
 import torch
 
 from nemo_sspo.cli import load_config
-from nemo_sspo.trainer.sampling import Rollout
-from nemo_sspo.trainer.staleness import LockStepRollouts, VersionedRollout, version_lag_sums
+from nemo_sspo.rollouts.records import Rollout
+from nemo_sspo.rollouts.records import VersionedRollout
+from nemo_sspo.rollouts.staleness import LockStepRollouts, version_lag_sums
 
 
 def _run(max_staleness, last_step):
@@ -109,7 +110,7 @@ def test_separate_placement_counts_only_training_ranks(monkeypatch, world, rollo
 
 def test_slot_rows_trim_to_their_own_padding():
     from nemo_sspo.rollout import RolloutBatch
-    from nemo_sspo.trainer.placement import slot_rows
+    from nemo_sspo.rollouts.slots import slot_rows
 
     # Row 0: prompt of 1 token (left-padded to 3), response of 3; row 1: prompt of 3, response of 1.
     batch = RolloutBatch(

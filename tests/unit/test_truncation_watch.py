@@ -5,7 +5,7 @@ import torch
 
 from nemo_sspo.rollout import RolloutBatch
 from nemo_sspo.trainer.rollout_metrics import TruncationWatch, rollout_metric_sums
-from nemo_sspo.trainer.sampling import Rollout
+from nemo_sspo.rollouts.records import Rollout
 
 PREFIX = "step 3: 56% of the responses reached rollout.max_new_tokens=64 without a stop token"
 

@@ -32,7 +32,7 @@ from nemo_sspo.algorithms.losses.ratio_clip import (
     SequencePPOLossConfig,
     SSPOFixedClipConfig,
 )
-from nemo_sspo.algorithms.losses.registry import (
+from nemo_sspo.algorithms.losses.loss_registry import (
     LossRecord,
     build_policy_loss_config,
     get_policy_loss,

@@ -51,7 +51,7 @@ from nemo_sspo.algorithms.losses.ratio_clip import (
     RatioEngine,
     check_dual_clip,
 )
-from nemo_sspo.algorithms.losses.registry import LossRecord, register_policy_loss
+from nemo_sspo.algorithms.losses.loss_registry import LossRecord, register_policy_loss
 
 
 @dataclass

@@ -17,9 +17,9 @@ from typing import Any
 import torch
 
 from nemo_sspo.algorithms.aggregation import aggregate
-from nemo_sspo.algorithms.context_parallel import CPContext
+from nemo_sspo.algorithms.cp_context import CPContext
 from nemo_sspo.algorithms.losses.inputs import LossInputs, PolicyLoss
-from nemo_sspo.algorithms.losses.registry import build_policy_loss_config, make_policy_loss
+from nemo_sspo.algorithms.losses.loss_registry import build_policy_loss_config, make_policy_loss
 from nemo_sspo.metrics import MetricPair, mean_pair, summarize_metric_pairs
 
 __all__ = ["compute_policy_loss", "policy_loss_sums"]

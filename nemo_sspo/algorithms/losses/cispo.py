@@ -27,7 +27,7 @@ import torch
 
 from nemo_sspo.algorithms.losses.base import LossTerms, PolicyLossConfig, check_eps
 from nemo_sspo.algorithms.losses.inputs import LossInputs
-from nemo_sspo.algorithms.losses.registry import LossRecord, register_policy_loss
+from nemo_sspo.algorithms.losses.loss_registry import LossRecord, register_policy_loss
 from nemo_sspo.algorithms.ratios import LOG_RATIO_CLAMP
 
 

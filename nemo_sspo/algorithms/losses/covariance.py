@@ -30,7 +30,7 @@ which tokens are eligible changes from step to step.
 Under context parallelism (``LossInputs.context_parallel``) the batch is still the whole
 micro-batch: the means and N are reduced over the CP group, Clip-Cov's keys are those of the
 unsplit ``[B, S]`` at each rank's positions, and the top-quota choice is made over the group
-(:func:`nemo_sspo.algorithms.context_parallel.select_top`), so the same tokens are selected as
+(:func:`nemo_sspo.algorithms.cp_context.select_top`), so the same tokens are selected as
 with CP = 1.
 """
 
@@ -42,7 +42,7 @@ from typing import Protocol
 
 import torch
 
-from nemo_sspo.algorithms.context_parallel import CPContext, select_top
+from nemo_sspo.algorithms.cp_context import CPContext, select_top
 from nemo_sspo.algorithms.losses.base import LossTerms, PolicyLossConfig, check_eps, config_error
 from nemo_sspo.algorithms.losses.inputs import LossInputs
 from nemo_sspo.algorithms.losses.ratio_clip import (
@@ -52,7 +52,7 @@ from nemo_sspo.algorithms.losses.ratio_clip import (
     check_dual_clip,
     unclipped,
 )
-from nemo_sspo.algorithms.losses.registry import LossRecord, register_policy_loss
+from nemo_sspo.algorithms.losses.loss_registry import LossRecord, register_policy_loss
 from nemo_sspo.metrics import mean_pair
 
 

@@ -34,7 +34,7 @@ import torch
 
 from nemo_sspo.algorithms.losses.base import PolicyLossConfig, config_error
 from nemo_sspo.algorithms.losses.ratio_clip import RatioEngine, TokenTransform, unclipped
-from nemo_sspo.algorithms.losses.registry import LossRecord, register_policy_loss
+from nemo_sspo.algorithms.losses.loss_registry import LossRecord, register_policy_loss
 from nemo_sspo.algorithms.losses.soft_gates import check_gate, gate_temperature, get_soft_gate
 
 

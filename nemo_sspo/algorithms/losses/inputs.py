@@ -20,7 +20,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-from nemo_sspo.algorithms.context_parallel import CPContext
+from nemo_sspo.algorithms.cp_context import CPContext
 from nemo_sspo.metrics import MetricPair
 
 __all__ = ["LossInputs", "LossOutput", "LossRequirements", "PolicyLoss"]
@@ -54,7 +54,7 @@ class LossInputs:
         token_weights: ``[B, T]`` float multiplying each token's loss before aggregation
             (off-policy correction weights, ``nemo_sspo.algorithms.off_policy``), or None.
         context_parallel: under context parallelism, this rank's share of the sequence and the
-            reductions over its CP group (:class:`nemo_sspo.algorithms.context_parallel.CPContext`);
+            reductions over its CP group (:class:`nemo_sspo.algorithms.cp_context.CPContext`);
             every ``[B, T]`` field then holds this rank's ``T = S_local`` columns of the target
             frame (``segment_ids`` numbered in the unsplit row). None: the whole sequence.
 

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import torch
 
-from nemo_sspo.algorithms.context_parallel import CPContext, cp_sum, items_on_this_rank
+from nemo_sspo.algorithms.cp_context import CPContext, cp_sum, items_on_this_rank
 from nemo_sspo.algorithms.kl import kl_estimate
 from nemo_sspo.algorithms.ratios import LOG_RATIO_CLAMP, segment_mean
 from nemo_sspo.algorithms.segmentation import mask_segment_ids

@@ -71,7 +71,7 @@ from nemo_sspo.algorithms.losses.base import (
     config_error,
 )
 from nemo_sspo.algorithms.losses.inputs import LossInputs
-from nemo_sspo.algorithms.losses.registry import LossRecord, register_policy_loss
+from nemo_sspo.algorithms.losses.loss_registry import LossRecord, register_policy_loss
 from nemo_sspo.algorithms.ratios import LOG_RATIO_CLAMP, segment_mean
 
 

@@ -34,7 +34,7 @@ import torch
 
 from nemo_sspo.algorithms.losses.base import PolicyLossConfig, config_error
 from nemo_sspo.algorithms.losses.ratio_clip import BoundsContext, RatioEngine, Surrogate
-from nemo_sspo.algorithms.losses.registry import LossRecord, register_policy_loss
+from nemo_sspo.algorithms.losses.loss_registry import LossRecord, register_policy_loss
 from nemo_sspo.registry import Registry
 
 GateFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]

@@ -6,8 +6,8 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from nemo_sspo.metrics import MetricPair
-from nemo_sspo.trainer.placement import RolloutPosition
-from nemo_sspo.trainer.staleness import Piece, VersionedRollout
+from nemo_sspo.rollouts.records import RolloutPosition
+from nemo_sspo.rollouts.records import Piece, VersionedRollout
 
 __all__ = ["RefitOutcome", "RolloutSource", "StepRollout"]
 

@@ -9,14 +9,14 @@ The loss's ratio pi_theta / pi_old uses pi_old recomputed at version t - 1, and
 ``rollout.correction`` weights the mu -> pi_old gap (:mod:`nemo_sspo.algorithms.off_policy`).
 
 Every step's rollout still draws its prompts in step order with the seeds of
-:func:`nemo_sspo.trainer.sampling.generation_seed` ``(seed, step, ...)``, so k changes which weights
+:func:`nemo_sspo.rollouts.sampling.generation_seed` ``(seed, step, ...)``, so k changes which weights
 sample a step's prompts, never which prompts. k = 0 is today's on-policy loop.
 
 Free-running (``rollout.staleness_schedule: free``, ``placement: separate`` only) over R >= 1
 rollout ranks: rollout rank j numbers its rollouts 1, 2, ... (its number n seeds the rollout's
 prompts as step n would seed rank j's slots), generates each with the newest weights it has, and
 each holds P / R prompt groups. Step t takes R rollouts in the order they arrive, from whichever
-ranks sent them (:class:`~nemo_sspo.trainer.placement.RolloutCollector`), so one step may mix
+ranks sent them (:class:`~nemo_sspo.rollouts.collector.RolloutCollector`), so one step may mix
 versions: every response carries its own (:attr:`VersionedRollout.sample_versions`). The bound holds
 per response: step t trains a rollout only when every response's lag ``(t - 1) - version <= k``
 (:func:`is_fresh` of its oldest), else drops it and takes the next to arrive.
@@ -37,63 +37,14 @@ uninterrupted run's (the trainer logs it).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Callable, NamedTuple
+from collections.abc import Callable
 
 import torch
 
 from nemo_sspo.metrics import MetricPair, max_pair, mean_pair
-from nemo_sspo.trainer.sampling import Rollout
+from nemo_sspo.rollouts.records import VersionedRollout
 
-__all__ = ["FreeQueue", "LockStepRollouts", "Piece", "VersionedRollout", "dropped_sums", "partial_sums", "is_fresh", "rollout_idle_s",
-           "version_lag_sums"]
-
-
-@dataclass(frozen=True)
-class VersionedRollout:
-    """A step's rollout with the policy version that generated it.
-
-    Attributes:
-        rollout: the scored rollout.
-        version: updates behind the weights that generated it (0 = the initial weights).
-        problems_drawn: the sampler's data position right after generating it (what a checkpoint
-            taken once this rollout is trained must restore); 0 off generator ranks.
-        generated: unix seconds (start, end) of its generation and scoring, on the rank that ran them.
-        sample_versions: ``[B]`` int64, each response's version, where they differ (a free-running
-            step's rollouts from several rollout ranks); None: every response has ``version``.
-    """
-
-    rollout: Rollout
-    version: int
-    problems_drawn: int
-    generated: tuple[float, float] = (0.0, 0.0)
-    sample_versions: torch.Tensor | None = None
-
-    def versions(self) -> torch.Tensor:
-        """``[B]`` int64: each response's policy version (a partial rollout's: its oldest token's)."""
-        if self.sample_versions is not None:
-            return self.sample_versions
-        per_token = self.rollout.batch.token_versions
-        if per_token is not None:
-            return torch.where(self.rollout.batch.response_mask, per_token, torch.iinfo(torch.int64).max).amin(dim=1)
-        return torch.full((self.rollout.rewards.numel(),), self.version, dtype=torch.int64)
-
-
-class Piece(NamedTuple):
-    """A free-running rollout as the trainer received it (for metrics, the timeline and resume).
-
-    Attributes:
-        source: index j in 0..R-1 of the rollout rank that generated it.
-        number: its number among that rank's rollouts (1-based).
-        version: its (oldest response's) policy version.
-        generated: unix seconds (start, end) of its generation, on the rollout rank.
-    """
-
-    source: int
-    number: int
-    version: int
-    generated: tuple[float, float]
-
+__all__ = ['FreeQueue', 'LockStepRollouts', 'dropped_sums', 'is_fresh', 'partial_sums', 'rollout_idle_s', 'version_lag_sums']
 
 class LockStepRollouts:
     """The rollouts in flight under lock-step staleness (module docstring).
@@ -131,7 +82,6 @@ class LockStepRollouts:
                 self._pending[ahead] = generate(ahead)
         return self._pending.pop(step)
 
-
 def version_lag_sums(versioned: VersionedRollout, step: int) -> dict[str, MetricPair]:
     """``rollout/version_lag_mean`` and ``rollout/version_lag_max`` over this rank's samples.
 
@@ -151,7 +101,6 @@ def version_lag_sums(versioned: VersionedRollout, step: int) -> dict[str, Metric
     return {"rollout/version_lag_mean": mean_pair(lags.sum(), samples),
             "rollout/version_lag_max": max_pair(lags, valid)}
 
-
 def partial_sums(versioned: VersionedRollout) -> dict[str, MetricPair]:
     """``rollout/partial_share``: responses sampled by more than one policy version (partial
     rollouts, continued across a refit) over the rollout's responses; {} without token versions.
@@ -162,7 +111,6 @@ def partial_sums(versioned: VersionedRollout) -> dict[str, MetricPair]:
     newest = torch.where(rb.response_mask, rb.token_versions, -1).amax(dim=1)
     spans = (newest > versioned.versions()).sum()
     return {"rollout/partial_share": mean_pair(spans.float(), rb.response_mask.shape[0])}
-
 
 def is_fresh(version: int, step: int, max_staleness: int) -> bool:
     """Whether step ``step`` (starting from version ``step - 1``) may train on a rollout of ``version``.
@@ -176,7 +124,6 @@ def is_fresh(version: int, step: int, max_staleness: int) -> bool:
         ``(step - 1) - version <= max_staleness``.
     """
     return step - 1 - version <= max_staleness
-
 
 class FreeQueue:
     """A rollout rank's view of the free-running schedule (module docstring).
@@ -234,7 +181,6 @@ class FreeQueue:
             return could_train < min(k + 1, self.num_ranks * (self.last_step - self.version))
         return could_train < 2 * (k + 1)
 
-
 def dropped_sums(dropped: int, trained: int = 1) -> dict[str, MetricPair]:
     """``rollout/dropped_share``: rollouts dropped / rollouts received, in one step.
 
@@ -246,7 +192,6 @@ def dropped_sums(dropped: int, trained: int = 1) -> dict[str, MetricPair]:
         A ``"mean"`` pair (the same on every data-parallel rank, which all see the same rollouts).
     """
     return {"rollout/dropped_share": mean_pair(float(dropped), dropped + trained)}
-
 
 def rollout_idle_s(windows: list[tuple[float, float]], previous_end: float | None) -> float:
     """The rollout rank's time between rollouts: waiting for the trainer and taking its weights.

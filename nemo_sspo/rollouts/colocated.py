@@ -1,7 +1,7 @@
 """``rollout.placement: colocated``: the training ranks generate with their own engines.
 
 With ``rollout.max_staleness = k`` up to k + 1 steps' rollouts are in flight
-(:class:`~nemo_sspo.trainer.staleness.LockStepRollouts`): step t trains on the rollout generated
+(:class:`~nemo_sspo.rollouts.staleness.LockStepRollouts`): step t trains on the rollout generated
 with the weights of step t - 1 - k. After every update the weights stream into the engine bucket by
 bucket, gathered on the replica's generating rank (its other model-parallel ranks run their share of
 the gathers and load nothing).
@@ -13,14 +13,15 @@ from collections.abc import Callable, Iterator
 
 from nemo_sspo.metrics import MetricPair
 from nemo_sspo.rollout.refit_check import load_verified
-from nemo_sspo.trainer.sources.protocol import RefitOutcome, StepRollout
-from nemo_sspo.trainer.staleness import LockStepRollouts, VersionedRollout, version_lag_sums
+from nemo_sspo.rollouts.source import RefitOutcome, StepRollout
+from nemo_sspo.rollouts.records import VersionedRollout
+from nemo_sspo.rollouts.staleness import LockStepRollouts, version_lag_sums
 
 __all__ = ["ColocatedSource"]
 
 
 class ColocatedSource:
-    """The colocated mode (module docstring; :class:`~nemo_sspo.trainer.sources.RolloutSource`).
+    """The colocated mode (module docstring; :class:`~nemo_sspo.rollouts.RolloutSource`).
 
     Args:
         generate: ``(step, version) -> VersionedRollout``: step ``step``'s prompts generated and scored

@@ -46,47 +46,15 @@ import torch.distributed as dist
 
 from nemo_sspo.algorithms import overlong_reward_shaping, select_nonzero_variance_groups
 from nemo_sspo.data import render_prompt
-from nemo_sspo.parallel.metrics import collective_device
+from nemo_sspo.parallel.metric_reduce import collective_device
 from nemo_sspo.rollout import RolloutBatch
 from nemo_sspo.rollout.partial import generate_with_refits
-from nemo_sspo.trainer.batch import concat_rollouts
-from nemo_sspo.trainer.progress import StepProgress
+from nemo_sspo.rollouts.records import Rollout
+from nemo_sspo.rollouts.slots import concat_rollouts
 
-__all__ = ["RefitHooks", "Rollout", "RolloutSampler", "generation_seed", "prompt_key"]
+__all__ = ['RefitHooks', 'RolloutSampler', 'generation_seed', 'prompt_key']
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class Rollout:
-    """A data-parallel rank's scored rollouts (identical on all TP/PP ranks of its replica).
-
-    Attributes:
-        batch: the ``P/dp * G`` responses, grouped by slot in slot order.
-        task_rewards: ``[B]`` float32, the reward function's scores.
-        rewards: ``[B]`` float32, ``task_rewards`` plus overlong shaping (what advantages use).
-        rounds: generation rounds of this step (the same on every rank).
-        generated_groups: groups this rank generated this step (>= P/dp with dynamic sampling).
-        prompt_keys: ``P/dp`` stable keys of the groups' problems, in slot order (:func:`prompt_key`).
-        slot_generated: groups generated for each of the ``P/dp`` slots, in slot order (they sum to
-            ``generated_groups``), as the sampler returns it; None where only the total is known (a
-            rollout received from a rollout rank).
-        reward_timeouts: responses of this step (every sampling round) whose scoring hit the
-            reward's deadline and scored 0 (from a reward with a ``timeouts`` counter, as
-            ``MathVerifyReward``); None when the reward keeps no count or the rollout was received.
-        scored_responses: responses this rank scored this step, every sampling round.
-    """
-
-    batch: RolloutBatch
-    task_rewards: torch.Tensor
-    rewards: torch.Tensor
-    rounds: int
-    generated_groups: int
-    prompt_keys: list[str]
-    slot_generated: list[int] | None = None
-    reward_timeouts: int | None = None
-    scored_responses: int = 0
-
 
 @dataclass(frozen=True)
 class RefitHooks:
@@ -102,14 +70,12 @@ class RefitHooks:
     pending: Callable[[], bool]
     take: Callable[[], int | None]
 
-
 def generation_seed(seed: int, step: int, round_: int, slot: int) -> int:
     """Sampling seed of slot ``slot``'s group in round ``round_`` of ``step``: a 63-bit hash of the
     four numbers only (never of the data-parallel split).
     """
     digest = hashlib.blake2b(f"{seed}/{step}/{round_}/{slot}".encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") & (2**63 - 1)
-
 
 def prompt_key(question: str) -> str:
     """A stable key of a problem: 32 hex digits of a hash of its text.
@@ -118,7 +84,6 @@ def prompt_key(question: str) -> str:
     checkpoint.
     """
     return hashlib.blake2b(question.encode(), digest_size=16).hexdigest()
-
 
 class RolloutSampler:
     """Generates and scores one step's groups on a generator rank (module docstring).
@@ -133,14 +98,15 @@ class RolloutSampler:
         shared_stream: True: every generator draws all open slots' problems from identically seeded
             streams and the open slots are all-reduced; False: this generator's own stream and slots
             only (module docstring).
-        progress: told of the responses generated (after each group) and of the scoring (None: nothing
+        progress: a :class:`nemo_sspo.trainer.progress.StepProgress` (or any object with its ``phase``), told of
+            the responses generated (after each group) and of the scoring (None: nothing
             is shown).
     """
 
     def __init__(self, *, engine, reward, prompts, tokenizer, cfg, groups, shared_stream: bool = True,
-                 progress: StepProgress | None = None) -> None:
+                 progress=None) -> None:
         self.engine, self.reward, self.prompts, self.tokenizer = engine, reward, prompts, tokenizer
-        self.progress = progress or StepProgress(enabled=False, interval_s=0, total_steps=0)
+        self.progress = progress
         self.cfg, self.groups, self.shared_stream = cfg, groups, shared_stream
         self.slots_per_rank = cfg.rollout.prompts_per_step // groups.dp_size
         self.first_slot = groups.dp_rank * self.slots_per_rank
@@ -211,11 +177,13 @@ class RolloutSampler:
             prompt = render_prompt(self.tokenizer, problem.question, self.cfg.data.template)
             seed = generation_seed(self.cfg.trainer.seed, step, round_, slot)
             parts.append(self._sample([prompt] * group, seed))
-            self.progress.phase("generation", len(parts) * group, len(work) * group, "responses")
+            if self.progress is not None:
+                self.progress.phase("generation", len(parts) * group, len(work) * group, "responses")
         if not parts:
             return []
         texts = [text for part in parts for text in part.response_texts]
-        self.progress.phase(f"scoring {len(texts)} responses")
+        if self.progress is not None:
+            self.progress.phase(f"scoring {len(texts)} responses")
         answers = [problem.answer for _, problem in work for _ in range(group)]
         before = getattr(self.reward, "timeouts", 0)
         rewards = torch.tensor(self.reward(texts, answers), dtype=torch.float32)

@@ -28,7 +28,7 @@ def collective_device(group) -> torch.device:
 
     ``group``: a process group from ``init_process_group`` / ``new_group`` (None: the default
     group), or a backend object built directly (``dist.ProcessGroupGloo(store, rank, size, ...)``,
-    as :func:`nemo_sspo.parallel.placement.split_world` builds the bridge and refit groups), which
+    as :func:`nemo_sspo.parallel.world_split.split_world` builds the bridge and refit groups), which
     the world's group map does not know: its own ``name()`` says the backend.
     """
     backend = dist.get_backend(group) if group is None or isinstance(group, dist.ProcessGroup) else group.name()

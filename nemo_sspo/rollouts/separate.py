@@ -4,7 +4,7 @@ What both separate modes share (:class:`SeparateSource`): the start announcement
 starts and each replica's receiving rank), the weight broadcast from the first replica's export rank
 (training rank 0) to every rollout rank, the replica-wide share of a received rollout, and each
 side's idle time. :class:`LockStepSource` is the lock-step mode: step t's prompt groups come from the
-rollout ranks that generate this replica's slots (:func:`~nemo_sspo.trainer.placement.slot_routes`),
+rollout ranks that generate this replica's slots (:func:`~nemo_sspo.rollouts.slots.slot_routes`),
 stacked in slot order, and after every update the rollout ranks wait for the broadcast.
 """
 
@@ -17,12 +17,14 @@ import torch
 import torch.distributed as dist
 
 from nemo_sspo.metrics import MetricPair
-from nemo_sspo.parallel.metrics import collective_device
-from nemo_sspo.parallel.placement import WorldSplit
+from nemo_sspo.parallel.metric_reduce import collective_device
+from nemo_sspo.parallel.world_split import WorldSplit
 from nemo_sspo.parallel.weight_broadcast import send_weight_buckets
-from nemo_sspo.trainer.placement import RolloutPosition, merge_rollouts, recv_rollout, send_start, slot_routes
-from nemo_sspo.trainer.sources.protocol import RefitOutcome, StepRollout
-from nemo_sspo.trainer.staleness import rollout_idle_s, version_lag_sums
+from nemo_sspo.rollouts.codec import recv_rollout, send_start
+from nemo_sspo.rollouts.records import RolloutPosition
+from nemo_sspo.rollouts.slots import merge_rollouts, slot_routes
+from nemo_sspo.rollouts.source import RefitOutcome, StepRollout
+from nemo_sspo.rollouts.staleness import rollout_idle_s, version_lag_sums
 
 __all__ = ["LockStepSource", "SeparateSource"]
 
@@ -129,7 +131,7 @@ class SeparateSource:
         return {"timing/train_idle_s": generation_wait_s + refit.wait_s, "timing/rollout_idle_s": self.rollout_idle(got)}
 
     def rollout_idle(self, got: StepRollout) -> float:
-        """The rollout ranks' gap before this step's rollout (:func:`~nemo_sspo.trainer.staleness.rollout_idle_s`)."""
+        """The rollout ranks' gap before this step's rollout (:func:`~nemo_sspo.rollouts.staleness.rollout_idle_s`)."""
         idle = rollout_idle_s([got.versioned.generated], self._generation_end)
         self._generation_end = got.versioned.generated[1]
         return idle
@@ -137,7 +139,7 @@ class SeparateSource:
 
 class LockStepSource(SeparateSource):
     """The lock-step separate mode (module docstring;
-    :class:`~nemo_sspo.trainer.sources.RolloutSource`).
+    :class:`~nemo_sspo.rollouts.RolloutSource`).
 
     Args:
         prompts_per_step: ``rollout.prompts_per_step`` (the slots the rollout ranks split).

@@ -3,12 +3,12 @@
 Each numbers its rollouts (P / R prompt groups each) and generates each with the newest weights it
 has taken. Training rank 0 takes a step's R rollouts in the order they arrive, from whichever ranks
 sent them, and drops those older than ``rollout.max_staleness`` versions
-(:class:`~nemo_sspo.trainer.placement.RolloutCollector`); every training rank then gets the step's
+(:class:`~nemo_sspo.rollouts.collector.RolloutCollector`); every training rank then gets the step's
 rows of its replica, each response with its own version. After every update training rank 0 posts
 the version and its weights without waiting to every rollout rank that has taken the one posted to
-it before (:class:`~nemo_sspo.trainer.placement.FreeRefit`);
+it before (:class:`~nemo_sspo.rollouts.collector.FreeRefit`);
 after the last step it posts the stop and drains the rollouts not taken. A checkpoint keeps each
-rollout rank's :class:`~nemo_sspo.trainer.placement.RolloutPosition`.
+rollout rank's :class:`~nemo_sspo.rollouts.records.RolloutPosition`.
 """
 
 from __future__ import annotations
@@ -19,31 +19,26 @@ from collections.abc import Callable, Iterator
 import torch.distributed as dist
 
 from nemo_sspo.metrics import MetricPair
-from nemo_sspo.parallel.placement import WorldSplit
-from nemo_sspo.trainer.placement import FreeRefit, RolloutCollector, RolloutPosition, slot_rows, stack_rollouts
-from nemo_sspo.trainer.sources.protocol import RefitOutcome, StepRollout
-from nemo_sspo.trainer.sources.separate import SeparateSource
-from nemo_sspo.trainer.staleness import (
-    Piece,
-    VersionedRollout,
-    dropped_sums,
-    is_fresh,
-    partial_sums,
-    rollout_idle_s,
-    version_lag_sums,
-)
+from nemo_sspo.parallel.world_split import WorldSplit
+from nemo_sspo.rollouts.collector import FreeRefit, RolloutCollector
+from nemo_sspo.rollouts.records import RolloutPosition
+from nemo_sspo.rollouts.slots import slot_rows, stack_rollouts
+from nemo_sspo.rollouts.source import RefitOutcome, StepRollout
+from nemo_sspo.rollouts.separate import SeparateSource
+from nemo_sspo.rollouts.records import Piece, VersionedRollout
+from nemo_sspo.rollouts.staleness import dropped_sums, is_fresh, partial_sums, rollout_idle_s, version_lag_sums
 
 __all__ = ["FreeRunningSource"]
 
 
 class FreeRunningSource(SeparateSource):
-    """The free-running mode (module docstring; :class:`~nemo_sspo.trainer.sources.RolloutSource`).
+    """The free-running mode (module docstring; :class:`~nemo_sspo.rollouts.RolloutSource`).
 
     Args:
         last_step: ``trainer.max_steps`` (its refit is the stop).
         peer_timeout_s: ``rollout.peer_timeout_s`` (a rollout rank silent that long is named).
         pad_id: the tokenizer's pad id (a step's rollouts are re-padded to one width).
-        Others: as :class:`~nemo_sspo.trainer.sources.separate.SeparateSource`.
+        Others: as :class:`~nemo_sspo.rollouts.separate.SeparateSource`.
     """
 
     def __init__(self, groups, split: WorldSplit, export: Callable[[], Iterator[dict]], *, max_staleness: int,
