@@ -99,27 +99,26 @@ def _config(name, args, output):
 def _train(cfg, checkpoint):
     """One method's run: its per-step metrics and the fingerprint of its step-1 rollouts."""
     from nemo_sspo.megatron import destroy_parallel
-    from nemo_sspo.trainer.loop import GRPOTrainer, start_parallel
-
-    class RecordingTrainer(GRPOTrainer):
-        first_rollout = None
-
-        def generate_and_score(self, step):
-            rollout = super().generate_and_score(step)
-            if step == 1:
-                self.first_rollout = _fingerprint(rollout)
-            return rollout
+    from nemo_sspo.trainer.loop import GRPOTrainer
+    from nemo_sspo.trainer.setup import start_parallel
 
     if checkpoint is None:
         from nemo_sspo.models import load_hf_checkpoint
 
         checkpoint = load_hf_checkpoint(cfg.model.source, cache_dir=cfg.model.cache_dir)
-    trainer = RecordingTrainer(cfg, start_parallel(cfg.parallel, cfg.trainer.seed), checkpoint=checkpoint)
+    trainer = GRPOTrainer(cfg, start_parallel(cfg.parallel, cfg.trainer.seed), checkpoint=checkpoint)
+    first = {}
+
+    def observe(step, event, data):  # a step observer (nemo_sspo.trainer.step_metrics): step 1's rollout
+        if step == 1 and event == "rollout":
+            first["rollout"] = _fingerprint(data.versioned.rollout)
+
+    trainer.metrics.observers.append(observe)
     try:
         history = trainer.fit()
     finally:
         destroy_parallel()
-    return history, trainer.first_rollout, checkpoint
+    return history, first["rollout"], checkpoint
 
 
 def _mean(history, key):

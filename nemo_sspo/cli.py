@@ -380,7 +380,8 @@ def main(argv: list[str] | None = None) -> int:
         return _evaluate(cfg)
     from nemo_sspo.megatron import destroy_parallel
     from nemo_sspo.trainer.interrupt import RunInterrupted, stop_on_signals
-    from nemo_sspo.trainer.loop import GRPOTrainer, run_rollout_rank, start_parallel
+    from nemo_sspo.trainer.loop import GRPOTrainer
+    from nemo_sspo.trainer.setup import run_rollout_rank, start_parallel
 
     trainer = None
     try:

@@ -21,6 +21,7 @@ from nemo_sspo.megatron.model import (
     unwrap_model,
     vocab_shard,
 )
+from nemo_sspo.megatron.weight_export import WeightExporter
 from nemo_sspo.megatron.parallel_setup import (
     ParallelGroups,
     destroy_parallel,
@@ -30,6 +31,7 @@ from nemo_sspo.megatron.parallel_setup import (
 
 __all__ = [
     "ParallelGroups",
+    "WeightExporter",
     "apply_cpu_shims",
     "build_policy_model",
     "cpu_device_context",

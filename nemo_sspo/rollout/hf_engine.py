@@ -5,7 +5,7 @@ from __future__ import annotations
 import copy
 from collections.abc import Callable
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from transformers import GenerationConfig, StoppingCriteria, StoppingCriteriaList
@@ -17,8 +17,12 @@ from nemo_sspo.models.hf_folder import stop_token_ids as model_stop_token_ids
 from nemo_sspo.models.moe_weights import fuse_expert_weights, split_expert_weights
 from nemo_sspo.parallel.fused_output import OUTPUT_PRECISIONS, output_matmul_dtype, tf32_matmuls
 
-__all__ = ["HFRolloutEngine", "RolloutBatch", "check_engine_outputs", "check_sampling_settings", "encode_prompts",
+__all__ = ["PAD_ID", "HFRolloutEngine", "RolloutBatch", "check_engine_outputs", "check_sampling_settings", "encode_prompts",
            "finish_rollout_batch"]
+
+
+PAD_ID = "pad_id"
+"""A :class:`RolloutBatch` field's ``fill``: the tokenizer's pad id (given where batches are stacked)."""
 
 
 @dataclass
@@ -46,17 +50,24 @@ class RolloutBatch:
             sampled each response token, where a response was continued across a refit (partial
             rollouts, :mod:`nemo_sspo.rollout.partial`); -1 off the mask. None: one version sampled
             the whole batch.
+
+    Each field's metadata says how rows of several batches stack and how a subset of rows is cut
+    (``nemo_sspo.rollouts.slots``): ``frame`` is ``row`` (one entry per row), ``prompt`` (columns of
+    the left-padded prompt), ``response`` (columns of the right-padded response) or ``packed`` (the
+    packed input frame, right-padded); ``fill`` is the padding value, :data:`PAD_ID` for the
+    tokenizer's pad id. A new field declares its own, and stacking, cutting and the transports
+    (``nemo_sspo.rollouts.codec``) carry it with no other edit.
     """
 
-    prompt_ids: torch.Tensor
-    prompt_mask: torch.Tensor
-    response_ids: torch.Tensor
-    response_mask: torch.Tensor
-    truncated: torch.Tensor
-    response_texts: list[str]
-    rollout_logprobs: torch.Tensor
-    routes: torch.Tensor | None = None
-    token_versions: torch.Tensor | None = None
+    prompt_ids: torch.Tensor = field(metadata={"frame": "prompt", "fill": PAD_ID})
+    prompt_mask: torch.Tensor = field(metadata={"frame": "prompt", "fill": False})
+    response_ids: torch.Tensor = field(metadata={"frame": "response", "fill": PAD_ID})
+    response_mask: torch.Tensor = field(metadata={"frame": "response", "fill": False})
+    truncated: torch.Tensor = field(metadata={"frame": "row"})
+    response_texts: list[str] = field(metadata={"frame": "row"})
+    rollout_logprobs: torch.Tensor = field(metadata={"frame": "response", "fill": 0.0})
+    routes: torch.Tensor | None = field(default=None, metadata={"frame": "packed", "fill": 0})
+    token_versions: torch.Tensor | None = field(default=None, metadata={"frame": "response", "fill": -1})
 
 
 class _Interrupt(StoppingCriteria):

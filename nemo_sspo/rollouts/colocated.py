@@ -9,12 +9,10 @@ the gathers and load nothing).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-
-from nemo_sspo.metrics import MetricPair
+from nemo_sspo.megatron import WeightExporter
 from nemo_sspo.rollout.refit_check import load_verified
-from nemo_sspo.rollouts.source import RefitOutcome, StepRollout
-from nemo_sspo.rollouts.records import VersionedRollout
+from nemo_sspo.rollouts.producer import RolloutProducer
+from nemo_sspo.rollouts.source import RefitOutcome, SourceFigures, StepRollout
 from nemo_sspo.rollouts.staleness import LockStepRollouts, version_lag_sums
 
 __all__ = ["ColocatedSource"]
@@ -24,10 +22,10 @@ class ColocatedSource:
     """The colocated mode (module docstring; :class:`~nemo_sspo.rollouts.RolloutSource`).
 
     Args:
-        generate: ``(step, version) -> VersionedRollout``: step ``step``'s prompts generated and scored
-            with the engine's current weights, ``version`` updates in (collective over the replica).
-        export: ``() -> iterator of weight buckets`` of the current policy, yielding on the generating
-            rank only (collective over the replica's model-parallel ranks).
+        producer: the replica's rollout producer (generates with the engine's current weights;
+            collective over the replica).
+        exporter: the policy's weights, gathered on the generating rank (collective over the
+            replica's model-parallel ranks).
         engine: this rank's rollout engine, or None on ranks that do not generate.
         max_staleness: k >= 0 (``rollout.max_staleness``).
         last_step: ``trainer.max_steps`` (nothing is generated beyond it).
@@ -35,13 +33,10 @@ class ColocatedSource:
     """
 
     rollout_gpus = None
-    lane = "training ranks"
-    wait_phase = None
 
-    def __init__(self, generate: Callable[[int, int], VersionedRollout], export: Callable[[], Iterator[dict]],
-                 engine, *, max_staleness: int, last_step: int,
-                 verify_refit: bool) -> None:  # noqa: D107 - documented on the class
-        self.generate, self.export, self.engine = generate, export, engine
+    def __init__(self, producer: RolloutProducer, exporter: WeightExporter, engine, *, max_staleness: int,
+                 last_step: int, verify_refit: bool) -> None:  # noqa: D107 - documented on the class
+        self.producer, self.exporter, self.engine = producer, exporter, engine
         self.max_staleness, self.verify_refit = max_staleness, verify_refit
         self.in_flight = LockStepRollouts(max_staleness, last_step)
         self.version = 0  # the step whose update the trainer's weights hold (named by the refit check)
@@ -56,15 +51,11 @@ class ColocatedSource:
         """None: the trainer's data position is the whole of it."""
         return None
 
-    def windows(self, got: StepRollout, generated: tuple[float, float]) -> list[tuple[str, str, tuple[float, float]]]:
-        """The step's generation window on the training ranks' lane."""
-        return [(self.lane, "generation", generated)]
-
     def next_rollout(self, step: int) -> StepRollout:
         """The rollout of step ``step`` (generated now, or k steps ago); the engine then sleeps
         (e.g. ``rollout.vllm.enable_sleep_mode``: its memory freed until the refit).
         """
-        versioned = self.in_flight.take(step, lambda ahead: self.generate(ahead, step - 1))
+        versioned = self.in_flight.take(step, lambda ahead: self.producer.produce(ahead, step - 1))
         if self.engine is not None:
             self.engine.sleep()
         return StepRollout(versioned)
@@ -73,7 +64,7 @@ class ColocatedSource:
         """Streams the current weights into the engine (collective over the replica), checked with
         ``verify_refit`` (RuntimeError naming the step and the first differing weight).
         """
-        buckets = self.export()
+        buckets = self.exporter.buckets()
         if self.engine is not None and self.verify_refit:
             load_verified(self.engine, buckets, step=self.version)
         elif self.engine is not None:
@@ -90,7 +81,7 @@ class ColocatedSource:
         self.version = step
         return RefitOutcome(self.push_weights(), bytes_to_host=0)
 
-    def step_metrics(self, step: int, got: StepRollout, generation_wait_s: float,
-                     refit: RefitOutcome) -> tuple[dict[str, MetricPair], dict[str, float]]:
-        """The version lag under lock-step staleness (k > 0); nothing else."""
-        return (version_lag_sums(got.versioned, step) if self.max_staleness > 0 else {}), {}
+    def figures(self, step: int, got: StepRollout, generation_wait_s: float, refit: RefitOutcome) -> SourceFigures:
+        """The version lag under lock-step staleness (k > 0); the generation window on the training ranks' lane."""
+        pairs = version_lag_sums(got.versioned, step) if self.max_staleness > 0 else {}
+        return SourceFigures(pairs, {}, [("training ranks", "generation", got.versioned.generated)], wait_phase=None)

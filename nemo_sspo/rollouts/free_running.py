@@ -14,16 +14,15 @@ rollout rank's :class:`~nemo_sspo.rollouts.records.RolloutPosition`.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
 
 import torch.distributed as dist
 
-from nemo_sspo.metrics import MetricPair
+from nemo_sspo.megatron import WeightExporter
 from nemo_sspo.parallel.world_split import WorldSplit
 from nemo_sspo.rollouts.collector import FreeRefit, RolloutCollector
 from nemo_sspo.rollouts.records import RolloutPosition
 from nemo_sspo.rollouts.slots import slot_rows, stack_rollouts
-from nemo_sspo.rollouts.source import RefitOutcome, StepRollout
+from nemo_sspo.rollouts.source import RefitOutcome, SourceFigures, StepRollout
 from nemo_sspo.rollouts.separate import SeparateSource
 from nemo_sspo.rollouts.records import Piece, VersionedRollout
 from nemo_sspo.rollouts.staleness import dropped_sums, is_fresh, partial_sums, rollout_idle_s, version_lag_sums
@@ -41,9 +40,9 @@ class FreeRunningSource(SeparateSource):
         Others: as :class:`~nemo_sspo.rollouts.separate.SeparateSource`.
     """
 
-    def __init__(self, groups, split: WorldSplit, export: Callable[[], Iterator[dict]], *, max_staleness: int,
+    def __init__(self, groups, split: WorldSplit, exporter: WeightExporter, *, max_staleness: int,
                  last_step: int, peer_timeout_s: float, pad_id: int) -> None:  # noqa: D107 - documented on the class
-        super().__init__(groups, split, export, max_staleness=max_staleness)
+        super().__init__(groups, split, exporter, max_staleness=max_staleness)
         self.last_step, self.peer_timeout_s, self.pad_id = last_step, peer_timeout_s, pad_id
         self.free_refit = FreeRefit(split) if dist.get_rank() == 0 else None
         self.collector: RolloutCollector | None = None  # training rank 0's, from start()
@@ -134,17 +133,19 @@ class FreeRunningSource(SeparateSource):
     def _taken(self) -> list[int]:
         return [position.received for position in self.collector.positions]
 
-    def step_metrics(self, step: int, got: StepRollout, generation_wait_s: float,
-                     refit: RefitOutcome) -> tuple[dict[str, MetricPair], dict[str, float]]:
+    def figures(self, step: int, got: StepRollout, generation_wait_s: float, refit: RefitOutcome) -> SourceFigures:
         """The version lag of every response (a partial one's: its oldest token's), the drops (the
-        step's share and the run's total), the share of partial responses and each side's idle time
-        (the rollout side's: the mean over rollout ranks).
+        step's share and the run's total), the share of partial responses, each side's idle time (the
+        rollout side's: the mean over rollout ranks) and each rollout received this step on its rank's
+        lane (``generation`` or ``dropped``).
         """
         pairs = {**version_lag_sums(got.versioned, step), **dropped_sums(len(got.dropped), len(got.pieces)),
                  **partial_sums(got.versioned)}
         values = {**self.idle_seconds(got, generation_wait_s, refit), "rollout/dropped_total": float(self.dropped_total),
                   "rollout/refits_skipped_total": float(self.skipped_total)}
-        return pairs, values
+        windows = [(f"{self.lane} {p.source}", phase, p.generated)
+                   for phase, pieces in (("dropped", got.dropped), ("generation", got.pieces)) for p in pieces]
+        return SourceFigures(pairs, values, windows, wait_phase="wait")
 
     def rollout_idle(self, got: StepRollout) -> float:
         """Mean over rollout ranks of each one's gaps before its rollouts received this step (a rank
@@ -158,8 +159,3 @@ class FreeRunningSource(SeparateSource):
             if windows:
                 self._ends[j] = windows[-1][1]
         return sum(idle) / len(idle)
-
-    def windows(self, got: StepRollout, generated: tuple[float, float]) -> list[tuple[str, str, tuple[float, float]]]:
-        """Each rollout received this step on its rank's lane (``generation`` or ``dropped``)."""
-        return [(f"{self.lane} {p.source}", phase, p.generated)
-                for phase, pieces in (("dropped", got.dropped), ("generation", got.pieces)) for p in pieces]

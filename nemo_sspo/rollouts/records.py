@@ -14,8 +14,8 @@ import torch
 
 from nemo_sspo.rollout import RolloutBatch
 
+__all__ = ["Piece", "Rollout", "RolloutPosition", "VersionedRollout"]
 
-__all__ = ['Piece', 'Rollout', 'RolloutPosition', 'VersionedRollout']
 
 @dataclass
 class Rollout:
@@ -47,6 +47,7 @@ class Rollout:
     reward_timeouts: int | None = None
     scored_responses: int = 0
 
+
 @dataclass(frozen=True)
 class VersionedRollout:
     """A step's rollout with the policy version that generated it.
@@ -76,6 +77,7 @@ class VersionedRollout:
             return torch.where(self.rollout.batch.response_mask, per_token, torch.iinfo(torch.int64).max).amin(dim=1)
         return torch.full((self.rollout.rewards.numel(),), self.version, dtype=torch.int64)
 
+
 class Piece(NamedTuple):
     """A free-running rollout as the trainer received it (for metrics, the timeline and resume).
 
@@ -90,6 +92,7 @@ class Piece(NamedTuple):
     number: int
     version: int
     generated: tuple[float, float]
+
 
 class RolloutPosition(NamedTuple):
     """Where a rollout rank's stream stands: what a free-running checkpoint keeps per rollout rank.

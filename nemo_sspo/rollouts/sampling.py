@@ -52,9 +52,11 @@ from nemo_sspo.rollout.partial import generate_with_refits
 from nemo_sspo.rollouts.records import Rollout
 from nemo_sspo.rollouts.slots import concat_rollouts
 
-__all__ = ['RefitHooks', 'RolloutSampler', 'generation_seed', 'prompt_key']
+__all__ = ["RefitHooks", "RolloutSampler", "generation_seed", "prompt_key"]
+
 
 logger = logging.getLogger(__name__)
+
 
 @dataclass(frozen=True)
 class RefitHooks:
@@ -70,12 +72,14 @@ class RefitHooks:
     pending: Callable[[], bool]
     take: Callable[[], int | None]
 
+
 def generation_seed(seed: int, step: int, round_: int, slot: int) -> int:
     """Sampling seed of slot ``slot``'s group in round ``round_`` of ``step``: a 63-bit hash of the
     four numbers only (never of the data-parallel split).
     """
     digest = hashlib.blake2b(f"{seed}/{step}/{round_}/{slot}".encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") & (2**63 - 1)
+
 
 def prompt_key(question: str) -> str:
     """A stable key of a problem: 32 hex digits of a hash of its text.
@@ -84,6 +88,7 @@ def prompt_key(question: str) -> str:
     checkpoint.
     """
     return hashlib.blake2b(question.encode(), digest_size=16).hexdigest()
+
 
 class RolloutSampler:
     """Generates and scores one step's groups on a generator rank (module docstring).

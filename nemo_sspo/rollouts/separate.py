@@ -16,14 +16,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from nemo_sspo.metrics import MetricPair
+from nemo_sspo.megatron import WeightExporter
 from nemo_sspo.parallel.metric_reduce import collective_device
 from nemo_sspo.parallel.world_split import WorldSplit
 from nemo_sspo.parallel.weight_broadcast import send_weight_buckets
 from nemo_sspo.rollouts.codec import recv_rollout, send_start
 from nemo_sspo.rollouts.records import RolloutPosition
 from nemo_sspo.rollouts.slots import merge_rollouts, slot_routes
-from nemo_sspo.rollouts.source import RefitOutcome, StepRollout
+from nemo_sspo.rollouts.source import RefitOutcome, SourceFigures, StepRollout
 from nemo_sspo.rollouts.staleness import rollout_idle_s, version_lag_sums
 
 __all__ = ["LockStepSource", "SeparateSource"]
@@ -35,17 +35,17 @@ class SeparateSource:
     Args:
         groups: this training rank's parallel groups (``nemo_sspo.megatron.ParallelGroups``).
         split: its place in the split world.
-        export: ``() -> iterator of weight buckets`` of the current policy, yielding on the replica's
-            export rank only (collective over the replica's model-parallel ranks).
+        exporter: the policy's weights, gathered on the replica's export rank (collective over the
+            replica's model-parallel ranks).
         max_staleness: k >= 0 (``rollout.max_staleness``).
     """
 
     lane = "rollout rank"
-    wait_phase = "wait"
+    """The timeline lane of the rollout ranks' generation (free-running: one per rollout rank)."""
 
-    def __init__(self, groups, split: WorldSplit, export: Callable[[], Iterator[dict]], *,
+    def __init__(self, groups, split: WorldSplit, exporter: WeightExporter, *,
                  max_staleness: int) -> None:  # noqa: D107 - documented on the class
-        self.groups, self.split, self.export, self.max_staleness = groups, split, export, max_staleness
+        self.groups, self.split, self.exporter, self.max_staleness = groups, split, exporter, max_staleness
         self.rollout_gpus = split.num_rollout_ranks
         self._generation_end: float | None = None  # of the last rollout received (rollout idle time)
 
@@ -76,17 +76,13 @@ class SeparateSource:
         """None: a lock-step checkpoint's data position is the trainer's."""
         return None
 
-    def windows(self, got: StepRollout, generated: tuple[float, float]) -> list[tuple[str, str, tuple[float, float]]]:
-        """The step's generation window on the rollout ranks' lane."""
-        return [(self.lane, "generation", generated)]
-
     def export_to_rollout_ranks(self, send: Callable[[Iterator], Any]) -> Any:
         """The first replica exports the weights (collective over its model-parallel group): its
         export rank (training rank 0) returns ``send(buckets)``; every other rank returns None.
         """
         if self.groups.dp_rank != 0:
             return None
-        buckets = self.export()
+        buckets = self.exporter.buckets()
         if dist.get_rank() == self.groups.mp_src_rank:
             return send(buckets)
         for _ in buckets:  # this rank's share of the gathers
@@ -147,9 +143,9 @@ class LockStepSource(SeparateSource):
         Others: as :class:`SeparateSource`.
     """
 
-    def __init__(self, groups, split: WorldSplit, export: Callable[[], Iterator[dict]], *, max_staleness: int,
+    def __init__(self, groups, split: WorldSplit, exporter: WeightExporter, *, max_staleness: int,
                  prompts_per_step: int, pad_id: int) -> None:  # noqa: D107 - documented on the class
-        super().__init__(groups, split, export, max_staleness=max_staleness)
+        super().__init__(groups, split, exporter, max_staleness=max_staleness)
         self.prompts_per_step, self.pad_id = prompts_per_step, pad_id
 
     def next_rollout(self, step: int) -> StepRollout:
@@ -167,8 +163,8 @@ class LockStepSource(SeparateSource):
         seconds_per_gb, to_host = self.broadcast_weights(step)
         return RefitOutcome(seconds_per_gb, bytes_to_host=to_host)
 
-    def step_metrics(self, step: int, got: StepRollout, generation_wait_s: float,
-                     refit: RefitOutcome) -> tuple[dict[str, MetricPair], dict[str, float]]:
-        """The version lag (k > 0) and each side's idle time."""
+    def figures(self, step: int, got: StepRollout, generation_wait_s: float, refit: RefitOutcome) -> SourceFigures:
+        """The version lag (k > 0), each side's idle time and the generation window on the rollout ranks' lane."""
         pairs = version_lag_sums(got.versioned, step) if self.max_staleness > 0 else {}
-        return pairs, self.idle_seconds(got, generation_wait_s, refit)
+        return SourceFigures(pairs, self.idle_seconds(got, generation_wait_s, refit),
+                             [(self.lane, "generation", got.versioned.generated)], wait_phase="wait")

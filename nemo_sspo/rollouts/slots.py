@@ -7,44 +7,44 @@ rollout to some slots' rows (:func:`slot_rows`) and stacking parts in order (:fu
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 
 from nemo_sspo.algorithms.batch import pad_cat
 from nemo_sspo.parallel.world_split import WorldSplit
 from nemo_sspo.rollout import RolloutBatch
+from nemo_sspo.rollout.hf_engine import PAD_ID
 from nemo_sspo.rollouts.records import Rollout, VersionedRollout
 
-__all__ = ['SlotRoute', 'concat_rollouts', 'merge_rollouts', 'rollout_replica', 'slot_routes', 'slot_rows', 'stack_rollouts']
+__all__ = ["SlotRoute", "concat_rollouts", "merge_rollouts", "rollout_replica", "slot_routes", "slot_rows", "stack_rollouts"]
+
 
 def concat_rollouts(parts: list[RolloutBatch], *, pad_id: int) -> RolloutBatch:
-    """Stacks rollout batches (e.g. one per prompt group) along rows.
-
-    Prompts ``[B_k, P_k]`` are left-padded to ``max P_k`` with ``pad_id`` (mask False), responses
-    ``[B_k, T_k]`` and their float32 rollout log-probs right-padded to ``max T_k`` (pad_id / False /
-    0.0), engine routes ``[B_k, S_k, L, k]`` (packed rows) right-padded with expert 0, token versions
-    right-padded with -1; truncation flags and texts are concatenated in order.
+    """Stacks rollout batches (e.g. one per prompt group) along rows, field by field as each field's
+    metadata says (:class:`~nemo_sspo.rollout.hf_engine.RolloutBatch`): prompt columns left-padded to
+    the widest part, response and packed columns right-padded, with the field's fill (``pad_id`` for
+    token ids; masks False, log-probs 0.0, token versions -1, routes expert 0); row fields
+    (truncation flags, texts) concatenated in order.
 
     Raises:
-        ValueError: some parts carry routes (or token versions) and others do not.
+        ValueError: some parts carry an optional field (routes, token versions) and others do not.
     """
-    with_routes = [p.routes is not None for p in parts]
-    with_versions = [p.token_versions is not None for p in parts]
-    for name, present in (("engine routes", with_routes), ("token versions", with_versions)):
+    stacked = {}
+    for f in fields(RolloutBatch):
+        values = [getattr(p, f.name) for p in parts]
+        present = [value is not None for value in values]
         if any(present) and not all(present):
-            raise ValueError(f"concat_rollouts: some rollout batches carry {name} and others do not")
-    return RolloutBatch(
-        prompt_ids=pad_cat([p.prompt_ids for p in parts], pad_id, left=True),
-        prompt_mask=pad_cat([p.prompt_mask for p in parts], False, left=True),
-        response_ids=pad_cat([p.response_ids for p in parts], pad_id, left=False),
-        response_mask=pad_cat([p.response_mask for p in parts], False, left=False),
-        truncated=torch.cat([p.truncated for p in parts]),
-        response_texts=[text for p in parts for text in p.response_texts],
-        rollout_logprobs=pad_cat([p.rollout_logprobs for p in parts], 0.0, left=False),
-        routes=pad_cat([p.routes for p in parts], 0) if all(with_routes) else None,
-        token_versions=pad_cat([p.token_versions for p in parts], -1) if all(with_versions) else None,
-    )
+            raise ValueError(f"concat_rollouts: some rollout batches carry {f.name} and others do not")
+        frame, fill = f.metadata["frame"], f.metadata.get("fill")
+        if not all(present):
+            stacked[f.name] = None
+        elif frame == "row":
+            stacked[f.name] = torch.cat(values) if isinstance(values[0], torch.Tensor) else sum(values, [])
+        else:
+            stacked[f.name] = pad_cat(values, pad_id if fill == PAD_ID else fill, left=frame == "prompt")
+    return RolloutBatch(**stacked)
+
 
 def slot_rows(rollout: Rollout, start: int, stop: int) -> Rollout:
     """Rows ``start:stop`` of a rollout, prompts and responses trimmed to those rows' own padding.
@@ -57,7 +57,8 @@ def slot_rows(rollout: Rollout, start: int, stop: int) -> Rollout:
     Returns:
         A :class:`Rollout` of the rows, with the step's ``rounds``; its ``generated_groups`` counts
         the groups generated for those rows' slots where ``rollout.slot_generated`` records them
-        (rows ``start:stop`` must then cover whole groups), else it is the step's.
+        (rows ``start:stop`` must then cover whole groups), else it is the step's. The step's
+        reward-timeout and scored-response counts are not split over rows: the cut has None and 0.
 
     Raises:
         ValueError: the rollout carries engine routes (router replay R3), which the bridge does not send.
@@ -66,24 +67,27 @@ def slot_rows(rollout: Rollout, start: int, stop: int) -> Rollout:
         raise ValueError("slot_rows got a rollout with engine routes; separate placement does not send them "
                          "(router replay r3 needs colocated placement)")
     rb = rollout.batch
-    prompt_width = int(rb.prompt_mask[start:stop].sum(dim=1).max())
-    response_width = int(rb.response_mask[start:stop].sum(dim=1).max())
+    widths = {"prompt": int(rb.prompt_mask[start:stop].sum(dim=1).max()),
+              "response": int(rb.response_mask[start:stop].sum(dim=1).max())}
     cut = slice(start, stop)
     per_group = rb.prompt_ids.shape[0] // len(rollout.prompt_keys)  # responses per prompt group
     groups = slice(start // per_group, stop // per_group)
     generated, per_slot = rollout.generated_groups, rollout.slot_generated
     if per_slot is not None:
         generated, per_slot = sum(per_slot[groups]), per_slot[groups]
-    batch = RolloutBatch(
-        prompt_ids=rb.prompt_ids[cut, rb.prompt_ids.shape[1] - prompt_width:],
-        prompt_mask=rb.prompt_mask[cut, rb.prompt_mask.shape[1] - prompt_width:],
-        response_ids=rb.response_ids[cut, :response_width], response_mask=rb.response_mask[cut, :response_width],
-        truncated=rb.truncated[cut], response_texts=rb.response_texts[cut],
-        rollout_logprobs=rb.rollout_logprobs[cut, :response_width],
-        token_versions=None if rb.token_versions is None else rb.token_versions[cut, :response_width])
-    return Rollout(batch=batch, task_rewards=rollout.task_rewards[cut], rewards=rollout.rewards[cut],
+    rows = {}
+    for f in fields(RolloutBatch):
+        value, frame = getattr(rb, f.name), f.metadata["frame"]
+        if value is None or frame == "row":
+            rows[f.name] = None if value is None else value[cut]
+        elif frame == "prompt":
+            rows[f.name] = value[cut, value.shape[1] - widths["prompt"]:]
+        else:  # response (a packed field, the routes, is refused above)
+            rows[f.name] = value[cut, :widths["response"]]
+    return Rollout(batch=RolloutBatch(**rows), task_rewards=rollout.task_rewards[cut], rewards=rollout.rewards[cut],
                    rounds=rollout.rounds, generated_groups=generated, prompt_keys=rollout.prompt_keys[groups],
                    slot_generated=per_slot)
+
 
 @dataclass(frozen=True)
 class SlotRoute:
@@ -100,6 +104,7 @@ class SlotRoute:
     replica: int
     first: int
     stop: int
+
 
 def slot_routes(prompts_per_step: int, dp_size: int, num_rollout_ranks: int) -> list[SlotRoute]:
     """Which slots each rollout rank sends to which training replica (module docstring).
@@ -132,6 +137,7 @@ def slot_routes(prompts_per_step: int, dp_size: int, num_rollout_ranks: int) -> 
                                     min(high, (replica + 1) * per_replica)))
     return routes
 
+
 def merge_rollouts(parts: list[VersionedRollout], *, pad_id: int) -> VersionedRollout:
     """A replica's rollout from the parts its rollout ranks sent, in slot order.
 
@@ -159,6 +165,7 @@ def merge_rollouts(parts: list[VersionedRollout], *, pad_id: int) -> VersionedRo
         raise ValueError(f"rollout ranks out of step: sampling rounds {sorted(rounds)}, data positions "
                          f"{sorted(drawn)} (each must be one number)")
     return stack_rollouts(parts, pad_id=pad_id, problems_drawn=drawn.pop())
+
 
 def stack_rollouts(parts: list[VersionedRollout], *, pad_id: int, problems_drawn: int) -> VersionedRollout:
     """Rollouts stacked in order into one (:func:`merge_rollouts` without its checks).
@@ -188,6 +195,7 @@ def stack_rollouts(parts: list[VersionedRollout], *, pad_id: int, problems_drawn
                             generated=(min(p.generated[0] for p in parts), max(p.generated[1] for p in parts)),
                             sample_versions=None if uniform else versions)
 
+
 @dataclass(frozen=True)
 class _RolloutReplica:
     """A sampler's data-parallel view of a rollout rank: rank ``dp_rank`` of the ``dp_size`` rollout
@@ -197,6 +205,7 @@ class _RolloutReplica:
     dp_size: int
     dp_rank: int
     dp_group: None = None
+
 
 def rollout_replica(split: WorldSplit) -> _RolloutReplica:
     """The ``groups`` to build a rollout rank's :class:`nemo_sspo.rollouts.sampling.RolloutSampler` with:

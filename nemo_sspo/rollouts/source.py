@@ -9,7 +9,7 @@ from nemo_sspo.metrics import MetricPair
 from nemo_sspo.rollouts.records import RolloutPosition
 from nemo_sspo.rollouts.records import Piece, VersionedRollout
 
-__all__ = ["RefitOutcome", "RolloutSource", "StepRollout"]
+__all__ = ["RefitOutcome", "RolloutSource", "SourceFigures", "StepRollout"]
 
 
 @dataclass(frozen=True)
@@ -50,20 +50,33 @@ class RefitOutcome:
     bytes_to_host: int | None = None
 
 
+@dataclass(frozen=True)
+class SourceFigures:
+    """What a rollout source reports of a step, as data (the trainer's step metrics reduce and draw it).
+
+    Attributes:
+        pairs: metric pairs to reduce over the data-parallel ranks (version lag, drops, partial share).
+        values: plain metrics, the same on every rank (idle times, run totals).
+        windows: the timeline's ``(lane, phase, (start, end))`` of the step's rollout generation (unix seconds).
+        wait_phase: the timeline name of the training ranks' wait for the rollout ("wait"), or None when
+            the training ranks generate it themselves (``windows`` then shows that).
+    """
+
+    pairs: dict[str, MetricPair]
+    values: dict[str, float]
+    windows: list[tuple[str, str, tuple[float, float]]]
+    wait_phase: str | None
+
+
 class RolloutSource(Protocol):
     """Where the trainer's rollouts come from (package docstring). Every method is collective over
     the training ranks.
 
     Attributes:
         rollout_gpus: GPUs of the rollout ranks, or None when the training GPUs generate.
-        lane: the timeline lane of its generation windows.
-        wait_phase: the timeline name of the trainer's wait for a rollout, or None when the trainer
-            generates (its rollouts' own windows show it).
     """
 
     rollout_gpus: int | None
-    lane: str
-    wait_phase: str | None
 
     def start(self, completed_steps: int, problems_drawn: int,
               positions: list[RolloutPosition] | None = None) -> None:
@@ -88,13 +101,7 @@ class RolloutSource(Protocol):
         returns the seconds per GB where measured.
         """
 
-    def windows(self, got: StepRollout, generated: tuple[float, float]) -> list[tuple[str, str, tuple[float, float]]]:
-        """The timeline's ``(lane, phase, window)`` of the step's rollout generation (``generated``: its
-        window over every generating rank).
-        """
-
-    def step_metrics(self, step: int, got: StepRollout, generation_wait_s: float,
-                     refit: RefitOutcome) -> tuple[dict[str, MetricPair], dict[str, float]]:
-        """This mode's metrics of the step: pairs reduced over the data-parallel ranks (version lag,
-        drops) and plain values the same on every rank (idle times, totals).
+    def figures(self, step: int, got: StepRollout, generation_wait_s: float, refit: RefitOutcome) -> SourceFigures:
+        """This mode's figures of step ``step`` (``got`` with its generation window over every generating
+        rank; ``generation_wait_s``: this rank's wait for it; ``refit``: what :meth:`after_update` returned).
         """

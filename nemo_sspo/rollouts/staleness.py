@@ -44,7 +44,8 @@ import torch
 from nemo_sspo.metrics import MetricPair, max_pair, mean_pair
 from nemo_sspo.rollouts.records import VersionedRollout
 
-__all__ = ['FreeQueue', 'LockStepRollouts', 'dropped_sums', 'is_fresh', 'partial_sums', 'rollout_idle_s', 'version_lag_sums']
+__all__ = ["FreeQueue", "LockStepRollouts", "dropped_sums", "is_fresh", "partial_sums", "rollout_idle_s", "version_lag_sums"]
+
 
 class LockStepRollouts:
     """The rollouts in flight under lock-step staleness (module docstring).
@@ -72,7 +73,7 @@ class LockStepRollouts:
         Args:
             step: the step about to train (1-based).
             generate: ``generate(s)`` -> step s's rollout from the current weights (collective
-                across the replica, as :meth:`nemo_sspo.trainer.loop.GRPOTrainer.generate_and_score`).
+                across the replica, as :meth:`nemo_sspo.rollouts.producer.RolloutProducer.produce`).
 
         Returns:
             The :class:`VersionedRollout` of ``step``; it leaves the queue.
@@ -81,6 +82,7 @@ class LockStepRollouts:
             if ahead not in self._pending:
                 self._pending[ahead] = generate(ahead)
         return self._pending.pop(step)
+
 
 def version_lag_sums(versioned: VersionedRollout, step: int) -> dict[str, MetricPair]:
     """``rollout/version_lag_mean`` and ``rollout/version_lag_max`` over this rank's samples.
@@ -101,6 +103,7 @@ def version_lag_sums(versioned: VersionedRollout, step: int) -> dict[str, Metric
     return {"rollout/version_lag_mean": mean_pair(lags.sum(), samples),
             "rollout/version_lag_max": max_pair(lags, valid)}
 
+
 def partial_sums(versioned: VersionedRollout) -> dict[str, MetricPair]:
     """``rollout/partial_share``: responses sampled by more than one policy version (partial
     rollouts, continued across a refit) over the rollout's responses; {} without token versions.
@@ -111,6 +114,7 @@ def partial_sums(versioned: VersionedRollout) -> dict[str, MetricPair]:
     newest = torch.where(rb.response_mask, rb.token_versions, -1).amax(dim=1)
     spans = (newest > versioned.versions()).sum()
     return {"rollout/partial_share": mean_pair(spans.float(), rb.response_mask.shape[0])}
+
 
 def is_fresh(version: int, step: int, max_staleness: int) -> bool:
     """Whether step ``step`` (starting from version ``step - 1``) may train on a rollout of ``version``.
@@ -124,6 +128,7 @@ def is_fresh(version: int, step: int, max_staleness: int) -> bool:
         ``(step - 1) - version <= max_staleness``.
     """
     return step - 1 - version <= max_staleness
+
 
 class FreeQueue:
     """A rollout rank's view of the free-running schedule (module docstring).
@@ -181,6 +186,7 @@ class FreeQueue:
             return could_train < min(k + 1, self.num_ranks * (self.last_step - self.version))
         return could_train < 2 * (k + 1)
 
+
 def dropped_sums(dropped: int, trained: int = 1) -> dict[str, MetricPair]:
     """``rollout/dropped_share``: rollouts dropped / rollouts received, in one step.
 
@@ -192,6 +198,7 @@ def dropped_sums(dropped: int, trained: int = 1) -> dict[str, MetricPair]:
         A ``"mean"`` pair (the same on every data-parallel rank, which all see the same rollouts).
     """
     return {"rollout/dropped_share": mean_pair(float(dropped), dropped + trained)}
+
 
 def rollout_idle_s(windows: list[tuple[float, float]], previous_end: float | None) -> float:
     """The rollout rank's time between rollouts: waiting for the trainer and taking its weights.

@@ -74,25 +74,24 @@ two free-running runs generally differ (lock-step runs do not).
 from __future__ import annotations
 
 import logging
-import time
+from dataclasses import replace
 
 import torch
 
 from nemo_sspo.parallel.version_notice import STOP, Notice, NoticeListener
-from nemo_sspo.parallel.weight_broadcast import (
-    receive_weight_buckets,
-)
+from nemo_sspo.parallel.weight_broadcast import receive_weight_buckets
 from nemo_sspo.parallel.world_split import WorldSplit
 from nemo_sspo.rollout.partial import RolloutStopped
 from nemo_sspo.rollouts.codec import _END_TAG, _ROLLOUT_TAG, _START_TAG, _Sent, _recv, send_rollout
-from nemo_sspo.rollouts.records import VersionedRollout
+from nemo_sspo.rollouts.producer import RolloutProducer
 from nemo_sspo.rollouts.sampling import RefitHooks
 from nemo_sspo.rollouts.slots import SlotRoute, slot_routes, slot_rows
 from nemo_sspo.rollouts.staleness import FreeQueue
 
-__all__ = ['RolloutWorker']
+__all__ = ["RolloutWorker"]
 
 logger = logging.getLogger(__name__)
+
 
 class RolloutWorker:
     """A rollout rank's loop (module docstring).
@@ -101,24 +100,24 @@ class RolloutWorker:
         cfg: the run's validated config (``rollout.placement == "separate"``).
         split: this rank's :class:`WorldSplit` (a rollout rank).
         engine: the rollout engine, holding the initial weights.
-        sampler: a :class:`nemo_sspo.rollouts.sampling.RolloutSampler` on ``engine`` built with
-            ``groups=rollout_replica(split)`` (it generates this rollout rank's share of every step).
+        producer: a :class:`~nemo_sspo.rollouts.producer.RolloutProducer` without fan-out, whose
+            sampler runs on ``engine`` and was built with ``groups=rollout_replica(split)`` (it
+            generates this rollout rank's share of every step).
     """
 
-    def __init__(self, cfg, split: WorldSplit, engine, sampler) -> None:  # noqa: D107
-        self.cfg, self.split, self.engine, self.sampler = cfg, split, engine, sampler
+    def __init__(self, cfg, split: WorldSplit, engine, producer: RolloutProducer) -> None:  # noqa: D107
+        self.cfg, self.split, self.engine, self.producer = cfg, split, engine, producer
+        self.sampler = producer.sampler
         self.replica_ranks: list[int] = []  # from the start message
         self.routes: list[SlotRoute] = []  # this rank's, once the replicas are known
         self._pending: list[_Sent] = []
 
     def _generate_and_send(self, step: int, version: int) -> None:
-        start = time.time()
-        rollout = self.sampler.collect(step)
-        window = (start, time.time())
+        versioned = self.producer.produce(step, version)
         group, first = self.cfg.rollout.samples_per_prompt, self.sampler.first_slot
         for route in self.routes:
-            rows = slot_rows(rollout, (route.first - first) * group, (route.stop - first) * group)
-            part = VersionedRollout(rows, version, self.sampler.problems_drawn, generated=window)
+            rows = slot_rows(versioned.rollout, (route.first - first) * group, (route.stop - first) * group)
+            part = replace(versioned, rollout=rows)
             self._pending.append(send_rollout(part, dst=self.replica_ranks[route.replica], group=self.split.bridge,
                                               tag=step))
 
@@ -178,13 +177,11 @@ class RolloutWorker:
         while True:
             notice = notices.poll(block=not queue.may_generate())
             if notice is None:
-                version, start = queue.version, time.time()  # the oldest token's version
-                try:
-                    rollout = self.sampler.collect(queue.sent + 1)
+                try:  # its version: the oldest token's
+                    versioned = self.producer.produce(queue.sent + 1, queue.version)
                 except RolloutStopped:
                     break
-                versioned = VersionedRollout(rollout, version, self.sampler.problems_drawn, (start, time.time()))
-                self._pending.append(send_rollout(versioned, dst=0, group=split.bridge, tag=queue.record(version),
+                self._pending.append(send_rollout(versioned, dst=0, group=split.bridge, tag=queue.record(versioned.version),
                                                   header_tag=_ROLLOUT_TAG))
             elif not self._take(notice, queue, me):
                 break

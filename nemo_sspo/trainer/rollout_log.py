@@ -83,10 +83,14 @@ class RolloutLog:
         replica: the writing rank's data-parallel rank (names the file).
         resume_step: a resumed run's checkpoint step: records of steps up to it are kept, later ones
             dropped; None starts an empty file.
+        tokenizer: decodes the prompts.
+        group_size: responses per prompt (``rollout.samples_per_prompt``).
     """
 
-    def __init__(self, output_dir: str | Path, replica: int, *, resume_step: int | None) -> None:
+    def __init__(self, output_dir: str | Path, replica: int, *, resume_step: int | None, tokenizer,
+                 group_size: int) -> None:
         """Opens the file (class docstring)."""
+        self.replica, self.tokenizer, self.group_size = replica, tokenizer, group_size
         self.path = Path(output_dir) / ROLLOUT_LOG_DIR / f"replica_{replica:03d}.jsonl"
         self.path.parent.mkdir(parents=True, exist_ok=True)
         kept = []
@@ -97,6 +101,15 @@ class RolloutLog:
         self._file.writelines(f"{line}\n" for line in kept)
         self._file.flush()
         self._pending: list[dict[str, Any]] = []
+
+    def observe(self, step: int, event: str, data: Any) -> None:
+        """A step observer (:mod:`nemo_sspo.trainer.step_metrics`): holds the records of the step's
+        ``"advantages"`` event, ``(versioned rollout, [B] advantages)``, until :meth:`flush`.
+        """
+        if event == "advantages":
+            versioned, advantages = data
+            self.add(rollout_records(step, versioned, advantages, group_size=self.group_size,
+                                     tokenizer=self.tokenizer, replica=self.replica))
 
     def add(self, records: list[dict[str, Any]]) -> None:
         """Holds a step's records until :meth:`flush` (the step completes)."""

@@ -38,12 +38,12 @@ def fit_side(cfg, split: WorldSplit, checkpoint, reward, *, run=None):
     ``run(trainer)`` (default: ``(history, final HF-named policy)``), its Megatron state torn down after.
     """
     from nemo_sspo.megatron import destroy_parallel, export_hf_state_dict
-    from nemo_sspo.trainer import loop
+    from nemo_sspo.trainer import loop, setup
 
     if split.is_rollout:
-        loop.run_rollout_rank(cfg, split, checkpoint=checkpoint, reward=reward)
+        setup.run_rollout_rank(cfg, split, checkpoint=checkpoint, reward=reward)
         return None
-    trainer = loop.GRPOTrainer(cfg, loop.start_parallel(cfg.parallel, cfg.trainer.seed), checkpoint=checkpoint,
+    trainer = loop.GRPOTrainer(cfg, setup.start_parallel(cfg.parallel, cfg.trainer.seed), checkpoint=checkpoint,
                                reward=reward, split=split)
     try:
         if run is not None:

@@ -23,7 +23,7 @@ from nemo_sspo.cli import load_config
 from nemo_sspo.megatron import destroy_parallel
 from nemo_sspo.models import load_hf_checkpoint
 from nemo_sspo.parallel.world_split import split_world
-from nemo_sspo.trainer import loop
+from nemo_sspo.trainer import loop, policy, setup
 
 from nemo_sspo.algorithms.advantage_estimators import (
     DCPO_SMOOTH,
@@ -34,7 +34,7 @@ from nemo_sspo.algorithms.advantage_estimators import (
 )
 from nemo_sspo.algorithms.advantages import smooth_group_advantages
 from nemo_sspo.parallel.advantage_scope import data_parallel_advantages
-from tests.integration._loop_runs import TINY, ParityReward
+from tests.integration._loop_runs import TINY, ParityReward, observe
 from tests.unit.advantage_reference import reference_advantages
 
 GROUP, PROMPTS = 2, 8  # 16 rows: 8 per training rank at DP 2
@@ -87,21 +87,18 @@ def _separate_step(rank, world_size, out_dir):
                                  "rollout.samples_per_prompt=4", "parallel.micro_batch_size=1",
                                  "advantage.name=batch_std", "rollout.placement=separate", "rollout.num_ranks=1"])
     if split.is_rollout:
-        loop.run_rollout_rank(cfg, split, checkpoint=tiny, reward=ParityReward())
+        setup.run_rollout_rank(cfg, split, checkpoint=tiny, reward=ParityReward())
         return None
     seen, updates = [], []
-    prepare, train = loop.GRPOTrainer.prepare_batch, loop.train_on_batch
-
-    def recorded_prepare(self, rollout, *args):
-        seen.append(rollout.rewards.tolist())
-        return prepare(self, rollout, *args)
+    train = policy.train_on_batch
 
     def recorded_train(model, optimizer, batch, *args, **kwargs):
         updates.append(batch.advantages.clone())
         return train(model, optimizer, batch, *args, **kwargs)
 
-    loop.GRPOTrainer.prepare_batch, loop.train_on_batch = recorded_prepare, recorded_train
-    trainer = loop.GRPOTrainer(cfg, loop.start_parallel(cfg.parallel, cfg.trainer.seed), checkpoint=tiny, split=split)
+    policy.train_on_batch = recorded_train
+    trainer = loop.GRPOTrainer(cfg, setup.start_parallel(cfg.parallel, cfg.trainer.seed), checkpoint=tiny, split=split)
+    observe(trainer, "rollout", lambda got: seen.append(got.versioned.rollout.rewards.tolist()))
     try:
         trainer.fit()
     finally:

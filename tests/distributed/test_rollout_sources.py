@@ -6,6 +6,8 @@ rollout for step 1 and takes the weight broadcast; the source must return that r
 rewards, version, window), report the broadcast's rate, and deliver the weights bit for bit.
 """
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -45,7 +47,8 @@ def _child(rank, world_size):
         received = [{k: v.clone() for k, v in bucket.items()} for bucket in receive_weight_buckets(group=split.refit)]
         return start, replicas, received
     groups = type("Groups", (), dict(dp_rank=0, dp_size=1, mp_rank=0, mp_size=1, mp_src_rank=0, mp_group=None))()
-    source = LockStepSource(groups, split, lambda: iter(WEIGHTS), max_staleness=0, prompts_per_step=1, pad_id=0)
+    source = LockStepSource(groups, split, SimpleNamespace(buckets=lambda: iter(WEIGHTS)), max_staleness=0,
+                            prompts_per_step=1, pad_id=0)
     source.start(0, 0)
     got = source.next_rollout(1)
     refit = source.after_update(1)

@@ -27,7 +27,7 @@ import torch.distributed as dist
 from nemo_sspo.cli import load_config
 from nemo_sspo.megatron import destroy_parallel, export_hf_state_dict
 from nemo_sspo.models import load_hf_checkpoint
-from nemo_sspo.trainer import loop
+from nemo_sspo.trainer import loop, setup
 from nemo_sspo.rollouts.worker import RolloutWorker
 from tests.distributed._split_world import dies_at_step, fit_side, resplit
 from tests.integration._loop_runs import TINY, ParityReward
@@ -62,7 +62,7 @@ def _fit(cfg, tiny, split=None):
         return {"history": history, "policy": policy, "rollouts": list(_SEEN)}
 
     if split is None:  # colocated: this side's world is the training ranks
-        trainer = loop.GRPOTrainer(cfg, loop.start_parallel(cfg.parallel, cfg.trainer.seed), checkpoint=tiny,
+        trainer = loop.GRPOTrainer(cfg, setup.start_parallel(cfg.parallel, cfg.trainer.seed), checkpoint=tiny,
                                    reward=ParityReward())
         try:
             return recorded(trainer)

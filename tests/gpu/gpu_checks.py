@@ -452,12 +452,12 @@ def run_async(model_dir: str, out: str) -> None:
     import datetime
 
     from nemo_sspo.megatron import destroy_parallel
-    from nemo_sspo.trainer import loop
+    from nemo_sspo.trainer import loop, setup
 
     checkpoint = shape_checkpoint(model_dir)
     if "RANK" not in os.environ:
         cfg = async_config(model_dir, f"{out}/colocated", separate=False)
-        trainer = loop.GRPOTrainer(cfg, loop.start_parallel(cfg.parallel, cfg.trainer.seed), checkpoint=checkpoint)
+        trainer = loop.GRPOTrainer(cfg, setup.start_parallel(cfg.parallel, cfg.trainer.seed), checkpoint=checkpoint)
         try:
             trainer.fit()
         finally:
@@ -468,9 +468,9 @@ def run_async(model_dir: str, out: str) -> None:
     cfg = async_config(model_dir, f"{out}/separate", separate=True)
     split = split_launched_world(ASYNC_ROLLOUT_RANKS, timeout=datetime.timedelta(seconds=cfg.rollout.peer_timeout_s))
     if split.is_rollout:
-        loop.run_rollout_rank(cfg, split, checkpoint=checkpoint)
+        setup.run_rollout_rank(cfg, split, checkpoint=checkpoint)
         return
-    trainer = loop.GRPOTrainer(cfg, loop.start_parallel(cfg.parallel, cfg.trainer.seed), checkpoint=checkpoint,
+    trainer = loop.GRPOTrainer(cfg, setup.start_parallel(cfg.parallel, cfg.trainer.seed), checkpoint=checkpoint,
                                split=split)
     try:
         trainer.fit()
@@ -506,10 +506,10 @@ def check_train(model_dir: str) -> None:
     (nemo_sspo.trainer.throughput).
     """
     from nemo_sspo.megatron import destroy_parallel
-    from nemo_sspo.trainer import loop
+    from nemo_sspo.trainer import loop, setup
 
     cfg = train_config(model_dir, tempfile.mkdtemp(prefix="nemo_sspo_gpu_train_"))
-    trainer = loop.GRPOTrainer(cfg, loop.start_parallel(cfg.parallel, cfg.trainer.seed),
+    trainer = loop.GRPOTrainer(cfg, setup.start_parallel(cfg.parallel, cfg.trainer.seed),
                                checkpoint=shape_checkpoint(model_dir))
     try:
         history = trainer.fit()
@@ -520,7 +520,7 @@ def check_train(model_dir: str) -> None:
     finite = all(math.isfinite(last[k]) for k in ("loss/policy", "optim/grad_norm", "policy/entropy"))
     mfu = summary.get("throughput/mfu", math.nan)
     report("train step", finite and 0 < mfu < 1 and summary.get("memory/peak_allocated_gib", 0) > 0,
-           f"{torch.cuda.get_device_name()}, {trainer.shape.num_layers} layers x hidden {trainer.shape.hidden_size}, "
+           f"{torch.cuda.get_device_name()}, {trainer.metrics.shape.num_layers} layers x hidden {trainer.metrics.shape.hidden_size}, "
            f"{int(last['tokens/prompt'] + last['tokens/response'])} tokens per step; mean of steps 2-3: step "
            f"{summary['timing/step_s']:.2f} s (generation {summary['timing/generation_s']:.2f}, train "
            f"{summary['timing/train_s']:.2f}, refit {summary['timing/refit_s']:.2f}); generation "
@@ -572,7 +572,7 @@ def memory_step(model_dir: str, recompute: str) -> tuple[float, float, float]:
     from nemo_sspo.megatron import build_policy_model, destroy_parallel, load_hf_into_megatron, vocab_shard
     from nemo_sspo.megatron.step import LossSpec
     from nemo_sspo.megatron.training import compute_old_logprobs, train_on_batch
-    from nemo_sspo.trainer import loop
+    from nemo_sspo.trainer import setup
     from nemo_sspo.trainer.config import build_loss_config, micro_batch_layout
     from nemo_sspo.trainer.memory_plan import PROMPT_ALLOWANCE, memory_plan
 
@@ -581,14 +581,14 @@ def memory_step(model_dir: str, recompute: str) -> tuple[float, float, float]:
     cfg = memory_config(model_dir, recompute)
     config, state, _ = shape_checkpoint(model_dir)
     planned = memory_plan(cfg, config, world_size=1, gpu_gib=None).stages[0].training  # no engine built here
-    groups = loop.start_parallel(cfg.parallel, cfg.trainer.seed)
+    groups = setup.start_parallel(cfg.parallel, cfg.trainer.seed)
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
     before = torch.cuda.memory_allocated()
     try:
-        model = build_policy_model(config, **loop._model_options(cfg))
+        model = build_policy_model(config, **setup.model_options(cfg))
         load_hf_into_megatron(model, state, config)
-        ddp, optimizer, scheduler = loop._wrap(model.train(), cfg.optim, updates=2)
+        ddp, optimizer, scheduler = setup.wrap_for_updates(model.train(), cfg.optim, updates=2)
         start, size = vocab_shard(model)
         spec = LossSpec(loss=make_policy_loss(cfg.loss.name, build_loss_config(cfg.loss)), tp_group=None,
                         vocab_start=start, vocab_size=size, temperature=cfg.rollout.temperature,
@@ -636,7 +636,7 @@ def check_dry_run(model_dir: str) -> None:
 
     from nemo_sspo.models.hf_checkpoint import load_tokenizer
     from nemo_sspo.parallel import fused_linear_logprobs_entropy, vocab_parallel_logprobs_entropy  # noqa: F401
-    from nemo_sspo.trainer import loop  # noqa: F401
+    from nemo_sspo.trainer import loop, setup  # noqa: F401
     from nemo_sspo.trainer.throughput import ModelShape, forward_flops
 
     cfg = train_config(model_dir, tempfile.mkdtemp(prefix="nemo_sspo_gpu_dry_"))

@@ -40,7 +40,7 @@ def main(out: Path) -> None:
     from nemo_sspo.cli import load_config
     from nemo_sspo.models import load_hf_checkpoint
     from nemo_sspo.parallel.world_split import split_launched_world
-    from nemo_sspo.trainer import loop
+    from nemo_sspo.trainer import loop, setup
     from tests.integration._loop_runs import TINY, record_step_starts
 
     split = split_launched_world(1, timeout=datetime.timedelta(seconds=PEER_TIMEOUT_S))
@@ -51,10 +51,10 @@ def main(out: Path) -> None:
     if split.is_rollout:
         (out / "rollout.pid").write_text(str(os.getpid()))
         per_step = cfg.rollout.prompts_per_step * cfg.rollout.samples_per_prompt
-        loop.run_rollout_rank(cfg, split, checkpoint=tiny, reward=HangingReward(per_step))
+        setup.run_rollout_rank(cfg, split, checkpoint=tiny, reward=HangingReward(per_step))
         return
     starts = record_step_starts()
-    trainer = loop.GRPOTrainer(cfg, loop.start_parallel(cfg.parallel, cfg.trainer.seed), checkpoint=tiny, split=split)
+    trainer = loop.GRPOTrainer(cfg, setup.start_parallel(cfg.parallel, cfg.trainer.seed), checkpoint=tiny, split=split)
     try:
         trainer.fit()
     except RuntimeError as err:

@@ -14,7 +14,8 @@ from pathlib import Path
 from nemo_sspo.cli import load_config
 from nemo_sspo.megatron import destroy_parallel
 from nemo_sspo.rewards import register_reward
-from nemo_sspo.trainer import loop
+from nemo_sspo.trainer import loop, policy
+from nemo_sspo.trainer.setup import start_parallel
 from tests.unit.loss_cases import hand_aggregate
 
 TINY = [
@@ -58,28 +59,39 @@ class ZeroReward(ParityReward):
 
 
 def record_updates(monkeypatch, store):
-    """Wraps the loop's optimizer step: appends ``(mini_batch, metric_sums)`` for every update, in
+    """Wraps the policy's optimizer step: appends ``(mini_batch, metric_sums)`` for every update, in
     order (with ``trainer.minibatches_per_step=2``, entries 0 and 1 belong to step 1)."""
-    inner = loop.train_on_batch
+    inner = policy.train_on_batch
 
     def wrapped(model, optimizer, batch, *args, **kwargs):
         sums, grad_norm = inner(model, optimizer, batch, *args, **kwargs)
         store.append((batch, dict(sums)))  # MetricPairs are immutable
         return sums, grad_norm
 
-    monkeypatch.setattr(loop, "train_on_batch", wrapped)
+    monkeypatch.setattr(policy, "train_on_batch", wrapped)
+
+
+def observe(trainer, event: str, record) -> None:
+    """Calls ``record(data)`` for every step event ``event`` of ``trainer`` (a step observer,
+    :mod:`nemo_sspo.trainer.step_metrics`: ``rollout``, ``advantages``, ``batch``, ``update``, ...)."""
+    trainer.metrics.observers.append(lambda step, name, data: record(data) if name == event else None)
+
+
+def record_rollouts(trainer, store) -> None:
+    """Appends the :class:`~nemo_sspo.rollouts.records.Rollout` every step trains on."""
+    observe(trainer, "rollout", lambda got: store.append(got.versioned.rollout))
 
 
 def record_prepared(trainer, store) -> None:
-    """Wraps ``trainer.prepare_batch``: appends ``(rollout, batch)`` for every rollout it prepares."""
-    inner = trainer.prepare_batch
+    """Appends ``(rollout, batch)`` for every step: its rollout and the policy batch prepared from it."""
+    rollouts = []
+    record_rollouts(trainer, rollouts)
+    observe(trainer, "batch", lambda batch: store.append((rollouts[-1], batch)))
 
-    def wrapped(rollout, *args):
-        batch, sums = inner(rollout, *args)
-        store.append((rollout, batch))
-        return batch, sums
 
-    trainer.prepare_batch = wrapped
+def generate(trainer, step: int):
+    """Step ``step``'s rollout generated now from the engine's weights, outside a step (colocated)."""
+    return trainer.source.producer.produce(step, 0).rollout
 
 
 def record_step_starts() -> dict[int, float]:
@@ -107,7 +119,7 @@ def make_trainer(monkeypatch, tmp_path, overrides, *, checkpoint=None, reward=Pa
     ``reward()`` it is given (no math-verify pool) and generating with ``engine`` (None: the
     configured one); call ``destroy_parallel()`` when done (``run`` does)."""
     cfg = load_config(overrides=[*TINY, f"trainer.output_dir={tmp_path}", *overrides])
-    return loop.GRPOTrainer(cfg, loop.start_parallel(cfg.parallel, cfg.trainer.seed), checkpoint=checkpoint,
+    return loop.GRPOTrainer(cfg, start_parallel(cfg.parallel, cfg.trainer.seed), checkpoint=checkpoint,
                             reward=reward(), engine=engine)
 
 

@@ -1,7 +1,7 @@
 """A ``plugins=[...]`` module that records where each side of a separate-placement CLI run ran
 (tests/integration/test_two_nodes.py).
 
-Wraps the two entry points the CLI calls after the world is split: :func:`loop.run_rollout_rank` (a
+Wraps the two entry points the CLI calls after the world is split: :func:`setup.run_rollout_rank` (a
 rollout rank) and :meth:`loop.GRPOTrainer.fit` (a training rank). Each writes
 ``<NEMO_SSPO_TEST_PROBE_DIR>/rank_<RANK>.json`` with its role, the launch variables torchrun set
 (``RANK``, ``GROUP_RANK`` = the agent's node rank, ``LOCAL_RANK``, ``MASTER_ADDR``,
@@ -13,7 +13,7 @@ import json
 import os
 from pathlib import Path
 
-from nemo_sspo.trainer import loop
+from nemo_sspo.trainer import loop, setup
 
 _KEYS = ("RANK", "GROUP_RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "TORCHELASTIC_USE_AGENT_STORE")
 
@@ -24,7 +24,7 @@ def _record(role: str) -> None:
     Path(os.environ["NEMO_SSPO_TEST_PROBE_DIR"], f"rank_{found['RANK']}.json").write_text(json.dumps(found))
 
 
-_run_rollout_rank = loop.run_rollout_rank
+_run_rollout_rank = setup.run_rollout_rank
 _fit = loop.GRPOTrainer.fit
 
 
@@ -38,5 +38,5 @@ def _probed_fit(self, *args, **kwargs):
     return _fit(self, *args, **kwargs)
 
 
-loop.run_rollout_rank = _probed_rollout_rank
+setup.run_rollout_rank = _probed_rollout_rank
 loop.GRPOTrainer.fit = _probed_fit

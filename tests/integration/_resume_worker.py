@@ -28,11 +28,11 @@ LAYOUTS = {"tp2": ["parallel.tensor_model_parallel_size=2"],
 def _fit(overrides, checkpoint):
     from nemo_sspo.cli import load_config
     from nemo_sspo.megatron import destroy_parallel
-    from nemo_sspo.trainer import loop
+    from nemo_sspo.trainer import loop, setup
     from tests.integration._loop_runs import TINY
 
     cfg = load_config(overrides=[*TINY, *overrides])
-    trainer = loop.GRPOTrainer(cfg, loop.start_parallel(cfg.parallel, cfg.trainer.seed), checkpoint=checkpoint)
+    trainer = loop.GRPOTrainer(cfg, setup.start_parallel(cfg.parallel, cfg.trainer.seed), checkpoint=checkpoint)
     try:
         return trainer.fit()
     finally:

@@ -17,14 +17,14 @@ from pathlib import Path
 def _run(split, overrides, checkpoint):
     from nemo_sspo.cli import load_config
     from nemo_sspo.megatron import destroy_parallel
-    from nemo_sspo.trainer import loop
+    from nemo_sspo.trainer import loop, setup
     from tests.integration._loop_runs import TINY, ParityReward
 
     cfg = load_config(overrides=[*TINY, "rollout.placement=separate", "rollout.num_ranks=1", *overrides])
     if split.is_rollout:
-        loop.run_rollout_rank(cfg, split, checkpoint=checkpoint, reward=ParityReward())
+        setup.run_rollout_rank(cfg, split, checkpoint=checkpoint, reward=ParityReward())
         return None
-    trainer = loop.GRPOTrainer(cfg, loop.start_parallel(cfg.parallel, cfg.trainer.seed), checkpoint=checkpoint,
+    trainer = loop.GRPOTrainer(cfg, setup.start_parallel(cfg.parallel, cfg.trainer.seed), checkpoint=checkpoint,
                                split=split)
     try:
         return trainer.fit()

@@ -5,7 +5,7 @@ equal to a float64 reference of the step's rewards, whatever the micro-batch siz
 import pytest
 import torch
 
-from tests.integration._loop_runs import record_updates, run
+from tests.integration._loop_runs import observe, record_updates, run
 from tests.unit.advantage_reference import reference_advantages
 from tests.unit.test_docs import guide_files  # noqa: F401 - the fixture is used by name
 
@@ -13,13 +13,8 @@ from tests.unit.test_docs import guide_files  # noqa: F401 - the fixture is used
 def _steps(store):
     """Appends ``(rewards, task_rewards)`` of every step's rollout."""
     def capture(trainer):
-        inner = trainer.compute_advantages
-
-        def wrapped(rollout):
-            store.append((rollout.rewards.tolist(), rollout.task_rewards.tolist()))
-            return inner(rollout)
-
-        trainer.compute_advantages = wrapped
+        observe(trainer, "rollout", lambda got: store.append((got.versioned.rollout.rewards.tolist(),
+                                                              got.versioned.rollout.task_rewards.tolist())))
 
     return capture
 

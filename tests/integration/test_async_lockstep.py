@@ -17,7 +17,7 @@ from nemo_sspo.algorithms.batch import response_to_target_frame
 from nemo_sspo.megatron import destroy_parallel, export_hf_state_dict
 from nemo_sspo.models import load_hf_checkpoint
 from nemo_sspo.trainer.checkpoint import STATE_FILE
-from tests.integration._loop_runs import make_trainer, record_prepared
+from tests.integration._loop_runs import generate, make_trainer, record_prepared
 
 pytestmark = pytest.mark.fast  # seconds: kept in the fast tier (tests/conftest.py)
 
@@ -61,12 +61,12 @@ def _async_run(monkeypatch, tmp_path, tiny):
 def _reference(monkeypatch, tmp_path, tiny):
     trainer = make_trainer(monkeypatch, tmp_path / "ref", CORRECTED, checkpoint=tiny)
     try:
-        first, second = trainer.generate_and_score(1), trainer.generate_and_score(2)  # both from the initial weights
+        first, second = generate(trainer, 1), generate(trainer, 2)  # both from the initial weights
         batch1, _ = trainer.prepare_batch(first, *trainer.compute_advantages(first))
-        _, norm1 = trainer.update(batch1)
-        trainer.refit()
+        _, norm1 = trainer.policy.update(batch1)
+        trainer.source.push_weights()
         batch2, _ = trainer.prepare_batch(second, *trainer.compute_advantages(second))  # pi_old at the weights after step 1
-        _, norm2 = trainer.update(batch2)
+        _, norm2 = trainer.policy.update(batch2)
         policy = export_hf_state_dict(trainer.model.module, trainer.hf_config)
         trainer.close()
         return (first, batch1, norm1), (second, batch2, norm2), policy

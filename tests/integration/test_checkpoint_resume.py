@@ -19,7 +19,7 @@ from nemo_sspo.models import load_hf_checkpoint
 from nemo_sspo.trainer import checkpoint
 from nemo_sspo.algorithms.batch import response_to_target_frame
 from nemo_sspo.trainer.checkpoint import STATE_FILE, resolve_resume
-from tests.integration._loop_runs import run
+from tests.integration._loop_runs import observe, record_rollouts, run
 
 
 @pytest.fixture(scope="module")
@@ -38,16 +38,15 @@ def _stub_benchmark(folder):
 def _record_tis_inputs(store):
     """Appends (old log-probs, engine log-probs, mask), [B, S] in the target frame, for every step."""
     def capture(trainer):
-        inner = trainer.prepare_batch
+        rollouts = []
+        record_rollouts(trainer, rollouts)
 
-        def wrapped(rollout, *args):
-            batch, sums = inner(rollout, *args)
-            rb = rollout.batch
+        def record(batch):
+            rb = rollouts[-1].batch
             engine = response_to_target_frame(rb.rollout_logprobs, rb.prompt_mask, batch.loss_mask.shape[1])
             store.append((batch.old_logprobs.clone(), engine, batch.loss_mask.clone()))
-            return batch, sums
 
-        trainer.prepare_batch = wrapped
+        observe(trainer, "batch", record)
 
     return capture
 

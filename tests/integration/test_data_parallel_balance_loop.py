@@ -10,7 +10,7 @@ import pytest
 
 from nemo_sspo.algorithms.micro_batches import balanced_partition
 from nemo_sspo.megatron import destroy_parallel
-from tests.integration._loop_runs import make_trainer, record_updates
+from tests.integration._loop_runs import make_trainer, observe, record_updates
 
 BUDGET = ["rollout.prompts_per_step=4", "trainer.minibatches_per_step=1",
           "parallel.max_tokens_per_micro_batch=160", "rollout.correction=token_tis", "rollout.correction_cap=1.5"]
@@ -25,14 +25,12 @@ def _first_step(rank, world_size, tmp_dir):
     trainer = make_trainer(monkeypatch, f"{tmp_dir}/w{world_size}", BUDGET)
     try:
         rolled = []
-        inner = trainer.prepare_batch
 
-        def prepare(rollout, *args):
-            rb = rollout.batch
+        def record(got):
+            rb = got.versioned.rollout.batch
             rolled.extend((rb.prompt_mask.sum(1) + rb.response_mask.sum(1)).tolist())
-            return inner(rollout, *args)
 
-        trainer.prepare_batch = prepare
+        observe(trainer, "rollout", record)
         metrics = trainer.train_step(1)
         ((trained, _),) = updates
         return metrics, rolled, trained.lengths.tolist()

@@ -16,7 +16,7 @@ from nemo_sspo.algorithms import smooth_group_advantages
 from nemo_sspo.megatron import destroy_parallel
 from nemo_sspo.models import load_hf_checkpoint
 from nemo_sspo.trainer.checkpoint import STATE_FILE
-from tests.integration._loop_runs import make_trainer, run
+from tests.integration._loop_runs import generate, make_trainer, observe, run
 
 SMOOTH = ["loss=dcpo", "loss.params.smooth_advantages=true", "data.options.pool_size=2"]
 
@@ -24,15 +24,12 @@ SMOOTH = ["loss=dcpo", "loss.params.smooth_advantages=true", "data.options.pool_
 def _record_advantages(store):
     """Appends ``(rewards, keys, advantages, history after the step)`` for every step."""
     def capture(trainer):
-        inner = trainer.compute_advantages
+        def record(data):
+            versioned, advantages = data
+            store.append((versioned.rollout.rewards.clone(), list(versioned.rollout.prompt_keys), advantages.clone(),
+                          dict(trainer.advantages.history)))
 
-        def wrapped(rollout):
-            advantages, sums = inner(rollout)
-            store.append((rollout.rewards.clone(), list(rollout.prompt_keys), advantages.clone(),
-                          dict(trainer.advantage_history)))
-            return advantages, sums
-
-        trainer.compute_advantages = wrapped
+        observe(trainer, "advantages", record)
 
     return capture
 
@@ -73,8 +70,8 @@ def _two_rollouts(rank, world_size, tmp_dir):
     monkeypatch = pytest.MonkeyPatch()
     trainer = make_trainer(monkeypatch, f"{tmp_dir}/w{world_size}", [*SMOOTH, "trainer.minibatches_per_step=1"])
     try:
-        advantages = [trainer.compute_advantages(trainer.generate_and_score(step))[0].tolist() for step in (1, 2)]
-        return advantages, {k: (st.visits, st.mean, st.std) for k, st in trainer.advantage_history.items()}
+        advantages = [trainer.compute_advantages(generate(trainer, step))[0].tolist() for step in (1, 2)]
+        return advantages, {k: (st.visits, st.mean, st.std) for k, st in trainer.advantages.history.items()}
     finally:
         trainer.close()
         destroy_parallel()

@@ -12,8 +12,8 @@ import torch
 from nemo_sspo.megatron import destroy_parallel
 from nemo_sspo.models import load_hf_checkpoint
 from nemo_sspo.rollouts.sampling import generation_seed
-from tests.integration._loop_runs import (OddAnswerReward, ZeroReward, make_trainer, on_policy_loss,
-                                         record_updates, run)
+from tests.integration._loop_runs import (OddAnswerReward, ZeroReward, generate, make_trainer, on_policy_loss,
+                                         observe, record_rollouts, record_updates, run)
 
 DYNAMIC = ["loss=dapo", "rollout.prompts_per_step=4", "trainer.minibatches_per_step=1",
            "rollout.max_sampling_rounds=6"]
@@ -26,14 +26,7 @@ def checkpoint():
 
 def _record_rollouts(store):
     def capture(trainer):
-        inner = trainer.generate_and_score
-
-        def wrapped(step):
-            rollout = inner(step)
-            store.append(rollout)
-            return rollout
-
-        trainer.generate_and_score = wrapped
+        record_rollouts(trainer, store)
 
     return capture
 
@@ -120,14 +113,7 @@ def test_shaping_gives_an_all_wrong_group_past_the_round_limit_advantage_0(check
     def capture(trainer):
         _cut_responses_to([3, 4, 5, 6])(trainer)
         _record_rollouts(rollouts)(trainer)
-        inner = trainer.compute_advantages
-
-        def wrapped(rollout):
-            values, sums = inner(rollout)
-            advantages.append(values)
-            return values, sums
-
-        trainer.compute_advantages = wrapped
+        observe(trainer, "advantages", lambda data: advantages.append(data[1]))
 
     overrides = [*DYNAMIC, "rollout.prompts_per_step=1", "rollout.samples_per_prompt=4", "trainer.max_steps=1",
                  "rollout.max_sampling_rounds=2", "reward.overlong_buffer_len=4"]
@@ -172,7 +158,7 @@ def _dp_rollouts(rank, world_size, tmp_dir):
     try:
         out = []
         for step in (1, 2):
-            rollout = trainer.generate_and_score(step)
+            rollout = generate(trainer, step)
             out.append((rollout.batch.response_texts, rollout.task_rewards, rollout.rounds))
         return out
     finally:

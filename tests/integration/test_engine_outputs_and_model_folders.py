@@ -62,7 +62,7 @@ def test_engine_nan_stops_the_step_and_every_written_folder_keeps_the_stop_list(
         with pytest.raises(ValueError, match=r"rollout engine 'hf' returned log-prob nan for token id \d+ at "
                                              r"row 1, response position 0"):
             trainer.fit()
-        trainer._save_hf("hf_checkpoint")  # the writer fit() calls after the last step
+        trainer.folders.save("hf_checkpoint", trainer.model.module, trainer.groups.mp_src_rank)  # the writer fit() calls after the last step
     finally:
         destroy_parallel()
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]

@@ -10,7 +10,7 @@ from nemo_sspo.cli import load_config
 from nemo_sspo.megatron import destroy_parallel, export_hf_state_dict
 from nemo_sspo.models import build_hf_model, load_hf_checkpoint
 from nemo_sspo.rollout import HFRolloutEngine
-from nemo_sspo.trainer import loop
+from nemo_sspo.trainer import loop, policy, setup
 from tests.integration._loop_runs import ParityReward as _ParityReward
 
 
@@ -21,7 +21,7 @@ def test_updates_change_weights_and_refit_follows(monkeypatch, tmp_path):
         "optim.lr=1e-2", f"trainer.output_dir={tmp_path}",
     ])
     _, initial, _ = load_hf_checkpoint("tiny-random-llama")
-    trainer = loop.GRPOTrainer(cfg, loop.start_parallel(cfg.parallel, cfg.trainer.seed), reward=_ParityReward())
+    trainer = loop.GRPOTrainer(cfg, setup.start_parallel(cfg.parallel, cfg.trainer.seed), reward=_ParityReward())
     try:
         step1, step2 = trainer.fit()
         policy = export_hf_state_dict(trainer.model.module, trainer.hf_config)
@@ -72,7 +72,7 @@ def test_nan_reward_fails_clearly_and_keeps_completed_work(monkeypatch, tmp_path
         "rollout.samples_per_prompt=4", "rollout.max_new_tokens=8", "parallel.micro_batch_size=2",
         f"trainer.output_dir={tmp_path}",
     ])
-    trainer = loop.GRPOTrainer(cfg, loop.start_parallel(cfg.parallel, cfg.trainer.seed),
+    trainer = loop.GRPOTrainer(cfg, setup.start_parallel(cfg.parallel, cfg.trainer.seed),
                                reward=_NaNOnSecondCallReward())
     try:
         with pytest.raises(ValueError, match="finite"):
@@ -91,7 +91,7 @@ def test_non_finite_gradient_stops_the_run_and_keeps_the_last_good_policy(monkey
     import pytest
     from transformers import AutoModelForCausalLM
 
-    real_train_on_batch = loop.train_on_batch
+    real_train_on_batch = policy.train_on_batch
     calls = {"n": 0}
 
     def nan_from_step_2(*args, **kwargs):
@@ -99,13 +99,13 @@ def test_non_finite_gradient_stops_the_run_and_keeps_the_last_good_policy(monkey
         calls["n"] += 1
         return sums, (float("nan") if calls["n"] > 2 else grad_norm)  # 2 mini-batches per step
 
-    monkeypatch.setattr(loop, "train_on_batch", nan_from_step_2)
+    monkeypatch.setattr(policy, "train_on_batch", nan_from_step_2)
     cfg = load_config(overrides=[
         "model=tiny_random", "trainer.max_steps=3", "rollout.prompts_per_step=2",
         "rollout.samples_per_prompt=4", "rollout.max_new_tokens=8", "parallel.micro_batch_size=2",
         "optim.lr=1e-2", f"trainer.output_dir={tmp_path}",
     ])
-    trainer = loop.GRPOTrainer(cfg, loop.start_parallel(cfg.parallel, cfg.trainer.seed), reward=_ParityReward())
+    trainer = loop.GRPOTrainer(cfg, setup.start_parallel(cfg.parallel, cfg.trainer.seed), reward=_ParityReward())
     try:
         refit = trainer.source.push_weights
         good = {}

@@ -8,24 +8,17 @@ import pytest
 import torch
 
 from nemo_sspo.megatron import destroy_parallel, unwrap_model
-from tests.integration._loop_runs import make_trainer, run
+from tests.integration._loop_runs import make_trainer, record_prepared, run
 
 SPPO = ["loss=sppo", "rollout.samples_per_prompt=1", "rollout.prompts_per_step=4", "critic.micro_batch_size=2"]
 
 
 def test_critic_baseline_and_training(monkeypatch, tmp_path):
-    seen = []
+    prepared = []
 
     def capture(trainer):
         assert len(unwrap_model(trainer.critic.model).decoder.layers) == 1  # critic.num_layers=1
-        inner = trainer.prepare_batch
-
-        def wrapped(rollout, *args):
-            batch, sums = inner(rollout, *args)
-            seen.append((rollout.rewards.clone(), batch.advantages.clone()))
-            return batch, sums
-
-        trainer.prepare_batch = wrapped
+        record_prepared(trainer, prepared)
 
     history = run(monkeypatch, tmp_path, [*SPPO, "trainer.max_steps=4", "critic.num_layers=1",
                                           "critic.optim.lr=0.05"], capture=capture)
@@ -34,6 +27,7 @@ def test_critic_baseline_and_training(monkeypatch, tmp_path):
     assert step1["critic/value_mean"] == pytest.approx(0.5, abs=1e-7)
     assert step1["critic/loss"] == pytest.approx(math.log(2.0), abs=1e-6)
     assert step1["critic/abs_error"] == pytest.approx(0.5, abs=1e-7)
+    seen = [(rollout.rewards, batch.advantages) for rollout, batch in prepared]
     rewards, advantages = seen[0]
     assert torch.allclose(advantages, rewards - 0.5, atol=1e-7)
     assert len(seen) == len(history) == 4

@@ -9,7 +9,7 @@ import torch
 
 from nemo_sspo.models import load_hf_checkpoint
 from nemo_sspo.trainer.throughput import PEAK_TFLOPS_ENV
-from tests.integration._loop_runs import ParityReward, run
+from tests.integration._loop_runs import ParityReward, record_rollouts, run
 from tests.unit._tracker_readers import mlflow_runs, tensorboard_scalars, wandb_history
 
 
@@ -54,8 +54,7 @@ def test_run_writes_every_tracker_and_reports_throughput(monkeypatch, tmp_path, 
     rollouts = []
 
     def capture(trainer):
-        inner = trainer.generate_and_score
-        trainer.generate_and_score = lambda step: rollouts.append(inner(step)) or rollouts[-1]
+        record_rollouts(trainer, rollouts)
 
     history = run(monkeypatch, tmp_path, ["trainer.loggers=[console,jsonl,tensorboard,wandb,mlflow]"],
                   checkpoint=checkpoint, capture=capture, reward=TimingOutReward)

@@ -30,8 +30,8 @@ def _colocated(k: int, engine):
         return VersionedRollout(rollout, version=version, problems_drawn=2 * step, generated=(step, step + 0.5))
 
     buckets = [{"w": torch.ones(2)}, {"b": torch.zeros(1)}]
-    source = ColocatedSource(generate, lambda: iter(buckets), engine, max_staleness=k, last_step=3,
-                             verify_refit=False)
+    source = ColocatedSource(SimpleNamespace(produce=generate), SimpleNamespace(buckets=lambda: iter(buckets)), engine,
+                             max_staleness=k, last_step=3, verify_refit=False)
     return source, generated
 
 
@@ -49,10 +49,11 @@ def test_colocated_lock_step_schedule_and_refit_by_hand():
         assert got.dropped == []
         assert source.after_update(step) == RefitOutcome(None, 0.0, bytes_to_host=0)  # no host copy colocated
         if step == 2:  # lag (2 - 1) - 0 = 1 for each of the 4 responses
-            pairs, values = source.step_metrics(step, got, 0.25, RefitOutcome())
-            assert values == {}
-            assert float(pairs["rollout/version_lag_mean"].total) == 4.0
-            assert float(pairs["rollout/version_lag_mean"].count) == 4.0
+            figures = source.figures(step, got, 0.25, RefitOutcome())
+            assert figures.values == {} and figures.wait_phase is None
+            assert figures.windows == [("training ranks", "generation", (2, 2.5))]
+            assert float(figures.pairs["rollout/version_lag_mean"].total) == 4.0
+            assert float(figures.pairs["rollout/version_lag_mean"].count) == 4.0
     assert generated == [(1, 0), (2, 0), (3, 1)]
     assert trained == [(1, 0), (2, 0), (3, 1)]
     assert engine.sleeps == 3
@@ -66,13 +67,14 @@ def test_colocated_resume_refits_and_k0_reports_no_lag():
     assert len(engine.loaded) == 1
     got = source.next_rollout(3)
     assert generated == [(3, 2)] and got.versioned.version == 2
-    assert source.step_metrics(3, got, 0.1, RefitOutcome()) == ({}, {})
+    figures = source.figures(3, got, 0.1, RefitOutcome())
+    assert figures.pairs == {} and figures.values == {}
 
 
 def test_colocated_off_the_generating_rank_runs_the_export_and_loads_nothing():
     source, _ = _colocated(0, None)
     exported = []
-    source.export = lambda: (exported.append(name) or {} for name in ("a", "b"))
+    source.exporter = SimpleNamespace(buckets=lambda: (exported.append(name) or {} for name in ("a", "b")))
     source.push_weights()
     assert exported == ["a", "b"]  # the gathers ran
 
@@ -81,11 +83,13 @@ def test_separate_idle_seconds_by_hand():
     # Lock-step: windows (10, 12), then (15, 16): the rollout side idled 0 before the first (nothing
     # earlier), then 3 s between 12 and 15; the trainer's idle is its wait plus the refit's.
     split = SimpleNamespace(num_rollout_ranks=2, num_training_ranks=1, world_size=3)
-    source = LockStepSource(SimpleNamespace(), split, lambda: iter(()), max_staleness=0, prompts_per_step=2, pad_id=0)
-    assert source.rollout_gpus == 2 and source.wait_phase == "wait"
+    source = LockStepSource(SimpleNamespace(), split, SimpleNamespace(buckets=lambda: iter(())), max_staleness=0,
+                            prompts_per_step=2, pad_id=0)
+    assert source.rollout_gpus == 2
     first = StepRollout(VersionedRollout(None, version=0, problems_drawn=2, generated=(10.0, 12.0)))
-    assert source.idle_seconds(first, 0.75, RefitOutcome(None, 0.25)) == {
-        "timing/train_idle_s": 1.0, "timing/rollout_idle_s": 0.0}
+    figures = source.figures(1, first, 0.75, RefitOutcome(None, 0.25))
+    assert figures.values == {"timing/train_idle_s": 1.0, "timing/rollout_idle_s": 0.0}
+    assert figures.wait_phase == "wait" and figures.windows == [("rollout rank", "generation", (10.0, 12.0))]
     second = StepRollout(VersionedRollout(None, version=1, problems_drawn=4, generated=(15.0, 16.0)))
     assert source.idle_seconds(second, 2.0, RefitOutcome(None, 0.0)) == pytest.approx(
         {"timing/train_idle_s": 2.0, "timing/rollout_idle_s": 3.0})

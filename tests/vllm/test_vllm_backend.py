@@ -169,11 +169,11 @@ def test_train_loop_refits_vllm_after_each_optimizer_step(tmp_path):
     # vLLM's on the same tokens.
     from nemo_sspo.cli import load_config
     from nemo_sspo.megatron import destroy_parallel, export_hf_state_dict
-    from nemo_sspo.trainer import loop
+    from nemo_sspo.trainer import loop, setup
     from tests.integration._loop_runs import ParityReward
 
     cfg = load_config(overrides=TRAIN + ["optim.lr=1e-3", "rollout.correction=token_tis", f"trainer.output_dir={tmp_path}"])
-    trainer = loop.GRPOTrainer(cfg, loop.start_parallel(cfg.parallel, cfg.trainer.seed), reward=ParityReward())
+    trainer = loop.GRPOTrainer(cfg, setup.start_parallel(cfg.parallel, cfg.trainer.seed), reward=ParityReward())
     try:
         step1, step2 = trainer.fit()
         policy = export_hf_state_dict(trainer.model.module, trainer.hf_config)
