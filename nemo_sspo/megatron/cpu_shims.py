@@ -8,7 +8,8 @@ behaviour when ``torch.cuda.is_available()`` is True: each public function is a 
 This is also the compatibility layer across megatron-core versions: the calls nemo_sspo makes
 (GPTModel, layer specs, DDP, optimizer, schedules, parallel_state) have the same
 signatures in 0.16.1 and 0.19.2; the one difference on CPU is shim 3's ``current_stream``. Shims
-detect what is missing, never a version number.
+detect what is missing, never a version number. Every megatron-core name the product uses, these
+shims' internals included, is listed in :mod:`nemo_sspo.megatron.surface`.
 
 Shims (measured with megatron-core 0.16.1 + torch 2.13.0 CPU build, and 0.19.2 + PyPI's torch
 2.13.0 CUDA build on a host without a GPU):

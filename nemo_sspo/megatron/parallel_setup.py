@@ -9,11 +9,15 @@ from __future__ import annotations
 import dataclasses
 import os
 import socket
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
 from nemo_sspo.megatron.cpu_shims import apply_cpu_shims
+
+if TYPE_CHECKING:  # megatron-core is imported lazily (package docstring)
+    from megatron.core.process_groups_config import ProcessGroupCollection
 
 __all__ = ["ParallelGroups", "destroy_parallel", "get_parallel_groups", "initialize_parallel"]
 
@@ -22,9 +26,14 @@ __all__ = ["ParallelGroups", "destroy_parallel", "get_parallel_groups", "initial
 _OWNS_PROCESS_GROUP = False
 
 
+PROCESS_GROUPS = ("tp", "pp", "dp", "mp", "ep", "cp")
+"""The groups of megatron-core's ``ProcessGroupCollection`` a :class:`ParallelGroups` carries."""
+
+
 @dataclasses.dataclass(frozen=True)
 class ParallelGroups:
-    """This rank's tensor-, pipeline-, data- and model-parallel groups with ranks and sizes.
+    """This rank's tensor-, pipeline-, data-, model-, expert- and context-parallel groups, carried in
+    megatron-core's ``ProcessGroupCollection``, with the ranks and sizes derived from them.
 
     The model-parallel group holds the TP x PP ranks of one data-parallel replica; ``mp_src_rank``
     is its first member's global rank and ``pp_last_rank`` the global rank of this pipeline's last
@@ -35,31 +44,37 @@ class ParallelGroups:
     holds the ranks that split each sequence of one replica (same TP rank and stage);
     ``cp_src_rank`` is its first member's global rank. With CP > 1 the data-parallel group is
     Megatron's without CP (replicas), and a replica spans TP x CP x PP ranks.
+
+    Attributes:
+        pgs: the ``ProcessGroupCollection`` holding ``tp``, ``pp``, ``dp``, ``mp``, ``ep`` and ``cp``
+            (what megatron-core's own components take as ``pg_collection``).
     """
 
-    tp_group: dist.ProcessGroup
-    pp_group: dist.ProcessGroup
-    dp_group: dist.ProcessGroup
-    mp_group: dist.ProcessGroup
-    tp_rank: int
-    tp_size: int
-    pp_rank: int
-    pp_size: int
-    dp_rank: int
-    dp_size: int
-    mp_rank: int
-    mp_size: int
-    mp_src_rank: int
-    pp_last_rank: int
-    is_first_stage: bool
-    is_last_stage: bool
-    ep_group: dist.ProcessGroup
-    ep_rank: int
-    ep_size: int
-    cp_group: dist.ProcessGroup | None = None
-    cp_rank: int = 0
-    cp_size: int = 1
-    cp_src_rank: int | None = None
+    pgs: ProcessGroupCollection
+
+    tp_group = property(lambda self: self.pgs.tp)
+    pp_group = property(lambda self: self.pgs.pp)
+    dp_group = property(lambda self: self.pgs.dp)
+    mp_group = property(lambda self: self.pgs.mp)
+    ep_group = property(lambda self: self.pgs.ep)
+    cp_group = property(lambda self: self.pgs.cp)
+    tp_rank = property(lambda self: dist.get_rank(self.pgs.tp))
+    tp_size = property(lambda self: dist.get_world_size(self.pgs.tp))
+    pp_rank = property(lambda self: dist.get_rank(self.pgs.pp))
+    pp_size = property(lambda self: dist.get_world_size(self.pgs.pp))
+    dp_rank = property(lambda self: dist.get_rank(self.pgs.dp))
+    dp_size = property(lambda self: dist.get_world_size(self.pgs.dp))
+    mp_rank = property(lambda self: dist.get_rank(self.pgs.mp))
+    mp_size = property(lambda self: dist.get_world_size(self.pgs.mp))
+    ep_rank = property(lambda self: dist.get_rank(self.pgs.ep))
+    ep_size = property(lambda self: dist.get_world_size(self.pgs.ep))
+    cp_rank = property(lambda self: dist.get_rank(self.pgs.cp))
+    cp_size = property(lambda self: dist.get_world_size(self.pgs.cp))
+    mp_src_rank = property(lambda self: dist.get_global_rank(self.pgs.mp, 0))
+    cp_src_rank = property(lambda self: dist.get_global_rank(self.pgs.cp, 0))
+    pp_last_rank = property(lambda self: dist.get_global_rank(self.pgs.pp, self.pp_size - 1))
+    is_first_stage = property(lambda self: self.pp_rank == 0)
+    is_last_stage = property(lambda self: self.pp_rank == self.pp_size - 1)
 
 
 def _free_port() -> int:
@@ -141,33 +156,8 @@ def get_parallel_groups() -> ParallelGroups:
         ValueError: if ``initialize_parallel`` has not been called.
     """
     from megatron.core import parallel_state as ps
+    from megatron.core.process_groups_config import ProcessGroupCollection
 
     if not ps.model_parallel_is_initialized():
         raise ValueError("parallel state is not initialised: call initialize_parallel() first")
-    mp_group = ps.get_model_parallel_group()
-    pp_group = ps.get_pipeline_model_parallel_group()
-    return ParallelGroups(
-        tp_group=ps.get_tensor_model_parallel_group(),
-        pp_group=pp_group,
-        dp_group=ps.get_data_parallel_group(),
-        mp_group=mp_group,
-        tp_rank=ps.get_tensor_model_parallel_rank(),
-        tp_size=ps.get_tensor_model_parallel_world_size(),
-        pp_rank=ps.get_pipeline_model_parallel_rank(),
-        pp_size=ps.get_pipeline_model_parallel_world_size(),
-        dp_rank=ps.get_data_parallel_rank(),
-        dp_size=ps.get_data_parallel_world_size(),
-        mp_rank=dist.get_rank(mp_group),
-        mp_size=dist.get_world_size(mp_group),
-        mp_src_rank=dist.get_global_rank(mp_group, 0),
-        pp_last_rank=dist.get_global_rank(pp_group, dist.get_world_size(pp_group) - 1),
-        is_first_stage=ps.is_pipeline_first_stage(),
-        is_last_stage=ps.is_pipeline_last_stage(),
-        ep_group=ps.get_expert_model_parallel_group(),
-        ep_rank=ps.get_expert_model_parallel_rank(),
-        ep_size=ps.get_expert_model_parallel_world_size(),
-        cp_group=ps.get_context_parallel_group(),
-        cp_rank=ps.get_context_parallel_rank(),
-        cp_size=ps.get_context_parallel_world_size(),
-        cp_src_rank=dist.get_global_rank(ps.get_context_parallel_group(), 0),
-    )
+    return ParallelGroups(ProcessGroupCollection.use_mpu_process_groups(required_pgs=list(PROCESS_GROUPS)))
