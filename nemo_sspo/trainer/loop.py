@@ -39,11 +39,9 @@ import torch.distributed as dist
 
 from nemo_sspo.algorithms.advantage_estimators import DCPO_SMOOTH, get_advantage_estimator
 from nemo_sspo.algorithms.losses import make_policy_loss
-from nemo_sspo.algorithms.segmentation import TABLE_FREE_SEGMENTATIONS, build_segment_tables
 from nemo_sspo.evaluation import MEAN_KEY
-from nemo_sspo.megatron import ParallelGroups, vocab_shard
+from nemo_sspo.megatron import ParallelGroups
 from nemo_sspo.megatron.router_replay import stage_moe_layers
-from nemo_sspo.megatron.step import LossSpec
 from nemo_sspo.parallel.world_split import WorldSplit
 from nemo_sspo.rewards import Reward
 from nemo_sspo.rollout import RolloutEngine
@@ -130,18 +128,9 @@ class GRPOTrainer:
             self.engine, self.reward, self.sampler = setup.build_rollout(
                 cfg, self.hf_config, state_dict, self.tokenizer, prompts, groups, stop_ids=self.stop_ids,
                 reward=reward, engine=engine, progress=self.progress)
-        vocab_start, vocab_size = vocab_shard(model)
-        spec = LossSpec(loss=loss, tp_group=groups.tp_group if groups.tp_size > 1 else None,
-                        cp_group=groups.cp_group if groups.cp_size > 1 else None, vocab_start=vocab_start,
-                        vocab_size=vocab_size, temperature=cfg.rollout.temperature,
-                        max_response_length=cfg.rollout.max_new_tokens, output_chunk_size=cfg.parallel.output_chunk_size,
-                        router_aux_loss_coef=cfg.model.router_aux_loss_coef,
-                        output_precision=cfg.model.output_layer_precision)
-        # The model's vocabulary can exceed the tokenizer's (Qwen2.5: 151,936 rows vs 151,665 ids).
-        tables = (None if needs.segmentation in TABLE_FREE_SEGMENTATIONS
-                  else build_segment_tables(self.tokenizer).padded(self.hf_config.vocab_size))
-        self.policy = Policy(model, optimizer, scheduler, self.ref_model, spec, micro_batch_layout(cfg.parallel),
-                             groups, self.hf_config, cfg, tables, pad_id,
+        self.policy = Policy(model, optimizer, scheduler, self.ref_model, setup.loss_spec(cfg, loss, groups, model),
+                             micro_batch_layout(cfg.parallel), groups, self.hf_config, cfg,
+                             setup.segment_tables(needs.segmentation, self.tokenizer, self.hf_config), pad_id,
                              stage_moe_layers(model) if cfg.model.router_replay == "r3" else None, self.progress)
         self.source = setup.build_rollout_source(cfg, groups, split, model.module, self.hf_config,
                                                  sampler=self.sampler, engine=self.engine, pad_id=pad_id)

@@ -9,8 +9,9 @@ A training rank (:class:`nemo_sspo.trainer.loop.GRPOTrainer`):
    reference where the loss has a KL term (:func:`build_reference`) and the SPPO critic where the
    estimator reads one (:func:`build_critic`);
 5. :func:`build_rollout` on the replica's generating rank: engine, reward and sampler;
-6. :func:`build_rollout_source`: where rollouts come from and where weights go (with the weight exporter);
-7. only then the output folder (checkpoint resume or a fresh folder) and the loggers: nothing is
+6. what the loss reads of a batch (:func:`loss_spec`, :func:`segment_tables`), for the policy's step;
+7. :func:`build_rollout_source`: where rollouts come from and where weights go (with the weight exporter);
+8. only then the output folder (checkpoint resume or a fresh folder) and the loggers: nothing is
    written before the config and the model are known to be valid.
 
 A rollout rank (``rollout.placement: separate``) runs :func:`run_rollout_rank` instead.
@@ -21,6 +22,7 @@ from __future__ import annotations
 from dataclasses import asdict
 from typing import Any
 
+from nemo_sspo.algorithms.segmentation import TABLE_FREE_SEGMENTATIONS, build_segment_tables
 from nemo_sspo.data import ShardedSource, build_prompt_source
 from nemo_sspo.megatron import (
     ParallelGroups,
@@ -29,8 +31,10 @@ from nemo_sspo.megatron import (
     get_parallel_groups,
     initialize_parallel,
     load_hf_into_megatron,
+    vocab_shard,
 )
 from nemo_sspo.megatron.router_replay import check_router_replay
+from nemo_sspo.megatron.step import LossSpec
 from nemo_sspo.megatron.training import build_lr_scheduler, wrap_for_training
 from nemo_sspo.megatron.value_model import build_value_model
 from nemo_sspo.models import load_hf_checkpoint
@@ -50,7 +54,8 @@ from nemo_sspo.trainer.critic_training import Critic
 from nemo_sspo.trainer.device import training_device
 
 __all__ = ["build_critic", "build_policy", "build_prompts", "build_reference", "build_rollout", "build_rollout_source",
-           "fan_out", "load_checkpoint_of", "model_options", "run_rollout_rank", "run_stop_ids", "start_parallel", "wrap_for_updates"]
+           "fan_out", "load_checkpoint_of", "loss_spec", "model_options", "run_rollout_rank", "run_stop_ids",
+           "segment_tables", "start_parallel", "wrap_for_updates"]
 
 
 def start_parallel(parallel_cfg: ParallelConfig, seed: int) -> ParallelGroups:
@@ -139,6 +144,29 @@ def build_reference(cfg: TrainConfig, hf_config, state_dict):
     model = _megatron_stage(cfg, hf_config, state_dict).eval()
     model.requires_grad_(False)
     return model
+
+
+def loss_spec(cfg: TrainConfig, loss, groups: ParallelGroups, model) -> LossSpec:
+    """What the loss reads on this rank: the loss, its TP/CP groups (None at size 1), the stage's
+    vocabulary shard, the sampling temperature, the response cap, the output chunking and precision.
+    """
+    vocab_start, vocab_size = vocab_shard(model)
+    return LossSpec(loss=loss, tp_group=groups.tp_group if groups.tp_size > 1 else None,
+                    cp_group=groups.cp_group if groups.cp_size > 1 else None, vocab_start=vocab_start,
+                    vocab_size=vocab_size, temperature=cfg.rollout.temperature,
+                    max_response_length=cfg.rollout.max_new_tokens, output_chunk_size=cfg.parallel.output_chunk_size,
+                    router_aux_loss_coef=cfg.model.router_aux_loss_coef,
+                    output_precision=cfg.model.output_layer_precision)
+
+
+def segment_tables(segmentation: str, tokenizer, hf_config):
+    """The segment tables of ``segmentation`` padded to the model's vocabulary, or None for a
+    segmentation that needs none. The model's vocabulary can exceed the tokenizer's (Qwen2.5: 151,936
+    rows vs 151,665 ids); ids the tokenizer never decodes close no segment.
+    """
+    if segmentation in TABLE_FREE_SEGMENTATIONS:
+        return None
+    return build_segment_tables(tokenizer).padded(hf_config.vocab_size)
 
 
 def build_critic(cfg: TrainConfig, hf_config, state_dict, tokenizer) -> Critic:
