@@ -22,9 +22,11 @@ those.
 
 On the wire (:func:`send_rollout`, :func:`broadcast_rollout`) a message is a fixed ``int64 [2]``
 prefix (the header's length and the tag of what follows; the tag is 0 in a collective), then the
-header, then each tensor with at least one element as its raw bytes (``uint8``, so any dtype travels
-over gloo and NCCL alike); the receiver allocates every buffer from the header before receiving it.
-A decoded tensor is a CPU view of its received bytes.
+header, then one ``uint8`` buffer holding every tensor's bytes in order, each starting at a multiple
+of 8 bytes (left out when it is empty). Raw bytes let any dtype travel over gloo and NCCL alike, and
+three messages a rollout keep the per-message cost of a small rollout low; the receiver sizes the
+header from the prefix and the buffer from the header. A decoded tensor is a CPU view of the
+received buffer.
 
 The design of the rollout ranks' protocol is in :mod:`nemo_sspo.rollouts.worker`'s docstring.
 """
@@ -312,19 +314,16 @@ def decode(cls: type[T], header: torch.Tensor, tensors: list[torch.Tensor]) -> T
 
 # ---- the transports ---------------------------------------------------------------------------------------------
 
-def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:
-    """``uint8 [nbytes]`` view of a tensor's elements (a contiguous copy first where needed)."""
-    return tensor.contiguous().reshape(-1).view(torch.uint8)
+_ALIGN = 8  # each tensor starts at a multiple of 8 bytes in the packed buffer (any dtype views in place)
 
 
-def _from_bytes(raw: torch.Tensor, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
-    return raw.view(dtype).reshape(shape)
-
-
-def _buffers(header: torch.Tensor, device: torch.device) -> list[tuple[torch.Tensor, torch.dtype, tuple[int, ...]]]:
-    """Per announced tensor: an empty ``uint8`` buffer of its bytes on ``device``, its dtype and shape."""
-    return [(torch.empty(_numel(shape) * dtype.itemsize, dtype=torch.uint8, device=device), dtype, shape)
-            for dtype, shape in tensor_specs(header)]
+def _layout(header: torch.Tensor) -> tuple[list[tuple[int, torch.dtype, tuple[int, ...]]], int]:
+    """Each announced tensor's ``(byte offset, dtype, shape)`` in the packed buffer, and its size."""
+    layout, size = [], 0
+    for dtype, shape in tensor_specs(header):
+        layout.append((size, dtype, shape))
+        size += -(-_numel(shape) * dtype.itemsize // _ALIGN) * _ALIGN
+    return layout, size
 
 
 def _numel(shape: tuple[int, ...]) -> int:
@@ -334,14 +333,28 @@ def _numel(shape: tuple[int, ...]) -> int:
     return count
 
 
-def _rebuild(cls: type[T], header: torch.Tensor, buffers) -> T:
-    """Decodes received buffers (moved to the CPU)."""
-    return decode(cls, header.cpu(), [_from_bytes(raw.cpu(), dtype, shape) for raw, dtype, shape in buffers])
+def _pack(header: torch.Tensor, tensors: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """The tensors' bytes in one ``uint8`` buffer on ``device``, at the offsets of :func:`_layout`."""
+    layout, size = _layout(header)
+    packed = torch.empty(size, dtype=torch.uint8, device=device)
+    for (offset, _, _), tensor in zip(layout, tensors, strict=True):
+        raw = tensor.contiguous().reshape(-1).view(torch.uint8)
+        packed[offset:offset + raw.numel()].copy_(raw)
+    return packed
+
+
+def _unpack(cls: type[T], header: torch.Tensor, packed: torch.Tensor) -> T:
+    """Decodes a received packed buffer: every tensor a CPU view of it."""
+    header, packed = header.cpu(), packed.cpu()
+    layout, _ = _layout(header)
+    tensors = [packed[offset:offset + _numel(shape) * dtype.itemsize].view(dtype).reshape(shape)
+               for offset, dtype, shape in layout]
+    return decode(cls, header, tensors)
 
 
 def broadcast_rollout(obj: T | None, *, cls: type[T], src: int, group=None) -> T:
     """Broadcasts a rollout dataclass (any class :func:`encode` takes) from world rank ``src`` to every
-    rank of ``group``: the prefix, the header, then each non-empty tensor's bytes.
+    rank of ``group``: the prefix, the header, then the packed tensors (module docstring).
 
     Collective over ``group``; its tensors live on :func:`~nemo_sspo.parallel.metric_reduce.collective_device`
     (CUDA under NCCL) for the broadcasts only.
@@ -364,18 +377,18 @@ def broadcast_rollout(obj: T | None, *, cls: type[T], src: int, group=None) -> T
     if dist.get_rank() == src:
         header, tensors = encode(obj)
         prefix = torch.tensor([header.numel(), 0], dtype=torch.int64)
-        for message in (prefix, header, *(_as_bytes(t) for t in tensors if t.numel())):
-            dist.broadcast(message.to(device), src=src, group=group)
+        for message in (prefix.to(device), header.to(device), _pack(header, tensors, device)):
+            if message.numel():
+                dist.broadcast(message, src=src, group=group)
         return obj
     prefix = torch.zeros(_PREFIX, dtype=torch.int64, device=device)
     dist.broadcast(prefix, src=src, group=group)
     header = torch.zeros(int(prefix[0]), dtype=torch.int64, device=device)
     dist.broadcast(header, src=src, group=group)
-    buffers = _buffers(header.cpu(), device)
-    for raw, _, _ in buffers:
-        if raw.numel():
-            dist.broadcast(raw, src=src, group=group)
-    return _rebuild(cls, header, buffers)
+    packed = torch.empty(_layout(header.cpu())[1], dtype=torch.uint8, device=device)
+    if packed.numel():
+        dist.broadcast(packed, src=src, group=group)
+    return _unpack(cls, header, packed)
 
 
 @dataclass
@@ -406,7 +419,8 @@ def send_rollout(versioned: VersionedRollout, *, dst: int, group: dist.ProcessGr
     """
     header, tensors = encode(versioned)
     prefix = torch.tensor([header.numel(), tag], dtype=torch.int64)
-    parts = [header, *(_as_bytes(t.cpu()) for t in tensors if t.numel())]
+    packed = _pack(header, tensors, torch.device("cpu"))
+    parts = [header, packed] if packed.numel() else [header]
     works = [group.send([prefix], dst, tag if header_tag is None else header_tag)]
     return _Sent([prefix, *parts], works + [group.send([t], dst, tag) for t in parts])
 
@@ -476,13 +490,12 @@ def _recv_rest(prefix: torch.Tensor, src: int, group: dist.ProcessGroup, what: s
     length, tag = prefix.tolist()
     try:
         header = _recv(torch.zeros(length, dtype=torch.int64), src, group, tag)
-        buffers = _buffers(header, torch.device("cpu"))
-        for raw, _, _ in buffers:
-            if raw.numel():
-                _recv(raw, src, group, tag)
+        packed = torch.empty(_layout(header)[1], dtype=torch.uint8)
+        if packed.numel():
+            _recv(packed, src, group, tag)
     except RuntimeError as err:
         raise _silent(src, what, err) from err
-    return _rebuild(VersionedRollout, header, buffers)
+    return _unpack(VersionedRollout, header, packed)
 
 
 def send_start(completed_steps: int, position: RolloutPosition, replicas: list[int], *, dst: int,
