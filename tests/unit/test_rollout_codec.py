@@ -12,15 +12,16 @@ from dataclasses import dataclass, replace
 import pytest
 import torch
 
-from nemo_sspo.rollouts.codec import decode, encode, tensor_specs
+from nemo_sspo.rollouts.codec import _pack, _unpack, decode, encode, tensor_specs
 from nemo_sspo.rollouts.records import Piece, Rollout, RolloutPosition, VersionedRollout
 from tests.unit._rollout_values import ROLLOUT_CLASSES, assert_same, build
 
 
 def _round_trip(obj):
+    """Encoded, packed into one buffer as the transports send it, unpacked and decoded."""
     header, tensors = encode(obj)
     assert header.dtype == torch.int64 and header.dim() == 1
-    return decode(type(obj), header.clone(), [t.clone() for t in tensors])
+    return _unpack(type(obj), header.clone(), _pack(header, tensors, torch.device("cpu")).clone())
 
 
 def _leaf_fields(cls) -> int:
@@ -104,6 +105,25 @@ def test_the_header_layout_by_hand():
     specs = tensor_specs(encode(rollout)[0])
     assert specs[-3:] == [(torch.float32, (4,)), (torch.float32, (4,)), (torch.uint8, (sum(
         len(t.encode()) for t in rollout.batch.response_texts),))]
+
+
+@dataclass
+class _Masks:
+    flags: torch.Tensor
+    ids: torch.Tensor
+    word: str
+
+
+def test_the_packed_buffer_by_hand():
+    # bool [3] at bytes 0-2, padded to 8; int64 [2] at 8-23; the blob "hi" at 24-25, padded to 32
+    sent = _Masks(torch.tensor([True, False, True]), torch.tensor([258, -1]), "hi")
+    header, tensors = encode(sent)
+    packed = _pack(header, tensors, torch.device("cpu"))
+    assert packed.numel() == 32
+    assert packed[:3].tolist() == [1, 0, 1]
+    assert packed[8:24].tolist() == [2, 1, 0, 0, 0, 0, 0, 0] + [255] * 8  # little-endian 258 = 0x0102, then -1
+    assert bytes(packed[24:26].tolist()) == b"hi"
+    assert_same(_unpack(_Masks, header, packed), sent)
 
 
 @dataclass
