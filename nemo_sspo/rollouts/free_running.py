@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from nemo_sspo.megatron import WeightExporter
 from nemo_sspo.parallel.world_split import WorldSplit
+from nemo_sspo.rollouts.codec import broadcast_rollout
 from nemo_sspo.rollouts.collector import FreeRefit, RolloutCollector
 from nemo_sspo.rollouts.records import RolloutPosition
 from nemo_sspo.rollouts.slots import slot_rows, stack_rollouts
@@ -82,9 +83,9 @@ class FreeRunningSource(SeparateSource):
         """The step's R fresh rollouts in arrival order, this replica's rows of them, and the pieces
         received (trained and dropped).
         """
-        box = [self._collect(step) if self.collector is not None else None]
-        dist.broadcast_object_list(box, src=0)  # over the training ranks
-        stacked, pieces, dropped = box[0]
+        collected = self._collect(step) if self.collector is not None else None
+        got = broadcast_rollout(collected, cls=StepRollout, src=0)  # over the training ranks
+        stacked, pieces, dropped = got.versioned, got.pieces, got.dropped
         g = self.groups
         rows = stacked.rollout.rewards.numel() // g.dp_size
         cut = slice(g.dp_rank * rows, (g.dp_rank + 1) * rows)
@@ -95,8 +96,10 @@ class FreeRunningSource(SeparateSource):
         self.dropped_total += len(dropped)
         return StepRollout(mine, pieces=pieces, dropped=dropped)
 
-    def _collect(self, step: int) -> tuple[VersionedRollout, list[Piece], list[Piece]]:
-        """Training rank 0: rollouts in arrival order until R are fresh for step ``step``."""
+    def _collect(self, step: int) -> StepRollout:
+        """Training rank 0: rollouts in arrival order until R are fresh for step ``step``, stacked,
+        with the pieces received (trained and dropped).
+        """
         accepted, pieces, dropped = [], [], []
         while len(accepted) < self.split.num_rollout_ranks:
             j, versioned = self.collector.next(f"rollout for step {step}")
@@ -107,7 +110,7 @@ class FreeRunningSource(SeparateSource):
             else:
                 dropped.append(piece)
         drawn = sum(position.problems_drawn for position in self.collector.positions)
-        return stack_rollouts(accepted, pad_id=self.pad_id, problems_drawn=drawn), pieces, dropped
+        return StepRollout(stack_rollouts(accepted, pad_id=self.pad_id, problems_drawn=drawn), pieces, dropped)
 
     def after_update(self, step: int) -> RefitOutcome:
         """Training rank 0 posts version ``step`` and its weights without waiting, to every rollout rank

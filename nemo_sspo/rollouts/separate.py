@@ -20,8 +20,8 @@ from nemo_sspo.megatron import WeightExporter
 from nemo_sspo.parallel.metric_reduce import collective_device
 from nemo_sspo.parallel.world_split import WorldSplit
 from nemo_sspo.parallel.weight_broadcast import send_weight_buckets
-from nemo_sspo.rollouts.codec import recv_rollout, send_start
-from nemo_sspo.rollouts.records import RolloutPosition
+from nemo_sspo.rollouts.codec import broadcast_rollout, recv_rollout, send_start
+from nemo_sspo.rollouts.records import RolloutPosition, VersionedRollout
 from nemo_sspo.rollouts.slots import merge_rollouts, slot_routes
 from nemo_sspo.rollouts.source import RefitOutcome, SourceFigures, StepRollout
 from nemo_sspo.rollouts.staleness import rollout_idle_s, version_lag_sums
@@ -113,11 +113,18 @@ class SeparateSource:
         seconds_per_gb, to_host = on_device.tolist()
         return seconds_per_gb, int(to_host)
 
-    def share(self, box: list) -> list:
-        """``box`` as the replica's first model-parallel rank filled it, on every rank of the replica."""
-        if self.groups.mp_size > 1:
-            dist.broadcast_object_list(box, src=self.groups.mp_src_rank, group=self.groups.mp_group)
-        return box
+    def share(self, versioned: VersionedRollout | None) -> VersionedRollout:
+        """The rollout the replica's first model-parallel rank received, on every rank of the replica
+        (:func:`~nemo_sspo.rollouts.codec.broadcast_rollout` over its model-parallel group).
+
+        Args:
+            versioned: the rollout on the replica's first model-parallel rank; None elsewhere.
+
+        Returns:
+            The rollout (tensors on the CPU on the other ranks).
+        """
+        return broadcast_rollout(versioned, cls=VersionedRollout, src=self.groups.mp_src_rank,
+                                 group=self.groups.mp_group)
 
     def idle_seconds(self, got: StepRollout, generation_wait_s: float, refit: RefitOutcome) -> dict[str, float]:
         """``timing/train_idle_s``: this rank's wait for the step's rollout(s) plus the refit's wait for
@@ -150,13 +157,13 @@ class LockStepSource(SeparateSource):
 
     def next_rollout(self, step: int) -> StepRollout:
         """This replica's parts of step ``step``'s rollout, from the rollout ranks generating its slots."""
-        g, box = self.groups, [None]
+        g, merged = self.groups, None
         if g.mp_rank == 0:
             routes = slot_routes(self.prompts_per_step, g.dp_size, self.split.num_rollout_ranks)
             parts = [recv_rollout(src=self.split.num_training_ranks + route.source, group=self.split.bridge, tag=step)
                      for route in routes if route.replica == g.dp_rank]
-            box[0] = merge_rollouts(parts, pad_id=self.pad_id)
-        return StepRollout(self.share(box)[0])
+            merged = merge_rollouts(parts, pad_id=self.pad_id)
+        return StepRollout(self.share(merged))
 
     def after_update(self, step: int) -> RefitOutcome:
         """The rollout ranks wait for the weights after step ``step``."""

@@ -22,22 +22,22 @@ position (:func:`send_start`). A resumed run then sends the resumed weights as a
 ranks replay the data position and generate the next steps from those weights (lag 0 at the first
 resumed step, whatever k), and log that they did.
 
-Rollouts travel as plain tensors over the bridge group (:func:`send_rollout` / :func:`recv_rollout`):
-a header ``int64 [13]`` (rows, prompt width, response width, rounds, groups generated, policy
-version, data position, text bytes, generation start and end in unix microseconds, prompt groups,
-the tag of the parts that follow, and 1 when token versions follow), then prompt ids / mask,
-response ids / mask, truncation flags, engine log-probs, task and shaped rewards, response text
-lengths and bytes, each group's prompt key as ``uint8 [groups, 16]`` (DCPO's per-prompt history is
-keyed by it) and, for a partial rollout, each token's version ``int64 [rows, response width]``. Sends are asynchronous,
-so a rollout rank never waits for a trainer that is busy with an earlier step.
+Rollouts travel as tensors over the bridge group (:func:`send_rollout` / :func:`recv_rollout`), in
+the format of :mod:`nemo_sspo.rollouts.codec`, derived from the rollout dataclasses' fields: an
+``int64 [2]`` prefix (the header's length and the tag of what follows), an ``int64`` header (the
+tensor table and every scalar field: counts, versions, the generation window as float64 bits, text
+lengths, optional fields' presence), then every tensor's bytes in field order (ids, masks, log-probs,
+rewards, token versions and routes where present) and the responses' and prompt keys' utf-8 bytes in
+one blob. Sends are asynchronous, so a rollout rank never waits for a trainer that is busy with an
+earlier step.
 
 ``rollout.staleness_schedule: free`` (:class:`nemo_sspo.rollouts.staleness.FreeQueue` decides when
 to generate). Each of the R rollout ranks numbers its rollouts and generates them back to back with
 the newest weights it has, each holding its P / R slots of "step" n for its number n, drawn from a
 shard of the prompt stream of its own (:class:`nemo_sspo.data.ShardedSource`; no collective between
-rollout ranks, so none waits for another). It sends every rollout to training rank 0, the header with
-tag :data:`_ROLLOUT_TAG` and the parts with its number. Training rank 0 receives headers from any
-rollout rank (gloo's any-source receive) and so takes R rollouts per step in the order they arrive
+rollout ranks, so none waits for another). It sends every rollout to training rank 0, the prefix with
+tag :data:`_ROLLOUT_TAG` and the header and tensors with its number. Training rank 0 receives
+prefixes from any rollout rank (gloo's any-source receive) and so takes R rollouts per step in the order they arrive
 (:class:`RolloutCollector`), dropping those too stale; the training ranks get the step from it.
 Between two rollouts a rollout rank looks, without blocking, for a version notice
 (:mod:`nemo_sspo.parallel.version_notice`) and, when one has come, takes that version's weights
