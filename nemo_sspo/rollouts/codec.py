@@ -48,16 +48,13 @@ import torch.distributed as dist
 from nemo_sspo.parallel.metric_reduce import collective_device
 from nemo_sspo.rollouts.records import RolloutPosition, VersionedRollout
 
-__all__ = ['broadcast_rollout', 'decode', 'encode', 'recv_free_rollout', 'recv_rollout', 'send_rollout', 'send_start']
+__all__ = ["broadcast_rollout", "decode", "encode", "recv_free_rollout", "recv_rollout", "send_rollout", "send_start"]
 
 T = TypeVar("T")
 
 _START_TAG = 0  # step tags start at 1
-
 _END_TAG = 2**31 - 1  # free-running: the number of rollouts sent, after the stop notice
-
 _ROLLOUT_TAG = 2**31 - 2  # free-running: every rollout's prefix (received from any rollout rank)
-
 _PREFIX = 2  # the wire prefix: the header's length, the tag of the header and tensors that follow
 
 # A dtype's code on the wire is its index here: append, never reorder.
@@ -67,6 +64,7 @@ _DTYPE_CODES = {dtype: code for code, dtype in enumerate(_DTYPES)}
 
 
 # ---- the codec --------------------------------------------------------------------------------------------------
+
 
 class _Writer:
     """What :func:`encode` collects while walking a value: header values, tensors, string bytes."""

@@ -19,7 +19,8 @@ from nemo_sspo.parallel.world_split import WorldSplit
 from nemo_sspo.rollouts.codec import _END_TAG, _recv, recv_free_rollout
 from nemo_sspo.rollouts.records import RolloutPosition, VersionedRollout
 
-__all__ = ['FreeRefit', 'RolloutCollector']
+__all__ = ["FreeRefit", "RolloutCollector"]
+
 
 class RolloutCollector:
     """Training rank 0's receive of free-running rollouts from every rollout rank (module docstring).
@@ -100,6 +101,7 @@ class RolloutCollector:
                                   what=f"rollout {number} (sent before the stop)")
                 discarded += 1
         return discarded
+
 
 class FreeRefit:
     """Training rank 0's side of the free-running refit (module docstring: what blocks what).

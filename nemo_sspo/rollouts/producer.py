@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
+from nemo_sspo.rollouts.codec import broadcast_rollout
 from nemo_sspo.rollouts.records import Rollout, VersionedRollout
 from nemo_sspo.rollouts.sampling import RolloutSampler
 
@@ -65,12 +66,7 @@ class RolloutProducer:
         start = time.time()
         rollout = self.sampler.collect(step) if self.sampler is not None else None
         for hop in self.fan_out:
-            rollout = _share(rollout, hop)
+            rollout = broadcast_rollout(rollout, cls=Rollout, src=hop.src, group=hop.group)
         return VersionedRollout(rollout, version=version, problems_drawn=self.problems_drawn,
                                 generated=(start, time.time()))
 
-
-def _share(rollout: Rollout | None, hop: FanOut) -> Rollout:
-    box = [rollout]
-    dist.broadcast_object_list(box, src=hop.src, group=hop.group)
-    return box[0]
