@@ -27,7 +27,7 @@ from nemo_sspo.cli import load_config
 from nemo_sspo.megatron import destroy_parallel
 from nemo_sspo.models import load_hf_checkpoint
 from nemo_sspo.rollouts import collector
-from nemo_sspo.trainer import loop
+from nemo_sspo.trainer.policy import Policy
 from tests.distributed._split_world import fit_side, resplit
 from tests.integration._loop_runs import TINY, ParityReward, make_trainer
 
@@ -36,7 +36,7 @@ KEYS = ("reward/mean", "optim/grad_norm", "loss/policy", "policy/ratio", "rollou
 UPDATE_DELAY_S = 0.5
 
 
-def _slow_update(self, batch, inner=loop.GRPOTrainer.update):
+def _slow_update(self, batch, inner=Policy.update):
     time.sleep(UPDATE_DELAY_S)
     return inner(self, batch)
 
@@ -64,7 +64,7 @@ def _free_run(split, tiny, out_dir, overrides):
 def _child(rank, world_size, out_dir):
     tiny = load_hf_checkpoint("tiny-random-llama")
     split = resplit(rank, world_size, 1, 60)
-    loop.GRPOTrainer.update = _slow_update
+    Policy.update = _slow_update
     recv = collector.recv_free_rollout
     results = {}
     for name, overrides in {"wait": ["rollout.max_staleness=1", "rollout.stale_policy=wait"],

@@ -28,6 +28,7 @@ from nemo_sspo.cli import load_config
 from nemo_sspo.megatron import destroy_parallel, export_hf_state_dict
 from nemo_sspo.models import load_hf_checkpoint
 from nemo_sspo.trainer import loop, setup
+from nemo_sspo.trainer.policy import Policy
 from nemo_sspo.rollouts.worker import RolloutWorker
 from tests.distributed._split_world import dies_at_step, fit_side, resplit
 from tests.integration._loop_runs import TINY, ParityReward
@@ -45,13 +46,13 @@ _SEEN = []  # (step's response ids, rewards) of every prepare_batch call of this
 
 
 def _record_rollouts():
-    inner = loop.GRPOTrainer.prepare_batch
+    inner = Policy.prepare_batch
 
     def recorded(self, rollout, *args):
         _SEEN.append((rollout.batch.response_ids.clone(), rollout.rewards.clone()))
         return inner(self, rollout, *args)
 
-    loop.GRPOTrainer.prepare_batch = recorded
+    Policy.prepare_batch = recorded
 
 
 def _fit(cfg, tiny, split=None):

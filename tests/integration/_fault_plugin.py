@@ -25,6 +25,7 @@ from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSys
 
 from nemo_sspo.rewards import register_reward
 from nemo_sspo.trainer import loop
+from nemo_sspo.trainer.policy import Policy
 
 REWARD = "test_parity"  # tests.integration._loop_runs.PARITY_REWARD
 
@@ -60,13 +61,18 @@ def _signal_then_write(*args, **kwargs):
     return _write(*args, **kwargs)
 
 
-_update = loop.GRPOTrainer.update
+_train_step, _update = loop.GRPOTrainer.train_step, Policy.update
+_STEP = [0]  # the step in progress
+
+
+def _step_in_progress(self, step):
+    _STEP[0] = step
+    return _train_step(self, step)
 
 
 def _die_mid_step(self, batch):
-    step = self.completed_steps + 1  # the step in progress
     if (os.environ.get("RANK") == os.environ["NEMO_SSPO_TEST_FAULT_RANK"]
-            and step == int(os.environ["NEMO_SSPO_TEST_FAULT_STEP"]) and _first_time()):
+            and _STEP[0] == int(os.environ["NEMO_SSPO_TEST_FAULT_STEP"]) and _first_time()):
         os.kill(os.getpid(), signal.SIGKILL)
     return _update(self, batch)
 
@@ -74,4 +80,4 @@ def _die_mid_step(self, batch):
 if os.environ.get("NEMO_SSPO_TEST_FAULT") == "save_signal":
     FileSystemWriterAsync.write_preloaded_data = staticmethod(_signal_then_write)
 elif os.environ.get("NEMO_SSPO_TEST_FAULT") == "kill_rank":
-    loop.GRPOTrainer.update = _die_mid_step
+    loop.GRPOTrainer.train_step, Policy.update = _step_in_progress, _die_mid_step

@@ -72,7 +72,7 @@ def main(out: Path) -> None:
 
     from nemo_sspo.models import load_hf_checkpoint
     from nemo_sspo.parallel.world_split import split_launched_world
-    from nemo_sspo.trainer import loop
+    from nemo_sspo.trainer.policy import Policy
 
     split = split_launched_world(2, timeout=datetime.timedelta(seconds=120))
     tiny = load_hf_checkpoint("tiny-random-llama")
@@ -80,10 +80,10 @@ def main(out: Path) -> None:
     results = {"full": _run(split, tiny, [*wait, f"trainer.output_dir={out / 'full'}"])}
     step2 = out / "full" / "checkpoints" / "step_000002"
     results["resumed"] = _run(split, tiny, [*wait, f"trainer.output_dir={out / 'resumed'}", f"trainer.resume={step2}"])
-    inner = loop.GRPOTrainer.update
-    loop.GRPOTrainer.update = lambda self, batch: (time.sleep(UPDATE_DELAY_S), inner(self, batch))[1]
+    inner = Policy.update
+    Policy.update = lambda self, batch: (time.sleep(UPDATE_DELAY_S), inner(self, batch))[1]
     results["drop"] = _run(split, tiny, ["rollout.stale_policy=drop", f"trainer.output_dir={out / 'drop'}"])
-    loop.GRPOTrainer.update = inner
+    Policy.update = inner
     _slow_decoding()
     results["partial"] = _run(split, tiny, ["rollout.partial=true", "rollout.max_staleness=1", "trainer.max_steps=3",
                                             f"trainer.output_dir={out / 'partial'}"])
