@@ -55,7 +55,7 @@ from nemo_sspo.algorithms import (
     segment_ids,
     zero_variance_groups,
 )
-from nemo_sspo.algorithms.advantage_estimators import DCPO_SMOOTH, AdvantageInputs, get_advantage_estimator
+from nemo_sspo.algorithms.advantage_estimators import AdvantageInputs, get_advantage_estimator
 from nemo_sspo.algorithms.batch import PolicyBatch, concat_policy_batches, pack_critic_batch
 from nemo_sspo.algorithms.losses import make_policy_loss
 from nemo_sspo.algorithms.off_policy import effective_sample_size, off_policy_weights
@@ -112,6 +112,7 @@ from nemo_sspo.trainer.config import (
     ParallelConfig,
     TrainConfig,
     advantage_estimator_name,
+    advantage_normalize_std,
     at_key,
     build_loss_config,
     micro_batch_layout,
@@ -344,9 +345,7 @@ class GRPOTrainer:
         # R3: the engine's routes of this stage's MoE layers become the batch's routes.
         self.route_layers = stage_moe_layers(self.model) if cfg.model.router_replay == "r3" else None
         self.ref_model = self._build_reference(state_dict) if needs.reference_policy else None
-        # DCPO's smooth standardisation takes the place of advantage.name=group (checked at load).
-        self.estimator = DCPO_SMOOTH if needs.smooth_advantages else get_advantage_estimator(
-            advantage_estimator_name(cfg))
+        self.estimator = get_advantage_estimator(advantage_estimator_name(cfg))
         self.critic = self._build_critic(state_dict) if self.estimator.needs_critic else None
         self.is_generator = self.groups.mp_rank == 0 and split is None
         self.engine = self.reward = self.sampler = None
@@ -459,7 +458,7 @@ class GRPOTrainer:
         advantages, get 0).
         """
         group = self.cfg.rollout.samples_per_prompt
-        needs, estimator, g = self.loss.requirements, self.estimator, self.groups
+        estimator, g = self.estimator, self.groups
         value_logits = None
         if estimator.needs_critic:
             value_logits = self.critic.predict(self._critic_batch(rollout))
@@ -467,7 +466,8 @@ class GRPOTrainer:
                 return torch.zeros_like(rollout.rewards), {}
         # Groups with equal task rewards carry no signal whatever their shaped rewards (the
         # dynamic-sampling filter and its round-limit warning rely on this; config: reward).
-        inputs = AdvantageInputs(rollout.rewards, rollout.task_rewards, group, normalize_std=needs.normalize_std,
+        inputs = AdvantageInputs(rollout.rewards, rollout.task_rewards, group,
+                                 normalize_std=advantage_normalize_std(self.cfg),
                                  value_logits=value_logits, prompt_keys=rollout.prompt_keys,
                                  history=self.advantage_history)
         advantages, history = data_parallel_advantages(

@@ -25,7 +25,11 @@ runs before any process group exists, runs both and raises one ``ValueError`` li
 each naming the full key path and the fix.
 """
 
-from nemo_sspo.trainer.config.advantage_section import AdvantageConfig, advantage_estimator_name
+from nemo_sspo.trainer.config.advantage_section import (
+    AdvantageConfig,
+    advantage_estimator_name,
+    advantage_normalize_std,
+)
 from nemo_sspo.trainer.config.critic_section import CriticConfig
 from nemo_sspo.trainer.config.data_section import DataConfig
 from nemo_sspo.trainer.config.eval_section import EvalConfig
@@ -46,7 +50,8 @@ from nemo_sspo.trainer.config.rollout_section import (
 from nemo_sspo.trainer.config.rules import R3_ENGINES, RULES
 from nemo_sspo.trainer.config.train_config import TrainConfig, resolve_loss_settings, schema
 from nemo_sspo.trainer.config.trainer_section import LOGGERS, MlflowConfig, TrainerConfig, WandbConfig
-from nemo_sspo.trainer.config.unknown_keys import PEER_NAMES, RENAMED_KEYS, find_unknown_key, unknown_key_message
+from nemo_sspo.trainer.config.old_keys import RENAMED_KEYS, upgrade_saved_config
+from nemo_sspo.trainer.config.unknown_keys import PEER_NAMES, find_unknown_key, unknown_key_message
 from nemo_sspo.trainer.config.validation import check_model_layout, validate
 
 __all__ = [
@@ -83,6 +88,8 @@ __all__ = [
     "register_config_nodes",
     "resolve_loss_settings",
     "advantage_estimator_name",
+    "advantage_normalize_std",
+    "upgrade_saved_config",
     "schema",
     "at_key",
     "unknown_key_message",

@@ -24,10 +24,11 @@ class LossSection:
     are YAML files under ``nemo_sspo/conf/loss/`` (``loss=sspo_7b``)."""
     params: Any = field(default_factory=SSPOLossConfig)
     """That loss's own config dataclass (its schema comes with the group ``loss=<name>``; e.g.
-    ``loss.params.gamma``, ``aggregation``, ``segmentation``, ``kl_coef``). The trainer also reads ``segmentation`` / ``segment_k`` (segment
-    ids), ``advantage_std_normalisation`` (group advantages), ``kl_coef`` (> 0 keeps a frozen
-    reference policy) and the loss's ``advantage_source`` (``critic``: ``advantage.name`` resolves to
-    ``critic``, which trains the SPPO critic)."""
+    ``loss.params.gamma``, ``aggregation``, ``segmentation``, ``kl_coef``). The trainer also reads
+    ``segmentation`` / ``segment_k`` (segment ids), ``kl_coef`` (> 0 keeps a frozen reference policy)
+    and from the loss's record its ``advantage_source`` (``critic``: ``advantage.name`` resolves to
+    ``critic``, which trains the SPPO critic) and ``normalize_std`` (the default of
+    ``advantage.normalize_std``). The advantage settings are in section ``advantage``."""
 
 
     def problems(self, key: str) -> list[str]:

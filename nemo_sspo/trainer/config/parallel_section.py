@@ -79,6 +79,10 @@ class ParallelConfig:
                  f"{key}.context_parallel_size={cp!r} must be an integer >= 1 (1 = no context parallelism)"),
                 (self.output_chunk_size is None or self.output_chunk_size >= 1,
                  f"{key}.output_chunk_size must be >= 1, or null for Megatron's output layer"),
+                (not (isinstance(cp, int) and cp > 1) or not self.pack_sequences,
+                 f"{key}.context_parallel_size={cp} with {key}.pack_sequences=true is not supported: packed "
+                 "(THD) rows need a split per sequence (TransformerEngine's thd_get_partitioned_indices), not the "
+                 f"per-row split used here; set {key}.pack_sequences=false or {key}.context_parallel_size=1"),
                 (not self.sequence_parallel or self.tensor_model_parallel_size > 1,
                  f"{key}.sequence_parallel=true needs {key}.tensor_model_parallel_size > 1 (it splits the "
                  f"sequence over the tensor-parallel ranks); set {key}.sequence_parallel=false or raise "

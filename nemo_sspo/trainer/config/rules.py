@@ -15,6 +15,7 @@ from typing import Any, Callable
 
 from nemo_sspo.algorithms.advantage_estimators import AdvantageEstimator
 from nemo_sspo.algorithms.losses import LossRequirements
+from nemo_sspo.trainer.config.advantage_section import advantage_normalize_std
 from nemo_sspo.trainer.config.parallel_section import micro_batch_layout
 from nemo_sspo.trainer.config.train_config import TrainConfig
 
@@ -170,17 +171,19 @@ RULES: tuple[Rule, ...] = (
                       "group-relative advantages (only losses with advantage source 'critic', e.g. loss=sppo, read "
                       "it); remove advantage.name or choose loss=sppo",
          facts=("loss", "estimator")),
-    Rule(("advantage.name", "loss.params.smooth_advantages"),
-         lambda c, f: not f.loss.smooth_advantages or f.estimator.name == "group",
-         lambda c, f: "loss.params.smooth_advantages=true (DCPO's smooth standardisation of the group statistics) "
-                      f"with advantage.name={f.estimator.name!r}: the smooth standardisation replaces the group "
-                      "estimator; set advantage.name=group or loss.params.smooth_advantages=false",
+    Rule(("advantage.name", "advantage.normalize_std", "loss.name"),
+         lambda c, f: f.estimator.std != "always" or advantage_normalize_std(c),
+         lambda c, f: f"advantage.name={f.estimator.name!r} divides by a standard deviation, but "
+                      "advantage.normalize_std=false"
+                      + (f" (loss={c.loss.name}'s default)" if c.advantage.normalize_std is None else "")
+                      + " asks for none; set advantage.name=group (r - mean, as Dr. GRPO) or "
+                      "advantage.normalize_std=true",
          facts=("loss", "estimator")),
-    Rule(("advantage.name", "loss.params.advantage_std_normalisation"),
-         lambda c, f: f.estimator.std != "always" or f.loss.normalize_std,
-         lambda c, f: f"advantage.name={f.estimator.name!r} divides by a standard deviation, but loss.params."
-                      "advantage_std_normalisation=false asks for none; set advantage.name=group (r - mean, as "
-                      "Dr. GRPO) or loss.params.advantage_std_normalisation=true",
+    Rule(("advantage.name", "advantage.normalize_std", "loss.name"),
+         lambda c, f: f.estimator.std != "never" or c.advantage.normalize_std is None,
+         lambda c, f: f"advantage.normalize_std={c.advantage.normalize_std} is not read by advantage.name="
+                      f"{f.estimator.name!r} (it never divides by a standard deviation): remove "
+                      "advantage.normalize_std, or choose advantage.name=group (or dcpo_smooth)",
          facts=("loss", "estimator")),
     Rule(("rollout.samples_per_prompt", "advantage.name"),
          lambda c, f: c.rollout.samples_per_prompt >= f.estimator.min_group_size,
@@ -250,12 +253,6 @@ RULES: tuple[Rule, ...] = (
                       "values between the CP ranks), but model.transformer_impl='local': set "
                       "model.transformer_impl=transformer_engine (or auto on a GPU host with transformer-engine), "
                       "or parallel.context_parallel_size=1",
-         when=_cp_on),
-    Rule(("parallel.context_parallel_size", "parallel.pack_sequences"),
-         lambda c, f: not c.parallel.pack_sequences,
-         lambda c, f: f"{_cp_key(c)} with parallel.pack_sequences=true is not supported: packed (THD) rows need a "
-                      "split per sequence (TransformerEngine's thd_get_partitioned_indices), not the per-row split "
-                      "used here; set parallel.pack_sequences=false or parallel.context_parallel_size=1",
          when=_cp_on),
     Rule(("parallel.context_parallel_size", "model.router_replay", "model.router_aux_loss_coef"),
          lambda c, f: c.model.router_replay == "none" and c.model.router_aux_loss_coef == 0,

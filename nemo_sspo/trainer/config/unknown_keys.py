@@ -11,16 +11,10 @@ from typing import Any, get_type_hints
 
 from nemo_sspo.algorithms.losses import build_policy_loss_config
 from nemo_sspo.algorithms.losses.loss_registry import losses_with_field
+from nemo_sspo.trainer.config.old_keys import RENAMED_KEYS
 from nemo_sspo.trainer.config.train_config import TrainConfig
 
-__all__ = ["PEER_NAMES", "RENAMED_KEYS", "find_unknown_key", "unknown_key_message"]
-
-RENAMED_KEYS = {
-    "rollout.tis_cap": "use rollout.correction=token_tis with rollout.correction_cap=C (the same weight "
-                       "min(pi_old / pi_rollout, C))",
-}
-"""Keys of earlier releases and what replaced them (the error an old config gets at load)."""
-
+__all__ = ["PEER_NAMES", "find_unknown_key", "unknown_key_message"]
 
 PEER_NAMES = {"learning_rate": "lr", "max_lr": "lr", "warmup_steps": "lr_warmup_steps",
               "lr_warmup_iters": "lr_warmup_steps", "lr_decay_style": "lr_schedule", "lr_decay_iters": "lr_decay_steps"}
