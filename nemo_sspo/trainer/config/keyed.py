@@ -1,31 +1,12 @@
 """How the config layer puts YAML key paths on problems: :func:`at_key` for a lower layer's check,
-:func:`failed` for a section's own list of checks, :class:`Choice` for the ``str`` enums of string settings.
+:func:`failed` for a section's own list of checks.
 """
 
 from __future__ import annotations
 
-import enum
-
 from typing import Any, Callable
 
-__all__ = ["Choice", "at_key", "failed", "problems_at_key"]
-
-
-class Choice(enum.StrEnum):
-    """A string setting's valid values (member names equal their values).
-
-    OmegaConf refuses any other value at load and lists the valid ones; a member is a ``str``, so
-    it compares, hashes and formats as its value (``repr`` too, so messages read ``'separate'``).
-    """
-
-    def __repr__(self) -> str:
-        """The value's ``repr`` (``'colocated'``), as the plain string's."""
-        return repr(self.value)
-
-    @classmethod
-    def values(cls) -> tuple[str, ...]:
-        """The valid values in declaration order."""
-        return tuple(member.value for member in cls)
+__all__ = ["at_key", "failed", "problems_at_key"]
 
 
 def at_key(prefix: str, call: Callable[[], Any]) -> Any:
