@@ -1,4 +1,4 @@
-"""Advantage estimators: the plug-in point ``advantage.name``, and the built-in four.
+"""Advantage estimators: the plug-in point ``advantage.name``, and the built-in five.
 
 An estimator turns one step's scalar rewards into one advantage per response (shared by every token
 of it). It declares a *scope*, the set of responses whose statistics it reads, one of
@@ -21,7 +21,7 @@ Built-ins (B rows, G responses per prompt, prompt k owning rows ``k G .. k G + G
 
 - ``group``: GRPO's group-normalised advantage (``group_advantages``; DeepSeekMath arXiv 2402.03300
   sec. 4.1.2), ``(r_i - mean_g r) / (std_g r + eps)`` with the population std, or ``r_i - mean_g r``
-  when the loss sets ``advantage_std_normalisation: false`` (Dr. GRPO, arXiv 2503.20783).
+  when the std switch is off (``normalize_std``; Dr. GRPO's default, arXiv 2503.20783).
 - ``leave_one_out``: RLOO (Ahmadian et al. 2024, "Back to Basics: Revisiting REINFORCE Style
   Optimization for Learning from Human Feedback in LLMs", arXiv 2402.14740: the RLOO estimator, whose
   baseline for sample i is the mean reward of the other k - 1 samples, after Kool et al. 2019):
@@ -46,8 +46,7 @@ gives per-group values (``group_values``: ``[P_local, K]``), the host gathers ev
 step in slot order with their prompt keys (:class:`StepGroups`, ``ScopeStats.step_groups``), passes the
 history before the step (``AdvantageInputs.history``) and keeps what ``next_history`` returns (the same
 on every rank, saved in checkpoints). DCPO's smooth standardisation is such an estimator,
-:data:`DCPO_SMOOTH` (``loss.params.smooth_advantages`` selects it in place of ``group``; formula in
-:mod:`nemo_sspo.algorithms.advantages`).
+:data:`DCPO_SMOOTH`, registered as ``dcpo_smooth`` (formula in :mod:`nemo_sspo.algorithms.advantages`).
 """
 
 from __future__ import annotations
@@ -90,8 +89,8 @@ ADVANTAGE_SCOPES = ("group", "optimizer_batch", "step")
 """What an estimator's statistics range over (module docstring)."""
 
 STD_RULES = ("switch", "always", "never")
-"""How an estimator treats the loss's ``advantage_std_normalisation``: reads it (``switch``), always
-divides by a std (``always``: the switch must be on), or never does (``never``: the switch is unread)."""
+"""How an estimator treats the std switch ``normalize_std``: reads it (``switch``), always divides by
+a std (``always``: the switch must be on), or never does (``never``: the switch is unread)."""
 
 EPS = 1e-6
 """Added to a std in a denominator (as ``group_advantages``)."""
@@ -105,7 +104,7 @@ class AdvantageInputs:
         rewards: ``[B]`` float, the task reward plus any shaping, rows grouped by prompt.
         task_rewards: ``[B]`` float, the reward function's own scores (decide which groups carry a signal).
         group_size: G, responses per prompt (``B % G == 0``).
-        normalize_std: the loss's ``advantage_std_normalisation`` (read by ``std="switch"`` estimators).
+        normalize_std: the std switch (read by ``std="switch"`` estimators).
         value_logits: ``[B / G]`` the critic's V(x) per prompt, for estimators with ``needs_critic``; else None.
         prompt_keys: ``B / G`` stable keys of the groups' prompts, for estimators with ``group_values``.
         history: key -> the prompt's statistics before this step, for estimators with ``next_history``
@@ -465,11 +464,9 @@ def _dcpo_smooth(inputs: AdvantageInputs, stats: ScopeStats) -> torch.Tensor:
     return torch.cat(rows)
 
 
-DCPO_SMOOTH = AdvantageEstimator("dcpo_smooth", "step", _dcpo_smooth, masks_equal_groups=False, std="switch",
-                                 group_values=_group_mean_std, next_history=lambda groups, history: _visits(
-                                     groups, history)[1])
-"""DCPO's smooth standardisation (arXiv 2509.02333 sec. 4.2) as a history-keeping estimator: not a
-registered name; a host uses it in place of ``group`` when the loss asks for the smooth standardisation
-(``LossRequirements.smooth_advantages``).
+DCPO_SMOOTH = register_advantage_estimator(AdvantageEstimator(
+    "dcpo_smooth", "step", _dcpo_smooth, masks_equal_groups=False, std="switch", group_values=_group_mean_std,
+    next_history=lambda groups, history: _visits(groups, history)[1]))
+"""DCPO's smooth standardisation (arXiv 2509.02333 sec. 4.2) as a history-keeping estimator, registered
+as ``dcpo_smooth``: the group statistics of each prompt mixed with those of its earlier visits.
 Groups whose rewards are all equal keep ``z_cum`` (DCPO's point), so ``masks_equal_groups`` is off."""
-_check_estimator(DCPO_SMOOTH)

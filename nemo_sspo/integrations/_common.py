@@ -186,10 +186,6 @@ def check_host_config(loss: BoundPolicyLoss, *, host: str, kl_hint: str, entropy
     if needs.reference_policy and not reference_logprobs:
         raise ValueError(f"{name}.kl_coef={config.kl_coef}: the {host} adapter passes no reference "
                          f"log-probs to the loss, so set kl_coef=0 here. {kl_hint}")
-    if needs.smooth_advantages:
-        raise ValueError(f"{name}.smooth_advantages=True: the {host} adapter receives the host's advantages "
-                         "and keeps no per-prompt reward history, so set smooth_advantages=false here and "
-                         "compute DCPO's smooth advantages in the host")
     if needs.current_entropy:
         raise ValueError(f"{name}.entropy_coef={config.entropy_coef}: the {host} adapter passes no "
                          f"current-policy entropy to the loss, so set entropy_coef=0 here. "

@@ -20,7 +20,7 @@ JSON environment variable ``NEMO_SSPO_VERL_LOSS_ARGS``, which
 ``clip_ratio*``, ``clip_ratio_c`` and ``tau_*`` are not read (their meaning differs between our
 losses, e.g. DCPO's eps are probability budgets). verl decides the reduction
 (``loss_agg_mode``) and the advantages (``algorithm.norm_adv_by_std_in_grpo``), so
-:func:`register` rejects ``aggregation`` and ``advantage_std_normalisation`` in ``loss_args``; for
+:func:`register` rejects ``aggregation`` in ``loss_args`` (a loss config has no advantage setting); for
 ``nemo_sspo_dr_grpo`` set ``loss_agg_mode=seq-mean-token-sum-norm`` and
 ``algorithm.norm_adv_by_std_in_grpo=false`` in verl. Reference KL and entropy bonus are verl's
 (``use_kl_loss``/``kl_loss_coef``, ``entropy_coeff``): ``kl_coef``/``entropy_coef`` > 0 are
@@ -112,8 +112,6 @@ _VERL_OWNED_FIELDS = {
     "aggregation": "verl reduces every policy loss with its own "
                    "actor_rollout_ref.actor.loss_agg_mode (e.g. 'seq-mean-token-sum-norm' for "
                    "Dr. GRPO's constant denominator), so a loss's aggregation is never read",
-    "advantage_std_normalisation": "verl computes advantages before the loss "
-                                   "(algorithm.norm_adv_by_std_in_grpo)",
 }
 """Config fields verl decides itself; :func:`register` rejects them in ``loss_args``."""
 
@@ -239,8 +237,7 @@ def register(loss_args: Mapping[str, Mapping[str, Any]] | None = None) -> list[s
         ImportError: verl is not installed (says how to install it).
         ValueError: unknown loss name, unknown field or invalid value (each config is built
             once here so errors show at start-up); a field verl decides itself (``aggregation``:
-            verl's ``loss_agg_mode``; ``advantage_std_normalisation``: verl's
-            ``algorithm.norm_adv_by_std_in_grpo``); ``kl_coef`` / ``entropy_coef`` > 0 (verl
+            verl's ``loss_agg_mode``); ``kl_coef`` / ``entropy_coef`` > 0 (verl
             passes neither reference log-probs nor entropy to a policy loss: use verl's
             ``use_kl_loss`` / ``kl_loss_coef`` and ``entropy_coeff``); or a name clash with a loss
             verl registered.

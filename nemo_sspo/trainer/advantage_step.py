@@ -4,7 +4,7 @@
 are split into mini- and micro-batches (:meth:`AdvantageStep.compute`), summing the estimator's
 scope statistics over the data-parallel ranks
 (:func:`nemo_sspo.parallel.advantage_scope.data_parallel_advantages`). It keeps the per-prompt
-reward history of a history-keeping estimator (DCPO's smooth standardisation, or a plug-in's), the
+reward history of a history-keeping estimator (DCPO's ``dcpo_smooth``, or a plug-in's), the
 same on every rank and saved in checkpoints (:meth:`AdvantageStep.history_state`).
 """
 
@@ -30,12 +30,13 @@ class AdvantageStep:
     """The step's advantages (module docstring).
 
     Args:
-        estimator: the advantage estimator (``advantage.name``, or DCPO's smooth standardisation).
+        estimator: the advantage estimator (``advantage.name``).
         groups: this rank's parallel groups.
         group_size: responses per prompt (``rollout.samples_per_prompt``).
         minibatches: optimizer steps per step (``trainer.minibatches_per_step``; the scope of a
             mini-batch-scoped estimator).
-        normalize_std: divide by the group's reward std (the loss's setting).
+        normalize_std: divide by the group's reward std (``advantage.normalize_std``, null resolved to
+            the loss's default).
         critic: the SPPO critic the ``critic`` estimator reads V(prompt) from, or None.
         pad_id: the tokenizer's pad id (the critic's prompt batch).
 

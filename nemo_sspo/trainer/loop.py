@@ -20,8 +20,8 @@ Rollouts are generated one prompt group per ``generate`` call, seeded by (seed, 
 round, global prompt index) (:mod:`nemo_sspo.rollouts.sampling`), so the samples do not depend on
 how prompts are split over data-parallel ranks: the same seed and config give the same first step
 for any TP x PP x DP layout. What the loss asks of the step is in its requirements
-(:class:`nemo_sspo.algorithms.losses.PolicyLossConfig`): the segmentation, the advantage's std
-normalisation, DCPO's smoothed advantages, a frozen reference for ``kl_coef > 0``. Around the steps:
+(:class:`nemo_sspo.algorithms.losses.PolicyLossConfig`): the segmentation, the default of
+``advantage.normalize_std``, a frozen reference for ``kl_coef > 0``. Around the steps:
 evaluation every ``eval.every_n_steps`` (:mod:`nemo_sspo.trainer.periodic_eval`), resumable
 checkpoints (:mod:`nemo_sspo.trainer.checkpoint`) and the final Hugging Face export.
 """
@@ -37,7 +37,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from nemo_sspo.algorithms.advantage_estimators import DCPO_SMOOTH, get_advantage_estimator
+from nemo_sspo.algorithms.advantage_estimators import get_advantage_estimator
 from nemo_sspo.algorithms.losses import make_policy_loss
 from nemo_sspo.evaluation import MEAN_KEY
 from nemo_sspo.megatron import ParallelGroups
@@ -56,7 +56,13 @@ from nemo_sspo.trainer.checkpoint import (
     resolve_resume,
     save_checkpoint,
 )
-from nemo_sspo.trainer.config import TrainConfig, advantage_estimator_name, build_loss_config, micro_batch_layout
+from nemo_sspo.trainer.config import (
+    TrainConfig,
+    advantage_estimator_name,
+    advantage_normalize_std,
+    build_loss_config,
+    micro_batch_layout,
+)
 from nemo_sspo.trainer.device import check_host
 from nemo_sspo.trainer.interrupt import deferred_signals
 from nemo_sspo.trainer.metric_log import MetricsLogger
@@ -114,12 +120,12 @@ class GRPOTrainer:
         model, optimizer, scheduler = setup.build_policy(cfg, self.hf_config, state_dict)
         self.model, self.optimizer = model, optimizer
         self.ref_model = setup.build_reference(cfg, self.hf_config, state_dict) if needs.reference_policy else None
-        estimator = DCPO_SMOOTH if needs.smooth_advantages else get_advantage_estimator(advantage_estimator_name(cfg))
+        estimator = get_advantage_estimator(advantage_estimator_name(cfg))
         self.critic = (setup.build_critic(cfg, self.hf_config, state_dict, self.tokenizer)
                        if estimator.needs_critic else None)
         pad_id = self.tokenizer.pad_token_id
         self.advantages = AdvantageStep(estimator, groups, group_size=cfg.rollout.samples_per_prompt,
-                                        minibatches=tr.minibatches_per_step, normalize_std=needs.normalize_std,
+                                        minibatches=tr.minibatches_per_step, normalize_std=advantage_normalize_std(cfg),
                                         critic=self.critic, pad_id=pad_id)
         self.progress = StepProgress(enabled=dist.get_rank() == 0, interval_s=tr.progress_interval_s,
                                      total_steps=tr.max_steps)
@@ -300,9 +306,9 @@ class GRPOTrainer:
         self.completed_steps = self.engine_step = state.step
         self.best = BestEval(state.best_eval_mean, state.best_eval_step)
         if not self.advantages.restore_history(state.advantage_history) and dist.get_rank() == 0:
-            logger.warning("checkpoint %s holds no per-prompt reward history (written without "
-                           "loss.params.smooth_advantages or a history-keeping advantage.name): every "
-                           "prompt restarts at its first visit", path)
+            logger.warning("checkpoint %s holds no per-prompt reward history (written without a "
+                           "history-keeping advantage.name such as dcpo_smooth): every prompt restarts at its "
+                           "first visit", path)
         self.source.start(state.step, state.problems_drawn, state.rollout_positions)  # the restored weights
         if dist.get_rank() == 0:
             logger.warning("resumed from %s after step %d", path, state.step)

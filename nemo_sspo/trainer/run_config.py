@@ -10,6 +10,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from nemo_sspo.trainer.config import upgrade_saved_config
+
 __all__ = [
     "RESUME_KEYS",
     "RUN_CONFIG_FILE",
@@ -59,13 +61,14 @@ def write_config(folder: str | Path, config: dict[str, Any]) -> Path:
 
 
 def read_config(folder: str | Path) -> dict[str, Any] | None:
-    """``folder/config.yaml`` as nested dicts, or None when the folder has none (a checkpoint written
-    before configs were saved).
+    """``folder/config.yaml`` as nested dicts in today's layout (an earlier release's keys translated:
+    :func:`~nemo_sspo.trainer.config.upgrade_saved_config`), or None when the folder has none (a
+    checkpoint written before configs were saved).
     """
     from omegaconf import OmegaConf
 
     path = Path(folder) / RUN_CONFIG_FILE
-    return OmegaConf.to_container(OmegaConf.load(path)) if path.is_file() else None
+    return upgrade_saved_config(OmegaConf.to_container(OmegaConf.load(path))) if path.is_file() else None
 
 
 def _flatten(tree: Any, prefix: str = "") -> dict[str, Any]:

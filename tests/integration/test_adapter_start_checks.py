@@ -46,8 +46,7 @@ def nemo_rl(monkeypatch):
 _BAD = [("dr_grpo", None, r"max_response_length"),
         ("grpo", {"kl_coef": 0.1}, r"kl_coef=0.1.*no reference log-probs"),
         ("grpo", {"entropy_coef": 0.01}, r"entropy_coef=0.01"),
-        ("sspo", None, r"tables="),
-        ("dcpo", {"smooth_advantages": True}, r"smooth_advantages=True.*no per-prompt reward history")]
+        ("sspo", None, r"tables=")]
 # NeMo-RL passes reference_policy_logprobs, so kl_coef > 0 is runnable there.
 _BAD_NEMO_RL = [case for case in _BAD if "kl_coef" not in (case[1] or {})]
 
@@ -122,7 +121,6 @@ def test_verl_float_segment_ids():
     ({"sspo": {"kl_coef": 0.1}}, r"use_kl_loss"),
     ({"grpo": {"entropy_coef": 0.01}}, r"entropy_coeff"),
     ({"sspo": {"aggregation": "token-mean"}}, r"loss_agg_mode"),
-    ({"dr_grpo": {"advantage_std_normalisation": True}}, r"norm_adv_by_std_in_grpo"),
 ])
 def test_verl_register_rejects_unrunnable_settings(args, match):
     pytest.importorskip("verl.trainer.ppo.core_algos")

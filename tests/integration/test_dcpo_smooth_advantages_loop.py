@@ -1,4 +1,4 @@
-"""DCPO's smooth advantage standardisation in the loop (``loss=dcpo loss.params.smooth_advantages=true``).
+"""DCPO's smooth advantage standardisation in the loop (``loss=dcpo advantage.name=dcpo_smooth``).
 
 A pool of 2 problems and 2 prompt groups per step visits each problem once per step, so step s is
 visit s of both. The per-prompt history must (a) survive a checkpoint: a run resumed from step 2
@@ -18,7 +18,7 @@ from nemo_sspo.models import load_hf_checkpoint
 from nemo_sspo.trainer.checkpoint import STATE_FILE
 from tests.integration._loop_runs import generate, make_trainer, observe, run
 
-SMOOTH = ["loss=dcpo", "loss.params.smooth_advantages=true", "data.options.pool_size=2"]
+SMOOTH = ["loss=dcpo", "advantage.name=dcpo_smooth", "data.options.pool_size=2"]
 
 
 def _record_advantages(store):

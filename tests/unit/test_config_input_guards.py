@@ -67,8 +67,8 @@ def test_misspelt_param_names_field_lists_valid_and_suggests():
         build_policy_loss_config("grpo", {"kl_coeff": 0.05}, where="loss.params")
     msg = str(err.value)
     assert "loss.params.kl_coeff" in msg and "did you mean 'kl_coef'" in msg
-    # PolicyLossConfig's four fields, then GRPOLossConfig's own three, in declaration order.
-    assert msg.endswith("Valid fields: aggregation, advantage_std_normalisation, kl_coef, kl_estimator, "
+    # PolicyLossConfig's three fields, then GRPOLossConfig's own three, in declaration order.
+    assert msg.endswith("Valid fields: aggregation, kl_coef, kl_estimator, "
                         "entropy_coef, eps_low, eps_high, dual_clip_c")
     assert "loss.name" not in msg  # kl_coeff is no other loss's field: no group hint
 

@@ -66,7 +66,7 @@ def test_dr_grpo_constant_denominator_hand_values():
     # d loss_t / d logprob_t = -r A for unclipped tokens, divided by L_max * responses = 10.
     expected = torch.tensor([[-0.11, 0.0, 0, 0], [0.0, 0.15, 0.1, 0.1]])
     assert torch.allclose(grad, expected, atol=1e-6)
-    assert get_policy_loss("dr_grpo").config_cls().advantage_std_normalisation is False
+    assert get_policy_loss("dr_grpo").normalize_std is False
     assert metrics["policy/clipfrac_tokens"].as_tensor().tolist() == [2.0, 6.0]
 
 

@@ -56,7 +56,6 @@ def test_registry_holds_the_family():
         assert (record.unit is None) == hasattr(config, "segmentation"), name
         assert isinstance(loss.requirements.segmentation, str)
         assert loss.requirements.segmentation == (record.unit or config.segmentation)
-        assert config.advantage_std_normalisation in (True, False)
         # Each config names its source: a paper (LPO: the Ling 2.0 report, arXiv 2510.22115), or
         # says the method is ours.
         assert "arXiv" in config_cls.__doc__ or "ours" in config_cls.__doc__, name
@@ -200,7 +199,6 @@ def test_entropy_band_edges_are_left_closed():
     (lambda: GRPOLossConfig(kl_estimator="k4"), r"kl_estimator='k4'"),
     (lambda: GRPOLossConfig(kl_coef=-1.0), r"kl_coef=-1.0"),
     (lambda: GRPOLossConfig(entropy_coef=-0.1), r"entropy_coef=-0.1"),
-    (lambda: GRPOLossConfig(advantage_std_normalisation="yes"), "advantage_std_normalisation"),
     (lambda: SSPOLossConfig(segmentation="paragraph"), r"segmentation='paragraph'; valid"),
     (lambda: SSPOLossConfig(segmentation="fixed_k"), r"segment_k=None: segmentation 'fixed_k'"),
     (lambda: SSPOFixedClipConfig(segment_k=4), r"segment_k=4 is only read"),

@@ -464,7 +464,7 @@ def test_compute_policy_loss_applies_each_losss_aggregation(name, params, expect
 
 def test_requirements_read_from_the_registry():
     assert make_policy_loss("sspo").requirements == LossRequirements(
-        segmentation="newline", segment_k=None, advantage_source="group", normalize_std=True, smooth_advantages=False,
+        segmentation="newline", segment_k=None, advantage_source="group", normalize_std=True,
         reference_policy=False, current_entropy=False, old_entropy=True)
     assert make_policy_loss("sppo").requirements.advantage_source == "critic"
     assert make_policy_loss("dr_grpo").requirements.normalize_std is False

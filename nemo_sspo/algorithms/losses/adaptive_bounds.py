@@ -25,9 +25,9 @@ compare).
 
 DCPO's smooth advantage standardisation (paper section 4.2, code ``compute_dcpo_outcome_advantage``;
 ``nemo_sspo.algorithms.advantages.smooth_group_advantages``) mixes each prompt's current-step group
-statistics with its statistics accumulated over all earlier visits. ``smooth_advantages`` switches
-it on; the trainer then keeps the per-prompt history (the same on every data-parallel rank, saved in
-checkpoints). Off by default, as shipped: run_base.sh passes
+statistics with its statistics accumulated over all earlier visits. It is an advantage estimator
+(``dcpo_smooth``, ``nemo_sspo.algorithms.advantage_estimators.DCPO_SMOOTH``), not a field of the
+loss: a host selects it and keeps the per-prompt history. Not this loss's default, as shipped: run_base.sh passes
 ``reward_model.use_old_mean.enable=${USE_OLD_MEAN_ENABLE:-False}`` and run_dcpo.sh never sets it,
 so the shipped run's advantages are the plain group z-scores; the paper's SAS results need it on.
 """
@@ -102,14 +102,9 @@ class DCPOLossConfig(PolicyLossConfig):
     """Dual-clip constant c > 1 for A < 0 tokens (run_dcpo.sh: clip_ratio_c 10); None disables."""
     aggregation: str = "token-mean"
     """The code's "only-token-mean" (module docstring)."""
-    smooth_advantages: bool = False
-    """Smooth advantage standardisation over each prompt's visits (module docstring; the code's
-    ``reward_model.use_old_mean.enable``, False in the shipped run); needs >= 2 samples per prompt."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if not isinstance(self.smooth_advantages, bool):
-            raise config_error(self, f"smooth_advantages={self.smooth_advantages!r} must be true or false")
         check_eps(self, "eps_low", "eps_high")
         check_dual_clip(self)
         if self.ratio_max < 1.0:

@@ -98,11 +98,6 @@ class PolicyLossConfig:
 
     aggregation: str = "seq-mean-token-mean"
     """Reduction mode passed to ``aggregate`` (one of ``AGGREGATION_MODES``)."""
-    advantage_std_normalisation: bool = True
-    """Read by the trainer: divide group-centred rewards by the group std (GRPO) or not (Dr. GRPO);
-    passed as ``group_advantages(..., normalize_std=...)`` by the ``group`` advantage estimator (and
-    DCPO's smooth standardisation). ``batch_std`` needs it true; ``leave_one_out`` and ``critic`` do
-    not read it (``nemo_sspo.algorithms.advantage_estimators.STD_RULES``)."""
     kl_coef: float = 0.0
     """Weight of the per-token KL(pi_theta || pi_ref) penalty; > 0 needs ``ref_logprobs``."""
     kl_estimator: str = "k3"
@@ -123,9 +118,6 @@ class PolicyLossConfig:
                     if renamed else "")
             raise config_error(self, f"aggregation={self.aggregation!r}{hint}; valid modes: "
                                      f"{AGGREGATION_MODES}")
-        if not isinstance(self.advantage_std_normalisation, bool):
-            raise config_error(self, f"advantage_std_normalisation="
-                                     f"{self.advantage_std_normalisation!r} must be true or false")
         if self.kl_estimator not in KL_ESTIMATORS:
             raise config_error(self, f"kl_estimator={self.kl_estimator!r}; valid: {KL_ESTIMATORS}")
         if self.kl_coef < 0.0 or self.entropy_coef < 0.0:

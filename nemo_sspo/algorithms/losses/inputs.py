@@ -131,14 +131,13 @@ class LossRequirements:
         segment_k: tokens per segment for "fixed_k", else None.
         advantage_source: "group" (group-relative advantages) or "critic" (SPPO's learned
             prompt value: A = r - sigmoid(V)).
-        normalize_std: divide group-centred rewards by the group std (``group_advantages``).
+        normalize_std: the loss's default for dividing group-centred rewards by the group std
+            (``group_advantages``; a host's own setting may override it).
         reference_policy: keep a frozen reference policy and pass ``ref_logprobs``.
         current_entropy: pass the current-policy entropy ``entropy`` (entropy bonus).
         old_entropy: the loss reads ``old_entropy`` (SSPO's bounds); others only report it.
         dynamic_sampling: the method refills prompt groups whose rewards are all equal (DAPO,
             arXiv 2503.14476 section 3.2); the trainer does so unless its config says otherwise.
-        smooth_advantages: group advantages by DCPO's smooth standardisation over each prompt's
-            visits (``smooth_group_advantages``); the host keeps the per-prompt history.
     """
 
     segmentation: str
@@ -149,7 +148,6 @@ class LossRequirements:
     current_entropy: bool
     old_entropy: bool
     dynamic_sampling: bool = False
-    smooth_advantages: bool = False
 
     @property
     def needs_segment_ids(self) -> bool:

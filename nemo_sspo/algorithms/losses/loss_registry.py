@@ -56,6 +56,8 @@ class LossRecord:
         advantage_source: one of :data:`ADVANTAGE_SOURCES`.
         reads_old_entropy: the objective reads ``LossInputs.old_entropy``.
         dynamic_sampling: the method refills zero-variance prompt groups (DAPO).
+        normalize_std: the method divides group-centred rewards by the group std (GRPO: True;
+            Dr. GRPO: False); the host's default for its advantage estimator's std switch.
     """
 
     name: str
@@ -65,6 +67,7 @@ class LossRecord:
     advantage_source: str = "group"
     reads_old_entropy: bool = False
     dynamic_sampling: bool = False
+    normalize_std: bool = True
 
     def requirements(self, config: PolicyLossConfig) -> LossRequirements:
         """The host-facing needs of this loss under ``config``."""
@@ -72,8 +75,7 @@ class LossRecord:
             segmentation=self.unit or config.segmentation,
             segment_k=getattr(config, "segment_k", None),
             advantage_source=self.advantage_source,
-            normalize_std=config.advantage_std_normalisation,
-            smooth_advantages=getattr(config, "smooth_advantages", False),
+            normalize_std=self.normalize_std,
             reference_policy=config.kl_coef > 0,
             current_entropy=config.entropy_coef > 0,
             old_entropy=self.reads_old_entropy,

@@ -30,7 +30,7 @@ Losses on this engine (segment unit / bounds / aggregation):
   / seq-mean-token-mean.
 - ``dr_grpo`` (arXiv 2503.20783 section 3.2): as grpo with the constant denominator L_max
   ("constant-denominator") and advantages without std normalisation
-  (``advantage_std_normalisation = False``, read by the trainer).
+  (its record's ``normalize_std=False``, the host's default for the advantage's std switch).
 - ``dapo`` (arXiv 2503.14476 eq. 8): token / clip-higher [0.8, 1.28] / token-mean. Its record
   asks the host for dynamic sampling (``LossRequirements.dynamic_sampling``); the refill and the
   overlong shaping are in ``nemo_sspo.algorithms.dynamic_sampling`` and
@@ -285,8 +285,6 @@ class DrGRPOLossConfig(PolicyLossConfig):
 
     aggregation: str = "constant-denominator"
     """Sum of token losses / L_max per response, averaged over responses (section 3.2)."""
-    advantage_std_normalisation: bool = False
-    """Dr. GRPO drops the group-std division of the advantage (A = r - mean_g r)."""
     eps_low: float = 0.2
     """Lower clip: the ratio is clipped below at 1 - eps_low (GRPO's)."""
     eps_high: float = 0.2
@@ -434,7 +432,7 @@ def _fixed_clip_dual(config) -> RatioEngine:
 
 for _record in (
     LossRecord("grpo", GRPOLossConfig, _fixed_clip_dual, unit="token"),
-    LossRecord("dr_grpo", DrGRPOLossConfig, _fixed_clip_dual, unit="token"),
+    LossRecord("dr_grpo", DrGRPOLossConfig, _fixed_clip_dual, unit="token", normalize_std=False),
     LossRecord("dapo", DAPOLossConfig, _fixed_clip_dual, unit="token", dynamic_sampling=True),
     LossRecord("gspo", GSPOLossConfig, _fixed_clip, unit="response"),
     LossRecord("gspo_token", GSPOLossConfig,

@@ -1,0 +1,98 @@
+"""Typed configuration of a GRPO-family training run.
+
+Each section is a dataclass in its own module (``model_section``, ``parallel_section``, ``data_section``,
+``rollout_section`` with ``rollout.vllm``, ``reward_section``, ``optim_section``, ``loss_section``,
+``advantage_section``, ``critic_section``, ``trainer_section`` with the trackers' sections,
+``eval_section``), composed into :class:`TrainConfig` (``train_config``) and registered in Hydra's
+ConfigStore (``nodes``); the YAML files under ``nemo_sspo/conf/`` are merged onto
+``OmegaConf.structured(TrainConfig)``, so a misspelt key or a wrong type fails when the config is
+loaded (``unknown_keys`` says which key was meant). Two sections take their schema from the layer
+that reads them: ``loss.params`` is the selected loss's own config dataclass (group ``loss``: node
+``<name>`` per registered loss) and ``data.options`` the selected source's options dataclass (group
+``data``: ``<source>_schema``), so every loss and source field can be overridden without Hydra's ``+``.
+
+What the defaults mean: every default is the CPU demo's setting (``nemo-sspo train`` runs SmolLM2-135M
+on generated word problems, one process, about 15 minutes on 2 cores), so ``conf/sspo_smollm2_cpu.yaml``
+only selects groups. Sections the demo leaves off keep what their feature needs when it is turned
+on: ``eval`` is the paper's benchmark protocol (five benchmarks, greedy, 3,000 tokens), ``rollout.vllm``
+a GPU engine. The loss defaults are each method's primary source (the method's definition, not a
+run size). The paper-scale settings are in ``conf/recipe/``.
+
+Every default lives in its section's module (or on the loss / source dataclass), once. A section's
+own invariants are its ``problems`` method; the invariants across sections are the ordered list
+:data:`~nemo_sspo.trainer.config.rules.RULES`. :func:`validate`, which :func:`nemo_sspo.cli.load_config`
+runs before any process group exists, runs both and raises one ``ValueError`` listing every problem,
+each naming the full key path and the fix.
+"""
+
+from nemo_sspo.trainer.config.advantage_section import (
+    AdvantageConfig,
+    advantage_estimator_name,
+    advantage_normalize_std,
+)
+from nemo_sspo.trainer.config.critic_section import CriticConfig
+from nemo_sspo.trainer.config.data_section import DataConfig
+from nemo_sspo.trainer.config.eval_section import EvalConfig
+from nemo_sspo.trainer.config.keyed import at_key
+from nemo_sspo.trainer.config.loss_section import LossSection, build_loss_config
+from nemo_sspo.trainer.config.model_section import OUTPUT_LAYER_PRECISIONS, ModelConfig
+from nemo_sspo.trainer.config.nodes import register_config_nodes
+from nemo_sspo.trainer.config.optim_section import LR_SCHEDULES, OptimConfig
+from nemo_sspo.trainer.config.parallel_section import ParallelConfig, micro_batch_layout
+from nemo_sspo.trainer.config.reward_section import RewardConfig
+from nemo_sspo.trainer.config.rollout_section import (
+    PLACEMENTS,
+    STALE_POLICIES,
+    STALENESS_SCHEDULES,
+    RolloutConfig,
+    VLLMConfig,
+)
+from nemo_sspo.trainer.config.rules import R3_ENGINES, RULES
+from nemo_sspo.trainer.config.train_config import TrainConfig, resolve_loss_settings, schema
+from nemo_sspo.trainer.config.trainer_section import LOGGERS, MlflowConfig, TrainerConfig, WandbConfig
+from nemo_sspo.trainer.config.old_keys import RENAMED_KEYS, upgrade_saved_config
+from nemo_sspo.trainer.config.unknown_keys import PEER_NAMES, find_unknown_key, unknown_key_message
+from nemo_sspo.trainer.config.validation import check_model_layout, validate
+
+__all__ = [
+    "ModelConfig",
+    "ParallelConfig",
+    "DataConfig",
+    "RolloutConfig",
+    "VLLMConfig",
+    "EvalConfig",
+    "RewardConfig",
+    "OptimConfig",
+    "LossSection",
+    "AdvantageConfig",
+    "CriticConfig",
+    "TrainerConfig",
+    "TrainConfig",
+    "LOGGERS",
+    "LR_SCHEDULES",
+    "OUTPUT_LAYER_PRECISIONS",
+    "PEER_NAMES",
+    "PLACEMENTS",
+    "R3_ENGINES",
+    "RENAMED_KEYS",
+    "RULES",
+    "STALENESS_SCHEDULES",
+    "STALE_POLICIES",
+    "WandbConfig",
+    "MlflowConfig",
+    "validate",
+    "check_model_layout",
+    "build_loss_config",
+    "find_unknown_key",
+    "micro_batch_layout",
+    "register_config_nodes",
+    "resolve_loss_settings",
+    "advantage_estimator_name",
+    "advantage_normalize_std",
+    "upgrade_saved_config",
+    "schema",
+    "at_key",
+    "unknown_key_message",
+]
+
+register_config_nodes()

@@ -1,0 +1,86 @@
+"""``model``: the checkpoint and the policy's precision, with the section's own invariants."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from nemo_sspo.megatron.model import check_model_options
+from nemo_sspo.megatron.router_replay import check_router_replay
+from nemo_sspo.trainer.config.keyed import failed, problems_at_key
+
+__all__ = ["OUTPUT_LAYER_PRECISIONS", "ModelConfig"]
+
+OUTPUT_LAYER_PRECISIONS = ("auto", "bf16", "tf32", "fp32")
+"""Values of ``model.output_layer_precision``."""
+
+
+@dataclass
+class ModelConfig:
+    """``model``: the checkpoint and the policy's precision."""
+
+    source: str = "smollm2-135m-instruct"
+    """Checkpoint to start from: a built-in name (``nemo_sspo.models.SOURCES``), a local Hugging Face
+    model directory, or a hub id (``Qwen/Qwen2.5-Math-1.5B``) found in the local HF cache."""
+    cache_dir: str | None = None
+    """Where dequantised weights are cached; None = ``$NEMO_SSPO_CACHE`` or ``~/.cache/nemo_sspo``."""
+    precision: str = "fp32"
+    """Policy parameter dtype: ``fp32`` (CPU, exact tests) or ``bf16`` (GPU training)."""
+    output_layer_precision: str = "auto"
+    """Precision of the output layer's matmul (hidden states x output weight -> logits) on the trainer's
+    fused log-prob path and in the ``hf`` rollout engine: ``auto`` (today's behaviour: the model's
+    precision, i.e. bf16 logits for a bf16 policy), ``bf16``, ``tf32`` (fp32 inputs, TF32 tensor-core
+    matmul on CUDA; plain fp32 on CPU) or ``fp32``. Wider logits cut the trainer/engine log-prob gap at
+    its source (bf16 rounding of logits dominates it). Needs ``parallel.output_chunk_size`` (the fused
+    path). vLLM: ``bf16`` / ``fp32`` set its ``head_dtype`` (``hf_overrides``; on CUDA an fp32 head
+    accumulates bf16 inputs into fp32 logits), ``tf32`` is refused."""
+    fp8: str | None = None
+    """FP8 GEMMs through TransformerEngine: null (off), ``hybrid`` or ``e4m3``; needs precision=bf16."""
+    fp8_recipe: str = "delayed"
+    """FP8 scaling recipe when ``fp8`` is set: delayed, tensorwise, mxfp8 (Blackwell), blockwise."""
+    transformer_impl: str = "auto"
+    """Layer implementation: ``auto`` (TransformerEngine when CUDA and transformer-engine are present,
+    else local), ``local`` or ``transformer_engine`` (fails clearly when unavailable)."""
+    router_replay: str = "none"
+    """Mixture-of-experts models: ``none`` (every forward routes with its own routers), ``r2`` (the
+    training forwards route each token to the experts the old-policy forward chose) or ``r3`` (the
+    old-policy, reference and training forwards route each token to the experts the rollout engine
+    chose for it; needs ``rollout.backend=hf`` and ``rollout.placement=colocated``);
+    ``nemo_sspo.megatron.router_replay``."""
+    routing_agreement_interval: int = 1
+    """``router_replay=r3``: every this many steps, one extra forward-only pass of the policy with its
+    own routers logs ``moe/routing_agreement`` (share of token-layer pairs whose top-k sets match
+    the engine's) and ``rollout/trainer_logprob_gap_abs_own_routes``; 0 = never."""
+    router_aux_loss_coef: float = 0.0
+    """Mixture-of-experts models: weight of HF's auxiliary load-balancing loss
+    (``nemo_sspo.algorithms.load_balancing``, the value of transformers' ``load_balancing_loss_func``
+    on each micro-batch's tokens) added to the policy loss in the training forwards; 0 = off, as HF
+    trains unless ``output_router_logits`` is set. HF's coefficient is the checkpoint's
+    ``router_aux_loss_coef`` (0.001 for Qwen3-30B-A3B, which nemo_sspo/conf/model/qwen3_30b_a3b.yaml sets).
+    Not invariant to the micro-batch split (``nemo_sspo.megatron.step``); needs pipeline size 1."""
+
+
+    def problems(self, key: str) -> list[str]:
+        """The section's own invariants (names and ranges).
+
+        Args:
+            key: the section's key path.
+
+        Returns:
+            One message per broken invariant, naming ``key.<field>`` and the fix.
+        """
+        return [
+            *problems_at_key(f"{key}.", lambda: check_model_options(
+                precision=self.precision, fp8=self.fp8, fp8_recipe=self.fp8_recipe,
+                transformer_impl=self.transformer_impl)),
+            *problems_at_key(f"{key}.", lambda: check_router_replay(self.router_replay)),
+            *failed(
+                (self.output_layer_precision in OUTPUT_LAYER_PRECISIONS,
+                 f"{key}.output_layer_precision={self.output_layer_precision!r} is not one of "
+                 f"{', '.join(OUTPUT_LAYER_PRECISIONS)}"),
+                (self.routing_agreement_interval >= 0,
+                 f"{key}.routing_agreement_interval={self.routing_agreement_interval} must be >= 0 (0 = never)"),
+                (self.router_aux_loss_coef >= 0,
+                 f"{key}.router_aux_loss_coef={self.router_aux_loss_coef} must be >= 0 (0 turns the "
+                 "load-balancing loss off)"),
+            ),
+        ]

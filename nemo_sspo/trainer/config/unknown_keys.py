@@ -1,0 +1,72 @@
+"""Unknown keys: which key was meant (closest spelling, other trainers' names, the losses that have
+a field), and the keys of earlier releases with what replaced them.
+"""
+
+from __future__ import annotations
+
+import difflib
+
+from dataclasses import fields, is_dataclass
+from typing import Any, get_type_hints
+
+from nemo_sspo.algorithms.losses import build_policy_loss_config
+from nemo_sspo.algorithms.losses.loss_registry import losses_with_field
+from nemo_sspo.trainer.config.old_keys import RENAMED_KEYS
+from nemo_sspo.trainer.config.train_config import TrainConfig
+
+__all__ = ["PEER_NAMES", "find_unknown_key", "unknown_key_message"]
+
+PEER_NAMES = {"learning_rate": "lr", "max_lr": "lr", "warmup_steps": "lr_warmup_steps",
+              "lr_warmup_iters": "lr_warmup_steps", "lr_decay_style": "lr_schedule", "lr_decay_iters": "lr_decay_steps"}
+"""Names other trainers (HF, Megatron-LM, verl) give our settings, which spelling distance does not find
+(``optim.learning_rate`` is far from ``lr``): suggested where the section has the key on the right."""
+
+
+def unknown_key_message(path: str, loss_name: str | None) -> str:
+    """Why ``path`` (e.g. ``trainer.max_stepz`` or ``loss.params.gamma``) is not a config key, with
+    the closest valid key and, for loss params, which losses have that field.
+
+    The loss config's own message is used for ``loss.params.*``
+    (``nemo_sspo.algorithms.losses.build_policy_loss_config``).
+    """
+    if path in RENAMED_KEYS:
+        return f"{path} was removed: {RENAMED_KEYS[path]}"
+    parts = path.split(".")
+    if parts[:2] == ["loss", "params"] and len(parts) == 3 and loss_name:
+        try:
+            build_policy_loss_config(loss_name, {parts[2]: None}, where="loss.params")
+        except ValueError as err:
+            switch = (f". To switch to loss {loss_name!r}, select its group (`loss={loss_name}`), which "
+                      "replaces loss.params with its defaults, rather than setting loss.name"
+                      if losses_with_field(parts[2], besides=loss_name) else "")
+            return f"{err}{switch}"
+    node: Any = TrainConfig
+    for depth, part in enumerate(parts):
+        hints = get_type_hints(node) if is_dataclass(node) else {}
+        if part not in hints:
+            where = ".".join(parts[:depth]) or "the config"
+            close = ([PEER_NAMES[part]] if PEER_NAMES.get(part) in hints
+                     else difflib.get_close_matches(part, list(hints), n=1))
+            guess = f"; did you mean {'.'.join([*parts[:depth], close[0]])!r}?" if close else ""
+            valid = f" Valid keys of {where}: {', '.join(hints)}" if hints else ""
+            return f"{path}: {where} has no key {part!r}{guess or '.'}{valid}"
+        node = hints[part]
+    return f"{path}: not a config key"
+
+
+def find_unknown_key(raw: Any, typed: Any, prefix: str = "") -> str | None:
+    """The first key path of the composed ``raw`` mapping that the typed config does not hold (a key
+    added with Hydra's ``+`` that no dataclass field takes), or None.
+    """
+    if not isinstance(raw, dict):
+        return None
+    for key, value in raw.items():
+        path = f"{prefix}{key}"
+        # Field names, not attributes: OmegaConf.to_object sets extra keys as plain attributes.
+        if is_dataclass(typed) and key not in {f.name for f in fields(typed)}:
+            return path
+        found = find_unknown_key(value, getattr(typed, key, None), f"{path}.")
+        if found:
+            return found
+    return None
+
