@@ -133,8 +133,9 @@ class TrainerState:
         world_size: processes that wrote the RNG files.
         best_eval_mean: best ``eval/mean`` so far (None before the first evaluation).
         best_eval_step: the step that reached it.
-        advantage_history: the per-prompt reward stats of a history-keeping estimator (``advantage.name=dcpo_smooth``), prompt
-            key -> ``[visits, mean, std]``; None when the loss keeps none. JSON floats round-trip
+        advantage_history: the per-prompt reward stats of a history-keeping estimator
+            (``advantage.name=dcpo_smooth``), prompt key -> ``[visits, mean, std]``; None when the
+            estimator keeps none. JSON floats round-trip
             exactly, so a resumed run continues with the same stats.
         rollout_positions: free-running: each rollout rank's ``[rollouts received, problems drawn]``
             (``nemo_sspo.rollouts.records.RolloutPosition``); None for the other modes.
