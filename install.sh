@@ -21,7 +21,7 @@ TORCH_FROM=()
 .venv/bin/python -m pip install -q -c constraints/py311.txt ${TORCH_FROM[@]+"${TORCH_FROM[@]}"} "$TORCH"
 .venv/bin/python -m pip install -q -c constraints/py311.txt -e ".[test]"
 # triton, which the CPU torch does not bring: the unit tests run nemo_sspo.parallel.triton_chunk's
-# GPU kernels on CPU in Triton's interpreter (tests/unit/test_triton_chunk.py). Not a dependency in
+# GPU kernels on CPU in Triton's interpreter (tests/unit/parallel/test_triton_chunk.py). Not a dependency in
 # pyproject.toml: GPU users get triton with their CUDA torch, which pins its own (2.13.0: 3.7.1), so
 # this pin is not in constraints/py311.txt, where it would contradict that build. --no-deps: it
 # needs nothing else here.

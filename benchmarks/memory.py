@@ -13,7 +13,7 @@ vocabulary 1,000, untied head) built as Megatron GPTModel with the local spec, f
 - saved activations of one micro-batch's forward (``saved_tensors_hooks``, distinct storages,
   parameters excluded) against ``activation_bytes(...).saved``: recompute none / selective / full,
   padded rows / one packed row, TP 1 / 2 (sequence parallelism, PP 2, EP 2, bf16 and every tiny model
-  family: the grid tests, tests/unit/test_memory_grid.py and tests/distributed/test_memory_grid_parallel.py);
+  family: the grid tests, tests/unit/megatron/test_memory_grid.py and tests/distributed/test_memory_grid_parallel.py);
 - step time: forward + backward of the padded micro-batch, median of ``--repeats`` after one warm-up,
   recompute none against selective and full, in the same process.
 

@@ -5,7 +5,7 @@ the model source's origin, which depends on the machine's cache).
     python tools/recipe_plans.py --write    # rewrites the tables in docs/memory.md
 
 Each table sits in docs/memory.md under a heading ``### <config> on <GiB> GiB (<N> GPUs)`` in a fenced
-block; ``tests/unit/test_recipe_plan_docs.py`` fails when a table differs from the plan.
+block; ``tests/unit/repo/test_recipe_plan_docs.py`` fails when a table differs from the plan.
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ experts divided by EP, layers in equal contiguous blocks per stage).
 Weights, gradients and optimizer states (:func:`model_state_bytes`), as megatron-core 0.16.1
 allocates them (read in ``distributed/param_and_grad_buffer.py``, ``optimizer/optimizer.py``,
 ``optimizer/distrib_optimizer.py``; checked byte for byte against built objects in
-``tests/unit/test_memory_plan.py`` and ``tests/distributed/test_memory_plan_parallel.py``):
+``tests/unit/trainer/test_memory_plan.py`` and ``tests/distributed/test_memory_plan_parallel.py``):
 
 * gradients: DDP's contiguous buffer of ``main_grad`` in fp32 (``grad_reduce_in_fp32=True``), one
   buffer for the dense parameters and one for the experts, ``4 N`` bytes. With the distributed
@@ -41,7 +41,7 @@ the activation element size (4 fp32, 2 bf16), ``t`` TP, ``sp`` = ``t`` with sequ
 * local spec (megatron-core's own layers; every term below equals the bytes ``saved_tensors_hooks``
   sees, storages de-duplicated, for the tiny Llama / Qwen2 / Qwen3 / Qwen3-MoE in fp32 and bf16 under
   TP 1 and 2, sequence parallelism, PP 2, EP 2, no / selective / full recomputation, packed and
-  padded: ``tests/unit/test_memory_grid.py`` and ``tests/distributed/test_memory_grid_parallel.py``).
+  padded: ``tests/unit/megatron/test_memory_grid.py`` and ``tests/distributed/test_memory_grid_parallel.py``).
   Bytes, not elements: several tensors are fp32 (4 B) or integer whatever ``e`` is.
 
   - norms: each of the two RMSNorms computes in fp32 and saves fp32 copies of its input and of its
@@ -142,7 +142,7 @@ def _is_moe(hf: Any) -> bool:
 
 def rank_parameters(hf: Any, *, tp: int, pp: int, ep: int = 1, stage: int = 0) -> list[RankParameter]:
     """The parameters of pipeline stage ``stage`` on one rank (any TP rank, any EP rank: all hold
-    as many), from the HF config alone (ours; equal to the built model's, tests/unit/test_memory_plan.py).
+    as many), from the HF config alone (ours; equal to the built model's, tests/unit/trainer/test_memory_plan.py).
 
     Args:
         hf: a Llama / Qwen2 / Qwen3 / Qwen3-MoE HF config (fields only).

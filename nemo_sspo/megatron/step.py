@@ -28,7 +28,7 @@ DP size) gives other values, because ``aux`` is not additive over tokens; EP giv
 DP split. PP needs every layer's router statistics on one stage, so ``coef > 0`` requires PP = 1
 (MoE training under TP needs sequence parallelism, whose routers see their rank's positions: the
 statistics are gathered over TP, :func:`nemo_sspo.megatron.moe.recording_router_logits`). With ``coef = 0`` the MoE step keeps the whole contract.
-``tests/unit/test_moe_aux_loss.py`` and ``tests/distributed/test_moe_aux_loss.py`` pin both halves.
+``tests/unit/algorithms/test_moe_aux_loss.py`` and ``tests/distributed/test_moe_aux_loss.py`` pin both halves.
 
 All tensors of a :class:`PolicyBatch` are in the *target frame*: position ``j`` holds the
 prediction of token ``j + 1`` of ``input_ids``.

@@ -1,7 +1,7 @@
 """Every megatron-core name the product touches, in one place beside the CPU shims.
 
 The table below lists each module, class or function of ``megatron.core`` that any module of
-nemo_sspo imports or reads (``tests/unit/test_megatron_surface.py`` scans the package and fails when
+nemo_sspo imports or reads (``tests/unit/megatron/test_megatron_surface.py`` scans the package and fails when
 the table and the code differ, either way), with what it is used for. Names starting with an
 underscore are megatron-core internals: only the CPU shims (:mod:`nemo_sspo.megatron.cpu_shims`)
 touch them, each replaced on a CPU-only host and never on a GPU one. Everything else is API that

@@ -88,8 +88,8 @@ cp -r "$REPO/tests" "$REPO/pyproject.toml" "$WORK/suite/"
 cd "$WORK/suite"
 "$PY" -c 'import nemo_sspo; assert "site-packages" in nemo_sspo.__file__, nemo_sspo.__file__'
 tests_start=$SECONDS
-"$PY" -m pytest -q -p no:cacheprovider tests/distributed tests/unit/test_hf_mapping.py \
-    tests/unit/test_qwen2_mapping.py \
+"$PY" -m pytest -q -p no:cacheprovider tests/distributed tests/unit/megatron/test_hf_mapping.py \
+    tests/unit/megatron/test_qwen2_mapping.py \
     "tests/integration/test_refit.py::test_updates_change_weights_and_refit_follows"
 echo "== py312 lane passed: $versions; install ${install_s}s, tests $((SECONDS - tests_start))s, total $((SECONDS - lane_start))s"
 rm -rf "$WORK"

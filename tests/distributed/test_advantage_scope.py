@@ -171,7 +171,7 @@ def test_every_builtin_matches_the_reference_for_dp_minibatches_and_micro_batche
                     torch.testing.assert_close(torch.cat(pieces), want, rtol=1e-6, atol=1e-6,
                                                msg=f"{name} dp={dp} minibatches={minibatches} micro={micro}")
     # DCPO: every rank's history equals one process's, and the advantages its (hand-checked, see
-    # tests/unit/test_advantages.py) smooth_group_advantages over the whole step.
+    # tests/unit/algorithms/test_advantages.py) smooth_group_advantages over the whole step.
     reference, history = {}, {}
     for step in range(2):
         reference[step], history = smooth_group_advantages(torch.tensor(rewards[::-1] if step else rewards), GROUP,

@@ -11,7 +11,7 @@ import pytest
 
 from tests.distributed._megatron_layouts import megatron_layout
 from tests.unit._memory_cases import grid_cases, measure_grid_case
-from tests.unit.test_memory_grid import check_within_bounds
+from tests.unit.megatron.test_memory_grid import check_within_bounds
 
 CASES = [case for case in grid_cases() if case.world == 2]
 

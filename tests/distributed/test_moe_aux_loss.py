@@ -4,7 +4,7 @@ against float64 transformers.
 The stated rule (``nemo_sspo/megatron/step.py``): the replicas' micro-batches are micro-batches of
 the step, so two replicas of 2 rows give the denominator-weighted mean of transformers' loss on each
 replica's rows, as gradient accumulation over the same halves does in one process
-(``tests/unit/test_moe_aux_loss.py``), and not the whole batch's value: expert parallelism moves
+(``tests/unit/algorithms/test_moe_aux_loss.py``), and not the whole batch's value: expert parallelism moves
 tokens between the replicas' experts, but each replica's routers see its own tokens. The
 router-weight gradient of the term (summed over the replicas) is transformers' float64 gradient of
 the same expression.

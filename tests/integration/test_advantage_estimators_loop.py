@@ -7,7 +7,7 @@ import torch
 
 from tests.integration._loop_runs import observe, record_updates, run
 from tests.unit.advantage_reference import reference_advantages
-from tests.unit.test_docs import guide_files  # noqa: F401 - the fixture is used by name
+from tests.unit.repo.test_docs import guide_files  # noqa: F401 - the fixture is used by name
 
 
 def _steps(store):

@@ -8,7 +8,7 @@ import pytest
 
 from nemo_sspo.cli import main
 from tests.integration._loop_runs import TINY
-from tests.unit.test_docs import guide_files, _module  # noqa: F401 - the fixture is used by name
+from tests.unit.repo.test_docs import guide_files, _module  # noqa: F401 - the fixture is used by name
 
 
 @pytest.mark.slow

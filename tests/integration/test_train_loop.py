@@ -11,7 +11,7 @@ import pytest
 
 from nemo_sspo.models import load_hf_checkpoint
 from tests.integration._alternating_reward import REWARD as ALTERNATING_REWARD
-from tests.unit.test_metric_names import metric_table
+from tests.unit.repo.test_metric_names import metric_table
 
 ALTERNATING_PLUGIN = Path(__file__).with_name("_alternating_reward.py")
 

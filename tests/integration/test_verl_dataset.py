@@ -8,7 +8,7 @@ import importlib.util
 import os
 
 from nemo_sspo.data.prepare import prepare_datasets
-from tests.unit.test_data_prepare_parquet import INSTRUCTION, prepared  # noqa: F401 - prepared: a fixture
+from tests.unit.data.test_data_prepare_parquet import INSTRUCTION, prepared  # noqa: F401 - prepared: a fixture
 
 
 def test_verls_rl_dataset_reads_the_parquet_into_our_prompt_text(prepared, tmp_path):  # noqa: F811

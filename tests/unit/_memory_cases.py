@@ -137,7 +137,7 @@ def padded_and_packed_inputs(vocab: int, rows: int, width: int, lengths: list[in
     return (ids, torch.arange(width).expand(rows, width)), (packed, packed_positions(lengths_t)[None, :], lengths_t)
 
 
-# The grid of tests/unit/test_memory_grid.py and tests/distributed/test_memory_grid_parallel.py.
+# The grid of tests/unit/megatron/test_memory_grid.py and tests/distributed/test_memory_grid_parallel.py.
 
 GRID_VOCAB = 256
 """Vocabulary of the grid's models: the activations before the output layer do not depend on it, and

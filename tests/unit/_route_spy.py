@@ -5,7 +5,7 @@ gets, replayed or computed) and on the trainer's forward step (to know each micr
 router sees an ``[R, S_in]`` input sequence-first: its row ``s * R + r`` is token ``(r, s)``, undone
 here independently of ``nemo_sspo.megatron.router_replay``; packed rows are written back at their
 sequences' rows by ``write_micro_batch_routes`` (checked against transformers in
-tests/unit/test_router_replay.py).
+tests/unit/megatron/test_router_replay.py).
 """
 
 from __future__ import annotations

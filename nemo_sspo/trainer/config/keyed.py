@@ -14,7 +14,7 @@ def at_key(prefix: str, call: Callable[[], Any]) -> Any:
     own argument, is re-raised as the same type with the config key path in front (``at_key("model.",
     ...)``: ``precision='x'`` becomes ``model.precision='x'``).
 
-    The one place where lower layers' messages get YAML keys (tests/unit/test_config_keys_below.py
+    The one place where lower layers' messages get YAML keys (tests/unit/repo/test_config_keys_below.py
     keeps the layers below the trainer free of them).
 
     Args:

@@ -30,7 +30,7 @@ triton = pytest.importorskip("triton")
 pytestmark = [pytest.mark.filterwarnings("ignore:overflow encountered in multiply:RuntimeWarning"),
               pytest.mark.filterwarnings("ignore:invalid value encountered in subtract:RuntimeWarning")]
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 MODULE = "nemo_sspo.parallel.triton_chunk"
 ROWS, N_VALID, V_LOCAL, OTHER = 5, 50, 53, 20  # 50 valid columns: not a multiple of any tile
 ALL_NEG_INF_ROW = 3
@@ -362,7 +362,7 @@ def test_kernels_compile_for_sm90(tmp_path):
         pytest.skip("this triton build ships no ptxas")
     env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
     env["TRITON_CACHE_DIR"] = str(tmp_path)  # a fresh compile, and nothing left in ~/.triton
-    code = "from tests.unit.test_triton_chunk import compile_for_sm90; compile_for_sm90()"
+    code = "from tests.unit.parallel.test_triton_chunk import compile_for_sm90; compile_for_sm90()"
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-4000:]

@@ -9,7 +9,7 @@ import pytest
 
 from tools.recipe_plans import documented, plan_table
 
-RECIPES_DOC = Path(__file__).resolve().parents[2] / "docs" / "recipes.md"
+RECIPES_DOC = Path(__file__).resolve().parents[3] / "docs" / "recipes.md"
 
 
 @pytest.mark.parametrize("name, gib, gpus, table", documented(), ids=lambda v: str(v)[:40])

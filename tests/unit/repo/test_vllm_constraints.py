@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-CONSTRAINTS = Path(__file__).resolve().parents[2] / "constraints"
+CONSTRAINTS = Path(__file__).resolve().parents[3] / "constraints"
 OWNED = re.compile(r"^(torch|torchvision|torchaudio|torchcodec|triton|transformers|nvidia-cuda-.*|nvidia-cublas.*|"
                    r"nvidia-cudnn-cu.*|nvidia-nccl-.*)$", re.IGNORECASE)
 

@@ -23,7 +23,7 @@ from nemo_sspo.rewards import reward_names, unregister_reward
 from nemo_sspo.rollout import rollout_engine_names, unregister_rollout_engine
 from nemo_sspo.trainer.config import TrainConfig
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 _FENCE = re.compile(r"```.*?```", re.S)
 _SPAN = re.compile(r"`([^`\n]+)`")

@@ -8,9 +8,9 @@ import ast
 import re
 from pathlib import Path
 
-from tests.unit.test_docs import _config_key_exists
+from tests.unit.repo.test_docs import _config_key_exists
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 LOWER_LAYERS = ("metrics", "algorithms", "parallel", "megatron", "models", "data", "rewards", "rollout", "evaluation")
 _KEY = re.compile(r"\b((?:model|parallel|data|rollout|reward|optim|loss|trainer|eval|critic|advantage)\.[a-z_]+(?:\.[a-z_]+)*)")
 # Files still holding YAML keys, with how many lines do: the micro-batch, model-build, packing and

@@ -18,7 +18,7 @@ import pytest
 from nemo_sspo.cli import main
 from nemo_sspo.data import MATH_DATASETS, load_math_dataset
 from nemo_sspo.data.prepare import SOURCES, _git_blob, prepare_datasets
-from tests.unit.test_math_datasets import PUBLISHED, needs_published
+from tests.unit.data.test_math_datasets import PUBLISHED, needs_published
 
 
 def _jsonl(rows):

@@ -17,7 +17,7 @@ from nemo_sspo.data.math_datasets import normalize_gold
 from nemo_sspo.data.tasks import MathOptions
 from nemo_sspo.trainer.config import at_key
 
-_SHARED = Path(__file__).resolve().parents[3] / "shared" / "data"
+_SHARED = Path(__file__).resolve().parents[4] / "shared" / "data"
 PUBLISHED = Path(os.environ.get("NEMO_SSPO_DATA_DIR") or _SHARED)
 needs_published = pytest.mark.skipif(not (PUBLISHED / "math500.jsonl").is_file(),
                                      reason=f"published data not found in {PUBLISHED}")

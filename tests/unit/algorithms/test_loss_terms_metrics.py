@@ -1,6 +1,6 @@
 """Shared parts of the loss family: reference-KL and entropy terms, the metric pairs (hand-worked on
 one batch), config validation of every loss, and the registry. The pair kinds themselves:
-tests/unit/test_metric_pairs.py."""
+tests/unit/metrics/test_metric_pairs.py."""
 
 import math
 

@@ -22,9 +22,9 @@ import pytest
 from packaging.requirements import Requirement
 from packaging.version import Version
 
-from tests.unit.test_packaging import lane_pins
+from tests.unit.repo.test_packaging import lane_pins
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 INSTALL = (ROOT / "install.sh").read_text()
 # What a torch build pins itself: the CUDA build's triton and CUDA libraries (PyPI torch 2.13.0:
 # triton==3.7.1, cuda-toolkit==13.0.3, nvidia-cudnn-cu13==9.20.0.48, ...).

@@ -11,7 +11,7 @@ import torch
 
 from nemo_sspo.models import SOURCES, build_hf_model, load_hf_checkpoint, load_hf_config
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 
 
 @pytest.fixture(scope="module")

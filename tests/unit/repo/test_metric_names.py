@@ -5,7 +5,7 @@ of a real run in tests/integration/test_train_loop.py (the table is read by :fun
 import importlib.util
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 SECTION = "## Metric names next to verl and NeMo-RL"
 
 

@@ -200,7 +200,7 @@ def test_moe_counts_agree_with_torch_flop_counter():
 def test_moe_flops_of_qwen3_30b_a3b_match_its_active_parameters():
     from nemo_sspo.models.published import published_config
 
-    # Active parameters per token (tests/unit/test_parameter_counts.py, the card's "3.3B activated"):
+    # Active parameters per token (tests/unit/megatron/test_parameter_counts.py, the card's "3.3B activated"):
     # 3,353,032,704. Of those, norms (48 * (2*128 + 2*2048) + 2048 = 210,944) and the embedding
     # (151,936 * 2048 = 311,164,928: a lookup) do no matmul; every other weight is one multiply-add
     # per token: 2 FLOPs each, the untied output layer included.

@@ -3,7 +3,7 @@ megatron-core allocates, full recomputation in chunks of 2 layers keeps one inpu
 oversize config is refused at load naming the largest term.
 
 The DP 2 (distributed optimizer) case runs in tests/distributed/test_memory_plan_parallel.py; the
-activations of every tiny model, precision and layout in tests/unit/test_memory_grid.py and
+activations of every tiny model, precision and layout in tests/unit/megatron/test_memory_grid.py and
 tests/distributed/test_memory_grid_parallel.py.
 """
 
@@ -24,7 +24,7 @@ from tests.unit._memory_cases import (
     recompute,
     saved_activation_bytes,
 )
-from tests.unit.test_memory_grid import OVER, UNDER
+from tests.unit.megatron.test_memory_grid import OVER, UNDER
 from nemo_sspo.megatron import build_policy_model
 
 
