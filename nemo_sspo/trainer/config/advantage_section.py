@@ -39,7 +39,6 @@ class AdvantageConfig:
     true, and ``leave_one_out`` / ``critic`` refuse it set (they never divide). null: the loss's
     default (``LossRequirements.normalize_std``: false for ``loss=dr_grpo``, true otherwise)."""
 
-
     def problems(self, key: str) -> list[str]:
         """The estimator's name, when one is given (null resolves from the loss; the std switch
         against the estimator is a rule, as the estimator may come from the loss).

@@ -24,7 +24,6 @@ class CriticConfig:
     optim: OptimConfig = field(default_factory=OptimConfig)
     """The critic's own Adam optimizer (one step per training step, on that step's prompts)."""
 
-
     def problems(self, key: str) -> list[str]:
         """The layer count, the micro-batch size and the critic's optimizer.
 

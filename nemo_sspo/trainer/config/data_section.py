@@ -24,7 +24,6 @@ class DataConfig:
     """The source's options dataclass (``nemo_sspo.data.SOURCE_OPTIONS``): select the source as a group
     (``data=jsonl``) so that its schema applies, then set fields (``data.options.path=...``)."""
 
-
     def problems(self, key: str) -> list[str]:
         """The source and template names, and the options' type against the source.
 

@@ -29,7 +29,6 @@ class EvalConfig:
     output_dir: str = "outputs/eval"
     """``nemo-sspo eval`` writes results.json and samples.jsonl here."""
 
-
     def problems(self, key: str) -> list[str]:
         """Benchmark names and the sizes of the evaluation.
 

@@ -30,7 +30,6 @@ class LossSection:
     ``critic``, which trains the SPPO critic) and ``normalize_std`` (the default of
     ``advantage.normalize_std``). The advantage settings are in section ``advantage``."""
 
-
     def problems(self, key: str) -> list[str]:
         """The loss's name and its params' type (the params check their own values when built).
 

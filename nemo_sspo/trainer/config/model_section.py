@@ -58,7 +58,6 @@ class ModelConfig:
     ``router_aux_loss_coef`` (0.001 for Qwen3-30B-A3B, which nemo_sspo/conf/model/qwen3_30b_a3b.yaml sets).
     Not invariant to the micro-batch split (``nemo_sspo.megatron.step``); needs pipeline size 1."""
 
-
     def problems(self, key: str) -> list[str]:
         """The section's own invariants (names and ranges).
 

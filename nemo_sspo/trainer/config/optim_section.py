@@ -44,7 +44,6 @@ class OptimConfig:
     min_lr: float = 0.0
     """The learning rate at the end of a ``linear`` / ``cosine`` decay."""
 
-
     def problems(self, key: str) -> list[str]:
         """Learning rate, schedule, clipping and the distributed optimizer.
 

@@ -60,7 +60,6 @@ class ParallelConfig:
     """``recompute: full`` only: layers per recomputed chunk (``uniform``) or recomputed layers per
     pipeline stage (``block``)."""
 
-
     def problems(self, key: str) -> list[str]:
         """The section's own invariants: sizes, the micro-batch layout, recomputation, sequence parallelism.
 

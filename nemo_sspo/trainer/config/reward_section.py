@@ -37,7 +37,6 @@ class RewardConfig:
     overlong_penalty: float = 1.0
     """Largest overlong penalty (the paper's 1.0), read when ``overlong_buffer_len > 0``."""
 
-
     def problems(self, key: str) -> list[str]:
         """The reward's name, its workers and the penalty's sign.
 

@@ -46,7 +46,6 @@ class VLLMConfig:
     """GPU only: vLLM sleep mode (level 1) around training: after generation the engine's weights go to
     host memory and its KV cache is freed, and it wakes before the refit."""
 
-
     def problems(self, key: str) -> list[str]:
         """The engine's sizes.
 
@@ -166,7 +165,6 @@ class RolloutConfig:
     max_sampling_rounds: int = 8
     """Generation rounds per step with ``dynamic_sampling`` (the first included). At the limit the step
     trains on the full batch, the groups still without variance taking advantage 0, and says so."""
-
 
     def problems(self, key: str) -> list[str]:
         """The section's own invariants: sizes and sampling, the engine, the correction and its bounds

@@ -107,7 +107,6 @@ class TrainerConfig:
     skip_memory_check: bool = False
     """Start even when the memory plan's peak exceeds ``gpu_memory_gib``."""
 
-
     def problems(self, key: str) -> list[str]:
         """Step counts, intervals, the output folder, the loggers (names, the W&B mode, the trackers'
         packages) and resume's need of ``jsonl``.
