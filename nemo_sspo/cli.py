@@ -155,6 +155,9 @@ def _hydra_error_message(config_name: str, err: Exception, overrides: list[str],
                 f"loss nor a variant YAML of the group loss; registered: {policy_loss_names()}. "
                 "A loss of your own is added by the module that registers it: "
                 f"plugins=[my_loss.py] loss={missing.group(1)} (docs/extending.md)")
+    unknown_choice = _unknown_choice_message(err)
+    if unknown_choice:
+        return f"invalid config {config_name!r}: {unknown_choice}"
     match = re.search(r"Could not override '([^']+)'", str(err))
     if not match:
         renamed = re.search(r"full_key: (\S+)", str(err))  # a key an earlier release had, in a YAML file
@@ -168,6 +171,25 @@ def _hydra_error_message(config_name: str, err: Exception, overrides: list[str],
     except Exception:  # noqa: BLE001 - the other overrides are broken too: no loss-specific hint
         loss_name = None
     return f"invalid config {config_name!r}: {unknown_key_message(path, loss_name)}"
+
+
+def _unknown_choice_message(err: Exception) -> str | None:
+    """``"rollout.placement='remote' is unknown; valid: colocated, separate"`` for OmegaConf's refusal of
+    a value outside a :class:`~nemo_sspo.choice.Choice` field's names (``Invalid value 'remote', expected
+    one of [colocated, separate]``), raised itself (merged onto the schema), under Hydra's ``Error merging
+    override`` (a command-line override) or while Hydra composes a YAML file's value; None for any other
+    error.
+    """
+    from omegaconf.errors import ValidationError
+
+    cause: BaseException | None = err
+    while cause is not None and not isinstance(cause, ValidationError):
+        cause = cause.__cause__ or cause.__context__
+    refused = cause and cause.full_key and re.match(r"Invalid value '(.*)', expected one of \[(.*)\]", str(cause.msg))
+    if not refused:
+        return None
+    value, valid = refused.groups()
+    return f"{cause.full_key}={value!r} is unknown; valid: {valid}"
 
 
 def _omegaconf_reason(err: Exception) -> str:

@@ -2,7 +2,7 @@
 
 Layers, bottom to top (a module may import its own layer and those below it):
 
-    metrics / registry -> algorithms -> parallel -> megatron -> models / data / rewards -> rollout
+    metrics / registry / choice -> algorithms -> parallel -> megatron -> models / data / rewards -> rollout
     -> evaluation / rollouts -> trainer -> cli
 
 ``integrations`` sits beside ``trainer`` but may import only ``metrics``, ``algorithms``,
@@ -24,6 +24,7 @@ from pathlib import Path
 LAYERS: dict[str, int] = {
     "metrics": 0,
     "registry": 0,
+    "choice": 0,
     "known_warnings": 0,
     "algorithms": 1,
     "parallel": 2,

@@ -35,19 +35,30 @@ import math
 import torch
 
 from nemo_sspo.algorithms.ratios import segment_mean
+from nemo_sspo.choice import Choice
 from nemo_sspo.metrics import SQ_CENTRE, MetricPair, mean_pair, mean_sq_pair
 
-__all__ = ["CORRECTIONS", "TRUNCATING_CORRECTIONS", "MASKING_CORRECTIONS", "effective_sample_size",
+__all__ = ["Correction", "TRUNCATING_CORRECTIONS", "MASKING_CORRECTIONS", "effective_sample_size",
            "off_policy_weights"]
 
-TRUNCATING_CORRECTIONS = ("token_tis", "sequence_tis", "segment_tis")
-"""Modes that truncate the weight at ``cap``."""
-MASKING_CORRECTIONS = ("token_mask", "sequence_mask")
-"""Modes that zero the weight outside ``[low, high]``."""
-CORRECTIONS = ("none", *TRUNCATING_CORRECTIONS, *MASKING_CORRECTIONS)
-"""Every correction mode (``none`` and the modes above)."""
 
-_SEQUENCE_MODES = ("sequence_tis", "sequence_mask")
+class Correction(Choice):
+    """Every correction mode (config key ``rollout.correction``; module docstring)."""
+
+    none = "none"
+    token_tis = "token_tis"
+    sequence_tis = "sequence_tis"
+    segment_tis = "segment_tis"
+    token_mask = "token_mask"
+    sequence_mask = "sequence_mask"
+
+
+TRUNCATING_CORRECTIONS = (Correction.token_tis, Correction.sequence_tis, Correction.segment_tis)
+"""Modes that truncate the weight at ``cap``."""
+MASKING_CORRECTIONS = (Correction.token_mask, Correction.sequence_mask)
+"""Modes that zero the weight outside ``[low, high]``."""
+
+_SEQUENCE_MODES = (Correction.sequence_tis, Correction.sequence_mask)
 # k3 needs exp(l) itself (no truncation): bounded in float64, where exp(80) ~ 5.5e34 is finite.
 _K3_LOG_RATIO_MAX = 80.0
 
@@ -79,7 +90,7 @@ def off_policy_weights(mode: str, old_logprobs: torch.Tensor, rollout_logprobs: 
     ``rollout.correction_*`` fields carry the run's values.
 
     Args:
-        mode: one of :data:`CORRECTIONS`.
+        mode: a :class:`Correction` (or its name).
         old_logprobs: ``[B, T]`` float, log pi_old of the sampled tokens (trainer recompute), one
             response per row.
         rollout_logprobs: ``[B, T]`` float, log mu of the same tokens (the engine's, same frame).
@@ -105,8 +116,8 @@ def off_policy_weights(mode: str, old_logprobs: torch.Tensor, rollout_logprobs: 
         ValueError: an unknown mode, shapes that differ, ``cap < 1``, ``low < 0`` or
             ``low >= high``, or ``segment_tis`` without ``segment_ids``.
     """
-    if mode not in CORRECTIONS:
-        raise ValueError(f"correction={mode!r} is unknown; valid: {', '.join(CORRECTIONS)}")
+    if mode not in tuple(Correction):
+        raise ValueError(f"correction={mode!r} is unknown; valid: {', '.join(Correction)}")
     if not old_logprobs.shape == rollout_logprobs.shape == mask.shape:
         raise ValueError(f"old_logprobs {tuple(old_logprobs.shape)}, rollout_logprobs "
                          f"{tuple(rollout_logprobs.shape)} and mask {tuple(mask.shape)} must have one shape")

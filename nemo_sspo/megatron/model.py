@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from nemo_sspo.algorithms.micro_batches import packed_positions
+from nemo_sspo.choice import Choice
 from nemo_sspo.megatron.cpu_shims import (
     attention_mask_for,
     cpu_config_overrides,
@@ -40,11 +41,14 @@ from nemo_sspo.parallel.context_parallel import zigzag_positions
 __all__ = [
     "FP8_FORMATS",
     "check_model_options",
-    "FP8_RECIPES",
+    "Fp8Recipe",
     "MAKE_VOCAB_SIZE_DIVISIBLE_BY",
     "PRECISIONS",
+    "Precision",
+    "Recompute",
+    "RecomputeMethod",
     "SUPPORTED_MODEL_TYPES",
-    "TRANSFORMER_IMPLS",
+    "TransformerImpl",
     "build_policy_model",
     "forward_logits",
     "has_qk_norm",
@@ -52,7 +56,6 @@ __all__ = [
     "model_type",
     "padded_vocab_size",
     "recompute_kwargs",
-    "RECOMPUTE_GRANULARITIES",
     "parameter_counts",
     "resolve_transformer_impl",
     "transformer_config_from_hf",
@@ -65,14 +68,51 @@ __all__ = [
 MAKE_VOCAB_SIZE_DIVISIBLE_BY = 128
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "qwen3_moe")
 """HF ``model_type`` values the config translation and weight mapping cover."""
-PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16}
-"""``model.precision`` name -> parameter dtype."""
+
+
+class Precision(Choice):
+    """``model.precision``: the policy's parameter dtype (:data:`PRECISIONS`)."""
+
+    fp32 = "fp32"
+    bf16 = "bf16"
+
+
+PRECISIONS = {Precision.fp32: torch.float32, Precision.bf16: torch.bfloat16}
+"""``model.precision`` -> parameter dtype."""
 FP8_FORMATS = ("e4m3", "hybrid")
 """``model.fp8`` values (Megatron ``TransformerConfig.fp8``); None disables FP8."""
-FP8_RECIPES = ("delayed", "tensorwise", "mxfp8", "blockwise")
-"""``model.fp8_recipe`` values (Megatron ``Fp8Recipe``; ``custom`` is not exposed)."""
-TRANSFORMER_IMPLS = ("auto", "local", "transformer_engine")
-"""``model.transformer_impl`` values; see :func:`resolve_transformer_impl`."""
+
+
+class Fp8Recipe(Choice):
+    """``model.fp8_recipe`` values (Megatron ``Fp8Recipe``; ``custom`` is not exposed)."""
+
+    delayed = "delayed"
+    tensorwise = "tensorwise"
+    mxfp8 = "mxfp8"
+    blockwise = "blockwise"
+
+
+class TransformerImpl(Choice):
+    """``model.transformer_impl`` values; see :func:`resolve_transformer_impl`."""
+
+    auto = "auto"
+    local = "local"
+    transformer_engine = "transformer_engine"
+
+
+class Recompute(Choice):
+    """``parallel.recompute``: activation recomputation (:func:`recompute_kwargs`)."""
+
+    none = "none"
+    selective = "selective"
+    full = "full"
+
+
+class RecomputeMethod(Choice):
+    """``parallel.recompute_method``: which layers ``full`` recomputation covers (:func:`recompute_kwargs`)."""
+
+    uniform = "uniform"
+    block = "block"
 
 
 def padded_vocab_size(vocab_size: int, tp_size: int) -> int:
@@ -194,9 +234,9 @@ def check_model_options(*, precision: str, fp8: str | None, fp8_recipe: str,
     Raises:
         ValueError: an unknown name (lists the valid ones), or ``fp8`` without ``precision='bf16'``.
     """
-    for name, value, valid in (("precision", precision, tuple(PRECISIONS)), ("fp8_recipe", fp8_recipe, FP8_RECIPES),
-                               ("transformer_impl", transformer_impl, TRANSFORMER_IMPLS)):
-        if value not in valid:
+    for name, value, valid in (("precision", precision, Precision), ("fp8_recipe", fp8_recipe, Fp8Recipe),
+                               ("transformer_impl", transformer_impl, TransformerImpl)):
+        if value not in tuple(valid):
             raise ValueError(f"{name}={value!r} is unknown; valid: {', '.join(valid)}")
     if fp8 is not None and fp8 not in FP8_FORMATS:
         raise ValueError(f"fp8={fp8!r} is unknown; valid: {', '.join(FP8_FORMATS)} (or null to disable FP8)")
@@ -300,10 +340,6 @@ def transformer_config_from_hf(
     return TransformerConfig(**kwargs)
 
 
-RECOMPUTE_GRANULARITIES = ("none", "selective", "full")
-"""Values of ``recompute`` (:func:`recompute_kwargs`)."""
-
-
 def recompute_kwargs(recompute: str, method: str, num_layers: int, *, layers_per_stage: int) -> dict:
     """``TransformerConfig`` fields for activation recomputation (megatron-core's own mechanism).
 
@@ -326,14 +362,14 @@ def recompute_kwargs(recompute: str, method: str, num_layers: int, *, layers_per
     Raises:
         ValueError: an unknown name, or ``num_layers`` outside ``[1, layers_per_stage]`` for ``full``.
     """
-    if recompute not in RECOMPUTE_GRANULARITIES:
-        raise ValueError(f"recompute={recompute!r} is unknown; valid: {', '.join(RECOMPUTE_GRANULARITIES)}")
+    if recompute not in tuple(Recompute):
+        raise ValueError(f"recompute={recompute!r} is unknown; valid: {', '.join(Recompute)}")
     if recompute == "none":
         return {}
     if recompute == "selective":
         return dict(recompute_granularity="selective", recompute_modules=["core_attn"])
-    if method not in ("uniform", "block"):
-        raise ValueError(f"recompute_method={method!r} is unknown; valid: uniform, block")
+    if method not in tuple(RecomputeMethod):
+        raise ValueError(f"recompute_method={method!r} is unknown; valid: {', '.join(RecomputeMethod)}")
     if num_layers < 1:
         raise ValueError(f"recompute_num_layers={num_layers} must be >= 1 (layers per recomputed chunk or stage)")
     if num_layers > layers_per_stage:
@@ -354,7 +390,7 @@ def resolve_transformer_impl(transformer_impl: str = "auto", fp8: str | None = N
     ``transformer-engine`` is installed, the local (pure Megatron-Core) spec otherwise. FP8 needs
     TransformerEngine layers, so ``fp8`` set with ``"auto"`` never falls back to the local spec.
 
-    ``transformer_impl`` must be one of :data:`TRANSFORMER_IMPLS` (:func:`check_model_options`).
+    ``transformer_impl`` must be a :class:`TransformerImpl` (:func:`check_model_options`).
 
     Raises:
         ValueError: naming ``model.transformer_impl`` / ``model.fp8`` and the fix, when TransformerEngine is requested (or needed for FP8) but no CUDA device or

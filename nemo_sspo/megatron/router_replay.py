@@ -45,6 +45,7 @@ import torch
 import torch.distributed as dist
 
 from nemo_sspo.algorithms.batch import route_dtype
+from nemo_sspo.choice import Choice
 from nemo_sspo.megatron.model import unwrap_model, uses_transformer_engine
 from nemo_sspo.megatron.moe import is_moe
 from nemo_sspo.megatron.packed_seq import padded_width, thd_alignment
@@ -52,7 +53,7 @@ from nemo_sspo.megatron.sequence_parallel import gather_sequence, sequence_paral
 from nemo_sspo.metrics import MetricPair
 
 __all__ = [
-    "ROUTER_REPLAY_MODES",
+    "RouterReplay",
     "check_router_replay",
     "clear_routes",
     "engine_routing_sums",
@@ -70,15 +71,22 @@ __all__ = [
     "write_micro_batch_routes",
 ]
 
-ROUTER_REPLAY_MODES = ("none", "r2", "r3")
-"""Router replay modes: no replay, replay the old-policy forward's routes, replay the engine's."""
+
+class RouterReplay(Choice):
+    """Router replay modes (``model.router_replay``): no replay, replay the old-policy forward's
+    routes, replay the engine's.
+    """
+
+    none = "none"
+    r2 = "r2"
+    r3 = "r3"
 
 
 def check_router_replay(router_replay: str, hf_config=None) -> None:
     """Checks a router replay mode (and, given the model's HF config, that it has MoE layers).
 
     Args:
-        router_replay: one of :data:`ROUTER_REPLAY_MODES` (config key ``model.router_replay``).
+        router_replay: a :class:`RouterReplay` (config key ``model.router_replay``).
         hf_config: the model's HF config, or None to check the mode alone.
 
     Raises:
@@ -86,8 +94,8 @@ def check_router_replay(router_replay: str, hf_config=None) -> None:
             engines and placements ``r3`` works with is the config layer's check.)
     """
     mode = router_replay
-    if mode not in ROUTER_REPLAY_MODES:
-        raise ValueError(f"router_replay={mode!r} is unknown; valid: {', '.join(ROUTER_REPLAY_MODES)}")
+    if mode not in tuple(RouterReplay):
+        raise ValueError(f"router_replay={mode!r} is unknown; valid: {', '.join(RouterReplay)}")
     if mode != "none" and hf_config is not None and not is_moe(hf_config):
         raise ValueError(f"router_replay={mode!r} needs a mixture-of-experts model; "
                          f"model_type={getattr(hf_config, 'model_type', 'llama')!r} has no router: set it to none")

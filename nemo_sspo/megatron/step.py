@@ -131,7 +131,7 @@ class LossSpec:
         cp_group: the context-parallel process group when ``parallel.context_parallel_size > 1``
             (module docstring), else None.
         output_precision: the fused output layer's matmul precision (``model.output_layer_precision``:
-            ``nemo_sspo.parallel.fused_output.OUTPUT_PRECISIONS``); read with ``output_chunk_size`` only.
+            ``nemo_sspo.parallel.fused_output.OutputPrecision``); read with ``output_chunk_size`` only.
     """
 
     loss: Any

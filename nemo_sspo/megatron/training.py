@@ -30,6 +30,7 @@ from megatron.core.utils import get_model_config
 from nemo_sspo.algorithms.batch import PolicyBatch
 from nemo_sspo.algorithms.micro_batches import MicroBatch, MicroBatchLayout, pad_micro_batches
 from nemo_sspo.megatron.cpu_shims import cpu_device_context
+from nemo_sspo.megatron.lr_schedule import LrSchedule
 from nemo_sspo.megatron.packed_seq import padded_width
 from nemo_sspo.megatron.router_replay import (
     recording_forward_step,
@@ -140,7 +141,8 @@ def build_lr_scheduler(optimizer, *, lr: float, min_lr: float, schedule: str, wa
         optimizer: a Megatron optimizer (:func:`wrap_for_training`).
         lr: peak learning rate.
         min_lr: final learning rate of a decay.
-        schedule: ``"constant"``, ``"linear"`` or ``"cosine"`` (config key ``optim.lr_schedule``).
+        schedule: an :class:`~nemo_sspo.megatron.lr_schedule.LrSchedule` (config key ``optim.lr_schedule``);
+            the scheduler keeps it as a plain string (its ``state_dict`` goes into checkpoints).
         warmup_steps: updates of linear warmup (0 = none).
         decay_steps: the update at which a decay reaches ``min_lr`` (warmup included).
 
@@ -154,8 +156,8 @@ def build_lr_scheduler(optimizer, *, lr: float, min_lr: float, schedule: str, wa
     """
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
-    if schedule not in ("constant", "linear", "cosine"):
-        raise ValueError(f"schedule={schedule!r} is unknown; valid: constant, linear, cosine")
+    if schedule not in tuple(LrSchedule):
+        raise ValueError(f"schedule={schedule!r} is unknown; valid: {', '.join(LrSchedule)}")
     if not (decay_steps > warmup_steps >= 0 and 0 <= min_lr <= lr):
         raise ValueError(f"need decay_steps > warmup_steps >= 0 and 0 <= min_lr <= lr, got decay_steps="
                          f"{decay_steps}, warmup_steps={warmup_steps}, min_lr={min_lr}, lr={lr}")
@@ -164,7 +166,7 @@ def build_lr_scheduler(optimizer, *, lr: float, min_lr: float, schedule: str, wa
         group["max_lr"], group["min_lr"] = lr, min_lr
     return OptimizerParamScheduler(
         optimizer, init_lr=0.0 if warmup_steps else lr, max_lr=lr, min_lr=min_lr, lr_warmup_steps=warmup_steps,
-        lr_decay_steps=decay_steps, lr_decay_style=schedule, start_wd=weight_decay, end_wd=weight_decay,
+        lr_decay_steps=decay_steps, lr_decay_style=str(schedule), start_wd=weight_decay, end_wd=weight_decay,
         wd_incr_steps=decay_steps, wd_incr_style="constant", use_checkpoint_opt_param_scheduler=False,
         override_opt_param_scheduler=True)
 

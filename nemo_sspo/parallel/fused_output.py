@@ -40,6 +40,7 @@ from contextlib import contextmanager
 import torch
 import torch.distributed as dist
 
+from nemo_sspo.choice import Choice
 from nemo_sspo.parallel.vocab_parallel import (
     check_finite_outputs,
     check_targets_and_settings,
@@ -48,10 +49,16 @@ from nemo_sspo.parallel.vocab_parallel import (
     shard_layout_error,
 )
 
-__all__ = ["OUTPUT_PRECISIONS", "fused_linear_logprobs_entropy", "output_matmul_dtype", "tf32_matmuls"]
+__all__ = ["OutputPrecision", "fused_linear_logprobs_entropy", "output_matmul_dtype", "tf32_matmuls"]
 
-OUTPUT_PRECISIONS = ("auto", "bf16", "tf32", "fp32")
-"""Values of ``precision`` (module docstring)."""
+
+class OutputPrecision(Choice):
+    """Values of ``precision`` (module docstring; config key ``model.output_layer_precision``)."""
+
+    auto = "auto"
+    bf16 = "bf16"
+    tf32 = "tf32"
+    fp32 = "fp32"
 
 
 def fused_linear_logprobs_entropy(
@@ -83,7 +90,7 @@ def fused_linear_logprobs_entropy(
             0) and are never read, so their values (even NaN or inf) change nothing.
         temperature: ``tau > 0`` dividing the logits.
         chunk_size: tokens per chunk, ``>= 1`` (peak extra memory ``chunk_size x V_local``).
-        precision: the logits matmul's precision, one of :data:`OUTPUT_PRECISIONS` (module
+        precision: the logits matmul's precision, an :class:`OutputPrecision` (module
             docstring); ``auto`` keeps the inputs' dtype.
 
     Returns:
@@ -95,8 +102,8 @@ def fused_linear_logprobs_entropy(
             ``vocab_parallel_logprobs_entropy`` (targets, settings, shard layout), an unknown
             ``precision``, or non-finite outputs (NaN/inf hidden states or valid weight rows).
     """
-    if precision not in OUTPUT_PRECISIONS:
-        raise ValueError(f"precision={precision!r} must be one of {', '.join(OUTPUT_PRECISIONS)}")
+    if precision not in tuple(OutputPrecision):
+        raise ValueError(f"precision={precision!r} must be one of {', '.join(OutputPrecision)}")
     if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1]:
         raise ValueError(f"hidden must be [N, H] and weight [V_local, H] with the same H, got "
                          f"{tuple(hidden.shape)} and {tuple(weight.shape)}")
@@ -114,8 +121,8 @@ def fused_linear_logprobs_entropy(
 
 
 def output_matmul_dtype(precision: str, dtype: torch.dtype) -> torch.dtype:
-    """The dtype the logits are multiplied in for inputs of ``dtype`` under ``precision`` (one of
-    :data:`OUTPUT_PRECISIONS`, module docstring): ``dtype`` for ``auto`` and for fp64 inputs, bf16 for
+    """The dtype the logits are multiplied in for inputs of ``dtype`` under ``precision`` (an
+    :class:`OutputPrecision`, module docstring): ``dtype`` for ``auto`` and for fp64 inputs, bf16 for
     ``bf16``, fp32 for ``fp32`` and ``tf32``.
     """
     if precision == "auto" or dtype == torch.float64:

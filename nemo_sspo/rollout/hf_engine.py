@@ -15,7 +15,7 @@ from nemo_sspo.algorithms.batch import pack_rows, pad_cat, route_dtype
 from nemo_sspo.models.hf_checkpoint import check_state_dict_keys
 from nemo_sspo.models.hf_folder import stop_token_ids as model_stop_token_ids
 from nemo_sspo.models.moe_weights import fuse_expert_weights, split_expert_weights
-from nemo_sspo.parallel.fused_output import OUTPUT_PRECISIONS, output_matmul_dtype, tf32_matmuls
+from nemo_sspo.parallel.fused_output import OutputPrecision, output_matmul_dtype, tf32_matmuls
 
 __all__ = ["PAD_ID", "HFRolloutEngine", "RolloutBatch", "check_engine_outputs", "check_sampling_settings", "encode_prompts",
            "finish_rollout_batch"]
@@ -243,8 +243,8 @@ class HFRolloutEngine:
                  stop_token_ids: list[int] | None = None, record_routes: bool = False,
                  output_precision: str = "auto") -> None:
         check_sampling_settings(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k)
-        if output_precision not in OUTPUT_PRECISIONS:
-            raise ValueError(f"output_precision={output_precision!r} must be one of {', '.join(OUTPUT_PRECISIONS)}")
+        if output_precision not in tuple(OutputPrecision):
+            raise ValueError(f"output_precision={output_precision!r} must be one of {', '.join(OutputPrecision)}")
         self.routers = [block.gate for block in model.modules() if isinstance(block, Qwen3MoeSparseMoeBlock)]
         if record_routes and not self.routers:
             raise ValueError("record_routes=True needs a mixture-of-experts model (Qwen3MoeSparseMoeBlock "

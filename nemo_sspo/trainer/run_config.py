@@ -44,10 +44,12 @@ rate and loss parameters, the reward's workers and timeout; such changes are lis
 
 
 def composed_config(cfg: Any) -> dict[str, Any]:
-    """The typed config as plain nested dicts and lists (what ``--print-config`` prints)."""
+    """The typed config as plain nested dicts and lists (what ``--print-config`` prints; a
+    :class:`~nemo_sspo.choice.Choice` as its plain name, as a ``config.yaml`` reads back).
+    """
     from omegaconf import OmegaConf
 
-    return OmegaConf.to_container(OmegaConf.structured(cfg))
+    return OmegaConf.to_container(OmegaConf.structured(cfg), enum_to_str=True)
 
 
 def write_config(folder: str | Path, config: dict[str, Any]) -> Path:

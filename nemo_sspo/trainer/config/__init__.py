@@ -10,6 +10,11 @@ loaded (``unknown_keys`` says which key was meant). Two sections take their sche
 that reads them: ``loss.params`` is the selected loss's own config dataclass (group ``loss``: node
 ``<name>`` per registered loss) and ``data.options`` the selected source's options dataclass (group
 ``data``: ``<source>_schema``), so every loss and source field can be overridden without Hydra's ``+``.
+A setting whose value is one of a fixed set of names is typed with a :class:`~nemo_sspo.choice.Choice`
+enum (``rollout.placement``: :class:`Placement`; the enums the lower layers read live there, e.g.
+``rollout.correction``: :class:`~nemo_sspo.algorithms.off_policy.Correction`), so the loader refuses
+any other value, listing the valid ones; names that plug-ins extend (``loss.name``, ``rollout.backend``,
+``reward.name``, ``advantage.name``, ``data.source``) stay strings checked against their registries.
 
 What the defaults mean: every default is the CPU demo's setting (``nemo-sspo train`` runs SmolLM2-135M
 on generated word problems, one process, about 15 minutes on 2 cores), so ``conf/sspo_smollm2_cpu.yaml``
@@ -35,21 +40,21 @@ from nemo_sspo.trainer.config.data_section import DataConfig
 from nemo_sspo.trainer.config.eval_section import EvalConfig
 from nemo_sspo.trainer.config.keyed import at_key
 from nemo_sspo.trainer.config.loss_section import LossSection, build_loss_config
-from nemo_sspo.trainer.config.model_section import OUTPUT_LAYER_PRECISIONS, ModelConfig
+from nemo_sspo.trainer.config.model_section import ModelConfig
 from nemo_sspo.trainer.config.nodes import register_config_nodes
-from nemo_sspo.trainer.config.optim_section import LR_SCHEDULES, OptimConfig
+from nemo_sspo.trainer.config.optim_section import OptimConfig
 from nemo_sspo.trainer.config.parallel_section import ParallelConfig, micro_batch_layout
 from nemo_sspo.trainer.config.reward_section import RewardConfig
 from nemo_sspo.trainer.config.rollout_section import (
-    PLACEMENTS,
-    STALE_POLICIES,
-    STALENESS_SCHEDULES,
+    Placement,
     RolloutConfig,
+    StalenessSchedule,
+    StalePolicy,
     VLLMConfig,
 )
 from nemo_sspo.trainer.config.rules import R3_ENGINES, RULES
 from nemo_sspo.trainer.config.train_config import TrainConfig, resolve_loss_settings, schema
-from nemo_sspo.trainer.config.trainer_section import LOGGERS, MlflowConfig, TrainerConfig, WandbConfig
+from nemo_sspo.trainer.config.trainer_section import LOGGERS, MlflowConfig, TrainerConfig, WandbConfig, WandbMode
 from nemo_sspo.trainer.config.old_keys import RENAMED_KEYS, upgrade_saved_config
 from nemo_sspo.trainer.config.unknown_keys import PEER_NAMES, find_unknown_key, unknown_key_message
 from nemo_sspo.trainer.config.validation import check_model_layout, validate
@@ -69,16 +74,15 @@ __all__ = [
     "TrainerConfig",
     "TrainConfig",
     "LOGGERS",
-    "LR_SCHEDULES",
-    "OUTPUT_LAYER_PRECISIONS",
     "PEER_NAMES",
-    "PLACEMENTS",
+    "Placement",
     "R3_ENGINES",
     "RENAMED_KEYS",
     "RULES",
-    "STALENESS_SCHEDULES",
-    "STALE_POLICIES",
+    "StalenessSchedule",
+    "StalePolicy",
     "WandbConfig",
+    "WandbMode",
     "MlflowConfig",
     "validate",
     "check_model_layout",

@@ -4,14 +4,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from nemo_sspo.megatron.model import check_model_options
-from nemo_sspo.megatron.router_replay import check_router_replay
+from nemo_sspo.megatron.model import Fp8Recipe, Precision, TransformerImpl, check_model_options
+from nemo_sspo.megatron.router_replay import RouterReplay, check_router_replay
+from nemo_sspo.parallel.fused_output import OutputPrecision
 from nemo_sspo.trainer.config.keyed import failed, problems_at_key
 
-__all__ = ["OUTPUT_LAYER_PRECISIONS", "ModelConfig"]
-
-OUTPUT_LAYER_PRECISIONS = ("auto", "bf16", "tf32", "fp32")
-"""Values of ``model.output_layer_precision``."""
+__all__ = ["ModelConfig"]
 
 
 @dataclass
@@ -23,9 +21,9 @@ class ModelConfig:
     model directory, or a hub id (``Qwen/Qwen2.5-Math-1.5B``) found in the local HF cache."""
     cache_dir: str | None = None
     """Where dequantised weights are cached; None = ``$NEMO_SSPO_CACHE`` or ``~/.cache/nemo_sspo``."""
-    precision: str = "fp32"
+    precision: Precision = Precision.fp32
     """Policy parameter dtype: ``fp32`` (CPU, exact tests) or ``bf16`` (GPU training)."""
-    output_layer_precision: str = "auto"
+    output_layer_precision: OutputPrecision = OutputPrecision.auto
     """Precision of the output layer's matmul (hidden states x output weight -> logits) on the trainer's
     fused log-prob path and in the ``hf`` rollout engine: ``auto`` (today's behaviour: the model's
     precision, i.e. bf16 logits for a bf16 policy), ``bf16``, ``tf32`` (fp32 inputs, TF32 tensor-core
@@ -35,12 +33,12 @@ class ModelConfig:
     accumulates bf16 inputs into fp32 logits), ``tf32`` is refused."""
     fp8: str | None = None
     """FP8 GEMMs through TransformerEngine: null (off), ``hybrid`` or ``e4m3``; needs precision=bf16."""
-    fp8_recipe: str = "delayed"
+    fp8_recipe: Fp8Recipe = Fp8Recipe.delayed
     """FP8 scaling recipe when ``fp8`` is set: delayed, tensorwise, mxfp8 (Blackwell), blockwise."""
-    transformer_impl: str = "auto"
+    transformer_impl: TransformerImpl = TransformerImpl.auto
     """Layer implementation: ``auto`` (TransformerEngine when CUDA and transformer-engine are present,
     else local), ``local`` or ``transformer_engine`` (fails clearly when unavailable)."""
-    router_replay: str = "none"
+    router_replay: RouterReplay = RouterReplay.none
     """Mixture-of-experts models: ``none`` (every forward routes with its own routers), ``r2`` (the
     training forwards route each token to the experts the old-policy forward chose) or ``r3`` (the
     old-policy, reference and training forwards route each token to the experts the rollout engine
@@ -73,9 +71,6 @@ class ModelConfig:
                 transformer_impl=self.transformer_impl)),
             *problems_at_key(f"{key}.", lambda: check_router_replay(self.router_replay)),
             *failed(
-                (self.output_layer_precision in OUTPUT_LAYER_PRECISIONS,
-                 f"{key}.output_layer_precision={self.output_layer_precision!r} is not one of "
-                 f"{', '.join(OUTPUT_LAYER_PRECISIONS)}"),
                 (self.routing_agreement_interval >= 0,
                  f"{key}.routing_agreement_interval={self.routing_agreement_interval} must be >= 0 (0 = never)"),
                 (self.router_aux_loss_coef >= 0,

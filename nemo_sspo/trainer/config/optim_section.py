@@ -4,12 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from nemo_sspo.megatron.lr_schedule import LrSchedule
 from nemo_sspo.trainer.config.keyed import failed
 
-__all__ = ["LR_SCHEDULES", "OptimConfig"]
-
-LR_SCHEDULES = ("constant", "linear", "cosine")
-"""Values of ``optim.lr_schedule``."""
+__all__ = ["OptimConfig"]
 
 
 @dataclass
@@ -32,7 +30,7 @@ class OptimConfig:
     cpu_offload: bool = False
     """Keep the optimizer states (and the update) in host memory (megatron-core's
     ``optimizer_cpu_offload``); needs ``use_distributed_optimizer``."""
-    lr_schedule: str = "constant"
+    lr_schedule: LrSchedule = LrSchedule.constant
     """Learning-rate decay after the warmup (megatron-core's ``OptimizerParamScheduler``):
     ``constant``, ``linear`` or ``cosine`` (from ``lr`` down to ``min_lr``)."""
     lr_warmup_steps: int = 0
@@ -56,8 +54,6 @@ class OptimConfig:
         return failed(
             (self.lr > 0, f"{key}.lr must be > 0"),
             (self.clip_grad >= 0, f"{key}.clip_grad must be >= 0 (0 disables clipping)"),
-            (self.lr_schedule in LR_SCHEDULES,
-             f"{key}.lr_schedule={self.lr_schedule!r} is unknown; valid: {', '.join(LR_SCHEDULES)}"),
             (self.lr_warmup_steps >= 0, f"{key}.lr_warmup_steps={self.lr_warmup_steps} must be >= 0"),
             (self.lr_decay_steps is None or self.lr_decay_steps > self.lr_warmup_steps,
              f"{key}.lr_decay_steps={self.lr_decay_steps} must exceed {key}.lr_warmup_steps="

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from nemo_sspo.algorithms.micro_batches import MicroBatchLayout
-from nemo_sspo.megatron.model import recompute_kwargs
+from nemo_sspo.megatron.model import Recompute, RecomputeMethod, recompute_kwargs
 from nemo_sspo.trainer.config.keyed import failed, problems_at_key
 
 __all__ = ["ParallelConfig", "micro_batch_layout"]
@@ -48,11 +48,11 @@ class ParallelConfig:
     context_parallel_size: int = 1
     """CP: splits every sequence over this many ranks (Megatron's load-balanced split, two chunks
     per rank). The attention needs TransformerEngine (GPU); the loss side runs everywhere."""
-    recompute: str = "none"
+    recompute: Recompute = Recompute.none
     """Activation recomputation (Megatron's ``recompute_granularity``): ``none``, ``selective``
     (recompute the core attention, keep the rest) or ``full`` (keep each recomputed layer's input
     only; ``recompute_method`` and ``recompute_num_layers`` say which layers)."""
-    recompute_method: str = "uniform"
+    recompute_method: RecomputeMethod = RecomputeMethod.uniform
     """``recompute: full`` only: ``uniform`` recomputes every layer in chunks of
     ``recompute_num_layers`` layers; ``block`` recomputes the first ``recompute_num_layers`` layers of
     each pipeline stage and keeps the others' activations."""

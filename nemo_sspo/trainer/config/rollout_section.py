@@ -9,20 +9,33 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from nemo_sspo.algorithms.off_policy import CORRECTIONS
+from nemo_sspo.algorithms.off_policy import Correction
+from nemo_sspo.choice import Choice
 from nemo_sspo.rollout import ROLLOUT_ENGINE_REGISTRY
 from nemo_sspo.trainer.config.keyed import failed, problems_at_key
 
-__all__ = ["PLACEMENTS", "STALENESS_SCHEDULES", "STALE_POLICIES", "RolloutConfig", "VLLMConfig"]
+__all__ = ["Placement", "RolloutConfig", "StalePolicy", "StalenessSchedule", "VLLMConfig"]
 
-PLACEMENTS = ("colocated", "separate")
-"""Values of ``rollout.placement``."""
 
-STALENESS_SCHEDULES = ("lockstep", "free")
-"""Values of ``rollout.staleness_schedule``."""
+class Placement(Choice):
+    """Values of ``rollout.placement`` (:attr:`RolloutConfig.placement`)."""
 
-STALE_POLICIES = ("wait", "drop")
-"""Values of ``rollout.stale_policy``."""
+    colocated = "colocated"
+    separate = "separate"
+
+
+class StalenessSchedule(Choice):
+    """Values of ``rollout.staleness_schedule`` (:attr:`RolloutConfig.staleness_schedule`)."""
+
+    lockstep = "lockstep"
+    free = "free"
+
+
+class StalePolicy(Choice):
+    """Values of ``rollout.stale_policy`` (:attr:`RolloutConfig.stale_policy`)."""
+
+    wait = "wait"
+    drop = "drop"
 
 
 @dataclass
@@ -97,7 +110,7 @@ class RolloutConfig:
     Colocated the engine checks the export itself; on rollout ranks the received buckets. Needs an
     engine that reads its weights back (``hf``; ``vllm`` holds processed weights and is refused).
     Costs two checksum passes over the weights per refit on their device."""
-    correction: str = "none"
+    correction: Correction = Correction.none
     """Off-policy correction of the behaviour policy mu (the engine's log-probs) towards pi_old (the
     trainer's recompute) multiplying each token's policy loss (``nemo_sspo.algorithms.off_policy``):
     ``none``, ``token_tis``, ``sequence_tis``, ``segment_tis`` (ours: per segment of the loss),
@@ -110,7 +123,7 @@ class RolloutConfig:
     as verl writes it: ``0.5_5.0``); TRL's ``sequence_mask`` is ``low=0, high=3``."""
     correction_high: float = 5.0
     """Upper edge (> ``correction_low``) of the ``*_mask`` band."""
-    placement: str = "colocated"
+    placement: Placement = Placement.colocated
     """``colocated``: every data-parallel replica generates, trains and refits in turn (in-process
     refit). ``separate``: the last ``num_ranks`` processes of the launched world are rollout ranks
     running the engine and the reward, the others train (``nemo_sspo.rollouts.worker``); rollouts
@@ -133,14 +146,14 @@ class RolloutConfig:
     ``t - 1 - k`` (the first k+1 steps' rollouts with the initial weights), so a sample is at most k
     updates old (``rollout/version_lag_mean``, ``_max``). 0 = on-policy. k > 0 needs a ``correction``
     (``nemo_sspo.rollouts.staleness``). With ``staleness_schedule: free`` it is a bound, not a schedule."""
-    staleness_schedule: str = "lockstep"
+    staleness_schedule: StalenessSchedule = StalenessSchedule.lockstep
     """``lockstep``: the deterministic schedule of ``max_staleness`` above (reproducible; colocated or
     separate). ``free`` (``placement: separate``): each rollout rank generates continuously with the
     newest weights it has received, checking for new ones between two rollouts without blocking; a
     step trains the first R fresh rollouts to arrive from any rollout ranks, and never a sample more
     than ``max_staleness`` versions old (``stale_policy``; ``nemo_sspo.rollouts.worker``). Runs are
     reproducible only given the same arrival order (``nemo_sspo.rollouts.worker``)."""
-    stale_policy: str = "wait"
+    stale_policy: StalePolicy = StalePolicy.wait
     """With ``staleness_schedule: free``: ``wait``: a rollout rank keeps at most ``max_staleness + 1`` of
     its rollouts untaken (it waits for new weights instead), so with one rollout rank nothing is
     dropped; with several, a slow rank's rollout can still age past the bound behind the others' and is
@@ -203,8 +216,6 @@ class RolloutConfig:
     def _correction_problems(self, key: str) -> list[str]:
         """``correction`` and its bounds; the settings that make rollouts off-policy need one."""
         return failed(
-            (self.correction in CORRECTIONS,
-             f"{key}.correction={self.correction!r} is unknown; valid: {', '.join(CORRECTIONS)}"),
             (self.correction_cap >= 1, f"{key}.correction_cap={self.correction_cap} must be >= 1 (a cap below 1 "
              "shrinks on-policy tokens too; 2.0 by default)"),
             (0 <= self.correction_low < self.correction_high,
@@ -227,13 +238,6 @@ class RolloutConfig:
         """``placement`` with ``num_ranks``, the staleness schedule, the stale policy and partial rollouts."""
         colocated, free = self.placement == "colocated", self.staleness_schedule == "free"
         return failed(
-            (self.placement in PLACEMENTS,
-             f"{key}.placement={self.placement!r} is unknown; valid: {', '.join(PLACEMENTS)}"),
-            (self.staleness_schedule in STALENESS_SCHEDULES,
-             f"{key}.staleness_schedule={self.staleness_schedule!r} is unknown; valid: "
-             f"{', '.join(STALENESS_SCHEDULES)}"),
-            (self.stale_policy in STALE_POLICIES,
-             f"{key}.stale_policy={self.stale_policy!r} is unknown; valid: {', '.join(STALE_POLICIES)}"),
             (free or self.stale_policy == "wait",
              f"{key}.stale_policy={self.stale_policy!r} needs {key}.staleness_schedule=free (lock-step never "
              f"has a sample older than {key}.max_staleness); set {key}.staleness_schedule=free or "

@@ -10,12 +10,20 @@ import os
 
 from dataclasses import dataclass, field
 
+from nemo_sspo.choice import Choice
 from nemo_sspo.trainer.config.keyed import failed
 
-__all__ = ["LOGGERS", "MlflowConfig", "TrainerConfig", "WandbConfig"]
+__all__ = ["LOGGERS", "MlflowConfig", "TrainerConfig", "WandbConfig", "WandbMode"]
 
 LOGGERS = ("console", "jsonl", "tensorboard", "wandb", "mlflow")
 """Names ``trainer.loggers`` takes (``nemo_sspo.trainer.metric_log``)."""
+
+
+class WandbMode(Choice):
+    """Values of ``trainer.wandb.mode`` (:attr:`WandbConfig.mode`)."""
+
+    offline = "offline"
+    online = "online"
 
 
 @dataclass
@@ -28,7 +36,7 @@ class WandbConfig:
     """W&B entity (user or team); null = the account's default."""
     name: str | None = None
     """Run name; null = the last folder of ``trainer.output_dir``."""
-    mode: str = "offline"
+    mode: WandbMode = WandbMode.offline
     """``offline``: a local run folder under ``output_dir/wandb/`` that ``wandb sync`` uploads later
     (nothing needs a network or an account); ``online``: streams to the W&B server (``wandb login`` first)."""
 
@@ -136,8 +144,6 @@ class TrainerConfig:
             (self.resume is None or "jsonl" in self.loggers,
              f"{key}.resume={self.resume!r} needs 'jsonl' in {key}.loggers: the resumed run keeps the earlier "
              "steps' records from output_dir/metrics.jsonl"),
-            (self.wandb.mode in ("offline", "online"),
-             f"{key}.wandb.mode={self.wandb.mode!r} is unknown; valid: offline, online"),
             *((name not in self.loggers or importlib.util.find_spec(module) is not None,
                f"{key}.loggers has {name!r} but the package {package} is not installed: run `bash install.sh` "
                f"(or pip install --no-deps -r constraints/trackers.txt), or remove {name!r} from {key}.loggers")

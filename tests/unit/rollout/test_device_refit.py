@@ -242,7 +242,7 @@ def test_vllm_gets_its_head_dtype_and_refuses_tf32(monkeypatch, tmp_path):
 
 
 @pytest.mark.parametrize("overrides, message", [
-    (["model.output_layer_precision=fp16"], "model.output_layer_precision='fp16' is not one of auto, bf16, tf32, fp32"),
+    (["model.output_layer_precision=fp16"], "model.output_layer_precision='fp16' is unknown; valid: auto, bf16, tf32, fp32"),
     (["model.output_layer_precision=fp32", "parallel.output_chunk_size=null"],
      "needs the fused output layer: set parallel.output_chunk_size"),
     (["model.output_layer_precision=tf32", "rollout.backend=vllm"], "'tf32' has no vLLM counterpart"),
