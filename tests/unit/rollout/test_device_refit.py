@@ -162,7 +162,8 @@ def test_an_engine_that_cannot_read_back_is_refused_naming_the_setting(tiny):
 def test_the_colocated_source_checks_each_refit_with_its_step(tiny):
     _, buckets = _buckets(tiny)
     engine = _OneUlpOff(_engine(tiny), "lm_head.weight" if "lm_head.weight" in tiny[1] else "model.norm.weight")
-    source = ColocatedSource(None, lambda: iter(buckets), engine, max_staleness=0, last_step=3, verify_refit=True)
+    source = ColocatedSource(None, SimpleNamespace(buckets=lambda: iter(buckets)), engine, max_staleness=0, last_step=3,
+                             verify_refit=True)
     source.start(0, 0)
     with pytest.raises(RuntimeError, match="after the refit of step 2,"):
         source.after_update(2)
