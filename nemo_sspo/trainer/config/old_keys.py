@@ -7,7 +7,6 @@ that a checkpoint of an earlier release resumes and its comparison lists only re
 from __future__ import annotations
 
 import copy
-
 from typing import Any
 
 from nemo_sspo.algorithms.losses import get_policy_loss
