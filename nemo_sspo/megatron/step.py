@@ -130,7 +130,7 @@ class LossSpec:
             mixture-of-experts model (``model.router_aux_loss_coef``; 0 = off; module docstring).
         cp_group: the context-parallel process group when ``parallel.context_parallel_size > 1``
             (module docstring), else None.
-        output_precision: the fused output layer's matmul precision (``model.output_layer_precision``:
+        output_layer_precision: the fused output layer's matmul precision (``model.output_layer_precision``:
             ``nemo_sspo.parallel.fused_output.OutputPrecision``); read with ``output_chunk_size`` only.
     """
 
@@ -143,7 +143,7 @@ class LossSpec:
     output_chunk_size: int | None
     router_aux_loss_coef: float = 0.0
     cp_group: Any = None
-    output_precision: str = "auto"
+    output_layer_precision: str = "auto"
 
 
 def _target_rows(output: torch.Tensor, micro: MicroBatch) -> torch.Tensor:
@@ -171,7 +171,7 @@ def _token_stats(output: torch.Tensor, micro: MicroBatch, spec: LossSpec, model)
         weight = output_weight(model)
         logprobs, entropy = fused_linear_logprobs_entropy(
             rows.to(weight.dtype), weight, batch.targets[mask],
-            chunk_size=spec.output_chunk_size, precision=spec.output_precision, **shard)
+            chunk_size=spec.output_chunk_size, precision=spec.output_layer_precision, **shard)
     full_lp = torch.zeros(mask.shape, dtype=torch.float32, device=output.device)
     full_ent = torch.zeros(mask.shape, dtype=torch.float32, device=output.device)
     return full_lp.masked_scatter(mask, logprobs), full_ent.masked_scatter(mask, entropy)

@@ -99,7 +99,7 @@ class EngineContext:
             the trainer also writes into every model folder.
         record_routes: the trainer replays the engine's MoE routes (``model.router_replay=r3``):
             the engine must return them as ``RolloutBatch.routes``.
-        output_precision: ``model.output_layer_precision`` (``auto``, ``bf16``, ``tf32``, ``fp32``): the
+        output_layer_precision: ``model.output_layer_precision`` (``auto``, ``bf16``, ``tf32``, ``fp32``): the
             precision the engine's output layer should compute logits in, as the trainer's does.
     """
 
@@ -113,7 +113,7 @@ class EngineContext:
     device: torch.device
     stop_ids: list[int]
     record_routes: bool
-    output_precision: str
+    output_layer_precision: str
 
 
 ROLLOUT_ENGINE_REGISTRY: BuilderRegistry[EngineContext, RolloutEngine] = BuilderRegistry(
@@ -147,7 +147,7 @@ def _build_hf(context: EngineContext) -> HFRolloutEngine:
     """A transformers copy of the policy on the training device, stopping at the model's list."""
     return HFRolloutEngine(build_hf_model(context.hf_config, context.state_dict), context.tokenizer,
                            device=context.device, stop_token_ids=context.stop_ids,
-                           record_routes=context.record_routes, output_precision=context.output_precision,
+                           record_routes=context.record_routes, output_layer_precision=context.output_layer_precision,
                            **sampling_settings(context.rollout))
 
 
@@ -157,7 +157,7 @@ def _build_vllm(context: EngineContext) -> VLLMRolloutEngine:
     ro = context.rollout
     return VLLMRolloutEngine.build(model_dir, context.tokenizer, vllm_config=ro.vllm, seed=context.seed,
                                    truncation_corrected=ro.correction != "none",
-                                   stop_token_ids=context.stop_ids, output_precision=context.output_precision,
+                                   stop_token_ids=context.stop_ids, output_layer_precision=context.output_layer_precision,
                                    **sampling_settings(ro))
 
 

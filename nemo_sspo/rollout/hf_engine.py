@@ -225,7 +225,7 @@ class HFRolloutEngine:
             keeps the model where it is. Returned tensors are always on the CPU.
         record_routes: record the experts every MoE layer chose for every token it ran
             (:attr:`RolloutBatch.routes`, router replay R3; :meth:`_routes`); needs a Qwen3-MoE model.
-        output_precision: the output layer's matmul precision (``model.output_layer_precision``, as the
+        output_layer_precision: the output layer's matmul precision (``model.output_layer_precision``, as the
             trainer's fused path: ``nemo_sspo.parallel.fused_output``): ``auto`` leaves the model as
             it is; otherwise the final hidden states and the head weight are cast to that dtype for
             the logits (the cast weight kept until the next refit: one extra ``[V, H]`` tensor).
@@ -235,16 +235,17 @@ class HFRolloutEngine:
 
     Raises:
         ValueError: a sampling setting out of range, a tokenizer without pad/EOS ids,
-            ``record_routes`` for a model without Qwen3-MoE layers, or an unknown ``output_precision``.
+            ``record_routes`` for a model without Qwen3-MoE layers, or an unknown ``output_layer_precision``.
     """
 
     def __init__(self, model, tokenizer, *, max_new_tokens: int, temperature: float, top_p: float = 1.0,
                  top_k: int = 0, device: torch.device | str | None = None,
                  stop_token_ids: list[int] | None = None, record_routes: bool = False,
-                 output_precision: str = "auto") -> None:
+                 output_layer_precision: str = "auto") -> None:
         check_sampling_settings(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k)
-        if output_precision not in tuple(OutputPrecision):
-            raise ValueError(f"output_precision={output_precision!r} must be one of {', '.join(OutputPrecision)}")
+        if output_layer_precision not in tuple(OutputPrecision):
+            raise ValueError(f"output_layer_precision={output_layer_precision!r} must be one of "
+                             f"{', '.join(OutputPrecision)}")
         self.routers = [block.gate for block in model.modules() if isinstance(block, Qwen3MoeSparseMoeBlock)]
         if record_routes and not self.routers:
             raise ValueError("record_routes=True needs a mixture-of-experts model (Qwen3MoeSparseMoeBlock "
@@ -275,8 +276,8 @@ class HFRolloutEngine:
             return_dict_in_generate=True,
         )
         self._head_weight: torch.Tensor | None = None  # the head weight in the output precision, until a refit
-        if output_precision != "auto":
-            self._set_output_precision(output_precision)
+        if output_layer_precision != "auto":
+            self._set_output_precision(output_layer_precision)
 
     def _set_output_precision(self, precision: str) -> None:
         """Replaces the head's forward by ``hidden.to(dtype) @ W.to(dtype)^T`` (+ bias) in the dtype of

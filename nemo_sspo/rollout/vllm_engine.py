@@ -366,7 +366,7 @@ class VLLMRolloutEngine:
 
     @classmethod
     def build(cls, model_dir: str | Path, tokenizer, *, vllm_config, seed: int,
-              stop_token_ids: Sequence[int] | None = None, output_precision: str = "auto",
+              stop_token_ids: Sequence[int] | None = None, output_layer_precision: str = "auto",
               **sampling) -> "VLLMRolloutEngine":
         """A new engine for the HF model folder ``model_dir`` (its initial weights).
 
@@ -376,22 +376,22 @@ class VLLMRolloutEngine:
             vllm_config: the ``rollout.vllm`` section (the keyword arguments of :func:`build_llm`).
             seed: engine seed (``trainer.seed``).
             stop_token_ids: the stop list (default: the tokenizer's and ``model_dir``'s generation config's).
-            output_precision: ``model.output_layer_precision``: ``auto`` (vLLM's model dtype), ``bf16``
+            output_layer_precision: ``model.output_layer_precision``: ``auto`` (vLLM's model dtype), ``bf16``
                 or ``fp32`` (:func:`build_llm`'s ``head_dtype``).
             **sampling: the constructor's sampling arguments.
 
         Raises:
-            ValueError: ``output_precision='tf32'`` (vLLM has no TF32 head) or another unknown value.
+            ValueError: ``output_layer_precision='tf32'`` (vLLM has no TF32 head) or another unknown value.
         """
-        if output_precision not in _HEAD_DTYPES:
-            raise ValueError(f"output_precision={output_precision!r}: vLLM's head takes one of "
+        if output_layer_precision not in _HEAD_DTYPES:
+            raise ValueError(f"output_layer_precision={output_layer_precision!r}: vLLM's head takes one of "
                              f"{', '.join(_HEAD_DTYPES)} (no tf32)")
         if stop_token_ids is None:
             stop_token_ids = model_stop_token_ids(tokenizer, model_dir)
         settings = {key: getattr(vllm_config, key) for key in (
             "tensor_parallel_size", "gpu_memory_utilization", "dtype", "max_model_len", "enforce_eager",
             "cpu_kv_cache_gib", "enable_sleep_mode")}
-        llm = build_llm(model_dir, seed=seed, head_dtype=_HEAD_DTYPES[output_precision], **settings)
+        llm = build_llm(model_dir, seed=seed, head_dtype=_HEAD_DTYPES[output_layer_precision], **settings)
         sleep = bool(settings["enable_sleep_mode"]) and torch.cuda.is_available()
         config = _model_config(model_dir)
         return cls(llm, tokenizer, vocab_size=int(config["vocab_size"]), stop_token_ids=stop_token_ids,

@@ -156,7 +156,7 @@ def loss_spec(cfg: TrainConfig, loss, groups: ParallelGroups, model) -> LossSpec
                     vocab_size=vocab_size, temperature=cfg.rollout.temperature,
                     max_response_length=cfg.rollout.max_new_tokens, output_chunk_size=cfg.parallel.output_chunk_size,
                     router_aux_loss_coef=cfg.model.router_aux_loss_coef,
-                    output_precision=cfg.model.output_layer_precision)
+                    output_layer_precision=cfg.model.output_layer_precision)
 
 
 def segment_tables(segmentation: str, tokenizer, hf_config):
@@ -219,7 +219,7 @@ def build_rollout(cfg: TrainConfig, hf_config, state_dict, tokenizer, prompts, g
                                 model_source=cfg.model.source, cache_dir=cfg.model.cache_dir, rollout=cfg.rollout,
                                 seed=cfg.trainer.seed, device=training_device(), stop_ids=stop_ids,
                                 record_routes=cfg.model.router_replay == "r3",
-                                output_precision=cfg.model.output_layer_precision)
+                                output_layer_precision=cfg.model.output_layer_precision)
         engine = build_rollout_engine(cfg.rollout.backend, context)
     if reward is None:
         reward = build_reward(cfg.reward.name, cfg.reward)

@@ -104,7 +104,7 @@ def _output_precision_gap(megatron, config, state_dict, tokenizer) -> None:
     for precision in ("auto", "fp32"):
         model = build_hf_model(config, state_dict).to(torch.bfloat16)
         engine = HFRolloutEngine(model, tokenizer, max_new_tokens=64, temperature=TEMPERATURE, device="cuda",
-                                 output_precision=precision)
+                                 output_layer_precision=precision)
         batch = engine.generate(PROMPTS, seed=3)
         ids = torch.cat([batch.prompt_ids, batch.response_ids], 1).cuda()
         mask = torch.cat([batch.prompt_mask, batch.response_mask], 1).cuda()

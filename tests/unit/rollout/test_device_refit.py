@@ -210,7 +210,7 @@ def test_fp32_output_layer_is_closer_to_float64_than_bf16_on_the_fused_path():
 def test_the_hf_engine_head_computes_in_the_output_precision_and_follows_a_refit(tiny):
     config, state_dict, tokenizer = tiny
     engines = {p: HFRolloutEngine(build_hf_model(config, state_dict).to(torch.bfloat16), tokenizer, max_new_tokens=4,
-                                  temperature=1.0, output_precision=p) for p in ("auto", "fp32")}
+                                  temperature=1.0, output_layer_precision=p) for p in ("auto", "fp32")}
     hidden = (torch.randn(2, 5, config.hidden_size, generator=torch.Generator().manual_seed(1)) * 2).bfloat16()
 
     def error(engine) -> tuple[float, torch.dtype]:
@@ -226,8 +226,8 @@ def test_the_hf_engine_head_computes_in_the_output_precision_and_follows_a_refit
     moved, buckets = _buckets(tiny, seed=8)
     engines["fp32"].load_weight_buckets(iter(buckets))  # the head's fp32 copy is recast after a refit
     assert error(engines["fp32"])[0] < 1e-4
-    with pytest.raises(ValueError, match="output_precision='half' must be one of"):
-        HFRolloutEngine(engines["auto"].model, tokenizer, max_new_tokens=4, temperature=1.0, output_precision="half")
+    with pytest.raises(ValueError, match="output_layer_precision='half' must be one of"):
+        HFRolloutEngine(engines["auto"].model, tokenizer, max_new_tokens=4, temperature=1.0, output_layer_precision="half")
 
 
 def test_vllm_gets_its_head_dtype_and_refuses_tf32(monkeypatch, tmp_path):
@@ -239,7 +239,7 @@ def test_vllm_gets_its_head_dtype_and_refuses_tf32(monkeypatch, tmp_path):
     build_llm(tmp_path, seed=1, head_dtype="float32")
     assert built["hf_overrides"] == {"head_dtype": "float32"}
     with pytest.raises(ValueError, match="no tf32"):
-        VLLMRolloutEngine.build(tmp_path, None, vllm_config=None, seed=1, output_precision="tf32")
+        VLLMRolloutEngine.build(tmp_path, None, vllm_config=None, seed=1, output_layer_precision="tf32")
 
 
 @pytest.mark.parametrize("overrides, message", [
