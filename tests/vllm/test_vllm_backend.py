@@ -43,7 +43,8 @@ def engine(tiny):
     assert torch.equal(torch.get_rng_state(), rng[0]) and random.getstate() == rng[1]
     assert (np.random.get_state()[1] == rng[2]).all()
     assert torch.set_num_threads is set_num_threads and torch.get_num_threads() == threads
-    return built
+    yield built
+    built.shutdown()  # vLLM's groups end with the module, so the next engine in this process sets up its own
 
 
 def _reference_logprobs(model, batch) -> torch.Tensor:

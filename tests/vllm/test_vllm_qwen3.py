@@ -30,7 +30,8 @@ def qwen3(request, tmp_path_factory):
                                      vllm_config=VLLMConfig(max_model_len=256, enforce_eager=True,
                                                             cpu_kv_cache_gib=1),
                                      seed=0, max_new_tokens=12, temperature=TEMPERATURE)
-    return config, state_dict, engine
+    yield config, state_dict, engine
+    engine.shutdown()  # the MoE engine after the dense one sets up vLLM's groups again, its expert group included
 
 
 def test_vllm_loads_our_qwen3_folder_and_refits_from_megatron(qwen3):
