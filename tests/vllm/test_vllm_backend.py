@@ -179,6 +179,8 @@ def test_train_loop_refits_vllm_after_each_optimizer_step(tmp_path):
         step1, step2 = trainer.fit()
         policy = export_hf_state_dict(trainer.model.module, trainer.hf_config)
     finally:
+        trainer.close()
+        trainer.shutdown_engine()  # as the CLI does: vLLM's groups end before the trainer's
         destroy_parallel()
     initial = load_hf_checkpoint("smollm2-135m-instruct")[1]
     assert step1["advantages/zero_variance_group_frac"] < 1.0  # ParityReward varied: a real update
