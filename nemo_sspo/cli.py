@@ -174,7 +174,7 @@ def _hydra_error_message(config_name: str, err: Exception, overrides: list[str],
 
 
 def _unknown_choice_message(err: Exception) -> str | None:
-    """``"rollout.placement='remote' is unknown; valid: colocated, separate"`` for OmegaConf's refusal of
+    """``"rollout.schedule.placement='remote' is unknown; valid: colocated, separate"`` for OmegaConf's refusal of
     a value outside a :class:`~nemo_sspo.choice.Choice` field's names (``Invalid value 'remote', expected
     one of [colocated, separate]``), raised itself (merged onto the schema), under Hydra's ``Error merging
     override`` (a command-line override) or while Hydra composes a YAML file's value; None for any other
@@ -409,15 +409,15 @@ def main(argv: list[str] | None = None) -> int:
     try:
         with stop_on_signals():  # SIGINT/SIGTERM: abandon the step, save what is safe, exit cleanly
             split = None
-            if cfg.rollout.placement == "separate":
+            if cfg.rollout.schedule.placement == "separate":
                 import datetime
 
                 from nemo_sspo.parallel.world_split import split_launched_world
 
                 # Free-running posts its weights over gloo pair groups (docs/async.md); the refit group is lock-step's.
-                split = split_launched_world(cfg.rollout.num_ranks,
-                                             timeout=datetime.timedelta(seconds=cfg.rollout.peer_timeout_s),
-                                             device_refit=cfg.rollout.staleness_schedule == "lockstep")
+                split = split_launched_world(cfg.rollout.schedule.num_ranks,
+                                             timeout=datetime.timedelta(seconds=cfg.rollout.schedule.peer_timeout_s),
+                                             device_refit=cfg.rollout.schedule.mode == "lockstep")
                 if split.is_rollout:
                     run_rollout_rank(cfg, split)
                     return 0

@@ -1,4 +1,4 @@
-"""``rollout.placement: separate`` with the real vLLM CPU engine on the rollout rank, against colocated vLLM.
+"""``rollout.schedule.placement: separate`` with the real vLLM CPU engine on the rollout rank, against colocated vLLM.
 
 Two CLI runs of the same seed on SmolLM2-135M (2 steps, fp32 vLLM in-process): colocated in one
 process (also the CLI check of vLLM: its output holds no refit warning and no traceback), and
@@ -22,7 +22,7 @@ from tests.vllm.test_vllm_backend import TRAIN
 # The Qwen-Math template's prompts (~60 tokens instead of ~185 with the chat template) keep the
 # Megatron steps, the bulk of the run on 2 cores, short.
 RUN = [*TRAIN, "plugins=[tests.integration._loop_runs]", "reward.name=test_parity", "optim.lr=1e-3",
-       "rollout.correction=token_tis", "data.template=qwen-math"]
+       "rollout.correction.name=token_tis", "data.template=qwen-math"]
 KEYS = ("reward/mean", "response/length_mean", "loss/policy", "optim/grad_norm", "policy/ratio",
         "rollout/kl_k3_behaviour", "rollout/is_weight", "rollout/trainer_logprob_gap_abs")
 
@@ -42,7 +42,7 @@ def _train(launcher, out, extra):
 def test_separate_vllm_with_two_rollout_ranks_equals_colocated_vllm(tmp_path):
     colocated = _train([], tmp_path / "colocated", [])
     separate = _train(["-m", "torch.distributed.run", "--nproc-per-node", "3", "--master-port", str(free_port())],
-                      tmp_path / "separate", ["rollout.placement=separate", "rollout.num_ranks=2"])
+                      tmp_path / "separate", ["rollout.schedule.placement=separate", "rollout.schedule.num_ranks=2"])
     assert [s["step"] for s in separate] == [s["step"] for s in colocated] == [1, 2]
     assert all(s["rollout/trainer_logprob_gap_abs"] < 1e-4 for s in colocated)
     assert colocated[0]["optim/grad_norm"] > 0 and colocated[0]["reward/mean"] not in (0.0, 1.0)  # a real update
