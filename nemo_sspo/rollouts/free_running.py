@@ -69,7 +69,8 @@ class FreeRunningSource(SeparateSource):
             positions = [RolloutPosition(completed_steps, problems_drawn)] * count
         if len(positions) != count:
             raise ValueError(f"the checkpoint keeps the positions of {len(positions)} rollout rank(s), this run has "
-                             f"rollout.schedule.num_ranks={count}; resume free-running with rollout.schedule.num_ranks={len(positions)}")
+                             f"rollout.schedule.num_ranks={count}; resume free-running with "
+                             f"rollout.schedule.num_ranks={len(positions)}")
         positions = [RolloutPosition(*position) for position in positions]
         if dist.get_rank() == 0:
             self.collector = RolloutCollector(self.split, positions, self.peer_timeout_s)

@@ -167,8 +167,8 @@ class RolloutWorker:
         if done >= self.cfg.trainer.max_steps:  # nothing left to train: the trainer expects nothing
             return
         me = split.rollout_index(split.rank)
-        queue = FreeQueue(ro.schedule.max_staleness, ro.schedule.stale_policy, self.cfg.trainer.max_steps, done, received,
-                          split.num_rollout_ranks)
+        queue = FreeQueue(ro.schedule.max_staleness, ro.schedule.stale_policy, self.cfg.trainer.max_steps, done,
+                          received, split.num_rollout_ranks)
         notices = NoticeListener(split.pairs[me], split.num_rollout_ranks)
         if ro.schedule.partial:  # responses stop at a new version and continue with its weights
             self.sampler.refits = RefitHooks(

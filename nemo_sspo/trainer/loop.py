@@ -313,8 +313,8 @@ class GRPOTrainer:
         if dist.get_rank() == 0:
             logger.warning("resumed from %s after step %d", path, state.step)
             if self.cfg.rollout.schedule.max_staleness > 0:
-                logger.warning("rollout.schedule.max_staleness=%d: generation restarts from the resumed weights, so steps "
-                               "%d.. train on fresher rollouts than an uninterrupted run (lag 0 at step %d)",
+                logger.warning("rollout.schedule.max_staleness=%d: generation restarts from the resumed weights, so "
+                               "steps %d.. train on fresher rollouts than an uninterrupted run (lag 0 at step %d)",
                                self.cfg.rollout.schedule.max_staleness, state.step + 1, state.step + 1)
 
     def close(self) -> None:

@@ -84,8 +84,8 @@ class TruncationWatch:
         if self.warned or frac is None or frac <= self.threshold:
             return None
         self.warned = True
-        head = (f"step {step}: {frac:.0%} of the responses reached rollout.sampling.max_new_tokens={self.max_new_tokens} "
-                "without a stop token")
+        head = (f"step {step}: {frac:.0%} of the responses reached "
+                f"rollout.sampling.max_new_tokens={self.max_new_tokens} without a stop token")
         tail = "raise rollout.sampling.max_new_tokens (warned once; response/truncated_frac tracks it)"
         score = metrics.get("reward/truncated_mean")
         if score is None:

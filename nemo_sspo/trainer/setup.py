@@ -154,7 +154,8 @@ def loss_spec(cfg: TrainConfig, loss, groups: ParallelGroups, model) -> LossSpec
     return LossSpec(loss=loss, tp_group=groups.tp_group if groups.tp_size > 1 else None,
                     cp_group=groups.cp_group if groups.cp_size > 1 else None, vocab_start=vocab_start,
                     vocab_size=vocab_size, temperature=cfg.rollout.sampling.temperature,
-                    max_response_length=cfg.rollout.sampling.max_new_tokens, output_chunk_size=cfg.parallel.output_chunk_size,
+                    max_response_length=cfg.rollout.sampling.max_new_tokens,
+                    output_chunk_size=cfg.parallel.output_chunk_size,
                     router_aux_loss_coef=cfg.model.router_aux_loss_coef,
                     output_layer_precision=cfg.model.output_layer_precision)
 
@@ -265,16 +266,17 @@ def build_rollout_source(cfg: TrainConfig, groups: ParallelGroups, split: WorldS
                                verify_refit=ro.refit.verify)
     if ro.schedule.mode == "free":
         return FreeRunningSource(groups, split, exporter, max_staleness=ro.schedule.max_staleness,
-                                 last_step=cfg.trainer.max_steps, peer_timeout_s=ro.schedule.peer_timeout_s, pad_id=pad_id)
+                                 last_step=cfg.trainer.max_steps, peer_timeout_s=ro.schedule.peer_timeout_s,
+                                 pad_id=pad_id)
     return LockStepSource(groups, split, exporter, max_staleness=ro.schedule.max_staleness,
                           prompts_per_step=ro.prompts_per_step, pad_id=pad_id)
 
 
 def run_rollout_rank(cfg: TrainConfig, split: WorldSplit, checkpoint=None, *, reward: Reward | None = None) -> None:
-    """A rollout rank of ``rollout.schedule.placement: separate``: builds the engine (``rollout.engine.backend``), reward
-    and prompt stream, runs :class:`nemo_sspo.rollouts.worker.RolloutWorker` until the last step's
-    refit (lock-step) or the trainer's stop (``rollout.schedule.mode: free``), then closes the
-    reward and stops the engine (an in-process vLLM ends this process's torch.distributed default
+    """A rollout rank of ``rollout.schedule.placement: separate``: builds the engine
+    (``rollout.engine.backend``), reward and prompt stream, runs
+    :class:`nemo_sspo.rollouts.worker.RolloutWorker` until the last step's refit (lock-step) or the
+    trainer's stop (``rollout.schedule.mode: free``), then closes the reward and stops the engine (an in-process vLLM ends this process's torch.distributed default
     group: nothing of the rollout side's runs after it).
 
     Args:
@@ -299,9 +301,9 @@ def run_rollout_rank(cfg: TrainConfig, split: WorldSplit, checkpoint=None, *, re
                                                 stop_ids=run_stop_ids(cfg, tokenizer), reward=reward,
                                                 shared_stream=not free)
         if cfg.rollout.schedule.partial and not hasattr(engine, "generate_partial"):
-            raise ValueError(f"rollout.schedule.partial=true: the {cfg.rollout.engine.backend!r} engine ({type(engine).__name__}) has no "
-                             "generate_partial to continue responses across refits; use rollout.engine.backend=hf or "
-                             "rollout.schedule.partial=false")
+            raise ValueError(f"rollout.schedule.partial=true: the {cfg.rollout.engine.backend!r} engine "
+                             f"({type(engine).__name__}) has no generate_partial to continue responses across refits; "
+                             "use rollout.engine.backend=hf or rollout.schedule.partial=false")
         # rollout.refit.verify: every received refit is checked (the step comes with the stream); sampling uses the
         # same inner engine, which the wrapper only forwards to.
         RolloutWorker(cfg, split, VerifiedRefitEngine(engine) if cfg.rollout.refit.verify else engine,
