@@ -92,7 +92,8 @@ class EngineContext:
         tokenizer: the policy's tokenizer.
         model_source: ``model.source`` (a built-in name, a model folder or a hub id).
         cache_dir: ``model.cache_dir``.
-        rollout: the ``rollout`` config section (sampling settings, ``vllm``, ``correction``).
+        rollout: the ``rollout`` config section (``sampling``, ``engine`` with ``vllm`` and a user
+            engine's ``options``, ``correction``).
         seed: ``trainer.seed``.
         device: the training device (the trainer's CUDA device, or the CPU).
         stop_ids: the model's stop list (``nemo_sspo.models.hf_folder.stop_token_ids``), the one

@@ -129,8 +129,9 @@ class EngineConfig:
     vllm: VLLMConfig = field(default_factory=VLLMConfig)
     """vLLM engine settings, read only when ``backend`` is ``vllm``."""
     options: Any = None
-    """Settings of a user engine as one mapping, read by its builder from ``EngineContext.rollout``
-    (``rollout.engine.options={seed_offset: 7}``, given whole); null for none. hf and vllm read none."""
+    """Settings of a user engine as one mapping, read by its builder as
+    ``EngineContext.rollout.engine.options`` (``rollout.engine.options={seed_offset: 7}``, given whole);
+    null for none. hf and vllm read none."""
 
     def problems(self, key: str) -> list[str]:
         """The backend is registered; the vLLM engine's sizes.
