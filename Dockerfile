@@ -20,12 +20,12 @@
 # This image itself was not built or run here (no Docker daemon, no GPU, no NGC registry access):
 # base tag, TransformerEngine import and the GPU path are unverified.
 #
-# vLLM (rollout.backend=vllm, which the Qwen2.5-Math recipes use): vllm 0.32.0 for CUDA 13, installed
+# vLLM (rollout.engine.backend=vllm, which the Qwen2.5-Math recipes use): vllm 0.32.0 for CUDA 13, installed
 # beside the image's torch by tools/install_vllm_cuda.sh from constraints/vllm-cuda.txt with
 # --no-deps. It replaces nothing: torch, torchvision/torchaudio/torchcodec, triton, the CUDA
 # libraries and transformers stay as they are (a plain `pip install vllm` would replace the image's
 # torch with PyPI's 2.13.0 build). It needs the image's torch to be 2.13 with CUDA 13 and stops the
-# build otherwise; WITH_VLLM=0 builds without vLLM (then use rollout.backend=hf).
+# build otherwise; WITH_VLLM=0 builds without vLLM (then use rollout.engine.backend=hf).
 ARG BASE_IMAGE=nvcr.io/nvidia/pytorch:26.06-py3
 FROM ${BASE_IMAGE}
 ARG WITH_VLLM=1

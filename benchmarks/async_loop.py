@@ -6,11 +6,11 @@ Runs of the default CPU task (``sspo_smollm2_cpu``: SmolLM2-135M, word problems,
 seed, so the same prompts), each with 2 cores in all:
 
 - ``a``: colocated, one process with 2 threads (generation and training take turns);
-- ``b``: ``rollout.placement=separate``, ``max_staleness=0``: 1 training + 1 rollout process,
+- ``b``: ``rollout.schedule.placement=separate``, ``max_staleness=0``: 1 training + 1 rollout process,
   1 thread each (the sides still take turns: each waits for the other);
 - ``c``: the same with ``max_staleness=1`` (the rollout rank generates step t + 1 while step t trains);
 - ``d``: ``max_staleness=2``;
-- ``e``: free-running (``rollout.staleness_schedule=free``) with ``max_staleness=1``, ``stale_policy=wait``;
+- ``e``: free-running (``rollout.schedule.mode=free``) with ``max_staleness=1``, ``stale_policy=wait``;
 - ``f``: free-running with ``max_staleness=1``, ``stale_policy=drop`` (dropped rollouts count as rollout
   busy time; the table's ``dropped`` column is the share of received rollouts dropped);
 - ``g``: free-running over two rollout ranks (1 training + 2 rollout processes, 1 thread each, on the
@@ -37,24 +37,24 @@ import subprocess
 import sys
 from pathlib import Path
 
-_COMMON = ["trainer.save_hf_checkpoint=false", "trainer.overwrite_output_dir=true", "rollout.correction=token_tis"]
-_GEN_BOUND = ["model=tiny_random", "data.template=qwen-math", "rollout.max_new_tokens=256",
+_COMMON = ["trainer.save_hf_checkpoint=false", "trainer.overwrite_output_dir=true", "rollout.correction.name=token_tis"]
+_GEN_BOUND = ["model=tiny_random", "data.template=qwen-math", "rollout.sampling.max_new_tokens=256",
               "trainer.minibatches_per_step=1"]
 """The tiny random Llama with 256-token responses (it never samples a stop id) and one update per step:
 token-by-token generation outweighs the update (the summary line prints the share it ran at). It
 measures the schedule, not learning."""
 _VARIANTS = {
     "a": (1, 2, []),
-    "b": (2, 1, ["rollout.placement=separate", "rollout.num_ranks=1", "rollout.max_staleness=0"]),
-    "c": (2, 1, ["rollout.placement=separate", "rollout.num_ranks=1", "rollout.max_staleness=1"]),
-    "d": (2, 1, ["rollout.placement=separate", "rollout.num_ranks=1", "rollout.max_staleness=2"]),
-    "e": (2, 1, ["rollout.placement=separate", "rollout.num_ranks=1", "rollout.max_staleness=1",
-                 "rollout.staleness_schedule=free", "rollout.stale_policy=wait"]),
-    "f": (2, 1, ["rollout.placement=separate", "rollout.num_ranks=1", "rollout.max_staleness=1",
-                 "rollout.staleness_schedule=free", "rollout.stale_policy=drop"]),
-    "g": (3, 1, ["rollout.placement=separate", "rollout.num_ranks=2", "rollout.max_staleness=2",
-                 "rollout.staleness_schedule=free", "rollout.stale_policy=wait", *_GEN_BOUND]),
-    "h": (3, 1, ["rollout.placement=separate", "rollout.num_ranks=2", "rollout.max_staleness=2", *_GEN_BOUND]),
+    "b": (2, 1, ["rollout.schedule.placement=separate", "rollout.schedule.num_ranks=1", "rollout.schedule.max_staleness=0"]),
+    "c": (2, 1, ["rollout.schedule.placement=separate", "rollout.schedule.num_ranks=1", "rollout.schedule.max_staleness=1"]),
+    "d": (2, 1, ["rollout.schedule.placement=separate", "rollout.schedule.num_ranks=1", "rollout.schedule.max_staleness=2"]),
+    "e": (2, 1, ["rollout.schedule.placement=separate", "rollout.schedule.num_ranks=1", "rollout.schedule.max_staleness=1",
+                 "rollout.schedule.mode=free", "rollout.schedule.stale_policy=wait"]),
+    "f": (2, 1, ["rollout.schedule.placement=separate", "rollout.schedule.num_ranks=1", "rollout.schedule.max_staleness=1",
+                 "rollout.schedule.mode=free", "rollout.schedule.stale_policy=drop"]),
+    "g": (3, 1, ["rollout.schedule.placement=separate", "rollout.schedule.num_ranks=2", "rollout.schedule.max_staleness=2",
+                 "rollout.schedule.mode=free", "rollout.schedule.stale_policy=wait", *_GEN_BOUND]),
+    "h": (3, 1, ["rollout.schedule.placement=separate", "rollout.schedule.num_ranks=2", "rollout.schedule.max_staleness=2", *_GEN_BOUND]),
 }
 
 

@@ -107,7 +107,7 @@ def _print_rows(rows) -> None:
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--bucket-mb", type=int, default=256, help="rollout.refit_bucket_mb (default 256)")
+    parser.add_argument("--bucket-mb", type=int, default=256, help="rollout.refit.bucket_mb (default 256)")
     parser.add_argument("--layouts", nargs="+", default=list(_LAYOUTS), choices=sorted(_LAYOUTS))
     parser.add_argument("--hidden", type=int, default=1024)
     parser.add_argument("--ffn", type=int, default=2816)

@@ -19,10 +19,10 @@ first method); ``--steps 3`` cuts it to about 13.
 
     python examples/compare_losses.py                                   # the default comparison
     python examples/compare_losses.py --steps 2 --output-dir /tmp/cmp_quick rollout.prompts_per_step=1 \\
-        rollout.samples_per_prompt=4 rollout.max_new_tokens=32 parallel.micro_batch_size=1 \\
+        rollout.samples_per_prompt=4 rollout.sampling.max_new_tokens=32 parallel.micro_batch_size=1 \\
         optim.lr=5e-5                                                   # quick comparison (~5 min)
     python examples/compare_losses.py --steps 1 --output-dir /tmp/cmp model=tiny_random \\
-        data.template=qwen-math rollout.max_new_tokens=8   # smoke test
+        data.template=qwen-math rollout.sampling.max_new_tokens=8   # smoke test
 
 The quick comparison is the same model and task at 2 steps x 4 responses (one prompt), responses up
 to 32 tokens, 4 single-response mini-batches per step and 2.5x the learning rate, so the three
@@ -61,7 +61,7 @@ from pathlib import Path
 
 LOSSES = ("grpo", "gspo", "sspo_fixed_clip", "sspo")
 DEFAULT_OVERRIDES = ["data.options.max_steps=1", "rollout.prompts_per_step=2", "rollout.samples_per_prompt=8",
-                     "rollout.max_new_tokens=48", "trainer.minibatches_per_step=4",
+                     "rollout.sampling.max_new_tokens=48", "trainer.minibatches_per_step=4",
                      "trainer.save_hf_checkpoint=false", "trainer.overwrite_output_dir=true"]
 SHARED_KEYS = (  # step-1 metrics compared on the shared rollouts
     ("policy/clipfrac_tokens", "clip tok"), ("policy/clipfrac_segments", "clip seg"),

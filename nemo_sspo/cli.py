@@ -145,7 +145,7 @@ def _hydra_error_message(config_name: str, err: Exception, overrides: list[str],
     """Hydra's error, or, for an override of a key that does not exist, which key was meant (Hydra
     would suggest '+', which adds a key no dataclass field reads).
     """
-    from nemo_sspo.trainer.config import RENAMED_KEYS, unknown_key_message
+    from nemo_sspo.trainer.config import unknown_key_message
 
     missing = re.search(r"Could not find 'loss/([^']+)'", str(err))
     if missing:  # Hydra lists the group's files; say what a loss is and how a new one is added
@@ -160,9 +160,9 @@ def _hydra_error_message(config_name: str, err: Exception, overrides: list[str],
         return f"invalid config {config_name!r}: {unknown_choice}"
     match = re.search(r"Could not override '([^']+)'", str(err))
     if not match:
-        renamed = re.search(r"full_key: (\S+)", str(err))  # a key an earlier release had, in a YAML file
-        if renamed and renamed.group(1) in RENAMED_KEYS:
-            return f"invalid config {config_name!r}: {unknown_key_message(renamed.group(1), None)}"
+        renamed = _renamed_key(err)
+        if renamed:
+            return f"invalid config {config_name!r}: {unknown_key_message(renamed, None)}"
         return f"invalid config {config_name!r}: {err}{_omegaconf_reason(err)}"
     path = match.group(1)
     rest = [item for item in overrides if item.split("=", 1)[0].lstrip("+~") != path]
@@ -173,8 +173,30 @@ def _hydra_error_message(config_name: str, err: Exception, overrides: list[str],
     return f"invalid config {config_name!r}: {unknown_key_message(path, loss_name)}"
 
 
+def _renamed_key(err: Exception) -> str | None:
+    """The key of an earlier release (:data:`~nemo_sspo.trainer.config.RENAMED_KEYS`) that ``err``
+    refuses, or None: a key the schema lacks in a YAML file (``full_key: rollout.temperature``), or a
+    value given where a section now stands (``rollout.correction=token_tis``: OmegaConf's ``full_key``
+    under Hydra's error on the command line; in a YAML file only the section's class, ``str is not a
+    subclass of CorrectionConfig``).
+    """
+    from nemo_sspo.trainer.config import RENAMED_KEYS
+    from nemo_sspo.trainer.config.old_keys import moved_value_key
+
+    cause: BaseException | None = err
+    while cause is not None:
+        for key in (getattr(cause, "full_key", None), *re.findall(r"full_key: (\S+)", str(cause))):
+            if key in RENAMED_KEYS:
+                return key
+        section = re.search(r"is not a subclass of (\w+)", str(cause))
+        if section and moved_value_key(section.group(1)):
+            return moved_value_key(section.group(1))
+        cause = cause.__cause__ or cause.__context__
+    return None
+
+
 def _unknown_choice_message(err: Exception) -> str | None:
-    """``"rollout.placement='remote' is unknown; valid: colocated, separate"`` for OmegaConf's refusal of
+    """``"rollout.schedule.placement='remote' is unknown; valid: colocated, separate"`` for OmegaConf's refusal of
     a value outside a :class:`~nemo_sspo.choice.Choice` field's names (``Invalid value 'remote', expected
     one of [colocated, separate]``), raised itself (merged onto the schema), under Hydra's ``Error merging
     override`` (a command-line override) or while Hydra composes a YAML file's value; None for any other
@@ -409,15 +431,15 @@ def main(argv: list[str] | None = None) -> int:
     try:
         with stop_on_signals():  # SIGINT/SIGTERM: abandon the step, save what is safe, exit cleanly
             split = None
-            if cfg.rollout.placement == "separate":
+            if cfg.rollout.schedule.placement == "separate":
                 import datetime
 
                 from nemo_sspo.parallel.world_split import split_launched_world
 
                 # Free-running posts its weights over gloo pair groups (docs/async.md); the refit group is lock-step's.
-                split = split_launched_world(cfg.rollout.num_ranks,
-                                             timeout=datetime.timedelta(seconds=cfg.rollout.peer_timeout_s),
-                                             device_refit=cfg.rollout.staleness_schedule == "lockstep")
+                split = split_launched_world(cfg.rollout.schedule.num_ranks,
+                                             timeout=datetime.timedelta(seconds=cfg.rollout.schedule.peer_timeout_s),
+                                             device_refit=cfg.rollout.schedule.mode == "lockstep")
                 if split.is_rollout:
                     run_rollout_rank(cfg, split)
                     return 0

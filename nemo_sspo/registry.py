@@ -81,7 +81,7 @@ class Registry(Generic[T]):
 
 class BuilderRegistry(Registry[Callable[[A], R]]):
     """A :class:`Registry` of builders ``build(arg) -> R``, for a plug-in point whose config section
-    names what to build (``reward.name``, ``rollout.backend``); unknown names get :data:`PLUGINS_HINT`.
+    names what to build (``reward.name``, ``rollout.engine.backend``); unknown names get :data:`PLUGINS_HINT`.
 
     Args:
         kind: as :class:`Registry`.

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Installs vLLM 0.32.0 (CUDA 13) beside this environment's own torch, e.g. in an NGC PyTorch
-# container, for rollout.backend=vllm on GPUs:
+# container, for rollout.engine.backend=vllm on GPUs:
 #
 #     bash tools/install_vllm_cuda.sh            # PYTHON=/path/to/python to choose the interpreter
 #
@@ -19,7 +19,7 @@ read -r version cuda <<<"$before"
 case "$version/$cuda" in
     2.13.*/13.*) ;;
     *) echo "install_vllm_cuda.sh: vLLM 0.32.0 needs torch 2.13 with CUDA 13; this environment has torch" \
-            "$version with CUDA $cuda. Use a base image with that torch, or keep rollout.backend=hf." >&2
+            "$version with CUDA $cuda. Use a base image with that torch, or keep rollout.engine.backend=hf." >&2
        exit 1 ;;
 esac
 "$PY" -m pip install -q --no-deps -r constraints/vllm-cuda.txt

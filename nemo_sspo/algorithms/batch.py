@@ -72,7 +72,7 @@ class PolicyBatch:
             (``kl_coef == 0``).
         tis_weights: [B, S] float32 off-policy correction weights (truncated or masked importance
             weights, ``nemo_sspo.algorithms.off_policy``; 1 outside the mask) multiplying each
-            token's loss, or None (``rollout.correction=none``).
+            token's loss, or None (``rollout.correction.name=none``).
         lengths: [B] int64 valid input tokens of each row (prompt + response; the rest is right
             padding), or None when every position of every row is valid.
         rollout_logprobs: [B, S] float32 log-probs of the target tokens under the rollout engine

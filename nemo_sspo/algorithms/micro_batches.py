@@ -271,7 +271,7 @@ class MicroBatchLayout:
             raise ValueError(f"a sequence of {longest} tokens does not fit "
                              f"parallel.max_tokens_per_micro_batch={self.max_tokens}; raise it to "
                              "at least the longest prompt + response (prompts come from the data: "
-                             "allow its longest prompt plus rollout.max_new_tokens)")
+                             "allow its longest prompt plus rollout.sampling.max_new_tokens)")
         if self.pack:
             return [_packed_group(batch, rows, lengths)
                     for rows in _packed_bins(lengths, self.max_tokens)]

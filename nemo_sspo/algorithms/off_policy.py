@@ -43,7 +43,7 @@ __all__ = ["Correction", "TRUNCATING_CORRECTIONS", "MASKING_CORRECTIONS", "effec
 
 
 class Correction(Choice):
-    """Every correction mode (config key ``rollout.correction``; module docstring)."""
+    """Every correction mode (config key ``rollout.correction.name``; module docstring)."""
 
     none = "none"
     token_tis = "token_tis"

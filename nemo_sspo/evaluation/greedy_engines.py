@@ -84,12 +84,12 @@ class VLLMEvalEngine:
         stop_token_ids: the stop list (default: :func:`stop_token_ids` of the engine's tokenizer and,
             for a directory, its ``generation_config.json``).
         seed: engine seed (greedy decoding does not depend on it).
-        **settings: the ``rollout.vllm`` settings (``tensor_parallel_size``, ``gpu_memory_utilization``,
+        **settings: the ``rollout.engine.vllm`` settings (``tensor_parallel_size``, ``gpu_memory_utilization``,
             ``dtype``, ``max_model_len``, ``enforce_eager``, ``cpu_kv_cache_gib``, ``enable_sleep_mode``),
             passed to ``build_llm`` when one is built.
 
     Raises:
-        ValueError: the package ``vllm`` is not installed (names ``rollout.backend``).
+        ValueError: the package ``vllm`` is not installed (names ``rollout.engine.backend``).
     """
 
     def __init__(self, model: Any, *, stop_token_ids: Sequence[int] | None = None, seed: int = 0,

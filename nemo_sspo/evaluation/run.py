@@ -16,10 +16,10 @@ __all__ = ["build_eval_engine", "format_results", "run_eval"]
 
 
 def build_eval_engine(cfg) -> tuple[EvalEngine, Any]:
-    """``(engine, tokenizer)`` for ``cfg.model.source`` on the ``cfg.rollout.backend`` backend.
+    """``(engine, tokenizer)`` for ``cfg.model.source`` on the ``cfg.rollout.engine.backend`` backend.
 
     ``hf``: the checkpoint is loaded on CPU (fp32) into a transformers model. ``vllm``: vLLM loads
-    the model directory itself (``cfg.rollout.vllm`` settings); only the tokenizer is read here.
+    the model directory itself (``cfg.rollout.engine.vllm`` settings); only the tokenizer is read here.
 
     Raises:
         ValueError: as ``resolve_model_dir`` and ``load_hf_checkpoint``.
@@ -28,11 +28,11 @@ def build_eval_engine(cfg) -> tuple[EvalEngine, Any]:
     from nemo_sspo.models.hf_checkpoint import engine_model_dir, load_tokenizer, resolve_model_dir
     from nemo_sspo.models.hf_folder import stop_token_ids
 
-    if cfg.rollout.backend == "vllm":
+    if cfg.rollout.engine.backend == "vllm":
         model_dir = engine_model_dir(cfg.model.source, cache_dir=cfg.model.cache_dir)
         tokenizer = load_tokenizer(model_dir)
         engine = VLLMEvalEngine(str(model_dir), stop_token_ids=stop_token_ids(tokenizer, model_dir),
-                                seed=cfg.trainer.seed, **dataclasses.asdict(cfg.rollout.vllm))
+                                seed=cfg.trainer.seed, **dataclasses.asdict(cfg.rollout.engine.vllm))
         return engine, tokenizer
     hf_config, state_dict, tokenizer = load_hf_checkpoint(cfg.model.source, cache_dir=cfg.model.cache_dir)
     model = build_hf_model(hf_config, state_dict)
@@ -73,7 +73,7 @@ def run_eval(cfg) -> dict[str, float]:
                            samples_path=out / "samples.jsonl")
     summary = {"results": results, "problems": counts, "model_source": cfg.model.source,
                "template": cfg.data.template, "max_new_tokens": ev.max_new_tokens,
-               "backend": cfg.rollout.backend, "decoding": "greedy"}
+               "backend": cfg.rollout.engine.backend, "decoding": "greedy"}
     (out / "results.json").write_text(json.dumps(summary, indent=2) + "\n")
     print(format_results(results, counts))
     return results

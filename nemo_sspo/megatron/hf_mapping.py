@@ -473,7 +473,7 @@ def iter_hf_weight_buckets(model: torch.nn.Module, hf_config: Any, bucket_bytes:
     Args:
         model: this rank's (possibly DDP-wrapped) Megatron GPTModel stage.
         hf_config: its HF config (``num_hidden_layers``, ``vocab_size``, ``tie_word_embeddings``).
-        bucket_bytes: bucket budget in bytes (``rollout.refit_bucket_mb`` * 2**20), > 0.
+        bucket_bytes: bucket budget in bytes (``rollout.refit.bucket_mb`` * 2**20), > 0.
         dst_rank: global rank receiving the buckets, a member of this rank's model-parallel group;
             None = the group's first rank (``ParallelGroups.mp_src_rank``, the generating rank).
 

@@ -25,7 +25,7 @@ class WeightExporter:
         model: this rank's Megatron GPTModel stage (unwrapped or DDP-wrapped); read at each call, so
             the buckets hold the weights of that moment.
         hf_config: its HF config.
-        bucket_bytes: bucket budget in bytes (``rollout.refit_bucket_mb`` * 2**20), > 0.
+        bucket_bytes: bucket budget in bytes (``rollout.refit.bucket_mb`` * 2**20), > 0.
         dst_rank: the global rank the buckets are gathered on (the replica's generating or export
             rank); None: the model-parallel group's first rank.
     """

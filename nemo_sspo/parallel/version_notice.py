@@ -1,6 +1,6 @@
 """Version notices of free-running staleness: the trainer says, without waiting, that new weights follow.
 
-``rollout.staleness_schedule: free`` (``nemo_sspo.rollouts.worker``). Over a rollout rank's pair
+``rollout.schedule.mode: free`` (``nemo_sspo.rollouts.worker``). Over a rollout rank's pair
 group (``WorldSplit.pairs``, :mod:`nemo_sspo.parallel.world_split`), group rank 0 (the trainer's
 export rank) broadcasts a notice ``int64 [1 + R]`` = (policy version, then for each of the R
 rollout ranks the rollouts the trainer has taken from it so far) after an update; the weight

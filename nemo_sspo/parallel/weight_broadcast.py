@@ -1,7 +1,7 @@
 """Weight broadcast from the trainer's export rank to rollout ranks, bucket by bucket.
 
-The non-colocated refit (``rollout.placement: separate``): the trainer's export rank streams its
-HF-named weight buckets (``nemo_sspo.megatron.iter_hf_weight_buckets``, ``rollout.refit_bucket_mb``)
+The non-colocated refit (``rollout.schedule.placement: separate``): the trainer's export rank streams its
+HF-named weight buckets (``nemo_sspo.megatron.iter_hf_weight_buckets``, ``rollout.refit.bucket_mb``)
 over a dedicated group (:mod:`nemo_sspo.parallel.world_split`, ``refit``) whose group rank 0 it is;
 every other member receives each bucket as it comes and hands it to its engine, so a rollout rank
 holds its model plus one bucket, never the model twice.

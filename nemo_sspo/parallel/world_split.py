@@ -1,7 +1,7 @@
-"""One launched world split into training ranks and rollout ranks (``rollout.placement: separate``).
+"""One launched world split into training ranks and rollout ranks (``rollout.schedule.placement: separate``).
 
 torchrun (or Slurm) starts one world of N processes with one rendezvous. The last R of them
-(``rollout.num_ranks``) become rollout ranks, the first N - R training ranks. Each side gets a
+(``rollout.schedule.num_ranks``) become rollout ranks, the first N - R training ranks. Each side gets a
 default process group of its own, so Megatron's parallel state on the training ranks sees a world
 of N - R ranks (TP x PP x DP as in a colocated run) and never waits for a rollout rank. Dedicated
 groups join the sides, built from the same rendezvous store under their own prefixes:

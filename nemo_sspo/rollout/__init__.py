@@ -1,5 +1,5 @@
 """Rollout engines: transformers ``generate`` (CPU) and vLLM (GPU, imported lazily), with weight refit
-from the policy, behind one interface and a registry (``rollout.backend``). The correction of the
+from the policy, behind one interface and a registry (``rollout.engine.backend``). The correction of the
 engine/trainer log-prob gap is :mod:`nemo_sspo.algorithms.off_policy`.
 """
 

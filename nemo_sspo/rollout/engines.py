@@ -1,5 +1,5 @@
 """The rollout-engine interface the trainer uses, and the name -> builder registry behind
-``rollout.backend``.
+``rollout.engine.backend``.
 
 An engine generates seeded samples for rendered prompts and takes refitted weights in buckets
 (:class:`RolloutEngine`). It is registered as a builder that receives an :class:`EngineContext`
@@ -34,7 +34,7 @@ class RolloutEngine(Protocol):
         stop_token_ids: the ids that end a response (also written to saved checkpoints).
 
     An engine may also define ``read_weights(names: list[str]) -> dict[str, torch.Tensor] | None``,
-    which ``rollout.verify_refit`` needs (``nemo_sspo.rollout.refit_check``; not a member of this
+    which ``rollout.refit.verify`` needs (``nemo_sspo.rollout.refit_check``; not a member of this
     protocol, so engines without it stay valid): the weights it holds now under the refit buckets'
     HF names (every name it holds; names it lacks left out), each tensor in the dtype the engine
     computes with and exactly as loaded (its own tensor or a view; a copy is allowed but costs
@@ -92,7 +92,8 @@ class EngineContext:
         tokenizer: the policy's tokenizer.
         model_source: ``model.source`` (a built-in name, a model folder or a hub id).
         cache_dir: ``model.cache_dir``.
-        rollout: the ``rollout`` config section (sampling settings, ``vllm``, ``correction``).
+        rollout: the ``rollout`` config section (``sampling``, ``engine`` with ``vllm`` and a user
+            engine's ``options``, ``correction``).
         seed: ``trainer.seed``.
         device: the training device (the trainer's CUDA device, or the CPU).
         stop_ids: the model's stop list (``nemo_sspo.models.hf_folder.stop_token_ids``), the one
@@ -118,12 +119,12 @@ class EngineContext:
 
 ROLLOUT_ENGINE_REGISTRY: BuilderRegistry[EngineContext, RolloutEngine] = BuilderRegistry(
     "rollout engine", key="backend")
-"""``rollout.backend`` -> builder ``build(context) -> RolloutEngine``.
+"""``rollout.engine.backend`` -> builder ``build(context) -> RolloutEngine``.
 
 The public functions below are its methods, so the rules and messages are the registry's
 (:mod:`nemo_sspo.registry`):
 
-- ``register_rollout_engine(name, build) -> build``: ``rollout.backend=<name>`` builds with
+- ``register_rollout_engine(name, build) -> build``: ``rollout.engine.backend=<name>`` builds with
   ``build``; ``ValueError`` if the name is taken.
 - ``unregister_rollout_engine(name) -> build``: removes it (tests and plug-ins that register
   temporarily); ``ValueError`` for an unknown name.
@@ -139,8 +140,9 @@ build_rollout_engine = ROLLOUT_ENGINE_REGISTRY.build
 
 
 def sampling_settings(rollout: Any) -> dict[str, Any]:
-    """The engines' sampling keyword arguments from the ``rollout`` section."""
-    return dict(max_new_tokens=rollout.max_new_tokens, temperature=rollout.temperature, top_p=rollout.top_p)
+    """The engines' sampling keyword arguments from the ``rollout`` section (its ``sampling``)."""
+    sampling = rollout.sampling
+    return dict(max_new_tokens=sampling.max_new_tokens, temperature=sampling.temperature, top_p=sampling.top_p)
 
 
 def _build_hf(context: EngineContext) -> HFRolloutEngine:
@@ -155,8 +157,8 @@ def _build_vllm(context: EngineContext) -> VLLMRolloutEngine:
     """A vLLM engine loading the model folder itself (``engine_model_dir``)."""
     model_dir = engine_model_dir(context.model_source, cache_dir=context.cache_dir)
     ro = context.rollout
-    return VLLMRolloutEngine.build(model_dir, context.tokenizer, vllm_config=ro.vllm, seed=context.seed,
-                                   truncation_corrected=ro.correction != "none",
+    return VLLMRolloutEngine.build(model_dir, context.tokenizer, vllm_config=ro.engine.vllm, seed=context.seed,
+                                   truncation_corrected=ro.correction.name != "none",
                                    stop_token_ids=context.stop_ids, output_layer_precision=context.output_layer_precision,
                                    **sampling_settings(ro))
 

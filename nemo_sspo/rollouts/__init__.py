@@ -8,7 +8,7 @@ The package, by module:
   (slots' seeds, dynamic sampling, overlong shaping);
 - :mod:`~nemo_sspo.rollouts.slots`: slot arithmetic, cutting and stacking rollouts;
 - :mod:`~nemo_sspo.rollouts.codec`: rollouts as tensors between ranks;
-- :mod:`~nemo_sspo.rollouts.worker`: a rollout rank's loop (``rollout.placement: separate``; the
+- :mod:`~nemo_sspo.rollouts.worker`: a rollout rank's loop (``rollout.schedule.placement: separate``; the
   design of both separate modes is its docstring);
 - :mod:`~nemo_sspo.rollouts.collector`: training rank 0's free-running receive and weight posts;
 - :mod:`~nemo_sspo.rollouts.staleness`: lock-step and free-running staleness bookkeeping;
@@ -21,12 +21,12 @@ The trainer calls its :class:`RolloutSource` once per step for the rollout it tr
 rollout side (:meth:`~RolloutSource.after_update`); ``train_step`` branches on neither the
 placement nor the staleness schedule. The modes:
 
-- :class:`ColocatedSource` (``rollout.placement: colocated``): the training ranks' own engines,
+- :class:`ColocatedSource` (``rollout.schedule.placement: colocated``): the training ranks' own engines,
   lock-step staleness k (:class:`~nemo_sspo.rollouts.staleness.LockStepRollouts`), refit into the
   engine after every update;
-- :class:`LockStepSource` (``separate``, ``staleness_schedule: lockstep``): rollouts received from
+- :class:`LockStepSource` (``separate``, ``schedule.mode: lockstep``): rollouts received from
   the rollout ranks in slot order, the weights broadcast to them after every update;
-- :class:`FreeRunningSource` (``separate``, ``staleness_schedule: free``): the next fresh rollout of
+- :class:`FreeRunningSource` (``separate``, ``schedule.mode: free``): the next fresh rollout of
   a free-running rollout rank, the weights posted without waiting for it.
 
 A new mode is one class with these methods.

@@ -30,7 +30,7 @@ class RolloutCollector:
         positions: each rollout rank's :class:`RolloutPosition` at the start (all zeros, or a
             resumed run's).
         peer_timeout_s: a rollout rank that sends nothing for longer while others do is named as
-            dead or hung (``rollout.peer_timeout_s``).
+            dead or hung (``rollout.schedule.peer_timeout_s``).
 
     Attributes:
         positions: each rollout rank's position: its rollouts received (trained or dropped) and its
@@ -78,7 +78,7 @@ class RolloutCollector:
         silent = self._silent_s()
         j = max(range(len(silent)), key=silent.__getitem__)
         return RuntimeError(f"rollout rank {self.sources[j]} sent no rollout for {silent[j]:.1f} s (it died or hung "
-                            f"past rollout.peer_timeout_s={self.peer_timeout_s:g}); {context}")
+                            f"past rollout.schedule.peer_timeout_s={self.peer_timeout_s:g}); {context}")
 
     def drain(self) -> int:
         """After the stop notice: receives and discards every rollout not taken, rank by rank.

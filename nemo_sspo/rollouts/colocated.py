@@ -1,6 +1,6 @@
-"""``rollout.placement: colocated``: the training ranks generate with their own engines.
+"""``rollout.schedule.placement: colocated``: the training ranks generate with their own engines.
 
-With ``rollout.max_staleness = k`` up to k + 1 steps' rollouts are in flight
+With ``rollout.schedule.max_staleness = k`` up to k + 1 steps' rollouts are in flight
 (:class:`~nemo_sspo.rollouts.staleness.LockStepRollouts`): step t trains on the rollout generated
 with the weights of step t - 1 - k. After every update the weights stream into the engine bucket by
 bucket, gathered on the replica's generating rank (its other model-parallel ranks run their share of
@@ -27,9 +27,9 @@ class ColocatedSource:
         exporter: the policy's weights, gathered on the generating rank (collective over the
             replica's model-parallel ranks).
         engine: this rank's rollout engine, or None on ranks that do not generate.
-        max_staleness: k >= 0 (``rollout.max_staleness``).
+        max_staleness: k >= 0 (``rollout.schedule.max_staleness``).
         last_step: ``trainer.max_steps`` (nothing is generated beyond it).
-        verify_refit: check every refit (``rollout.verify_refit``; the engine needs ``read_weights``).
+        verify_refit: check every refit (``rollout.refit.verify``; the engine needs ``read_weights``).
     """
 
     rollout_gpus = None
@@ -53,7 +53,7 @@ class ColocatedSource:
 
     def next_rollout(self, step: int) -> StepRollout:
         """The rollout of step ``step`` (generated now, or k steps ago); the engine then sleeps
-        (e.g. ``rollout.vllm.enable_sleep_mode``: its memory freed until the refit).
+        (e.g. ``rollout.engine.vllm.enable_sleep_mode``: its memory freed until the refit).
         """
         versioned = self.in_flight.take(step, lambda ahead: self.producer.produce(ahead, step - 1))
         if self.engine is not None:

@@ -1,8 +1,8 @@
-"""``rollout.placement: separate`` with ``rollout.staleness_schedule: free``: R >= 1 rollout ranks run free.
+"""``rollout.schedule.placement: separate`` with ``rollout.schedule.mode: free``: R >= 1 rollout ranks run free.
 
 Each numbers its rollouts (P / R prompt groups each) and generates each with the newest weights it
 has taken. Training rank 0 takes a step's R rollouts in the order they arrive, from whichever ranks
-sent them, and drops those older than ``rollout.max_staleness`` versions
+sent them, and drops those older than ``rollout.schedule.max_staleness`` versions
 (:class:`~nemo_sspo.rollouts.collector.RolloutCollector`); every training rank then gets the step's
 rows of its replica, each response with its own version. After every update training rank 0 posts
 the version and its weights without waiting to every rollout rank that has taken the one posted to
@@ -36,7 +36,7 @@ class FreeRunningSource(SeparateSource):
 
     Args:
         last_step: ``trainer.max_steps`` (its refit is the stop).
-        peer_timeout_s: ``rollout.peer_timeout_s`` (a rollout rank silent that long is named).
+        peer_timeout_s: ``rollout.schedule.peer_timeout_s`` (a rollout rank silent that long is named).
         pad_id: the tokenizer's pad id (a step's rollouts are re-padded to one width).
         Others: as :class:`~nemo_sspo.rollouts.separate.SeparateSource`.
     """
@@ -65,11 +65,12 @@ class FreeRunningSource(SeparateSource):
         if positions is None:
             if completed_steps and count > 1:
                 raise ValueError("the checkpoint keeps no rollout rank positions, which a free-running resume of "
-                                 f"rollout.num_ranks={count} needs; resume it with its own settings")
+                                 f"rollout.schedule.num_ranks={count} needs; resume it with its own settings")
             positions = [RolloutPosition(completed_steps, problems_drawn)] * count
         if len(positions) != count:
             raise ValueError(f"the checkpoint keeps the positions of {len(positions)} rollout rank(s), this run has "
-                             f"rollout.num_ranks={count}; resume free-running with rollout.num_ranks={len(positions)}")
+                             f"rollout.schedule.num_ranks={count}; resume free-running with "
+                             f"rollout.schedule.num_ranks={len(positions)}")
         positions = [RolloutPosition(*position) for position in positions]
         if dist.get_rank() == 0:
             self.collector = RolloutCollector(self.split, positions, self.peer_timeout_s)

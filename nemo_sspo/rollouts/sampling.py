@@ -5,10 +5,10 @@ Slots. A step trains on ``rollout.prompts_per_step`` prompt groups, the *slots* 
 prompt indices); data-parallel rank d owns slots ``[d P/dp, (d+1) P/dp)``. The group of slot k in
 round r is sampled with the seed :func:`generation_seed` ``(trainer.seed, step, r, k)``.
 
-Dynamic sampling (``rollout.dynamic_sampling``; DAPO, arXiv 2503.14476 section 3.2, eq. 11): a slot
+Dynamic sampling (``rollout.sampling.dynamic_sampling``; DAPO, arXiv 2503.14476 section 3.2, eq. 11): a slot
 whose G task rewards are all equal carries no learning signal (advantage 0); it stays *open* and is
 refilled with a fresh prompt in the next round, until no slot is open or
-``rollout.max_sampling_rounds`` rounds have run. In each round every generator rank draws the same
+``rollout.sampling.max_sampling_rounds`` rounds have run. In each round every generator rank draws the same
 U prompts from its identically seeded prompt stream (U = open slots over all ranks, known from one
 all-reduce of the open flags over the generators' data-parallel group) and gives the j-th to the
 j-th open slot. Whether a slot is open depends only on its own candidates, so the kept groups and
@@ -28,7 +28,7 @@ generated) show it. Refilling slot by slot generates only the missing groups (no
 away) but may need more, smaller rounds than over-sampling whole batches.
 
 Overlong shaping (``reward.overlong_buffer_len`` > 0; DAPO eq. 13) adds
-``overlong_reward_shaping(length, rollout.max_new_tokens, overlong_buffer_len, overlong_penalty)``
+``overlong_reward_shaping(length, rollout.sampling.max_new_tokens, overlong_buffer_len, overlong_penalty)``
 to the task reward of every response. The advantages still give a group whose task rewards are all
 equal advantage 0 (``group_advantages(..., task_rewards=...)``), so the shaped rewards of such a
 group, kept at the round limit or sampled without dynamic sampling, carry no signal.
@@ -60,7 +60,7 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class RefitHooks:
-    """How a generation with partial rollouts (``rollout.partial``) learns of and takes new weights.
+    """How a generation with partial rollouts (``rollout.schedule.partial``) learns of and takes new weights.
 
     Attributes:
         version: the version of the weights the engine holds now.
@@ -138,7 +138,7 @@ class RolloutSampler:
         sampling is on).
         """
         ro = self.cfg.rollout
-        max_rounds = ro.max_sampling_rounds if ro.dynamic_sampling else 1
+        max_rounds = ro.sampling.max_sampling_rounds if ro.sampling.dynamic_sampling else 1
         slots: list[tuple[RolloutBatch, torch.Tensor, bool] | None] = [None] * self.slots_per_rank
         keys: list[str | None] = [None] * self.slots_per_rank
         generated = [0] * self.slots_per_rank
@@ -158,14 +158,14 @@ class RolloutSampler:
                 keys[slot - self.first_slot] = prompt_key(problem.question)
                 generated[slot - self.first_slot] += 1
             rounds += 1
-            open_slots = self._open_slots(slots) if ro.dynamic_sampling else []
+            open_slots = self._open_slots(slots) if ro.sampling.dynamic_sampling else []
         if open_slots and (self.groups.dp_rank == 0 or not self.shared_stream):
             logger.warning(
                 "step %d: dynamic sampling found %d of %d prompt groups with reward variance after %d rounds "
-                "(rollout.max_sampling_rounds=%d); training on the full batch, the other %d groups have "
-                "advantage 0. Raise rollout.max_sampling_rounds or use easier/harder prompts.",
+                "(rollout.sampling.max_sampling_rounds=%d); training on the full batch, the other %d groups have "
+                "advantage 0. Raise rollout.sampling.max_sampling_rounds or use easier/harder prompts.",
                 step, total - len(open_slots), total, rounds,
-                ro.max_sampling_rounds, len(open_slots))
+                ro.sampling.max_sampling_rounds, len(open_slots))
         batch = concat_rollouts([part for part, _, _ in slots], pad_id=self.tokenizer.pad_token_id)
         task_rewards = torch.cat([rewards for _, rewards, _ in slots])
         return Rollout(batch=batch, task_rewards=task_rewards, rewards=task_rewards + self._shaping(batch),
@@ -204,7 +204,7 @@ class RolloutSampler:
         if hooks is None:
             return self.engine.generate(prompts, seed=seed)
         return generate_with_refits(self.engine, prompts, seed=seed, version=hooks.version(),
-                                    max_new_tokens=self.cfg.rollout.max_new_tokens, interrupt=hooks.pending,
+                                    max_new_tokens=self.cfg.rollout.sampling.max_new_tokens, interrupt=hooks.pending,
                                     refit=hooks.take, pad_id=self.tokenizer.pad_token_id,
                                     decode=lambda ids: self.tokenizer.batch_decode(ids, skip_special_tokens=True))
 
@@ -225,5 +225,5 @@ class RolloutSampler:
         lengths = batch.response_mask.sum(dim=1)
         if rw.overlong_buffer_len == 0:
             return torch.zeros(lengths.shape, dtype=torch.float32)
-        return overlong_reward_shaping(lengths, self.cfg.rollout.max_new_tokens, rw.overlong_buffer_len,
+        return overlong_reward_shaping(lengths, self.cfg.rollout.sampling.max_new_tokens, rw.overlong_buffer_len,
                                        rw.overlong_penalty)

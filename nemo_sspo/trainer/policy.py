@@ -73,7 +73,7 @@ class Policy:
         segment ids and packing; with a token budget (``parallel.max_tokens_per_micro_batch``) each
         mini-batch's rows balanced by tokens across data-parallel ranks (:meth:`_balanced`); then
         pi_old (and pi_ref) log-probs from Megatron, and the off-policy correction weights unless
-        ``rollout.correction`` is ``none`` (last pipeline stage).
+        ``rollout.correction.name`` is ``none`` (last pipeline stage).
 
         Returns:
             ``(PolicyBatch, sums with the router-load and correction metric pairs added)``.
@@ -94,10 +94,10 @@ class Policy:
             batch = compute_ref_logprobs(self.ref_model, batch, self.spec, self.layout, dp_group=g.dp_group,
                                          keep_routes=self.route_layers is not None)
         ro = self.cfg.rollout
-        if ro.correction != "none" and g.is_last_stage:
+        if ro.correction.name != "none" and g.is_last_stage:
             weights, correction_sums = off_policy_weights(
-                ro.correction, batch.old_logprobs, batch.rollout_logprobs, batch.loss_mask,
-                segment_ids=batch.segment_ids, cap=ro.correction_cap, low=ro.correction_low, high=ro.correction_high)
+                ro.correction.name, batch.old_logprobs, batch.rollout_logprobs, batch.loss_mask,
+                segment_ids=batch.segment_ids, cap=ro.correction.cap, low=ro.correction.low, high=ro.correction.high)
             batch = replace(batch, tis_weights=weights)
             sums.update(correction_sums)
         return batch, sums

@@ -13,7 +13,7 @@ special tokens), ``task_reward`` (the reward function's score), ``reward`` (with
 what the advantage used), ``advantage``, ``response_length`` (tokens, the stop token included),
 ``version`` (the policy version that sampled it: the training steps its weights had taken, 0 = the
 initial weights, so step - 1 when colocated; a partial rollout's oldest token's) and
-``truncated`` (no stop token within ``rollout.max_new_tokens``).
+``truncated`` (no stop token within ``rollout.sampling.max_new_tokens``).
 
 A step's records are written when its metrics are (after the step completes), so the log and
 ``metrics.jsonl`` hold the same steps. A resumed run keeps the records of the steps up to its

@@ -68,7 +68,7 @@ class TruncationWatch:
     nothing, silently (a GSM8K run at 64 new tokens truncates every response).
 
     Args:
-        max_new_tokens: ``rollout.max_new_tokens``.
+        max_new_tokens: ``rollout.sampling.max_new_tokens``.
         threshold: the truncated share above which it warns (more than half by default).
     """
 
@@ -84,9 +84,9 @@ class TruncationWatch:
         if self.warned or frac is None or frac <= self.threshold:
             return None
         self.warned = True
-        head = (f"step {step}: {frac:.0%} of the responses reached rollout.max_new_tokens={self.max_new_tokens} "
-                "without a stop token")
-        tail = "raise rollout.max_new_tokens (warned once; response/truncated_frac tracks it)"
+        head = (f"step {step}: {frac:.0%} of the responses reached "
+                f"rollout.sampling.max_new_tokens={self.max_new_tokens} without a stop token")
+        tail = "raise rollout.sampling.max_new_tokens (warned once; response/truncated_frac tracks it)"
         score = metrics.get("reward/truncated_mean")
         if score is None:
             return f"{head}; a response cut short is scored as it stands: {tail}"

@@ -29,8 +29,9 @@ RUN_CONFIG_FILE = "config.yaml"
 RESUME_KEYS = (
     "model.source", "model.precision", "model.fp8", "model.fp8_recipe", "model.transformer_impl",
     "parallel.tensor_model_parallel_size", "parallel.pipeline_model_parallel_size",
-    "parallel.expert_model_parallel_size", "parallel.context_parallel_size", "rollout.placement", "rollout.num_ranks",
-    "rollout.prompts_per_step", "rollout.samples_per_prompt", "rollout.max_new_tokens",
+    "parallel.expert_model_parallel_size", "parallel.context_parallel_size", "rollout.schedule.placement",
+    "rollout.schedule.num_ranks", "rollout.prompts_per_step", "rollout.samples_per_prompt",
+    "rollout.sampling.max_new_tokens",
     "trainer.minibatches_per_step", "trainer.seed", "data", "loss.name", "optim.use_distributed_optimizer",
     # the reward that scores the rollouts, as the loss that trains on them (issue 32)
     "reward.name", "reward.options", "reward.overlong_buffer_len", "reward.overlong_penalty",
@@ -104,9 +105,9 @@ def _must_match(key: str) -> bool:
 def data_parallel_size(config: dict[str, Any], world_size: int) -> int | None:
     """The data-parallel size of a composed config launched on ``world_size`` processes.
 
-    ``(world_size - R) / (TP x PP)``, where ``R`` is ``rollout.num_ranks`` with
-    ``rollout.placement=separate`` (those ranks generate, the rest train) and 0 otherwise; EP is
-    carved out of the data-parallel ranks and does not change it.
+    ``(world_size - R) / (TP x PP)``, where ``R`` is ``rollout.schedule.num_ranks`` with
+    ``rollout.schedule.placement=separate`` (those ranks generate, the rest train) and 0 otherwise; EP
+    is carved out of the data-parallel ranks and does not change it.
 
     Args:
         config: a composed config (:func:`composed_config` or :func:`read_config`).
@@ -115,9 +116,9 @@ def data_parallel_size(config: dict[str, Any], world_size: int) -> int | None:
     Returns:
         The size, or None when the config lacks the parallel keys or the division is not exact.
     """
-    parallel, rollout = config.get("parallel") or {}, config.get("rollout") or {}
+    parallel, schedule = config.get("parallel") or {}, (config.get("rollout") or {}).get("schedule") or {}
     model = parallel.get("tensor_model_parallel_size", 1) * parallel.get("pipeline_model_parallel_size", 1)
-    trainers = world_size - (rollout.get("num_ranks", 0) if rollout.get("placement") == "separate" else 0)
+    trainers = world_size - (schedule.get("num_ranks", 0) if schedule.get("placement") == "separate" else 0)
     if not parallel or trainers <= 0 or trainers % model:
         return None
     return trainers // model

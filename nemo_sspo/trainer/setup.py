@@ -14,7 +14,7 @@ A training rank (:class:`nemo_sspo.trainer.loop.GRPOTrainer`):
 8. only then the output folder (checkpoint resume or a fresh folder) and the loggers: nothing is
    written before the config and the model are known to be valid.
 
-A rollout rank (``rollout.placement: separate``) runs :func:`run_rollout_rank` instead.
+A rollout rank (``rollout.schedule.placement: separate``) runs :func:`run_rollout_rank` instead.
 """
 
 from __future__ import annotations
@@ -153,8 +153,9 @@ def loss_spec(cfg: TrainConfig, loss, groups: ParallelGroups, model) -> LossSpec
     vocab_start, vocab_size = vocab_shard(model)
     return LossSpec(loss=loss, tp_group=groups.tp_group if groups.tp_size > 1 else None,
                     cp_group=groups.cp_group if groups.cp_size > 1 else None, vocab_start=vocab_start,
-                    vocab_size=vocab_size, temperature=cfg.rollout.temperature,
-                    max_response_length=cfg.rollout.max_new_tokens, output_chunk_size=cfg.parallel.output_chunk_size,
+                    vocab_size=vocab_size, temperature=cfg.rollout.sampling.temperature,
+                    max_response_length=cfg.rollout.sampling.max_new_tokens,
+                    output_chunk_size=cfg.parallel.output_chunk_size,
                     router_aux_loss_coef=cfg.model.router_aux_loss_coef,
                     output_layer_precision=cfg.model.output_layer_precision)
 
@@ -194,7 +195,7 @@ def build_rollout(cfg: TrainConfig, hf_config, state_dict, tokenizer, prompts, g
                   progress=None) -> tuple[RolloutEngine, Reward, RolloutSampler]:
     """Rollout engine, reward and sampler of a generating rank.
 
-    The engine and reward passed in, else ``rollout.backend`` and ``reward.name`` from their
+    The engine and reward passed in, else ``rollout.engine.backend`` and ``reward.name`` from their
     registries (``nemo_sspo.rollout``, ``nemo_sspo.rewards``). The engine is refitted after every step.
 
     Args:
@@ -206,7 +207,7 @@ def build_rollout(cfg: TrainConfig, hf_config, state_dict, tokenizer, prompts, g
         groups: the sampler's data-parallel view (``dp_size``, ``dp_rank``, ``dp_group``).
         stop_ids: the run's stop list (:func:`run_stop_ids`).
         reward: a reward to score with, or None to build ``reward.name``.
-        engine: an engine holding the initial weights, or None to build ``rollout.backend``.
+        engine: an engine holding the initial weights, or None to build ``rollout.engine.backend``.
         shared_stream: as :class:`nemo_sspo.rollouts.sampling.RolloutSampler` (False: a free-running
             rollout rank's own stream and slots).
         progress: the sampler's phase lines (:class:`nemo_sspo.trainer.progress.StepProgress`; None: none).
@@ -220,7 +221,7 @@ def build_rollout(cfg: TrainConfig, hf_config, state_dict, tokenizer, prompts, g
                                 seed=cfg.trainer.seed, device=training_device(), stop_ids=stop_ids,
                                 record_routes=cfg.model.router_replay == "r3",
                                 output_layer_precision=cfg.model.output_layer_precision)
-        engine = build_rollout_engine(cfg.rollout.backend, context)
+        engine = build_rollout_engine(cfg.rollout.engine.backend, context)
     if reward is None:
         reward = build_reward(cfg.reward.name, cfg.reward)
     sampler = RolloutSampler(engine=engine, reward=reward, prompts=prompts, tokenizer=tokenizer, cfg=cfg,
@@ -243,8 +244,8 @@ def fan_out(groups: ParallelGroups) -> list[FanOut]:
 
 def build_rollout_source(cfg: TrainConfig, groups: ParallelGroups, split: WorldSplit | None, model, hf_config, *,
                          sampler: RolloutSampler | None, engine: RolloutEngine | None, pad_id: int) -> RolloutSource:
-    """This run's rollout source (:mod:`nemo_sspo.rollouts`), from ``rollout.placement`` and
-    ``rollout.staleness_schedule``, with the weight exporter of ``model`` (gathered on the replica's
+    """This run's rollout source (:mod:`nemo_sspo.rollouts`), from ``rollout.schedule.placement`` and
+    ``rollout.schedule.mode``, with the weight exporter of ``model`` (gathered on the replica's
     first model-parallel rank).
 
     Args:
@@ -258,23 +259,24 @@ def build_rollout_source(cfg: TrainConfig, groups: ParallelGroups, split: WorldS
         pad_id: the tokenizer's pad id.
     """
     ro = cfg.rollout
-    exporter = WeightExporter(model, hf_config, bucket_bytes=ro.refit_bucket_mb << 20, dst_rank=groups.mp_src_rank)
+    exporter = WeightExporter(model, hf_config, bucket_bytes=ro.refit.bucket_mb << 20, dst_rank=groups.mp_src_rank)
     if split is None:
         return ColocatedSource(RolloutProducer(sampler, fan_out(groups)), exporter, engine,
-                               max_staleness=ro.max_staleness, last_step=cfg.trainer.max_steps,
-                               verify_refit=ro.verify_refit)
-    if ro.staleness_schedule == "free":
-        return FreeRunningSource(groups, split, exporter, max_staleness=ro.max_staleness,
-                                 last_step=cfg.trainer.max_steps, peer_timeout_s=ro.peer_timeout_s, pad_id=pad_id)
-    return LockStepSource(groups, split, exporter, max_staleness=ro.max_staleness,
+                               max_staleness=ro.schedule.max_staleness, last_step=cfg.trainer.max_steps,
+                               verify_refit=ro.refit.verify)
+    if ro.schedule.mode == "free":
+        return FreeRunningSource(groups, split, exporter, max_staleness=ro.schedule.max_staleness,
+                                 last_step=cfg.trainer.max_steps, peer_timeout_s=ro.schedule.peer_timeout_s,
+                                 pad_id=pad_id)
+    return LockStepSource(groups, split, exporter, max_staleness=ro.schedule.max_staleness,
                           prompts_per_step=ro.prompts_per_step, pad_id=pad_id)
 
 
 def run_rollout_rank(cfg: TrainConfig, split: WorldSplit, checkpoint=None, *, reward: Reward | None = None) -> None:
-    """A rollout rank of ``rollout.placement: separate``: builds the engine (``rollout.backend``), reward
-    and prompt stream, runs :class:`nemo_sspo.rollouts.worker.RolloutWorker` until the last step's
-    refit (lock-step) or the trainer's stop (``rollout.staleness_schedule: free``), then closes the
-    reward and stops the engine (an in-process vLLM ends this process's torch.distributed default
+    """A rollout rank of ``rollout.schedule.placement: separate``: builds the engine
+    (``rollout.engine.backend``), reward and prompt stream, runs
+    :class:`nemo_sspo.rollouts.worker.RolloutWorker` until the last step's refit (lock-step) or the
+    trainer's stop (``rollout.schedule.mode: free``), then closes the reward and stops the engine (an in-process vLLM ends this process's torch.distributed default
     group: nothing of the rollout side's runs after it).
 
     Args:
@@ -285,11 +287,11 @@ def run_rollout_rank(cfg: TrainConfig, split: WorldSplit, checkpoint=None, *, re
         reward: a reward to score with; None builds ``reward.name``.
 
     Raises:
-        ValueError: ``rollout.partial`` with an engine that cannot continue responses across refits.
+        ValueError: ``rollout.schedule.partial`` with an engine that cannot continue responses across refits.
         RuntimeError: a training rank died or hung past the groups' timeout (naming it).
     """
     prompts = build_prompts(cfg)
-    free = cfg.rollout.staleness_schedule == "free"
+    free = cfg.rollout.schedule.mode == "free"
     if free:  # each free-running rollout rank draws at its own pace from its own shard of the stream
         prompts = ShardedSource(prompts, index=split.rollout_index(split.rank), count=split.num_rollout_ranks)
     hf_config, state_dict, tokenizer = load_checkpoint_of(cfg, checkpoint)
@@ -298,13 +300,13 @@ def run_rollout_rank(cfg: TrainConfig, split: WorldSplit, checkpoint=None, *, re
         engine, reward, sampler = build_rollout(cfg, hf_config, state_dict, tokenizer, prompts, rollout_replica(split),
                                                 stop_ids=run_stop_ids(cfg, tokenizer), reward=reward,
                                                 shared_stream=not free)
-        if cfg.rollout.partial and not hasattr(engine, "generate_partial"):
-            raise ValueError(f"rollout.partial=true: the {cfg.rollout.backend!r} engine ({type(engine).__name__}) has no "
-                             "generate_partial to continue responses across refits; use rollout.backend=hf or "
-                             "rollout.partial=false")
-        # verify_refit: every received refit is checked (the step comes with the stream); sampling uses the
+        if cfg.rollout.schedule.partial and not hasattr(engine, "generate_partial"):
+            raise ValueError(f"rollout.schedule.partial=true: the {cfg.rollout.engine.backend!r} engine "
+                             f"({type(engine).__name__}) has no generate_partial to continue responses across refits; "
+                             "use rollout.engine.backend=hf or rollout.schedule.partial=false")
+        # rollout.refit.verify: every received refit is checked (the step comes with the stream); sampling uses the
         # same inner engine, which the wrapper only forwards to.
-        RolloutWorker(cfg, split, VerifiedRefitEngine(engine) if cfg.rollout.verify_refit else engine,
+        RolloutWorker(cfg, split, VerifiedRefitEngine(engine) if cfg.rollout.refit.verify else engine,
                       RolloutProducer(sampler, [])).run()
     finally:
         if sampler is not None:  # the reward (its worker processes) is closed as GRPOTrainer.close does

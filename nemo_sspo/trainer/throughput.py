@@ -248,7 +248,7 @@ def throughput_metrics(metrics: dict[str, float], *, dp_size: int, training_gpus
 
     The training side is timed by ``timing/train_s`` on its GPUs; the rollout side by its own
     generation window ``timing/rollout_generation_s`` on the GPUs that generate (with
-    ``rollout.placement: separate`` the rollout ranks, concurrent with training; colocated the
+    ``rollout.schedule.placement: separate`` the rollout ranks, concurrent with training; colocated the
     training GPUs themselves). The run's figures divide the step's tokens and FLOPs (both sides) by
     ``timing/step_s`` and every GPU of the run.
 

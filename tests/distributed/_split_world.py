@@ -1,4 +1,4 @@
-"""Set-ups the ``rollout.placement: separate`` tests share (imported by the spawned children).
+"""Set-ups the ``rollout.schedule.placement: separate`` tests share (imported by the spawned children).
 
 - :func:`resplit`: the spawned world (``run_distributed``'s gloo group) re-launched as a split world
   of training and rollout ranks over the same rendezvous store;

@@ -4,10 +4,10 @@ reference of the whole step (``tests/unit/advantage_reference.py``; and a step-s
 module) for DP 1 and 2, 1 or 2 optimizer
 steps per training step and micro-batches of 1, 2 and 4 rows.
 
-One spawn of 3 processes. First in the layout of ``rollout.placement: separate`` with one rollout
+One spawn of 3 processes. First in the layout of ``rollout.schedule.placement: separate`` with one rollout
 rank: ranks 0 and 1 train (their data-parallel group excludes rank 2), rank 2 only joins the group
 creation and then waits, as a rollout rank never enters the trainer's collectives. Then the real
-thing: one step of the tiny Llama with ``rollout.placement: separate`` (training DP 2 + 1 rollout rank),
+thing: one step of the tiny Llama with ``rollout.schedule.placement: separate`` (training DP 2 + 1 rollout rank),
 ``advantage.name=batch_std``, 2 optimizer steps and 1-row micro-batches: the advantages of every
 update equal the reference of the rewards the rollout rank sent.
 """
@@ -85,7 +85,7 @@ def _separate_step(rank, world_size, out_dir):
                         timeout=datetime.timedelta(seconds=60))
     cfg = load_config(overrides=[*TINY, f"trainer.output_dir={out_dir}", "trainer.max_steps=1",
                                  "rollout.samples_per_prompt=4", "parallel.micro_batch_size=1",
-                                 "advantage.name=batch_std", "rollout.placement=separate", "rollout.num_ranks=1"])
+                                 "advantage.name=batch_std", "rollout.schedule.placement=separate", "rollout.schedule.num_ranks=1"])
     if split.is_rollout:
         setup.run_rollout_rank(cfg, split, checkpoint=tiny, reward=ParityReward())
         return None

@@ -1,6 +1,6 @@
 """A free-running rollout rank killed while generating (1 training rank + 2 rollout ranks, gloo): the
 training rank gets step 2's first rollout from the other rank, then fails within
-``rollout.peer_timeout_s`` (+ slack) of step 2's start with an error naming the killed rank (its
+``rollout.schedule.peer_timeout_s`` (+ slack) of step 2's start with an error naming the killed rank (its
 any-source receive sees no closed connection, so the silence names it), and step 1's metrics are kept.
 """
 
@@ -17,8 +17,8 @@ from tests.distributed._split_world import fit_side, resplit
 from tests.integration._loop_runs import TINY, ParityReward, record_step_starts
 
 PEER_TIMEOUT_S = 8
-RUN = [*TINY, "trainer.max_steps=4", "rollout.placement=separate", "rollout.num_ranks=2",
-       "rollout.staleness_schedule=free", "rollout.max_staleness=0", f"rollout.peer_timeout_s={PEER_TIMEOUT_S}"]
+RUN = [*TINY, "trainer.max_steps=4", "rollout.schedule.placement=separate", "rollout.schedule.num_ranks=2",
+       "rollout.schedule.mode=free", "rollout.schedule.max_staleness=0", f"rollout.schedule.peer_timeout_s={PEER_TIMEOUT_S}"]
 
 
 def _killed_child(rank, world_size, out_dir):

@@ -1,4 +1,4 @@
-"""Free-running staleness (``rollout.staleness_schedule=free``, 1 training rank + 1 rollout rank, gloo).
+"""Free-running staleness (``rollout.schedule.mode=free``, 1 training rank + 1 rollout rank, gloo).
 
 The trainer is slowed down (0.5 s per update, a test-only wrapper) so that the rollout rank is always
 the faster side; then the schedule fixes every rollout's version whatever the timing:
@@ -31,7 +31,7 @@ from nemo_sspo.trainer.policy import Policy
 from tests.distributed._split_world import fit_side, resplit
 from tests.integration._loop_runs import TINY, ParityReward, make_trainer
 
-RUN = [*TINY, "rollout.correction=token_tis", "optim.lr=0.05", "trainer.max_steps=3"]
+RUN = [*TINY, "rollout.correction.name=token_tis", "optim.lr=0.05", "trainer.max_steps=3"]
 KEYS = ("reward/mean", "optim/grad_norm", "loss/policy", "policy/ratio", "rollout/kl_k3_behaviour", "rollout/is_weight")
 UPDATE_DELAY_S = 0.5
 
@@ -52,8 +52,8 @@ def _recording_recv(received):
 
 
 def _free_run(split, tiny, out_dir, overrides):
-    cfg = load_config(overrides=[*RUN, f"trainer.output_dir={out_dir}", "rollout.placement=separate",
-                                 "rollout.num_ranks=1", "rollout.staleness_schedule=free", *overrides])
+    cfg = load_config(overrides=[*RUN, f"trainer.output_dir={out_dir}", "rollout.schedule.placement=separate",
+                                 "rollout.schedule.num_ranks=1", "rollout.schedule.mode=free", *overrides])
     received = []
     collector.recv_free_rollout = _recording_recv(received)
     # the data position a checkpoint would save is trainer.problems_drawn
@@ -67,8 +67,8 @@ def _child(rank, world_size, out_dir):
     Policy.update = _slow_update
     recv = collector.recv_free_rollout
     results = {}
-    for name, overrides in {"wait": ["rollout.max_staleness=1", "rollout.stale_policy=wait"],
-                            "drop": ["rollout.max_staleness=0", "rollout.stale_policy=drop"]}.items():
+    for name, overrides in {"wait": ["rollout.schedule.max_staleness=1", "rollout.schedule.stale_policy=wait"],
+                            "drop": ["rollout.schedule.max_staleness=0", "rollout.schedule.stale_policy=drop"]}.items():
         results[name] = _free_run(split, tiny, f"{out_dir}/{name}", overrides)
         collector.recv_free_rollout = recv
     return results
@@ -103,8 +103,8 @@ def test_free_running_wait_and_drop(run_distributed, monkeypatch, tmp_path, tiny
     threads = torch.get_num_threads()  # the ranks run one intra-op thread (see test_separate_placement.py)
     torch.set_num_threads(1)
     try:
-        ref = make_trainer(monkeypatch, tmp_path / "lockstep", ["rollout.correction=token_tis", "optim.lr=0.05",
-                                                                "trainer.max_steps=3", "rollout.max_staleness=1"],
+        ref = make_trainer(monkeypatch, tmp_path / "lockstep", ["rollout.correction.name=token_tis", "optim.lr=0.05",
+                                                                "trainer.max_steps=3", "rollout.schedule.max_staleness=1"],
                            checkpoint=tiny)
         ref_history = ref.fit()
     finally:

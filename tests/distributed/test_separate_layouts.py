@@ -1,4 +1,4 @@
-"""``rollout.placement: separate`` with R = 2 rollout ranks under TP2 and DP2 training, against colocated.
+"""``rollout.schedule.placement: separate`` with R = 2 rollout ranks under TP2 and DP2 training, against colocated.
 
 One spawn of 4 processes runs two layouts, each first colocated on the 2 training ranks (their own
 process group, the rollout ranks waiting) and then separate (``max_staleness=0``) on the split world:
@@ -33,10 +33,10 @@ from nemo_sspo.rollouts.worker import RolloutWorker
 from tests.distributed._split_world import dies_at_step, fit_side, resplit
 from tests.integration._loop_runs import TINY, ParityReward
 
-RUN = [*TINY, "rollout.correction=token_tis", "optim.lr=0.05"]
+RUN = [*TINY, "rollout.correction.name=token_tis", "optim.lr=0.05"]
 LAYOUTS = {
     "tp2": ["parallel.tensor_model_parallel_size=2"],
-    "dp2_dynamic": ["parallel.micro_batch_size=1", "rollout.dynamic_sampling=true", "rollout.max_sampling_rounds=3"],
+    "dp2_dynamic": ["parallel.micro_batch_size=1", "rollout.sampling.dynamic_sampling=true", "rollout.sampling.max_sampling_rounds=3"],
 }
 ROLLOUT_RANKS, TRAINING_RANKS = 2, 2
 KEYS = ("reward/mean", "optim/grad_norm", "loss/policy", "policy/ratio", "rollout/kl_k3_behaviour", "rollout/is_weight",
@@ -76,7 +76,7 @@ def _killed(rank, world_size, store, out_dir, tiny):
     """The DP2 layout, separate, with rollout rank 2 dying in step 2; training rank 0 writes its error."""
     split = resplit(rank, world_size, ROLLOUT_RANKS, 60, prefix="killed", store=store)
     cfg = load_config(overrides=[*RUN, *LAYOUTS["dp2_dynamic"], f"trainer.output_dir={out_dir}/killed",
-                                 "rollout.placement=separate", f"rollout.num_ranks={ROLLOUT_RANKS}"])
+                                 "rollout.schedule.placement=separate", f"rollout.schedule.num_ranks={ROLLOUT_RANKS}"])
     if rank == 2:
         RolloutWorker._generate_and_send = dies_at_step(2)
     try:  # the survivors fail too (their peers are gone); only rank 2's exit is the run's failure
@@ -105,8 +105,8 @@ def _layout(rank, world_size, store, out_dir, name, tiny):
             os.environ["WORLD_SIZE"] = str(world_size)
     # The rollout ranks wait here while the training ranks run the colocated reference.
     split = resplit(rank, world_size, ROLLOUT_RANKS, 240, prefix=name, store=store)
-    cfg = load_config(overrides=[*overrides, f"trainer.output_dir={out_dir}/{name}s", "rollout.placement=separate",
-                                 f"rollout.num_ranks={ROLLOUT_RANKS}"])
+    cfg = load_config(overrides=[*overrides, f"trainer.output_dir={out_dir}/{name}s", "rollout.schedule.placement=separate",
+                                 f"rollout.schedule.num_ranks={ROLLOUT_RANKS}"])
     separate = _fit(cfg, tiny, split)
     if separate is not None:
         result["separate"] = separate

@@ -1,4 +1,4 @@
-"""``rollout.placement: separate`` (1 training rank + 1 rollout rank, gloo) against the colocated loop.
+"""``rollout.schedule.placement: separate`` (1 training rank + 1 rollout rank, gloo) against the colocated loop.
 
 With ``max_staleness`` 0 and 1 the separate run must reproduce the colocated run of the same seed
 (lock-step for k = 1): the same rewards, losses and gradient norms per step (relative 1e-5) and the
@@ -19,7 +19,7 @@ from nemo_sspo.rollouts.worker import RolloutWorker
 from tests.distributed._split_world import dies_at_step, fit_side, resplit
 from tests.integration._loop_runs import TINY, ParityReward, make_trainer
 
-RUN = [*TINY, "rollout.correction=token_tis", "optim.lr=0.05", "trainer.max_steps=3"]
+RUN = [*TINY, "rollout.correction.name=token_tis", "optim.lr=0.05", "trainer.max_steps=3"]
 KEYS = ("reward/mean", "optim/grad_norm", "loss/policy", "policy/ratio", "rollout/kl_k3_behaviour", "rollout/is_weight",
         "response/length_mean")
 
@@ -29,14 +29,14 @@ def _cfg(out_dir, overrides):
 
 
 def _separate(split, tiny, out_dir, overrides):
-    cfg = _cfg(out_dir, ["rollout.placement=separate", "rollout.num_ranks=1", *overrides])
+    cfg = _cfg(out_dir, ["rollout.schedule.placement=separate", "rollout.schedule.num_ranks=1", *overrides])
     return fit_side(cfg, split, tiny, ParityReward())
 
 
 def _child(rank, world_size, out_dir):
     tiny = load_hf_checkpoint("tiny-random-llama")
     split = resplit(rank, world_size, 1, 60)
-    results = {k: _separate(split, tiny, f"{out_dir}/k{k}", [f"rollout.max_staleness={k}"]) for k in (0, 1)}
+    results = {k: _separate(split, tiny, f"{out_dir}/k{k}", [f"rollout.schedule.max_staleness={k}"]) for k in (0, 1)}
     with open(f"{out_dir}/rank{rank}.pkl", "wb") as f:
         pickle.dump(results, f)
     if split.is_rollout:
@@ -60,8 +60,8 @@ def _colocated(monkeypatch, out_dir, tiny, k):
     # fp32 reductions split differently and the step-2 loss moved by 1.1e-5 relative, past the tolerance.
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    trainer = make_trainer(monkeypatch, out_dir, ["rollout.correction=token_tis", "optim.lr=0.05",
-                                                  "trainer.max_steps=3", f"rollout.max_staleness={k}"],
+    trainer = make_trainer(monkeypatch, out_dir, ["rollout.correction.name=token_tis", "optim.lr=0.05",
+                                                  "trainer.max_steps=3", f"rollout.schedule.max_staleness={k}"],
                            checkpoint=tiny)
     try:
         history = trainer.fit()

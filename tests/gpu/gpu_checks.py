@@ -395,9 +395,9 @@ def fused_layer_timings(targets, upstream, gen) -> None:
 
 # The train check: 8 prompts x 8 responses of up to 256 tokens per step, 2 optimizer steps per rollout,
 # 3 steps (the summary leaves out the first, which holds one-time costs).
-TRAIN_OVERRIDES = ["model.precision=bf16", "model.transformer_impl=local", "rollout.backend=hf",
+TRAIN_OVERRIDES = ["model.precision=bf16", "model.transformer_impl=local", "rollout.engine.backend=hf",
                    "trainer.max_steps=3", "rollout.prompts_per_step=8", "rollout.samples_per_prompt=8",
-                   "rollout.max_new_tokens=256", "parallel.micro_batch_size=8", "trainer.minibatches_per_step=2",
+                   "rollout.sampling.max_new_tokens=256", "parallel.micro_batch_size=8", "trainer.minibatches_per_step=2",
                    "trainer.loggers=[console,jsonl]", "trainer.save_hf_checkpoint=false", "reward.num_workers=2"]
 
 
@@ -427,10 +427,10 @@ def train_config(model_dir: str, output_dir: str):
 
 # The async check: separate placement, 1 training rank + ASYNC_ROLLOUT_RANKS rollout ranks on one GPU, k = 0.
 ASYNC_ROLLOUT_RANKS = 2
-ASYNC_OVERRIDES = ["model.precision=bf16", "model.transformer_impl=local", "rollout.backend=hf", "trainer.max_steps=2",
-                   "rollout.prompts_per_step=4", "rollout.samples_per_prompt=4", "rollout.max_new_tokens=64",
+ASYNC_OVERRIDES = ["model.precision=bf16", "model.transformer_impl=local", "rollout.engine.backend=hf", "trainer.max_steps=2",
+                   "rollout.prompts_per_step=4", "rollout.samples_per_prompt=4", "rollout.sampling.max_new_tokens=64",
                    "parallel.micro_batch_size=4", "trainer.loggers=[console,jsonl]", "trainer.save_hf_checkpoint=false",
-                   "rollout.correction=token_tis", "rollout.refit_bucket_mb=64",
+                   "rollout.correction.name=token_tis", "rollout.refit.bucket_mb=64",
                    # random weights score 0 on math: the tests' parity reward varies, so the updates move the weights
                    "plugins=[tests.integration._loop_runs]", "reward.name=test_parity"]
 
@@ -439,7 +439,7 @@ def async_config(model_dir: str, output_dir: str, *, separate: bool):
     """The validated config of the async check, colocated or separate (raises on a bad override)."""
     from nemo_sspo.cli import load_config
 
-    placement = ["rollout.placement=separate", f"rollout.num_ranks={ASYNC_ROLLOUT_RANKS}"] if separate else []
+    placement = ["rollout.schedule.placement=separate", f"rollout.schedule.num_ranks={ASYNC_ROLLOUT_RANKS}"] if separate else []
     return load_config(overrides=[f"model.source={model_dir}", *ASYNC_OVERRIDES, *placement,
                                   f"trainer.output_dir={output_dir}"])
 
@@ -466,7 +466,7 @@ def run_async(model_dir: str, out: str) -> None:
     from nemo_sspo.parallel.world_split import split_launched_world
 
     cfg = async_config(model_dir, f"{out}/separate", separate=True)
-    split = split_launched_world(ASYNC_ROLLOUT_RANKS, timeout=datetime.timedelta(seconds=cfg.rollout.peer_timeout_s))
+    split = split_launched_world(ASYNC_ROLLOUT_RANKS, timeout=datetime.timedelta(seconds=cfg.rollout.schedule.peer_timeout_s))
     if split.is_rollout:
         setup.run_rollout_rank(cfg, split, checkpoint=checkpoint)
         return
@@ -536,11 +536,11 @@ def check_train(model_dir: str) -> None:
 
 # The memory check: a bf16 policy at MODEL_DIR's shape with the distributed optimizer, one mini-batch of
 # 4 rows x (1,024 prompt + 1,024 response) tokens in one micro-batch: the plan's worst case for these
-# settings (rollout.max_new_tokens + its 1,024-token prompt allowance, parallel.micro_batch_size rows).
+# settings (rollout.sampling.max_new_tokens + its 1,024-token prompt allowance, parallel.micro_batch_size rows).
 MEMORY_ROWS, MEMORY_PROMPT, MEMORY_RESPONSE = 4, 1024, 1024
-MEMORY_OVERRIDES = ["model.precision=bf16", "model.transformer_impl=local", "rollout.backend=hf",
+MEMORY_OVERRIDES = ["model.precision=bf16", "model.transformer_impl=local", "rollout.engine.backend=hf",
                     "optim.use_distributed_optimizer=true", f"parallel.micro_batch_size={MEMORY_ROWS}",
-                    f"rollout.max_new_tokens={MEMORY_RESPONSE}", "trainer.minibatches_per_step=1"]
+                    f"rollout.sampling.max_new_tokens={MEMORY_RESPONSE}", "trainer.minibatches_per_step=1"]
 
 
 def memory_config(model_dir: str, recompute: str):
@@ -591,7 +591,7 @@ def memory_step(model_dir: str, recompute: str) -> tuple[float, float, float]:
         ddp, optimizer, scheduler = setup.wrap_for_updates(model.train(), cfg.optim, updates=2)
         start, size = vocab_shard(model)
         spec = LossSpec(loss=make_policy_loss(cfg.loss.name, build_loss_config(cfg.loss)), tp_group=None,
-                        vocab_start=start, vocab_size=size, temperature=cfg.rollout.temperature,
+                        vocab_start=start, vocab_size=size, temperature=cfg.rollout.sampling.temperature,
                         max_response_length=MEMORY_RESPONSE, output_chunk_size=cfg.parallel.output_chunk_size)
         layout = micro_batch_layout(cfg.parallel)
         batch = compute_old_logprobs(ddp, _memory_batch(config.vocab_size), spec, layout, dp_group=groups.dp_group)

@@ -7,7 +7,7 @@
 ``device``: a bf16 Megatron policy (local spec, random weights at MODEL_DIR's shape) exports its HF
 buckets on the GPU (``iter_hf_weight_buckets``, 64 MiB), which are encoded for a one-member NCCL
 refit group and for a one-member gloo group (the wire format of ``weight_broadcast``), decoded, and
-loaded into a bf16 HF engine on the same GPU with ``rollout.verify_refit``'s check. Passes when over
+loaded into a bf16 HF engine on the same GPU with ``rollout.refit.verify``'s check. Passes when over
 NCCL the payload stays on the GPU and ``bytes_to_host`` is 0 (gloo: every weight byte), every bucket
 verifies, and the engine's weights equal the export; prints seconds per GB of each path. Then the
 trainer/engine log-prob gap with ``model.output_layer_precision`` auto and fp32: the HF engine's
@@ -166,10 +166,10 @@ def check_dry_run(model_dir: str) -> None:
     from nemo_sspo.parallel.world_split import split_launched_world  # noqa: F401
     from nemo_sspo.rollout.refit_check import load_verified  # noqa: F401
 
-    cfg = load_config(overrides=[f"model.source={model_dir}", "model.precision=bf16", "rollout.verify_refit=true",
+    cfg = load_config(overrides=[f"model.source={model_dir}", "model.precision=bf16", "rollout.refit.verify=true",
                                  "model.output_layer_precision=fp32"])
-    report("refit dry run", cfg.rollout.verify_refit and cfg.model.output_layer_precision == "fp32",
-           "imports fine; a config with rollout.verify_refit and model.output_layer_precision=fp32 loads; "
+    report("refit dry run", cfg.rollout.refit.verify and cfg.model.output_layer_precision == "fp32",
+           "imports fine; a config with rollout.refit.verify and model.output_layer_precision=fp32 loads; "
            "nothing ran on a GPU")
 
 

@@ -27,7 +27,7 @@
 #   vllm (needs vLLM and SmolLM2's weights, i.e. a full environment; otherwise SKIP): tests/gpu/gpu_checks.py
 #      vllm (bf16 engine: log-prob gap, streamed refit, sleep/wake) and a 2-step train run with vLLM rollouts.
 #   te (needs TransformerEngine; otherwise SKIP): FP8 train step, THD packed log-probs, packed train step.
-#   async: tests/gpu/gpu_checks.py async: rollout.placement=separate on one GPU, at SmolLM2-135M's shape with
+#   async: tests/gpu/gpu_checks.py async: rollout.schedule.placement=separate on one GPU, at SmolLM2-135M's shape with
 #      random weights: 1 training rank (BF16 policy, NCCL default group) + 2 rollout ranks (HF engines on the
 #      same GPU: LOCAL_RANK modulo the GPUs visible), 2 steps with max_staleness=0 against the colocated run of
 #      the same seed (rewards equal, loss and grad norm within 1e-3), and the broadcast's s/GB. Rollouts and
@@ -35,7 +35,7 @@
 #      NCCL refuses, so the refit group stays gloo there).
 #   refit: tests/gpu/refit_checks.py device: a bf16 Megatron export at SmolLM2-135M's shape, bucketed on the GPU,
 #      encoded for the NCCL refit group's device and for gloo's, loaded into a bf16 HF engine on the GPU with the
-#      rollout.verify_refit check: bytes_to_host 0 on the device path, seconds per GB of both paths; then the
+#      rollout.refit.verify check: bytes_to_host 0 on the device path, seconds per GB of both paths; then the
 #      engine/trainer log-prob gap with model.output_layer_precision auto and fp32. With 2+ GPUs,
 #      tests/gpu/refit_checks.py nccl under torchrun: 1 GiB broadcast over the NCCL refit group, received on the
 #      GPU bit for bit (SKIP with one GPU).
@@ -184,10 +184,10 @@ HAVE_VLLM=0; "$PY" -c "import vllm" 2>/dev/null && HAVE_VLLM=1
 HAVE_TE=0; "$PY" -c "import transformer_engine" 2>/dev/null && HAVE_TE=1
 IMPL=local; [ $HAVE_TE = 1 ] && IMPL=transformer_engine
 TRAIN=(model=smollm2_135m model.precision=bf16 trainer.max_steps=2 rollout.prompts_per_step=4
-       rollout.samples_per_prompt=4 rollout.max_new_tokens=128 parallel.micro_batch_size=4
-       trainer.save_hf_checkpoint=false reward.num_workers=2 rollout.refit_bucket_mb=64)
-VLLM=(rollout.backend=vllm rollout.vllm.enable_sleep_mode=true rollout.vllm.gpu_memory_utilization=0.3
-      rollout.vllm.enforce_eager=true rollout.vllm.max_model_len=1024)
+       rollout.samples_per_prompt=4 rollout.sampling.max_new_tokens=128 parallel.micro_batch_size=4
+       trainer.save_hf_checkpoint=false reward.num_workers=2 rollout.refit.bucket_mb=64)
+VLLM=(rollout.engine.backend=vllm rollout.engine.vllm.enable_sleep_mode=true rollout.engine.vllm.gpu_memory_utilization=0.3
+      rollout.engine.vllm.enforce_eager=true rollout.engine.vllm.max_model_len=1024)
 
 if want vllm; then
   if [ $HAVE_VLLM = 0 ]; then
@@ -204,11 +204,11 @@ if want te; then
   if [ $HAVE_TE = 0 ]; then
     echo "SKIP te: transformer_engine does not import here; the FP8 step and the THD packed checks need it"
   else
-    run "fp8 train step" 150 "$PY" -m nemo_sspo.cli train "${TRAIN[@]}" rollout.backend=hf \
+    run "fp8 train step" 150 "$PY" -m nemo_sspo.cli train "${TRAIN[@]}" rollout.engine.backend=hf \
         model.transformer_impl=transformer_engine model.fp8=hybrid model.fp8_recipe=delayed "trainer.output_dir=$WORK/fp8"
     run "fp8 metrics" 30 "$PY" tests/gpu/gpu_checks.py metrics "$WORK/fp8" 0.25
     run "packed thd log-probs" 90 "$PY" tests/gpu/gpu_checks.py packed
-    run "packed train step" 120 "$PY" -m nemo_sspo.cli train "${TRAIN[@]}" rollout.backend=hf \
+    run "packed train step" 120 "$PY" -m nemo_sspo.cli train "${TRAIN[@]}" rollout.engine.backend=hf \
         model.transformer_impl=transformer_engine parallel.pack_sequences=true parallel.max_tokens_per_micro_batch=1024 \
         "trainer.output_dir=$WORK/packed"
     run "packed metrics" 30 "$PY" tests/gpu/gpu_checks.py metrics "$WORK/packed" 0.05

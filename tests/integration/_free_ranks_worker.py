@@ -19,8 +19,8 @@ import json
 import sys
 from pathlib import Path
 
-RUN = ["trainer.max_steps=4", "trainer.minibatches_per_step=1", "rollout.correction=token_tis", "optim.lr=0.05",
-       "rollout.placement=separate", "rollout.num_ranks=2", "rollout.staleness_schedule=free", "rollout.max_staleness=0"]
+RUN = ["trainer.max_steps=4", "trainer.minibatches_per_step=1", "rollout.correction.name=token_tis", "optim.lr=0.05",
+       "rollout.schedule.placement=separate", "rollout.schedule.num_ranks=2", "rollout.schedule.mode=free", "rollout.schedule.max_staleness=0"]
 UPDATE_DELAY_S = 0.5
 DECODE_DELAY_S = 0.15
 
@@ -76,16 +76,16 @@ def main(out: Path) -> None:
 
     split = split_launched_world(2, timeout=datetime.timedelta(seconds=120))
     tiny = load_hf_checkpoint("tiny-random-llama")
-    wait = ["rollout.stale_policy=wait", "trainer.checkpoint_interval=2"]
+    wait = ["rollout.schedule.stale_policy=wait", "trainer.checkpoint_interval=2"]
     results = {"full": _run(split, tiny, [*wait, f"trainer.output_dir={out / 'full'}"])}
     step2 = out / "full" / "checkpoints" / "step_000002"
     results["resumed"] = _run(split, tiny, [*wait, f"trainer.output_dir={out / 'resumed'}", f"trainer.resume={step2}"])
     inner = Policy.update
     Policy.update = lambda self, batch: (time.sleep(UPDATE_DELAY_S), inner(self, batch))[1]
-    results["drop"] = _run(split, tiny, ["rollout.stale_policy=drop", f"trainer.output_dir={out / 'drop'}"])
+    results["drop"] = _run(split, tiny, ["rollout.schedule.stale_policy=drop", f"trainer.output_dir={out / 'drop'}"])
     Policy.update = inner
     _slow_decoding()
-    results["partial"] = _run(split, tiny, ["rollout.partial=true", "rollout.max_staleness=1", "trainer.max_steps=3",
+    results["partial"] = _run(split, tiny, ["rollout.schedule.partial=true", "rollout.schedule.max_staleness=1", "trainer.max_steps=3",
                                             f"trainer.output_dir={out / 'partial'}"])
     if split.rank == 0:
         (out / "result.json").write_text(json.dumps(results))

@@ -1,5 +1,5 @@
 """Worker of ``test_hung_rollout_rank.py``, started by torchrun with 2 processes: 1 training rank and
-1 rollout rank (``rollout.placement=separate``, free-running ``wait`` with k = 0), groups with a
+1 rollout rank (``rollout.schedule.placement=separate``, free-running ``wait`` with k = 0), groups with a
 timeout of ``PEER_TIMEOUT_S``.
 
 The rollout rank's reward sleeps forever once it has scored step 1's rollout (it hangs inside
@@ -45,9 +45,9 @@ def main(out: Path) -> None:
 
     split = split_launched_world(1, timeout=datetime.timedelta(seconds=PEER_TIMEOUT_S))
     tiny = load_hf_checkpoint("tiny-random-llama")
-    cfg = load_config(overrides=[*TINY, "trainer.max_steps=3", f"trainer.output_dir={out}", "rollout.num_ranks=1",
-                                 "rollout.placement=separate", "rollout.staleness_schedule=free",
-                                 f"rollout.peer_timeout_s={PEER_TIMEOUT_S}"])
+    cfg = load_config(overrides=[*TINY, "trainer.max_steps=3", f"trainer.output_dir={out}", "rollout.schedule.num_ranks=1",
+                                 "rollout.schedule.placement=separate", "rollout.schedule.mode=free",
+                                 f"rollout.schedule.peer_timeout_s={PEER_TIMEOUT_S}"])
     if split.is_rollout:
         (out / "rollout.pid").write_text(str(os.getpid()))
         per_step = cfg.rollout.prompts_per_step * cfg.rollout.samples_per_prompt

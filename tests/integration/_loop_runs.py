@@ -20,7 +20,7 @@ from tests.unit.loss_cases import hand_aggregate
 
 TINY = [
     "model=tiny_random", "data.template=qwen-math", "trainer.max_steps=2", "rollout.prompts_per_step=2",
-    "rollout.samples_per_prompt=2", "rollout.max_new_tokens=8", "parallel.micro_batch_size=2",
+    "rollout.samples_per_prompt=2", "rollout.sampling.max_new_tokens=8", "parallel.micro_batch_size=2",
     "trainer.minibatches_per_step=2", "trainer.save_hf_checkpoint=false", "trainer.overwrite_output_dir=true",
 ]
 

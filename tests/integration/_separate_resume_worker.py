@@ -1,5 +1,5 @@
 """Worker of ``test_separate_resume.py``, started by torchrun with 2 processes: 1 training rank and
-1 rollout rank (``rollout.placement=separate``), split once from torchrun's rendezvous.
+1 rollout rank (``rollout.schedule.placement=separate``), split once from torchrun's rendezvous.
 
 Runs 2 steps saving a checkpoint after step 1, then resumes a second run from it into another
 output folder. Rank 0 writes both runs' step-2 metrics to ``<out>/result.json``.
@@ -20,7 +20,7 @@ def _run(split, overrides, checkpoint):
     from nemo_sspo.trainer import loop, setup
     from tests.integration._loop_runs import TINY, ParityReward
 
-    cfg = load_config(overrides=[*TINY, "rollout.placement=separate", "rollout.num_ranks=1", *overrides])
+    cfg = load_config(overrides=[*TINY, "rollout.schedule.placement=separate", "rollout.schedule.num_ranks=1", *overrides])
     if split.is_rollout:
         setup.run_rollout_rank(cfg, split, checkpoint=checkpoint, reward=ParityReward())
         return None

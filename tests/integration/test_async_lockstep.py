@@ -1,4 +1,4 @@
-"""Lock-step ``rollout.max_staleness=1`` equals a reference composed by hand from the loop's phases.
+"""Lock-step ``rollout.schedule.max_staleness=1`` equals a reference composed by hand from the loop's phases.
 
 The reference generates the rollouts of steps 1 and 2 with the initial weights, trains step 1,
 refits, recomputes pi_old of step 2's rollout at the updated weights, weights it with the
@@ -22,7 +22,7 @@ from tests.integration._loop_runs import generate, make_trainer, record_prepared
 pytestmark = pytest.mark.fast  # seconds: kept in the fast tier (tests/conftest.py)
 
 # lr large enough that one update moves pi_old visibly away from the engine's initial weights.
-CORRECTED = ["rollout.correction=segment_tis", "rollout.correction_cap=1.5", "optim.lr=0.05"]
+CORRECTED = ["rollout.correction.name=segment_tis", "rollout.correction.cap=1.5", "optim.lr=0.05"]
 
 
 @pytest.fixture(scope="module")
@@ -47,7 +47,7 @@ def _segment_weights_by_hand(old, engine, mask, segments, cap):
 
 
 def _async_run(monkeypatch, tmp_path, tiny):
-    trainer = make_trainer(monkeypatch, tmp_path / "async", [*CORRECTED, "rollout.max_staleness=1",
+    trainer = make_trainer(monkeypatch, tmp_path / "async", [*CORRECTED, "rollout.schedule.max_staleness=1",
                                                               "trainer.checkpoint_interval=1"], checkpoint=tiny)
     trained = []
     record_prepared(trainer, trained)

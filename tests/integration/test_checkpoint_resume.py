@@ -67,7 +67,7 @@ def test_resume_matches_uninterrupted_run_and_failed_save_keeps_latest(monkeypat
     out = tmp_path / "run"
     overrides = [
         "trainer.max_steps=4", "trainer.checkpoint_interval=2", "trainer.keep_checkpoints=2",
-        "rollout.correction=token_tis", "rollout.correction_cap=1.0", "eval.every_n_steps=2", "eval.benchmarks=[math500]", "eval.limit_per_benchmark=2",
+        "rollout.correction.name=token_tis", "rollout.correction.cap=1.0", "eval.every_n_steps=2", "eval.benchmarks=[math500]", "eval.limit_per_benchmark=2",
         "eval.max_new_tokens=8", f"eval.data_dir={_stub_benchmark(tmp_path / 'data')}",
     ]
     tis_inputs = []

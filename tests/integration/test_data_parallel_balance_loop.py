@@ -13,7 +13,7 @@ from nemo_sspo.megatron import destroy_parallel
 from tests.integration._loop_runs import make_trainer, observe, record_updates
 
 BUDGET = ["rollout.prompts_per_step=4", "trainer.minibatches_per_step=1",
-          "parallel.max_tokens_per_micro_batch=160", "rollout.correction=token_tis", "rollout.correction_cap=1.5"]
+          "parallel.max_tokens_per_micro_batch=160", "rollout.correction.name=token_tis", "rollout.correction.cap=1.5"]
 
 
 def _first_step(rank, world_size, tmp_dir):

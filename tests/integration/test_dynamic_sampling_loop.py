@@ -16,7 +16,7 @@ from tests.integration._loop_runs import (OddAnswerReward, ZeroReward, generate,
                                          observe, record_rollouts, record_updates, run)
 
 DYNAMIC = ["loss=dapo", "rollout.prompts_per_step=4", "trainer.minibatches_per_step=1",
-           "rollout.max_sampling_rounds=6"]
+           "rollout.sampling.max_sampling_rounds=6"]
 
 
 @pytest.fixture(scope="module")
@@ -55,11 +55,11 @@ def test_batch_never_holds_a_zero_variance_group_when_enough_exist(checkpoint, m
 def test_round_limit_warns_and_trains_on_the_full_batch(checkpoint, monkeypatch, tmp_path, caplog):
     rollouts = []
     with caplog.at_level(logging.WARNING, logger="nemo_sspo.rollouts.sampling"):
-        history = run(monkeypatch, tmp_path, [*DYNAMIC, "rollout.max_sampling_rounds=2"], checkpoint=checkpoint,
+        history = run(monkeypatch, tmp_path, [*DYNAMIC, "rollout.sampling.max_sampling_rounds=2"], checkpoint=checkpoint,
                       reward=ZeroReward, capture=_record_rollouts(rollouts))
     messages = [r.getMessage() for r in caplog.records]
     assert any("found 0 of 4 prompt groups with reward variance after 2 rounds "
-               "(rollout.max_sampling_rounds=2); training on the full batch" in m for m in messages), messages
+               "(rollout.sampling.max_sampling_rounds=2); training on the full batch" in m for m in messages), messages
     for rollout, record in zip(rollouts, history):
         assert rollout.batch.response_ids.shape[0] == 8  # every rank keeps P/dp x G rows
         assert rollout.generated_groups == 8  # 4 slots x 2 rounds
@@ -116,7 +116,7 @@ def test_shaping_gives_an_all_wrong_group_past_the_round_limit_advantage_0(check
         observe(trainer, "advantages", lambda data: advantages.append(data[1]))
 
     overrides = [*DYNAMIC, "rollout.prompts_per_step=1", "rollout.samples_per_prompt=4", "trainer.max_steps=1",
-                 "rollout.max_sampling_rounds=2", "reward.overlong_buffer_len=4"]
+                 "rollout.sampling.max_sampling_rounds=2", "reward.overlong_buffer_len=4"]
     with caplog.at_level(logging.WARNING, logger="nemo_sspo.rollouts.sampling"):
         (record,) = run(monkeypatch, tmp_path, overrides, checkpoint=checkpoint, reward=ZeroReward,
                         capture=capture)

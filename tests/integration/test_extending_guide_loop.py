@@ -15,7 +15,7 @@ from tests.unit.repo.test_docs import guide_files, _module  # noqa: F401 - the f
 def test_guide_reward_engine_and_prompts_train_by_config_alone(guide_files, tmp_path):  # noqa: F811
     plugins = ",".join(str(guide_files[name]) for name in ("my_reward.py", "my_engine.py", "my_prompts.py"))
     out = tmp_path / "run"
-    assert main(["train", f"plugins=[{plugins}]", "reward.name=exact_number", "rollout.backend=timed_hf",
+    assert main(["train", f"plugins=[{plugins}]", "reward.name=exact_number", "rollout.engine.backend=timed_hf",
                  "data=countdown_schema", "data.options.start=7", *TINY, f"trainer.output_dir={out}"]) == 0
     steps = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [s["step"] for s in steps] == [1, 2]

@@ -1,4 +1,4 @@
-"""Free-running over two rollout ranks (``rollout.staleness_schedule=free``, torchrun: 1 training rank
+"""Free-running over two rollout ranks (``rollout.schedule.mode=free``, torchrun: 1 training rank
 + 2 rollout ranks, gloo; ``_free_ranks_worker.py``): each rollout holds one of the step's two prompt
 groups, and a step trains the first two fresh rollouts to arrive, from whichever rank.
 

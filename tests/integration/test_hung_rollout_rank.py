@@ -1,5 +1,5 @@
 """A rollout rank that hangs inside generation (it does not die) ends a torchrun launch: the training
-rank fails within ``rollout.peer_timeout_s`` with an error naming rollout rank 1, step 1's metrics
+rank fails within ``rollout.schedule.peer_timeout_s`` with an error naming rollout rank 1, step 1's metrics
 stay in ``metrics.jsonl``, torchrun stops the hung rank, and nothing outlives the launch. The
 subprocess timeout is only the harness's safety net."""
 
@@ -28,7 +28,7 @@ def test_hung_rollout_rank_ends_the_run_within_the_peer_timeout(tmp_path):
     failure = json.loads((tmp_path / "failure.json").read_text())
     assert failure["step"] == 2
     assert "rollout rank 1 sent no rollout for" in failure["error"]
-    assert "(it died or hung past rollout.peer_timeout_s=8); no rollout rank sent rollout for step 2" in failure["error"]
+    assert "(it died or hung past rollout.schedule.peer_timeout_s=8); no rollout rank sent rollout for step 2" in failure["error"]
     # the receive of step 2 gives up after the timeout, not before and not much later (2 s of slack
     # for a loaded machine)
     assert PEER_TIMEOUT_S <= failure["seconds"] < PEER_TIMEOUT_S + 2

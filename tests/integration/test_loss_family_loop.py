@@ -69,7 +69,7 @@ def test_two_steps_of_every_loss(name, checkpoint, monkeypatch, tmp_path):
     # losses, docs/algorithms.md; tests/unit/loss_cases.py), reduced by hand.
     assert len(updates) == 4  # 2 steps x 2 mini-batches
     config = get_policy_loss(name).config_cls()
-    max_new_tokens = int(next(o for o in TINY if o.startswith("rollout.max_new_tokens=")).split("=")[1])
+    max_new_tokens = int(next(o for o in TINY if o.startswith("rollout.sampling.max_new_tokens=")).split("=")[1])
     for batch, sums in (updates[0], updates[2]):
         for level in ("token", "segment", "response"):
             assert sums[f"policy/ratio_{level}_min"].total.item() == 1.0, level

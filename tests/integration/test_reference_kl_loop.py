@@ -32,7 +32,7 @@ def _initial_policy_logprobs(checkpoint, batch, temperature):
 def _record_batches(store, flags):
     def capture(trainer):
         flags["has_reference"] = trainer.ref_model is not None
-        flags["temperature"] = trainer.cfg.rollout.temperature
+        flags["temperature"] = trainer.cfg.rollout.sampling.temperature
         record_prepared(trainer, store)
 
     return capture

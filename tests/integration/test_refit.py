@@ -17,7 +17,7 @@ from tests.integration._loop_runs import ParityReward as _ParityReward
 def test_updates_change_weights_and_refit_follows(monkeypatch, tmp_path):
     cfg = load_config(overrides=[
         "model=tiny_random", "trainer.max_steps=2", "rollout.prompts_per_step=2",
-        "rollout.samples_per_prompt=4", "rollout.max_new_tokens=12", "parallel.micro_batch_size=2",
+        "rollout.samples_per_prompt=4", "rollout.sampling.max_new_tokens=12", "parallel.micro_batch_size=2",
         "optim.lr=1e-2", f"trainer.output_dir={tmp_path}",
     ])
     _, initial, _ = load_hf_checkpoint("tiny-random-llama")
@@ -41,14 +41,14 @@ def test_updates_change_weights_and_refit_follows(monkeypatch, tmp_path):
     # the streamed refit (buckets of whole layers, loaded one by one) leaves the engine sampling exactly
     # as one built from the full export does (the refit before streaming): same ids, same log-probs
     full = HFRolloutEngine(build_hf_model(trainer.hf_config, initial), trainer.tokenizer, max_new_tokens=12,
-                           temperature=cfg.rollout.temperature, stop_token_ids=trainer.engine.stop_token_ids)
+                           temperature=cfg.rollout.sampling.temperature, stop_token_ids=trainer.engine.stop_token_ids)
     full.load_weights(policy)
     prompts = ["Tom has 3 apples and buys 2 more.", "What is 2 + 2?"]
     streamed_batch, full_batch = trainer.engine.generate(prompts, seed=3), full.generate(prompts, seed=3)
     assert torch.equal(streamed_batch.response_ids, full_batch.response_ids)
     assert torch.equal(streamed_batch.rollout_logprobs, full_batch.rollout_logprobs)
     stale = HFRolloutEngine(build_hf_model(trainer.hf_config, initial), trainer.tokenizer, max_new_tokens=12,
-                            temperature=cfg.rollout.temperature, stop_token_ids=trainer.engine.stop_token_ids)
+                            temperature=cfg.rollout.sampling.temperature, stop_token_ids=trainer.engine.stop_token_ids)
     assert not torch.equal(stale.generate(prompts, seed=3).rollout_logprobs, full_batch.rollout_logprobs)
 
 
@@ -69,7 +69,7 @@ def test_nan_reward_fails_clearly_and_keeps_completed_work(monkeypatch, tmp_path
 
     cfg = load_config(overrides=[
         "model=tiny_random", "trainer.max_steps=3", "rollout.prompts_per_step=2",
-        "rollout.samples_per_prompt=4", "rollout.max_new_tokens=8", "parallel.micro_batch_size=2",
+        "rollout.samples_per_prompt=4", "rollout.sampling.max_new_tokens=8", "parallel.micro_batch_size=2",
         f"trainer.output_dir={tmp_path}",
     ])
     trainer = loop.GRPOTrainer(cfg, setup.start_parallel(cfg.parallel, cfg.trainer.seed),
@@ -102,7 +102,7 @@ def test_non_finite_gradient_stops_the_run_and_keeps_the_last_good_policy(monkey
     monkeypatch.setattr(policy, "train_on_batch", nan_from_step_2)
     cfg = load_config(overrides=[
         "model=tiny_random", "trainer.max_steps=3", "rollout.prompts_per_step=2",
-        "rollout.samples_per_prompt=4", "rollout.max_new_tokens=8", "parallel.micro_batch_size=2",
+        "rollout.samples_per_prompt=4", "rollout.sampling.max_new_tokens=8", "parallel.micro_batch_size=2",
         "optim.lr=1e-2", f"trainer.output_dir={tmp_path}",
     ])
     trainer = loop.GRPOTrainer(cfg, setup.start_parallel(cfg.parallel, cfg.trainer.seed), reward=_ParityReward())

@@ -54,7 +54,7 @@ def test_rollout_log_values_resume_and_overwrite_and_phase_lines(monkeypatch, tm
             # ParityReward: 1 for an even character count; no overlong shaping here
             assert r["task_reward"] == r["reward"] == float(len(r["response"]) % 2 == 0)
             assert r["version"] == step - 1 and r["replica"] == 0  # colocated: the weights of step - 1 updates
-            assert r["truncated"] == (r["response_length"] == 8)  # rollout.max_new_tokens=8, no stop token
+            assert r["truncated"] == (r["response_length"] == 8)  # rollout.sampling.max_new_tokens=8, no stop token
             groups[r["prompt_id"]].append(r)
         assert len(groups) == 2
         for group in groups.values():

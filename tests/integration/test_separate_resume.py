@@ -1,4 +1,4 @@
-"""A ``rollout.placement=separate`` run launched by torchrun (its own rendezvous store), resumed from
+"""A ``rollout.schedule.placement=separate`` run launched by torchrun (its own rendezvous store), resumed from
 its step-1 checkpoint: the rollout rank replays the data position, takes the resumed weights and
 says so, and step 2 equals the uninterrupted run's (every metric but timings)."""
 

@@ -24,7 +24,7 @@ REQUIRED_KEYS = {
 }
 TINY = [
     "model=tiny_random", "trainer.max_steps=2", "rollout.prompts_per_step=2", "rollout.samples_per_prompt=4",
-    "rollout.max_new_tokens=24", "parallel.micro_batch_size=2", "reward.num_workers=1", "optim.lr=1e-3",
+    "rollout.sampling.max_new_tokens=24", "parallel.micro_batch_size=2", "reward.num_workers=1", "optim.lr=1e-3",
 ]
 
 
@@ -85,7 +85,7 @@ def test_two_step_run_writes_finite_metrics(tmp_path):
     assert any(p.name.startswith("events.out.tfevents") for p in (out / "tensorboard").iterdir())
     assert "step   2" in proc.stdout + proc.stderr
     # every response ran to the 24-token cap (above): one warning, at step 1
-    assert proc.stderr.count("of the responses reached rollout.max_new_tokens=24 without a stop token") == 1
+    assert proc.stderr.count("of the responses reached rollout.sampling.max_new_tokens=24 without a stop token") == 1
     assert "step 1: 100% of the responses reached" in proc.stderr
     assert (out / "config.yaml").is_file()  # the composed config is saved with the run
 

@@ -52,7 +52,7 @@ def test_the_documented_commands_are_two_agents_of_one_rendezvous():
         assert f"--rdzv-endpoint={DOC_ENDPOINT}" in command and "--rdzv-backend=c10d" in command
         assert f"--rdzv-conf=is_host={host}" in command and f"--local-addr={addr}" in command
         assert not any(arg.startswith("--node-rank") for arg in command)
-        assert {"rollout.placement=separate", "rollout.num_ranks=1", "trainer.max_steps=2"} <= set(command)
+        assert {"rollout.schedule.placement=separate", "rollout.schedule.num_ranks=1", "trainer.max_steps=2"} <= set(command)
     # the same run on both nodes: only the launcher's per-node options differ
     assert [a for a in node0 if "is_host" not in a and "local-addr" not in a] == \
            [a for a in node1 if "is_host" not in a and "local-addr" not in a]

@@ -1,5 +1,5 @@
 """A reward and a rollout engine defined in a user's own file run in ``nemo-sspo train`` by config
-alone (``plugins=[file] reward.name=... rollout.backend=...``), without touching the trainer."""
+alone (``plugins=[file] reward.name=... rollout.engine.backend=...``), without touching the trainer."""
 
 import json
 import sys
@@ -76,7 +76,7 @@ def plugin_file(tmp_path):
 
 def test_user_reward_and_engine_by_config_alone(plugin_file, tmp_path):
     out = tmp_path / "run"
-    assert main(["train", f"plugins=[{plugin_file}]", "reward.name=user_half", "rollout.backend=user_counting",
+    assert main(["train", f"plugins=[{plugin_file}]", "reward.name=user_half", "rollout.engine.backend=user_counting",
                  *TINY, f"trainer.output_dir={out}"]) == 0
     calls = sys.modules["nemo_sspo_plugin_user_seams_plugin"].CALLS
     # 2 steps x 2 prompt groups, one generate call per group; one refit and one sleep per step.

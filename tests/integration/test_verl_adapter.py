@@ -332,7 +332,7 @@ def test_example_makes_the_native_recipes_optimizer_steps_per_rollout():
     assert (actor.optim.lr, actor.optim.weight_decay, actor.grad_clip) == (
         native.optim.lr, native.optim.weight_decay, native.optim.clip_grad)
     assert (cfg.trainer.total_training_steps, cfg.trainer.test_freq, cfg.data.max_response_length) == (
-        native.trainer.max_steps, native.eval.every_n_steps, native.rollout.max_new_tokens)
+        native.trainer.max_steps, native.eval.every_n_steps, native.rollout.sampling.max_new_tokens)
     reward = cfg.reward.custom_reward_function
     assert (reward.path, reward.name) == ("pkg://nemo_sspo.rewards.verl_score", "compute_score")
     assert (reward.reward_kwargs.num_workers, reward.reward_kwargs.timeout_s) == (

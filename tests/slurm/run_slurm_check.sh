@@ -5,7 +5,7 @@
 #   3. submits the CPU tiny run (model=tiny_random, 2 steps) through examples/slurm/sspo.sbatch
 #      with 1 task (the script runs one torchrun agent per node) x 2 workers, twice: as pipeline
 #      parallel PP=2 over gloo (PP=2 refuses world size 1), and with the separate rollout placement
-#      (1 training rank + 1 rollout rank, rollout.num_ranks=1),
+#      (1 training rank + 1 rollout rank, rollout.schedule.num_ranks=1),
 #   4. waits for each, checks it COMPLETED with exit code 0 and metrics.jsonl holds 2 finite steps,
 #   5. stops the daemons it started.
 #
@@ -99,7 +99,7 @@ run_job() {
     sbatch --parsable --ntasks 1 --gpus-per-node 0 --cpus-per-task 2 --time 30:00 \
     --output "${work}/job-%j.out" "${repo}/examples/slurm/sspo.sbatch" \
     model=tiny_random trainer.max_steps=2 rollout.prompts_per_step=2 rollout.samples_per_prompt=4 \
-    rollout.max_new_tokens=24 parallel.micro_batch_size=2 reward.num_workers=1 optim.lr=1e-3 \
+    rollout.sampling.max_new_tokens=24 parallel.micro_batch_size=2 reward.num_workers=1 optim.lr=1e-3 \
     "trainer.output_dir=${out}" "$@")
   log "${name}: submitted job ${job}"
   for i in $(seq 900); do
@@ -130,5 +130,5 @@ PY
 # PP=2 over gloo: it can only start when both Slurm tasks joined one rendezvous (PP=2 refuses world size 1)
 run_job pp2 parallel=pp2
 # the separate placement: the world's last rank (one task's worker) generates, the other trains
-run_job separate rollout.placement=separate rollout.num_ranks=1
+run_job separate rollout.schedule.placement=separate rollout.schedule.num_ranks=1
 log "PASS"

@@ -37,12 +37,12 @@ def test_a_layout_the_heads_allow_loads_without_weights(config_only_model, monke
      r"parallel.pipeline_model_parallel_size=2 does not divide the model's num_hidden_layers=5: use one of 1, 5$"),
     (["loss=sppo", "critic.num_layers=6"], 1, r"critic.num_layers=6 exceeds the 5 layers"),
     # vLLM shards the 6 query heads: 4 does not divide them.
-    (["rollout.backend=vllm", "rollout.vllm.tensor_parallel_size=4"], 1,
-     r"rollout.vllm.tensor_parallel_size=4 does not split the 6 heads / 2 key/value heads"),
-    (["rollout.backend=vllm", "rollout.vllm.max_model_len=128"], 1,
-     r"rollout.vllm.max_model_len=128 exceeds max_position_embeddings=64"),
+    (["rollout.engine.backend=vllm", "rollout.engine.vllm.tensor_parallel_size=4"], 1,
+     r"rollout.engine.vllm.tensor_parallel_size=4 does not split the 6 heads / 2 key/value heads"),
+    (["rollout.engine.backend=vllm", "rollout.engine.vllm.max_model_len=128"], 1,
+     r"rollout.engine.vllm.max_model_len=128 exceeds max_position_embeddings=64"),
     # the default 64 new tokens fill the whole 64-position context: no room for a prompt.
-    (["rollout.backend=vllm"], 1, r"rollout.max_new_tokens=64 leaves no room for a prompt in vLLM's context of 64"),
+    (["rollout.engine.backend=vllm"], 1, r"rollout.sampling.max_new_tokens=64 leaves no room for a prompt in vLLM's context of 64"),
 ])
 def test_layout_facts_of_config_json_are_refused_at_load(config_only_model, monkeypatch, overrides, world_size,
                                                          message):
@@ -55,8 +55,8 @@ def test_eval_checks_the_engine_layout_only(config_only_model, monkeypatch):
     """`nemo-sspo eval` builds no Megatron model: a trainer TP the heads refuse is not its concern."""
     cfg = _load(config_only_model, ["parallel.tensor_model_parallel_size=4"], 1, monkeypatch, command="eval")
     assert cfg.parallel.tensor_model_parallel_size == 4
-    with pytest.raises(ValueError, match="rollout.vllm.tensor_parallel_size=4 does not split"):
-        _load(config_only_model, ["rollout.backend=vllm", "rollout.vllm.tensor_parallel_size=4"], 1, monkeypatch,
+    with pytest.raises(ValueError, match="rollout.engine.vllm.tensor_parallel_size=4 does not split"):
+        _load(config_only_model, ["rollout.engine.backend=vllm", "rollout.engine.vllm.tensor_parallel_size=4"], 1, monkeypatch,
               command="eval")
 
 
@@ -77,7 +77,7 @@ def test_cli_refuses_smollm2_at_tp2_before_loading_it(monkeypatch, capsys):
 
 @pytest.mark.parametrize("override, reason", [
     ("trainer.max_steps=two", "Value 'two' of type 'str' could not be converted to Integer"),
-    ("rollout.temperature=hot", "Value 'hot' of type 'str' could not be converted to Float"),
+    ("rollout.sampling.temperature=hot", "Value 'hot' of type 'str' could not be converted to Float"),
     ("parallel.pack_sequences=maybe", "Value 'maybe' is not a valid bool"),
 ])
 def test_hydra_type_error_keeps_omegaconf_reason(override, reason):

@@ -157,9 +157,9 @@ def test_greedy_eval_matches_transformers(engine, tiny):
     assert vllm_texts == hf_texts
 
 
-TRAIN = ["model=smollm2_135m", "rollout.backend=vllm", "rollout.vllm.enforce_eager=true",
-         "rollout.vllm.max_model_len=512", "trainer.max_steps=2", "rollout.prompts_per_step=2",
-         "rollout.samples_per_prompt=4", "rollout.max_new_tokens=8", "parallel.micro_batch_size=2",
+TRAIN = ["model=smollm2_135m", "rollout.engine.backend=vllm", "rollout.engine.vllm.enforce_eager=true",
+         "rollout.engine.vllm.max_model_len=512", "trainer.max_steps=2", "rollout.prompts_per_step=2",
+         "rollout.samples_per_prompt=4", "rollout.sampling.max_new_tokens=8", "parallel.micro_batch_size=2",
          "trainer.save_hf_checkpoint=false"]
 
 
@@ -173,7 +173,7 @@ def test_train_loop_refits_vllm_after_each_optimizer_step(tmp_path):
     from nemo_sspo.trainer import loop, setup
     from tests.integration._loop_runs import ParityReward
 
-    cfg = load_config(overrides=TRAIN + ["optim.lr=1e-3", "rollout.correction=token_tis", f"trainer.output_dir={tmp_path}"])
+    cfg = load_config(overrides=TRAIN + ["optim.lr=1e-3", "rollout.correction.name=token_tis", f"trainer.output_dir={tmp_path}"])
     trainer = loop.GRPOTrainer(cfg, setup.start_parallel(cfg.parallel, cfg.trainer.seed), reward=ParityReward())
     try:
         step1, step2 = trainer.fit()

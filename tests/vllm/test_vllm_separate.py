@@ -1,4 +1,4 @@
-"""``rollout.placement: separate`` with the real vLLM CPU engine on the rollout rank, against colocated vLLM.
+"""``rollout.schedule.placement: separate`` with the real vLLM CPU engine on the rollout rank, against colocated vLLM.
 
 Two CLI runs of the same seed on the tiny random Qwen3 (2 layers, the Qwen vocabulary; 2 steps,
 fp32 vLLM in-process): colocated in one process (also the CLI check of vLLM: its output holds no refit warning and no traceback), and
@@ -23,7 +23,7 @@ from tests.vllm.test_vllm_backend import TRAIN
 # run is mostly the engines' start (86 s on 2 cores, against 156 s with SmolLM2-135M).
 RUN = [*(item for item in TRAIN if not item.startswith("model=")), "model=tiny_random_qwen3",
        "plugins=[tests.integration._loop_runs]", "reward.name=test_parity", "optim.lr=1e-3",
-       "rollout.correction=token_tis", "data.template=qwen-math"]
+       "rollout.correction.name=token_tis", "data.template=qwen-math"]
 KEYS = ("reward/mean", "response/length_mean", "loss/policy", "optim/grad_norm", "policy/ratio",
         "rollout/kl_k3_behaviour", "rollout/is_weight", "rollout/trainer_logprob_gap_abs")
 
@@ -43,7 +43,7 @@ def _train(launcher, out, extra):
 def test_separate_vllm_with_two_rollout_ranks_equals_colocated_vllm(tmp_path):
     colocated = _train([], tmp_path / "colocated", [])
     separate = _train(["-m", "torch.distributed.run", "--nproc-per-node", "3", "--master-port", str(free_port())],
-                      tmp_path / "separate", ["rollout.placement=separate", "rollout.num_ranks=2"])
+                      tmp_path / "separate", ["rollout.schedule.placement=separate", "rollout.schedule.num_ranks=2"])
     assert [s["step"] for s in separate] == [s["step"] for s in colocated] == [1, 2]
     assert all(s["rollout/trainer_logprob_gap_abs"] < 1e-4 for s in colocated)
     assert colocated[0]["optim/grad_norm"] > 0 and colocated[0]["reward/mean"] not in (0.0, 1.0)  # a real update

@@ -1,26 +1,28 @@
 """Typed configuration of a GRPO-family training run.
 
 Each section is a dataclass in its own module (``model_section``, ``parallel_section``, ``data_section``,
-``rollout_section`` with ``rollout.vllm``, ``reward_section``, ``optim_section``, ``loss_section``,
-``advantage_section``, ``critic_section``, ``trainer_section`` with the trackers' sections,
-``eval_section``), composed into :class:`TrainConfig` (``train_config``) and registered in Hydra's
-ConfigStore (``nodes``); the YAML files under ``nemo_sspo/conf/`` are merged onto
+``rollout_section`` with its sub-sections ``rollout.sampling``, ``rollout.engine`` (with
+``rollout.engine.vllm``), ``rollout.refit``, ``rollout.correction`` and ``rollout.schedule``,
+``reward_section``, ``optim_section``, ``loss_section``, ``advantage_section``, ``critic_section``,
+``trainer_section`` with the trackers' sections, ``eval_section``), composed into :class:`TrainConfig`
+(``train_config``) and registered in Hydra's ConfigStore (``nodes``); the YAML files under ``nemo_sspo/conf/`` are merged onto
 ``OmegaConf.structured(TrainConfig)``, so a misspelt key or a wrong type fails when the config is
 loaded (``unknown_keys`` says which key was meant). Two sections take their schema from the layer
 that reads them: ``loss.params`` is the selected loss's own config dataclass (group ``loss``: node
 ``<name>`` per registered loss) and ``data.options`` the selected source's options dataclass (group
 ``data``: ``<source>_schema``), so every loss and source field can be overridden without Hydra's ``+``.
 A setting whose value is one of a fixed set of names is typed with a :class:`~nemo_sspo.choice.Choice`
-enum (``rollout.placement``: :class:`Placement`; the enums the lower layers read live there, e.g.
-``rollout.correction``: :class:`~nemo_sspo.algorithms.off_policy.Correction`), so the loader refuses
-any other value, listing the valid ones; names that plug-ins extend (``loss.name``, ``rollout.backend``,
-``reward.name``, ``advantage.name``, ``data.source``) stay strings checked against their registries.
+enum (``rollout.schedule.placement``: :class:`Placement`; the enums the lower layers read live there,
+e.g. ``rollout.correction.name``: :class:`~nemo_sspo.algorithms.off_policy.Correction`), so the loader
+refuses any other value, listing the valid ones; names that plug-ins extend (``loss.name``,
+``rollout.engine.backend``, ``reward.name``, ``advantage.name``, ``data.source``) stay strings checked
+against their registries.
 
 What the defaults mean: every default is the CPU demo's setting (``nemo-sspo train`` runs SmolLM2-135M
 on generated word problems, one process, about 15 minutes on 2 cores), so ``conf/sspo_smollm2_cpu.yaml``
 only selects groups. Sections the demo leaves off keep what their feature needs when it is turned
-on: ``eval`` is the paper's benchmark protocol (five benchmarks, greedy, 3,000 tokens), ``rollout.vllm``
-a GPU engine. The loss defaults are each method's primary source (the method's definition, not a
+on: ``eval`` is the paper's benchmark protocol (five benchmarks, greedy, 3,000 tokens),
+``rollout.engine.vllm`` a GPU engine. The loss defaults are each method's primary source (the method's definition, not a
 run size). The paper-scale settings are in ``conf/recipe/``.
 
 Every default lives in its section's module (or on the loss / source dataclass), once. A section's
@@ -46,9 +48,14 @@ from nemo_sspo.trainer.config.optim_section import OptimConfig
 from nemo_sspo.trainer.config.parallel_section import ParallelConfig, micro_batch_layout
 from nemo_sspo.trainer.config.reward_section import RewardConfig
 from nemo_sspo.trainer.config.rollout_section import (
+    CorrectionConfig,
+    EngineConfig,
     Placement,
+    RefitConfig,
     RolloutConfig,
-    StalenessSchedule,
+    SamplingConfig,
+    ScheduleConfig,
+    ScheduleMode,
     StalePolicy,
     VLLMConfig,
 )
@@ -64,7 +71,12 @@ __all__ = [
     "ParallelConfig",
     "DataConfig",
     "RolloutConfig",
+    "SamplingConfig",
+    "EngineConfig",
     "VLLMConfig",
+    "RefitConfig",
+    "CorrectionConfig",
+    "ScheduleConfig",
     "EvalConfig",
     "RewardConfig",
     "OptimConfig",
@@ -79,7 +91,7 @@ __all__ = [
     "R3_ENGINES",
     "RENAMED_KEYS",
     "RULES",
-    "StalenessSchedule",
+    "ScheduleMode",
     "StalePolicy",
     "WandbConfig",
     "WandbMode",

@@ -32,7 +32,7 @@ class AdvantageConfig:
     whose advantages come from the critic (``loss=sppo``), ``group`` otherwise (``loss=dcpo`` included,
     as DCPO's shipped run: select ``dcpo_smooth`` for the paper's SAS). The estimator's statistics
     (group, optimizer batch or step) are summed over the data-parallel ranks, so its advantages do not
-    depend on the data-parallel size, the micro-batches or ``rollout.placement``."""
+    depend on the data-parallel size, the micro-batches or ``rollout.schedule.placement``."""
     normalize_std: bool | None = None
     """Divide the group-centred rewards by the group std (GRPO) or not (Dr. GRPO: r - mean), read by
     the estimators whose std rule is ``switch`` (``group``, ``dcpo_smooth``); ``batch_std`` needs it

@@ -42,7 +42,7 @@ class ModelConfig:
     """Mixture-of-experts models: ``none`` (every forward routes with its own routers), ``r2`` (the
     training forwards route each token to the experts the old-policy forward chose) or ``r3`` (the
     old-policy, reference and training forwards route each token to the experts the rollout engine
-    chose for it; needs ``rollout.backend=hf`` and ``rollout.placement=colocated``);
+    chose for it; needs ``rollout.engine.backend=hf`` and ``rollout.schedule.placement=colocated``);
     ``nemo_sspo.megatron.router_replay``."""
     routing_agreement_interval: int = 1
     """``router_replay=r3``: every this many steps, one extra forward-only pass of the policy with its

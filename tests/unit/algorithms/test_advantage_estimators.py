@@ -159,9 +159,9 @@ def test_advantage_name_resolves_from_the_loss():
      r"but advantage.normalize_std=false asks for none; set advantage.name=group"),
     (["advantage.name=leave_one_out", "advantage.normalize_std=true"],
      r"advantage.normalize_std=True is not read by advantage.name='leave_one_out'"),
-    (["loss=dcpo", "advantage.name=dcpo_smooth", "rollout.dynamic_sampling=true"],
-     r"rollout.dynamic_sampling=true .* advantage.name='dcpo_smooth'"),
-    (["loss=sppo", "rollout.dynamic_sampling=true"], r"rollout.dynamic_sampling=true .* advantage.name='critic'"),
+    (["loss=dcpo", "advantage.name=dcpo_smooth", "rollout.sampling.dynamic_sampling=true"],
+     r"rollout.sampling.dynamic_sampling=true .* advantage.name='dcpo_smooth'"),
+    (["loss=sppo", "rollout.sampling.dynamic_sampling=true"], r"rollout.sampling.dynamic_sampling=true .* advantage.name='critic'"),
     (["advantage.name=leave_one_out", "rollout.samples_per_prompt=1", "rollout.prompts_per_step=8"],
      r"rollout.samples_per_prompt=1 is below the 2 .* advantage.name='leave_one_out'"),
 ])

@@ -111,7 +111,7 @@ def test_packed_attention_mask_confines_each_sequence():
 
 @pytest.mark.parametrize("overrides, message", [
     (["parallel.pack_sequences=true"], r"pack_sequences=true needs parallel\.max_tokens_per_micro_batch"),
-    (["parallel.max_tokens_per_micro_batch=32"], r"max_tokens_per_micro_batch=32 must exceed rollout\.max_new_tokens=64"),
+    (["parallel.max_tokens_per_micro_batch=32"], r"max_tokens_per_micro_batch=32 must exceed rollout\.sampling\.max_new_tokens=64"),
     (["parallel.max_tokens_per_micro_batch=0"], r"parallel\.max_tokens_per_micro_batch=0 must be >= 1"),
     (["parallel.output_chunk_size=0"], r"parallel\.output_chunk_size must be >= 1, or null"),
 ])

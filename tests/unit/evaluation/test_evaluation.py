@@ -120,7 +120,7 @@ def test_evaluate_errors_name_their_arguments(data_dir, monkeypatch):
 
 def test_vllm_engine_missing_package_names_the_backend_key(monkeypatch):
     monkeypatch.setitem(sys.modules, "vllm", None)  # import vllm -> ImportError
-    with pytest.raises(ValueError, match="rollout.backend='vllm' needs the package vllm"):
+    with pytest.raises(ValueError, match="rollout.engine.backend='vllm' needs the package vllm"):
         VLLMEvalEngine("/models/qwen")
 
 

@@ -1,6 +1,6 @@
 """Layers below the trainer raise about their own argument names; the config layer adds the YAML key
 once (``nemo_sspo.trainer.config.at_key``, or its own checks in ``validate``). A string literal
-(docstrings aside) in those layers that spells a config key path such as ``rollout.top_p`` is a
+(docstrings aside) in those layers that spells a config key path such as ``rollout.sampling.top_p`` is a
 hard-coded YAML key: wrong as soon as another caller (an adapter, a second config key such as
 ``critic.source`` beside ``model.source``) uses the function."""
 
@@ -64,9 +64,9 @@ def test_lower_layers_spell_no_yaml_keys():
 
 def test_the_scanner_finds_a_key_and_skips_docstrings(tmp_path):
     module = tmp_path / "m.py"
-    module.write_text('"""Docs may name rollout.top_p."""\n\n\ndef f(cap):\n'
-                      '    """And here: rollout.top_p."""\n'
-                      '    raise ValueError(f"rollout.top_p={cap} must be >= 1; trainer.nope is not a key")\n'
-                      'TABLE = {}\n"""An attribute docstring may name rollout.top_p."""\n'
-                      '"rollout.top_p"  # a bare string that documents nothing is a literal\n')
-    assert sorted(yaml_key_literals(module)) == [(6, "rollout.top_p"), (9, "rollout.top_p")]
+    module.write_text('"""Docs may name rollout.sampling.top_p."""\n\n\ndef f(cap):\n'
+                      '    """And here: rollout.sampling.top_p."""\n'
+                      '    raise ValueError(f"rollout.sampling.top_p={cap} must be >= 1; trainer.nope is not a key")\n'
+                      'TABLE = {}\n"""An attribute docstring may name rollout.sampling.top_p."""\n'
+                      '"rollout.sampling.top_p"  # a bare string that documents nothing is a literal\n')
+    assert sorted(yaml_key_literals(module)) == [(6, "rollout.sampling.top_p"), (9, "rollout.sampling.top_p")]

@@ -218,7 +218,7 @@ def test_guide_reward_prompts_and_engine_have_their_documented_behaviour(guide_f
     from nemo_sspo.rollout import RolloutEngine
 
     load_config(overrides=[f"plugins=[{','.join(str(p) for p in guide_files.values())}]", "loss=reinforce",
-                           "reward.name=exact_number", "rollout.backend=timed_hf", "data=countdown_schema",
+                           "reward.name=exact_number", "rollout.engine.backend=timed_hf", "data=countdown_schema",
                            "data.options.start=7", "reward.options={tolerance: 0.5}"])
     reward = _module(guide_files["my_reward.py"])
     scorer = reward.ExactNumberReward(reward.ExactNumberOptions(0.5))

@@ -108,9 +108,9 @@ def test_every_registered_loss_loads_as_a_group(name):
 
 
 def test_dapo_asks_for_dynamic_sampling_and_the_config_can_refuse():
-    assert load_config(overrides=["loss=dapo"]).rollout.dynamic_sampling is True
-    assert load_config(overrides=["loss=grpo"]).rollout.dynamic_sampling is False
-    assert load_config(overrides=["loss=dapo", "rollout.dynamic_sampling=false"]).rollout.dynamic_sampling is False
+    assert load_config(overrides=["loss=dapo"]).rollout.sampling.dynamic_sampling is True
+    assert load_config(overrides=["loss=grpo"]).rollout.sampling.dynamic_sampling is False
+    assert load_config(overrides=["loss=dapo", "rollout.sampling.dynamic_sampling=false"]).rollout.sampling.dynamic_sampling is False
 
 
 def test_registry_refuses_a_config_that_inherits_another_loss():

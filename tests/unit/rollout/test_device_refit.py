@@ -1,4 +1,4 @@
-"""The refit check (``rollout.verify_refit``), its checksum, and ``model.output_layer_precision``.
+"""The refit check (``rollout.refit.verify``), its checksum, and ``model.output_layer_precision``.
 
 Checksums are compared with sums of the same bytes done in Python integers; the refit check runs on
 the tiny random Llama in the HF engine (a correct refit, a one-ulp corruption, a bf16 engine fed an
@@ -246,10 +246,10 @@ def test_vllm_gets_its_head_dtype_and_refuses_tf32(monkeypatch, tmp_path):
     (["model.output_layer_precision=fp16"], "model.output_layer_precision='fp16' is unknown; valid: auto, bf16, tf32, fp32"),
     (["model.output_layer_precision=fp32", "parallel.output_chunk_size=null"],
      "needs the fused output layer: set parallel.output_chunk_size"),
-    (["model.output_layer_precision=tf32", "rollout.backend=vllm"], "'tf32' has no vLLM counterpart"),
-    (["rollout.verify_refit=true", "rollout.backend=vllm"], "rollout.verify_refit=true cannot read vLLM's weights"),
+    (["model.output_layer_precision=tf32", "rollout.engine.backend=vllm"], "'tf32' has no vLLM counterpart"),
+    (["rollout.refit.verify=true", "rollout.engine.backend=vllm"], "rollout.refit.verify=true cannot read vLLM's weights"),
 ])
 def test_bad_settings_fail_at_load_naming_the_field_and_the_fix(overrides, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
         load_config(overrides=overrides)
-    assert load_config(overrides=["model.output_layer_precision=fp32", "rollout.verify_refit=true"]).rollout.verify_refit
+    assert load_config(overrides=["model.output_layer_precision=fp32", "rollout.refit.verify=true"]).rollout.refit.verify

@@ -51,7 +51,7 @@ def test_sampling_kwargs_are_neutral_except_temperature():
 
 @pytest.mark.parametrize("truncation", [dict(top_p=0.9), dict(top_k=20)])
 def test_truncated_sampling_is_refused_unless_corrected(truncation):
-    with pytest.raises(ValueError, match="rollout.correction"):
+    with pytest.raises(ValueError, match="rollout.correction.name"):
         vllm_sampling_kwargs(max_new_tokens=4, temperature=1.0, seed=0, stop_token_ids=[2], **truncation)
     kwargs = vllm_sampling_kwargs(max_new_tokens=4, temperature=1.0, seed=0, stop_token_ids=[2],
                                   truncation_corrected=True, **truncation)
@@ -238,7 +238,7 @@ def test_build_llm_settings_and_process_isolation(monkeypatch, tmp_path):
     assert built == dict(model=str(tmp_path), tensor_parallel_size=1, dtype="float32", max_model_len=None,
                          enforce_eager=False, seed=3, generation_config="vllm", logprobs_mode="processed_logprobs",
                          kv_cache_memory_bytes=1 << 29, env_multiproc="0", env_bind="nobind")
-    with pytest.raises(ValueError, match="rollout.vllm.cpu_kv_cache_gib"):
+    with pytest.raises(ValueError, match="rollout.engine.vllm.cpu_kv_cache_gib"):
         build_llm(tmp_path, seed=3, cpu_kv_cache_gib=0)
 
 
@@ -252,7 +252,7 @@ def test_preserve_process_state_restores_threads():
 
 def test_missing_vllm_names_the_config_key(monkeypatch):
     monkeypatch.setitem(sys.modules, "vllm", None)  # import vllm -> ImportError
-    with pytest.raises(ValueError, match="rollout.backend"):
+    with pytest.raises(ValueError, match="rollout.engine.backend"):
         import_vllm()
 
 

@@ -101,17 +101,17 @@ def test_dropped_share_and_rollout_idle():
     assert rollout_idle_s([(10.0, 12.0), (15.0, 16.0)], None) == 3.0
 
 
-SEPARATE = ["rollout.placement=separate", "rollout.num_ranks=1"]
+SEPARATE = ["rollout.schedule.placement=separate", "rollout.schedule.num_ranks=1"]
 
 
 @pytest.mark.parametrize("overrides, match", [
-    ([*SEPARATE, "rollout.staleness_schedule=async"],
-     r"rollout\.staleness_schedule='async' is unknown; valid: lockstep, free"),
-    ([*SEPARATE, "rollout.staleness_schedule=free", "rollout.stale_policy=skip"],
-     r"rollout\.stale_policy='skip' is unknown; valid: wait, drop"),
-    (["rollout.staleness_schedule=free"], r"staleness_schedule=free needs rollout\.placement=separate .* or "
-     r"rollout\.staleness_schedule=lockstep"),
-    ([*SEPARATE, "rollout.stale_policy=drop"], r"stale_policy='drop' needs rollout\.staleness_schedule=free"),
+    ([*SEPARATE, "rollout.schedule.mode=async"],
+     r"rollout\.schedule\.mode='async' is unknown; valid: lockstep, free"),
+    ([*SEPARATE, "rollout.schedule.mode=free", "rollout.schedule.stale_policy=skip"],
+     r"rollout\.schedule\.stale_policy='skip' is unknown; valid: wait, drop"),
+    (["rollout.schedule.mode=free"], r"mode=free needs rollout\.schedule\.placement=separate .* or "
+     r"rollout\.schedule\.mode=lockstep"),
+    ([*SEPARATE, "rollout.schedule.stale_policy=drop"], r"stale_policy='drop' needs rollout\.schedule\.mode=free"),
 ])
 def test_bad_free_running_settings_fail_at_load(monkeypatch, overrides, match):
     monkeypatch.setenv("WORLD_SIZE", "3")
@@ -121,13 +121,13 @@ def test_bad_free_running_settings_fail_at_load(monkeypatch, overrides, match):
 
 def test_free_running_loads(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "2")
-    cfg = load_config(overrides=["model=tiny_random", *SEPARATE, "rollout.staleness_schedule=free",
-                                 "rollout.stale_policy=drop"])
-    assert (cfg.rollout.staleness_schedule, cfg.rollout.stale_policy) == ("free", "drop")
+    cfg = load_config(overrides=["model=tiny_random", *SEPARATE, "rollout.schedule.mode=free",
+                                 "rollout.schedule.stale_policy=drop"])
+    assert (cfg.rollout.schedule.mode, cfg.rollout.schedule.stale_policy) == ("free", "drop")
     monkeypatch.setenv("WORLD_SIZE", "3")
-    cfg = load_config(overrides=["model=tiny_random", "rollout.placement=separate", "rollout.num_ranks=2",
-                                 "rollout.staleness_schedule=free", "rollout.prompts_per_step=2"])
-    assert cfg.rollout.num_ranks == 2
+    cfg = load_config(overrides=["model=tiny_random", "rollout.schedule.placement=separate", "rollout.schedule.num_ranks=2",
+                                 "rollout.schedule.mode=free", "rollout.prompts_per_step=2"])
+    assert cfg.rollout.schedule.num_ranks == 2
 
 
 def test_wait_bounds_each_rank_by_what_the_remaining_steps_can_train():

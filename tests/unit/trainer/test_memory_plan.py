@@ -81,7 +81,7 @@ def test_an_oversize_config_is_refused_at_load_naming_the_largest_term():
     # sequence, 2,000 + 1,024 tokens capped at its 1,024 positions; the local spec's softmax alone saves
     # 4 rows x 4 heads x 1,024^2 x 4 B = 64 MiB per layer, 128 MiB for two: activations are the largest
     # term, and with the rest the peak exceeds a 0.2 GiB GPU.
-    overrides = ["model=tiny_random", "model.transformer_impl=local", "rollout.max_new_tokens=2000",
+    overrides = ["model=tiny_random", "model.transformer_impl=local", "rollout.sampling.max_new_tokens=2000",
                  "trainer.gpu_memory_gib=0.2"]
     with pytest.raises(ValueError) as err:
         load_config(overrides=overrides, check_model=True)
@@ -108,7 +108,7 @@ def _qwen3_30b_a3b_plan(gib: float, **vllm_or_model):
 
     cfg = copy.deepcopy(_qwen3_30b_a3b())
     for key, value in vllm_or_model.items():
-        setattr(cfg.rollout.vllm if key == "gpu_memory_utilization" else cfg.model, key, value)
+        setattr(cfg.rollout.engine.vllm if key == "gpu_memory_utilization" else cfg.model, key, value)
     return memory_plan(cfg, published_config(cfg.model.source), world_size=16, gpu_gib=gib)
 
 
@@ -121,7 +121,7 @@ def test_a_vllm_share_that_cannot_hold_the_weights_is_refused_naming_the_minimum
     with pytest.raises(ValueError) as err:
         _qwen3_30b_a3b_plan(80)
     message = str(err.value)
-    for part in ("rollout.vllm.gpu_memory_utilization=0.5", "40.00 GiB of the GPU's 80.00 GiB", "56.87 GiB",
+    for part in ("rollout.engine.vllm.gpu_memory_utilization=0.5", "40.00 GiB of the GPU's 80.00 GiB", "56.87 GiB",
                  "at least 0.72"):
         assert part in message, (part, message)
     # at 0.72 the share holds the weights: 57.60 - 56.87 = 0.73 GiB of KV cache
@@ -129,7 +129,7 @@ def test_a_vllm_share_that_cannot_hold_the_weights_is_refused_naming_the_minimum
     assert "56.87 GiB bf16 weights + 0.73 GiB KV cache" in "\n".join(plan.notes)
     # a share the whole GPU cannot give: vLLM's tensor parallelism is the way out
     with pytest.raises(ValueError, match=r"even the whole GPU cannot hold them: raise "
-                                         r"rollout.vllm.tensor_parallel_size \(now 1\)"):
+                                         r"rollout.engine.vllm.tensor_parallel_size \(now 1\)"):
         _qwen3_30b_a3b_plan(50)
 
 
@@ -148,7 +148,7 @@ def test_plan_names_the_fix_and_says_which_layers(capsys, monkeypatch):
     from nemo_sspo.cli import main
 
     monkeypatch.delenv("WORLD_SIZE", raising=False)
-    overrides = ["model=tiny_random", "rollout.max_new_tokens=2000"]
+    overrides = ["model=tiny_random", "rollout.sampling.max_new_tokens=2000"]
     assert main(["plan", *overrides, "model.transformer_impl=local", "trainer.gpu_memory_gib=0.2"]) == 2
     out = capsys.readouterr().out
     assert "DOES NOT FIT" in out and "largest term is activations" in out and "parallel.recompute=full" in out

@@ -34,8 +34,8 @@ def test_recipe_has_the_paper_setting(name):
     loss, size = name.split("_")[0], name.rsplit("_", 1)[1]
     cfg = _recipe(name)
     ro = cfg.rollout
-    assert (ro.samples_per_prompt, ro.max_new_tokens, ro.prompts_per_step) == (8, 3000, 128)
-    assert (ro.temperature, ro.top_p, ro.backend) == (1.0, 1.0, "vllm")  # unbiased rollout log-probs
+    assert (ro.samples_per_prompt, ro.sampling.max_new_tokens, ro.prompts_per_step) == (8, 3000, 128)
+    assert (ro.sampling.temperature, ro.sampling.top_p, ro.engine.backend) == (1.0, 1.0, "vllm")  # unbiased rollout log-probs
     assert (cfg.data.source, cfg.data.options.dataset, cfg.data.template) == ("math", "math_train", "qwen-math")
     assert cfg.eval.every_n_steps == 10 and cfg.eval.max_new_tokens == 3000
     assert cfg.model.source == f"Qwen/Qwen2.5-Math-{size.upper()[:-1]}B" and cfg.model.precision == "bf16"
@@ -57,13 +57,13 @@ def test_recipe_layout_fits_8_gpu_nodes(name, nodes):
     cfg = _recipe(name)
     validate(cfg, world_size=8 * nodes)  # whole prompt groups per DP rank, whole micro-batches
     tp = cfg.parallel.tensor_model_parallel_size
-    assert 8 % tp == 0 and cfg.rollout.vllm.tensor_parallel_size == tp  # a replica's GPUs serve its vLLM
+    assert 8 % tp == 0 and cfg.rollout.engine.vllm.tensor_parallel_size == tp  # a replica's GPUs serve its vLLM
 
 
 def test_recipe_accepts_a_local_model_directory_and_tiny_model():
     cfg = load_config("sspo_qwen2.5_math_7b", ["model.source=/models/Qwen2.5-Math-7B"], command="eval")
     assert cfg.model.source == "/models/Qwen2.5-Math-7B" and cfg.parallel.tensor_model_parallel_size == 2
-    tiny = load_config("sspo_qwen2.5_math_7b", ["model=tiny_random_qwen2", "rollout.backend=hf"], command="eval")
+    tiny = load_config("sspo_qwen2.5_math_7b", ["model=tiny_random_qwen2", "rollout.engine.backend=hf"], command="eval")
     assert tiny.model.source == "tiny-random-qwen2" and tiny.loss.params.gamma == 2.2
 
 

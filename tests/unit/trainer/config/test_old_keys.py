@@ -1,5 +1,6 @@
-"""The advantage keys of earlier releases are refused at load naming the new key, and a saved
-``config.yaml`` of an earlier release is read in today's layout (resume)."""
+"""The keys of earlier releases (the advantage keys, the flat ``rollout`` section's keys) are refused at
+load naming the new key, and a saved ``config.yaml`` of an earlier release is read in today's layout
+(resume)."""
 
 import shutil
 
@@ -7,7 +8,13 @@ import pytest
 
 from nemo_sspo.cli import DEFAULT_CONFIG_DIR, load_config
 from nemo_sspo.trainer.config import upgrade_saved_config
-from nemo_sspo.trainer.run_config import read_config, resume_changes
+from nemo_sspo.trainer.run_config import (
+    composed_config,
+    data_parallel_size,
+    read_config,
+    resume_changes,
+    resume_mismatches,
+)
 
 
 @pytest.mark.parametrize("override, message", [
@@ -59,3 +66,105 @@ def test_resuming_an_earlier_releases_dcpo_smooth_run_lists_no_advantage_change(
                                   "advantage": {"name": "group"}})
     now = {"loss": {"name": "dcpo", "params": {}}, "advantage": {"name": "dcpo_smooth", "normalize_std": None}}
     assert resume_changes(saved, now) == {}
+
+
+# Written out by hand: (old key, a value it took, the key it moved to).
+MOVED = [
+    ("rollout.max_new_tokens", "32", "rollout.sampling.max_new_tokens"),
+    ("rollout.temperature", "0.5", "rollout.sampling.temperature"),
+    ("rollout.top_p", "0.9", "rollout.sampling.top_p"),
+    ("rollout.dynamic_sampling", "true", "rollout.sampling.dynamic_sampling"),
+    ("rollout.max_sampling_rounds", "4", "rollout.sampling.max_sampling_rounds"),
+    ("rollout.backend", "vllm", "rollout.engine.backend"),
+    ("rollout.vllm.dtype", "float32", "rollout.engine.vllm.dtype"),
+    ("rollout.engine_options", "null", "rollout.engine.options"),
+    ("rollout.refit_bucket_mb", "64", "rollout.refit.bucket_mb"),
+    ("rollout.verify_refit", "true", "rollout.refit.verify"),
+    ("rollout.correction", "token_tis", "rollout.correction.name"),
+    ("rollout.correction_cap", "3.0", "rollout.correction.cap"),
+    ("rollout.correction_low", "0.1", "rollout.correction.low"),
+    ("rollout.correction_high", "4.0", "rollout.correction.high"),
+    ("rollout.placement", "separate", "rollout.schedule.placement"),
+    ("rollout.num_ranks", "1", "rollout.schedule.num_ranks"),
+    ("rollout.peer_timeout_s", "60.0", "rollout.schedule.peer_timeout_s"),
+    ("rollout.max_staleness", "1", "rollout.schedule.max_staleness"),
+    ("rollout.staleness_schedule", "free", "rollout.schedule.mode"),
+    ("rollout.stale_policy", "drop", "rollout.schedule.stale_policy"),
+    ("rollout.partial", "true", "rollout.schedule.partial"),
+]
+
+
+@pytest.mark.parametrize("old, value, new", MOVED)
+def test_a_moved_rollout_key_given_on_the_command_line_is_refused_naming_its_new_key(old, value, new):
+    with pytest.raises(ValueError) as err:
+        load_config(overrides=[f"{old}={value}"])
+    assert str(err.value) == f"invalid config 'sspo_smollm2_cpu': {old} moved to {new}"
+
+
+@pytest.mark.parametrize("old, value, new", MOVED)
+def test_a_moved_rollout_key_in_a_yaml_file_is_refused_naming_its_new_key(old, value, new, tmp_path):
+    conf = tmp_path / "conf"
+    shutil.copytree(DEFAULT_CONFIG_DIR, conf)
+    *sections, leaf = old.split(".")
+    nested = "".join(f"{'  ' * depth}{name}:\n" for depth, name in enumerate(sections))
+    (conf / "old.yaml").write_text(f"defaults:\n  - sspo_smollm2_cpu\n  - _self_\n{nested}"
+                                   f"{'  ' * len(sections)}{leaf}: {value}\n")
+    with pytest.raises(ValueError) as err:
+        load_config("old", config_dir=conf)
+    # A YAML file's key is reported at its first node the schema lacks: rollout.vllm for rollout.vllm.dtype.
+    reported, moved_to = (("rollout.vllm", "rollout.engine.vllm") if old.startswith("rollout.vllm.")
+                          else (old, new))
+    assert str(err.value) == f"invalid config 'old': {reported} moved to {moved_to}"
+
+
+def test_a_saved_flat_rollout_section_of_an_earlier_release_reads_in_the_nested_layout(tmp_path):
+    (tmp_path / "config.yaml").write_text(
+        "rollout:\n"
+        "  prompts_per_step: 4\n  samples_per_prompt: 2\n  max_new_tokens: 128\n  temperature: 1.0\n"
+        "  top_p: 1.0\n  backend: vllm\n"
+        "  vllm:\n    tensor_parallel_size: 2\n    gpu_memory_utilization: 0.4\n    dtype: auto\n"
+        "  engine_options: null\n  refit_bucket_mb: 512\n  verify_refit: false\n"
+        "  correction: token_tis\n  correction_cap: 3.0\n  correction_low: 0.5\n  correction_high: 5.0\n"
+        "  placement: separate\n  num_ranks: 1\n  peer_timeout_s: 600.0\n  max_staleness: 2\n"
+        "  staleness_schedule: free\n  stale_policy: drop\n  partial: false\n"
+        "  dynamic_sampling: true\n  max_sampling_rounds: 4\n"
+        "trainer:\n  seed: 7\n")
+    assert read_config(tmp_path) == {
+        "rollout": {
+            "prompts_per_step": 4,
+            "samples_per_prompt": 2,
+            "sampling": {"max_new_tokens": 128, "temperature": 1.0, "top_p": 1.0, "dynamic_sampling": True,
+                         "max_sampling_rounds": 4},
+            "engine": {"backend": "vllm", "options": None,
+                       "vllm": {"tensor_parallel_size": 2, "gpu_memory_utilization": 0.4, "dtype": "auto"}},
+            "refit": {"bucket_mb": 512, "verify": False},
+            "correction": {"name": "token_tis", "cap": 3.0, "low": 0.5, "high": 5.0},
+            "schedule": {"placement": "separate", "num_ranks": 1, "peer_timeout_s": 600.0, "max_staleness": 2,
+                         "mode": "free", "stale_policy": "drop", "partial": False},
+        },
+        "trainer": {"seed": 7},
+    }
+
+
+def test_a_saved_config_in_todays_rollout_layout_is_read_as_it_is():
+    saved = {"rollout": {"prompts_per_step": 4, "correction": {"name": "token_tis", "cap": 2.0},
+                         "engine": {"backend": "hf", "vllm": {"dtype": "auto"}}}}
+    assert upgrade_saved_config(saved) is saved
+
+
+def test_resuming_an_earlier_releases_separate_run_lists_no_rollout_change():
+    cfg = load_config(overrides=["rollout.schedule.placement=separate", "rollout.schedule.num_ranks=1",
+                                 "rollout.correction.name=token_tis", "rollout.sampling.temperature=1.0"],
+                      command="eval")
+    now = composed_config(cfg)
+    rollout = now["rollout"]
+    flat = {"prompts_per_step": rollout["prompts_per_step"], "samples_per_prompt": rollout["samples_per_prompt"],
+            **rollout["sampling"], **{k: v for k, v in rollout["engine"].items() if k != "options"},
+            "engine_options": rollout["engine"]["options"], "refit_bucket_mb": rollout["refit"]["bucket_mb"],
+            "verify_refit": rollout["refit"]["verify"], "correction": rollout["correction"]["name"],
+            **{f"correction_{k}": rollout["correction"][k] for k in ("cap", "low", "high")},
+            **{k: v for k, v in rollout["schedule"].items() if k != "mode"},
+            "staleness_schedule": rollout["schedule"]["mode"]}
+    saved = upgrade_saved_config({**now, "rollout": flat})
+    assert resume_changes(saved, now) == {} and resume_mismatches(saved, now) == []
+    assert data_parallel_size(saved, 2) == 1

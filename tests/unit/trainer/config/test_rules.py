@@ -35,7 +35,7 @@ class _Recorder:
 
 def test_the_schema_walk_sees_nested_sections():
     keys = _schema_keys()
-    assert {"rollout.vllm.tensor_parallel_size", "critic.optim.lr", "trainer.wandb.mode",
+    assert {"rollout.engine.vllm.tensor_parallel_size", "critic.optim.lr", "trainer.wandb.mode",
             "advantage.normalize_std"} <= keys
 
 
@@ -53,7 +53,7 @@ def test_every_rule_is_cross_section():
 
 def test_every_key_a_rule_reads_is_declared():
     cfg = TrainConfig()
-    cfg.rollout.dynamic_sampling = False
+    cfg.rollout.sampling.dynamic_sampling = False
     facts = facts_of(cfg, 1)
     for rule in RULES:
         seen = set()

@@ -11,7 +11,7 @@ def test_three_independent_mistakes_in_three_sections_and_a_rule_are_reported_to
     cfg.optim.clip_grad = -1.0
     cfg.trainer.max_steps = 0
     cfg.eval.batch_size = 0
-    cfg.parallel.max_tokens_per_micro_batch = 10  # below rollout.max_new_tokens = 64: a cross-section rule
+    cfg.parallel.max_tokens_per_micro_batch = 10  # below rollout.sampling.max_new_tokens = 64: a cross-section rule
     with pytest.raises(ValueError) as err:
         validate(cfg)
     assert str(err.value) == (
@@ -19,7 +19,7 @@ def test_three_independent_mistakes_in_three_sections_and_a_rule_are_reported_to
         "  1. optim.clip_grad must be >= 0 (0 disables clipping)\n"
         "  2. trainer.max_steps must be >= 1\n"
         "  3. eval.batch_size must be >= 1\n"
-        "  4. parallel.max_tokens_per_micro_batch=10 must exceed rollout.max_new_tokens=64: a micro-batch "
+        "  4. parallel.max_tokens_per_micro_batch=10 must exceed rollout.sampling.max_new_tokens=64: a micro-batch "
         "holds at least one whole prompt + response")
 
 
