@@ -189,8 +189,9 @@ def _renamed_key(err: Exception) -> str | None:
             if key in RENAMED_KEYS:
                 return key
         section = re.search(r"is not a subclass of (\w+)", str(cause))
-        if section and moved_value_key(section.group(1)):
-            return moved_value_key(section.group(1))
+        moved = moved_value_key(section.group(1)) if section else None
+        if moved:
+            return moved
         cause = cause.__cause__ or cause.__context__
     return None
 
