@@ -67,6 +67,7 @@ def load_config(config_name: str = DEFAULT_CONFIG_NAME, overrides: list[str] | N
     from omegaconf.errors import OmegaConfBaseException
 
     from nemo_sspo.trainer.config import (
+        config_error,
         find_unknown_key,
         register_config_nodes,
         resolve_loss_settings,
@@ -81,15 +82,22 @@ def load_config(config_name: str = DEFAULT_CONFIG_NAME, overrides: list[str] | N
     load_plugins(_plugins_named(config_name, overrides, Path(config_dir)))
     register_config_nodes()
 
-    def compose_typed(items: list[str]):
+    def compose_raw(items: list[str]):
         with initialize_config_dir(config_dir=str(Path(config_dir).resolve()), version_base=None):
-            raw = compose(config_name=config_name, overrides=items)
+            return compose(config_name=config_name, overrides=items)
+
+    def compose_typed(items: list[str]):
+        raw = compose_raw(items)
         typed = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(schema()), raw))
         return OmegaConf.to_container(raw, resolve=True), typed
 
+    world_size = launch_world_size() if command == "train" else None
     try:
         raw, cfg = compose_typed(overrides)
     except (HydraException, OmegaConfBaseException) as err:
+        problems = _unknown_choice_problems(err, lambda: compose_raw(overrides), world_size)
+        if problems:
+            raise ValueError(f"invalid config {config_name!r}: {config_error(problems)}") from err
         raise ValueError(_hydra_error_message(config_name, err, overrides, compose_typed)) from err
     if set(cfg.plugins) - set(_plugins_named(config_name, overrides, Path(config_dir))):
         # Named by a YAML further down the defaults list: import them, then compose again.
@@ -105,7 +113,6 @@ def load_config(config_name: str = DEFAULT_CONFIG_NAME, overrides: list[str] | N
                          "install the plugins the config names")
     cfg.entry_point_plugins = installed
     resolve_loss_settings(cfg)
-    world_size = launch_world_size() if command == "train" else None
     validate(cfg, world_size=world_size)
     if check_model:
         from nemo_sspo.models import load_hf_config
@@ -155,9 +162,6 @@ def _hydra_error_message(config_name: str, err: Exception, overrides: list[str],
                 f"loss nor a variant YAML of the group loss; registered: {policy_loss_names()}. "
                 "A loss of your own is added by the module that registers it: "
                 f"plugins=[my_loss.py] loss={missing.group(1)} (docs/extending.md)")
-    unknown_choice = _unknown_choice_message(err)
-    if unknown_choice:
-        return f"invalid config {config_name!r}: {unknown_choice}"
     match = re.search(r"Could not override '([^']+)'", str(err))
     if not match:
         renamed = _renamed_key(err)
@@ -196,23 +200,62 @@ def _renamed_key(err: Exception) -> str | None:
     return None
 
 
-def _unknown_choice_message(err: Exception) -> str | None:
-    """``"rollout.schedule.placement='remote' is unknown; valid: colocated, separate"`` for OmegaConf's refusal of
-    a value outside a :class:`~nemo_sspo.choice.Choice` field's names (``Invalid value 'remote', expected
-    one of [colocated, separate]``), raised itself (merged onto the schema), under Hydra's ``Error merging
-    override`` (a command-line override) or while Hydra composes a YAML file's value; None for any other
-    error.
+def _unknown_choice_problems(err: Exception, compose_raw, world_size: int | None) -> list[str]:
+    """Every problem of a config that OmegaConf refused for a value outside a
+    :class:`~nemo_sspo.choice.Choice` field's names (``Invalid value 'remote', expected one of
+    [colocated, separate]``; raised itself, under Hydra's ``Error merging override`` or while Hydra
+    composes a YAML file's value), which stops at the first such value: the config composed again over
+    an untyped schema gives every refused value
+    (:func:`~nemo_sspo.trainer.config.validation.unknown_choices`), and the config with those at their
+    defaults every other problem (:func:`~nemo_sspo.trainer.config.validation.problems_of`). Empty for
+    any other error.
+
+    Args:
+        err: the composition's error.
+        compose_raw: ``() -> DictConfig``, Hydra's composition of the same config name and overrides.
+        world_size: as :func:`~nemo_sspo.trainer.config.validate`.
+
+    Returns:
+        The messages, refused values first; only the one ``err`` names where the config cannot be
+        composed over the untyped schema either (then its other errors show once this is fixed).
     """
-    from omegaconf.errors import ValidationError
+    from hydra.core.config_store import ConfigStore
+    from hydra.errors import HydraException
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException, ValidationError
+
+    from nemo_sspo.trainer.config import (
+        problems_of,
+        register_config_nodes,
+        resolve_loss_settings,
+        schema,
+        unknown_choices,
+    )
 
     cause: BaseException | None = err
     while cause is not None and not isinstance(cause, ValidationError):
         cause = cause.__cause__ or cause.__context__
     refused = cause and cause.full_key and re.match(r"Invalid value '(.*)', expected one of \[(.*)\]", str(cause.msg))
     if not refused:
-        return None
+        return []
     value, valid = refused.groups()
-    return f"{cause.full_key}={value!r} is unknown; valid: {valid}"
+    first = [f"{cause.full_key}={value!r} is unknown; valid: {valid}"]
+    ConfigStore.instance().store(name="train_schema", node=OmegaConf.to_container(OmegaConf.structured(schema())))
+    try:
+        raw = compose_raw()
+    except (HydraException, OmegaConfBaseException):
+        return first
+    finally:
+        register_config_nodes()  # the typed train_schema again
+    problems = unknown_choices(raw)
+    if not problems:  # a value the walk does not reach: the one OmegaConf named
+        return first
+    try:
+        cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(schema()), raw))
+        resolve_loss_settings(cfg)
+    except (OmegaConfBaseException, ValueError):  # broken further: reported once the choices are fixed
+        return problems
+    return problems + problems_of(cfg, world_size)
 
 
 def _omegaconf_reason(err: Exception) -> str:

@@ -64,7 +64,7 @@ from nemo_sspo.trainer.config.train_config import TrainConfig, resolve_loss_sett
 from nemo_sspo.trainer.config.trainer_section import LOGGERS, MlflowConfig, TrainerConfig, WandbConfig, WandbMode
 from nemo_sspo.trainer.config.old_keys import RENAMED_KEYS, upgrade_saved_config
 from nemo_sspo.trainer.config.unknown_keys import PEER_NAMES, find_unknown_key, unknown_key_message
-from nemo_sspo.trainer.config.validation import check_model_layout, validate
+from nemo_sspo.trainer.config.validation import check_model_layout, config_error, problems_of, unknown_choices, validate
 
 __all__ = [
     "ModelConfig",
@@ -96,11 +96,14 @@ __all__ = [
     "WandbConfig",
     "WandbMode",
     "MlflowConfig",
+    "unknown_choices",
     "validate",
     "check_model_layout",
+    "config_error",
     "build_loss_config",
     "find_unknown_key",
     "micro_batch_layout",
+    "problems_of",
     "register_config_nodes",
     "resolve_loss_settings",
     "advantage_estimator_name",

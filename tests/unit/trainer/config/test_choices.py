@@ -54,6 +54,31 @@ def test_a_bad_value_in_a_yaml_file_gets_the_same_message(tmp_path):
     assert str(err.value) == "invalid config 'mine': rollout.schedule.placement='remote' is unknown; valid: colocated, separate"
 
 
+def test_every_bad_value_is_reported_with_the_configs_other_problems(tmp_path):
+    # OmegaConf stops at the first value outside a field's names; the loader lists them all (a YAML
+    # file's and the overrides'), in field order, then the problems of the rest of the config.
+    conf = shutil.copytree(DEFAULT_CONFIG_DIR, tmp_path / "conf")
+    (conf / "mine.yaml").write_text("defaults:\n  - sspo_smollm2_cpu\n  - _self_\nrollout:\n  schedule:\n    placement: remote\n")
+    with pytest.raises(ValueError) as err:
+        load_config("mine", ["optim.lr_schedule=cosin", "model.precision=fp16", "rollout.refit.bucket_mb=0",
+                             "loss.params.gamma=2.5"], config_dir=conf)
+    assert str(err.value) == (
+        "invalid config 'mine': 4 config problems:\n"
+        "  1. model.precision='fp16' is unknown; valid: fp32, bf16\n"
+        "  2. rollout.schedule.placement='remote' is unknown; valid: colocated, separate\n"
+        "  3. optim.lr_schedule='cosin' is unknown; valid: constant, linear, cosine\n"
+        "  4. rollout.refit.bucket_mb=0 must be > 0 (MiB per refit bucket; 256 by default, a layer larger "
+        "than it is sent alone)")
+
+
+def test_a_bad_value_beside_a_config_that_does_not_compose_is_reported_alone():
+    # The override of a missing key stops the composition over the untyped schema too: the bad value
+    # OmegaConf named comes alone (the missing key's message follows once it is fixed).
+    with pytest.raises(ValueError) as err:
+        load_config(overrides=["model.precision=fp16", "trainer.max_stepz=2"])
+    assert str(err.value) == "invalid config 'sspo_smollm2_cpu': model.precision='fp16' is unknown; valid: fp32, bf16"
+
+
 def test_the_command_line_prints_the_message_once(capsys):
     assert main(["train", "--print-config", "rollout.schedule.stale_policy=skip"]) == 2
     assert capsys.readouterr().err.strip() == (
