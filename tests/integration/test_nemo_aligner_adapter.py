@@ -91,7 +91,7 @@ def _reference(batch):
         losses.append(num / den)
         metrics.append(pairs)
     torch.stack(losses).mean().backward()
-    return [float(x) for x in losses], metrics, logits.grad
+    return [float(x.detach()) for x in losses], metrics, logits.grad
 
 
 def _ratio(pairs, key):
