@@ -51,13 +51,15 @@ on every rank, saved in checkpoints). DCPO's smooth standardisation is such an e
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import InitVar, dataclass
 
 import torch
 
 from nemo_sspo.algorithms.advantages import (
     PromptRewardStats,
+    _accepts_group_size,
     _check_rewards,
     _merge,
     _standardised,
@@ -119,6 +121,14 @@ class AdvantageInputs:
     prompt_keys: Sequence[str] | None = None
     history: Mapping[str, PromptRewardStats] | None = None
 
+    @property
+    def group_size(self) -> int:
+        """Deprecated: :attr:`samples_per_prompt` by its name before this release (removed in the next)."""
+        warnings.warn("AdvantageInputs.group_size is deprecated: read AdvantageInputs.samples_per_prompt (the "
+                      "same G, responses per prompt); group_size is removed in the next release",
+                      DeprecationWarning, stacklevel=2)
+        return self.samples_per_prompt
+
 
 @dataclass(frozen=True)
 class StepGroups:
@@ -174,6 +184,9 @@ class AdvantageEstimator:
             over the step in slot order (``step`` scope only), or None.
         next_history: ``next_history(step_groups, history) -> dict`` the per-prompt history after the
             step (needs ``group_values``), or None for an estimator without memory.
+        min_group_size: deprecated keyword, ``min_samples_per_prompt`` by its name before this release:
+            given, it sets ``min_samples_per_prompt`` with a DeprecationWarning (removed in the next
+            release; not an attribute).
     """
 
     name: str
@@ -186,6 +199,14 @@ class AdvantageEstimator:
     std: str = "never"
     group_values: Callable[[AdvantageInputs], torch.Tensor] | None = None
     next_history: Callable[[StepGroups, Mapping[str, PromptRewardStats]], dict] | None = None
+    min_group_size: InitVar[int | None] = None
+
+    def __post_init__(self, min_group_size: int | None) -> None:
+        if min_group_size is not None:
+            warnings.warn("AdvantageEstimator(min_group_size=...) is deprecated: pass min_samples_per_prompt=... "
+                          "(the smallest G, responses per prompt); min_group_size is removed in the next release",
+                          DeprecationWarning, stacklevel=3)
+            object.__setattr__(self, "min_samples_per_prompt", min_group_size)
 
 
 _REGISTRY: Registry[AdvantageEstimator] = Registry(
@@ -247,6 +268,7 @@ def advantage_estimator_names() -> list[str]:
 
 # ---- scopes --------------------------------------------------------------------------------------
 
+@_accepts_group_size
 def scope_index(rows: int, samples_per_prompt: int, scope: str, minibatches: int = 1) -> tuple[torch.Tensor, int]:
     """Each local row's scope id and the number of scopes.
 

@@ -28,13 +28,35 @@ earlier rewards differed: such responses keep a learning signal (the paper's poi
 
 from __future__ import annotations
 
+import functools
 import math
-from collections.abc import Mapping, Sequence
+import warnings
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
 
 __all__ = ["PromptRewardStats", "group_advantages", "smooth_group_advantages", "zero_variance_groups"]
+
+
+def _accepts_group_size(fn: Callable) -> Callable:
+    """``fn`` that also takes ``group_size=G``, this keyword's name before ``samples_per_prompt``, as
+    ``samples_per_prompt=G`` with a DeprecationWarning (kept for one release: docs/extending.md).
+    """
+
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+        if "group_size" in kwargs:
+            if "samples_per_prompt" in kwargs:
+                raise TypeError(f"{fn.__name__}() got group_size= and samples_per_prompt=, the old and new name "
+                                "of one argument: pass samples_per_prompt= only")
+            warnings.warn(f"{fn.__name__}(group_size=...) is deprecated: pass samples_per_prompt=... (G, "
+                          "responses per prompt); group_size= is removed in the next release",
+                          DeprecationWarning, stacklevel=2)
+            kwargs["samples_per_prompt"] = kwargs.pop("group_size")
+        return fn(*args, **kwargs)
+
+    return call
 
 
 def _check_rewards(rewards: torch.Tensor, samples_per_prompt: int, eps: float) -> None:
@@ -58,6 +80,7 @@ def _check_rewards(rewards: torch.Tensor, samples_per_prompt: int, eps: float) -
         )
 
 
+@_accepts_group_size
 def zero_variance_groups(rewards: torch.Tensor, samples_per_prompt: int) -> torch.Tensor:
     """``[B / G]`` bool, True for each group whose G rewards are all equal.
 
@@ -69,6 +92,7 @@ def zero_variance_groups(rewards: torch.Tensor, samples_per_prompt: int) -> torc
     return grouped.amax(dim=1) == grouped.amin(dim=1)
 
 
+@_accepts_group_size
 def group_advantages(
     rewards: torch.Tensor,
     samples_per_prompt: int,
@@ -153,6 +177,7 @@ def _standardised(rewards: torch.Tensor, mean: float, std: float, normalize_std:
     return centred / std if std > 0 else torch.zeros_like(rewards)
 
 
+@_accepts_group_size
 def smooth_group_advantages(
     rewards: torch.Tensor,
     samples_per_prompt: int,

@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import torch
 
-from nemo_sspo.algorithms.advantages import _check_rewards, zero_variance_groups
+from nemo_sspo.algorithms.advantages import _accepts_group_size, _check_rewards, zero_variance_groups
 
 
+@_accepts_group_size
 def select_nonzero_variance_groups(rewards: torch.Tensor, samples_per_prompt: int) -> torch.Tensor:
     """The groups whose rewards are not all equal (DAPO dynamic sampling).
 
