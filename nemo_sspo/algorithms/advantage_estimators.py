@@ -186,7 +186,7 @@ class AdvantageEstimator:
             step (needs ``group_values``), or None for an estimator without memory.
         min_group_size: deprecated keyword, ``min_samples_per_prompt`` by its name before this release:
             given, it sets ``min_samples_per_prompt`` with a DeprecationWarning (removed in the next
-            release; not an attribute).
+            release; only the keyword is kept: read the minimum as ``min_samples_per_prompt``).
     """
 
     name: str

@@ -1,6 +1,7 @@
 """The names of the responses per prompt before ``samples_per_prompt`` (``group_size``, ``min_group_size``)
 still work for one release, with the same values and a DeprecationWarning naming the new name."""
 
+import dataclasses
 import math
 import warnings
 
@@ -86,6 +87,10 @@ def test_plugin_written_against_the_old_names_still_runs():
     with pytest.warns(DeprecationWarning, match=r"pass min_samples_per_prompt="):
         estimator = AdvantageEstimator("t_old_names", "group", compute, min_group_size=3)
     assert estimator.min_samples_per_prompt == 3
+    # Only the keyword is kept (an InitVar): dataclasses.replace still copies the minimum, without a warning.
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert dataclasses.replace(estimator, name="t_copy").min_samples_per_prompt == 3
     register_advantage_estimator(estimator)
     try:
         rewards = torch.tensor([1.0, 0.0, 0.0, 0.0, 1.0, 1.0, 0.0, 0.0])
