@@ -31,7 +31,7 @@ def main() -> None:
     response_ids = torch.tensor([[0, 1, 2, 3, 4], [0, 3, 4, 0, 0]])
     response_mask = torch.tensor([[1, 1, 1, 1, 1], [1, 1, 1, 0, 0]], dtype=torch.bool)
     segments = segment_ids("newline", response_ids, response_mask, tables)
-    advantages, _ = group_advantages(torch.tensor([1.0, 0.0]), group_size=2)
+    advantages, _ = group_advantages(torch.tensor([1.0, 0.0]), samples_per_prompt=2)
 
     logprobs = torch.full((2, 5), -1.0, requires_grad=True)
     old_logprobs = torch.tensor([[-1.5, -1.2, -0.9, -1.0, -1.1], [-0.8, -1.0, -1.3, 0.0, 0.0]])

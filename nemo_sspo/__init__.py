@@ -14,7 +14,7 @@ Shape letters used in every docstring:
 - ``S``: full sequence length ``P + T``.
 - ``N``: flattened tokens (``B * T``) fed to a vocab-parallel function.
 - ``V``: vocabulary size; ``V_local = V_padded / tp_size`` is one tensor-parallel vocab shard.
-- ``G``: responses per prompt (group size).
+- ``G``: responses per prompt (``samples_per_prompt``, the config key ``rollout.samples_per_prompt``).
 """
 
 from nemo_sspo.algorithms.losses import LossInputs, compute_policy_loss

@@ -51,13 +51,15 @@ on every rank, saved in checkpoints). DCPO's smooth standardisation is such an e
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import InitVar, dataclass
 
 import torch
 
 from nemo_sspo.algorithms.advantages import (
     PromptRewardStats,
+    _accepts_group_size,
     _check_rewards,
     _merge,
     _standardised,
@@ -103,7 +105,7 @@ class AdvantageInputs:
     Attributes:
         rewards: ``[B]`` float, the task reward plus any shaping, rows grouped by prompt.
         task_rewards: ``[B]`` float, the reward function's own scores (decide which groups carry a signal).
-        group_size: G, responses per prompt (``B % G == 0``).
+        samples_per_prompt: G, responses per prompt (``B % G == 0``).
         normalize_std: the std switch (read by ``std="switch"`` estimators).
         value_logits: ``[B / G]`` the critic's V(x) per prompt, for estimators with ``needs_critic``; else None.
         prompt_keys: ``B / G`` stable keys of the groups' prompts, for estimators with ``group_values``.
@@ -113,11 +115,19 @@ class AdvantageInputs:
 
     rewards: torch.Tensor
     task_rewards: torch.Tensor
-    group_size: int
+    samples_per_prompt: int
     normalize_std: bool = True
     value_logits: torch.Tensor | None = None
     prompt_keys: Sequence[str] | None = None
     history: Mapping[str, PromptRewardStats] | None = None
+
+    @property
+    def group_size(self) -> int:
+        """Deprecated: :attr:`samples_per_prompt` by its name before this release (removed in the next)."""
+        warnings.warn("AdvantageInputs.group_size is deprecated: read AdvantageInputs.samples_per_prompt (the "
+                      "same G, responses per prompt); group_size is removed in the next release",
+                      DeprecationWarning, stacklevel=2)
+        return self.samples_per_prompt
 
 
 @dataclass(frozen=True)
@@ -168,12 +178,15 @@ class AdvantageEstimator:
         needs_critic: the host trains the SPPO critic and passes ``value_logits``.
         masks_equal_groups: a group whose task rewards are all equal gets advantage exactly 0
             (applied by :func:`estimate_advantages`); DAPO dynamic sampling refills those groups.
-        min_group_size: smallest G the estimator is defined for.
+        min_samples_per_prompt: smallest G the estimator is defined for.
         std: one of :data:`STD_RULES`.
         group_values: ``group_values(inputs) -> [B / G, K]`` float64 per-group values the host gathers
             over the step in slot order (``step`` scope only), or None.
         next_history: ``next_history(step_groups, history) -> dict`` the per-prompt history after the
             step (needs ``group_values``), or None for an estimator without memory.
+        min_group_size: deprecated keyword, ``min_samples_per_prompt`` by its name before this release:
+            given, it sets ``min_samples_per_prompt`` with a DeprecationWarning (removed in the next
+            release; only the keyword is kept: read the minimum as ``min_samples_per_prompt``).
     """
 
     name: str
@@ -182,10 +195,18 @@ class AdvantageEstimator:
     row_values: Callable[[AdvantageInputs], torch.Tensor] | None = None
     needs_critic: bool = False
     masks_equal_groups: bool = True
-    min_group_size: int = 2
+    min_samples_per_prompt: int = 2
     std: str = "never"
     group_values: Callable[[AdvantageInputs], torch.Tensor] | None = None
     next_history: Callable[[StepGroups, Mapping[str, PromptRewardStats]], dict] | None = None
+    min_group_size: InitVar[int | None] = None
+
+    def __post_init__(self, min_group_size: int | None) -> None:
+        if min_group_size is not None:
+            warnings.warn("AdvantageEstimator(min_group_size=...) is deprecated: pass min_samples_per_prompt=... "
+                          "(the smallest G, responses per prompt); min_group_size is removed in the next release",
+                          DeprecationWarning, stacklevel=3)
+            object.__setattr__(self, "min_samples_per_prompt", min_group_size)
 
 
 _REGISTRY: Registry[AdvantageEstimator] = Registry(
@@ -196,7 +217,7 @@ def register_advantage_estimator(estimator: AdvantageEstimator) -> AdvantageEsti
     """Adds ``estimator`` to the registry; returns it.
 
     Raises:
-        ValueError: the name is taken, an unknown scope or std rule, ``min_group_size < 1``, or
+        ValueError: the name is taken, an unknown scope or std rule, ``min_samples_per_prompt < 1``, or
             ``group_values`` / ``next_history`` outside their rules (``AdvantageEstimator``).
     """
     _check_estimator(estimator)
@@ -210,9 +231,9 @@ def _check_estimator(estimator: AdvantageEstimator) -> None:
     if estimator.std not in STD_RULES:
         raise ValueError(f"advantage estimator {estimator.name!r}: std={estimator.std!r}; valid: "
                          f"{', '.join(STD_RULES)}")
-    if isinstance(estimator.min_group_size, bool) or not isinstance(estimator.min_group_size, int) \
-            or estimator.min_group_size < 1:
-        raise ValueError(f"advantage estimator {estimator.name!r}: min_group_size={estimator.min_group_size!r} "
+    least = estimator.min_samples_per_prompt
+    if isinstance(least, bool) or not isinstance(least, int) or least < 1:
+        raise ValueError(f"advantage estimator {estimator.name!r}: min_samples_per_prompt={least!r} "
                          "must be an int >= 1")
     if estimator.group_values is not None and estimator.scope != "step":
         raise ValueError(f"advantage estimator {estimator.name!r}: group_values needs scope='step' (the host "
@@ -247,12 +268,13 @@ def advantage_estimator_names() -> list[str]:
 
 # ---- scopes --------------------------------------------------------------------------------------
 
-def scope_index(rows: int, group_size: int, scope: str, minibatches: int = 1) -> tuple[torch.Tensor, int]:
+@_accepts_group_size
+def scope_index(rows: int, samples_per_prompt: int, scope: str, minibatches: int = 1) -> tuple[torch.Tensor, int]:
     """Each local row's scope id and the number of scopes.
 
     Args:
         rows: B, this rank's rows (whole prompt groups, in slot order).
-        group_size: G.
+        samples_per_prompt: G.
         scope: one of :data:`ADVANTAGE_SCOPES`.
         minibatches: M, optimizer steps per training step (consecutive blocks of ``B / M`` rows).
 
@@ -266,13 +288,13 @@ def scope_index(rows: int, group_size: int, scope: str, minibatches: int = 1) ->
     """
     if scope not in ADVANTAGE_SCOPES:
         raise ValueError(f"scope={scope!r}; valid: {', '.join(ADVANTAGE_SCOPES)}")
-    if group_size < 1 or rows % group_size:
-        raise ValueError(f"rows={rows} must be a multiple of group_size={group_size}")
+    if samples_per_prompt < 1 or rows % samples_per_prompt:
+        raise ValueError(f"rows={rows} must be a multiple of samples_per_prompt={samples_per_prompt}")
     if minibatches < 1 or rows % minibatches:
         raise ValueError(f"rows={rows} must split into minibatches={minibatches} equal blocks")
     position = torch.arange(rows)
     if scope == "group":
-        return position // group_size, rows // group_size
+        return position // samples_per_prompt, rows // samples_per_prompt
     if scope == "optimizer_batch":
         return position // (rows // minibatches), minibatches
     return torch.zeros(rows, dtype=torch.int64), 1
@@ -301,7 +323,7 @@ def estimate_advantages(estimator: AdvantageEstimator, inputs: AdvantageInputs, 
             estimators with ``group_values``; None on one rank.
 
     Raises:
-        ValueError: bad rewards (``_check_rewards``), ``G < estimator.min_group_size``, a critic
+        ValueError: bad rewards (``_check_rewards``), ``G < estimator.min_samples_per_prompt``, a critic
             estimator without ``value_logits``, missing ``prompt_keys``, row or group values or
             advantages of the wrong shape, or an estimator with ``next_history`` (use
             :func:`estimate_advantages_and_history`, which returns the history).
@@ -324,12 +346,12 @@ def estimate_advantages_and_history(
     Raises:
         ValueError: as :func:`estimate_advantages` (but accepts estimators with ``next_history``).
     """
-    rewards, group_size = inputs.rewards, inputs.group_size
-    _check_rewards(rewards, group_size, 0.0)
-    _check_rewards(inputs.task_rewards, group_size, 0.0)
-    if group_size < estimator.min_group_size:
-        raise ValueError(f"advantage estimator {estimator.name!r} needs group_size >= "
-                         f"{estimator.min_group_size}, got {group_size}")
+    rewards, samples_per_prompt = inputs.rewards, inputs.samples_per_prompt
+    _check_rewards(rewards, samples_per_prompt, 0.0)
+    _check_rewards(inputs.task_rewards, samples_per_prompt, 0.0)
+    if samples_per_prompt < estimator.min_samples_per_prompt:
+        raise ValueError(f"advantage estimator {estimator.name!r} needs samples_per_prompt >= "
+                         f"{estimator.min_samples_per_prompt}, got {samples_per_prompt}")
     if estimator.needs_critic and inputs.value_logits is None:
         raise ValueError(f"advantage estimator {estimator.name!r} reads the critic: pass value_logits")
     rows = rewards.numel()
@@ -338,7 +360,7 @@ def estimate_advantages_and_history(
     if values.dim() != 2 or values.shape[0] != rows:
         raise ValueError(f"advantage estimator {estimator.name!r}: row_values gave shape {tuple(values.shape)}, "
                          f"expected [{rows}, K]")
-    index, num_scopes = scope_index(rows, group_size, estimator.scope, minibatches)
+    index, num_scopes = scope_index(rows, samples_per_prompt, estimator.scope, minibatches)
     table = scope_table(values, index, num_scopes)
     if reduce is not None and estimator.scope != "group":
         table = reduce(table)
@@ -350,7 +372,7 @@ def estimate_advantages_and_history(
                          f"expected [{rows}]")
     advantages = advantages.to(torch.float32)
     if estimator.masks_equal_groups:
-        equal = zero_variance_groups(inputs.task_rewards, group_size).repeat_interleave(group_size)
+        equal = zero_variance_groups(inputs.task_rewards, samples_per_prompt).repeat_interleave(samples_per_prompt)
         advantages = torch.where(equal, torch.zeros_like(advantages), advantages)
     history = None
     if estimator.next_history is not None:
@@ -360,7 +382,7 @@ def estimate_advantages_and_history(
 
 def _step_groups(estimator: AdvantageEstimator, inputs: AdvantageInputs, gather) -> StepGroups:
     """The step's groups in slot order (every rank's, by ``gather``)."""
-    groups = inputs.rewards.numel() // inputs.group_size
+    groups = inputs.rewards.numel() // inputs.samples_per_prompt
     keys = list(inputs.prompt_keys) if inputs.prompt_keys is not None else None
     if keys is None or len(keys) != groups:
         raise ValueError(f"advantage estimator {estimator.name!r} reads the prompt keys: pass prompt_keys, "
@@ -379,7 +401,7 @@ def _step_groups(estimator: AdvantageEstimator, inputs: AdvantageInputs, gather)
 
 def _group(inputs: AdvantageInputs, stats: ScopeStats) -> torch.Tensor:
     """GRPO / Dr. GRPO (module docstring): ``group_advantages`` with the loss's std switch."""
-    advantages, _ = group_advantages(inputs.rewards, inputs.group_size, task_rewards=inputs.task_rewards,
+    advantages, _ = group_advantages(inputs.rewards, inputs.samples_per_prompt, task_rewards=inputs.task_rewards,
                                      normalize_std=inputs.normalize_std, eps=EPS)
     return advantages
 
@@ -396,9 +418,10 @@ def _leave_one_out(inputs: AdvantageInputs, stats: ScopeStats) -> torch.Tensor:
 
 def _group_centred(inputs: AdvantageInputs) -> torch.Tensor:
     """``[B]`` float64 r_i - mean_g(r), 0 for groups whose task rewards are all equal."""
-    grouped = inputs.rewards.to(torch.float64).reshape(-1, inputs.group_size)
+    grouped = inputs.rewards.to(torch.float64).reshape(-1, inputs.samples_per_prompt)
     centred = (grouped - grouped.mean(dim=1, keepdim=True)).reshape(-1)
-    equal = zero_variance_groups(inputs.task_rewards, inputs.group_size).repeat_interleave(inputs.group_size)
+    equal = zero_variance_groups(inputs.task_rewards, inputs.samples_per_prompt).repeat_interleave(
+        inputs.samples_per_prompt)
     return torch.where(equal, torch.zeros_like(centred), centred)
 
 
@@ -416,7 +439,7 @@ def _batch_std(inputs: AdvantageInputs, stats: ScopeStats) -> torch.Tensor:
 
 def _critic(inputs: AdvantageInputs, stats: ScopeStats) -> torch.Tensor:
     """SPPO: r_i - sigmoid(V(x_i))."""
-    return critic_advantages(inputs.rewards, inputs.value_logits, inputs.group_size)
+    return critic_advantages(inputs.rewards, inputs.value_logits, inputs.samples_per_prompt)
 
 
 register_advantage_estimator(AdvantageEstimator("group", "group", _group, std="switch"))
@@ -425,14 +448,14 @@ register_advantage_estimator(AdvantageEstimator("leave_one_out", "group", _leave
 register_advantage_estimator(AdvantageEstimator("batch_std", "optimizer_batch", _batch_std,
                                                 row_values=_centred_moments, std="always"))
 register_advantage_estimator(AdvantageEstimator("critic", "group", _critic, needs_critic=True,
-                                                masks_equal_groups=False, min_group_size=1))
+                                                masks_equal_groups=False, min_samples_per_prompt=1))
 
 
 # ---- DCPO's smooth standardisation (formula: nemo_sspo.algorithms.advantages) ------------------------
 
 def _group_mean_std(inputs: AdvantageInputs) -> torch.Tensor:
     """``[B / G, 2]`` float64: each group's mean and unbiased std (as the official code)."""
-    grouped = inputs.rewards.to(torch.float64).reshape(-1, inputs.group_size)
+    grouped = inputs.rewards.to(torch.float64).reshape(-1, inputs.samples_per_prompt)
     return torch.tensor([[float(group.mean()), float(group.std(unbiased=True))] for group in grouped],
                         dtype=torch.float64).reshape(-1, 2)
 
@@ -450,7 +473,7 @@ def _dcpo_smooth(inputs: AdvantageInputs, stats: ScopeStats) -> torch.Tensor:
     """A = the smaller-magnitude mix of z_new and z_cum per response (``smooth_group_advantages``)."""
     groups = stats.step_groups
     merged, _ = _visits(groups, inputs.history or {})
-    grouped = inputs.rewards.to(torch.float64).reshape(-1, inputs.group_size)
+    grouped = inputs.rewards.to(torch.float64).reshape(-1, inputs.samples_per_prompt)
     rows = []
     for j, group in enumerate(grouped):
         mean_new, std_new = groups.values[groups.first + j].tolist()

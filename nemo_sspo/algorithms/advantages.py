@@ -28,8 +28,10 @@ earlier rewards differed: such responses keep a learning signal (the paper's poi
 
 from __future__ import annotations
 
+import functools
 import math
-from collections.abc import Mapping, Sequence
+import warnings
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -37,15 +39,35 @@ import torch
 __all__ = ["PromptRewardStats", "group_advantages", "smooth_group_advantages", "zero_variance_groups"]
 
 
-def _check_rewards(rewards: torch.Tensor, group_size: int, eps: float) -> None:
+def _accepts_group_size(fn: Callable) -> Callable:
+    """``fn`` that also takes ``group_size=G``, this keyword's name before ``samples_per_prompt``, as
+    ``samples_per_prompt=G`` with a DeprecationWarning (kept for one release: docs/extending.md).
+    """
+
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+        if "group_size" in kwargs:
+            if "samples_per_prompt" in kwargs:
+                raise TypeError(f"{fn.__name__}() got group_size= and samples_per_prompt=, the old and new name "
+                                "of one argument: pass samples_per_prompt= only")
+            warnings.warn(f"{fn.__name__}(group_size=...) is deprecated: pass samples_per_prompt=... (G, "
+                          "responses per prompt); group_size= is removed in the next release",
+                          DeprecationWarning, stacklevel=2)
+            kwargs["samples_per_prompt"] = kwargs.pop("group_size")
+        return fn(*args, **kwargs)
+
+    return call
+
+
+def _check_rewards(rewards: torch.Tensor, samples_per_prompt: int, eps: float) -> None:
     if rewards.dim() != 1:
         raise ValueError(f"rewards must be 1-D [B], got shape {tuple(rewards.shape)}")
-    if not isinstance(group_size, int) or group_size < 1:
-        raise ValueError(f"group_size must be a positive int, got {group_size!r}")
-    if rewards.numel() % group_size != 0:
+    if not isinstance(samples_per_prompt, int) or samples_per_prompt < 1:
+        raise ValueError(f"samples_per_prompt must be a positive int, got {samples_per_prompt!r}")
+    if rewards.numel() % samples_per_prompt != 0:
         raise ValueError(
-            f"rewards has {rewards.numel()} rows, not a multiple of group_size={group_size}; "
-            "each prompt must own exactly group_size consecutive rows"
+            f"rewards has {rewards.numel()} rows, not a multiple of samples_per_prompt={samples_per_prompt}; "
+            "each prompt must own exactly samples_per_prompt consecutive rows"
         )
     if eps < 0:
         raise ValueError(f"eps must be >= 0, got {eps}")
@@ -58,20 +80,22 @@ def _check_rewards(rewards: torch.Tensor, group_size: int, eps: float) -> None:
         )
 
 
-def zero_variance_groups(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
+@_accepts_group_size
+def zero_variance_groups(rewards: torch.Tensor, samples_per_prompt: int) -> torch.Tensor:
     """``[B / G]`` bool, True for each group whose G rewards are all equal.
 
     The test is exact (max == min, not std < tol): such a group's centred rewards are all 0, so
     it carries no learning signal. Rows are grouped consecutively (prompt k owns rows
     ``k*G .. k*G + G - 1``); the caller checks the shapes (``_check_rewards``).
     """
-    grouped = rewards.reshape(-1, group_size)
+    grouped = rewards.reshape(-1, samples_per_prompt)
     return grouped.amax(dim=1) == grouped.amin(dim=1)
 
 
+@_accepts_group_size
 def group_advantages(
     rewards: torch.Tensor,
-    group_size: int,
+    samples_per_prompt: int,
     *,
     normalize_std: bool = True,
     eps: float = 1e-6,
@@ -83,7 +107,7 @@ def group_advantages(
 
     Args:
         rewards: ``[B]`` float, one scalar reward per response (the task reward plus any shaping).
-        group_size: G, responses per prompt; ``B % G`` must be 0.
+        samples_per_prompt: G, responses per prompt; ``B % G`` must be 0.
         normalize_std: True for GRPO/SSPO (divide by the group's population std + eps); False for
             Dr. GRPO (arXiv 2503.20783: ``A = r - mean_g(r)``).
         eps: added to the std in the denominator.
@@ -100,23 +124,23 @@ def group_advantages(
 
     Raises:
         ValueError: rewards not 1-D, a non-finite reward (names the row), ``B % G != 0``,
-            ``group_size < 1``, ``eps < 0``, or ``task_rewards`` of another shape than ``rewards``
+            ``samples_per_prompt < 1``, ``eps < 0``, or ``task_rewards`` of another shape than ``rewards``
             (or failing the same checks).
     """
-    _check_rewards(rewards, group_size, eps)
+    _check_rewards(rewards, samples_per_prompt, eps)
     if task_rewards is None:
         task_rewards = rewards
     elif task_rewards.shape != rewards.shape:
         raise ValueError(f"task_rewards has shape {tuple(task_rewards.shape)} but rewards has "
                          f"{tuple(rewards.shape)}; pass one task reward per response")
     else:
-        _check_rewards(task_rewards, group_size, eps)
+        _check_rewards(task_rewards, samples_per_prompt, eps)
     # float64 so that mean/std of large or near-equal rewards lose nothing before the cast.
-    grouped = rewards.to(torch.float64).reshape(-1, group_size)
+    grouped = rewards.to(torch.float64).reshape(-1, samples_per_prompt)
     centered = grouped - grouped.mean(dim=1, keepdim=True)
     if normalize_std:
         centered = centered / (grouped.std(dim=1, unbiased=False, keepdim=True) + eps)
-    zero_variance = zero_variance_groups(task_rewards, group_size)
+    zero_variance = zero_variance_groups(task_rewards, samples_per_prompt)
     advantages = torch.where(zero_variance.unsqueeze(1), torch.zeros_like(centered), centered)
     stats = {"advantages/zero_variance_group_frac": zero_variance.double().mean().item()}
     return advantages.reshape(-1).to(torch.float32), stats
@@ -153,9 +177,10 @@ def _standardised(rewards: torch.Tensor, mean: float, std: float, normalize_std:
     return centred / std if std > 0 else torch.zeros_like(rewards)
 
 
+@_accepts_group_size
 def smooth_group_advantages(
     rewards: torch.Tensor,
-    group_size: int,
+    samples_per_prompt: int,
     keys: Sequence[str],
     history: Mapping[str, PromptRewardStats],
     *,
@@ -168,7 +193,7 @@ def smooth_group_advantages(
 
     Args:
         rewards: ``[B]`` float, one scalar reward per response; prompt k owns rows ``k*G .. k*G + G - 1``.
-        group_size: G >= 2 (the unbiased std of one reward is undefined; the official code refuses it too).
+        samples_per_prompt: G >= 2 (the unbiased std of one reward is undefined; the official code refuses it too).
         keys: ``B / G`` stable prompt keys, one per group (e.g. a hash of the problem text).
         history: key -> the prompt's stats before this batch (missing: first visit); not modified.
         normalize_std: divide by the stds (True, the official default); False centres only.
@@ -179,13 +204,13 @@ def smooth_group_advantages(
 
     Raises:
         ValueError: rewards not 1-D, a non-finite reward (names the row), ``B % G != 0``,
-            ``group_size < 2``, or ``len(keys) != B / G``.
+            ``samples_per_prompt < 2``, or ``len(keys) != B / G``.
     """
-    _check_rewards(rewards, group_size, 0.0)
-    if group_size < 2:
-        raise ValueError(f"group_size={group_size}: the smooth standardisation needs >= 2 responses per prompt "
-                         "(an unbiased std of one reward is undefined)")
-    grouped = rewards.to(torch.float64).reshape(-1, group_size)
+    _check_rewards(rewards, samples_per_prompt, 0.0)
+    if samples_per_prompt < 2:
+        raise ValueError(f"samples_per_prompt={samples_per_prompt}: the smooth standardisation needs >= 2 "
+                         "responses per prompt (an unbiased std of one reward is undefined)")
+    grouped = rewards.to(torch.float64).reshape(-1, samples_per_prompt)
     if len(keys) != grouped.shape[0]:
         raise ValueError(f"keys has {len(keys)} entries for {grouped.shape[0]} groups; pass one key per prompt group")
     updated = dict(history)

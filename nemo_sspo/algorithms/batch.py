@@ -326,10 +326,10 @@ class CriticBatch:
 
 
 def pack_critic_batch(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, rewards: torch.Tensor,
-                      group_size: int, *, pad_id: int) -> CriticBatch:
+                      samples_per_prompt: int, *, pad_id: int) -> CriticBatch:
     """One critic row per prompt group from a rollout's LEFT-padded ``[B, P]`` prompts and ``[B]`` rewards."""
-    firsts = slice(0, prompt_ids.shape[0], group_size)
+    firsts = slice(0, prompt_ids.shape[0], samples_per_prompt)
     input_ids, lengths = pack_tokens([(prompt_ids[firsts], prompt_mask[firsts])], pad_id=pad_id)
     rows, width = input_ids.shape
     return CriticBatch(input_ids=input_ids, position_ids=torch.arange(width).expand(rows, width).contiguous(),
-                       last_index=lengths - 1, targets=critic_targets(rewards, group_size))
+                       last_index=lengths - 1, targets=critic_targets(rewards, samples_per_prompt))

@@ -23,32 +23,33 @@ import torch.nn.functional as F
 __all__ = ["critic_advantages", "critic_loss", "critic_targets"]
 
 
-def _check_group_size(group_size: int) -> None:
-    if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
-        raise ValueError(f"group_size={group_size!r} must be an int >= 1 (responses per prompt)")
+def _check_samples_per_prompt(samples_per_prompt: int) -> None:
+    if isinstance(samples_per_prompt, bool) or not isinstance(samples_per_prompt, int) or samples_per_prompt < 1:
+        raise ValueError(f"samples_per_prompt={samples_per_prompt!r} must be an int >= 1 (responses per prompt)")
 
 
-def critic_targets(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
-    """BCE target per prompt: the mean reward of its ``group_size`` consecutive responses.
+def critic_targets(rewards: torch.Tensor, samples_per_prompt: int) -> torch.Tensor:
+    """BCE target per prompt: the mean reward of its ``samples_per_prompt`` consecutive responses.
 
     Args:
         rewards: ``[B]`` float, 0/1 task rewards (any value in [0, 1] is accepted).
-        group_size: G responses per prompt; ``B % G == 0``.
+        samples_per_prompt: G responses per prompt; ``B % G == 0``.
 
     Returns:
         ``[B / G]`` float32.
 
     Raises:
-        ValueError: ``group_size < 1``, ``B % G != 0``, or a reward outside [0, 1] or NaN (BCE
+        ValueError: ``samples_per_prompt < 1``, ``B % G != 0``, or a reward outside [0, 1] or NaN (BCE
             needs a probability target).
     """
-    _check_group_size(group_size)
-    if rewards.dim() != 1 or rewards.numel() % group_size:
-        raise ValueError(f"rewards {tuple(rewards.shape)} must be [B] with B divisible by group_size={group_size}")
+    _check_samples_per_prompt(samples_per_prompt)
+    if rewards.dim() != 1 or rewards.numel() % samples_per_prompt:
+        raise ValueError(f"rewards {tuple(rewards.shape)} must be [B] with B divisible by "
+                         f"samples_per_prompt={samples_per_prompt}")
     if bool((~((rewards >= 0) & (rewards <= 1))).any()):  # NaN fails both comparisons
         raise ValueError("the SPPO critic's BCE target needs rewards in [0, 1] (a 0/1 correctness reward); "
                          f"got values in [{float(rewards.min())}, {float(rewards.max())}]")
-    return rewards.to(torch.float32).reshape(-1, group_size).mean(dim=1)
+    return rewards.to(torch.float32).reshape(-1, samples_per_prompt).mean(dim=1)
 
 
 def critic_loss(value_logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -61,29 +62,29 @@ def critic_loss(value_logits: torch.Tensor, targets: torch.Tensor) -> torch.Tens
     return F.binary_cross_entropy_with_logits(value_logits.float(), targets.float(), reduction="none")
 
 
-def critic_advantages(rewards: torch.Tensor, value_logits: torch.Tensor, group_size: int) -> torch.Tensor:
+def critic_advantages(rewards: torch.Tensor, value_logits: torch.Tensor, samples_per_prompt: int) -> torch.Tensor:
     """SPPO's advantage A_i = r_i - sigmoid(V(x_i)) per response.
 
     Args:
         rewards: ``[B]`` float, rows grouped by prompt (G consecutive rows per prompt).
         value_logits: ``[B / G]`` V(x) per prompt (no gradient is taken).
-        group_size: G.
+        samples_per_prompt: G.
 
     Returns:
         ``[B]`` float32.
 
     Raises:
-        ValueError: ``group_size < 1``, ``rewards`` not ``[B]``, or ``value_logits`` not
+        ValueError: ``samples_per_prompt < 1``, ``rewards`` not ``[B]``, or ``value_logits`` not
             ``[B / G]`` (one logit per group of G consecutive responses; no broadcasting).
     """
-    _check_group_size(group_size)
-    if rewards.dim() != 1 or rewards.numel() % group_size:
+    _check_samples_per_prompt(samples_per_prompt)
+    if rewards.dim() != 1 or rewards.numel() % samples_per_prompt:
         raise ValueError(f"rewards {tuple(rewards.shape)} must be [B] with B divisible by "
-                         f"group_size={group_size}")
-    groups = rewards.numel() // group_size
+                         f"samples_per_prompt={samples_per_prompt}")
+    groups = rewards.numel() // samples_per_prompt
     if tuple(value_logits.shape) != (groups,):
         raise ValueError(f"value_logits has shape {tuple(value_logits.shape)} but must be [B / G] = "
                          f"[{groups}] (one critic logit per prompt for rewards "
-                         f"{tuple(rewards.shape)}, group_size={group_size})")
-    baseline = torch.sigmoid(value_logits.detach().float()).repeat_interleave(group_size)
+                         f"{tuple(rewards.shape)}, samples_per_prompt={samples_per_prompt})")
+    baseline = torch.sigmoid(value_logits.detach().float()).repeat_interleave(samples_per_prompt)
     return rewards.to(torch.float32) - baseline.to(rewards.device)

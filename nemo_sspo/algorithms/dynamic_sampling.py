@@ -11,23 +11,24 @@ from __future__ import annotations
 
 import torch
 
-from nemo_sspo.algorithms.advantages import _check_rewards, zero_variance_groups
+from nemo_sspo.algorithms.advantages import _accepts_group_size, _check_rewards, zero_variance_groups
 
 
-def select_nonzero_variance_groups(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
+@_accepts_group_size
+def select_nonzero_variance_groups(rewards: torch.Tensor, samples_per_prompt: int) -> torch.Tensor:
     """The groups whose rewards are not all equal (DAPO dynamic sampling).
 
     Args:
         rewards: ``[B]`` float, one reward per response; rows grouped consecutively by prompt.
-        group_size: G, responses per prompt; ``B % G`` must be 0. G = 1 groups never have variance.
+        samples_per_prompt: G, responses per prompt; ``B % G`` must be 0. G = 1 groups never have variance.
 
     Returns:
         ``[K]`` int64 ascending indices of the kept groups (group k owns rows
         ``k*G .. k*G + G - 1``); never a zero-variance group.
 
     Raises:
-        ValueError: bad rewards or group size (as ``group_advantages``).
+        ValueError: bad rewards or samples_per_prompt (as ``group_advantages``).
     """
-    _check_rewards(rewards, group_size, 0.0)
+    _check_rewards(rewards, samples_per_prompt, 0.0)
     # The same test as group_advantages, which gives these groups advantage 0.
-    return torch.nonzero(~zero_variance_groups(rewards, group_size)).flatten()
+    return torch.nonzero(~zero_variance_groups(rewards, samples_per_prompt)).flatten()

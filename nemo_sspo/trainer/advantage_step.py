@@ -32,7 +32,7 @@ class AdvantageStep:
     Args:
         estimator: the advantage estimator (``advantage.name``).
         groups: this rank's parallel groups.
-        group_size: responses per prompt (``rollout.samples_per_prompt``).
+        samples_per_prompt: responses per prompt (``rollout.samples_per_prompt``).
         minibatches: optimizer steps per step (``trainer.minibatches_per_step``; the scope of a
             mini-batch-scoped estimator).
         normalize_std: divide by the group's reward std (``advantage.normalize_std``, null resolved to
@@ -44,9 +44,10 @@ class AdvantageStep:
         history: per-prompt reward stats of a history-keeping estimator, keyed by prompt key.
     """
 
-    def __init__(self, estimator: AdvantageEstimator, groups: ParallelGroups, *, group_size: int, minibatches: int,
-                 normalize_std: bool, critic: Critic | None, pad_id: int) -> None:  # noqa: D107
-        self.estimator, self.groups, self.group_size, self.minibatches = estimator, groups, group_size, minibatches
+    def __init__(self, estimator: AdvantageEstimator, groups: ParallelGroups, *, samples_per_prompt: int,
+                 minibatches: int, normalize_std: bool, critic: Critic | None, pad_id: int) -> None:  # noqa: D107
+        self.estimator, self.groups, self.minibatches = estimator, groups, minibatches
+        self.samples_per_prompt = samples_per_prompt
         self.normalize_std, self.critic, self.pad_id = normalize_std, critic, pad_id
         self.history: dict[str, PromptRewardStats] = {}
 
@@ -65,7 +66,7 @@ class AdvantageStep:
             value_logits = self.critic.predict(self.critic_batch(rollout))
             if value_logits is None:
                 return torch.zeros_like(rollout.rewards), {}
-        inputs = AdvantageInputs(rollout.rewards, rollout.task_rewards, self.group_size,
+        inputs = AdvantageInputs(rollout.rewards, rollout.task_rewards, self.samples_per_prompt,
                                  normalize_std=self.normalize_std, value_logits=value_logits,
                                  prompt_keys=rollout.prompt_keys, history=self.history)
         advantages, history = data_parallel_advantages(self.estimator, inputs, minibatches=self.minibatches,
@@ -74,13 +75,13 @@ class AdvantageStep:
             self.history = history
         if self.estimator.needs_critic:
             return advantages, {}
-        zero = zero_variance_groups(rollout.task_rewards, self.group_size)
+        zero = zero_variance_groups(rollout.task_rewards, self.samples_per_prompt)
         return advantages, {"advantages/zero_variance_group_frac": mean_pair(float(zero.sum()), zero.numel())}
 
     def critic_batch(self, rollout: Rollout) -> CriticBatch:
         """The critic's prompts (one per group) and BCE targets (the 0/1 task rewards)."""
         rb = rollout.batch
-        return pack_critic_batch(rb.prompt_ids, rb.prompt_mask, rollout.task_rewards, self.group_size,
+        return pack_critic_batch(rb.prompt_ids, rb.prompt_mask, rollout.task_rewards, self.samples_per_prompt,
                                  pad_id=self.pad_id)
 
     def history_state(self) -> dict[str, list[float]] | None:

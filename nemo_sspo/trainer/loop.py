@@ -124,7 +124,7 @@ class GRPOTrainer:
         self.critic = (setup.build_critic(cfg, self.hf_config, state_dict, self.tokenizer)
                        if estimator.needs_critic else None)
         pad_id = self.tokenizer.pad_token_id
-        self.advantages = AdvantageStep(estimator, groups, group_size=cfg.rollout.samples_per_prompt,
+        self.advantages = AdvantageStep(estimator, groups, samples_per_prompt=cfg.rollout.samples_per_prompt,
                                         minibatches=tr.minibatches_per_step, normalize_std=advantage_normalize_std(cfg),
                                         critic=self.critic, pad_id=pad_id)
         self.progress = StepProgress(enabled=dist.get_rank() == 0, interval_s=tr.progress_interval_s,
@@ -162,7 +162,7 @@ class GRPOTrainer:
         self.rollout_log = None  # the replica's rank that holds the step's advantages writes its responses
         if tr.rollout_log and groups.is_last_stage and groups.tp_rank == 0 and groups.cp_rank == 0:
             self.rollout_log = RolloutLog(tr.output_dir, groups.dp_rank, resume_step=resume_step,
-                                          tokenizer=self.tokenizer, group_size=cfg.rollout.samples_per_prompt)
+                                          tokenizer=self.tokenizer, samples_per_prompt=cfg.rollout.samples_per_prompt)
             self.metrics.observers.append(self.rollout_log.observe)
         if self.logger.enabled:
             write_config(tr.output_dir, self.config)

@@ -38,7 +38,7 @@ ROLLOUT_LOG_DIR = "rollouts"
 """Sub-folder of ``trainer.output_dir`` holding the rollout log, one file per data-parallel replica."""
 
 
-def rollout_records(step: int, versioned: Any, advantages: torch.Tensor, *, group_size: int, tokenizer,
+def rollout_records(step: int, versioned: Any, advantages: torch.Tensor, *, samples_per_prompt: int, tokenizer,
                     replica: int) -> list[dict[str, Any]]:
     """The records (module docstring) of one replica's rollout.
 
@@ -47,7 +47,7 @@ def rollout_records(step: int, versioned: Any, advantages: torch.Tensor, *, grou
         versioned: the step's ``VersionedRollout`` (its ``rollout`` of ``B`` responses, grouped by
             prompt slot, and each response's version).
         advantages: ``[B]`` float, the responses' advantages as the loss receives them.
-        group_size: responses per prompt (``rollout.samples_per_prompt``).
+        samples_per_prompt: responses per prompt (``rollout.samples_per_prompt``).
         tokenizer: decodes the prompts.
         replica: this replica's data-parallel rank.
 
@@ -67,8 +67,8 @@ def rollout_records(step: int, versioned: Any, advantages: torch.Tensor, *, grou
     columns = zip(prompts, rb.response_texts, rollout.task_rewards.tolist(), rollout.rewards.tolist(),
                   advantages.tolist(), rb.response_mask.sum(dim=1).tolist(), versioned.versions().tolist(),
                   rb.truncated.tolist(), strict=True)
-    return [{"step": step, "replica": replica, "row": row, "prompt_id": rollout.prompt_keys[row // group_size],
-             "sample": row % group_size, "prompt": prompt, "response": response, "task_reward": task_reward,
+    return [{"step": step, "replica": replica, "row": row, "prompt_id": rollout.prompt_keys[row // samples_per_prompt],
+             "sample": row % samples_per_prompt, "prompt": prompt, "response": response, "task_reward": task_reward,
              "reward": reward, "advantage": advantage, "response_length": length, "version": version,
              "truncated": truncated}
             for row, (prompt, response, task_reward, reward, advantage, length, version, truncated)
@@ -84,13 +84,13 @@ class RolloutLog:
         resume_step: a resumed run's checkpoint step: records of steps up to it are kept, later ones
             dropped; None starts an empty file.
         tokenizer: decodes the prompts.
-        group_size: responses per prompt (``rollout.samples_per_prompt``).
+        samples_per_prompt: responses per prompt (``rollout.samples_per_prompt``).
     """
 
     def __init__(self, output_dir: str | Path, replica: int, *, resume_step: int | None, tokenizer,
-                 group_size: int) -> None:
+                 samples_per_prompt: int) -> None:
         """Opens the file (class docstring)."""
-        self.replica, self.tokenizer, self.group_size = replica, tokenizer, group_size
+        self.replica, self.tokenizer, self.samples_per_prompt = replica, tokenizer, samples_per_prompt
         self.path = Path(output_dir) / ROLLOUT_LOG_DIR / f"replica_{replica:03d}.jsonl"
         self.path.parent.mkdir(parents=True, exist_ok=True)
         kept = []
@@ -108,7 +108,7 @@ class RolloutLog:
         """
         if event == "advantages":
             versioned, advantages = data
-            self.add(rollout_records(step, versioned, advantages, group_size=self.group_size,
+            self.add(rollout_records(step, versioned, advantages, samples_per_prompt=self.samples_per_prompt,
                                      tokenizer=self.tokenizer, replica=self.replica))
 
     def add(self, records: list[dict[str, Any]]) -> None:

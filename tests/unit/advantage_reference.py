@@ -13,8 +13,8 @@ import statistics
 EPS = 1e-6
 
 
-def _groups(rewards: list[float], group_size: int) -> list[list[float]]:
-    return [rewards[k:k + group_size] for k in range(0, len(rewards), group_size)]
+def _groups(rewards: list[float], samples_per_prompt: int) -> list[list[float]]:
+    return [rewards[k:k + samples_per_prompt] for k in range(0, len(rewards), samples_per_prompt)]
 
 
 def _equal(group: list[float]) -> bool:
@@ -28,27 +28,27 @@ def optimizer_batch_of_rows(rows: int, dp: int, minibatches: int) -> list[int]:
     return [(i % per_rank) // block for i in range(rows)]
 
 
-def reference_advantages(name: str, rewards: list[float], group_size: int, *, dp: int = 1, minibatches: int = 1,
+def reference_advantages(name: str, rewards: list[float], samples_per_prompt: int, *, dp: int = 1, minibatches: int = 1,
                          task_rewards: list[float] | None = None, normalize_std: bool = True,
                          value_logits: list[float] | None = None) -> list[float]:
     """The advantages of every row of the step, in slot order (module docstring)."""
-    task = _groups(task_rewards if task_rewards is not None else rewards, group_size)
+    task = _groups(task_rewards if task_rewards is not None else rewards, samples_per_prompt)
     out: list[float] = []
     if name == "critic":
-        for k, group in enumerate(_groups(rewards, group_size)):
+        for k, group in enumerate(_groups(rewards, samples_per_prompt)):
             baseline = 1.0 / (1.0 + math.exp(-value_logits[k]))
             out += [r - baseline for r in group]
         return out
     centred = []
-    for group, task_group in zip(_groups(rewards, group_size), task, strict=True):
+    for group, task_group in zip(_groups(rewards, samples_per_prompt), task, strict=True):
         mean = statistics.fmean(group)
         if _equal(task_group):
-            centred += [0.0] * group_size
+            centred += [0.0] * samples_per_prompt
         elif name == "group":
             scale = statistics.pstdev(group) + EPS if normalize_std else 1.0
             centred += [(r - mean) / scale for r in group]
         elif name == "leave_one_out":  # r_i minus the mean of the others
-            centred += [r - (sum(group) - r) / (group_size - 1) for r in group]
+            centred += [r - (sum(group) - r) / (samples_per_prompt - 1) for r in group]
         else:
             centred += [r - mean for r in group]
     if name != "batch_std":

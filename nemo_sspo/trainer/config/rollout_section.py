@@ -307,7 +307,7 @@ class RolloutConfig:
     prompts_per_step: int = 2
     """Distinct prompts sampled per training step."""
     samples_per_prompt: int = 8
-    """Group size G: responses per prompt; advantages are normalised within a group."""
+    """G: responses per prompt; advantages are normalised within the group of a prompt's responses."""
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     """How responses are sampled (length cap, temperature, top-p) and DAPO's dynamic sampling."""
     engine: EngineConfig = field(default_factory=EngineConfig)

@@ -188,11 +188,12 @@ RULES: tuple[Rule, ...] = (
                       "advantage.normalize_std, or choose advantage.name=group (or dcpo_smooth)",
          facts=("loss", "estimator")),
     Rule(("rollout.samples_per_prompt", "advantage.name"),
-         lambda c, f: c.rollout.samples_per_prompt >= f.estimator.min_group_size,
+         lambda c, f: c.rollout.samples_per_prompt >= f.estimator.min_samples_per_prompt,
          lambda c, f: f"rollout.samples_per_prompt={c.rollout.samples_per_prompt} is below the "
-                      f"{f.estimator.min_group_size} responses per prompt that advantage.name={f.estimator.name!r} "
-                      "needs (a group of one response gets advantage 0 from a group baseline); use >= "
-                      f"{f.estimator.min_group_size}, or loss=sppo (its critic is the baseline)",
+                      f"{f.estimator.min_samples_per_prompt} responses per prompt that "
+                      f"advantage.name={f.estimator.name!r} needs (a group of one response gets advantage 0 from "
+                      f"a group baseline); use >= {f.estimator.min_samples_per_prompt}, or loss=sppo (its critic "
+                      "is the baseline)",
          facts=("estimator",)),
     Rule(("rollout.sampling.dynamic_sampling", "advantage.name"),
          lambda c, f: not c.rollout.sampling.dynamic_sampling or f.estimator.masks_equal_groups,

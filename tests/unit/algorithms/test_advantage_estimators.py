@@ -23,12 +23,13 @@ from tests.unit.advantage_reference import reference_advantages
 R = [1.0, 0.0, 0.0, 0.0, 1.0, 1.0, 0.0, 0.0]  # two groups of G = 4
 
 
-def _estimate(name, rewards, group_size, *, minibatches=1, task_rewards=None, normalize_std=True, value_logits=None):
+def _estimate(name, rewards, samples_per_prompt, *, minibatches=1, task_rewards=None, normalize_std=True,
+              value_logits=None):
     rewards = torch.tensor(rewards, dtype=torch.float64)
     task = rewards if task_rewards is None else torch.tensor(task_rewards, dtype=torch.float64)
     logits = None if value_logits is None else torch.tensor(value_logits, dtype=torch.float64)
     return estimate_advantages(get_advantage_estimator(name),
-                               AdvantageInputs(rewards, task, group_size, normalize_std=normalize_std,
+                               AdvantageInputs(rewards, task, samples_per_prompt, normalize_std=normalize_std,
                                                value_logits=logits), minibatches=minibatches)
 
 
@@ -129,7 +130,7 @@ def test_registry_refusals():
 
 
 def test_estimate_refusals():
-    with pytest.raises(ValueError, match="needs group_size >= 2"):
+    with pytest.raises(ValueError, match="needs samples_per_prompt >= 2"):
         _estimate("leave_one_out", [1.0, 0.0], 1)
     with pytest.raises(ValueError, match="pass value_logits"):
         _estimate("critic", R, 4)

@@ -64,7 +64,7 @@ def test_zero_variance_group_among_others():
     assert stats[ZERO_VAR] == 0.5
 
 
-def test_group_size_one_gives_zero():
+def test_samples_per_prompt_one_gives_zero():
     adv, stats = group_advantages(torch.tensor([1.0, 0.0, 5.0]), 1)
     assert adv.tolist() == [0.0, 0.0, 0.0]
     assert stats[ZERO_VAR] == 1.0
@@ -78,17 +78,17 @@ def test_non_finite_reward_names_row(bad):
 
 
 def test_batch_not_multiple_of_group_raises():
-    with pytest.raises(ValueError, match="group_size=4"):
+    with pytest.raises(ValueError, match="samples_per_prompt=4"):
         group_advantages(torch.zeros(6), 4)
 
 
-@pytest.mark.parametrize(("rewards", "group_size", "pattern"), [
+@pytest.mark.parametrize(("rewards", "samples_per_prompt", "pattern"), [
     (torch.zeros(2, 2), 2, "1-D"),
     (torch.zeros(4), 0, "positive int"),
 ])
-def test_bad_arguments_raise(rewards, group_size, pattern):
+def test_bad_arguments_raise(rewards, samples_per_prompt, pattern):
     with pytest.raises(ValueError, match=pattern):
-        group_advantages(rewards, group_size)
+        group_advantages(rewards, samples_per_prompt)
 
 
 # ---- DCPO smooth advantage standardisation (lime-RL/DCPO core_algos.py get_mean_std and
@@ -139,7 +139,7 @@ def test_smooth_standardisation_without_std_and_with_repeated_prompts_in_one_bat
 
 
 def test_smooth_standardisation_refuses_single_responses_and_bad_keys():
-    with pytest.raises(ValueError, match="group_size=1"):
+    with pytest.raises(ValueError, match="samples_per_prompt=1"):
         smooth_group_advantages(torch.tensor([1.0, 0.0]), 1, ["a", "b"], {})
     with pytest.raises(ValueError, match="keys has 1 entries for 2 groups"):
         smooth_group_advantages(torch.tensor([1.0, 0.0, 1.0, 0.0]), 2, ["a"], {})

@@ -52,7 +52,7 @@ def test_one_sample_per_prompt():
 def test_rewards_outside_unit_interval_are_refused():
     with pytest.raises(ValueError, match=r"rewards in \[0, 1\]"):
         critic_targets(torch.tensor([1.0, -0.5]), 1)
-    with pytest.raises(ValueError, match="group_size=2"):
+    with pytest.raises(ValueError, match="samples_per_prompt=2"):
         critic_targets(torch.tensor([1.0, 0.0, 1.0]), 2)
 
 

@@ -16,7 +16,7 @@ def test_selection_hand_case():
     assert select_nonzero_variance_groups(rewards, 3).tolist() == [1, 3]
 
 
-def test_group_size_one_never_has_variance():
+def test_samples_per_prompt_one_never_has_variance():
     assert select_nonzero_variance_groups(torch.tensor([0.0, 1.0, 1.0]), 1).tolist() == []
 
 
@@ -32,8 +32,8 @@ def test_property_keeps_exactly_the_varying_groups(seed):
 
 
 @pytest.mark.parametrize(("kwargs", "pattern"), [
-    (dict(rewards=torch.zeros(5), group_size=2), "multiple of group_size"),
-    (dict(rewards=torch.tensor([0.0, float("nan")]), group_size=2), "not finite"),
+    (dict(rewards=torch.zeros(5), samples_per_prompt=2), "multiple of samples_per_prompt"),
+    (dict(rewards=torch.tensor([0.0, float("nan")]), samples_per_prompt=2), "not finite"),
 ])
 def test_selection_errors(kwargs, pattern):
     with pytest.raises(ValueError, match=pattern):

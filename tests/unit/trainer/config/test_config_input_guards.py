@@ -188,7 +188,7 @@ def test_critic_targets_rejects_nan():
 def test_critic_advantages_shape_mismatch_raises():
     with pytest.raises(ValueError, match=r"value_logits has shape \(1,\) but must be .*\[4\]"):
         critic_advantages(torch.tensor([1.0, 0.0, 1.0, 1.0]), torch.tensor([0.0]), 1)
-    with pytest.raises(ValueError, match="group_size"):
+    with pytest.raises(ValueError, match="samples_per_prompt"):
         critic_advantages(torch.tensor([1.0, 0.0]), torch.tensor([0.0]), 0)
     # sigmoid(0) = 0.5 per prompt, repeated over its G = 2 responses
     torch.testing.assert_close(
