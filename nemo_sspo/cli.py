@@ -70,6 +70,7 @@ def load_config(config_name: str = DEFAULT_CONFIG_NAME, overrides: list[str] | N
         find_unknown_key,
         register_config_nodes,
         resolve_loss_settings,
+        resolve_options,
         schema,
         unknown_key_message,
         validate,
@@ -105,6 +106,7 @@ def load_config(config_name: str = DEFAULT_CONFIG_NAME, overrides: list[str] | N
                          "install the plugins the config names")
     cfg.entry_point_plugins = installed
     resolve_loss_settings(cfg)
+    resolve_options(cfg)
     world_size = launch_world_size() if command == "train" else None
     validate(cfg, world_size=world_size)
     if check_model:

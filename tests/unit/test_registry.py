@@ -79,6 +79,13 @@ def test_a_builder_may_declare_an_options_dataclass():
         table.options_of("typed")
 
 
+def test_math_verify_and_vllm_declare_their_options_and_hf_none():
+    from nemo_sspo import rewards, rollout
+
+    assert rewards.REWARD_REGISTRY.options_of("math_verify") is rewards.MathVerifyOptions
+    assert rollout.ROLLOUT_ENGINE_REGISTRY.declared_options() == {"vllm": rollout.VLLMOptions}
+
+
 def test_the_reward_and_engine_functions_are_their_registries_methods():
     # One copy of the rules: each public name is bound to its registry (no wrapper to drift).
     from nemo_sspo import rewards, rollout
