@@ -10,7 +10,7 @@ import pytest
 
 from nemo_sspo.cli import DEFAULT_CONFIG_DIR, load_config
 from nemo_sspo.rewards import MathVerifyOptions, register_reward, unregister_reward
-from nemo_sspo.rollout import VLLMOptions
+from nemo_sspo.rollout import VLLMOptions, register_rollout_engine, unregister_rollout_engine
 from nemo_sspo.trainer.config import EngineConfig, RewardConfig, register_config_nodes
 
 
@@ -35,6 +35,34 @@ def plugin_rewards():
     unregister_reward("tolerant")
     unregister_reward("untyped")
     register_config_nodes()
+
+
+@dataclass
+class OffsetOptions:
+    """A plug-in engine's options."""
+
+    seed_offset: int = 0
+
+
+@pytest.fixture
+def plugin_engine():
+    """``offset`` (typed by OffsetOptions)."""
+    register_rollout_engine("offset", lambda context: None, options=OffsetOptions)
+    register_config_nodes()
+    yield
+    unregister_rollout_engine("offset")
+    register_config_nodes()
+
+
+def test_a_plugin_engine_with_an_options_dataclass_is_a_group_until_unregistered(plugin_engine):
+    engine = load_config(overrides=["rollout/engine=offset", "rollout.engine.options.seed_offset=7"]).rollout.engine
+    assert engine == EngineConfig(backend="offset", options=OffsetOptions(seed_offset=7))
+    unregister_rollout_engine("offset")
+    try:
+        with pytest.raises(ValueError, match="Could not find 'rollout/engine/offset'"):
+            load_config(overrides=["rollout/engine=offset"])
+    finally:
+        register_rollout_engine("offset", lambda context: None, options=OffsetOptions)
 
 
 def test_math_verify_is_the_default_group_and_a_field_is_set_without_plus():
