@@ -157,6 +157,15 @@ def _hydra_error_message(config_name: str, err: Exception, overrides: list[str],
                 f"loss nor a variant YAML of the group loss; registered: {policy_loss_names()}. "
                 "A loss of your own is added by the module that registers it: "
                 f"plugins=[my_loss.py] loss={missing.group(1)} (docs/extending.md)")
+    missing = re.search(r"Could not find '(reward|rollout/engine)/([^']+)'", str(err))
+    if missing:  # a reward / engine group: the registered names, and how a plug-in adds one
+        from nemo_sspo.registry import PLUGINS_HINT
+        from nemo_sspo.trainer.config import OPTION_SECTIONS
+
+        group, choice = missing.groups()
+        registry = next(section.registry for section in OPTION_SECTIONS if section.group == group)
+        return (f"invalid config {config_name!r}: {group}={choice} is not a registered {registry.kind}; registered: "
+                f"{registry.names()}{PLUGINS_HINT}")
     unknown_choice = _unknown_choice_message(err)
     if unknown_choice:
         return f"invalid config {config_name!r}: {unknown_choice}"

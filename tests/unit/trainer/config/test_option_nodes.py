@@ -59,7 +59,7 @@ def test_a_plugin_engine_with_an_options_dataclass_is_a_group_until_unregistered
     assert engine == EngineConfig(backend="offset", options=OffsetOptions(seed_offset=7))
     unregister_rollout_engine("offset")
     try:
-        with pytest.raises(ValueError, match="Could not find 'rollout/engine/offset'"):
+        with pytest.raises(ValueError, match=r"rollout/engine=offset is not a registered rollout engine; registered: \['hf', 'vllm'\]"):
             load_config(overrides=["rollout/engine=offset"])
     finally:
         register_rollout_engine("offset", lambda context: None, options=OffsetOptions)
@@ -116,7 +116,7 @@ def test_a_plugin_reward_with_an_options_dataclass_is_a_group(plugin_rewards):
 def test_a_node_is_gone_once_its_reward_is_unregistered(plugin_rewards):
     unregister_reward("tolerant")
     try:
-        with pytest.raises(ValueError, match="Could not find 'reward/tolerant'"):
+        with pytest.raises(ValueError, match=r"reward=tolerant is not a registered reward; registered: \['math_verify', 'untyped'\]"):
             load_config(overrides=["reward=tolerant"])
     finally:
         register_reward("tolerant", lambda section: None, options=TolerantOptions)
@@ -173,3 +173,14 @@ def test_an_option_of_an_unselected_engine_names_the_group_to_select():
         "invalid config 'sspo_smollm2_cpu': rollout.engine.options.max_model_len: the selected engine's options "
         "have no key 'max_model_len'; the options of rollout/engine=vllm have it: select that group "
         "(rollout/engine=vllm) before setting rollout.engine.options.max_model_len")
+
+
+@pytest.mark.parametrize("override, message", [
+    ("reward=nope", "reward=nope is not a registered reward; registered: ['math_verify']"),
+    ("rollout/engine=nope", "rollout/engine=nope is not a registered rollout engine; registered: ['hf', 'vllm']"),
+])
+def test_an_unknown_group_choice_lists_the_registered_ones(override, message):
+    with pytest.raises(ValueError) as err:
+        load_config(overrides=[override])
+    assert str(err.value) == (f"invalid config 'sspo_smollm2_cpu': {message} (a module that registers one is "
+                              "loaded with the config key plugins)")
