@@ -71,6 +71,7 @@ def load_config(config_name: str = DEFAULT_CONFIG_NAME, overrides: list[str] | N
         find_unknown_key,
         register_config_nodes,
         resolve_loss_settings,
+        resolve_options,
         schema,
         unknown_key_message,
         validate,
@@ -113,6 +114,7 @@ def load_config(config_name: str = DEFAULT_CONFIG_NAME, overrides: list[str] | N
                          "install the plugins the config names")
     cfg.entry_point_plugins = installed
     resolve_loss_settings(cfg)
+    resolve_options(cfg)
     validate(cfg, world_size=world_size)
     if check_model:
         from nemo_sspo.models import load_hf_config
@@ -162,6 +164,15 @@ def _hydra_error_message(config_name: str, err: Exception, overrides: list[str],
                 f"loss nor a variant YAML of the group loss; registered: {policy_loss_names()}. "
                 "A loss of your own is added by the module that registers it: "
                 f"plugins=[my_loss.py] loss={missing.group(1)} (docs/extending.md)")
+    missing = re.search(r"Could not find '(reward|rollout/engine)/([^']+)'", str(err))
+    if missing:  # a reward / engine group: the registered names, and how a plug-in adds one
+        from nemo_sspo.registry import PLUGINS_HINT
+        from nemo_sspo.trainer.config import OPTION_SECTIONS
+
+        group, choice = missing.groups()
+        registry = next(section.registry for section in OPTION_SECTIONS if section.group == group)
+        return (f"invalid config {config_name!r}: {group}={choice} is not a registered {registry.kind}; registered: "
+                f"{registry.names()}{PLUGINS_HINT}")
     match = re.search(r"Could not override '([^']+)'", str(err))
     if not match:
         renamed = _renamed_key(err)
@@ -228,6 +239,7 @@ def _unknown_choice_problems(err: Exception, compose_raw, world_size: int | None
         problems_of,
         register_config_nodes,
         resolve_loss_settings,
+        resolve_options,
         schema,
         unknown_choices,
     )
@@ -253,6 +265,7 @@ def _unknown_choice_problems(err: Exception, compose_raw, world_size: int | None
     try:
         cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(schema()), raw))
         resolve_loss_settings(cfg)
+        resolve_options(cfg)
     except (OmegaConfBaseException, ValueError):  # broken further: reported once the choices are fixed
         return problems
     return problems + problems_of(cfg, world_size)

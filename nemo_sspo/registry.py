@@ -4,14 +4,16 @@ Ours. Every plug-in point keeps one :class:`Registry`, and its public functions
 (``register_reward``, ``get_policy_loss``, ...) are its methods or thin names over them, so the
 rules (a name is taken once; removing or looking up an unknown name fails, listing what is
 registered) and the messages are the same everywhere. A plug-in point of builders (rewards,
-rollout engines) is a :class:`BuilderRegistry`, whose ``build`` calls the chosen builder. The messages name the caller's argument (``key``), so the config
-layer's ``at_key`` turns them into YAML keys.
+rollout engines) is a :class:`BuilderRegistry`, whose ``build`` calls the chosen builder and whose
+entries may declare an options dataclass (the schema of their section's ``options``). The messages
+name the caller's argument (``key``), so the config layer's ``at_key`` turns them into YAML keys.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Generic, TypeVar
+from dataclasses import is_dataclass
+from typing import Any, Generic, TypeVar
 
 __all__ = ["PLUGINS_HINT", "BuilderRegistry", "Registry"]
 
@@ -83,6 +85,11 @@ class BuilderRegistry(Registry[Callable[[A], R]]):
     """A :class:`Registry` of builders ``build(arg) -> R``, for a plug-in point whose config section
     names what to build (``reward.name``, ``rollout.engine.backend``); unknown names get :data:`PLUGINS_HINT`.
 
+    A builder may be registered with an options dataclass (:meth:`add`'s ``options``): the schema of
+    its section's ``options`` (``reward.options``, ``rollout.engine.options``), which the config layer
+    stores as a selectable group node with the dataclass's defaults and checks by type. A builder
+    registered without one takes its ``options`` as an untyped mapping or None.
+
     Args:
         kind: as :class:`Registry`.
         key: as :class:`Registry`.
@@ -90,6 +97,45 @@ class BuilderRegistry(Registry[Callable[[A], R]]):
 
     def __init__(self, kind: str, *, key: str = "name") -> None:  # noqa: D107 - on the class
         super().__init__(kind, key=key, hint=PLUGINS_HINT)
+        self._options: dict[str, type | None] = {}
+
+    def add(self, name: str, entry: Callable[[A], R], options: type | None = None) -> Callable[[A], R]:
+        """Registers the builder ``entry`` as ``name``, with its options dataclass (None: untyped
+        options); returns ``entry``.
+
+        Raises:
+            ValueError: the name is taken.
+            TypeError: ``options`` is neither None nor a dataclass type.
+        """
+        if options is not None and not (isinstance(options, type) and is_dataclass(options)):
+            raise TypeError(f"options={options!r} of {self.kind} {name!r} must be a dataclass type (its fields "
+                            "are the options and their defaults) or None for untyped options")
+        super().add(name, entry)
+        self._options[name] = options
+        return entry
+
+    def remove(self, name: str) -> Callable[[A], R]:
+        """Removes and returns the builder of ``name``, and its options dataclass.
+
+        Raises:
+            ValueError: unknown name.
+        """
+        entry = super().remove(name)
+        del self._options[name]
+        return entry
+
+    def options_of(self, name: str) -> type | None:
+        """The options dataclass ``name`` was registered with, or None (untyped options).
+
+        Raises:
+            ValueError: unknown name (as :meth:`Registry.get`).
+        """
+        self.get(name)
+        return self._options[name]
+
+    def declared_options(self) -> dict[str, Any]:
+        """``{name: options dataclass}`` of the builders registered with one, in name order."""
+        return {name: self._options[name] for name in self.names() if self._options[name] is not None}
 
     def build(self, name: str, arg: A) -> R:
         """What the builder registered as ``name`` returns for ``arg``.

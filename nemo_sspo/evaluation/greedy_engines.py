@@ -84,7 +84,7 @@ class VLLMEvalEngine:
         stop_token_ids: the stop list (default: :func:`stop_token_ids` of the engine's tokenizer and,
             for a directory, its ``generation_config.json``).
         seed: engine seed (greedy decoding does not depend on it).
-        **settings: the ``rollout.engine.vllm`` settings (``tensor_parallel_size``, ``gpu_memory_utilization``,
+        **settings: the ``rollout.engine.options`` settings (``tensor_parallel_size``, ``gpu_memory_utilization``,
             ``dtype``, ``max_model_len``, ``enforce_eager``, ``cpu_kv_cache_gib``, ``enable_sleep_mode``),
             passed to ``build_llm`` when one is built.
 

@@ -10,7 +10,7 @@ from typing import Any
 from nemo_sspo.data import load_math_dataset
 from nemo_sspo.evaluation.benchmark import MEAN_KEY, evaluate, metric_key
 from nemo_sspo.evaluation.greedy_engines import EvalEngine, TransformersEvalEngine, VLLMEvalEngine
-from nemo_sspo.rewards import MathVerifyReward
+from nemo_sspo.rewards import MathVerifyOptions, MathVerifyReward
 
 __all__ = ["build_eval_engine", "format_results", "run_eval"]
 
@@ -19,7 +19,7 @@ def build_eval_engine(cfg) -> tuple[EvalEngine, Any]:
     """``(engine, tokenizer)`` for ``cfg.model.source`` on the ``cfg.rollout.engine.backend`` backend.
 
     ``hf``: the checkpoint is loaded on CPU (fp32) into a transformers model. ``vllm``: vLLM loads
-    the model directory itself (``cfg.rollout.engine.vllm`` settings); only the tokenizer is read here.
+    the model directory itself (the vllm engine's options, ``cfg.rollout.engine.options``); only the tokenizer is read here.
 
     Raises:
         ValueError: as ``resolve_model_dir`` and ``load_hf_checkpoint``.
@@ -32,7 +32,7 @@ def build_eval_engine(cfg) -> tuple[EvalEngine, Any]:
         model_dir = engine_model_dir(cfg.model.source, cache_dir=cfg.model.cache_dir)
         tokenizer = load_tokenizer(model_dir)
         engine = VLLMEvalEngine(str(model_dir), stop_token_ids=stop_token_ids(tokenizer, model_dir),
-                                seed=cfg.trainer.seed, **dataclasses.asdict(cfg.rollout.engine.vllm))
+                                seed=cfg.trainer.seed, **dataclasses.asdict(cfg.rollout.engine.options))
         return engine, tokenizer
     hf_config, state_dict, tokenizer = load_hf_checkpoint(cfg.model.source, cache_dir=cfg.model.cache_dir)
     model = build_hf_model(hf_config, state_dict)
@@ -67,7 +67,9 @@ def run_eval(cfg) -> dict[str, float]:
               for name in ev.benchmarks}
     engine, tokenizer = build_eval_engine(cfg)
     out = Path(ev.output_dir)
-    with MathVerifyReward(num_workers=cfg.reward.num_workers, timeout_s=cfg.reward.timeout_s) as reward:
+    # Scored by math-verify whatever the run's reward: its options, or their defaults for another reward.
+    options = cfg.reward.options if isinstance(cfg.reward.options, MathVerifyOptions) else MathVerifyOptions()
+    with MathVerifyReward(num_workers=options.num_workers, timeout_s=options.timeout_s) as reward:
         results = evaluate(engine, tokenizer, ev.benchmarks, data_dir=ev.data_dir, data_dir_key="eval.data_dir", limit=ev.limit_per_benchmark,
                            max_new_tokens=ev.max_new_tokens, template=cfg.data.template, reward=reward,
                            samples_path=out / "samples.jsonl")

@@ -2,7 +2,13 @@ r"""Rewards: math-verify scoring of the last ``\boxed{}`` answer, in a process p
 registry from which the trainer builds its reward by name (``reward.name``).
 """
 
-from nemo_sspo.rewards.math_reward import MathVerifyReward, extract_last_boxed, parse_gold, score_response
+from nemo_sspo.rewards.math_reward import (
+    MathVerifyOptions,
+    MathVerifyReward,
+    extract_last_boxed,
+    parse_gold,
+    score_response,
+)
 from nemo_sspo.rewards.reward_registry import (
     REWARD_REGISTRY,
     Reward,
@@ -14,6 +20,7 @@ from nemo_sspo.rewards.reward_registry import (
 
 __all__ = [
     "REWARD_REGISTRY",
+    "MathVerifyOptions",
     "MathVerifyReward",
     "Reward",
     "build_reward",

@@ -15,8 +15,9 @@ import re
 import signal
 import threading
 import time
+from dataclasses import dataclass
 
-__all__ = ["MathVerifyReward", "extract_last_boxed", "parse_gold", "score_response"]
+__all__ = ["MathVerifyOptions", "MathVerifyReward", "extract_last_boxed", "parse_gold", "score_response"]
 
 _BOX_OPENING = re.compile(r"\\(?:boxed|fbox)\s*\{")
 _SCIENTIFIC = re.compile(r"^([+-]?(?:\d+\.?\d*|\.\d+))[eE]([+-]?\d+)$")  # 3.83e35 (Minerva's gold style)
@@ -226,6 +227,31 @@ def _quiet_pool_handler_hook(previous):
 
     hook.quiets_pool_handler = True
     return hook
+
+
+@dataclass
+class MathVerifyOptions:
+    """Options of the ``math_verify`` reward (the arguments of :class:`MathVerifyReward`), declared when
+    it is registered, so they are the schema of its config section's ``options``.
+    """
+
+    num_workers: int = 2
+    """Processes scoring answers (its timeouts need each worker's main thread), >= 1."""
+    timeout_s: float = 5.0
+    """Per-answer verification limit in seconds, > 0; a timeout scores 0."""
+
+    def problems(self, key: str) -> list[str]:
+        """The worker count and the deadline.
+
+        Args:
+            key: where the options stand, put in front of each field's name.
+
+        Returns:
+            One message per broken invariant, naming ``key.<field>``.
+        """
+        checks = ((self.num_workers >= 1, f"{key}.num_workers must be >= 1"),
+                  (self.timeout_s > 0, f"{key}.timeout_s must be > 0 (seconds per answer)"))
+        return [message for holds, message in checks if not holds]
 
 
 class MathVerifyReward:

@@ -56,8 +56,8 @@ def compute_score(data_source: str, solution_str: str, ground_truth: str, extra_
         ground_truth: the row's ``reward_model.ground_truth``.
         extra_info: the row's ``extra_info``.
         num_workers: scoring processes of this process's pool (the native recipes'
-            ``reward.num_workers``: 8); from ``reward_kwargs`` in verl's config.
-        timeout_s: per-response deadline in seconds (``reward.timeout_s``: 5.0).
+            ``reward.options.num_workers``: 8); from ``reward_kwargs`` in verl's config.
+        timeout_s: per-response deadline in seconds (``reward.options.timeout_s``: 5.0).
 
     Raises:
         ValueError: ``num_workers`` or ``timeout_s`` invalid, or different from the first call's.

@@ -13,7 +13,7 @@ from nemo_sspo.rollout.engines import (
     unregister_rollout_engine,
 )
 from nemo_sspo.rollout.hf_engine import HFRolloutEngine, RolloutBatch
-from nemo_sspo.rollout.vllm_engine import VLLMRolloutEngine
+from nemo_sspo.rollout.vllm_engine import VLLMOptions, VLLMRolloutEngine
 
 __all__ = [
     "ROLLOUT_ENGINE_REGISTRY",
@@ -21,6 +21,7 @@ __all__ = [
     "HFRolloutEngine",
     "RolloutBatch",
     "RolloutEngine",
+    "VLLMOptions",
     "VLLMRolloutEngine",
     "build_rollout_engine",
     "register_rollout_engine",

@@ -20,7 +20,7 @@ from nemo_sspo.models import build_hf_model
 from nemo_sspo.models.hf_checkpoint import engine_model_dir
 from nemo_sspo.registry import BuilderRegistry
 from nemo_sspo.rollout.hf_engine import HFRolloutEngine, RolloutBatch
-from nemo_sspo.rollout.vllm_engine import VLLMRolloutEngine
+from nemo_sspo.rollout.vllm_engine import VLLMOptions, VLLMRolloutEngine
 
 __all__ = ["ROLLOUT_ENGINE_REGISTRY", "EngineContext", "RolloutEngine", "build_rollout_engine",
            "register_rollout_engine", "rollout_engine_names", "unregister_rollout_engine"]
@@ -92,8 +92,12 @@ class EngineContext:
         tokenizer: the policy's tokenizer.
         model_source: ``model.source`` (a built-in name, a model folder or a hub id).
         cache_dir: ``model.cache_dir``.
-        rollout: the ``rollout`` config section (``sampling``, ``engine`` with ``vllm`` and a user
-            engine's ``options``, ``correction``).
+        rollout: the ``rollout`` config section (``sampling``, ``engine``, ``correction``). The engine's
+            own settings are ``rollout.engine.options``: an instance of the options dataclass it was
+            registered with (``register_rollout_engine(name, build, options=MyOptions)``; ``vllm``:
+            :class:`~nemo_sspo.rollout.vllm_engine.VLLMOptions`), selected as the group
+            ``rollout/engine=<name>`` and set as ``rollout.engine.options.<field>=...``; for an engine
+            registered without one, a mapping of its own keys (given whole) or None.
         seed: ``trainer.seed``.
         device: the training device (the trainer's CUDA device, or the CPU).
         stop_ids: the model's stop list (``nemo_sspo.models.hf_folder.stop_token_ids``), the one
@@ -124,8 +128,10 @@ ROLLOUT_ENGINE_REGISTRY: BuilderRegistry[EngineContext, RolloutEngine] = Builder
 The public functions below are its methods, so the rules and messages are the registry's
 (:mod:`nemo_sspo.registry`):
 
-- ``register_rollout_engine(name, build) -> build``: ``rollout.engine.backend=<name>`` builds with
-  ``build``; ``ValueError`` if the name is taken.
+- ``register_rollout_engine(name, build, options=None) -> build``: ``rollout.engine.backend=<name>``
+  builds with ``build``; ``options``, a dataclass, is the schema of ``rollout.engine.options`` (the
+  group ``rollout/engine=<name>`` selects it with its defaults; None: an untyped mapping or None).
+  ``ValueError`` if the name is taken, ``TypeError`` if ``options`` is not a dataclass type.
 - ``unregister_rollout_engine(name) -> build``: removes it (tests and plug-ins that register
   temporarily); ``ValueError`` for an unknown name.
 - ``rollout_engine_names() -> list[str]``: the sorted registered names.
@@ -157,11 +163,11 @@ def _build_vllm(context: EngineContext) -> VLLMRolloutEngine:
     """A vLLM engine loading the model folder itself (``engine_model_dir``)."""
     model_dir = engine_model_dir(context.model_source, cache_dir=context.cache_dir)
     ro = context.rollout
-    return VLLMRolloutEngine.build(model_dir, context.tokenizer, vllm_config=ro.engine.vllm, seed=context.seed,
+    return VLLMRolloutEngine.build(model_dir, context.tokenizer, options=ro.engine.options, seed=context.seed,
                                    truncation_corrected=ro.correction.name != "none",
                                    stop_token_ids=context.stop_ids, output_layer_precision=context.output_layer_precision,
                                    **sampling_settings(ro))
 
 
 register_rollout_engine("hf", _build_hf)
-register_rollout_engine("vllm", _build_vllm)
+register_rollout_engine("vllm", _build_vllm, options=VLLMOptions)

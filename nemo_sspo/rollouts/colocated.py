@@ -53,7 +53,7 @@ class ColocatedSource:
 
     def next_rollout(self, step: int) -> StepRollout:
         """The rollout of step ``step`` (generated now, or k steps ago); the engine then sleeps
-        (e.g. ``rollout.engine.vllm.enable_sleep_mode``: its memory freed until the refit).
+        (e.g. ``rollout.engine.options.enable_sleep_mode``: its memory freed until the refit).
         """
         versioned = self.in_flight.take(step, lambda ahead: self.producer.produce(ahead, step - 1))
         if self.engine is not None:

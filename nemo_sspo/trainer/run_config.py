@@ -14,6 +14,7 @@ from nemo_sspo.trainer.config import upgrade_saved_config
 
 __all__ = [
     "RESUME_KEYS",
+    "RESUME_MAY_CHANGE",
     "RUN_CONFIG_FILE",
     "composed_config",
     "data_parallel_size",
@@ -40,8 +41,14 @@ RESUME_KEYS = (
 checkpoint: the weights' model and layout (TP, PP, EP and which ranks train), the batch shape, the
 data stream, the seed, the loss and the reward. Others may change on resume: ``trainer.max_steps``
 (run longer), micro-batch sizes and token budgets (memory), output and logging settings, learning
-rate and loss parameters, the reward's workers and timeout; such changes are listed on resume
-(:func:`resume_changes`) and sent to the trackers."""
+rate and loss parameters, the reward's workers and timeout (:data:`RESUME_MAY_CHANGE`); such changes
+are listed on resume (:func:`resume_changes`) and sent to the trackers."""
+
+RESUME_MAY_CHANGE = ("reward.options.num_workers", "reward.options.timeout_s")
+"""Keys under :data:`RESUME_KEYS` that a resume may change all the same: math_verify's scoring processes
+and per-answer deadline (:class:`~nemo_sspo.rewards.MathVerifyOptions`), settings of the run rather than
+of the reward's rule, which a resume could change before they moved into ``reward.options`` (a plugin
+reward's options of these names are treated alike)."""
 
 
 def composed_config(cfg: Any) -> dict[str, Any]:
@@ -99,7 +106,7 @@ def resume_mismatches(saved: dict[str, Any], current: dict[str, Any]) -> list[st
 
 
 def _must_match(key: str) -> bool:
-    return any(key == name or key.startswith(f"{name}.") for name in RESUME_KEYS)
+    return key not in RESUME_MAY_CHANGE and any(key == name or key.startswith(f"{name}.") for name in RESUME_KEYS)
 
 
 def data_parallel_size(config: dict[str, Any], world_size: int) -> int | None:

@@ -69,7 +69,7 @@ cd "$WORK"
 grep -q "source: tiny-random-llama" print-config.yaml
 "$VENV/bin/nemo-sspo" train model=tiny_random trainer.max_steps=2 rollout.prompts_per_step=2 \
     rollout.samples_per_prompt=4 rollout.sampling.max_new_tokens=24 parallel.micro_batch_size=2 \
-    reward.num_workers=1 trainer.output_dir="$WORK/run" > cli-run.log 2>&1 || { tail -40 cli-run.log; exit 1; }
+    reward.options.num_workers=1 trainer.output_dir="$WORK/run" > cli-run.log 2>&1 || { tail -40 cli-run.log; exit 1; }
 "$PY" - "$WORK/run" <<'EOF'
 import json, math, pathlib, sys
 run = pathlib.Path(sys.argv[1])

@@ -97,13 +97,13 @@ def check_vllm() -> None:
     from nemo_sspo.models import build_hf_model, load_hf_checkpoint
     from nemo_sspo.models.hf_checkpoint import engine_model_dir
     from nemo_sspo.rollout import VLLMRolloutEngine
-    from nemo_sspo.trainer.config import VLLMConfig
+    from nemo_sspo.rollout import VLLMOptions
 
     config, state_dict, tokenizer = load_hf_checkpoint(SOURCE)
     before_build = free_bytes()
     engine = VLLMRolloutEngine.build(
         engine_model_dir(SOURCE), tokenizer, seed=0, max_new_tokens=64, temperature=TEMPERATURE,
-        vllm_config=VLLMConfig(gpu_memory_utilization=0.3, enforce_eager=True, max_model_len=1024,
+        options=VLLMOptions(gpu_memory_utilization=0.3, enforce_eager=True, max_model_len=1024,
                                enable_sleep_mode=True))
     used = before_build - free_bytes()
     model = build_hf_model(config, {k: v.clone() for k, v in state_dict.items()}).cuda().eval()
@@ -398,7 +398,7 @@ def fused_layer_timings(targets, upstream, gen) -> None:
 TRAIN_OVERRIDES = ["model.precision=bf16", "model.transformer_impl=local", "rollout.engine.backend=hf",
                    "trainer.max_steps=3", "rollout.prompts_per_step=8", "rollout.samples_per_prompt=8",
                    "rollout.sampling.max_new_tokens=256", "parallel.micro_batch_size=8", "trainer.minibatches_per_step=2",
-                   "trainer.loggers=[console,jsonl]", "trainer.save_hf_checkpoint=false", "reward.num_workers=2"]
+                   "trainer.loggers=[console,jsonl]", "trainer.save_hf_checkpoint=false", "reward.options.num_workers=2"]
 
 
 def shape_checkpoint(model_dir: str):

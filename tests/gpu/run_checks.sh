@@ -185,9 +185,9 @@ HAVE_TE=0; "$PY" -c "import transformer_engine" 2>/dev/null && HAVE_TE=1
 IMPL=local; [ $HAVE_TE = 1 ] && IMPL=transformer_engine
 TRAIN=(model=smollm2_135m model.precision=bf16 trainer.max_steps=2 rollout.prompts_per_step=4
        rollout.samples_per_prompt=4 rollout.sampling.max_new_tokens=128 parallel.micro_batch_size=4
-       trainer.save_hf_checkpoint=false reward.num_workers=2 rollout.refit.bucket_mb=64)
-VLLM=(rollout.engine.backend=vllm rollout.engine.vllm.enable_sleep_mode=true rollout.engine.vllm.gpu_memory_utilization=0.3
-      rollout.engine.vllm.enforce_eager=true rollout.engine.vllm.max_model_len=1024)
+       trainer.save_hf_checkpoint=false reward.options.num_workers=2 rollout.refit.bucket_mb=64)
+VLLM=(rollout/engine=vllm rollout.engine.options.enable_sleep_mode=true rollout.engine.options.gpu_memory_utilization=0.3
+      rollout.engine.options.enforce_eager=true rollout.engine.options.max_model_len=1024)
 
 if want vllm; then
   if [ $HAVE_VLLM = 0 ]; then

@@ -24,7 +24,7 @@ REQUIRED_KEYS = {
 }
 TINY = [
     "model=tiny_random", "trainer.max_steps=2", "rollout.prompts_per_step=2", "rollout.samples_per_prompt=4",
-    "rollout.sampling.max_new_tokens=24", "parallel.micro_batch_size=2", "reward.num_workers=1", "optim.lr=1e-3",
+    "rollout.sampling.max_new_tokens=24", "parallel.micro_batch_size=2", "reward.options.num_workers=1", "optim.lr=1e-3",
 ]
 
 

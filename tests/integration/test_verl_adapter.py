@@ -336,7 +336,7 @@ def test_example_makes_the_native_recipes_optimizer_steps_per_rollout():
     reward = cfg.reward.custom_reward_function
     assert (reward.path, reward.name) == ("pkg://nemo_sspo.rewards.verl_score", "compute_score")
     assert (reward.reward_kwargs.num_workers, reward.reward_kwargs.timeout_s) == (
-        native.reward.num_workers, native.reward.timeout_s)
+        native.reward.options.num_workers, native.reward.options.timeout_s)
     # the files `nemo-sspo data prepare --format parquet` writes (tests/unit/data/test_data_prepare_parquet.py)
     assert (os.path.basename(cfg.data.train_files), os.path.basename(cfg.data.val_files)) == (
         "math_train_l3to5.parquet", "math500.parquet")

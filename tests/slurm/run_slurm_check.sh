@@ -99,7 +99,7 @@ run_job() {
     sbatch --parsable --ntasks 1 --gpus-per-node 0 --cpus-per-task 2 --time 30:00 \
     --output "${work}/job-%j.out" "${repo}/examples/slurm/sspo.sbatch" \
     model=tiny_random trainer.max_steps=2 rollout.prompts_per_step=2 rollout.samples_per_prompt=4 \
-    rollout.sampling.max_new_tokens=24 parallel.micro_batch_size=2 reward.num_workers=1 optim.lr=1e-3 \
+    rollout.sampling.max_new_tokens=24 parallel.micro_batch_size=2 reward.options.num_workers=1 optim.lr=1e-3 \
     "trainer.output_dir=${out}" "$@")
   log "${name}: submitted job ${job}"
   for i in $(seq 900); do

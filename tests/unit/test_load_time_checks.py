@@ -37,10 +37,10 @@ def test_a_layout_the_heads_allow_loads_without_weights(config_only_model, monke
      r"parallel.pipeline_model_parallel_size=2 does not divide the model's num_hidden_layers=5: use one of 1, 5$"),
     (["loss=sppo", "critic.num_layers=6"], 1, r"critic.num_layers=6 exceeds the 5 layers"),
     # vLLM shards the 6 query heads: 4 does not divide them.
-    (["rollout.engine.backend=vllm", "rollout.engine.vllm.tensor_parallel_size=4"], 1,
-     r"rollout.engine.vllm.tensor_parallel_size=4 does not split the 6 heads / 2 key/value heads"),
-    (["rollout.engine.backend=vllm", "rollout.engine.vllm.max_model_len=128"], 1,
-     r"rollout.engine.vllm.max_model_len=128 exceeds max_position_embeddings=64"),
+    (["rollout/engine=vllm", "rollout.engine.options.tensor_parallel_size=4"], 1,
+     r"rollout.engine.options.tensor_parallel_size=4 does not split the 6 heads / 2 key/value heads"),
+    (["rollout/engine=vllm", "rollout.engine.options.max_model_len=128"], 1,
+     r"rollout.engine.options.max_model_len=128 exceeds max_position_embeddings=64"),
     # the default 64 new tokens fill the whole 64-position context: no room for a prompt.
     (["rollout.engine.backend=vllm"], 1, r"rollout.sampling.max_new_tokens=64 leaves no room for a prompt in vLLM's context of 64"),
 ])
@@ -55,8 +55,8 @@ def test_eval_checks_the_engine_layout_only(config_only_model, monkeypatch):
     """`nemo-sspo eval` builds no Megatron model: a trainer TP the heads refuse is not its concern."""
     cfg = _load(config_only_model, ["parallel.tensor_model_parallel_size=4"], 1, monkeypatch, command="eval")
     assert cfg.parallel.tensor_model_parallel_size == 4
-    with pytest.raises(ValueError, match="rollout.engine.vllm.tensor_parallel_size=4 does not split"):
-        _load(config_only_model, ["rollout.engine.backend=vllm", "rollout.engine.vllm.tensor_parallel_size=4"], 1, monkeypatch,
+    with pytest.raises(ValueError, match="rollout.engine.options.tensor_parallel_size=4 does not split"):
+        _load(config_only_model, ["rollout/engine=vllm", "rollout.engine.options.tensor_parallel_size=4"], 1, monkeypatch,
               command="eval")
 
 

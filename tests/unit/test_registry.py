@@ -1,5 +1,7 @@
 """The one name -> entry table behind every plug-in point (nemo_sspo.registry)."""
 
+from dataclasses import dataclass
+
 import pytest
 
 from nemo_sspo.algorithms.losses import get_soft_gate
@@ -56,6 +58,32 @@ def test_a_builder_registry_calls_the_named_builder_and_names_the_plugins_key():
     with pytest.raises(ValueError, match=message):
         table.build("z", 1)
     assert PLUGINS_HINT.endswith("loaded with the config key plugins)")
+
+
+def test_a_builder_may_declare_an_options_dataclass():
+    @dataclass
+    class Options:
+        size: int = 1
+
+    table: BuilderRegistry[int, int] = BuilderRegistry("widget", key="kind")
+    table.add("typed", lambda n: n, options=Options)
+    table.add("plain", lambda n: n)
+    assert (table.options_of("typed"), table.options_of("plain")) == (Options, None)
+    assert table.declared_options() == {"typed": Options}
+    with pytest.raises(TypeError, match=r"options=\{'size': 1\} of widget 'bad' must be a dataclass type"):
+        table.add("bad", lambda n: n, options={"size": 1})
+    assert "bad" not in table
+    table.remove("typed")
+    assert table.declared_options() == {}
+    with pytest.raises(ValueError, match="kind='typed' is not a registered widget"):
+        table.options_of("typed")
+
+
+def test_math_verify_and_vllm_declare_their_options_and_hf_none():
+    from nemo_sspo import rewards, rollout
+
+    assert rewards.REWARD_REGISTRY.options_of("math_verify") is rewards.MathVerifyOptions
+    assert rollout.ROLLOUT_ENGINE_REGISTRY.declared_options() == {"vllm": rollout.VLLMOptions}
 
 
 def test_the_reward_and_engine_functions_are_their_registries_methods():

@@ -17,7 +17,7 @@ from nemo_sspo.models import build_hf_model, load_hf_checkpoint
 from nemo_sspo.models.hf_checkpoint import engine_model_dir
 from nemo_sspo.algorithms.off_policy import off_policy_weights
 from nemo_sspo.rollout import VLLMRolloutEngine
-from nemo_sspo.trainer.config import VLLMConfig
+from nemo_sspo.rollout import VLLMOptions
 
 TEMPERATURE = 0.7
 # > 128 tokens, vLLM's CPU KV block: refit without a prefix-cache reset would reuse its old KV.
@@ -37,7 +37,7 @@ def engine(tiny):
     rng = torch.get_rng_state(), random.getstate(), np.random.get_state()[1].copy()
     set_num_threads, threads = torch.set_num_threads, torch.get_num_threads()
     built = VLLMRolloutEngine.build(engine_model_dir("smollm2-135m-instruct"), tokenizer,
-                                    vllm_config=VLLMConfig(max_model_len=512, enforce_eager=True, cpu_kv_cache_gib=1),
+                                    options=VLLMOptions(max_model_len=512, enforce_eager=True, cpu_kv_cache_gib=1),
                                     seed=0, max_new_tokens=16, temperature=TEMPERATURE)
     # building the in-process engine leaves this process's RNGs and thread settings as they were
     assert torch.equal(torch.get_rng_state(), rng[0]) and random.getstate() == rng[1]
@@ -157,8 +157,8 @@ def test_greedy_eval_matches_transformers(engine, tiny):
     assert vllm_texts == hf_texts
 
 
-TRAIN = ["model=smollm2_135m", "rollout.engine.backend=vllm", "rollout.engine.vllm.enforce_eager=true",
-         "rollout.engine.vllm.max_model_len=512", "trainer.max_steps=2", "rollout.prompts_per_step=2",
+TRAIN = ["model=smollm2_135m", "rollout/engine=vllm", "rollout.engine.options.enforce_eager=true",
+         "rollout.engine.options.max_model_len=512", "trainer.max_steps=2", "rollout.prompts_per_step=2",
          "rollout.samples_per_prompt=4", "rollout.sampling.max_new_tokens=8", "parallel.micro_batch_size=2",
          "trainer.save_hf_checkpoint=false"]
 

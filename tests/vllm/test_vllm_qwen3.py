@@ -16,7 +16,7 @@ import torch
 from nemo_sspo.models import build_hf_model, load_hf_checkpoint
 from nemo_sspo.models.hf_checkpoint import engine_model_dir
 from nemo_sspo.rollout import VLLMRolloutEngine
-from nemo_sspo.trainer.config import VLLMConfig
+from nemo_sspo.rollout import VLLMOptions
 from tests.vllm.test_vllm_backend import TEMPERATURE, _gap, megatron_buckets
 
 PROMPTS = ["Let x = 2.\n\nThen 2x =", "Sam has 5 stamps. He buys 2 more."]
@@ -27,7 +27,7 @@ def qwen3(request, tmp_path_factory):
     cache = tmp_path_factory.mktemp("cache")
     config, state_dict, tokenizer = load_hf_checkpoint(request.param)
     engine = VLLMRolloutEngine.build(engine_model_dir(request.param, cache_dir=str(cache)), tokenizer,
-                                     vllm_config=VLLMConfig(max_model_len=256, enforce_eager=True,
+                                     options=VLLMOptions(max_model_len=256, enforce_eager=True,
                                                             cpu_kv_cache_gib=1),
                                      seed=0, max_new_tokens=12, temperature=TEMPERATURE)
     yield config, state_dict, engine

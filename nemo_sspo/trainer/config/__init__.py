@@ -1,16 +1,18 @@
 """Typed configuration of a GRPO-family training run.
 
 Each section is a dataclass in its own module (``model_section``, ``parallel_section``, ``data_section``,
-``rollout_section`` with its sub-sections ``rollout.sampling``, ``rollout.engine`` (with
-``rollout.engine.vllm``), ``rollout.refit``, ``rollout.correction`` and ``rollout.schedule``,
+``rollout_section`` with its sub-sections ``rollout.sampling``, ``rollout.engine``, ``rollout.refit``, ``rollout.correction`` and ``rollout.schedule``,
 ``reward_section``, ``optim_section``, ``loss_section``, ``advantage_section``, ``critic_section``,
 ``trainer_section`` with the trackers' sections, ``eval_section``), composed into :class:`TrainConfig`
 (``train_config``) and registered in Hydra's ConfigStore (``nodes``); the YAML files under ``nemo_sspo/conf/`` are merged onto
 ``OmegaConf.structured(TrainConfig)``, so a misspelt key or a wrong type fails when the config is
-loaded (``unknown_keys`` says which key was meant). Two sections take their schema from the layer
+loaded (``unknown_keys`` says which key was meant). Four sections take their schema from the layer
 that reads them: ``loss.params`` is the selected loss's own config dataclass (group ``loss``: node
-``<name>`` per registered loss) and ``data.options`` the selected source's options dataclass (group
-``data``: ``<source>_schema``), so every loss and source field can be overridden without Hydra's ``+``.
+``<name>`` per registered loss), ``data.options`` the selected source's options dataclass (group
+``data``: ``<source>_schema``), and ``reward.options`` / ``rollout.engine.options`` the options
+dataclass the selected reward / engine was registered with (groups ``reward`` and ``rollout/engine``:
+node ``<name>`` per registered one; ``options``), so every loss, source, reward and engine field can be
+overridden without Hydra's ``+``.
 A setting whose value is one of a fixed set of names is typed with a :class:`~nemo_sspo.choice.Choice`
 enum (``rollout.schedule.placement``: :class:`Placement`; the enums the lower layers read live there,
 e.g. ``rollout.correction.name``: :class:`~nemo_sspo.algorithms.off_policy.Correction`), so the loader
@@ -22,7 +24,7 @@ What the defaults mean: every default is the CPU demo's setting (``nemo-sspo tra
 on generated word problems, one process, about 15 minutes on 2 cores), so ``conf/sspo_smollm2_cpu.yaml``
 only selects groups. Sections the demo leaves off keep what their feature needs when it is turned
 on: ``eval`` is the paper's benchmark protocol (five benchmarks, greedy, 3,000 tokens),
-``rollout.engine.vllm`` a GPU engine. The loss defaults are each method's primary source (the method's definition, not a
+the vllm engine's options (``rollout/engine=vllm``) a GPU engine. The loss defaults are each method's primary source (the method's definition, not a
 run size). The paper-scale settings are in ``conf/recipe/``.
 
 Every default lives in its section's module (or on the loss / source dataclass), once. A section's
@@ -45,6 +47,7 @@ from nemo_sspo.trainer.config.loss_section import LossSection, build_loss_config
 from nemo_sspo.trainer.config.model_section import ModelConfig
 from nemo_sspo.trainer.config.nodes import register_config_nodes
 from nemo_sspo.trainer.config.optim_section import OptimConfig
+from nemo_sspo.trainer.config.options import OPTION_SECTIONS, resolve_options
 from nemo_sspo.trainer.config.parallel_section import ParallelConfig, micro_batch_layout
 from nemo_sspo.trainer.config.reward_section import RewardConfig
 from nemo_sspo.trainer.config.rollout_section import (
@@ -57,7 +60,6 @@ from nemo_sspo.trainer.config.rollout_section import (
     ScheduleConfig,
     ScheduleMode,
     StalePolicy,
-    VLLMConfig,
 )
 from nemo_sspo.trainer.config.rules import R3_ENGINES, RULES
 from nemo_sspo.trainer.config.train_config import TrainConfig, resolve_loss_settings, schema
@@ -73,7 +75,6 @@ __all__ = [
     "RolloutConfig",
     "SamplingConfig",
     "EngineConfig",
-    "VLLMConfig",
     "RefitConfig",
     "CorrectionConfig",
     "ScheduleConfig",
@@ -106,6 +107,8 @@ __all__ = [
     "problems_of",
     "register_config_nodes",
     "resolve_loss_settings",
+    "resolve_options",
+    "OPTION_SECTIONS",
     "advantage_estimator_name",
     "advantage_normalize_std",
     "upgrade_saved_config",

@@ -12,9 +12,10 @@ from dataclasses import fields, is_dataclass
 from typing import Any, get_type_hints
 
 from nemo_sspo.algorithms.losses import get_policy_loss
+from nemo_sspo.trainer.config.options import OPTION_SECTIONS, OptionsSection
 from nemo_sspo.trainer.config.train_config import TrainConfig
 
-__all__ = ["MOVED_KEYS", "RENAMED_KEYS", "moved_value_key", "upgrade_saved_config"]
+__all__ = ["MOVED_INTO_OPTIONS", "MOVED_KEYS", "RENAMED_KEYS", "moved_value_key", "upgrade_saved_config"]
 
 MOVED_KEYS = {
     "rollout.max_new_tokens": "rollout.sampling.max_new_tokens",
@@ -23,7 +24,8 @@ MOVED_KEYS = {
     "rollout.dynamic_sampling": "rollout.sampling.dynamic_sampling",
     "rollout.max_sampling_rounds": "rollout.sampling.max_sampling_rounds",
     "rollout.backend": "rollout.engine.backend",
-    "rollout.vllm": "rollout.engine.vllm",
+    "rollout.vllm": "rollout.engine.options",
+    "rollout.engine.vllm": "rollout.engine.options",
     "rollout.engine_options": "rollout.engine.options",
     "rollout.refit_bucket_mb": "rollout.refit.bucket_mb",
     "rollout.verify_refit": "rollout.refit.verify",
@@ -38,27 +40,57 @@ MOVED_KEYS = {
     "rollout.staleness_schedule": "rollout.schedule.mode",
     "rollout.stale_policy": "rollout.schedule.stale_policy",
     "rollout.partial": "rollout.schedule.partial",
+    "reward.num_workers": "reward.options.num_workers",
+    "reward.timeout_s": "reward.options.timeout_s",
 }
 """Keys of earlier releases that moved unchanged (the same values, the same meaning) -> today's key; a
-moved section (``rollout.vllm``) takes its keys along."""
+moved section (``rollout.engine.vllm``) takes its keys along."""
+
+MOVED_INTO_OPTIONS = {
+    "rollout.vllm": "vllm",
+    "rollout.engine.vllm": "vllm",
+    "reward.num_workers": "math_verify",
+    "reward.timeout_s": "math_verify",
+}
+"""The moved keys whose new home is a builder's typed ``options`` (``rollout.engine.options``,
+``reward.options``) -> the builder that alone read them: their keys are its options dataclass's, the
+load-time message names its group, and a saved config keeps them only where it names that builder."""
 
 
-def _node(path: str) -> Any:
-    """The type of today's key ``path`` (a section's dataclass, or a value's type)."""
+def _options_section(new: str) -> OptionsSection | None:
+    """The section of :data:`~nemo_sspo.trainer.config.options.OPTION_SECTIONS` whose ``options`` hold
+    today's key ``new``, or None.
+    """
+    return next((s for s in OPTION_SECTIONS if f"{new}.".startswith(f"{s.path}.options.")), None)
+
+
+def _node(path: str, owner: str | None = None) -> Any:
+    """The type of today's key ``path`` (a section's dataclass, or a value's type); a builder's
+    ``options`` are ``owner``'s options dataclass (``Any`` without an owner).
+    """
     node: Any = TrainConfig
-    for part in path.split("."):
-        node = get_type_hints(node)[part]
+    section = _options_section(path) if owner is not None else None
+    for depth, part in enumerate(path.split("."), 1):
+        if section is not None and ".".join(path.split(".")[:depth]) == f"{section.path}.options":
+            node = section.registry.options_of(owner)
+        else:
+            node = get_type_hints(node)[part]
     return node
 
 
 def _moved_messages() -> dict[str, str]:
-    """``{old key: "<old> moved to <new>"}`` for each moved key, and each key of a moved section."""
+    """``{old key: "<old> moved to <new>"}`` for each moved key, and each key of a moved section; a key
+    moved into a builder's options adds the group that selects them.
+    """
     messages = {}
     for old, new in MOVED_KEYS.items():
-        node = _node(new)
+        owner = MOVED_INTO_OPTIONS.get(old)
+        node = _node(new, owner)
         below = [f".{f.name}" for f in fields(node)] if is_dataclass(node) else []
+        section = _options_section(new)
+        hint = f" (select the group {section.group}={owner})" if owner is not None and section else ""
         for tail in ["", *below]:
-            messages[old + tail] = f"{old + tail} moved to {new + tail}"
+            messages[old + tail] = f"{old + tail} moved to {new + tail}{hint}"
     return messages
 
 
@@ -102,18 +134,37 @@ def _pop_old(config: dict[str, Any], old: str, new: str) -> tuple[bool, Any]:
     return True, node.pop(last)
 
 
+def _names_owner(config: dict[str, Any], new: str, owner: str) -> bool:
+    """Whether ``config`` names ``owner`` as the builder whose options hold ``new``."""
+    section = _options_section(new)
+    node: Any = config
+    for part in section.path.split("."):
+        node = node.get(part) if isinstance(node, dict) else None
+    return isinstance(node, dict) and node.get(section.key) == owner
+
+
 def _moved(saved: dict[str, Any]) -> dict[str, Any]:
-    """``saved`` with each of :data:`MOVED_KEYS` that it holds under its new key (a copy when any)."""
+    """``saved`` with each of :data:`MOVED_KEYS` that it holds under its new key (a copy when any).
+
+    The keys of :data:`MOVED_INTO_OPTIONS` go last (over an old untyped ``rollout.engine_options``)
+    and only where the config names their builder; for another builder, which never read them, they
+    are dropped (its options stay as saved).
+    """
     upgraded = copy.deepcopy(saved)
-    taken = {new: value for old, new in MOVED_KEYS.items()
-             for found, value in [_pop_old(upgraded, old, new)] if found}
+    taken = [(old, new, value) for old, new in MOVED_KEYS.items()
+             for found, value in [_pop_old(upgraded, old, new)] if found]
     if not taken:
         return saved
-    for new, value in taken.items():
+    for old, new, value in sorted(taken, key=lambda item: item[0] in MOVED_INTO_OPTIONS):
+        owner = MOVED_INTO_OPTIONS.get(old)
+        if owner is not None and not _names_owner(upgraded, new, owner):
+            continue
         *parents, last = new.split(".")
         node = upgraded
         for part in parents:
-            node = node.setdefault(part, {})
+            if node.get(part) is None:  # absent, or the null options of a builder that read none
+                node[part] = {}
+            node = node[part]
         node[last] = value
     return upgraded
 
@@ -122,7 +173,8 @@ def upgrade_saved_config(saved: dict[str, Any]) -> dict[str, Any]:
     """A composed config saved by an earlier release (``config.yaml`` as nested dicts) in today's layout.
 
     Each of :data:`MOVED_KEYS` goes to its new key with its value (the flat ``rollout`` section into
-    its sub-sections); ``loss.params.smooth_advantages: true`` becomes ``advantage.name: dcpo_smooth``
+    its sub-sections; math_verify's ``reward.num_workers`` / ``timeout_s`` and the vllm engine's section
+    into their ``options`` where the config names that reward / engine, else dropped); ``loss.params.smooth_advantages: true`` becomes ``advantage.name: dcpo_smooth``
     (false is dropped), ``loss.params.advantage_std_normalisation`` becomes ``advantage.normalize_std``:
     null where it equals the loss's default (what an old config that never set it saved), else the value.
 

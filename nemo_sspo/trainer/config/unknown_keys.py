@@ -12,6 +12,7 @@ from typing import Any, get_type_hints
 from nemo_sspo.algorithms.losses import build_policy_loss_config
 from nemo_sspo.algorithms.losses.loss_registry import losses_with_field
 from nemo_sspo.trainer.config.old_keys import RENAMED_KEYS
+from nemo_sspo.trainer.config.options import OPTION_SECTIONS
 from nemo_sspo.trainer.config.train_config import TrainConfig
 
 __all__ = ["PEER_NAMES", "find_unknown_key", "unknown_key_message"]
@@ -40,6 +41,9 @@ def unknown_key_message(path: str, loss_name: str | None) -> str:
                       "replaces loss.params with its defaults, rather than setting loss.name"
                       if losses_with_field(parts[2], besides=loss_name) else "")
             return f"{err}{switch}"
+    options = _options_key_message(path)
+    if options:
+        return options
     node: Any = TrainConfig
     for depth, part in enumerate(parts):
         hints = get_type_hints(node) if is_dataclass(node) else {}
@@ -52,6 +56,26 @@ def unknown_key_message(path: str, loss_name: str | None) -> str:
             return f"{path}: {where} has no key {part!r}{guess or '.'}{valid}"
         node = hints[part]
     return f"{path}: not a config key"
+
+
+def _options_key_message(path: str) -> str | None:
+    """For ``<section>.options.<field>`` of a builder's options (``rollout.engine.options.dtype``): the
+    groups whose options have the field (or the closest field), to select before setting it; else None.
+    """
+    for section in OPTION_SECTIONS:
+        field = path.removeprefix(f"{section.path}.options.")
+        if field == path or "." in field:
+            continue
+        declared = section.registry.declared_options()
+        owners = [f"{section.group}={name}" for name, cls in declared.items() if field in {f.name for f in fields(cls)}]
+        if owners:
+            return (f"{path}: the selected {section.noun}'s options have no key {field!r}; the options of "
+                    f"{', '.join(owners)} have it: select that group ({owners[0]}) before setting {path}")
+        close = difflib.get_close_matches(field, sorted({f.name for cls in declared.values() for f in fields(cls)}), n=1)
+        guess = f"; did you mean {f'{section.path}.options.{close[0]}'!r}?" if close else ""
+        return (f"{path}: the selected {section.noun}'s options have no key {field!r}{guess} (a {section.noun} "
+                f"registered without an options dataclass takes them whole: {section.path}.options={{{field}: ...}})")
+    return None
 
 
 def find_unknown_key(raw: Any, typed: Any, prefix: str = "") -> str | None:

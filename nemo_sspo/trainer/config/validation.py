@@ -195,21 +195,21 @@ def check_model_layout(cfg: TrainConfig, hf_config: Any, world_size: int | None 
              f"{model}; use at most that, or null for all"),
         )
     if ro.engine.backend == "vllm":
-        vllm = ro.engine.vllm
+        vllm = ro.engine.options
         heads, kv_heads, vtp = hf_config.num_attention_heads, hf_config.num_key_value_heads, vllm.tensor_parallel_size
         context = hf_config.max_position_embeddings
         limit = vllm.max_model_len or context
         problems += failed(
             # vLLM shards query heads and either shards or replicates key/value heads.
             (heads % vtp == 0 and (kv_heads % vtp == 0 or vtp % kv_heads == 0),
-             f"rollout.engine.vllm.tensor_parallel_size={vtp} does not split the {heads} heads / {kv_heads} "
+             f"rollout.engine.options.tensor_parallel_size={vtp} does not split the {heads} heads / {kv_heads} "
              f"key/value heads of {model}: use a size dividing {heads} that divides or is a multiple of {kv_heads}"),
             (vllm.max_model_len is None or vllm.max_model_len <= context,
-             f"rollout.engine.vllm.max_model_len={vllm.max_model_len} exceeds max_position_embeddings={context} "
+             f"rollout.engine.options.max_model_len={vllm.max_model_len} exceeds max_position_embeddings={context} "
              f"of {model}; use at most {context}, or null"),
             (ro.sampling.max_new_tokens < limit,
              f"rollout.sampling.max_new_tokens={ro.sampling.max_new_tokens} leaves no room for a prompt in vLLM's "
-             f"context of {limit} tokens ({model}); lower it or raise rollout.engine.vllm.max_model_len"),
+             f"context of {limit} tokens ({model}); lower it or raise rollout.engine.options.max_model_len"),
         )
     if problems:
         raise config_error(problems)

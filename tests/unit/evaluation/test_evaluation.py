@@ -129,7 +129,7 @@ def test_eval_command_path_on_a_tiny_model(data_dir, tmp_path, capsys):
     out = tmp_path / "eval"
     cfg = load_config(overrides=["model=tiny_random", "data.template=qwen-math", f"eval.data_dir={data_dir}",
                                  "eval.benchmarks=[math500,aime24]", "eval.limit_per_benchmark=2",
-                                 "eval.max_new_tokens=4", "reward.num_workers=1", f"eval.output_dir={out}"])
+                                 "eval.max_new_tokens=4", "reward.options.num_workers=1", f"eval.output_dir={out}"])
     with pytest.warns(UserWarning):
         results = run_eval(cfg)
     samples = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]

@@ -21,14 +21,14 @@ from nemo_sspo.cli import DEFAULT_CONFIG_DIR, load_config
 from nemo_sspo.data import SOURCE_OPTIONS
 from nemo_sspo.rewards import reward_names, unregister_reward
 from nemo_sspo.rollout import rollout_engine_names, unregister_rollout_engine
-from nemo_sspo.trainer.config import TrainConfig
+from nemo_sspo.trainer.config import OPTION_SECTIONS, TrainConfig
 from nemo_sspo.trainer.config.old_keys import RENAMED_KEYS
 
 ROOT = Path(__file__).resolve().parents[3]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 _FENCE = re.compile(r"```.*?```", re.S)
 _SPAN = re.compile(r"`([^`\n]+)`")
-_GROUPS = ("loss", "data", "model", "parallel", "recipe")
+_GROUPS = ("loss", "data", "model", "parallel", "recipe", "reward", "rollout/engine")
 
 
 def _spans(path: Path) -> list[str]:
@@ -57,9 +57,13 @@ def _fields(cls) -> dict:
 
 
 def _config_key_exists(key: str) -> bool:
-    """A dotted key of :class:`TrainConfig`; ``loss.params.*`` / ``data.options.*`` may be a field of
-    any registered loss config / source options class."""
+    """A dotted key of :class:`TrainConfig`; ``loss.params.*`` / ``data.options.*`` /
+    ``reward.options.*`` / ``rollout.engine.options.*`` may be a field of any registered loss config /
+    source options class / reward or engine options class."""
     parts = key.split(".")
+    for section in OPTION_SECTIONS:
+        if key.startswith(f"{section.path}.options.") and len(parts) == len(section.path.split(".")) + 2:
+            return any(parts[-1] in _fields(cls) for cls in section.registry.declared_options().values())
     if parts[:2] == ["loss", "params"] and len(parts) == 3:
         return any(parts[2] in _fields(get_policy_loss(n).config_cls) for n in policy_loss_names())
     if parts[:2] == ["data", "options"] and len(parts) == 3:
@@ -76,6 +80,9 @@ def _config_key_exists(key: str) -> bool:
 def _group_choice_exists(group: str, choice: str) -> bool:
     if group == "loss" and choice in policy_loss_names():
         return True
+    for section in OPTION_SECTIONS:
+        if group == section.group:
+            return choice in section.registry
     return (DEFAULT_CONFIG_DIR / group / f"{choice}.yaml").is_file()
 
 
@@ -114,6 +121,9 @@ def test_every_backticked_name_in_the_docs_exists():
     ("trainer.max_stepz", "no such config key"),
     ("loss.params.gamma_typo", "no such config key"),
     ("loss=grpo_typo", "no choice"),
+    ("reward.options.num_workers_typo", "no such config key"),
+    ("rollout.engine.options.max_model_len_typo", "no such config key"),
+    ("rollout/engine=vllm_typo", "no choice"),
 ])
 def test_the_checker_finds_a_stale_name(span, fragment):
     assert fragment in (_problem(span) or "")
@@ -218,8 +228,8 @@ def test_guide_reward_prompts_and_engine_have_their_documented_behaviour(guide_f
     from nemo_sspo.rollout import RolloutEngine
 
     load_config(overrides=[f"plugins=[{','.join(str(p) for p in guide_files.values())}]", "loss=reinforce",
-                           "reward.name=exact_number", "rollout.engine.backend=timed_hf", "data=countdown_schema",
-                           "data.options.start=7", "reward.options={tolerance: 0.5}"])
+                           "reward=exact_number", "rollout.engine.backend=timed_hf", "data=countdown_schema",
+                           "data.options.start=7", "reward.options.tolerance=0.5"])
     reward = _module(guide_files["my_reward.py"])
     scorer = reward.ExactNumberReward(reward.ExactNumberOptions(0.5))
     # |4.4 - 4| = 0.4 <= 0.5; the last number 3 is off by 1; no number at all.

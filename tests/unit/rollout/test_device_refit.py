@@ -239,7 +239,7 @@ def test_vllm_gets_its_head_dtype_and_refuses_tf32(monkeypatch, tmp_path):
     build_llm(tmp_path, seed=1, head_dtype="float32")
     assert built["hf_overrides"] == {"head_dtype": "float32"}
     with pytest.raises(ValueError, match="no tf32"):
-        VLLMRolloutEngine.build(tmp_path, None, vllm_config=None, seed=1, output_layer_precision="tf32")
+        VLLMRolloutEngine.build(tmp_path, None, options=None, seed=1, output_layer_precision="tf32")
 
 
 @pytest.mark.parametrize("overrides, message", [

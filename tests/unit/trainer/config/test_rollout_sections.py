@@ -11,8 +11,10 @@ from nemo_sspo.trainer.config import (
     RolloutConfig,
     SamplingConfig,
     ScheduleConfig,
-    VLLMConfig,
 )
+from nemo_sspo.rollout import VLLMOptions
+
+VLLM = EngineConfig(backend="vllm", options=VLLMOptions())
 
 
 @pytest.mark.parametrize("rollout, message", [
@@ -22,8 +24,8 @@ from nemo_sspo.trainer.config import (
      "rollout.sampling.top_p must be in (0, 1]"),
     (RolloutConfig(sampling=SamplingConfig(max_sampling_rounds=0)), "rollout.sampling.max_sampling_rounds must be >= 1"),
     (RolloutConfig(engine=EngineConfig(backend="nope")), "rollout.engine.backend='nope' is not a registered rollout engine"),
-    (RolloutConfig(engine=EngineConfig(vllm=VLLMConfig(tensor_parallel_size=0))),
-     "rollout.engine.vllm.tensor_parallel_size must be >= 1"),
+    (RolloutConfig(engine=EngineConfig(backend="vllm", options=VLLMOptions(tensor_parallel_size=0))),
+     "rollout.engine.options.tensor_parallel_size must be >= 1"),
     (RolloutConfig(refit=RefitConfig(bucket_mb=0)), "rollout.refit.bucket_mb=0 must be > 0"),
     (RolloutConfig(correction=CorrectionConfig(cap=0.5)), "rollout.correction.cap=0.5 must be >= 1"),
     (RolloutConfig(correction=CorrectionConfig(low=2.0, high=1.0)),
@@ -37,14 +39,14 @@ from nemo_sspo.trainer.config import (
     # across sub-sections
     (RolloutConfig(samples_per_prompt=1, sampling=SamplingConfig(dynamic_sampling=True)),
      "rollout.sampling.dynamic_sampling=true needs rollout.samples_per_prompt >= 2"),
-    (RolloutConfig(refit=RefitConfig(verify=True), engine=EngineConfig(backend="vllm")),
+    (RolloutConfig(refit=RefitConfig(verify=True), engine=VLLM),
      "rollout.refit.verify=true cannot read vLLM's weights back"),
     (RolloutConfig(sampling=SamplingConfig(top_p=0.9)), "rollout.sampling.top_p=0.9 samples from a renormalised nucleus"),
     (RolloutConfig(schedule=ScheduleConfig(max_staleness=1)),
      "rollout.schedule.max_staleness=1 trains on samples from older weights than pi_old, but "
      "rollout.correction.name=none leaves that gap uncorrected"),
     (RolloutConfig(schedule=ScheduleConfig(placement="separate", num_ranks=1, mode="free", partial=True),
-                   engine=EngineConfig(backend="vllm")),
+                   engine=VLLM),
      "rollout.schedule.partial=true needs an engine that can stop a generation at a refit"),
     (RolloutConfig(prompts_per_step=4, schedule=ScheduleConfig(placement="separate", num_ranks=3)),
      "rollout.schedule.num_ranks=3 does not divide rollout.prompts_per_step=4"),

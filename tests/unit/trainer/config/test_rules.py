@@ -35,7 +35,7 @@ class _Recorder:
 
 def test_the_schema_walk_sees_nested_sections():
     keys = _schema_keys()
-    assert {"rollout.engine.vllm.tensor_parallel_size", "critic.optim.lr", "trainer.wandb.mode",
+    assert {"rollout.engine.backend", "critic.optim.lr", "trainer.wandb.mode",
             "advantage.normalize_std"} <= keys
 
 
