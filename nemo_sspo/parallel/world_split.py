@@ -44,7 +44,7 @@ class WorldSplit:
     Attributes:
         rank: rank in the launched world.
         world_size: N, processes launched.
-        num_rollout_ranks: R >= 1, the last R world ranks.
+        num_rollout_ranks: R >= 1, the last R world ranks (the setting ``rollout.schedule.num_ranks``).
         bridge: gloo group of all N ranks (ranks as in the launched world).
         refit: group (gloo or NCCL, :func:`split_world`'s ``refit_backend``) of training rank 0 and
             the rollout ranks, or None on the other training ranks.
