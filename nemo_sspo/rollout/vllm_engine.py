@@ -197,8 +197,16 @@ class VLLMOptions:
         """
         checks = ((self.tensor_parallel_size >= 1, f"{key}.tensor_parallel_size must be >= 1"),
                   (0 < self.gpu_memory_utilization <= 1, f"{key}.gpu_memory_utilization must be in (0, 1]"),
-                  (self.cpu_kv_cache_gib > 0, f"{key}.cpu_kv_cache_gib must be > 0 (GiB of KV cache on CPU)"))
+                  (self.cpu_kv_cache_gib > 0, f"{key}.cpu_kv_cache_gib must be > 0 (GiB of KV cache on CPU)"),
+                  (self.dtype in VLLM_DTYPES, f"{key}.dtype={self.dtype!r} is unknown; valid: {', '.join(VLLM_DTYPES)}"),
+                  (self.max_model_len is None or self.max_model_len >= 1,
+                   f"{key}.max_model_len={self.max_model_len} must be >= 1 (tokens), or null for the model's "
+                   "max_position_embeddings"))
         return [message for holds, message in checks if not holds]
+
+
+VLLM_DTYPES = ("auto", "float32", "float", "bfloat16", "float16", "half")
+"""The model dtypes vLLM's ``LLM(dtype=...)`` takes (``auto``: :func:`resolve_dtype`)."""
 
 
 def resolve_dtype(dtype: str) -> str:

@@ -58,6 +58,11 @@ def unknown_key_message(path: str, loss_name: str | None) -> str:
     return f"{path}: not a config key"
 
 
+def _article(noun: str) -> str:
+    """``"an engine"``, ``"a reward"``."""
+    return f"{'an' if noun[0] in 'aeiou' else 'a'} {noun}"
+
+
 def _options_key_message(path: str) -> str | None:
     """For ``<section>.options.<field>`` of a builder's options (``rollout.engine.options.dtype``): the
     groups whose options have the field (or the closest field), to select before setting it; else None.
@@ -69,12 +74,15 @@ def _options_key_message(path: str) -> str | None:
         declared = section.registry.declared_options()
         owners = [f"{section.group}={name}" for name, cls in declared.items() if field in {f.name for f in fields(cls)}]
         if owners:
-            return (f"{path}: the selected {section.noun}'s options have no key {field!r}; the options of "
-                    f"{', '.join(owners)} have it: select that group ({owners[0]}) before setting {path}")
+            return (f"{path}: {section.path}.options has no key {field!r} until {_article(section.noun)} that has it is "
+                    f"selected as a group: {', '.join(owners)} (e.g. {owners[0]} {path}=...; a config whose "
+                    f"defaults list does not select a {section.group} group adds it with +{owners[0]}); setting "
+                    f"{section.path}.{section.key} alone gives the options' defaults")
         close = difflib.get_close_matches(field, sorted({f.name for cls in declared.values() for f in fields(cls)}), n=1)
         guess = f"; did you mean {f'{section.path}.options.{close[0]}'!r}?" if close else ""
-        return (f"{path}: the selected {section.noun}'s options have no key {field!r}{guess} (a {section.noun} "
-                f"registered without an options dataclass takes them whole: {section.path}.options={{{field}: ...}})")
+        return (f"{path}: no registered {section.noun}'s options have the key {field!r}{guess} (the options of "
+                f"{_article(section.noun)} registered without an options dataclass are given whole: "
+                f"{section.path}.options={{{field}: ...}})")
     return None
 
 

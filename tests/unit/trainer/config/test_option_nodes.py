@@ -159,6 +159,10 @@ def test_a_mapping_for_a_typed_builder_and_a_dataclass_for_an_untyped_one_are_re
     (["reward.options.timeout_s=0"], "reward.options.timeout_s must be > 0 (seconds per answer)"),
     (["rollout/engine=vllm", "rollout.engine.options.gpu_memory_utilization=1.5"],
      "rollout.engine.options.gpu_memory_utilization must be in (0, 1]"),
+    (["rollout/engine=vllm", "rollout.engine.options.dtype=float8"],
+     "rollout.engine.options.dtype='float8' is unknown; valid: auto, float32, float, bfloat16, float16, half"),
+    (["rollout/engine=vllm", "rollout.engine.options.max_model_len=-5"],
+     "rollout.engine.options.max_model_len=-5 must be >= 1 (tokens), or null for the model's max_position_embeddings"),
 ])
 def test_a_bad_option_is_reported_with_its_key_path(overrides, message):
     with pytest.raises(ValueError) as err:
@@ -170,9 +174,11 @@ def test_an_option_of_an_unselected_engine_names_the_group_to_select():
     with pytest.raises(ValueError) as err:
         load_config(overrides=["rollout.engine.backend=vllm", "rollout.engine.options.max_model_len=512"])
     assert str(err.value) == (
-        "invalid config 'sspo_smollm2_cpu': rollout.engine.options.max_model_len: the selected engine's options "
-        "have no key 'max_model_len'; the options of rollout/engine=vllm have it: select that group "
-        "(rollout/engine=vllm) before setting rollout.engine.options.max_model_len")
+        "invalid config 'sspo_smollm2_cpu': rollout.engine.options.max_model_len: rollout.engine.options has no "
+        "key 'max_model_len' until an engine that has it is selected as a group: rollout/engine=vllm (e.g. "
+        "rollout/engine=vllm rollout.engine.options.max_model_len=...; a config whose defaults list does not "
+        "select a rollout/engine group adds it with +rollout/engine=vllm); setting rollout.engine.backend alone "
+        "gives the options' defaults")
 
 
 @pytest.mark.parametrize("override, message", [
