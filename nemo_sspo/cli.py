@@ -70,8 +70,7 @@ def load_config(config_name: str = DEFAULT_CONFIG_NAME, overrides: list[str] | N
         config_error,
         find_unknown_key,
         register_config_nodes,
-        resolve_loss_settings,
-        resolve_options,
+        resolve_settings,
         schema,
         unknown_key_message,
         validate,
@@ -113,8 +112,7 @@ def load_config(config_name: str = DEFAULT_CONFIG_NAME, overrides: list[str] | N
                          f"packages, which now declare {installed}: remove the key (it is filled in) or "
                          "install the plugins the config names")
     cfg.entry_point_plugins = installed
-    resolve_loss_settings(cfg)
-    resolve_options(cfg)
+    resolve_settings(cfg)
     validate(cfg, world_size=world_size)
     if check_model:
         from nemo_sspo.models import load_hf_config
@@ -238,8 +236,7 @@ def _unknown_choice_problems(err: Exception, compose_raw, world_size: int | None
     from nemo_sspo.trainer.config import (
         problems_of,
         register_config_nodes,
-        resolve_loss_settings,
-        resolve_options,
+        resolve_settings,
         schema,
         unknown_choices,
     )
@@ -264,8 +261,7 @@ def _unknown_choice_problems(err: Exception, compose_raw, world_size: int | None
         return first
     try:
         cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(schema()), raw))
-        resolve_loss_settings(cfg)
-        resolve_options(cfg)
+        resolve_settings(cfg)
     except (OmegaConfBaseException, ValueError):  # broken further: reported once the choices are fixed
         return problems
     return problems + problems_of(cfg, world_size)

@@ -62,7 +62,7 @@ from nemo_sspo.trainer.config.rollout_section import (
     StalePolicy,
 )
 from nemo_sspo.trainer.config.rules import R3_ENGINES, RULES
-from nemo_sspo.trainer.config.train_config import TrainConfig, resolve_loss_settings, schema
+from nemo_sspo.trainer.config.train_config import TrainConfig, resolve_loss_settings, resolve_settings, schema
 from nemo_sspo.trainer.config.trainer_section import LOGGERS, MlflowConfig, TrainerConfig, WandbConfig, WandbMode
 from nemo_sspo.trainer.config.old_keys import RENAMED_KEYS, upgrade_saved_config
 from nemo_sspo.trainer.config.unknown_keys import PEER_NAMES, find_unknown_key, unknown_key_message
@@ -108,6 +108,7 @@ __all__ = [
     "register_config_nodes",
     "resolve_loss_settings",
     "resolve_options",
+    "resolve_settings",
     "OPTION_SECTIONS",
     "advantage_estimator_name",
     "advantage_normalize_std",

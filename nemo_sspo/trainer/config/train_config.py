@@ -15,12 +15,13 @@ from nemo_sspo.trainer.config.keyed import at_key
 from nemo_sspo.trainer.config.loss_section import LossSection, build_loss_config
 from nemo_sspo.trainer.config.model_section import ModelConfig
 from nemo_sspo.trainer.config.optim_section import OptimConfig
+from nemo_sspo.trainer.config.options import resolve_options
 from nemo_sspo.trainer.config.parallel_section import ParallelConfig
 from nemo_sspo.trainer.config.reward_section import RewardConfig
 from nemo_sspo.trainer.config.rollout_section import RolloutConfig
 from nemo_sspo.trainer.config.trainer_section import TrainerConfig
 
-__all__ = ["SECTIONS", "TrainConfig", "resolve_loss_settings", "schema"]
+__all__ = ["SECTIONS", "TrainConfig", "resolve_loss_settings", "resolve_settings", "schema"]
 
 
 @dataclass
@@ -87,3 +88,18 @@ def resolve_loss_settings(cfg: TrainConfig) -> None:
             cfg.rollout.sampling.dynamic_sampling = needs.dynamic_sampling
         if cfg.advantage.name is None:
             cfg.advantage.name = "critic" if needs.advantage_source == "critic" else "group"
+
+
+def resolve_settings(cfg: TrainConfig) -> None:
+    """Fill, in place, every setting a composed config leaves to be resolved before it is checked: the
+    loss's (:func:`resolve_loss_settings`), then the reward's and engine's options
+    (:func:`~nemo_sspo.trainer.config.options.resolve_options`).
+
+    Args:
+        cfg: the composed config.
+
+    Raises:
+        ValueError: unknown ``loss.name`` (lists the registered ones).
+    """
+    resolve_loss_settings(cfg)
+    resolve_options(cfg)
