@@ -38,8 +38,10 @@ def load_config(config_name: str = DEFAULT_CONFIG_NAME, overrides: list[str] | N
                 config_dir: str | Path = DEFAULT_CONFIG_DIR, *, command: str = "train", check_model: bool = False):
     """Composes a YAML config with overrides into a typed, validated :class:`TrainConfig`.
 
-    Every check of the config runs here, before any process group, model or data exists
-    (:func:`nemo_sspo.trainer.config.validate`), so a bad value fails in the first second.
+    Every check of the config runs here, before any process group, model or data exists (the checks
+    of :func:`nemo_sspo.trainer.config.validate`), so a bad value fails in the first second; every
+    problem of every kind (unknown or old keys, wrong types, values outside their set, failed checks)
+    is reported in one error (:func:`_every_problem`).
 
     Args:
         config_name: the primary YAML file's name (without ``.yaml``) in ``config_dir``.
@@ -52,8 +54,8 @@ def load_config(config_name: str = DEFAULT_CONFIG_NAME, overrides: list[str] | N
             be at hand). The CLI sets it for every run.
 
     Raises:
-        ValueError: an unknown key, a wrong type (with OmegaConf's reason), or a failed check, naming
-            the key path.
+        ValueError: ``invalid config '<name>': `` and every unknown key, wrong type (with OmegaConf's
+            reason) and failed check, each naming the key path and the fix.
         FileNotFoundError: ``model.source`` cannot be found (``check_model``).
 
     With ``check_model`` and ``command="train"``, the memory plan
@@ -67,13 +69,9 @@ def load_config(config_name: str = DEFAULT_CONFIG_NAME, overrides: list[str] | N
     from omegaconf.errors import OmegaConfBaseException
 
     from nemo_sspo.trainer.config import (
-        config_error,
         find_unknown_key,
         register_config_nodes,
-        resolve_settings,
         schema,
-        unknown_key_message,
-        validate,
     )
     from nemo_sspo.trainer.plugins import load_entry_point_plugins, load_plugins
 
@@ -94,26 +92,23 @@ def load_config(config_name: str = DEFAULT_CONFIG_NAME, overrides: list[str] | N
     world_size = launch_world_size() if command == "train" else None
     try:
         raw, cfg = compose_typed(overrides)
+        if set(cfg.plugins) - set(_plugins_named(config_name, overrides, Path(config_dir))):
+            # Named by a YAML further down the defaults list: import them, then compose again.
+            load_plugins(cfg.plugins)
+            register_config_nodes()
+            raw, cfg = compose_typed(overrides)
     except (HydraException, OmegaConfBaseException) as err:
-        problems = _unknown_choice_problems(err, lambda: compose_raw(overrides), world_size)
-        if problems:
-            raise ValueError(f"invalid config {config_name!r}: {config_error(problems)}") from err
-        raise ValueError(_hydra_error_message(config_name, err, overrides, compose_typed)) from err
-    if set(cfg.plugins) - set(_plugins_named(config_name, overrides, Path(config_dir))):
-        # Named by a YAML further down the defaults list: import them, then compose again.
-        load_plugins(cfg.plugins)
-        register_config_nodes()
-        raw, cfg = compose_typed(overrides)
-    unknown = find_unknown_key(raw, cfg)
-    if unknown:  # a key added with '+' that no field takes: Hydra keeps it, the dataclasses drop it
-        raise ValueError(f"invalid config {config_name!r}: {unknown_key_message(unknown, cfg.loss.name)}")
+        raise _invalid(config_name, _every_problem(err, compose_raw, overrides, world_size)) from err
+    if find_unknown_key(raw, cfg):  # a key added with '+' that no field takes: Hydra keeps it, the dataclasses drop it
+        raise _invalid(config_name, _every_problem(None, compose_raw, overrides, world_size))
     if cfg.entry_point_plugins and cfg.entry_point_plugins != installed:
         raise ValueError(f"entry_point_plugins={cfg.entry_point_plugins} is recorded from the installed "
                          f"packages, which now declare {installed}: remove the key (it is filled in) or "
                          "install the plugins the config names")
     cfg.entry_point_plugins = installed
-    resolve_settings(cfg)
-    validate(cfg, world_size=world_size)
+    problems = _settled_problems(cfg, world_size)
+    if problems:
+        raise _invalid(config_name, problems)
     if check_model:
         from nemo_sspo.models import load_hf_config
         from nemo_sspo.trainer.config import check_model_layout
@@ -148,20 +143,133 @@ def _plugins_named(config_name: str, overrides: list[str], config_dir: Path) -> 
     return list(named or [])
 
 
-def _hydra_error_message(config_name: str, err: Exception, overrides: list[str], compose_typed) -> str:
-    """Hydra's error, or, for an override of a key that does not exist, which key was meant (Hydra
-    would suggest '+', which adds a key no dataclass field reads).
+def _invalid(config_name: str, problems: list[str]) -> ValueError:
+    """The load's one error: ``invalid config '<name>': `` and every problem (a numbered list for
+    several, :func:`~nemo_sspo.trainer.config.config_error`).
+    """
+    from nemo_sspo.trainer.config import config_error
+
+    return ValueError(f"invalid config {config_name!r}: {config_error(problems)}")
+
+
+def _settled_problems(cfg, world_size: int | None) -> list[str]:
+    """The problems of a typed config: its settings resolved
+    (:func:`~nemo_sspo.trainer.config.resolve_settings`, whose one error is an unknown ``loss.name``),
+    then every check (:func:`~nemo_sspo.trainer.config.problems_of`).
+    """
+    from nemo_sspo.trainer.config import problems_of, resolve_settings
+
+    try:
+        resolve_settings(cfg)
+    except ValueError as err:
+        return [str(err)]
+    return problems_of(cfg, world_size)
+
+
+def _every_problem(err: Exception | None, compose_raw, overrides: list[str], world_size: int | None) -> list[str]:
+    """Every problem of a config that did not compose onto the typed schema (OmegaConf and Hydra stop at
+    the first) or that adds a key no field takes (``+trainer.foo=1``, ``err`` None): the config is
+    composed again over an untyped ``train_schema``, leaving out each override Hydra refuses even so
+    (a key that does not exist, a group option that does not exist, a wrong value in a group's
+    dataclass); the keys and values the typed schema refuses are then found and taken out
+    (:func:`~nemo_sspo.trainer.config.refused.refused_keys_and_values`), and the rest is typed and checked.
+
+    Args:
+        err: the typed composition's error, or None.
+        compose_raw: ``(overrides) -> DictConfig``, Hydra's composition of the config with those overrides.
+        overrides: the command line's overrides.
+        world_size: as :func:`~nemo_sspo.trainer.config.validate`.
+
+    Returns:
+        The messages: refused overrides (in command-line order), refused keys and values (in the
+        config's order), then the checks'. Where the config does not compose even over the untyped
+        schema (a broken YAML file), the refused overrides and Hydra's error.
+    """
+    from hydra.core.config_store import ConfigStore
+    from hydra.errors import HydraException
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    from nemo_sspo.trainer.config import register_config_nodes, schema
+    from nemo_sspo.trainer.config.refused import refused_keys_and_values
+
+    items, refused = list(overrides), []
+    ConfigStore.instance().store(name="train_schema", node=OmegaConf.to_container(OmegaConf.structured(schema())))
+    try:
+        while True:
+            try:
+                raw = compose_raw(items)
+                break
+            except (HydraException, OmegaConfBaseException) as refusal:
+                item = _override_named(refusal, items)
+                if item is None:  # a YAML file's: the composition ends here
+                    return [_override_problem(item, bad, None) for item, bad in refused] + [_stopping_problem(refusal)]
+                refused.append((item, refusal))
+                items.remove(item)
+    finally:
+        register_config_nodes()  # the typed train_schema again
+    loss_name = OmegaConf.select(raw, "loss.name", default=None)
+    problems = [_override_problem(item, bad, loss_name) for item, bad in refused] + refused_keys_and_values(raw)
+    try:
+        cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(schema()), raw))
+    except (OmegaConfBaseException, ValueError) as left:  # e.g. a mandatory value left unset
+        return problems + [f"{left}{_omegaconf_reason(left)}"]
+    problems += _settled_problems(cfg, world_size)
+    if not problems and err is not None:  # not found again: the error itself
+        problems = [f"{err}{_omegaconf_reason(err)}"]
+    return problems
+
+
+def _stopping_problem(err: Exception) -> str:
+    """The problem of a YAML file that stops even the composition over the untyped schema (a key or
+    value in a group's dataclass, ``loss: params: ...``): the key's closest or new key
+    (:func:`~nemo_sspo.trainer.config.unknown_key_message`), the refused value's reason, or Hydra's error.
+    """
+    from omegaconf.errors import ConfigKeyError, ValidationError
+
+    from nemo_sspo.trainer.config import unknown_key_message
+
+    cause: BaseException | None = err
+    while cause is not None:
+        key = getattr(cause, "full_key", None)
+        if key and isinstance(cause, ConfigKeyError):
+            return unknown_key_message(key, None)
+        if key and isinstance(cause, ValidationError):
+            return f"{key}: {cause.msg.splitlines()[0]}"
+        cause = cause.__cause__ or cause.__context__
+    return f"{err}{_omegaconf_reason(err)}"
+
+
+def _override_named(err: Exception, items: list[str]) -> str | None:
+    """The override of ``items`` that Hydra's ``err`` refuses, or None (an error of a YAML file)."""
+    def key(item: str) -> str:
+        return item.split("=", 1)[0].lstrip("+~")
+
+    text = str(err)
+    named = re.search(r"Could not override '([^']+)'|Could not find '([^']+)/[^'/]+'|Could not append to config. "
+                      r"An item is already at '([^']+)'", text)
+    if named:
+        path = next(group for group in named.groups() if group).replace("/", ".")
+        return next((item for item in items if key(item).replace("/", ".") == path), None)
+    merging = re.search(r"Error merging override (.+)", text)
+    return merging.group(1).strip() if merging and merging.group(1).strip() in items else None
+
+
+def _override_problem(item: str, err: Exception, loss_name: str | None) -> str:
+    """The problem of an override Hydra refuses (:func:`_override_named`), naming the key and the fix: an
+    unknown key's closest or new key, a group option's registered names and how a plug-in adds one, or
+    the refused value's reason.
     """
     from nemo_sspo.trainer.config import unknown_key_message
+    from nemo_sspo.trainer.config.refused import refused_value_message
 
     missing = re.search(r"Could not find 'loss/([^']+)'", str(err))
     if missing:  # Hydra lists the group's files; say what a loss is and how a new one is added
         from nemo_sspo.algorithms.losses import policy_loss_names
 
-        return (f"invalid config {config_name!r}: loss={missing.group(1)} is neither a registered policy "
-                f"loss nor a variant YAML of the group loss; registered: {policy_loss_names()}. "
-                "A loss of your own is added by the module that registers it: "
-                f"plugins=[my_loss.py] loss={missing.group(1)} (docs/extending.md)")
+        return (f"loss={missing.group(1)} is neither a registered policy loss nor a variant YAML of the group "
+                f"loss; registered: {policy_loss_names()}. A loss of your own is added by the module that "
+                f"registers it: plugins=[my_loss.py] loss={missing.group(1)} (docs/extending.md)")
     missing = re.search(r"Could not find '(reward|rollout/engine)/([^']+)'", str(err))
     if missing:  # a reward / engine group: the registered names, and how a plug-in adds one
         from nemo_sspo.registry import PLUGINS_HINT
@@ -169,102 +277,14 @@ def _hydra_error_message(config_name: str, err: Exception, overrides: list[str],
 
         group, choice = missing.groups()
         registry = next(section.registry for section in OPTION_SECTIONS if section.group == group)
-        return (f"invalid config {config_name!r}: {group}={choice} is not a registered {registry.kind}; registered: "
-                f"{registry.names()}{PLUGINS_HINT}")
-    match = re.search(r"Could not override '([^']+)'", str(err))
-    if not match:
-        renamed = _renamed_key(err)
-        if renamed:
-            return f"invalid config {config_name!r}: {unknown_key_message(renamed, None)}"
-        return f"invalid config {config_name!r}: {err}{_omegaconf_reason(err)}"
-    path = match.group(1)
-    rest = [item for item in overrides if item.split("=", 1)[0].lstrip("+~") != path]
-    try:
-        loss_name = compose_typed(rest)[1].loss.name
-    except Exception:  # noqa: BLE001 - the other overrides are broken too: no loss-specific hint
-        loss_name = None
-    return f"invalid config {config_name!r}: {unknown_key_message(path, loss_name)}"
-
-
-def _renamed_key(err: Exception) -> str | None:
-    """The key of an earlier release (:data:`~nemo_sspo.trainer.config.RENAMED_KEYS`) that ``err``
-    refuses, or None: a key the schema lacks in a YAML file (``full_key: rollout.temperature``), or a
-    value given where a section now stands (``rollout.correction=token_tis``: OmegaConf's ``full_key``
-    under Hydra's error on the command line; in a YAML file only the section's class, ``str is not a
-    subclass of CorrectionConfig``).
-    """
-    from nemo_sspo.trainer.config import RENAMED_KEYS
-    from nemo_sspo.trainer.config.old_keys import moved_value_key
-
-    cause: BaseException | None = err
-    while cause is not None:
-        for key in (getattr(cause, "full_key", None), *re.findall(r"full_key: (\S+)", str(cause))):
-            if key in RENAMED_KEYS:
-                return key
-        section = re.search(r"is not a subclass of (\w+)", str(cause))
-        moved = moved_value_key(section.group(1)) if section else None
-        if moved:
-            return moved
-        cause = cause.__cause__ or cause.__context__
-    return None
-
-
-def _unknown_choice_problems(err: Exception, compose_raw, world_size: int | None) -> list[str]:
-    """Every problem of a config that OmegaConf refused for a value outside a
-    :class:`~nemo_sspo.choice.Choice` field's names (``Invalid value 'remote', expected one of
-    [colocated, separate]``; raised itself, under Hydra's ``Error merging override`` or while Hydra
-    composes a YAML file's value), which stops at the first such value: the config composed again over
-    an untyped schema gives every refused value
-    (:func:`~nemo_sspo.trainer.config.validation.unknown_choices`), and the config with those at their
-    defaults every other problem (:func:`~nemo_sspo.trainer.config.validation.problems_of`). Empty for
-    any other error.
-
-    Args:
-        err: the composition's error.
-        compose_raw: ``() -> DictConfig``, Hydra's composition of the same config name and overrides.
-        world_size: as :func:`~nemo_sspo.trainer.config.validate`.
-
-    Returns:
-        The messages, refused values first; only the one ``err`` names where the config cannot be
-        composed over the untyped schema either (then its other errors show once this is fixed).
-    """
-    from hydra.core.config_store import ConfigStore
-    from hydra.errors import HydraException
-    from omegaconf import OmegaConf
-    from omegaconf.errors import OmegaConfBaseException, ValidationError
-
-    from nemo_sspo.trainer.config import (
-        problems_of,
-        register_config_nodes,
-        resolve_settings,
-        schema,
-        unknown_choices,
-    )
-
-    cause: BaseException | None = err
-    while cause is not None and not isinstance(cause, ValidationError):
-        cause = cause.__cause__ or cause.__context__
-    refused = cause and cause.full_key and re.match(r"Invalid value '(.*)', expected one of \[(.*)\]", str(cause.msg))
-    if not refused:
-        return []
-    value, valid = refused.groups()
-    first = [f"{cause.full_key}={value!r} is unknown; valid: {valid}"]
-    ConfigStore.instance().store(name="train_schema", node=OmegaConf.to_container(OmegaConf.structured(schema())))
-    try:
-        raw = compose_raw()
-    except (HydraException, OmegaConfBaseException):
-        return first
-    finally:
-        register_config_nodes()  # the typed train_schema again
-    problems = unknown_choices(raw)
-    if not problems:  # a value the walk does not reach: the one OmegaConf named
-        return first
-    try:
-        cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(schema()), raw))
-        resolve_settings(cfg)
-    except (OmegaConfBaseException, ValueError):  # broken further: reported once the choices are fixed
-        return problems
-    return problems + problems_of(cfg, world_size)
+        return f"{group}={choice} is not a registered {registry.kind}; registered: {registry.names()}{PLUGINS_HINT}"
+    path, _, value = item.lstrip("+~").partition("=")
+    if re.search(r"Could not override|Could not append", str(err)):
+        return unknown_key_message(path, loss_name)
+    cause = err.__cause__
+    if cause is None or not isinstance(cause, Exception):
+        return f"{err}"
+    return refused_value_message(path, value, cause)
 
 
 def _omegaconf_reason(err: Exception) -> str:

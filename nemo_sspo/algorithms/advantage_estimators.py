@@ -126,7 +126,7 @@ class AdvantageInputs:
         """Deprecated: :attr:`samples_per_prompt` by its name before this release (removed in the next)."""
         warnings.warn("AdvantageInputs.group_size is deprecated: read AdvantageInputs.samples_per_prompt (the "
                       "same G, responses per prompt); group_size is removed in the next release",
-                      DeprecationWarning, stacklevel=2)
+                      FutureWarning, stacklevel=2)
         return self.samples_per_prompt
 
 
@@ -185,8 +185,12 @@ class AdvantageEstimator:
         next_history: ``next_history(step_groups, history) -> dict`` the per-prompt history after the
             step (needs ``group_values``), or None for an estimator without memory.
         min_group_size: deprecated keyword, ``min_samples_per_prompt`` by its name before this release:
-            given, it sets ``min_samples_per_prompt`` with a DeprecationWarning (removed in the next
-            release; only the keyword is kept: read the minimum as ``min_samples_per_prompt``).
+            given, it sets ``min_samples_per_prompt`` with a FutureWarning (removed in the next
+            release; only the keyword is kept, as :func:`dataclasses.replace` reads an InitVar's attribute:
+            read the minimum as ``min_samples_per_prompt``).
+
+    Raises:
+        TypeError: ``min_group_size`` and a ``min_samples_per_prompt`` other than the default, which differ.
     """
 
     name: str
@@ -203,10 +207,15 @@ class AdvantageEstimator:
 
     def __post_init__(self, min_group_size: int | None) -> None:
         if min_group_size is not None:
+            if self.min_samples_per_prompt not in (2, min_group_size):  # 2: the default, i.e. not given
+                raise TypeError(f"AdvantageEstimator({self.name!r}) got min_group_size={min_group_size} and "
+                                f"min_samples_per_prompt={self.min_samples_per_prompt}, the old and new name of one "
+                                "argument: pass min_samples_per_prompt= only")
             warnings.warn("AdvantageEstimator(min_group_size=...) is deprecated: pass min_samples_per_prompt=... "
                           "(the smallest G, responses per prompt); min_group_size is removed in the next release",
-                          DeprecationWarning, stacklevel=3)
+                          FutureWarning, stacklevel=3)
             object.__setattr__(self, "min_samples_per_prompt", min_group_size)
+
 
 
 _REGISTRY: Registry[AdvantageEstimator] = Registry(

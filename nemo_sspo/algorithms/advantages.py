@@ -41,7 +41,7 @@ __all__ = ["PromptRewardStats", "group_advantages", "smooth_group_advantages", "
 
 def _accepts_group_size(fn: Callable) -> Callable:
     """``fn`` that also takes ``group_size=G``, this keyword's name before ``samples_per_prompt``, as
-    ``samples_per_prompt=G`` with a DeprecationWarning (kept for one release: docs/extending.md).
+    ``samples_per_prompt=G`` with a FutureWarning (kept for one release: docs/extending.md).
     """
 
     @functools.wraps(fn)
@@ -52,7 +52,7 @@ def _accepts_group_size(fn: Callable) -> Callable:
                                 "of one argument: pass samples_per_prompt= only")
             warnings.warn(f"{fn.__name__}(group_size=...) is deprecated: pass samples_per_prompt=... (G, "
                           "responses per prompt); group_size= is removed in the next release",
-                          DeprecationWarning, stacklevel=2)
+                          FutureWarning, stacklevel=2)
             kwargs["samples_per_prompt"] = kwargs.pop("group_size")
         return fn(*args, **kwargs)
 

@@ -6,7 +6,8 @@ Each section is a dataclass in its own module (``model_section``, ``parallel_sec
 ``trainer_section`` with the trackers' sections, ``eval_section``), composed into :class:`TrainConfig`
 (``train_config``) and registered in Hydra's ConfigStore (``nodes``); the YAML files under ``nemo_sspo/conf/`` are merged onto
 ``OmegaConf.structured(TrainConfig)``, so a misspelt key or a wrong type fails when the config is
-loaded (``unknown_keys`` says which key was meant). Four sections take their schema from the layer
+loaded (``unknown_keys`` says which key was meant; ``refused`` finds every such key and value where
+OmegaConf stops at the first). Four sections take their schema from the layer
 that reads them: ``loss.params`` is the selected loss's own config dataclass (group ``loss``: node
 ``<name>`` per registered loss), ``data.options`` the selected source's options dataclass (group
 ``data``: ``<source>_schema``), and ``reward.options`` / ``rollout.engine.options`` the options
@@ -66,7 +67,7 @@ from nemo_sspo.trainer.config.train_config import TrainConfig, resolve_loss_sett
 from nemo_sspo.trainer.config.trainer_section import LOGGERS, MlflowConfig, TrainerConfig, WandbConfig, WandbMode
 from nemo_sspo.trainer.config.old_keys import RENAMED_KEYS, upgrade_saved_config
 from nemo_sspo.trainer.config.unknown_keys import PEER_NAMES, find_unknown_key, unknown_key_message
-from nemo_sspo.trainer.config.validation import check_model_layout, config_error, problems_of, unknown_choices, validate
+from nemo_sspo.trainer.config.validation import check_model_layout, config_error, problems_of, validate
 
 __all__ = [
     "ModelConfig",
@@ -97,7 +98,6 @@ __all__ = [
     "WandbConfig",
     "WandbMode",
     "MlflowConfig",
-    "unknown_choices",
     "validate",
     "check_model_layout",
     "config_error",

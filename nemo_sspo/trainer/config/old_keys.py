@@ -15,7 +15,7 @@ from nemo_sspo.algorithms.losses import get_policy_loss
 from nemo_sspo.trainer.config.options import OPTION_SECTIONS, OptionsSection
 from nemo_sspo.trainer.config.train_config import TrainConfig
 
-__all__ = ["MOVED_INTO_OPTIONS", "MOVED_KEYS", "RENAMED_KEYS", "moved_value_key", "upgrade_saved_config"]
+__all__ = ["MOVED_INTO_OPTIONS", "MOVED_KEYS", "RENAMED_KEYS", "upgrade_saved_config"]
 
 MOVED_KEYS = {
     "rollout.max_new_tokens": "rollout.sampling.max_new_tokens",
@@ -92,17 +92,6 @@ def _moved_messages() -> dict[str, str]:
         for tail in ["", *below]:
             messages[old + tail] = f"{old + tail} moved to {new + tail}{hint}"
     return messages
-
-
-def moved_value_key(section: str) -> str | None:
-    """The moved key whose value a config gives where today's section of class ``section`` stands
-    (``rollout.correction: token_tis``, OmegaConf's ``str is not a subclass of CorrectionConfig``), or
-    None.
-    """
-    for old, new in MOVED_KEYS.items():
-        if new.startswith(f"{old}.") and _node(old).__name__ == section:
-            return old
-    return None
 
 
 RENAMED_KEYS = {

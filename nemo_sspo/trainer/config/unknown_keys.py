@@ -11,7 +11,7 @@ from typing import Any, get_type_hints
 
 from nemo_sspo.algorithms.losses import build_policy_loss_config
 from nemo_sspo.algorithms.losses.loss_registry import losses_with_field
-from nemo_sspo.trainer.config.old_keys import RENAMED_KEYS
+from nemo_sspo.trainer.config.old_keys import MOVED_KEYS, RENAMED_KEYS
 from nemo_sspo.trainer.config.options import OPTION_SECTIONS
 from nemo_sspo.trainer.config.train_config import TrainConfig
 
@@ -30,16 +30,19 @@ def unknown_key_message(path: str, loss_name: str | None) -> str:
     The loss config's own message is used for ``loss.params.*``
     (``nemo_sspo.algorithms.losses.build_policy_loss_config``).
     """
-    if path in RENAMED_KEYS:
-        return RENAMED_KEYS[path]
     parts = path.split(".")
+    for depth in range(len(parts), 0, -1):  # the key, or a section it was in, of an earlier release
+        old, below = ".".join(parts[:depth]), path[len(".".join(parts[:depth])):]
+        if old not in RENAMED_KEYS or (below and MOVED_KEYS.get(old, "").startswith(f"{old}.")):
+            continue  # not an old key, or an old value whose key is a section today (rollout.correction)
+        return f"{path} moved to {MOVED_KEYS[old]}{below}" if below and old in MOVED_KEYS else RENAMED_KEYS[old]
     if parts[:2] == ["loss", "params"] and len(parts) == 3 and loss_name:
         try:
             build_policy_loss_config(loss_name, {parts[2]: None}, where="loss.params")
         except ValueError as err:
-            switch = (f". To switch to loss {loss_name!r}, select its group (`loss={loss_name}`), which "
-                      "replaces loss.params with its defaults, rather than setting loss.name"
-                      if losses_with_field(parts[2], besides=loss_name) else "")
+            owners = losses_with_field(parts[2], besides=loss_name)
+            switch = (f". To switch to one of them, select its group (e.g. `loss={owners[0]}`), which replaces "
+                      "loss.params with that loss's defaults, rather than setting loss.name" if owners else "")
             return f"{err}{switch}"
     options = _options_key_message(path)
     if options:

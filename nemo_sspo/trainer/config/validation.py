@@ -5,14 +5,10 @@
 
 from __future__ import annotations
 
-from collections.abc import MutableMapping
-from dataclasses import fields, is_dataclass
-from types import UnionType
-from typing import Any, get_args, get_type_hints
+from typing import Any
 
 from nemo_sspo.algorithms.advantage_estimators import AdvantageEstimator, get_advantage_estimator
 from nemo_sspo.algorithms.losses import LossRequirements, get_policy_loss
-from nemo_sspo.choice import Choice
 from nemo_sspo.megatron.model import check_architecture
 from nemo_sspo.megatron.moe import is_moe
 from nemo_sspo.trainer.config.advantage_section import advantage_estimator_name
@@ -21,7 +17,7 @@ from nemo_sspo.trainer.config.loss_section import build_loss_config
 from nemo_sspo.trainer.config.rules import RULES, Facts
 from nemo_sspo.trainer.config.train_config import SECTIONS, TrainConfig
 
-__all__ = ["check_model_layout", "config_error", "facts_of", "problems_of", "unknown_choices", "validate"]
+__all__ = ["check_model_layout", "config_error", "facts_of", "problems_of", "validate"]
 
 
 def facts_of(cfg: TrainConfig, world_size: int | None) -> Facts:
@@ -117,42 +113,6 @@ def validate(cfg: TrainConfig, world_size: int | None = 1) -> None:
     problems = problems_of(cfg, world_size)
     if problems:
         raise config_error(problems)
-
-
-def unknown_choices(raw: MutableMapping[str, Any], section: Any = None, prefix: str = "") -> list[str]:
-    """Every value outside its :class:`~nemo_sspo.choice.Choice` field's names in a composed but
-    untyped config, each replaced in place by the field's default, so that the typed config can
-    then be built and checked for its other problems (OmegaConf refuses the first such value alone).
-
-    Ours.
-
-    Args:
-        raw: the composed config (Hydra's composition over an untyped schema; a ``DictConfig``, whose
-            group nodes keep their dataclass types).
-        section: the dataclass instance that holds the defaults of ``raw``'s level (None: the
-            :func:`~nemo_sspo.trainer.config.train_config.schema` defaults of the whole config).
-        prefix: the key path of ``raw``'s level, ending in ``.`` below the top.
-
-    Returns:
-        ``"<key>='<value>' is unknown; valid: <names>"`` per refused value, in field order.
-    """
-    from nemo_sspo.trainer.config.train_config import schema
-
-    section = schema() if section is None else section
-    found: list[str] = []
-    hints = get_type_hints(type(section))
-    for item in fields(section):
-        value, default = raw.get(item.name), getattr(section, item.name)
-        if is_dataclass(default) and isinstance(value, MutableMapping):
-            found += unknown_choices(value, default, f"{prefix}{item.name}.")
-            continue
-        hint = hints[item.name]
-        choice = next((arg for arg in (get_args(hint) if isinstance(hint, UnionType) else (hint,))
-                       if isinstance(arg, type) and issubclass(arg, Choice)), None)
-        if choice is not None and value is not None and value not in choice.__members__:
-            found.append(f"{prefix}{item.name}={value!r} is unknown; valid: {', '.join(choice.__members__)}")
-            raw[item.name] = None if default is None else default.value
-    return found
 
 
 def check_model_layout(cfg: TrainConfig, hf_config: Any, world_size: int | None = 1) -> None:

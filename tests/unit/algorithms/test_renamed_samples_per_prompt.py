@@ -1,5 +1,5 @@
 """The names of the responses per prompt before ``samples_per_prompt`` (``group_size``, ``min_group_size``)
-still work for one release, with the same values and a DeprecationWarning naming the new name."""
+still work for one release, with the same values and a FutureWarning naming the new name."""
 
 import dataclasses
 import math
@@ -26,7 +26,7 @@ R = torch.tensor([1.0, 0.0, 1.0, 1.0])
 
 def _old_and_new(fn, *args, **kwargs):
     """``fn`` called with ``group_size=2`` (must warn) and with ``samples_per_prompt=2`` (must not)."""
-    with pytest.warns(DeprecationWarning, match=rf"{fn.__name__}\(group_size=\.\.\.\).*samples_per_prompt="):
+    with pytest.warns(FutureWarning, match=rf"{fn.__name__}\(group_size=\.\.\.\).*samples_per_prompt="):
         old = fn(*args, group_size=2, **kwargs)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
@@ -72,7 +72,7 @@ def test_old_and_new_keyword_together_are_refused():
 
 def test_advantage_inputs_group_size_reads_samples_per_prompt():
     inputs = AdvantageInputs(R, R, samples_per_prompt=2)
-    with pytest.warns(DeprecationWarning, match=r"AdvantageInputs\.samples_per_prompt"):
+    with pytest.warns(FutureWarning, match=r"AdvantageInputs\.samples_per_prompt"):
         assert inputs.group_size == 2
     with pytest.raises(AttributeError):
         inputs.group_size = 4  # read-only, as every field of the frozen inputs
@@ -84,7 +84,7 @@ def test_plugin_written_against_the_old_names_still_runs():
         grouped = inputs.rewards.to(torch.float64).reshape(-1, inputs.group_size)
         return (grouped - grouped.mean(dim=1, keepdim=True)).reshape(-1)
 
-    with pytest.warns(DeprecationWarning, match=r"pass min_samples_per_prompt="):
+    with pytest.warns(FutureWarning, match=r"pass min_samples_per_prompt="):
         estimator = AdvantageEstimator("t_old_names", "group", compute, min_group_size=3)
     assert estimator.min_samples_per_prompt == 3
     # Only the keyword is kept (an InitVar): dataclasses.replace still copies the minimum, without a warning.
@@ -94,7 +94,7 @@ def test_plugin_written_against_the_old_names_still_runs():
     register_advantage_estimator(estimator)
     try:
         rewards = torch.tensor([1.0, 0.0, 0.0, 0.0, 1.0, 1.0, 0.0, 0.0])
-        with pytest.warns(DeprecationWarning, match="samples_per_prompt"):
+        with pytest.warns(FutureWarning, match="samples_per_prompt"):
             adv = estimate_advantages(estimator, AdvantageInputs(rewards, rewards, 4))
         # G = 4: [1, 0, 0, 0] - 1/4 and [1, 1, 0, 0] - 1/2.
         torch.testing.assert_close(adv, torch.tensor([0.75, -0.25, -0.25, -0.25, 0.5, 0.5, -0.5, -0.5]))
@@ -103,6 +103,12 @@ def test_plugin_written_against_the_old_names_still_runs():
             estimate_advantages(estimator, AdvantageInputs(rewards, rewards, 2))
     finally:
         unregister_advantage_estimator("t_old_names")
+
+
+def test_old_and_new_estimator_keyword_that_differ_are_refused():
+    with pytest.raises(TypeError, match="pass min_samples_per_prompt= only"):
+        AdvantageEstimator("t_both", "group", lambda inputs, stats: inputs.rewards, min_samples_per_prompt=4,
+                           min_group_size=3)
 
 
 def test_new_names_do_not_warn():

@@ -78,7 +78,7 @@ def test_group_hint_only_when_key_belongs_to_another_loss():
     with pytest.raises(ValueError, match=r"^params\.gamma: .*'gamma' is a field of the losses \['sspo'\], "
                                          r"not of 'grpo'$"):
         build_policy_loss_config("grpo", {"gamma": 2.2})
-    assert re.search(r"^loss\.params\.gamma: .*\['sspo'\].*`loss=grpo`.*rather than setting loss\.name$",
+    assert re.search(r"^loss\.params\.gamma: .*\['sspo'\].*`loss=sspo`.*rather than setting loss\.name$",
                      unknown_key_message("loss.params.gamma", "grpo"))
     assert "loss=" not in unknown_key_message("loss.params.no_such_key", "grpo")
     with pytest.raises(ValueError) as err:

@@ -109,7 +109,7 @@ def test_a_plugin_reward_with_an_options_dataclass_is_a_group(plugin_rewards):
     cfg = load_config(overrides=["reward=tolerant", "reward.options.tolerance=0.25"])
     assert cfg.reward == RewardConfig(name="tolerant", options=TolerantOptions(tolerance=0.25, cap=3))
     # Its own check, under the full key path.
-    with pytest.raises(ValueError, match=r"^reward\.options\.tolerance must be >= 0$"):
+    with pytest.raises(ValueError, match=r"^invalid config 'sspo_smollm2_cpu': reward\.options\.tolerance must be >= 0$"):
         load_config(overrides=["reward=tolerant", "reward.options.tolerance=-1"])
 
 
@@ -137,7 +137,7 @@ def test_options_set_for_another_reward_are_refused_naming_the_group(plugin_rewa
     with pytest.raises(ValueError) as err:
         load_config(overrides=["reward=tolerant", "reward.options.tolerance=0.25", "reward.name=math_verify"])
     assert str(err.value) == (
-        "reward.name='math_verify' needs reward.options of type MathVerifyOptions, got TolerantOptions: select the "
+        "invalid config 'sspo_smollm2_cpu': reward.name='math_verify' needs reward.options of type MathVerifyOptions, got TolerantOptions: select the "
         "reward as a group (reward=math_verify) instead of setting reward.name, then set its fields "
         "(reward.options.<field>=...)")
 
@@ -167,7 +167,7 @@ def test_a_mapping_for_a_typed_builder_and_a_dataclass_for_an_untyped_one_are_re
 def test_a_bad_option_is_reported_with_its_key_path(overrides, message):
     with pytest.raises(ValueError) as err:
         load_config(overrides=overrides)
-    assert str(err.value) == message
+    assert str(err.value) == f"invalid config 'sspo_smollm2_cpu': {message}"
 
 
 def test_an_option_of_an_unselected_engine_names_the_group_to_select():

@@ -1,0 +1,90 @@
+"""A config with problems of every kind (an unknown key, a key of an earlier release, a wrong type, a
+value outside its set, a loss that does not exist, a key added with ``+``, a failed check) gets one
+error listing all of them, whatever the order of the overrides and whether they come from the command
+line or a YAML file. The expected messages are written out by hand."""
+
+import shutil
+
+import pytest
+
+from nemo_sspo.cli import DEFAULT_CONFIG_DIR, load_config, main
+
+TRAINER_KEYS = ("max_steps, minibatches_per_step, seed, output_dir, overwrite_output_dir, save_hf_checkpoint, "
+                "checkpoint_interval, keep_checkpoints, resume, loggers, progress_interval_s, rollout_log, wandb, "
+                "mlflow, gpu_memory_gib, skip_memory_check")
+OPTIM_KEYS = ("lr, weight_decay, adam_beta1, adam_beta2, adam_eps, clip_grad, use_distributed_optimizer, "
+              "cpu_offload, lr_schedule, lr_warmup_steps, lr_decay_steps, min_lr")
+
+OVERRIDES = {  # override -> its problem
+    "trainer.max_stepz=3": f"trainer.max_stepz: trainer has no key 'max_stepz'; did you mean 'trainer.max_steps'? "
+                           f"Valid keys of trainer: {TRAINER_KEYS}",
+    "rollout.temperature=0.5": "rollout.temperature moved to rollout.sampling.temperature",
+    "rollout.engine_options.dtype=bf16": "rollout.engine_options.dtype moved to rollout.engine.options.dtype",
+    "loss.params.gamma=abc": "loss.params.gamma='abc': Value 'abc' of type 'str' could not be converted to Float",
+    "optim.lr=fast": "optim.lr='fast': Value 'fast' of type 'str' could not be converted to Float",
+    "model.precision=fp16": "model.precision='fp16' is unknown; valid: fp32, bf16",
+    "+optim.momentum=0.9": f"optim.momentum: optim has no key 'momentum'. Valid keys of optim: {OPTIM_KEYS}",
+    "trainer.max_steps=0": "trainer.max_steps must be >= 1",
+}
+
+
+def _problems(err: pytest.ExceptionInfo, name: str = "sspo_smollm2_cpu") -> list[str]:
+    """The numbered problems of a load's error."""
+    head, *listed = str(err.value).splitlines()
+    assert head == f"invalid config {name!r}: {len(listed)} config problems:"
+    return [line.split(". ", 1)[1] for line in listed]
+
+
+@pytest.mark.parametrize("order", [1, -1], ids=["as written", "reversed"])
+def test_every_kind_of_problem_is_reported_in_one_error(order):
+    with pytest.raises(ValueError) as err:
+        load_config(overrides=list(OVERRIDES)[::order], command="eval")
+    assert sorted(_problems(err)) == sorted(OVERRIDES.values())
+
+
+def test_a_loss_that_does_not_exist_is_reported_with_the_rest():
+    with pytest.raises(ValueError) as err:
+        load_config(overrides=["loss=sspo_typo", "trainer.seed=abc"], command="eval")
+    assert _problems(err) == [
+        "loss=sspo_typo is neither a registered policy loss nor a variant YAML of the group loss; registered: "
+        "['cispo', 'clip_cov', 'dapo', 'dcpo', 'dr_grpo', 'gmpo', 'grpo', 'gspo', 'gspo_token', 'kl_cov', 'lpo', "
+        "'sapo', 'soft_seq_po', 'sppo', 'sspo', 'sspo_fixed_clip']. A loss of your own is added by the module that "
+        "registers it: plugins=[my_loss.py] loss=sspo_typo (docs/extending.md)",
+        "trainer.seed='abc': Value 'abc' of type 'str' could not be converted to Integer"]
+
+
+def test_a_yaml_files_problems_are_reported_with_the_overrides(tmp_path):
+    conf = shutil.copytree(DEFAULT_CONFIG_DIR, tmp_path / "conf")
+    (conf / "mine.yaml").write_text(
+        "defaults:\n  - sspo_smollm2_cpu\n  - _self_\n"
+        "trainer:\n  max_stepz: 3\n  seed: abc\n"
+        "rollout:\n  temperature: 0.5\n  correction: token_tis\n")
+    with pytest.raises(ValueError) as err:
+        load_config("mine", ["optim.lr=-1"], config_dir=conf, command="eval")
+    assert _problems(err, "mine") == [
+        "rollout.correction moved to rollout.correction.name",
+        "rollout.temperature moved to rollout.sampling.temperature",
+        "trainer.seed='abc': Value 'abc' of type 'str' could not be converted to Integer",
+        f"trainer.max_stepz: trainer has no key 'max_stepz'; did you mean 'trainer.max_steps'? Valid keys of "
+        f"trainer: {TRAINER_KEYS}",
+        "optim.lr must be > 0",
+        "optim.min_lr=0.0 must be in [0, optim.lr=-1.0]"]
+
+
+def test_a_key_added_to_the_losss_params_names_the_losses_that_have_it():
+    with pytest.raises(ValueError) as err:
+        load_config(overrides=["+loss.params.dual_clip_c=3", "trainer.max_steps=0"], command="eval")
+    assert _problems(err) == [
+        "loss.params.dual_clip_c: SSPOLossConfig (loss 'sspo') has no field 'dual_clip_c'. Valid fields: aggregation, "
+        "kl_coef, kl_estimator, entropy_coef, segmentation, segment_k, alpha, beta, gamma, lower_bound. 'dual_clip_c' is "
+        "a field of the losses ['clip_cov', 'dapo', 'dcpo', 'dr_grpo', 'grpo', 'sppo'], not of 'sspo'. To switch to one "
+        "of them, select its group (e.g. `loss=clip_cov`), which replaces loss.params with that loss's defaults, rather than setting loss.name",
+        "trainer.max_steps must be >= 1"]
+
+
+def test_the_command_line_prints_every_problem_and_exits_2(capsys):
+    assert main(["train", "--print-config", "trainer.max_steps=two", "optim.lrr=1"]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        "nemo-sspo: invalid config 'sspo_smollm2_cpu': 2 config problems:",
+        f"  1. optim.lrr: optim has no key 'lrr'; did you mean 'optim.lr'? Valid keys of optim: {OPTIM_KEYS}",
+        "  2. trainer.max_steps='two': Value 'two' of type 'str' could not be converted to Integer"]
