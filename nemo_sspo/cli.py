@@ -68,11 +68,8 @@ def load_config(config_name: str = DEFAULT_CONFIG_NAME, overrides: list[str] | N
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
-    from nemo_sspo.trainer.config import (
-        find_unknown_key,
-        register_config_nodes,
-        schema,
-    )
+    from nemo_sspo.trainer.config import find_unknown_key, register_config_nodes, schema
+    from nemo_sspo.trainer.config.keyed import failed
     from nemo_sspo.trainer.plugins import load_entry_point_plugins, load_plugins
 
     overrides = list(overrides or [])
@@ -89,24 +86,27 @@ def load_config(config_name: str = DEFAULT_CONFIG_NAME, overrides: list[str] | N
         typed = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(schema()), raw))
         return OmegaConf.to_container(raw, resolve=True), typed
 
+    def composed():
+        try:
+            return compose_typed(overrides)
+        except (HydraException, OmegaConfBaseException, ValueError) as err:  # ValueError: a dataclass's own check
+            raise _invalid(config_name, _every_problem(err, compose_raw, overrides, world_size)) from err
+
     world_size = launch_world_size() if command == "train" else None
-    try:
-        raw, cfg = compose_typed(overrides)
-        if set(cfg.plugins) - set(_plugins_named(config_name, overrides, Path(config_dir))):
-            # Named by a YAML further down the defaults list: import them, then compose again.
-            load_plugins(cfg.plugins)
-            register_config_nodes()
-            raw, cfg = compose_typed(overrides)
-    except (HydraException, OmegaConfBaseException) as err:
-        raise _invalid(config_name, _every_problem(err, compose_raw, overrides, world_size)) from err
+    raw, cfg = composed()
+    if set(cfg.plugins) - set(_plugins_named(config_name, overrides, Path(config_dir))):
+        # Named by a YAML further down the defaults list: import them, then compose again.
+        load_plugins(cfg.plugins)
+        register_config_nodes()
+        raw, cfg = composed()
     if find_unknown_key(raw, cfg):  # a key added with '+' that no field takes: Hydra keeps it, the dataclasses drop it
         raise _invalid(config_name, _every_problem(None, compose_raw, overrides, world_size))
-    if cfg.entry_point_plugins and cfg.entry_point_plugins != installed:
-        raise ValueError(f"entry_point_plugins={cfg.entry_point_plugins} is recorded from the installed "
-                         f"packages, which now declare {installed}: remove the key (it is filled in) or "
-                         "install the plugins the config names")
+    problems = failed((not cfg.entry_point_plugins or cfg.entry_point_plugins == installed,
+                       f"entry_point_plugins={cfg.entry_point_plugins} is recorded from the installed packages, which "
+                       f"now declare {installed}: remove the key (it is filled in) or install the plugins the config "
+                       "names"))
     cfg.entry_point_plugins = installed
-    problems = _settled_problems(cfg, world_size)
+    problems += _settled_problems(cfg, world_size)
     if problems:
         raise _invalid(config_name, problems)
     if check_model:
@@ -154,16 +154,19 @@ def _invalid(config_name: str, problems: list[str]) -> ValueError:
 
 def _settled_problems(cfg, world_size: int | None) -> list[str]:
     """The problems of a typed config: its settings resolved
-    (:func:`~nemo_sspo.trainer.config.resolve_settings`, whose one error is an unknown ``loss.name``),
-    then every check (:func:`~nemo_sspo.trainer.config.problems_of`).
+    (:func:`~nemo_sspo.trainer.config.resolve_settings`, whose one error is the loss's: an unknown
+    ``loss.name``, or params of another loss), then every check
+    (:func:`~nemo_sspo.trainer.config.problems_of`).
     """
     from nemo_sspo.trainer.config import problems_of, resolve_settings
 
     try:
         resolve_settings(cfg)
-    except ValueError as err:
-        return [str(err)]
-    return problems_of(cfg, world_size)
+    except ValueError as err:  # the loss section's own problem too: checked with the rest, whose
+        unresolved = [str(err)]  # rules on the loss's settings are skipped (their facts are unknown)
+    else:
+        unresolved = []
+    return [*unresolved, *(problem for problem in problems_of(cfg, world_size) if problem not in unresolved)]
 
 
 def _every_problem(err: Exception | None, compose_raw, overrides: list[str], world_size: int | None) -> list[str]:
@@ -172,7 +175,9 @@ def _every_problem(err: Exception | None, compose_raw, overrides: list[str], wor
     composed again over an untyped ``train_schema``, leaving out each override Hydra refuses even so
     (a key that does not exist, a group option that does not exist, a wrong value in a group's
     dataclass); the keys and values the typed schema refuses are then found and taken out
-    (:func:`~nemo_sspo.trainer.config.refused.refused_keys_and_values`), and the rest is typed and checked.
+    (:func:`~nemo_sspo.trainer.config.refused.refused_keys_and_values`), and the rest is typed
+    (:func:`~nemo_sspo.trainer.config.refused.typed_config`, which names a dataclass's own refusal by its
+    key path) and checked.
 
     Args:
         err: the typed composition's error, or None.
@@ -191,7 +196,7 @@ def _every_problem(err: Exception | None, compose_raw, overrides: list[str], wor
     from omegaconf.errors import OmegaConfBaseException
 
     from nemo_sspo.trainer.config import register_config_nodes, schema
-    from nemo_sspo.trainer.config.refused import refused_keys_and_values
+    from nemo_sspo.trainer.config.refused import omegaconf_problem, refused_keys_and_values, typed_config
 
     items, refused = list(overrides), []
     ConfigStore.instance().store(name="train_schema", node=OmegaConf.to_container(OmegaConf.structured(schema())))
@@ -210,13 +215,13 @@ def _every_problem(err: Exception | None, compose_raw, overrides: list[str], wor
         register_config_nodes()  # the typed train_schema again
     loss_name = OmegaConf.select(raw, "loss.name", default=None)
     problems = [_override_problem(item, bad, loss_name) for item, bad in refused] + refused_keys_and_values(raw)
-    try:
-        cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(schema()), raw))
-    except (OmegaConfBaseException, ValueError) as left:  # e.g. a mandatory value left unset
-        return problems + [f"{left}{_omegaconf_reason(left)}"]
+    cfg, built = typed_config(raw)
+    problems += built
+    if cfg is None:
+        return problems
     problems += _settled_problems(cfg, world_size)
     if not problems and err is not None:  # not found again: the error itself
-        problems = [f"{err}{_omegaconf_reason(err)}"]
+        problems = [omegaconf_problem(err)]
     return problems
 
 
@@ -225,19 +230,18 @@ def _stopping_problem(err: Exception) -> str:
     value in a group's dataclass, ``loss: params: ...``): the key's closest or new key
     (:func:`~nemo_sspo.trainer.config.unknown_key_message`), the refused value's reason, or Hydra's error.
     """
-    from omegaconf.errors import ConfigKeyError, ValidationError
+    from omegaconf.errors import ConfigKeyError
 
     from nemo_sspo.trainer.config import unknown_key_message
+    from nemo_sspo.trainer.config.refused import omegaconf_problem
 
     cause: BaseException | None = err
     while cause is not None:
         key = getattr(cause, "full_key", None)
         if key and isinstance(cause, ConfigKeyError):
             return unknown_key_message(key, None)
-        if key and isinstance(cause, ValidationError):
-            return f"{key}: {cause.msg.splitlines()[0]}"
         cause = cause.__cause__ or cause.__context__
-    return f"{err}{_omegaconf_reason(err)}"
+    return omegaconf_problem(err)
 
 
 def _override_named(err: Exception, items: list[str]) -> str | None:
@@ -247,7 +251,7 @@ def _override_named(err: Exception, items: list[str]) -> str | None:
 
     text = str(err)
     named = re.search(r"Could not override '([^']+)'|Could not find '([^']+)/[^'/]+'|Could not append to config. "
-                      r"An item is already at '([^']+)'", text)
+                      r"An item is already at '([^']+)'|Could not delete from config. '([^']+)' does not exist", text)
     if named:
         path = next(group for group in named.groups() if group).replace("/", ".")
         return next((item for item in items if key(item).replace("/", ".") == path), None)
@@ -279,24 +283,14 @@ def _override_problem(item: str, err: Exception, loss_name: str | None) -> str:
         registry = next(section.registry for section in OPTION_SECTIONS if section.group == group)
         return f"{group}={choice} is not a registered {registry.kind}; registered: {registry.names()}{PLUGINS_HINT}"
     path, _, value = item.lstrip("+~").partition("=")
-    if re.search(r"Could not override|Could not append", str(err)):
+    if "Could not append" in str(err):
+        return f"{path} is a key already: set it without '+' ({path}={value})"
+    if re.search(r"Could not override|Could not delete", str(err)):
         return unknown_key_message(path, loss_name)
     cause = err.__cause__
     if cause is None or not isinstance(cause, Exception):
         return f"{err}"
     return refused_value_message(path, value, cause)
-
-
-def _omegaconf_reason(err: Exception) -> str:
-    """``": <reason>"`` from the OmegaConf error under a Hydra one (``Error merging override
-    trainer.max_steps=two`` hides ``Value 'two' of type 'str' could not be converted to Integer``).
-    """
-    from omegaconf.errors import OmegaConfBaseException
-
-    cause = err.__cause__
-    if not isinstance(cause, OmegaConfBaseException) or not getattr(cause, "msg", None):
-        return ""
-    return f": {cause.msg.splitlines()[0]}"  # the rest repeats the key and names internal classes
 
 
 def _parse(argv: list[str]) -> argparse.Namespace:

@@ -13,10 +13,10 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from nemo_sspo.trainer.config.old_keys import RENAMED_KEYS
-from nemo_sspo.trainer.config.train_config import schema
+from nemo_sspo.trainer.config.train_config import TrainConfig, schema
 from nemo_sspo.trainer.config.unknown_keys import unknown_key_message
 
-__all__ = ["refused_keys_and_values", "refused_value_message"]
+__all__ = ["omegaconf_problem", "refused_keys_and_values", "refused_value_message", "typed_config"]
 
 
 def refused_value_message(path: str, value: Any, err: OmegaConfBaseException) -> str:
@@ -99,3 +99,70 @@ def _refused(raw: DictConfig, typed: DictConfig, prefix: str, loss_name: str | N
             found.append(refused_value_message(path, plain[key], err))
             del raw[key]
     return found
+
+
+def typed_config(raw: DictConfig) -> tuple[TrainConfig | None, list[str]]:
+    """``raw`` (cleaned by :func:`refused_keys_and_values`) merged onto the typed schema and built, with
+    the problem of each dataclass whose own check refuses its values when built (a loss config's
+    ``__post_init__``: ``SSPOLossConfig.gamma=...``), named by its key path and then built from its
+    defaults, so that the rest of the config can still be checked.
+
+    Args:
+        raw: the composed config.
+
+    Returns:
+        The typed config (None where it cannot be built: a mandatory value left unset, an interpolation
+        that does not resolve, a check whose dataclass is not found), and the problems found building it.
+    """
+    merged = OmegaConf.merge(OmegaConf.structured(schema()), raw)
+    found: list[str] = []
+    reset: set[str] = set()
+    while True:
+        try:
+            return OmegaConf.to_object(merged), found
+        except OmegaConfBaseException as err:  # e.g. "Interpolation key 'x' not found" (some are ValueErrors)
+            return None, [*found, omegaconf_problem(err)]
+        except ValueError as err:  # "<Class>.<field>=...": the class's own check
+            name, _, rest = str(err).partition(".")
+            path = _path_of_class(merged, name, "")
+            if path is None or path in reset:
+                return None, [*found, str(err)]
+            found.append(f"{path}.{rest}")
+            reset.add(path)
+            OmegaConf.update(merged, path, OmegaConf.structured(OmegaConf.get_type(OmegaConf.select(merged, path))),
+                             merge=False)
+
+
+def omegaconf_problem(err: BaseException) -> str:
+    """The problem of an OmegaConf error (or of the first one under a Hydra error) on one line: its
+    reason under its key path (``trainer.max_steps: Interpolation key 'x' not found``), without the
+    lines naming OmegaConf's internal types; Hydra's own first line where no OmegaConf error is under it.
+
+    Args:
+        err: the error.
+
+    Returns:
+        The message.
+    """
+    cause: BaseException | None = err
+    while cause is not None and not isinstance(cause, OmegaConfBaseException):
+        cause = cause.__cause__ or cause.__context__
+    if cause is None:
+        return str(err).splitlines()[0]
+    reason = str(getattr(cause, "msg", None) or cause).splitlines()[0]
+    key = getattr(cause, "full_key", None)
+    return f"{key}: {reason}" if key and key not in reason else reason
+
+
+def _path_of_class(node: DictConfig, name: str, prefix: str) -> str | None:
+    """The key path of the first node below ``node`` whose dataclass is called ``name``, or None."""
+    for key in node.keys():
+        child = node._get_node(key)
+        if isinstance(child, DictConfig) and not child._is_none():
+            path = f"{prefix}{key}"
+            if getattr(OmegaConf.get_type(child), "__name__", None) == name:
+                return path
+            found = _path_of_class(child, name, f"{path}.")
+            if found is not None:
+                return found
+    return None

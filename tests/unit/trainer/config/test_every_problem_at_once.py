@@ -24,6 +24,9 @@ OVERRIDES = {  # override -> its problem
     "optim.lr=fast": "optim.lr='fast': Value 'fast' of type 'str' could not be converted to Float",
     "model.precision=fp16": "model.precision='fp16' is unknown; valid: fp32, bf16",
     "+optim.momentum=0.9": f"optim.momentum: optim has no key 'momentum'. Valid keys of optim: {OPTIM_KEYS}",
+    "+trainer.seed=7": "trainer.seed is a key already: set it without '+' (trainer.seed=7)",
+    "~trainer.max_stepz": f"trainer.max_stepz: trainer has no key 'max_stepz'; did you mean 'trainer.max_steps'? "
+                          f"Valid keys of trainer: {TRAINER_KEYS}",
     "trainer.max_steps=0": "trainer.max_steps must be >= 1",
 }
 
@@ -88,3 +91,43 @@ def test_the_command_line_prints_every_problem_and_exits_2(capsys):
         "nemo-sspo: invalid config 'sspo_smollm2_cpu': 2 config problems:",
         f"  1. optim.lrr: optim has no key 'lrr'; did you mean 'optim.lr'? Valid keys of optim: {OPTIM_KEYS}",
         "  2. trainer.max_steps='two': Value 'two' of type 'str' could not be converted to Integer"]
+
+
+def test_a_losss_own_check_is_named_by_its_key_path_and_reported_with_the_rest():
+    # SSPO needs gamma >= 1 (b_low <= 1 <= b_high): the loss config refuses gamma=0.5 when built; the
+    # loader names it loss.params and checks the rest with the loss's defaults.
+    with pytest.raises(ValueError) as err:
+        load_config(overrides=["loss.params.gamma=0.5", "optim.lr=fast"], command="eval")
+    assert _problems(err) == [
+        "optim.lr='fast': Value 'fast' of type 'str' could not be converted to Float",
+        "loss.params.alpha=0.0, beta=0.8, gamma=0.5: need alpha >= 0, 0 <= beta <= 1 and gamma >= 1 (so that "
+        "b_low <= 1 <= b_high)"]
+    with pytest.raises(ValueError) as err:
+        load_config(overrides=["loss.params.gamma=0.5"], command="eval")
+    assert str(err.value) == ("invalid config 'sspo_smollm2_cpu': loss.params.alpha=0.0, beta=0.8, gamma=0.5: need "
+                              "alpha >= 0, 0 <= beta <= 1 and gamma >= 1 (so that b_low <= 1 <= b_high)")
+
+
+def test_a_loss_named_without_its_group_is_reported_with_the_rest():
+    with pytest.raises(ValueError) as err:
+        load_config(overrides=["loss.name=grpo", "trainer.max_steps=0"], command="eval")
+    assert _problems(err) == [
+        "loss.name='grpo' needs loss.params of type GRPOLossConfig, got SSPOLossConfig: select the loss as a group "
+        "(loss=grpo) instead of setting loss.name",
+        "trainer.max_steps must be >= 1"]
+
+
+def test_an_interpolation_that_does_not_resolve_is_named_by_its_key():
+    with pytest.raises(ValueError) as err:
+        load_config(overrides=["trainer.seed=${trainer.sead}"], command="eval")
+    assert str(err.value) == "invalid config 'sspo_smollm2_cpu': trainer.seed: Interpolation key 'trainer.sead' not found"
+
+
+def test_a_bad_value_in_a_yaml_files_loss_params_comes_alone_named_by_its_key(tmp_path):
+    # Hydra refuses it while composing the YAML file onto the loss's dataclass: nothing after it is read.
+    conf = shutil.copytree(DEFAULT_CONFIG_DIR, tmp_path / "conf")
+    (conf / "mine.yaml").write_text("defaults:\n  - sspo_smollm2_cpu\n  - override loss: dcpo\n  - _self_\n"
+                                    "loss:\n  params:\n    eps_low: abc\n")
+    with pytest.raises(ValueError) as err:
+        load_config("mine", ["trainer.max_steps=0"], config_dir=conf, command="eval")
+    assert str(err.value) == "invalid config 'mine': loss.params.eps_low: Value 'abc' of type 'str' could not be converted to Float"
