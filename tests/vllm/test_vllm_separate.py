@@ -21,8 +21,7 @@ from tests.vllm.test_vllm_backend import TRAIN
 
 # The tiny Qwen3 and the Qwen-Math template's short prompts keep the Megatron steps short, so the
 # run is mostly the engines' start (86 s on 2 cores, against 156 s with SmolLM2-135M).
-RUN = [*(item for item in TRAIN if not item.startswith("model=")), "model=tiny_random_qwen3",
-       "plugins=[tests.integration._loop_runs]", "reward.name=test_parity", "optim.lr=1e-3",
+RUN = [*TRAIN, "plugins=[tests.integration._loop_runs]", "reward.name=test_parity", "optim.lr=1e-3",
        "rollout.correction.name=token_tis", "data.template=qwen-math"]
 KEYS = ("reward/mean", "response/length_mean", "loss/policy", "optim/grad_norm", "policy/ratio",
         "rollout/kl_k3_behaviour", "rollout/is_weight", "rollout/trainer_logprob_gap_abs")
