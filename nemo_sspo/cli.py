@@ -144,12 +144,12 @@ def _plugins_named(config_name: str, overrides: list[str], config_dir: Path) -> 
 
 
 def _invalid(config_name: str, problems: list[str]) -> ValueError:
-    """The load's one error: ``invalid config '<name>': `` and every problem (a numbered list for
-    several, :func:`~nemo_sspo.trainer.config.config_error`).
+    """The load's one error: ``invalid config '<name>': `` and every problem, each once (a numbered list
+    for several, :func:`~nemo_sspo.trainer.config.config_error`).
     """
     from nemo_sspo.trainer.config import config_error
 
-    return ValueError(f"invalid config {config_name!r}: {config_error(problems)}")
+    return ValueError(f"invalid config {config_name!r}: {config_error(list(dict.fromkeys(problems)))}")
 
 
 def _settled_problems(cfg, world_size: int | None) -> list[str]:
@@ -226,22 +226,56 @@ def _every_problem(err: Exception | None, compose_raw, overrides: list[str], wor
 
 
 def _stopping_problem(err: Exception) -> str:
-    """The problem of a YAML file that stops even the composition over the untyped schema (a key or
-    value in a group's dataclass, ``loss: params: ...``): the key's closest or new key
-    (:func:`~nemo_sspo.trainer.config.unknown_key_message`), the refused value's reason, or Hydra's error.
+    """The problem of a YAML file that stops even the composition over the untyped schema: a group
+    option that does not exist (:func:`_group_problem`), or a key or value in a group's dataclass
+    (``loss: params: ...``): the key's closest or new key
+    (:func:`~nemo_sspo.trainer.config.unknown_key_message`) or the refused value's reason; else
+    Hydra's error.
     """
-    from omegaconf.errors import ConfigKeyError
+    from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException
 
+    from nemo_sspo.algorithms.losses import get_policy_loss, policy_loss_names
     from nemo_sspo.trainer.config import unknown_key_message
     from nemo_sspo.trainer.config.refused import omegaconf_problem
 
-    cause: BaseException | None = err
-    while cause is not None:
-        key = getattr(cause, "full_key", None)
-        if key and isinstance(cause, ConfigKeyError):
-            return unknown_key_message(key, None)
+    group = _group_problem(err)
+    if group:
+        return group
+    cause = err.__cause__ or err.__context__  # the first keyed one is this composition's (the typed
+    while cause is not None and not getattr(cause, "full_key", None):  # composition's error follows it)
         cause = cause.__cause__ or cause.__context__
-    return omegaconf_problem(err)
+    if isinstance(cause, (ConfigAttributeError, ConfigKeyError)):
+        owner = getattr(cause, "object_type", None)
+        loss = next((name for name in policy_loss_names() if get_policy_loss(name).config_cls is owner), None)
+        return unknown_key_message(cause.full_key, loss)
+    return omegaconf_problem(cause if isinstance(cause, OmegaConfBaseException) else err)
+
+
+def _group_problem(err: Exception) -> str | None:
+    """For Hydra's ``Could not find '<group>/<option>'``: the option, the group's options (a loss's,
+    reward's or engine's registered names, with how a plug-in adds one), else None.
+    """
+    missing = re.search(r"Could not find '([^']+)/([^'/]+)'", str(err))
+    if not missing:
+        return None
+    group, choice = missing.groups()
+    if group == "loss":  # Hydra lists the group's files; say what a loss is and how a new one is added
+        from nemo_sspo.algorithms.losses import policy_loss_names
+
+        return (f"loss={choice} is neither a registered policy loss nor a variant YAML of the group "
+                f"loss; registered: {policy_loss_names()}. A loss of your own is added by the module that "
+                f"registers it: plugins=[my_loss.py] loss={choice} (docs/extending.md)")
+    from nemo_sspo.registry import PLUGINS_HINT
+    from nemo_sspo.trainer.config import OPTION_SECTIONS
+
+    section = next((section for section in OPTION_SECTIONS if section.group == group), None)
+    if section is not None:  # a reward / engine group: the registered names, and how a plug-in adds one
+        return (f"{group}={choice} is not a registered {section.registry.kind}; registered: "
+                f"{section.registry.names()}{PLUGINS_HINT}")
+    available = re.search(r"Available options in '[^']+':\n((?:\t.*\n?)*)", str(err))
+    options = [line.strip() for line in (available.group(1).splitlines() if available else [])
+               if line.strip() and not line.strip().endswith("_schema")]  # *_schema: the typed nodes
+    return f"{group}={choice} is not an option of the group {group}; options: {', '.join(options)}"
 
 
 def _override_named(err: Exception, items: list[str]) -> str | None:
@@ -251,7 +285,8 @@ def _override_named(err: Exception, items: list[str]) -> str | None:
 
     text = str(err)
     named = re.search(r"Could not override '([^']+)'|Could not find '([^']+)/[^'/]+'|Could not append to config. "
-                      r"An item is already at '([^']+)'|Could not delete from config. '([^']+)' does not exist", text)
+                      r"An item is already at '([^']+)'|Could not delete from config. '([^']+)' does not exist|"
+                      r"Multiple values for ([^ .]+)\.", text)
     if named:
         path = next(group for group in named.groups() if group).replace("/", ".")
         return next((item for item in items if key(item).replace("/", ".") == path), None)
@@ -267,24 +302,14 @@ def _override_problem(item: str, err: Exception, loss_name: str | None) -> str:
     from nemo_sspo.trainer.config import unknown_key_message
     from nemo_sspo.trainer.config.refused import refused_value_message
 
-    missing = re.search(r"Could not find 'loss/([^']+)'", str(err))
-    if missing:  # Hydra lists the group's files; say what a loss is and how a new one is added
-        from nemo_sspo.algorithms.losses import policy_loss_names
-
-        return (f"loss={missing.group(1)} is neither a registered policy loss nor a variant YAML of the group "
-                f"loss; registered: {policy_loss_names()}. A loss of your own is added by the module that "
-                f"registers it: plugins=[my_loss.py] loss={missing.group(1)} (docs/extending.md)")
-    missing = re.search(r"Could not find '(reward|rollout/engine)/([^']+)'", str(err))
-    if missing:  # a reward / engine group: the registered names, and how a plug-in adds one
-        from nemo_sspo.registry import PLUGINS_HINT
-        from nemo_sspo.trainer.config import OPTION_SECTIONS
-
-        group, choice = missing.groups()
-        registry = next(section.registry for section in OPTION_SECTIONS if section.group == group)
-        return f"{group}={choice} is not a registered {registry.kind}; registered: {registry.names()}{PLUGINS_HINT}"
+    group = _group_problem(err)
+    if group:
+        return group
     path, _, value = item.lstrip("+~").partition("=")
-    if "Could not append" in str(err):
-        return f"{path} is a key already: set it without '+' ({path}={value})"
+    if "Could not append" in str(err) or "Multiple values for" in str(err):
+        return f"{path} is a {'group' if 'Multiple' in str(err) else 'key'} already: set it without '+' ({path}={value})"
+    if item.startswith("~") and "Could not delete" not in str(err):
+        return f"{path}: a field cannot be deleted; set it to another value instead ({path}=...)"
     if re.search(r"Could not override|Could not delete", str(err)):
         return unknown_key_message(path, loss_name)
     cause = err.__cause__

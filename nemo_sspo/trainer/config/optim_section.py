@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from nemo_sspo.megatron.lr_schedule import LrSchedule
@@ -52,13 +53,14 @@ class OptimConfig:
             One message per broken invariant, naming ``key.<field>`` and the fix.
         """
         return failed(
-            (self.lr > 0, f"{key}.lr must be > 0"),
+            (0 < self.lr < math.inf, f"{key}.lr={self.lr} must be > 0 and finite"),
             (self.clip_grad >= 0, f"{key}.clip_grad must be >= 0 (0 disables clipping)"),
             (self.lr_warmup_steps >= 0, f"{key}.lr_warmup_steps={self.lr_warmup_steps} must be >= 0"),
             (self.lr_decay_steps is None or self.lr_decay_steps > self.lr_warmup_steps,
              f"{key}.lr_decay_steps={self.lr_decay_steps} must exceed {key}.lr_warmup_steps="
              f"{self.lr_warmup_steps} (the decay steps count the warmup), or be null for the whole run"),
-            (0 <= self.min_lr <= self.lr, f"{key}.min_lr={self.min_lr} must be in [0, {key}.lr={self.lr}]"),
+            (not 0 < self.lr < math.inf or 0 <= self.min_lr <= self.lr,  # only against a valid lr
+             f"{key}.min_lr={self.min_lr} must be in [0, {key}.lr={self.lr}]"),
             (self.use_distributed_optimizer or not self.cpu_offload,
              f"{key}.cpu_offload=true needs {key}.use_distributed_optimizer=true (megatron-core offloads the "
              "distributed optimizer's states)"),

@@ -82,10 +82,12 @@ def _options_key_message(path: str) -> str | None:
                     f"defaults list does not select a {section.group} group adds it with +{owners[0]}); setting "
                     f"{section.path}.{section.key} alone gives the options' defaults")
         close = difflib.get_close_matches(field, sorted({f.name for cls in declared.values() for f in fields(cls)}), n=1)
-        guess = f"; did you mean {f'{section.path}.options.{close[0]}'!r}?" if close else ""
-        return (f"{path}: no registered {section.noun}'s options have the key {field!r}{guess} (the options of "
-                f"{_article(section.noun)} registered without an options dataclass are given whole: "
-                f"{section.path}.options={{{field}: ...}})")
+        guess = f"; did you mean {f'{section.path}.options.{close[0]}'!r}?" if close else "."
+        valid = "; ".join(f"{section.group}={name}: {', '.join(f.name for f in fields(cls))}"
+                          for name, cls in declared.items())
+        return (f"{path}: no registered {section.noun}'s options have the key {field!r}{guess} Valid keys: {valid}. "
+                f"{_article(section.noun).capitalize()} registered without an options dataclass takes its "
+                f"options whole: {section.path}.options={{{field}: ...}}")
     return None
 
 
