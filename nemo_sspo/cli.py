@@ -86,13 +86,14 @@ def load_config(config_name: str = DEFAULT_CONFIG_NAME, overrides: list[str] | N
         typed = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(schema()), raw))
         return OmegaConf.to_container(raw, resolve=True), typed
 
+    world_size = launch_world_size() if command == "train" else None
+
     def composed():
         try:
             return compose_typed(overrides)
         except (HydraException, OmegaConfBaseException, ValueError) as err:  # ValueError: a dataclass's own check
             raise _invalid(config_name, _every_problem(err, compose_raw, overrides, world_size)) from err
 
-    world_size = launch_world_size() if command == "train" else None
     raw, cfg = composed()
     if set(cfg.plugins) - set(_plugins_named(config_name, overrides, Path(config_dir))):
         # Named by a YAML further down the defaults list: import them, then compose again.
@@ -162,11 +163,11 @@ def _settled_problems(cfg, world_size: int | None) -> list[str]:
 
     try:
         resolve_settings(cfg)
-    except ValueError as err:  # the loss section's own problem too: checked with the rest, whose
+    except ValueError as err:  # also the loss section's own problem (listed once by _invalid); the
         unresolved = [str(err)]  # rules on the loss's settings are skipped (their facts are unknown)
     else:
         unresolved = []
-    return [*unresolved, *(problem for problem in problems_of(cfg, world_size) if problem not in unresolved)]
+    return [*unresolved, *problems_of(cfg, world_size)]
 
 
 def _every_problem(err: Exception | None, compose_raw, overrides: list[str], world_size: int | None) -> list[str]:
@@ -313,9 +314,7 @@ def _override_problem(item: str, err: Exception, loss_name: str | None) -> str:
     if re.search(r"Could not override|Could not delete", str(err)):
         return unknown_key_message(path, loss_name)
     cause = err.__cause__
-    if cause is None or not isinstance(cause, Exception):
-        return f"{err}"
-    return refused_value_message(path, value, cause)
+    return refused_value_message(path, value, cause) if isinstance(cause, Exception) else f"{err}"
 
 
 def _parse(argv: list[str]) -> argparse.Namespace:

@@ -33,7 +33,7 @@ def refused_value_message(path: str, value: Any, err: OmegaConfBaseException) ->
         section of today stands (``rollout.correction=token_tis``), else ``"<path>=<value>: <reason>"``
         (``Value 'two' of type 'str' could not be converted to Integer``).
     """
-    reason = str(getattr(err, "msg", None) or err).splitlines()[0]
+    reason = _reason(err)
     choice = re.match(r"Invalid value '.*', expected one of \[(.*)\]", reason)
     if choice:
         return f"{path}={value!r} is unknown; valid: {choice.group(1)}"
@@ -79,19 +79,17 @@ def _refused(raw: DictConfig, typed: DictConfig, prefix: str, loss_name: str | N
             del raw[key]
             continue
         value, slot = raw._get_node(key), typed._get_node(key)
-        if isinstance(value, DictConfig) and is_dataclass(OmegaConf.get_type(value)):
-            if isinstance(slot, DictConfig) and OmegaConf.get_type(slot) is OmegaConf.get_type(value):
-                found += _refused(value, slot, f"{path}.", loss_name)
-            else:  # a group's dataclass (loss.params): its values are converted, its keys may not be
-                own = {item.name for item in fields(OmegaConf.get_type(value))}
-                extra = [name for name in value.keys() if name not in own]
-                found += [unknown_key_message(f"{path}.{name}", loss_name) for name in extra]
-                if extra:  # a structured config deletes no key: the same dataclass with the others
-                    raw[key] = OmegaConf.merge(OmegaConf.structured(OmegaConf.get_type(value)),
-                                               OmegaConf.masked_copy(value, [name for name in value.keys() if name in own]))
-            continue
         if isinstance(value, DictConfig) and isinstance(slot, DictConfig) and is_dataclass(OmegaConf.get_type(slot)):
-            found += _refused(value, slot, f"{path}.", loss_name)
+            found += _refused(value, slot, f"{path}.", loss_name)  # a section of the schema
+            continue
+        if isinstance(value, DictConfig) and is_dataclass(OmegaConf.get_type(value)):
+            # a group's dataclass (loss.params): its values are converted, its keys may not be
+            own = {item.name for item in fields(OmegaConf.get_type(value))}
+            extra = [name for name in value.keys() if name not in own]
+            found += [unknown_key_message(f"{path}.{name}", loss_name) for name in extra]
+            if extra:  # a structured config deletes no key: the same dataclass with the others
+                raw[key] = OmegaConf.merge(OmegaConf.structured(OmegaConf.get_type(value)),
+                                           OmegaConf.masked_copy(value, [name for name in value.keys() if name in own]))
             continue
         try:
             typed[key] = plain[key]
@@ -149,7 +147,7 @@ def omegaconf_problem(err: BaseException) -> str:
         cause = cause.__cause__ or cause.__context__
     if cause is None:
         return str(err).splitlines()[0]
-    reason = str(getattr(cause, "msg", None) or cause).splitlines()[0]
+    reason = _reason(cause)
     key = getattr(cause, "full_key", None)
     return f"{key}: {reason}" if key and key not in reason else reason
 
@@ -166,3 +164,8 @@ def _path_of_class(node: DictConfig, name: str, prefix: str) -> str | None:
             if found is not None:
                 return found
     return None
+
+
+def _reason(err: BaseException) -> str:
+    """An OmegaConf error's reason: the first line of its message (the rest names its key and types)."""
+    return str(getattr(err, "msg", None) or err).splitlines()[0]
