@@ -27,6 +27,8 @@ Q = num_attention_heads / G query heads per group, F = intermediate_size):
   into ``linear_qkv.layer_norm_weight`` / ``linear_fc1.layer_norm_weight`` (TransformerEngine spec).
 - Embedding / output layer: [V_padded, H], sliced on dim 0; padded rows are zero.
 - Local layer i on pipeline stage p is global layer ``layer.layer_number - 1``.
+- LoRA adapters (:mod:`nemo_sspo.megatron.lora`) have no HF name: a load fills the base weights
+  only, an export (refit, HF checkpoint) sends each adapted weight merged, ``W + (alpha / r) B A``.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from typing import Any, Iterator
 import torch
 import torch.distributed as dist
 
+from nemo_sspo.megatron.lora import base_parameters, merged_parameters
 from nemo_sspo.megatron.model import has_qk_norm, has_qkv_bias, padded_vocab_size, unwrap_model
 from nemo_sspo.megatron.moe import global_expert, is_moe, num_experts
 from nemo_sspo.megatron.parallel_setup import ParallelGroups, get_parallel_groups
@@ -262,7 +265,7 @@ def load_hf_into_megatron(
     """
     _check_hf_keys(hf_state_dict, hf_config)
     gpt = unwrap_model(model)
-    params = dict(gpt.named_parameters())
+    params = base_parameters(gpt)
     targets = _megatron_targets(gpt, hf_state_dict, hf_config, params, get_parallel_groups())
     missing = sorted(params.keys() - targets.keys())
     unexpected = sorted(targets.keys() - params.keys())
@@ -490,7 +493,7 @@ def iter_hf_weight_buckets(model: torch.nn.Module, hf_config: Any, bucket_bytes:
     if dst_tp is None:
         raise ValueError(f"dst_rank={dst_rank} is not in this rank's model-parallel group "
                          f"{sorted(plan.rank_at.values())}; pass the replica's engine rank (mp_src_rank)")
-    params = dict(gpt.named_parameters())
+    params = merged_parameters(gpt)
     bucket, size, kind = {}, 0, None
     for unit in plan.units:
         tensors = _unit_at_dst(gpt, params, unit, plan, hf_config, groups, dst, dst_tp)

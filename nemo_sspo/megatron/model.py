@@ -32,6 +32,7 @@ from nemo_sspo.megatron.cpu_shims import (
     cpu_config_overrides,
     cpu_device_context,
 )
+from nemo_sspo.megatron.lora import LoraSettings, adapter_parameters, initialize_adapters, with_adapters
 from nemo_sspo.megatron.moe import even_token_dispatch, moe_config_kwargs, validate_moe
 from nemo_sspo.megatron.packed_seq import packed_seq_params, padded_width, thd_alignment
 from nemo_sspo.megatron.parallel_setup import destroy_parallel, get_parallel_groups, initialize_parallel
@@ -429,8 +430,9 @@ def resolve_transformer_impl(transformer_impl: str = "auto", fp8: str | None = N
     return "transformer_engine"
 
 
-def _layer_spec(config, impl: str):
-    """Local (pure Megatron) spec, or the TransformerEngine layer spec (imported lazily).
+def _layer_spec(config, impl: str, lora: LoraSettings | None = None):
+    """Local (pure Megatron) spec, or the TransformerEngine layer spec (imported lazily); with
+    ``lora``, the local spec's targeted linear layers carry adapters (:mod:`nemo_sspo.megatron.lora`).
 
     The local spec's norms (each layer's two, Qwen3's q/k norms and the final norm) are
     :class:`~nemo_sspo.megatron.sequence_parallel.SequenceParallelTorchNorm` (the torch norms
@@ -452,8 +454,13 @@ def _layer_spec(config, impl: str):
         attention = layer.submodules.self_attention.submodules
         if attention.q_layernorm is not IdentityOp:
             attention.q_layernorm = attention.k_layernorm = SequenceParallelTorchNorm
+        if lora is not None:
+            with_adapters(layer.submodules, lora)
         return TransformerBlockSubmodules(layer_specs=[layer] * get_num_layers_to_build(config),
                                           layer_norm=SequenceParallelTorchNorm)
+    if lora is not None:
+        raise ValueError("lora: adapters are built on the local layer spec only so far, and this build resolved "
+                         "to TransformerEngine; set transformer_impl=local and fp8=null to train adapters")
     return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(num_experts=config.num_moe_experts,
                                                                       qk_layernorm=config.qk_layernorm)
 
@@ -469,6 +476,7 @@ def build_policy_model(
     recompute_method: str = "uniform",
     recompute_num_layers: int = 1,
     sequence_parallel: bool = False,
+    lora: LoraSettings | None = None,
 ):
     """This rank's ``GPTModel`` stage for ``hf_config`` under the current parallel state.
 
@@ -492,10 +500,14 @@ def build_policy_model(
         recompute_method: as :func:`transformer_config_from_hf` (key ``parallel.recompute_method``).
         recompute_num_layers: as :func:`transformer_config_from_hf` (key ``parallel.recompute_num_layers``).
         sequence_parallel: as :func:`transformer_config_from_hf` (key ``parallel.sequence_parallel``).
+        lora: adapters on the targeted linear layers (``model.lora``; :mod:`nemo_sspo.megatron.lora`),
+            drawn by :func:`~nemo_sspo.megatron.lora.initialize_adapters`; every other weight is
+            frozen. None: no adapters, everything trains.
 
     Raises:
         ValueError: as ``transformer_config_from_hf`` and ``resolve_transformer_impl``, or if
-            parallel state is not initialised.
+            parallel state is not initialised; ``lora`` with the TransformerEngine spec or a
+            mixture-of-experts model.
     """
     from megatron.core.models.gpt import GPTModel
 
@@ -511,7 +523,7 @@ def build_policy_model(
     with cpu_device_context():
         model = GPTModel(
             config=config,
-            transformer_layer_spec=_layer_spec(config, impl),
+            transformer_layer_spec=_layer_spec(config, impl, lora),
             vocab_size=padded_vocab_size(hf_config.vocab_size, groups.tp_size),
             max_sequence_length=hf_config.max_position_embeddings,
             pre_process=groups.is_first_stage,
@@ -528,6 +540,11 @@ def build_policy_model(
         model.cuda(torch.cuda.current_device())
     model.true_vocab_size = int(hf_config.vocab_size)
     model.transformer_impl = impl
+    if lora is not None:
+        model.requires_grad_(False)
+        for parameter in adapter_parameters(model).values():
+            parameter.requires_grad_(True)
+        initialize_adapters(model, lora.seed, groups.tp_rank, groups.tp_size)
     return model
 
 

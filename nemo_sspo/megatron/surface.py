@@ -43,6 +43,17 @@ MEGATRON_SURFACE: dict[str, str] = {
     "megatron.core.transformer.moe.router.TopKRouter": "router replay and routing metrics",
     "megatron.core.transformer.moe.router_replay.RouterReplayAction": "router replay (R2 record, R3 replay)",
     "megatron.core.transformer.moe.token_dispatcher.MoEAllGatherTokenDispatcher": "MoE dispatch on CPU",
+    # LoRA adapters (nemo_sspo.megatron.lora): subclasses of the local spec's linear layers
+    "megatron.core.tensor_parallel.layers.ColumnParallelLinear": "LoRA: base of the column-parallel adapter layer",
+    "megatron.core.tensor_parallel.layers.RowParallelLinear": "LoRA: base of the row-parallel adapter layer",
+    "megatron.core.tensor_parallel.layers.set_tensor_model_parallel_attributes": "LoRA: the split factor's TP "
+                                                                                "attributes (gradient norm, checkpoints)",
+    "megatron.core.tensor_parallel.mappings.copy_to_tensor_model_parallel_region": "LoRA: column adapter's input",
+    "megatron.core.tensor_parallel.mappings.gather_from_sequence_parallel_region": "LoRA: column adapter under SP",
+    "megatron.core.tensor_parallel.mappings.reduce_from_tensor_model_parallel_region": "LoRA: row adapter's sum",
+    "megatron.core.tensor_parallel.mappings.reduce_scatter_to_sequence_parallel_region": "LoRA: row adapter under SP",
+    "megatron.core.transformer.spec_utils.ModuleSpec": "LoRA: adapter layers with their settings in the spec",
+    "megatron.core.transformer.utils.make_sharded_tensors_for_checkpoint": "LoRA: the adapters' checkpoint entries",
     "megatron.core.packed_seq_params.PackedSeqParams": "packed (THD) micro-batches",
     "megatron.core.fp8_utils.get_fp8_align_size": "packed rows' alignment under FP8",
     # training

@@ -69,6 +69,7 @@ import torch
 import torch.distributed as dist
 
 from nemo_sspo.megatron.cpu_shims import cpu_device_context
+from nemo_sspo.parallel.weight_checksum import tensor_checksum, tensors_checksums
 from nemo_sspo.trainer.periodic_eval import BEST_DIR
 from nemo_sspo.trainer.rollout_log import ROLLOUT_LOG_DIR
 from nemo_sspo.trainer.run_config import (
@@ -87,6 +88,7 @@ __all__ = [
     "RUN_OUTPUTS",
     "STATE_FILE",
     "TrainerState",
+    "base_checksum",
     "checkpoint_name",
     "load_checkpoint",
     "prepare_output_dir",
@@ -139,6 +141,8 @@ class TrainerState:
             exactly, so a resumed run continues with the same stats.
         rollout_positions: free-running: each rollout rank's ``[rollouts received, problems drawn]``
             (``nemo_sspo.rollouts.records.RolloutPosition``); None for the other modes.
+        base_checksum: LoRA (``model.lora.rank >= 1``): :func:`base_checksum` of the frozen weights
+            the adapters were trained on, which the checkpoint does not hold; None otherwise.
     """
 
     step: int
@@ -149,6 +153,15 @@ class TrainerState:
     best_eval_step: int | None = None
     advantage_history: dict[str, list[float]] | None = None
     rollout_positions: list[list[int]] | None = None
+    base_checksum: list[int] | None = None
+
+
+def base_checksum(state_dict: dict[str, torch.Tensor]) -> list[int]:
+    """One exact checksum of a whole set of weights (``model.source``'s HF state dict, in its key order):
+    the :func:`~nemo_sspo.parallel.weight_checksum.tensor_checksum` of the ``[n, 2]`` per-tensor
+    checksums, so a changed element and two tensors swapped both change it. Ours.
+    """
+    return [int(v) for v in tensor_checksum(tensors_checksums({k: t.cpu() for k, t in state_dict.items()}))]
 
 
 def checkpoint_name(step: int) -> str:
@@ -166,12 +179,21 @@ def _barrier() -> None:
 
 
 # ---- model / optimizer through dist_checkpointing ------------------------------------------------
+def _trained_entries(module) -> dict[str, Any]:
+    """``module``'s sharded state dict without its frozen parameters (LoRA's base weights, which come
+    from ``model.source`` and are checked by :func:`base_checksum` instead of being copied).
+    """
+    frozen = {id(p) for p in module.parameters() if not p.requires_grad}
+    return {key: entry for key, entry in module.sharded_state_dict(prefix="").items()
+            if id(getattr(entry, "data", None)) not in frozen}
+
+
 def _sharded_state(model, optimizer, lr_scheduler, *, is_loading: bool) -> dict[str, Any]:
     """``{"model": ..., "optimizer": ..., "lr_scheduler": ...}`` state of a DDP-wrapped model chunk:
     sharded model and optimizer state dicts (the distributed optimizer's states sharded over the
     data-parallel ranks), and the learning-rate schedule's plain dict (common state, kept once).
     """
-    model_state = model.module.sharded_state_dict(prefix="")
+    model_state = _trained_entries(model.module)
     # The distributed optimizer's default format (fully_sharded_model_space) fails its own integrity
     # check in megatron-core 0.16.1; dp_reshardable is the format it recommends (plain optimizers ignore it).
     state = {"model": model_state, "optimizer": optimizer.sharded_state_dict(
@@ -256,7 +278,11 @@ def _load_sharded(directory: Path, model, optimizer, lr_scheduler) -> None:
         _create_distributed_optimizer_states(optimizer)
         loaded = dist_checkpointing.load(_sharded_state(model, optimizer, lr_scheduler, is_loading=True),
                                          str(directory))
-        model.module.load_state_dict(loaded["model"], strict=True)
+        missing, unexpected = model.module.load_state_dict(loaded["model"], strict=False)
+        frozen = {name for name, p in model.module.named_parameters() if not p.requires_grad}
+        if unexpected or set(missing) - frozen - {k for k in missing if k.endswith("_extra_state")}:
+            raise ValueError(f"checkpoint {directory} does not fit the model: missing {sorted(set(missing) - frozen)}, "
+                             f"unexpected {sorted(unexpected)}")
         with torch.no_grad():  # an fp32 model's distributed-optimizer shards are views of its parameters
             optimizer.load_state_dict(loaded["optimizer"])
         _restore_adam_steps(optimizer)
@@ -530,7 +556,8 @@ def resolve_resume(resume: str | None, output_dir: str | Path) -> Path | None:
     return path
 
 
-def load_checkpoint(path: str | Path, models: dict[str, tuple[Any, Any]], *, config: dict[str, Any]) -> TrainerState:
+def load_checkpoint(path: str | Path, models: dict[str, tuple[Any, Any]], *, config: dict[str, Any],
+                    base: list[int] | None = None) -> TrainerState:
     """Restores the models, optimizers and this rank's RNG states from ``path``. Collective.
 
     Args:
@@ -538,6 +565,8 @@ def load_checkpoint(path: str | Path, models: dict[str, tuple[Any, Any]], *, con
         models: as for :func:`save_checkpoint`, built with the checkpoint's architecture.
         config: this run's composed config; its ``RESUME_KEYS`` (model, layout, batch shape, data,
             seed) must equal the checkpoint's, and the world size the checkpoint's.
+        base: LoRA: :func:`base_checksum` of this run's base weights, which must equal the
+            checkpoint's (its adapters were trained on them); None without adapters.
 
     Returns:
         The saved :class:`TrainerState`.
@@ -567,6 +596,10 @@ def load_checkpoint(path: str | Path, models: dict[str, tuple[Any, Any]], *, con
     dp_then, dp_now = data_parallel_size(saved, state.world_size), data_parallel_size(config, world_size)
     if dp_then != dp_now and dp_then is not None and dp_now is not None:
         differ.append(f"data-parallel size: checkpoint {dp_then}, now {dp_now}")
+    if base != state.base_checksum:
+        differ.append(f"base weights under the adapters (model.source={config['model']['source']!r}): checksum "
+                      f"{base} now, {state.base_checksum} in the checkpoint; its adapters were trained on other "
+                      "weights (or the checkpoint has none, or this run trains no adapters)")
     if differ:
         raise ValueError(f"trainer.resume: checkpoint {path} was written by a run with another config:\n  "
                          + "\n  ".join(differ) + f"\nresume with the settings in {path / RUN_CONFIG_FILE} (only "

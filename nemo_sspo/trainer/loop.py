@@ -51,6 +51,7 @@ from nemo_sspo.trainer.checkpoint import (
     CHECKPOINTS_DIR,
     INTERRUPTED_DIR,
     TrainerState,
+    base_checksum,
     load_checkpoint,
     prepare_output_dir,
     resolve_resume,
@@ -118,8 +119,10 @@ class GRPOTrainer:
         self.stop_ids = setup.run_stop_ids(cfg, self.tokenizer)
         self.folders = ModelFolders(tr.output_dir, self.hf_config, self.tokenizer, self.stop_ids)
         model, optimizer, scheduler = setup.build_policy(cfg, self.hf_config, state_dict)
+        # LoRA: checkpoints hold the adapters only, so they record which base weights they sit on.
+        self.base_checksum = base_checksum(state_dict) if setup.lora_settings(cfg) is not None else None
         self.model, self.optimizer = model, optimizer
-        self.ref_model = setup.build_reference(cfg, self.hf_config, state_dict) if needs.reference_policy else None
+        self.ref_model = setup.build_reference(cfg, self.hf_config, state_dict, model) if needs.reference_policy else None
         estimator = get_advantage_estimator(advantage_estimator_name(cfg))
         self.critic = (setup.build_critic(cfg, self.hf_config, state_dict, self.tokenizer)
                        if estimator.needs_critic else None)
@@ -285,7 +288,8 @@ class GRPOTrainer:
         positions = None if box[1] is None else [list(position) for position in box[1]]
         state = TrainerState(step=step, problems_drawn=box[0], seed=tr.seed, world_size=dist.get_world_size(),
                              rollout_positions=positions, best_eval_mean=self.best.mean,
-                             best_eval_step=self.best.step, advantage_history=self.advantages.history_state())
+                             best_eval_step=self.best.step, advantage_history=self.advantages.history_state(),
+                             base_checksum=self.base_checksum)
         save_checkpoint(Path(tr.output_dir) / CHECKPOINTS_DIR, state, self._checkpointed_models(),
                         config=self.config, keep=tr.keep_checkpoints)
         return start, time.time()
@@ -294,7 +298,7 @@ class GRPOTrainer:
         """Restores a checkpoint (module docstring of :mod:`nemo_sspo.trainer.checkpoint`) and refits
         the rollout side with the restored policy.
         """
-        state = load_checkpoint(path, self._checkpointed_models(), config=self.config)
+        state = load_checkpoint(path, self._checkpointed_models(), config=self.config, base=self.base_checksum)
         # Settings changed since the checkpoint that a resume allows: one line, and to the trackers.
         saved = read_config(path)  # None: a checkpoint from before configs were saved
         self.resume_changes = resume_changes(saved, self.config) if saved is not None else {}

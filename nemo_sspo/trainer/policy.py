@@ -19,6 +19,7 @@ from nemo_sspo.algorithms.batch import PolicyBatch, concat_policy_batches
 from nemo_sspo.algorithms.micro_batches import MicroBatchLayout
 from nemo_sspo.algorithms.off_policy import off_policy_weights
 from nemo_sspo.megatron import ParallelGroups
+from nemo_sspo.megatron.lora import adapters_disabled
 from nemo_sspo.megatron.moe import num_experts
 from nemo_sspo.megatron.router_replay import engine_routing_sums, expert_load_pair
 from nemo_sspo.megatron.step import LossSpec
@@ -38,7 +39,8 @@ class Policy:
         model: this rank's DDP-wrapped Megatron policy stage.
         optimizer: its optimizer (megatron-core's, possibly distributed).
         lr_scheduler: its learning-rate schedule (stepped once per optimizer step).
-        ref_model: the frozen reference stage (same layout), or None when the loss has no KL term.
+        ref_model: the frozen reference stage (same layout); under LoRA the policy ``model`` itself, read
+            with its adapters off; None when the loss has no KL term.
         spec: what the loss reads (loss, groups, vocabulary shard, temperature, output precision).
         layout: the micro-batch layout (``parallel`` section).
         groups: this rank's parallel groups.
@@ -91,8 +93,9 @@ class Policy:
                 batch.routes, batch.row_lengths(), num_experts(self.hf_config), dp_group=g.dp_group)
         if self.ref_model is not None:
             self._phase("reference log-probs")
-            batch = compute_ref_logprobs(self.ref_model, batch, self.spec, self.layout, dp_group=g.dp_group,
-                                         keep_routes=self.route_layers is not None)
+            with adapters_disabled(self.ref_model):  # LoRA: the reference is the policy's base model
+                batch = compute_ref_logprobs(self.ref_model, batch, self.spec, self.layout, dp_group=g.dp_group,
+                                             keep_routes=self.route_layers is not None)
         ro = self.cfg.rollout
         if ro.correction.name != "none" and g.is_last_stage:
             weights, correction_sums = off_policy_weights(

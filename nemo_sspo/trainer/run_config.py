@@ -29,6 +29,7 @@ RUN_CONFIG_FILE = "config.yaml"
 
 RESUME_KEYS = (
     "model.source", "model.precision", "model.fp8", "model.fp8_recipe", "model.transformer_impl",
+    "model.lora.rank", "model.lora.alpha", "model.lora.target",
     "parallel.tensor_model_parallel_size", "parallel.pipeline_model_parallel_size",
     "parallel.expert_model_parallel_size", "parallel.context_parallel_size", "rollout.schedule.placement",
     "rollout.schedule.num_ranks", "rollout.prompts_per_step", "rollout.samples_per_prompt",
@@ -38,7 +39,7 @@ RESUME_KEYS = (
     "reward.name", "reward.options", "reward.overlong_buffer_len", "reward.overlong_penalty",
 )
 """Config keys (a section name covers all of its keys) that a resumed run must share with the
-checkpoint: the weights' model and layout (TP, PP, EP and which ranks train), the batch shape, the
+checkpoint: the weights' model, adapters and layout (TP, PP, EP and which ranks train), the batch shape, the
 data stream, the seed, the loss and the reward. Others may change on resume: ``trainer.max_steps``
 (run longer), micro-batch sizes and token budgets (memory), output and logging settings, learning
 rate and loss parameters, the reward's workers and timeout (:data:`RESUME_MAY_CHANGE`); such changes

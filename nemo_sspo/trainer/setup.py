@@ -33,6 +33,7 @@ from nemo_sspo.megatron import (
     load_hf_into_megatron,
     vocab_shard,
 )
+from nemo_sspo.megatron.lora import LoraSettings
 from nemo_sspo.megatron.router_replay import check_router_replay
 from nemo_sspo.megatron.step import LossSpec
 from nemo_sspo.megatron.training import build_lr_scheduler, wrap_for_training
@@ -54,7 +55,7 @@ from nemo_sspo.trainer.critic_training import Critic
 from nemo_sspo.trainer.device import training_device
 
 __all__ = ["build_critic", "build_policy", "build_prompts", "build_reference", "build_rollout", "build_rollout_source",
-           "fan_out", "load_checkpoint_of", "loss_spec", "model_options", "run_rollout_rank", "run_stop_ids",
+           "fan_out", "load_checkpoint_of", "lora_settings", "loss_spec", "model_options", "run_rollout_rank", "run_stop_ids",
            "segment_tables", "start_parallel", "wrap_for_updates"]
 
 
@@ -120,27 +121,43 @@ def run_stop_ids(cfg: TrainConfig, tokenizer) -> list[int]:
     return stop_token_ids(tokenizer, None if source in SOURCES else resolve_model_dir(source))
 
 
-def _megatron_stage(cfg: TrainConfig, hf_config, state_dict):
-    """This rank's Megatron policy stage holding the HF weights (not wrapped)."""
+def lora_settings(cfg: TrainConfig) -> LoraSettings | None:
+    """The policy's adapters (``model.lora`` with ``trainer.seed``), or None at ``model.lora.rank: 0``."""
+    lora = cfg.model.lora
+    if lora.rank == 0:
+        return None
+    return LoraSettings(rank=lora.rank, alpha=lora.alpha, dropout=lora.dropout,
+                        targets=tuple(str(target) for target in lora.target), seed=cfg.trainer.seed)
+
+
+def _megatron_stage(cfg: TrainConfig, hf_config, state_dict, lora: LoraSettings | None = None):
+    """This rank's Megatron policy stage holding the HF weights (not wrapped), with ``lora``'s adapters."""
     at_key("model.", lambda: check_router_replay(cfg.model.router_replay, hf_config))
-    model = build_policy_model(hf_config, **model_options(cfg))
+    model = at_key("model.", lambda: build_policy_model(hf_config, **model_options(cfg), lora=lora))
     load_hf_into_megatron(model, state_dict, hf_config)
     return model
 
 
 def build_policy(cfg: TrainConfig, hf_config, state_dict):
     """The trained policy stage: ``(ddp_model, optimizer, lr_scheduler)`` (``optim``; one optimizer step
-    per mini-batch over ``trainer.max_steps`` steps).
+    per mini-batch over ``trainer.max_steps`` steps). With ``model.lora.rank >= 1`` only its adapters
+    train (:func:`lora_settings`).
 
     Raises:
-        ValueError: a router-replay mode the model cannot replay (``model.router_replay``).
+        ValueError: a router-replay mode the model cannot replay (``model.router_replay``); adapters
+            on a model or layer spec that cannot take them (``model.lora``).
     """
     updates = cfg.trainer.max_steps * cfg.trainer.minibatches_per_step
-    return wrap_for_updates(_megatron_stage(cfg, hf_config, state_dict), cfg.optim, updates)
+    return wrap_for_updates(_megatron_stage(cfg, hf_config, state_dict, lora_settings(cfg)), cfg.optim, updates)
 
 
-def build_reference(cfg: TrainConfig, hf_config, state_dict):
-    """Frozen copy of the initial policy (same layout) for the reference-KL term."""
+def build_reference(cfg: TrainConfig, hf_config, state_dict, policy):
+    """The reference policy of a KL term: under LoRA the policy stage ``policy`` itself, read with its
+    adapters off (:func:`~nemo_sspo.megatron.lora.adapters_disabled`, no second model); otherwise a
+    frozen copy of the initial policy (same layout).
+    """
+    if lora_settings(cfg) is not None:
+        return policy
     model = _megatron_stage(cfg, hf_config, state_dict).eval()
     model.requires_grad_(False)
     return model
