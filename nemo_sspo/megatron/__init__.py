@@ -8,7 +8,12 @@ imported lazily, so importing this package is cheap.
 """
 
 from nemo_sspo.megatron.cpu_shims import apply_cpu_shims, cpu_device_context, needs_cpu_shims
-from nemo_sspo.megatron.hf_mapping import export_hf_state_dict, iter_hf_weight_buckets, load_hf_into_megatron
+from nemo_sspo.megatron.hf_mapping import (
+    export_hf_adapters,
+    export_hf_state_dict,
+    iter_hf_weight_buckets,
+    load_hf_into_megatron,
+)
 from nemo_sspo.megatron.model import (
     build_policy_model,
     forward_hidden,
@@ -36,6 +41,7 @@ __all__ = [
     "build_policy_model",
     "cpu_device_context",
     "destroy_parallel",
+    "export_hf_adapters",
     "export_hf_state_dict",
     "iter_hf_weight_buckets",
     "forward_hidden",

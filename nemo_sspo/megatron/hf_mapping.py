@@ -40,12 +40,13 @@ from typing import Any, Iterator
 import torch
 import torch.distributed as dist
 
-from nemo_sspo.megatron.lora import base_parameters, merged_parameters
+from nemo_sspo.megatron.lora import base_parameters, lora_layers, merged_parameters
 from nemo_sspo.megatron.model import has_qk_norm, has_qkv_bias, padded_vocab_size, unwrap_model
 from nemo_sspo.megatron.moe import global_expert, is_moe, num_experts
 from nemo_sspo.megatron.parallel_setup import ParallelGroups, get_parallel_groups
 
-__all__ = ["export_hf_state_dict", "expected_hf_keys", "iter_hf_weight_buckets", "load_hf_into_megatron"]
+__all__ = ["export_hf_adapters", "export_hf_state_dict", "expected_hf_keys", "iter_hf_weight_buckets",
+           "load_hf_into_megatron"]
 
 _EMBED, _NORM, _LM_HEAD = "model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"
 _HF_LAYER = {
@@ -422,12 +423,14 @@ def _recv_tensors(src: int, device) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def _unit_at_dst(gpt, params, unit: _Unit, plan: _Plan, hf_config, groups, dst: int, dst_tp: int):
+def _unit_at_dst(gpt, params, unit: _Unit, plan: _Plan, hf_config, groups, dst: int, dst_tp: int,
+                 export=_export_unit):
     """``unit``'s HF tensors on rank ``dst`` (None on every other rank): gathered over TP on the owning
-    stage, then sent point to point from that stage's TP rank ``dst_tp`` when it is not ``dst``.
+    stage (``export``, collective over TP), then sent point to point from that stage's TP rank
+    ``dst_tp`` when it is not ``dst``.
     """
     me = dist.get_rank()
-    tensors = _export_unit(gpt, params, unit, hf_config, groups) if unit.stage == groups.pp_rank else None
+    tensors = export(gpt, params, unit, hf_config, groups) if unit.stage == groups.pp_rank else None
     src = plan.rank_at[(unit.stage, dst_tp)]
     if src != dst and me == src:
         _send_tensors(tensors, dst)
@@ -438,6 +441,62 @@ def _unit_at_dst(gpt, params, unit: _Unit, plan: _Plan, hf_config, groups, dst: 
     if unit.kind == "embed" and hf_config.tie_word_embeddings:
         tensors[_LM_HEAD] = tensors[_EMBED]  # the same tensor, as state_dict() lists it
     return tensors
+
+
+def _export_layer_adapters(gpt, params, unit: _Unit, hf_config, groups) -> dict:
+    """One decoder layer's LoRA factors by HF module (``self_attn.q_proj.lora_A.weight`` [r, in],
+    ``...lora_B.weight`` [out, r]), gathered over TP: a fused layer's adapter becomes one adapter per
+    HF projection with the same ``A`` (its ``B`` split as the fused weight's rows are: q/k/v per KV
+    group, gate/up per TP shard), which computes the same sum.
+    """
+    layer = next(layer for layer in gpt.decoder.layers if layer.layer_number - 1 == unit.index)
+    factors = {}
+    for name, module in lora_layers(layer):
+        kind, a, b = name.rsplit(".", 1)[-1], module.lora_A.detach(), module.lora_B.detach()
+        if kind == "linear_qkv":
+            pairs = zip(("q", "k", "v"), ((a, part) for part in _split_qkv(_gather_tp(b, 0, groups), hf_config)),
+                        strict=True)
+        elif kind == "linear_fc1":
+            halves = [shard.chunk(2, dim=0) for shard in _gather_tp(b, None, groups)]
+            pairs = (("gate", (a, torch.cat([h[0] for h in halves]))), ("up", (a, torch.cat([h[1] for h in halves]))))
+        else:  # row-parallel: A split along the input like the weight, B whole
+            pairs = ((("o" if kind == "linear_proj" else "down"), (_gather_tp(a, 1, groups), b)),)
+        for key, (lora_a, lora_b) in pairs:
+            module_name = _HF_LAYER[key].removesuffix(".weight")
+            factors[f"{module_name}.lora_A.weight"] = lora_a.clone()
+            factors[f"{module_name}.lora_B.weight"] = lora_b.clone()
+    prefix = f"model.layers.{unit.index}."
+    return {prefix + name: tensor for name, tensor in factors.items()}
+
+
+def export_hf_adapters(model: torch.nn.Module, hf_config: Any, *, dst_rank: int | None = None
+                       ) -> dict[str, torch.Tensor]:
+    """The LoRA adapters of a Megatron policy (:mod:`nemo_sspo.megatron.lora`) by Hugging Face module,
+    as the ``peft`` library names them without its ``base_model.model.`` prefix
+    (``model.layers.{l}.self_attn.q_proj.lora_A.weight`` [r, in], ``...lora_B.weight`` [out, r]), in
+    layer order, gathered on ``dst_rank`` over TP and PP as :func:`iter_hf_weight_buckets` gathers
+    weights. With ``s = alpha / r``, ``W + s * lora_B @ lora_A`` of every module is its merged weight.
+
+    Collective over the model-parallel group. Returns ``{}`` on other ranks, and on every rank for a
+    model without adapters.
+
+    Args:
+        model: this rank's Megatron policy stage (any wrapping).
+        hf_config: its Hugging Face config.
+        dst_rank: the global rank that receives them (a member of this rank's model-parallel group);
+            None = the group's first rank.
+    """
+    gpt = unwrap_model(model)
+    groups = get_parallel_groups()
+    plan = _export_plan(gpt, hf_config, groups)
+    dst = groups.mp_src_rank if dst_rank is None else dst_rank
+    dst_tp = next(tp for (_, tp), rank in plan.rank_at.items() if rank == dst)
+    adapters: dict[str, torch.Tensor] = {}
+    for unit in plan.units:
+        if unit.kind == "layer":
+            tensors = _unit_at_dst(gpt, None, unit, plan, hf_config, groups, dst, dst_tp, export=_export_layer_adapters)
+            adapters.update(tensors or {})
+    return adapters
 
 
 def _nbytes(tensors: dict[str, torch.Tensor]) -> int:

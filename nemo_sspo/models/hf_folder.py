@@ -26,14 +26,15 @@ import copy
 import json
 import os
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
 from transformers import GenerationConfig, PretrainedConfig
 
-__all__ = ["ARCHITECTURES", "TIED_HEAD_KEY", "WEIGHTS_FILE", "clean_hf_config", "generation_eos_ids",
-           "stop_token_ids", "write_model_folder"]
+__all__ = ["ADAPTER_DIR", "ARCHITECTURES", "PeftAdapter", "TIED_HEAD_KEY", "WEIGHTS_FILE", "clean_hf_config",
+           "generation_eos_ids", "stop_token_ids", "write_model_folder"]
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
                  "qwen3_moe": "Qwen3MoeForCausalLM"}
@@ -47,6 +48,42 @@ WEIGHTS_FILE = "model.safetensors"
 """The single-file weights of every folder written here."""
 TIED_HEAD_KEY = "lm_head.weight"
 """The output layer's name, left out of state dicts when the embeddings are tied."""
+ADAPTER_DIR = "adapter"
+"""Sub-folder of a model folder trained with LoRA: its adapters in the ``peft`` library's format."""
+_PEFT_PREFIX = "base_model.model."  # peft's names: its wrapper's path to the transformers model
+
+
+@dataclass(frozen=True)
+class PeftAdapter:
+    """LoRA adapters in the ``peft`` library's terms (``adapter_config.json`` fields), written beside the
+    merged weights of a model folder as ``adapter/``.
+
+    Attributes:
+        tensors: ``model.layers.{l}.<module>.lora_A.weight`` [r, in] and ``...lora_B.weight`` [out, r]
+            (HF module names, without peft's ``base_model.model.`` prefix).
+        rank: ``r``.
+        alpha: ``lora_alpha`` (the adapters' scale is ``alpha / r``).
+        dropout: ``lora_dropout``.
+        base_model: ``base_model_name_or_path``: the source the adapters were trained on.
+    """
+
+    tensors: dict[str, torch.Tensor]
+    rank: int
+    alpha: float
+    dropout: float
+    base_model: str
+
+    def write(self, folder: Path) -> None:
+        """``folder/adapter_config.json`` and ``folder/adapter_model.safetensors`` (``folder`` is created)."""
+        folder.mkdir()
+        targets = sorted({name.split(".")[-3] for name in self.tensors})
+        config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": self.rank, "lora_alpha": self.alpha,
+                  "lora_dropout": self.dropout, "target_modules": targets, "bias": "none", "fan_in_fan_out": False,
+                  "use_rslora": False, "use_dora": False, "init_lora_weights": True, "inference_mode": True,
+                  "base_model_name_or_path": self.base_model}
+        (folder / "adapter_config.json").write_text(json.dumps(config, indent=1), encoding="utf-8")
+        tensors = {_PEFT_PREFIX + name: t.detach().cpu().contiguous() for name, t in self.tensors.items()}
+        save_file(tensors, str(folder / "adapter_model.safetensors"), metadata={"format": "pt"})
 
 
 def _as_id_list(value) -> list[int]:
@@ -133,7 +170,8 @@ def _save_hf_config(hf_config: PretrainedConfig, folder: str | Path, *, stop_ids
 
 
 def write_model_folder(folder: str | Path, hf_config: PretrainedConfig, state_dict: dict[str, torch.Tensor],
-                       tokenizer, *, stop_ids: list[int], extra: dict | None = None) -> None:
+                       tokenizer, *, stop_ids: list[int], extra: dict | None = None,
+                       adapter: PeftAdapter | None = None) -> None:
     """Writes a complete Hugging Face model folder into the existing, empty ``folder``.
 
     The one writer of every model folder the product makes (module docstring); callers publish
@@ -149,11 +187,15 @@ def write_model_folder(folder: str | Path, hf_config: PretrainedConfig, state_di
         stop_ids: the model's stop list (:func:`stop_token_ids` of the source's tokenizer and folder),
             written as ``generation_config.json`` ``eos_token_id``; required, never rebuilt here.
         extra: ``name -> JSON-serialisable value``, each written as ``<name>.json``.
+        adapter: LoRA: the adapters whose merge ``state_dict`` holds, written as ``folder/adapter``
+            (loadable with ``peft.PeftModel.from_pretrained`` onto the base model); None: none.
 
     Raises:
         ValueError: ``stop_ids`` is empty, or ``hf_config`` names no known architecture.
     """
     folder = Path(folder)
+    if adapter is not None:
+        adapter.write(folder / ADAPTER_DIR)
     tied = bool(getattr(hf_config, "tie_word_embeddings", False))
     tensors = {name: value.detach().cpu().contiguous() for name, value in state_dict.items()
                if not (tied and name == TIED_HEAD_KEY)}

@@ -354,7 +354,7 @@ def _prune(root: Path, keep: int, latest: str) -> None:
 
 
 def write_hf_checkpoint(path: str | Path, hf_config, state_dict: dict[str, torch.Tensor], tokenizer,
-                        extra: dict[str, Any] | None = None, *, stop_ids: list[int]) -> Path:
+                        extra: dict[str, Any] | None = None, *, stop_ids: list[int], adapter=None) -> Path:
     """Writes a Hugging Face model folder (``nemo_sspo.models.hf_folder.write_model_folder``) atomically:
     into a temporary sibling folder, then a rename that replaces an older ``path``. Not collective:
     call it on one rank.
@@ -366,6 +366,7 @@ def write_hf_checkpoint(path: str | Path, hf_config, state_dict: dict[str, torch
         tokenizer: saved with the weights.
         extra: ``name -> JSON value`` files written as ``<name>.json`` (e.g. ``best.json``).
         stop_ids: the model's stop list (the trainer's, from the source's tokenizer and generation config).
+        adapter: LoRA: the :class:`~nemo_sspo.models.hf_folder.PeftAdapter` written as ``path/adapter``.
 
     Returns:
         ``path``, loadable by ``nemo_sspo.models.load_hf_checkpoint``, ``transformers`` and vLLM.
@@ -379,7 +380,7 @@ def write_hf_checkpoint(path: str | Path, hf_config, state_dict: dict[str, torch
     tmp = path.with_name(f".{path.name}.tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    write_model_folder(tmp, hf_config, state_dict, tokenizer, stop_ids=stop_ids, extra=extra)
+    write_model_folder(tmp, hf_config, state_dict, tokenizer, stop_ids=stop_ids, extra=extra, adapter=adapter)
     _publish(tmp, path)
     return path
 

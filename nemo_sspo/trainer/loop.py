@@ -117,7 +117,8 @@ class GRPOTrainer:
         prompts = setup.build_prompts(cfg)
         self.hf_config, state_dict, self.tokenizer = setup.load_checkpoint_of(cfg, checkpoint)
         self.stop_ids = setup.run_stop_ids(cfg, self.tokenizer)
-        self.folders = ModelFolders(tr.output_dir, self.hf_config, self.tokenizer, self.stop_ids)
+        self.folders = ModelFolders(tr.output_dir, self.hf_config, self.tokenizer, self.stop_ids,
+                                    lora=setup.lora_settings(cfg), base_model=cfg.model.source)
         model, optimizer, scheduler = setup.build_policy(cfg, self.hf_config, state_dict)
         # LoRA: checkpoints hold the adapters only, so they record which base weights they sit on.
         self.base_checksum = base_checksum(state_dict) if setup.lora_settings(cfg) is not None else None

@@ -4,10 +4,11 @@ Each layout builds the tiny tied Llama of ``test_invariance`` with rank-4 adapte
 linear layers, loads the same HF weights and takes three steps on that test's batch (off-policy
 noise on the old log-probs, so the ratios move and some clip), once with SSPO (segment-level
 ratios) and once with GRPO (token-level). After each step it records the loss and the merged HF
-weights (``W + (alpha / r) B A``, gathered over TP and PP by the weight export the refit uses). Every
-layout must give the single-process run's losses and weight updates to rel 1e-5: TP 2, TP 2 with
-sequence parallelism, PP 2 (tied embeddings on two stages), DP 2 with the distributed optimizer,
-and the single process with the distributed optimizer.
+weights (``W + (alpha / r) B A``, gathered over TP and PP by the weight export the refit uses), and
+at the end the adapters by HF module (the PEFT export, gathered the same way). Every layout must give
+the single-process run's losses, weight updates and adapters to rel 1e-5: TP 2, TP 2 with sequence
+parallelism, PP 2 (tied embeddings on two stages), DP 2 with the distributed optimizer, and the
+single process with the distributed optimizer.
 
 Each run also checks what LoRA promises of the wrapped model: only the adapters have gradient
 buffers and optimizer states (the optimizer's parameters are exactly the adapter factors), the
@@ -40,8 +41,8 @@ REFERENCE = (1, 1, 1, False, False)
 
 def _train(rank, world_size):
     from nemo_sspo.algorithms.micro_batches import MicroBatchLayout
-    from nemo_sspo.megatron import (build_policy_model, destroy_parallel, export_hf_state_dict, get_parallel_groups,
-                                    initialize_parallel, load_hf_into_megatron, vocab_shard)
+    from nemo_sspo.megatron import (build_policy_model, destroy_parallel, export_hf_adapters, export_hf_state_dict,
+                                    get_parallel_groups, initialize_parallel, load_hf_into_megatron, vocab_shard)
     from nemo_sspo.megatron.lora import LoraSettings, adapter_parameters
     from nemo_sspo.megatron.step import LossSpec
     from nemo_sspo.megatron.training import compute_old_logprobs, train_on_batch, wrap_for_training
@@ -84,7 +85,7 @@ def _train(rank, world_size):
             frozen_moved = [n for n, p in model.named_parameters() if n not in adapters
                             and not torch.equal(p.detach(), frozen_before[n])]
             results[(tp, pp, dp, sp, distributed, name)] = dict(
-                losses=losses, weights=weights, frozen_moved=frozen_moved,
+                losses=losses, weights=weights, frozen_moved=frozen_moved, adapters=export_hf_adapters(model, hf_config),
                 buffers_are_adapters=buffered == {id(p) for p in adapters.values()},
                 optimized=optimized, adapter_numel=sum(p.numel() for p in adapters.values()), dp=dp,
                 distributed=distributed)
@@ -122,6 +123,10 @@ def test_three_lora_steps_match_the_single_process(lora_runs, run):
                 assert _rel_err(update[key], expected) < 1e-5, (step, key)
             else:  # not adapted (norms, embeddings): exactly the base weight
                 assert torch.equal(update[key], expected), (step, key)
+    # The adapters by HF module (the PEFT export), gathered over TP and PP: the single process's.
+    assert list(got["adapters"]) == list(reference["adapters"])
+    for key, expected in reference["adapters"].items():
+        assert _rel_err(got["adapters"][key], expected) < 1e-5, key
 
 
 @pytest.mark.parametrize("run", _runs())

@@ -2,18 +2,21 @@
 refit checked against the engine's read-back, and a resume equal to the uninterrupted run.
 
 One 3-step run (rank-4 adapters, SSPO with a k3 reference-KL term, ``rollout.refit.verify=true``,
-checkpoints every step) and one resume from its step-2 checkpoint.
+checkpoints every step, the final HF folder with its PEFT adapter) and one resume from its step-2
+checkpoint, then one onto other base weights, which is refused.
 """
 
 import pytest
 import torch
+from peft import PeftModel
+from transformers import AutoModelForCausalLM
 
-from nemo_sspo.models import load_hf_checkpoint
+from nemo_sspo.models import build_hf_model, load_hf_checkpoint
 from tests.integration._loop_runs import observe, run, untimed
 
 LORA = ["model.lora.rank=4", "model.lora.alpha=8", "optim.lr=1e-2", "loss.params.kl_coef=0.1",
         "rollout.refit.verify=true", "trainer.max_steps=3", "trainer.checkpoint_interval=1",
-        "trainer.keep_checkpoints=3"]
+        "trainer.keep_checkpoints=3", "trainer.save_hf_checkpoint=true"]
 
 
 @pytest.fixture(scope="module")
@@ -47,6 +50,14 @@ def test_lora_run_uses_the_base_model_as_reference_and_resumes_exactly(monkeypat
     # (megatron-core stacks the layers of one parameter into one checkpoint tensor)
     assert saved == {f"decoder.layers.{module}.{factor}" for module in ("self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1",
                                     "mlp.linear_fc2") for factor in ("lora_A", "lora_B")}
+
+    # hf_checkpoint holds the merged weights and, in adapter/, the adapters that peft puts on the base model.
+    merged = AutoModelForCausalLM.from_pretrained(out / "hf_checkpoint").eval()
+    peft_model = PeftModel.from_pretrained(build_hf_model(tiny[0], tiny[1]), out / "hf_checkpoint" / "adapter").eval()
+    ids = torch.tensor([[5, 17, 42, 7, 99, 3]])
+    with torch.no_grad():
+        expected, got = merged(ids).logits, peft_model(ids).logits
+    assert float((got - expected).abs().max() / expected.abs().max()) < 1e-5
 
     resumed = run(monkeypatch, out, [*LORA, f"trainer.resume={step2}"], checkpoint=tiny)
     assert untimed(resumed[-1]) == untimed(straight[-1])

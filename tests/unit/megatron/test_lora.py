@@ -114,3 +114,31 @@ def test_a_mixture_of_experts_model_is_refused_naming_the_setting(parallel_1):
     with pytest.raises(ValueError, match=r"^lora: the experts of a mixture-of-experts model cannot take adapters "
                                          r"yet; set lora.rank=0"):
         build_policy_model(config, lora=SETTINGS)
+
+
+def test_the_peft_folder_loaded_by_peft_gives_the_products_logits(parallel_1, tmp_path):
+    from peft import PeftModel
+
+    from nemo_sspo.megatron import export_hf_adapters
+    from nemo_sspo.models.hf_folder import PeftAdapter
+
+    config, state_dict, tokenizer = load_hf_checkpoint("tiny-random-qwen2")
+    ids = tokenizer(["Let x = 2.\n\nThen 2x = 4."], return_tensors="pt")["input_ids"]
+    adapted = build_policy_model(config, lora=SETTINGS).eval()
+    load_hf_into_megatron(adapted, state_dict, config)
+    with torch.no_grad():
+        generator = torch.Generator().manual_seed(3)
+        for factor in adapter_parameters(adapted).values():
+            factor.normal_(0.0, 0.05, generator=generator)
+        expected = forward_logits(adapted, ids, torch.arange(ids.shape[1]).expand_as(ids))[..., :config.vocab_size]
+    PeftAdapter(export_hf_adapters(adapted, config), rank=3, alpha=6.0, dropout=0.0,
+                base_model="tiny-random-qwen2").write(tmp_path / "adapter")
+    model = PeftModel.from_pretrained(build_hf_model(config, state_dict), tmp_path / "adapter").eval()
+    assert sorted(model.peft_config["default"].target_modules) == [
+        "down_proj", "gate_proj", "k_proj", "o_proj", "q_proj", "up_proj", "v_proj"]
+    with torch.no_grad():
+        got = model(ids).logits
+        with model.disable_adapter():  # peft's base model is the product's reference model
+            base = model(ids).logits
+    assert float((got - expected).abs().max() / expected.abs().max()) < 1e-5
+    assert (base - got).abs().max() > 1e-2
