@@ -28,6 +28,9 @@ allocates them (read in ``distributed/param_and_grad_buffer.py``, ``optimizer/op
   padding); the fp32 main gradients are ``.float()`` views of the fp32 grad buffer (no copy). With
   ``cpu_offload`` the states live in host memory (``optimizer_offload_fraction=1``): 0 on the GPU.
   Adam's scalar step counters (4 bytes per tensor) are not counted.
+* LoRA (``model.lora.rank >= 1``): the base weights are frozen, so they take ``param_bytes`` each and
+  nothing else (no gradient buffer, no optimizer state, not in the distributed optimizer's buffers);
+  the adapters' factors are the trained parameters above.
 
 Activations (:func:`layer_activation_bytes`, our derivation). The starting point is Korthikanti et
 al. 2022 (arXiv 2205.05198, sec. 4.1, eq. 1-2): a GPT layer saves ``s b h (34 + 5 a s / h)`` bytes in
@@ -93,6 +96,11 @@ the activation element size (4 fp32, 2 bf16), ``t`` TP, ``sp`` = ``t`` with sequ
   permuted tokens, fc1 output, SwiGLU output and un-permute input: ``e T k (2 h + 3 f_e / t)``. No
   ``s^2`` term; selective recomputation changes nothing measurable. With sequence parallelism the
   ``4 e T h`` part is divided by ``t``; the final norm saves ``e T h``.
+* LoRA adapters (:mod:`nemo_sspo.megatron.lora`, local spec): each adapted layer saves its
+  low-rank activation ``e T r`` (a row-parallel adapter's ``e T r / t`` under sequence
+  parallelism) for its ``B``'s gradient; its input is the base layer's input, already counted (a
+  frozen base weight saves no input of its own, so an unadapted layer's input is over-counted: the
+  safe direction).
 * full recomputation keeps each recomputed chunk's input, ``e T h`` (``/ t`` with SP), per chunk of
   ``recompute_num_layers`` layers (``uniform``), or per recomputed layer (``block``: the first
   ``recompute_num_layers`` layers of a stage; the others keep everything); during the backward one
@@ -103,7 +111,7 @@ the activation element size (4 fp32, 2 bf16), ``t`` TP, ``sp`` = ``t`` with sequ
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 __all__ = [
@@ -123,13 +131,27 @@ _VOCAB_DIVISOR = 128  # Megatron-LM's make_vocab_size_divisible_by (nemo_sspo.me
 class RankParameter:
     """One parameter tensor of a rank: ``numel`` elements; ``expert``: in DDP's expert buffer (not
     all-reduced over the whole DP group); ``shared_embedding``: the tied embedding of a PP > 1 model
-    (its own bucket under the distributed optimizer).
+    (its own bucket under the distributed optimizer); ``frozen``: a base weight under LoRA (no
+    gradient, no optimizer state, not in DDP's buffers).
     """
 
     name: str
     numel: int
     expert: bool = False
     shared_embedding: bool = False
+    frozen: bool = False
+
+
+_COLUMN_TARGETS = ("linear_qkv", "linear_fc1")  # LoRA targets whose base is column-parallel (the rest: row)
+
+
+def _adapters(prefix: str, target: str, rank: int, in_local: int, out_local: int, whole: int) -> list[RankParameter]:
+    """A LoRA layer's two factors on one rank (nemo_sspo.megatron.lora): column-parallel ``A`` [r, in]
+    whole and ``B`` [out / t, r]; row-parallel ``A`` [r, in / t] and ``B`` [out, r] whole.
+    """
+    if target in _COLUMN_TARGETS:
+        return [RankParameter(f"{prefix}.lora_A", rank * whole), RankParameter(f"{prefix}.lora_B", out_local * rank)]
+    return [RankParameter(f"{prefix}.lora_A", rank * in_local), RankParameter(f"{prefix}.lora_B", whole * rank)]
 
 
 def _head_dim(hf: Any) -> int:
@@ -140,9 +162,12 @@ def _is_moe(hf: Any) -> bool:
     return getattr(hf, "model_type", "") == "qwen3_moe"
 
 
-def rank_parameters(hf: Any, *, tp: int, pp: int, ep: int = 1, stage: int = 0) -> list[RankParameter]:
+def rank_parameters(hf: Any, *, tp: int, pp: int, ep: int = 1, stage: int = 0, lora_rank: int = 0,
+                    lora_targets: tuple[str, ...] = ()) -> list[RankParameter]:
     """The parameters of pipeline stage ``stage`` on one rank (any TP rank, any EP rank: all hold
     as many), from the HF config alone (ours; equal to the built model's, tests/unit/trainer/test_memory_plan.py).
+    With ``lora_rank >= 1`` every base parameter is frozen and each targeted linear layer of each
+    decoder layer is followed by its adapter's ``lora_A`` and ``lora_B``.
 
     Args:
         hf: a Llama / Qwen2 / Qwen3 / Qwen3-MoE HF config (fields only).
@@ -150,13 +175,16 @@ def rank_parameters(hf: Any, *, tp: int, pp: int, ep: int = 1, stage: int = 0) -
         pp: pipeline-parallel size.
         ep: expert-parallel size (1 for dense models).
         stage: the pipeline stage, in ``[0, pp)``.
+        lora_rank: the adapters' rank (``model.lora.rank``); 0: no adapters, everything trains.
+        lora_targets: the adapted layers (``model.lora.target``: ``linear_qkv``, ``linear_proj``,
+            ``linear_fc1``, ``linear_fc2``).
 
     Returns:
         One :class:`RankParameter` per tensor (element counts, not bytes).
 
     Raises:
         ValueError: a layout that does not split the model (``tp`` not dividing the heads, ``pp`` the
-            layers, ``ep`` the experts) or ``stage`` out of range.
+            layers, ``ep`` the experts) or ``stage`` out of range; adapters on a mixture-of-experts model.
     """
     h, a, g, d = hf.hidden_size, hf.num_attention_heads, hf.num_key_value_heads, _head_dim(hf)
     layers = hf.num_hidden_layers
@@ -166,6 +194,8 @@ def rank_parameters(hf: Any, *, tp: int, pp: int, ep: int = 1, stage: int = 0) -
     moe = _is_moe(hf)
     if moe and hf.num_experts % ep:
         raise ValueError(f"ep={ep} does not divide num_experts={hf.num_experts}")
+    if moe and lora_rank:
+        raise ValueError("lora_rank: the experts of a mixture-of-experts model cannot take adapters yet")
     vocab_rows = math.ceil(hf.vocab_size / (_VOCAB_DIVISOR * tp)) * _VOCAB_DIVISOR
     tied = bool(hf.tie_word_embeddings)
     kind = getattr(hf, "model_type", "llama")
@@ -197,12 +227,20 @@ def rank_parameters(hf: Any, *, tp: int, pp: int, ep: int = 1, stage: int = 0) -
             f = hf.intermediate_size // tp
             out += [RankParameter(p + "mlp.linear_fc1.weight", 2 * f * h),
                     RankParameter(p + "mlp.linear_fc2.weight", h * f)]
+        if lora_rank:
+            shapes = {"linear_qkv": ("self_attention", h, qkv, h), "linear_proj": ("self_attention", a * d // tp, h, h),
+                      "linear_fc1": ("mlp", h, 2 * f, h), "linear_fc2": ("mlp", f, h, h)}
+            for target in lora_targets:
+                owner, in_local, out_local, whole = shapes[target]
+                out += _adapters(f"{p}{owner}.{target}", target, lora_rank, in_local, out_local, whole)
     if stage == pp - 1:
         out.append(RankParameter("decoder.final_layernorm.weight", h))
         if not tied:
             out.append(RankParameter("output_layer.weight", vocab_rows * h))
         elif pp > 1:  # the last stage's own copy of the tied embedding
             out.append(RankParameter("output_layer.weight", vocab_rows * h, shared_embedding=True))
+    if lora_rank:
+        out = [p if ".lora_" in p.name else replace(p, frozen=True) for p in out]
     return out
 
 
@@ -252,7 +290,8 @@ def model_state_bytes(params: list[RankParameter], *, param_bytes: int, dp: int,
         ep: expert-parallel size.
         distributed_optimizer: megatron's distributed optimizer (padded buffers, sharded states).
         cpu_offload: optimizer states in host memory.
-        trainable: False for a frozen model (reference policy): weights only.
+        trainable: False for a frozen model (reference policy): weights only. Parameters marked
+            ``frozen`` (LoRA's base) count their weights only either way.
 
     Returns:
         :class:`ModelStateBytes` (optimizer bytes are a mean over DP ranks under the distributed
@@ -266,11 +305,13 @@ def model_state_bytes(params: list[RankParameter], *, param_bytes: int, dp: int,
     numel = sum(p.numel for p in params)
     if not trainable:
         return ModelStateBytes(param_bytes * numel, 0, 0.0, 0.0, numel)
-    dense = [p for p in params if not p.expert]
-    experts = [p for p in params if p.expert]
+    trained = [p for p in params if not p.frozen]
+    frozen = numel - sum(p.numel for p in trained)
+    dense = [p for p in trained if not p.expert]
+    experts = [p for p in trained if p.expert]
     groups = [(dense, dp), (experts, dp // ep)]
     buffers = sum(_buffer_numel(group, size, distributed_optimizer) for group, size in groups if group)
-    weights = param_bytes * (buffers if distributed_optimizer else numel)
+    weights = param_bytes * (frozen + (buffers if distributed_optimizer else numel - frozen))
     per_param = 12 if param_bytes == 2 else 8  # fp32 main weights (bf16 models only) + exp_avg + exp_avg_sq
     states = sum(per_param * sum(p.numel for p in group) / (size if distributed_optimizer else 1)
                  for group, size in groups if group)
@@ -284,7 +325,8 @@ def _has_qk_norm(hf: Any) -> bool:
 
 def layer_activation_bytes(hf: Any, *, tokens: int, rows: int, seq: int, tp: int = 1, act_bytes: int = 2,
                            impl: str = "transformer_engine", recompute: str = "none",
-                           sequence_parallel: bool = False, routed_tokens: float | None = None) -> float:
+                           sequence_parallel: bool = False, routed_tokens: float | None = None,
+                           lora_rank: int = 0, lora_targets: tuple[str, ...] = ()) -> float:
     """Bytes one transformer layer saves for its backward on one micro-batch (module docstring: the
     formula of each spec, term by term; ours).
 
@@ -303,6 +345,9 @@ def layer_activation_bytes(hf: Any, *, tokens: int, rows: int, seq: int, tp: int
             balanced routing, ``R = T k`` whatever EP is (the ``T ep`` tokens gathered over EP send
             ``T ep k`` pairs, ``1 / ep`` of them to this rank's experts). Routing is data-dependent: a
             rank whose experts get more than their share saves ``R - T k`` pairs more than planned.
+
+        lora_rank: LoRA's rank (0: no adapters).
+        lora_targets: the adapted layers.
 
     Returns:
         Bytes (a float: ``a / t`` and ``T / t`` need not be integers in a plan).
@@ -344,7 +389,11 @@ def layer_activation_bytes(hf: Any, *, tokens: int, rows: int, seq: int, tp: int
             mlp = 12 * T * k / sp + 5 * T * experts + routed * (12 + e * h + 6 * e * f)
         else:
             mlp = 8 * T * experts + e * T * k * (2 * h + 3 * f)
-    return norms + attention + mlp
+    # LoRA: each adapter's low-rank activation [T, r], which its B's gradient reads (all T tokens after a
+    # column-parallel adapter's gather, T / sp after a row-parallel adapter's reduce-scatter); its input
+    # is the base layer's, counted above.
+    adapters = sum(e * T * lora_rank / (1 if target in _COLUMN_TARGETS else sp) for target in lora_targets)
+    return norms + attention + mlp + adapters
 
 
 @dataclass(frozen=True)
@@ -371,7 +420,8 @@ class ActivationTerms:
 def activation_bytes(hf: Any, *, tokens: int, rows: int, seq: int, tp: int, pp: int, stage: int,
                      act_bytes: int, impl: str, recompute: str = "none", recompute_method: str = "uniform",
                      recompute_num_layers: int = 1, sequence_parallel: bool = False,
-                     routed_tokens: float | None = None) -> ActivationTerms:
+                     routed_tokens: float | None = None, lora_rank: int = 0,
+                     lora_targets: tuple[str, ...] = ()) -> ActivationTerms:
     """The activations of ``stage``'s layers for one micro-batch (module docstring; ours).
 
     Args:
@@ -390,6 +440,8 @@ def activation_bytes(hf: Any, *, tokens: int, rows: int, seq: int, tp: int, pp: 
         sequence_parallel: ``parallel.sequence_parallel``.
         routed_tokens: as :func:`layer_activation_bytes` (None: balanced routing), per MoE layer
             (the stage's mean: the bytes are linear in it).
+        lora_rank: as :func:`layer_activation_bytes`.
+        lora_targets: as :func:`layer_activation_bytes`.
 
     Returns:
         :class:`ActivationTerms` in bytes.
@@ -403,7 +455,7 @@ def activation_bytes(hf: Any, *, tokens: int, rows: int, seq: int, tp: int, pp: 
     keep = "selective" if recompute == "selective" else "none"
     one = layer_activation_bytes(hf, tokens=tokens, rows=rows, seq=seq, tp=tp, act_bytes=act_bytes, impl=impl,
                                  recompute=keep, sequence_parallel=sequence_parallel,
-                                 routed_tokens=routed_tokens)
+                                 routed_tokens=routed_tokens, lora_rank=lora_rank, lora_targets=lora_targets)
     if recompute in ("none", "selective"):
         layers, working = per_stage * one, 0.0
     elif recompute == "full" and recompute_method == "uniform":

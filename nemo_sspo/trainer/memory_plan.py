@@ -9,8 +9,10 @@ architecture, :mod:`nemo_sspo.models.published`) and the typed config: no GPU, n
 Terms per rank of a pipeline stage (the per-tensor sources are in :mod:`nemo_sspo.megatron.memory`):
 
 * ``policy weights``, ``policy gradients``, ``policy optimizer``: :func:`~nemo_sspo.megatron.memory.model_state_bytes`
-  (exact: equal to the built objects' bytes);
-* ``reference weights`` (a loss with ``kl_coef > 0`` keeps a frozen copy), ``critic state`` and
+  (exact: equal to the built objects' bytes); under LoRA (``model.lora``) the frozen base counts its
+  weights only and the gradients and optimizer states are the adapters';
+* ``reference weights`` (a loss with ``kl_coef > 0`` keeps a frozen copy; none under LoRA, whose
+  reference is the base model under the adapters), ``critic state`` and
   ``critic activations`` (``advantage.name=critic``, e.g. ``loss=sppo``: the critic's weights,
   gradients and Adam states, and one critic micro-batch of prompts);
 * ``activations``: one micro-batch's saved activations times the micro-batches in flight under
@@ -191,14 +193,16 @@ def memory_plan(cfg: Any, hf_config: Any, *, world_size: int, gpu_gib: float | N
     vllm_weights = 2 * total_params / ro.engine.options.tensor_parallel_size if vllm else 0.0  # bf16, per vLLM TP rank
     if ro.schedule.placement == "colocated" and ro.engine.backend == "vllm" and gpu_bytes is not None:
         _check_engine_share(ro.engine.options, gpu_bytes, vllm_weights)
+    lora = dict(lora_rank=cfg.model.lora.rank, lora_targets=tuple(str(t) for t in cfg.model.lora.target)
+                if cfg.model.lora.rank else ())
     stages = []
     for stage in range(pp):
-        params = rank_parameters(hf_config, tp=tp, pp=pp, ep=ep, stage=stage)
+        params = rank_parameters(hf_config, tp=tp, pp=pp, ep=ep, stage=stage, **lora)
         state = model_state_bytes(params, param_bytes=param_bytes, dp=dp * cp, ep=ep,
                                   distributed_optimizer=op.use_distributed_optimizer, cpu_offload=op.cpu_offload)
         terms: dict[str, float] = {"policy weights": state.weights, "policy gradients": state.gradients,
                                    "policy optimizer": state.optimizer}
-        if kl > 0:
+        if kl > 0 and not cfg.model.lora.rank:  # LoRA: the reference is the base model under the adapters
             terms["reference weights"] = param_bytes * state.numel
         if critic:
             chf = _critic_config(cfg, hf_config, critic_hf_config)
@@ -215,7 +219,7 @@ def memory_plan(cfg: Any, hf_config: Any, *, world_size: int, gpu_gib: float | N
         act = activation_bytes(hf_config, tokens=tokens, rows=rows, seq=width, tp=tp, pp=pp, stage=stage,
                                act_bytes=param_bytes, impl=impl, recompute=par.recompute,
                                recompute_method=par.recompute_method, recompute_num_layers=par.recompute_num_layers,
-                               sequence_parallel=par.sequence_parallel)
+                               sequence_parallel=par.sequence_parallel, **lora)
         terms["activations"] = act.saved * (pp - stage) + act.recompute_working
         if stage == pp - 1:
             if par.output_chunk_size is not None:
@@ -241,6 +245,11 @@ def memory_plan(cfg: Any, hf_config: Any, *, world_size: int, gpu_gib: float | N
              f"{impl} layers; micro-batch {tokens:,} tokens per rank ({rows} row(s) of {width:,}); "
              f"recompute={par.recompute}; sequence_parallel={par.sequence_parallel}; "
              f"distributed optimizer={op.use_distributed_optimizer}, cpu_offload={op.cpu_offload}"]
+    if cfg.model.lora.rank:
+        trained = sum(p.numel for p in rank_parameters(hf_config, tp=1, pp=1, ep=1, **lora) if not p.frozen)
+        notes.append(f"LoRA rank {cfg.model.lora.rank} on {', '.join(lora['lora_targets'])}: {trained:,} trained "
+                     f"parameters ({trained / total_params:.2%} of {total_params:,}); base weights frozen"
+                     + ("; the KL reference is the base model (no copy)" if kl > 0 else ""))
     if cfg.model.transformer_impl == "auto":  # the one rule of plan and --print-config, said where it applies
         notes.append(f"layers: {impl}, as model.transformer_impl=auto builds them " + (
             "on a GPU (a GPU is visible or trainer.gpu_memory_gib is set)" if impl == "transformer_engine" else

@@ -62,16 +62,17 @@ def recompute(granularity: str | None, method: str = "uniform", num_layers: int 
         model_module.transformer_config_from_hf = original
 
 
-def build_trained(hf_config, *, precision: str, distributed: bool, seed: int = 0):
+def build_trained(hf_config, *, precision: str, distributed: bool, seed: int = 0, lora=None):
     """A model wrapped in megatron's DDP (fp32 grad buffers, no overlap: our ``wrap_for_training``)
-    with megatron's Adam, after one forward/backward and one optimizer step (Adam's states exist).
+    with megatron's Adam, after one forward/backward and one optimizer step (Adam's states exist);
+    ``lora``: its ``LoraSettings`` (adapters, base frozen), or None.
 
     Returns ``(ddp, optimizer)``.
     """
     from nemo_sspo.megatron.training import wrap_for_training
 
     torch.manual_seed(seed)
-    model = build_policy_model(hf_config, precision=precision).train()
+    model = build_policy_model(hf_config, precision=precision, lora=lora).train()
     ddp, optimizer = wrap_for_training(model, lr=1e-3, weight_decay=0.0, adam_beta1=0.9, adam_beta2=0.999,
                                        adam_eps=1e-8, clip_grad=0.0, use_distributed_optimizer=distributed)
     with cpu_device_context():
@@ -84,14 +85,16 @@ def build_trained(hf_config, *, precision: str, distributed: bool, seed: int = 0
 
 
 def counted_state_bytes(ddp, optimizer) -> dict[str, int]:
-    """Bytes of the built objects: the module's parameters (the distributed optimizer's parameter
-    buffers instead when it made them), DDP's grad buffers, and the optimizer's fp32 main weights
-    (when separate from the parameters) and Adam ``exp_avg`` / ``exp_avg_sq`` tensors."""
+    """Bytes of the built objects: the module's parameters (for the trained ones the distributed
+    optimizer's parameter buffers instead when it made them; frozen ones are never in a buffer),
+    DDP's grad buffers, and the optimizer's fp32 main weights (when separate from the parameters)
+    and Adam ``exp_avg`` / ``exp_avg_sq`` tensors."""
     buffers = ddp.buffers + ddp.expert_parallel_buffers
+    weights = sum(p.numel() * p.element_size() for p in ddp.module.parameters() if not p.requires_grad)
     if all(b.param_data is not None for b in buffers):
-        weights = sum(b.param_data.numel() * b.param_data.element_size() for b in buffers)
+        weights += sum(b.param_data.numel() * b.param_data.element_size() for b in buffers)
     else:
-        weights = sum(p.numel() * p.element_size() for p in ddp.module.parameters())
+        weights += sum(p.numel() * p.element_size() for p in ddp.module.parameters() if p.requires_grad)
     gradients = sum(b.grad_data.numel() * b.grad_data.element_size() for b in buffers)
     model_ptrs = {p.untyped_storage().data_ptr() for p in ddp.module.parameters()}
     model_ptrs |= {b.param_data.untyped_storage().data_ptr() for b in buffers if b.param_data is not None}

@@ -63,6 +63,49 @@ def test_weights_gradients_optimizer_equal_the_built_objects(one_process, precis
         assert counted["gradients"] == 4 * 119_168 and counted["weights"] == 4 * 119_168
 
 
+LORA_TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
+
+
+@pytest.mark.parametrize("precision,distributed,hf", [("fp32", False, "llama"), ("bf16", True, "qwen3")])
+def test_lora_terms_equal_the_built_objects(one_process, precision, distributed, hf):
+    from nemo_sspo.megatron.lora import LoraSettings
+
+    config = llama() if hf == "llama" else qwen3()
+    lora = LoraSettings(rank=4, alpha=8.0, dropout=0.0, targets=LORA_TARGETS)
+    ddp, optimizer = build_trained(config, precision=precision, distributed=distributed, lora=lora)
+    counted = counted_state_bytes(ddp, optimizer)
+    params = rank_parameters(config, tp=1, pp=1, lora_rank=4, lora_targets=LORA_TARGETS)
+    built = dict(ddp.module.named_parameters())
+    assert sorted((p.numel, p.frozen) for p in params) == sorted(
+        (p.numel(), not p.requires_grad) for p in built.values())
+    planned = model_state_bytes(params, param_bytes=2 if precision == "bf16" else 4, dp=1,
+                                distributed_optimizer=distributed)
+    assert (planned.weights, planned.gradients, planned.optimizer) == (
+        counted["weights"], counted["gradients"], counted["optimizer"])
+    if hf == "llama":  # by hand: per layer A 4 x 64 and B on qkv (128), proj (64), fc1 (320), fc2 (A 4 x 160, B 64)
+        adapters = 2 * (4 * 64 + 128 * 4 + 4 * 64 + 64 * 4 + 4 * 64 + 320 * 4 + 4 * 160 + 64 * 4)
+        assert adapters == 7_424
+        assert (counted["weights"], counted["gradients"], counted["optimizer"]) == (
+            4 * (119_104 + adapters), 4 * adapters, 8 * adapters)
+
+
+def test_lora_activations_within_bounds_of_the_saved_bytes(one_process):
+    from nemo_sspo.megatron.lora import LoraSettings
+
+    config = llama()
+    (ids, pos), _ = padded_and_packed_inputs(config.vocab_size, 2, 32, [8])
+    model = build_policy_model(config, lora=LoraSettings(rank=16, alpha=16.0, dropout=0.0,
+                                                         targets=LORA_TARGETS)).train()
+    measured = saved_activation_bytes(model, ids, pos)
+    planned = activation_bytes(config, tokens=64, rows=2, seq=32, tp=1, pp=1, stage=0, act_bytes=4, impl="local",
+                               lora_rank=16, lora_targets=LORA_TARGETS).saved
+    assert (1 - UNDER) * measured <= planned <= (1 + OVER) * measured, (measured, planned)
+    # the adapters' own term: 4 layers' [T, r] fp32 activations per decoder layer
+    without = activation_bytes(config, tokens=64, rows=2, seq=32, tp=1, pp=1, stage=0, act_bytes=4,
+                               impl="local").saved
+    assert planned - without == 2 * 4 * 64 * 16 * 4
+
+
 def test_full_recomputation_keeps_one_input_per_chunk(one_process):
     # 4 layers in chunks of 2: the forward keeps 2 chunk inputs of T h fp32 values, not 4.
     config = llama(num_hidden_layers=4)

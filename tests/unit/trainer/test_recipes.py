@@ -9,7 +9,7 @@ import pytest
 from nemo_sspo.cli import DEFAULT_CONFIG_DIR, load_config
 from nemo_sspo.trainer.config import validate
 
-RECIPES = sorted(p.stem for p in Path(DEFAULT_CONFIG_DIR).glob("*_qwen2.5_math_*.yaml"))
+RECIPES = sorted(p.stem for p in Path(DEFAULT_CONFIG_DIR).glob("*_qwen2.5_math_*.yaml") if not p.stem.endswith("_lora"))
 # The paper's entropy-adaptive clip bounds per model size (eq. 14/15).
 SSPO_BOUNDS = {"1.5b": {"alpha": 0.0, "beta": 0.8, "gamma": 1.75}, "7b": {"alpha": 0.1, "beta": 0.8, "gamma": 2.2}}
 
@@ -81,7 +81,27 @@ def test_sspo_recipe_switches_loss_on_the_command_line(size, loss):
 # for Qwen3-30B-A3B (H100 80 GB = 79.65 GiB would be tighter than 80; we take the nominal 80).
 GPU_RECIPES = [(name, 8, (80, 141)) for name in RECIPES] + [
     ("soft_seq_po_qwen3_8b", 8, (80, 141)), ("sppo_deepseek_r1_distill_qwen_1.5b", 4, (80, 141)),
-    ("soft_seq_po_qwen3_30b_a3b", 16, (141,))]
+    ("soft_seq_po_qwen3_30b_a3b", 16, (141,)), ("sspo_qwen2.5_math_7b_lora", 1, (80, 141))]
+
+
+def test_the_lora_recipe_is_the_full_recipe_with_adapters_on_one_gpu_per_replica():
+    from nemo_sspo.trainer.run_config import composed_config
+
+    def flat(tree, prefix=""):
+        return {k: v for key, value in tree.items()
+                for k, v in (flat(value, f"{prefix}{key}.").items() if isinstance(value, dict) else {
+                    f"{prefix}{key}": value}.items())}
+
+    full, lora = (flat(composed_config(_recipe(name))) for name in ("sspo_qwen2.5_math_7b", "sspo_qwen2.5_math_7b_lora"))
+    changed = {key: (full[key], lora[key]) for key in full if full[key] != lora[key]}
+    assert changed == {
+        "model.transformer_impl": ("auto", "local"), "model.lora.rank": (0, 32),
+        "parallel.tensor_model_parallel_size": (2, 1), "parallel.recompute": ("none", "selective"),
+        "optim.lr": (1e-6, 1e-5),  # 10x, LoRA Without Regret
+        "rollout.engine.options.tensor_parallel_size": (2, 1),
+        "rollout.engine.options.gpu_memory_utilization": (0.35, 0.4),
+        "trainer.output_dir": ("outputs/sspo_qwen2.5_math_7b", "outputs/sspo_qwen2.5_math_7b_lora")}
+    assert lora["model.lora.target"] == ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"]
 
 
 def test_every_gpu_recipe_is_planned():
