@@ -214,8 +214,8 @@ def with_adapters(submodules, settings: LoraSettings) -> None:
     attention = submodules.self_attention.submodules
     mlp = getattr(submodules.mlp, "submodules", None)
     if mlp is None or not hasattr(mlp, "linear_fc1"):
-        raise ValueError("lora: the experts of a mixture-of-experts model cannot take adapters yet; set "
-                         "lora.rank=0 (full fine-tuning) for this model")
+        raise ValueError("lora: the experts of a mixture-of-experts model cannot take adapters yet; train this "
+                         "model without adapters (rank 0, full fine-tuning)")
     owners = {"linear_qkv": attention, "linear_proj": attention, "linear_fc1": mlp, "linear_fc2": mlp}
     for target in settings.targets:
         owner = owners[target]

@@ -112,7 +112,7 @@ def test_only_the_named_targets_get_adapters(parallel_1):
 def test_a_mixture_of_experts_model_is_refused_naming_the_setting(parallel_1):
     config, _, _ = load_hf_checkpoint("tiny-random-qwen3-moe")
     with pytest.raises(ValueError, match=r"^lora: the experts of a mixture-of-experts model cannot take adapters "
-                                         r"yet; set lora.rank=0"):
+                                         r"yet; train this model without adapters"):
         build_policy_model(config, lora=SETTINGS)
 
 

@@ -1,0 +1,56 @@
+"""``model.lora``: its defaults, and every bad value refused at load naming the key and the fix (all
+together, with the config's other problems); a mixture-of-experts model refused when the policy is
+built, before anything is written."""
+
+import pytest
+
+from nemo_sspo.cli import load_config
+
+
+def _problems(*overrides: str) -> str:
+    with pytest.raises(ValueError) as err:
+        load_config(overrides=list(overrides))
+    return str(err.value)
+
+
+def test_defaults_train_every_weight_and_target_every_linear_layer():
+    lora = load_config().model.lora
+    assert (lora.rank, lora.alpha, lora.dropout) == (0, 32.0, 0.0)
+    assert [str(t) for t in lora.target] == ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"]
+    chosen = load_config(overrides=["model.lora.rank=4", "model.lora.target=[linear_fc2,linear_qkv]"]).model.lora
+    assert chosen.rank == 4 and [str(t) for t in chosen.target] == ["linear_fc2", "linear_qkv"]
+
+
+def test_bad_values_are_refused_together_naming_each_key_and_fix():
+    message = _problems("model.lora.rank=-1", "model.lora.alpha=0", "model.lora.dropout=1.0",
+                        "model.lora.target=[linear_fc1,linear_fc1]")
+    assert message.startswith("invalid config 'sspo_smollm2_cpu': 4 config problems:")
+    assert "model.lora.rank=-1 must be >= 0 (0 = full fine-tuning, no adapters)" in message
+    assert "model.lora.alpha=0.0 must be a finite number > 0 (the adapters' scale is alpha / rank)" in message
+    assert "model.lora.dropout=1.0 must be in [0, 1)" in message
+    assert "model.lora.target=['linear_fc1', 'linear_fc1'] names a layer twice; name each once" in message
+
+
+def test_an_empty_or_unknown_target_is_refused_with_the_valid_names():
+    assert ("model.lora.target is empty: name at least one of ['linear_qkv', 'linear_proj', 'linear_fc1', "
+            "'linear_fc2'], or set model.lora.rank=0 for full fine-tuning") in _problems("model.lora.target=[]")
+    message = _problems("model.lora.target=[q_proj]")
+    assert "model.lora.target" in message and "q_proj" in message
+    assert "linear_qkv, linear_proj, linear_fc1, linear_fc2" in message
+
+
+def test_adapters_on_transformer_engine_layers_are_refused_at_load():
+    message = _problems("model.lora.rank=4", "model.transformer_impl=transformer_engine")
+    assert ("model.lora.rank=4 builds adapters on the local layer spec only so far, but "
+            "model.transformer_impl='transformer_engine'; set model.transformer_impl=local") in message
+
+
+def test_a_mixture_of_experts_model_is_refused_when_the_policy_is_built(parallel_1):
+    from nemo_sspo.models import load_hf_checkpoint
+    from nemo_sspo.trainer.setup import build_policy
+
+    cfg = load_config(overrides=["model=tiny_random_qwen3_moe", "model.lora.rank=4"])
+    hf_config, state_dict, _ = load_hf_checkpoint(cfg.model.source)
+    with pytest.raises(ValueError, match=r"^model\.lora: the experts of a mixture-of-experts model cannot take "
+                                         r"adapters yet; train this model without adapters \(rank 0, full fine-tuning\)$"):
+        build_policy(cfg, hf_config, state_dict)
