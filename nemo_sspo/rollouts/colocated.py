@@ -79,7 +79,7 @@ class ColocatedSource:
         to the host: ``bytes_to_host`` 0).
         """
         self.version = step
-        return RefitOutcome(self.push_weights(), bytes_to_host=0)
+        return RefitOutcome(self.push_weights(), bytes_to_host=0, bytes=self.exporter.last_bytes)
 
     def figures(self, step: int, got: StepRollout, generation_wait_s: float, refit: RefitOutcome) -> SourceFigures:
         """The version lag under lock-step staleness (k > 0); the generation window on the training ranks' lane."""

@@ -168,7 +168,7 @@ class LockStepSource(SeparateSource):
     def after_update(self, step: int) -> RefitOutcome:
         """The rollout ranks wait for the weights after step ``step``."""
         seconds_per_gb, to_host = self.broadcast_weights(step)
-        return RefitOutcome(seconds_per_gb, bytes_to_host=to_host)
+        return RefitOutcome(seconds_per_gb, bytes_to_host=to_host, bytes=self.exporter.last_bytes)
 
     def figures(self, step: int, got: StepRollout, generation_wait_s: float, refit: RefitOutcome) -> SourceFigures:
         """The version lag (k > 0), each side's idle time and the generation window on the rollout ranks' lane."""

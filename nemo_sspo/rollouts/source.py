@@ -43,11 +43,15 @@ class RefitOutcome:
             broadcast's (``nemo_sspo.parallel.weight_broadcast.BroadcastStats.bytes_to_host``: 0 over
             NCCL; on a CPU run also 0, since no tensor is then on a device); None where not measured
             (free-running).
+        bytes: the bytes the refit exported on the replica's export rank (``refit/bytes``: every weight,
+            or under ``model.lora.refit=adapters`` the adapters alone); None where not measured
+            (free-running, and the replica's other ranks).
     """
 
     seconds_per_gb: float | None = None
     wait_s: float = 0.0
     bytes_to_host: int | None = None
+    bytes: int | None = None
 
 
 @dataclass(frozen=True)

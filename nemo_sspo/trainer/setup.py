@@ -25,6 +25,7 @@ from typing import Any
 from nemo_sspo.algorithms.segmentation import TABLE_FREE_SEGMENTATIONS, build_segment_tables
 from nemo_sspo.data import ShardedSource, build_prompt_source
 from nemo_sspo.megatron import (
+    AdapterExporter,
     ParallelGroups,
     WeightExporter,
     build_policy_model,
@@ -237,7 +238,8 @@ def build_rollout(cfg: TrainConfig, hf_config, state_dict, tokenizer, prompts, g
                                 model_source=cfg.model.source, cache_dir=cfg.model.cache_dir, rollout=cfg.rollout,
                                 seed=cfg.trainer.seed, device=training_device(), stop_ids=stop_ids,
                                 record_routes=cfg.model.router_replay == "r3",
-                                output_layer_precision=cfg.model.output_layer_precision)
+                                output_layer_precision=cfg.model.output_layer_precision,
+                                adapter_rank=cfg.model.lora.rank if cfg.model.lora.refit == "adapters" else 0)
         engine = build_rollout_engine(cfg.rollout.engine.backend, context)
     if reward is None:
         reward = build_reward(cfg.reward.name, cfg.reward)
@@ -263,7 +265,7 @@ def build_rollout_source(cfg: TrainConfig, groups: ParallelGroups, split: WorldS
                          sampler: RolloutSampler | None, engine: RolloutEngine | None, pad_id: int) -> RolloutSource:
     """This run's rollout source (:mod:`nemo_sspo.rollouts`), from ``rollout.schedule.placement`` and
     ``rollout.schedule.mode``, with the weight exporter of ``model`` (gathered on the replica's
-    first model-parallel rank).
+    first model-parallel rank; the adapters alone with ``model.lora.refit=adapters``).
 
     Args:
         cfg: the run's config.
@@ -275,8 +277,11 @@ def build_rollout_source(cfg: TrainConfig, groups: ParallelGroups, split: WorldS
         engine: colocated, the generating rank's engine (None elsewhere).
         pad_id: the tokenizer's pad id.
     """
-    ro = cfg.rollout
-    exporter = WeightExporter(model, hf_config, bucket_bytes=ro.refit.bucket_mb << 20, dst_rank=groups.mp_src_rank)
+    ro, lora = cfg.rollout, lora_settings(cfg)
+    if lora is not None and cfg.model.lora.refit == "adapters":
+        exporter = AdapterExporter(model, hf_config, scaling=lora.scaling, dst_rank=groups.mp_src_rank)
+    else:
+        exporter = WeightExporter(model, hf_config, bucket_bytes=ro.refit.bucket_mb << 20, dst_rank=groups.mp_src_rank)
     if split is None:
         return ColocatedSource(RolloutProducer(sampler, fan_out(groups)), exporter, engine,
                                max_staleness=ro.schedule.max_staleness, last_step=cfg.trainer.max_steps,

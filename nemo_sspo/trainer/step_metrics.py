@@ -109,7 +109,8 @@ class StepMetrics:
         self._last_stage_pairs.update(last_stage_pairs or {})
 
     def finish(self, got: StepRollout, source: RolloutSource, refit: RefitOutcome, batch) -> dict[str, float]:
-        """The step's metrics (collective over the training ranks; the same on every rank).
+        """The step's metrics (collective over the training ranks; the same on every rank, but
+        ``refit/bytes``, which only the replicas' export ranks report).
 
         Args:
             got: the rollout the step trained on.
@@ -127,6 +128,8 @@ class StepMetrics:
             values["timing/refit_s_per_gb"] = refit.seconds_per_gb
         if refit.bytes_to_host is not None:
             values["refit/bytes_to_host"] = float(refit.bytes_to_host)
+        if refit.bytes is not None and g.mp_rank == 0:  # the export rank's count (the others export nothing)
+            values["refit/bytes"] = float(refit.bytes)
         pairs = dict(self._pairs)
         if g.is_last_stage:
             rollout, rb = got.versioned.rollout, got.versioned.rollout.batch

@@ -124,9 +124,10 @@ def make_trainer(monkeypatch, tmp_path, overrides, *, checkpoint=None, reward=Pa
 
 
 def run(monkeypatch, tmp_path, overrides, *, checkpoint=None, reward=ParityReward, capture=None):
-    """``trainer.fit()`` history; ``capture(trainer)`` may wrap trainer methods before the run."""
-    trainer = make_trainer(monkeypatch, tmp_path, overrides, checkpoint=checkpoint, reward=reward)
+    """``trainer.fit()`` history; ``capture(trainer)`` may wrap trainer methods before the run. Megatron's
+    parallel state is torn down whatever happens, a trainer that refuses to start included."""
     try:
+        trainer = make_trainer(monkeypatch, tmp_path, overrides, checkpoint=checkpoint, reward=reward)
         if capture is not None:
             capture(trainer)
         return trainer.fit()

@@ -164,31 +164,42 @@ TRAIN = ["model=tiny_random_qwen3", "rollout/engine=vllm", "rollout.engine.optio
          "trainer.save_hf_checkpoint=false"]
 
 
-def test_train_loop_refits_vllm_after_each_optimizer_step(tmp_path):
+def test_train_loop_refits_vllm_with_lora_adapters_after_each_step(tmp_path):
     # In-process run of the tiny random Qwen3 (head_dim 32, which vLLM's CPU attention takes; 34 s
-    # alone here, where SmolLM2-135M, whose engine the tests above check, took 123 s in the whole suite) with a reward that varies, so the
-    # update moves the weights; the default chat prompt (159 tokens with the Qwen tokenizer, > 128, a
-    # shared system prefix) makes step 2 reuse step 1's prefix blocks unless the refit resets the prefix
-    # cache. The gap is the trainer's (Megatron fp32) log-probs against vLLM's on the same tokens.
+    # alone here, where SmolLM2-135M, whose engine the tests above check, took 123 s in the whole suite)
+    # with LoRA and model.lora.refit=adapters: vLLM keeps the base weights it loaded and serves the
+    # trained adapters as a LoRA adapter after each step (the full-weight refit of a colocated loop is
+    # checked by tests/vllm/test_vllm_separate.py's colocated run). A reward that varies, so the update
+    # moves the adapters; the default chat prompt (159 tokens with the Qwen tokenizer, > 128, a shared
+    # system prefix) makes step 2 reuse step 1's prefix blocks unless the refit resets the prefix cache.
+    # The gap is the trainer's (Megatron fp32) log-probs against vLLM's on the same tokens.
     from nemo_sspo.cli import load_config
-    from nemo_sspo.megatron import destroy_parallel, export_hf_state_dict
+    from nemo_sspo.megatron import destroy_parallel
+    from nemo_sspo.megatron.lora import adapter_parameters
     from nemo_sspo.trainer import loop, setup
     from tests.integration._loop_runs import ParityReward
 
-    cfg = load_config(overrides=TRAIN + ["optim.lr=1e-3", "rollout.correction.name=token_tis", f"trainer.output_dir={tmp_path}"])
+    rank = 4
+    cfg = load_config(overrides=TRAIN + ["optim.lr=1e-2", "rollout.correction.name=token_tis", f"model.lora.rank={rank}",
+                                         "model.lora.refit=adapters", f"trainer.output_dir={tmp_path}"])
     trainer = loop.GRPOTrainer(cfg, setup.start_parallel(cfg.parallel, cfg.trainer.seed), reward=ParityReward())
     try:
         step1, step2 = trainer.fit()
-        policy = export_hf_state_dict(trainer.model.module, trainer.hf_config)
+        lora_b = [p.detach().clone() for n, p in adapter_parameters(trainer.model.module).items() if n.endswith("lora_B")]
     finally:
         trainer.close()
         trainer.shutdown_engine()  # as the CLI does: vLLM's groups end before the trainer's
         destroy_parallel()
-    initial = load_hf_checkpoint("tiny-random-qwen3")[1]
     assert step1["advantages/zero_variance_group_frac"] < 1.0  # ParityReward varied: a real update
-    assert max(float((policy[n] - initial[n]).abs().max()) for n in initial) > 1e-4  # the weights moved
+    assert max(float(b.abs().max()) for b in lora_b) > 1e-4  # the adapters moved from B = 0
     assert step1["optim/grad_norm"] > 0
     print(f"\ntrainer vs vLLM log-prob gap: step 1 {step1['rollout/trainer_logprob_gap_abs']:.2e}, "
-          f"step 2 (after refit) {step2['rollout/trainer_logprob_gap_abs']:.2e}")
+          f"step 2 (after the adapter refit) {step2['rollout/trainer_logprob_gap_abs']:.2e}")
     assert step1["rollout/trainer_logprob_gap_abs"] < 1e-4
     assert step2["rollout/trainer_logprob_gap_abs"] < 1e-4
+    # Each refit sent the adapters alone, one A and one B per HF projection (fp32), by hand from the shapes:
+    hf = trainer.hf_config
+    h, q, kv, f = hf.hidden_size, hf.num_attention_heads * hf.head_dim, hf.num_key_value_heads * hf.head_dim, \
+        hf.intermediate_size
+    per_layer = rank * (h + q) + 2 * rank * (h + kv) + rank * (q + h) + 2 * rank * (h + f) + rank * (f + h)
+    assert step1["refit/bytes"] == step2["refit/bytes"] == 4 * per_layer * hf.num_hidden_layers

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from nemo_sspo.megatron.lora import LoraTarget
+from nemo_sspo.megatron.lora import LoraRefit, LoraTarget
 from nemo_sspo.megatron.model import Fp8Recipe, Precision, TransformerImpl, check_model_options
 from nemo_sspo.megatron.router_replay import RouterReplay, check_router_replay
 from nemo_sspo.parallel.fused_output import OutputPrecision
@@ -36,6 +36,10 @@ class LoraConfig:
     target: list[LoraTarget] = field(default_factory=lambda: list(LoraTarget))
     """The linear layers of each decoder layer that get an adapter, by megatron-core name (default:
     all four: ``linear_qkv``, ``linear_proj``, ``linear_fc1``, ``linear_fc2``)."""
+    refit: LoraRefit = LoraRefit.merged
+    """What a refit sends the rollout engine: ``merged`` (every weight, ``W + (alpha / rank) B A``; any
+    engine) or ``adapters`` (the adapters alone, which vLLM applies to the base model it loaded as a
+    LoRA adapter; ``rollout.engine.backend=vllm``)."""
 
     def problems(self, key: str) -> list[str]:
         """The section's own invariants.

@@ -222,6 +222,11 @@ RULES: tuple[Rule, ...] = (
                       f"/ data-parallel size {f.dp})",
          facts=("estimator", "dp"), when=_critic_used),
     # ---- the model against the engine and the layout ----
+    Rule(("model.lora.refit", "model.lora.rank", "rollout.engine.backend"),
+         lambda c, f: c.model.lora.refit == "merged" or (c.model.lora.rank >= 1 and c.rollout.engine.backend == "vllm"),
+         lambda c, f: f"model.lora.refit='adapters' sends the adapters alone to a vLLM engine, but model.lora.rank="
+                      f"{c.model.lora.rank} and rollout.engine.backend={c.rollout.engine.backend!r}; use "
+                      "model.lora.rank >= 1 with rollout/engine=vllm, or model.lora.refit=merged"),
     Rule(("model.router_replay", "rollout.engine.backend"),
          lambda c, f: c.model.router_replay != "r3" or c.rollout.engine.backend in R3_ENGINES,
          lambda c, f: "model.router_replay='r3' needs a rollout engine that returns its routes; rollout.engine.backend="

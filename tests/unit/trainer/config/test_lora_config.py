@@ -54,3 +54,13 @@ def test_a_mixture_of_experts_model_is_refused_when_the_policy_is_built(parallel
     with pytest.raises(ValueError, match=r"^model\.lora: the experts of a mixture-of-experts model cannot take "
                                          r"adapters yet; train this model without adapters \(rank 0, full fine-tuning\)$"):
         build_policy(cfg, hf_config, state_dict)
+
+
+def test_an_adapter_refit_needs_adapters_and_the_vllm_engine():
+    expected = ("model.lora.refit='adapters' sends the adapters alone to a vLLM engine, but model.lora.rank={rank} "
+                "and rollout.engine.backend={backend!r}; use model.lora.rank >= 1 with rollout/engine=vllm, or "
+                "model.lora.refit=merged")
+    assert expected.format(rank=4, backend="hf") in _problems("model.lora.rank=4", "model.lora.refit=adapters")
+    assert expected.format(rank=0, backend="vllm") in _problems("model.lora.refit=adapters", "rollout/engine=vllm")
+    cfg = load_config(overrides=["model.lora.rank=4", "model.lora.refit=adapters", "rollout/engine=vllm"])
+    assert cfg.model.lora.refit == "adapters"
