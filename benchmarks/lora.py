@@ -13,7 +13,7 @@ decoder layer (``model.lora``). For each:
   ``--repeats`` after one warm-up;
 - refit: the bytes and seconds of the merged export every refit streams
   (``iter_hf_weight_buckets``: the whole model either way, adapters merged into their weights) and,
-  for LoRA, of the adapters alone (``export_hf_adapters``: what an adapter-only refit would move).
+  for LoRA, of the adapters alone (``export_hf_adapters``: what ``model.lora.refit=adapters`` moves).
 
 The last lines are ratios LoRA / full.
 """
