@@ -1,8 +1,8 @@
 """GRPO steps with LoRA on the tiny random Llama: the base model as the KL reference, the merged
 refit checked against the engine's read-back, and a resume equal to the uninterrupted run.
 
-One 3-step run (rank-4 adapters, SSPO with a k3 reference-KL term, ``rollout.refit.verify=true``,
-checkpoints every step, the final HF folder with its PEFT adapter) and one resume from its step-2
+One 2-step run (rank-4 adapters, SSPO with a k3 reference-KL term, ``rollout.refit.verify=true``,
+checkpoints every step, the final HF folder with its PEFT adapter) and one resume from its step-1
 checkpoint, then one onto other base weights, which is refused.
 """
 
@@ -15,8 +15,7 @@ from nemo_sspo.models import build_hf_model, load_hf_checkpoint
 from tests.integration._loop_runs import observe, run, untimed
 
 LORA = ["model.lora.rank=4", "model.lora.alpha=8", "optim.lr=1e-2", "loss.params.kl_coef=0.1",
-        "rollout.refit.verify=true", "trainer.max_steps=3", "trainer.checkpoint_interval=1",
-        "trainer.keep_checkpoints=3", "trainer.save_hf_checkpoint=true"]
+        "rollout.refit.verify=true", "trainer.checkpoint_interval=1", "trainer.save_hf_checkpoint=true"]
 
 
 @pytest.fixture(scope="module")
@@ -45,8 +44,8 @@ def test_lora_run_uses_the_base_model_as_reference_and_resumes_exactly(monkeypat
     # The checkpoint holds the adapters and their Adam states, not the frozen base weights.
     from megatron.core.dist_checkpointing import load_tensors_metadata
 
-    step2 = out / "checkpoints" / "step_000002"
-    saved = {key for key in load_tensors_metadata(str(step2 / "policy")) if not key.startswith("optimizer.")}
+    step1 = out / "checkpoints" / "step_000001"
+    saved = {key for key in load_tensors_metadata(str(step1 / "policy")) if not key.startswith("optimizer.")}
     # (megatron-core stacks the layers of one parameter into one checkpoint tensor)
     assert saved == {f"decoder.layers.{module}.{factor}" for module in ("self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1",
                                     "mlp.linear_fc2") for factor in ("lora_A", "lora_B")}
@@ -59,7 +58,7 @@ def test_lora_run_uses_the_base_model_as_reference_and_resumes_exactly(monkeypat
         expected, got = merged(ids).logits, peft_model(ids).logits
     assert float((got - expected).abs().max() / expected.abs().max()) < 1e-5
 
-    resumed = run(monkeypatch, out, [*LORA, f"trainer.resume={step2}"], checkpoint=tiny)
+    resumed = run(monkeypatch, out, [*LORA, f"trainer.resume={step1}"], checkpoint=tiny)
     assert untimed(resumed[-1]) == untimed(straight[-1])
 
     # Resumed onto other base weights (one element changed), the adapters are refused before loading.
@@ -68,4 +67,4 @@ def test_lora_run_uses_the_base_model_as_reference_and_resumes_exactly(monkeypat
     other["model.norm.weight"][0] += 1.0
     with pytest.raises(ValueError, match=r"(?s)trainer.resume: checkpoint .* another config:.*base weights under "
                                          r"the adapters \(model.source='tiny-random-llama'\): checksum"):
-        run(monkeypatch, out, [*LORA, f"trainer.resume={step2}"], checkpoint=(config, other, tokenizer))
+        run(monkeypatch, out, [*LORA, f"trainer.resume={step1}"], checkpoint=(config, other, tokenizer))
