@@ -20,19 +20,8 @@ from nemo_sspo.megatron.hf_mapping import export_hf_adapters, iter_hf_weight_buc
 __all__ = ["AdapterExporter", "WeightExporter"]
 
 
-def _counted(exporter, buckets: Iterator[dict[str, torch.Tensor]]) -> Iterator[dict[str, torch.Tensor]]:
-    """``buckets`` as they come, their tensors' bytes summed into ``exporter.last_bytes`` (reset first)."""
-    exporter.last_bytes = 0
-    for bucket in buckets:
-        exporter.last_bytes += sum(tensor.numel() * tensor.element_size() for tensor in bucket.values())
-        yield bucket
-
-
 class WeightExporter:
     """Streams one model stage's current weights as HF buckets, gathered on one rank of its replica.
-
-    ``last_bytes``: the bytes of the buckets the last :meth:`buckets` yielded here (0 on the ranks
-    they are not gathered on).
 
     Args:
         model: this rank's Megatron GPTModel stage (unwrapped or DDP-wrapped); read at each call, so
@@ -46,7 +35,6 @@ class WeightExporter:
     def __init__(self, model: torch.nn.Module, hf_config: Any, *, bucket_bytes: int,
                  dst_rank: int | None) -> None:  # noqa: D107 - documented on the class
         self.model, self.hf_config, self.bucket_bytes, self.dst_rank = model, hf_config, bucket_bytes, dst_rank
-        self.last_bytes = 0
 
     def buckets(self) -> Iterator[dict[str, torch.Tensor]]:
         """The weights now, bucket by bucket (collective over the replica's model-parallel ranks: each
@@ -56,8 +44,7 @@ class WeightExporter:
             ValueError: as :func:`~nemo_sspo.megatron.hf_mapping.iter_hf_weight_buckets`, when iterated
                 (``bucket_bytes <= 0``, ``dst_rank`` outside the model-parallel group).
         """
-        return _counted(self, iter_hf_weight_buckets(self.model, self.hf_config, self.bucket_bytes,
-                                                     dst_rank=self.dst_rank))
+        return iter_hf_weight_buckets(self.model, self.hf_config, self.bucket_bytes, dst_rank=self.dst_rank)
 
 
 class AdapterExporter:
@@ -65,7 +52,7 @@ class AdapterExporter:
     ``peft`` library's names without its prefix (``model.layers.{l}.self_attn.q_proj.lora_A.weight``
     [r, in], ``...lora_B.weight`` [out, r]; :func:`~nemo_sspo.megatron.hf_mapping.export_hf_adapters`),
     with every ``lora_B`` multiplied by ``alpha / r``, so an engine applies them at scale 1 on the
-    base weights it holds: ``W + lora_B @ lora_A``. ``last_bytes`` as :class:`WeightExporter`'s.
+    base weights it holds: ``W + lora_B @ lora_A``.
 
     Args:
         model: this rank's Megatron GPTModel stage with adapters (any wrapping); read at each call.
@@ -77,13 +64,12 @@ class AdapterExporter:
     def __init__(self, model: torch.nn.Module, hf_config: Any, *, scaling: float,
                  dst_rank: int | None) -> None:  # noqa: D107 - documented on the class
         self.model, self.hf_config, self.scaling, self.dst_rank = model, hf_config, scaling, dst_rank
-        self.last_bytes = 0
 
     def buckets(self) -> Iterator[dict[str, torch.Tensor]]:
         """The adapters now, as one bucket on ``dst_rank`` (collective over the replica's model-parallel
         ranks, each of which must iterate to the end; nothing is yielded on the others).
         """
         adapters = export_hf_adapters(self.model, self.hf_config, dst_rank=self.dst_rank)
-        scaled = {name: tensor * self.scaling if name.endswith("lora_B.weight") else tensor
-                  for name, tensor in adapters.items()}
-        return _counted(self, iter([scaled] if scaled else []))
+        if adapters:
+            yield {name: tensor * self.scaling if name.endswith("lora_B.weight") else tensor
+                   for name, tensor in adapters.items()}

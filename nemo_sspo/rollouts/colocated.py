@@ -60,11 +60,19 @@ class ColocatedSource:
             self.engine.sleep()
         return StepRollout(versioned)
 
-    def push_weights(self) -> None:
+    def push_weights(self) -> int:
         """Streams the current weights into the engine (collective over the replica), checked with
-        ``verify_refit`` (RuntimeError naming the step and the first differing weight).
+        ``verify_refit`` (RuntimeError naming the step and the first differing weight); returns the
+        bytes loaded (0 on the replica's other ranks).
         """
-        buckets = self.exporter.buckets()
+        loaded = [0]
+
+        def counted(buckets):
+            for bucket in buckets:  # a tied head is the embeddings' own tensor: counted once
+                loaded[0] += sum({id(t): t.numel() * t.element_size() for t in bucket.values()}.values())
+                yield bucket
+
+        buckets = counted(self.exporter.buckets())
         if self.engine is not None and self.verify_refit:
             load_verified(self.engine, buckets, step=self.version)
         elif self.engine is not None:
@@ -72,14 +80,14 @@ class ColocatedSource:
         else:
             for _ in buckets:  # yields nothing here; runs this rank's gathers and sends
                 pass
-        return None
+        return loaded[0]
 
     def after_update(self, step: int) -> RefitOutcome:
         """The refit: the engine holds the weights after step ``step`` from here on (no weight byte goes
         to the host: ``bytes_to_host`` 0).
         """
         self.version = step
-        return RefitOutcome(self.push_weights(), bytes_to_host=0, bytes=self.exporter.last_bytes)
+        return RefitOutcome(None, bytes_to_host=0, bytes=self.push_weights())
 
     def figures(self, step: int, got: StepRollout, generation_wait_s: float, refit: RefitOutcome) -> SourceFigures:
         """The version lag under lock-step staleness (k > 0); the generation window on the training ranks' lane."""

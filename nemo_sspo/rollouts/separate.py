@@ -95,23 +95,23 @@ class SeparateSource:
         """
         return self.broadcast_weights(None)[0]
 
-    def broadcast_weights(self, version: int | None) -> tuple[float, int]:
+    def broadcast_weights(self, version: int | None) -> tuple[float, int, int]:
         """Broadcasts the current weights to every rollout rank, ``version`` (the step whose update
         they hold, or None) in the stream for the rollout ranks' refit check.
 
         Returns:
-            ``(seconds per GB, export included; weight bytes copied to the host)``, the same on every
-            training rank.
+            ``(seconds per GB, export included; weight bytes copied to the host; weight bytes sent)``,
+            the same on every training rank.
         """
-        stats_row = torch.zeros(2, dtype=torch.float64)
+        stats_row = torch.zeros(3, dtype=torch.float64)
         stats = self.export_to_rollout_ranks(lambda buckets: send_weight_buckets(
             buckets, group=self.split.refit, receivers=self.rollout_ranks, version=version))
         if stats is not None:
-            stats_row[0], stats_row[1] = stats.seconds_per_gb, stats.bytes_to_host
+            stats_row[0], stats_row[1], stats_row[2] = stats.seconds_per_gb, stats.bytes_to_host, stats.bytes
         on_device = stats_row.to(collective_device(None))
         dist.broadcast(on_device, src=0)
-        seconds_per_gb, to_host = on_device.tolist()
-        return seconds_per_gb, int(to_host)
+        seconds_per_gb, to_host, sent = on_device.tolist()
+        return seconds_per_gb, int(to_host), int(sent)
 
     def share(self, versioned: VersionedRollout | None) -> VersionedRollout:
         """The rollout the replica's first model-parallel rank received, on every rank of the replica
@@ -167,8 +167,8 @@ class LockStepSource(SeparateSource):
 
     def after_update(self, step: int) -> RefitOutcome:
         """The rollout ranks wait for the weights after step ``step``."""
-        seconds_per_gb, to_host = self.broadcast_weights(step)
-        return RefitOutcome(seconds_per_gb, bytes_to_host=to_host, bytes=self.exporter.last_bytes)
+        seconds_per_gb, to_host, sent = self.broadcast_weights(step)
+        return RefitOutcome(seconds_per_gb, bytes_to_host=to_host, bytes=sent)
 
     def figures(self, step: int, got: StepRollout, generation_wait_s: float, refit: RefitOutcome) -> SourceFigures:
         """The version lag (k > 0), each side's idle time and the generation window on the rollout ranks' lane."""

@@ -43,9 +43,10 @@ class RefitOutcome:
             broadcast's (``nemo_sspo.parallel.weight_broadcast.BroadcastStats.bytes_to_host``: 0 over
             NCCL; on a CPU run also 0, since no tensor is then on a device); None where not measured
             (free-running).
-        bytes: the bytes the refit exported on the replica's export rank (``refit/bytes``: every weight,
-            or under ``model.lora.refit=adapters`` the adapters alone); None where not measured
-            (free-running, and the replica's other ranks).
+        bytes: the bytes the refit loaded or sent (``refit/bytes``: every weight, or under
+            ``model.lora.refit=adapters`` the adapters alone): colocated on the generating rank (0 on the
+            replica's other ranks, which load nothing), lock-step separate the broadcast's on every
+            training rank; None where not measured (free-running).
     """
 
     seconds_per_gb: float | None = None

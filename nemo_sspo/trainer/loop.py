@@ -51,7 +51,6 @@ from nemo_sspo.trainer.checkpoint import (
     CHECKPOINTS_DIR,
     INTERRUPTED_DIR,
     TrainerState,
-    base_checksum,
     load_checkpoint,
     prepare_output_dir,
     resolve_resume,
@@ -120,13 +119,7 @@ class GRPOTrainer:
         self.folders = ModelFolders(tr.output_dir, self.hf_config, self.tokenizer, self.stop_ids,
                                     lora=setup.lora_settings(cfg), base_model=cfg.model.source)
         model, optimizer, scheduler = setup.build_policy(cfg, self.hf_config, state_dict)
-        # LoRA: checkpoints hold the adapters only, so they record which base weights they sit on
-        # (computed once, on rank 0: a pass over every weight; every rank compares it on resume).
-        self.base_checksum = None
-        if setup.lora_settings(cfg) is not None:
-            box = [base_checksum(state_dict) if dist.get_rank() == 0 else None]
-            dist.broadcast_object_list(box, src=0)
-            self.base_checksum = box[0]
+        self.base_checksum = setup.adapters_base_checksum(cfg, state_dict)
         self.model, self.optimizer = model, optimizer
         self.ref_model = setup.build_reference(cfg, self.hf_config, state_dict, model) if needs.reference_policy else None
         estimator = get_advantage_estimator(advantage_estimator_name(cfg))

@@ -22,6 +22,8 @@ from __future__ import annotations
 from dataclasses import asdict
 from typing import Any
 
+import torch.distributed as dist
+
 from nemo_sspo.algorithms.segmentation import TABLE_FREE_SEGMENTATIONS, build_segment_tables
 from nemo_sspo.data import ShardedSource, build_prompt_source
 from nemo_sspo.megatron import (
@@ -51,11 +53,12 @@ from nemo_sspo.rollouts.producer import FanOut, RolloutProducer
 from nemo_sspo.rollouts.sampling import RolloutSampler
 from nemo_sspo.rollouts.slots import rollout_replica
 from nemo_sspo.rollouts.worker import RolloutWorker
+from nemo_sspo.trainer.checkpoint import base_checksum
 from nemo_sspo.trainer.config import ParallelConfig, TrainConfig, at_key
 from nemo_sspo.trainer.critic_training import Critic
 from nemo_sspo.trainer.device import training_device
 
-__all__ = ["build_critic", "build_policy", "build_prompts", "build_reference", "build_rollout", "build_rollout_source",
+__all__ = ["adapters_base_checksum", "build_critic", "build_policy", "build_prompts", "build_reference", "build_rollout", "build_rollout_source",
            "fan_out", "load_checkpoint_of", "lora_settings", "loss_spec", "model_options", "run_rollout_rank", "run_stop_ids",
            "segment_tables", "start_parallel", "wrap_for_updates"]
 
@@ -150,6 +153,18 @@ def build_policy(cfg: TrainConfig, hf_config, state_dict):
     """
     updates = cfg.trainer.max_steps * cfg.trainer.minibatches_per_step
     return wrap_for_updates(_megatron_stage(cfg, hf_config, state_dict, lora_settings(cfg)), cfg.optim, updates)
+
+
+def adapters_base_checksum(cfg: TrainConfig, state_dict) -> list[int] | None:
+    """LoRA: :func:`~nemo_sspo.trainer.checkpoint.base_checksum` of the base weights ``state_dict`` (the
+    checkpoints hold the adapters only, so they record which weights they sit on), computed once on
+    rank 0 (a pass over every weight) and broadcast; None without adapters. Collective.
+    """
+    if lora_settings(cfg) is None:
+        return None
+    box = [base_checksum(state_dict) if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
 
 
 def build_reference(cfg: TrainConfig, hf_config, state_dict, policy):

@@ -40,6 +40,10 @@ def test_lora_run_uses_the_base_model_as_reference_and_resumes_exactly(monkeypat
     assert torch.equal(old1[mask1], ref1[mask1])
     assert (old2 - ref2)[mask2].abs().max() > 1e-4
     # rollout.refit.verify: every refit was read back from the engine bit for bit, or the step would have raised.
+    # Each refit loaded every weight, merged (fp32; a tied head is the embeddings' tensor, loaded once).
+    config, state_dict, _ = tiny
+    whole = sum(t.numel() * 4 for k, t in state_dict.items() if not (config.tie_word_embeddings and k == "lm_head.weight"))
+    assert [record["refit/bytes"] for record in straight] == [whole, whole]
 
     # The checkpoint holds the adapters and their Adam states, not the frozen base weights.
     from megatron.core.dist_checkpointing import load_tensors_metadata
@@ -62,7 +66,7 @@ def test_lora_run_uses_the_base_model_as_reference_and_resumes_exactly(monkeypat
     assert untimed(resumed[-1]) == untimed(straight[-1])
 
     # Resumed onto other base weights (one element changed), the adapters are refused before loading.
-    config, state_dict, tokenizer = tiny
+    tokenizer = tiny[2]
     other = dict(state_dict, **{"model.norm.weight": state_dict["model.norm.weight"].clone()})
     other["model.norm.weight"][0] += 1.0
     with pytest.raises(ValueError, match=r"(?s)trainer.resume: checkpoint .* another config:.*base weights under "
