@@ -37,6 +37,7 @@ class ColocatedSource:
     def __init__(self, producer: RolloutProducer, exporter: WeightExporter, engine, *, max_staleness: int,
                  last_step: int, verify_refit: bool) -> None:  # noqa: D107 - documented on the class
         self.producer, self.exporter, self.engine = producer, exporter, engine
+        self.loaded_bytes = 0  # what the last push_weights loaded into the engine
         self.max_staleness, self.verify_refit = max_staleness, verify_refit
         self.in_flight = LockStepRollouts(max_staleness, last_step)
         self.version = 0  # the step whose update the trainer's weights hold (named by the refit check)
@@ -60,16 +61,16 @@ class ColocatedSource:
             self.engine.sleep()
         return StepRollout(versioned)
 
-    def push_weights(self) -> int:
+    def push_weights(self) -> None:
         """Streams the current weights into the engine (collective over the replica), checked with
-        ``verify_refit`` (RuntimeError naming the step and the first differing weight); returns the
-        bytes loaded (0 on the replica's other ranks).
+        ``verify_refit`` (RuntimeError naming the step and the first differing weight); ``loaded_bytes``
+        then holds the bytes the engine loaded (0 on the replica's other ranks).
         """
-        loaded = [0]
+        self.loaded_bytes = 0
 
         def counted(buckets):
             for bucket in buckets:  # a tied head is the embeddings' own tensor: counted once
-                loaded[0] += sum({id(t): t.numel() * t.element_size() for t in bucket.values()}.values())
+                self.loaded_bytes += sum({id(t): t.numel() * t.element_size() for t in bucket.values()}.values())
                 yield bucket
 
         buckets = counted(self.exporter.buckets())
@@ -80,14 +81,14 @@ class ColocatedSource:
         else:
             for _ in buckets:  # yields nothing here; runs this rank's gathers and sends
                 pass
-        return loaded[0]
 
     def after_update(self, step: int) -> RefitOutcome:
         """The refit: the engine holds the weights after step ``step`` from here on (no weight byte goes
         to the host: ``bytes_to_host`` 0).
         """
         self.version = step
-        return RefitOutcome(None, bytes_to_host=0, bytes=self.push_weights())
+        self.push_weights()
+        return RefitOutcome(None, bytes_to_host=0, bytes=self.loaded_bytes)
 
     def figures(self, step: int, got: StepRollout, generation_wait_s: float, refit: RefitOutcome) -> SourceFigures:
         """The version lag under lock-step staleness (k > 0); the generation window on the training ranks' lane."""
