@@ -296,12 +296,17 @@ def _gather_tp(tensor: torch.Tensor, dim: int | None, groups: ParallelGroups):
     return shards[0] if len(shards) == 1 else torch.cat(shards, dim=dim)
 
 
+def _gate_up(fc1: torch.Tensor, groups: ParallelGroups) -> tuple[torch.Tensor, torch.Tensor]:
+    """Full (gate, up) rows from this rank's fc1 rows ``[gate shard; up shard]`` (TP gather); fc1 is
+    the weight, or a LoRA ``B`` split like it.
+    """
+    halves = [shard.chunk(2, dim=0) for shard in _gather_tp(fc1.detach(), None, groups)]
+    return torch.cat([gate for gate, _ in halves], dim=0), torch.cat([up for _, up in halves], dim=0)
+
+
 def _export_mlp(fc1: torch.Tensor, fc2: torch.Tensor, groups: ParallelGroups) -> tuple[torch.Tensor, ...]:
     """Full (gate, up, down) of one SwiGLU MLP from this rank's fc1 / fc2 shards (TP gathers)."""
-    halves = [shard.chunk(2, dim=0) for shard in _gather_tp(fc1.detach(), None, groups)]
-    gate = torch.cat([gate for gate, _ in halves], dim=0)
-    up = torch.cat([up for _, up in halves], dim=0)
-    return gate, up, _gather_tp(fc2.detach(), 1, groups)
+    return (*_gate_up(fc1, groups), _gather_tp(fc2.detach(), 1, groups))
 
 
 def _export_experts(params: dict, prefix: str, hf_config, groups: ParallelGroups) -> dict:
@@ -443,6 +448,21 @@ def _unit_at_dst(gpt, params, unit: _Unit, plan: _Plan, hf_config, groups, dst: 
     return tensors
 
 
+def _destination(plan: _Plan, groups: ParallelGroups, dst_rank: int | None) -> tuple[int, int]:
+    """``(global rank, its TP rank)`` an export is gathered on: ``dst_rank``, or the model-parallel
+    group's first rank for None.
+
+    Raises:
+        ValueError: ``dst_rank`` outside this rank's model-parallel group.
+    """
+    dst = groups.mp_src_rank if dst_rank is None else dst_rank
+    dst_tp = next((tp for (_, tp), rank in plan.rank_at.items() if rank == dst), None)
+    if dst_tp is None:
+        raise ValueError(f"dst_rank={dst_rank} is not in this rank's model-parallel group "
+                         f"{sorted(plan.rank_at.values())}; pass the replica's engine rank (mp_src_rank)")
+    return dst, dst_tp
+
+
 def _export_layer_adapters(gpt, params, unit: _Unit, hf_config, groups) -> dict:
     """One decoder layer's LoRA factors by HF module (``self_attn.q_proj.lora_A.weight`` [r, in],
     ``...lora_B.weight`` [out, r]), gathered over TP: a fused layer's adapter becomes one adapter per
@@ -457,8 +477,7 @@ def _export_layer_adapters(gpt, params, unit: _Unit, hf_config, groups) -> dict:
             pairs = zip(("q", "k", "v"), ((a, part) for part in _split_qkv(_gather_tp(b, 0, groups), hf_config)),
                         strict=True)
         elif kind == "linear_fc1":
-            halves = [shard.chunk(2, dim=0) for shard in _gather_tp(b, None, groups)]
-            pairs = (("gate", (a, torch.cat([h[0] for h in halves]))), ("up", (a, torch.cat([h[1] for h in halves]))))
+            pairs = zip(("gate", "up"), ((a, part) for part in _gate_up(b, groups)), strict=True)
         else:  # row-parallel: A split along the input like the weight, B whole
             pairs = ((("o" if kind == "linear_proj" else "down"), (_gather_tp(a, 1, groups), b)),)
         for key, (lora_a, lora_b) in pairs:
@@ -485,12 +504,14 @@ def export_hf_adapters(model: torch.nn.Module, hf_config: Any, *, dst_rank: int 
         hf_config: its Hugging Face config.
         dst_rank: the global rank that receives them (a member of this rank's model-parallel group);
             None = the group's first rank.
+
+    Raises:
+        ValueError: ``dst_rank`` outside this rank's model-parallel group.
     """
     gpt = unwrap_model(model)
     groups = get_parallel_groups()
     plan = _export_plan(gpt, hf_config, groups)
-    dst = groups.mp_src_rank if dst_rank is None else dst_rank
-    dst_tp = next(tp for (_, tp), rank in plan.rank_at.items() if rank == dst)
+    dst, dst_tp = _destination(plan, groups, dst_rank)
     adapters: dict[str, torch.Tensor] = {}
     for unit in plan.units:
         if unit.kind == "layer":
@@ -547,11 +568,7 @@ def iter_hf_weight_buckets(model: torch.nn.Module, hf_config: Any, bucket_bytes:
     gpt = unwrap_model(model)
     groups = get_parallel_groups()
     plan = _export_plan(gpt, hf_config, groups)
-    dst = groups.mp_src_rank if dst_rank is None else dst_rank
-    dst_tp = next((tp for (_, tp), rank in plan.rank_at.items() if rank == dst), None)
-    if dst_tp is None:
-        raise ValueError(f"dst_rank={dst_rank} is not in this rank's model-parallel group "
-                         f"{sorted(plan.rank_at.values())}; pass the replica's engine rank (mp_src_rank)")
+    dst, dst_tp = _destination(plan, groups, dst_rank)
     params = merged_parameters(gpt)
     bucket, size, kind = {}, 0, None
     for unit in plan.units:
