@@ -463,27 +463,48 @@ def _destination(plan: _Plan, groups: ParallelGroups, dst_rank: int | None) -> t
     return dst, dst_tp
 
 
+def _adapter_pairs(kind: str, a: torch.Tensor, b: torch.Tensor, hf_config, groups) -> list:
+    """``[(HF key, A, B)]`` of one LoRA layer gathered over TP (keys of ``_HF_LAYER``): a fused layer's
+    adapter becomes one adapter per HF projection with the same ``A`` (its ``B`` split as the fused
+    weight's rows are: q/k/v per KV group, gate/up per TP shard), which computes the same sum.
+    """
+    if kind == "linear_qkv":
+        return [(key, a, part) for key, part in zip(("q", "k", "v"), _split_qkv(_gather_tp(b, 0, groups), hf_config),
+                                                   strict=True)]
+    if kind == "linear_fc1":
+        return [(key, a, part) for key, part in zip(("gate", "up"), _gate_up(b, groups), strict=True)]
+    # row-parallel: A split along the input like the weight, B whole
+    return [("o" if kind == "linear_proj" else "down", _gather_tp(a, 1, groups), b)]
+
+
 def _export_layer_adapters(gpt, params, unit: _Unit, hf_config, groups) -> dict:
     """One decoder layer's LoRA factors by HF module (``self_attn.q_proj.lora_A.weight`` [r, in],
-    ``...lora_B.weight`` [out, r]), gathered over TP: a fused layer's adapter becomes one adapter per
-    HF projection with the same ``A`` (its ``B`` split as the fused weight's rows are: q/k/v per KV
-    group, gate/up per TP shard), which computes the same sum.
+    ``...lora_B.weight`` [out, r]; an expert's ``mlp.experts.{e}.gate_proj.lora_A.weight``, ...), gathered
+    over TP (:func:`_adapter_pairs`) and, for the experts, over EP (global expert order).
     """
     layer = next(layer for layer in gpt.decoder.layers if layer.layer_number - 1 == unit.index)
-    factors = {}
+    factors, experts = {}, {}
     for name, module in lora_layers(layer):
-        kind, a, b = name.rsplit(".", 1)[-1], module.lora_A.detach(), module.lora_B.detach()
-        if kind == "linear_qkv":
-            pairs = zip(("q", "k", "v"), ((a, part) for part in _split_qkv(_gather_tp(b, 0, groups), hf_config)),
-                        strict=True)
-        elif kind == "linear_fc1":
-            pairs = zip(("gate", "up"), ((a, part) for part in _gate_up(b, groups)), strict=True)
-        else:  # row-parallel: A split along the input like the weight, B whole
-            pairs = ((("o" if kind == "linear_proj" else "down"), (_gather_tp(a, 1, groups), b)),)
-        for key, (lora_a, lora_b) in pairs:
+        pairs = _adapter_pairs(name.rsplit(".", 1)[-1], module.lora_A.detach(), module.lora_B.detach(), hf_config,
+                               groups)
+        if ".experts.local_experts." in name:
+            for key, lora_a, lora_b in pairs:  # local experts in order, stacked below
+                experts.setdefault(_HF_LAYER[key].rsplit(".", 2)[-2], []).append((lora_a, lora_b))
+            continue
+        for key, lora_a, lora_b in pairs:
             module_name = _HF_LAYER[key].removesuffix(".weight")
             factors[f"{module_name}.lora_A.weight"] = lora_a.clone()
             factors[f"{module_name}.lora_B.weight"] = lora_b.clone()
+    if experts:
+        stacked = {(proj, factor): torch.stack([pair[index] for pair in pairs])
+                   for proj, pairs in experts.items() for index, factor in enumerate(("lora_A", "lora_B"))}
+        if groups.ep_size > 1:
+            stacked = {key: _gather_ep(tensor, groups) for key, tensor in stacked.items()}
+        for expert in range(num_experts(hf_config)):
+            for proj in _EXPERT_PROJ:
+                for factor in ("lora_A", "lora_B"):
+                    if (proj, factor) in stacked:
+                        factors[f"mlp.experts.{expert}.{proj}.{factor}.weight"] = stacked[(proj, factor)][expert]
     prefix = f"model.layers.{unit.index}."
     return {prefix + name: tensor for name, tensor in factors.items()}
 

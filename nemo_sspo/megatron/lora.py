@@ -26,6 +26,18 @@ own layers):
 Both ways, this rank's merged weight is its own shard ``W_t + s * B_t A_t``: merging needs no
 communication, and the merged shards gather into the merged HF weight like the base shards do.
 
+* **experts** (``linear_fc1`` / ``linear_fc2`` of each expert of a mixture-of-experts layer, and of
+  a shared expert): every expert has its own adapter, held by the EP rank that holds the expert and
+  split over the expert-TP group like the expert's weights. The token dispatcher does the expert
+  layers' communication (megatron-core's ``explicit_expert_comm``): each expert-TP rank sees all the
+  expert's tokens and its outputs are partial sums the dispatcher reduces. The adapter follows the
+  same rule with no communication of its own: fc1's ``x A^T B_t^T`` and fc2's ``x_t A_t^T B^T`` are
+  this rank's partial sums. The whole factor's gradient is then a partial sum over the expert-TP
+  group; megatron-core runs MoE under TP > 1 only with sequence parallelism, where the factor's
+  ``sequence_parallel`` mark sums it over TP (the expert-TP group, as expert TP = TP here). Like the
+  expert weights, expert factors under EP > 1 carry ``allreduce=False``: DDP reduces them over the
+  expert data-parallel group.
+
 The base weights are frozen (``requires_grad=False``): megatron-core's DDP allocates no gradient
 buffer and its optimizers (the distributed one too) keep no state for them.
 """
@@ -127,8 +139,11 @@ class _LoraMixin:
         self.lora_B = torch.nn.Parameter(torch.zeros(out_local, settings.rank, **kind))
         split, whole = (self.lora_A, self.lora_B) if self._row_parallel else (self.lora_B, self.lora_A)
         set_tensor_model_parallel_attributes(split, True, 1 if self._row_parallel else 0, 1)
-        # Under sequence parallelism the whole factor's gradient covers this rank's tokens only.
+        # Under sequence parallelism the whole factor's gradient covers this rank's tokens only (a
+        # dense layer) or this expert-TP rank's partial sum (an expert).
         whole.sequence_parallel = self.sequence_parallel
+        for factor in (self.lora_A, self.lora_B):  # False for an expert under EP: the expert-DP reduction
+            factor.allreduce = getattr(self.weight, "allreduce", True)
         self.lora_scaling, self.lora_dropout = settings.scaling, settings.dropout
         self.adapters_enabled = True
         self.weight.requires_grad_(False)
@@ -172,7 +187,9 @@ def _column_class(base: type) -> type:
             if not self.adapters_enabled:
                 return output, bias
             low = self._adapter_input(input_) @ self.lora_A.t()
-            if self.sequence_parallel:
+            if self.explicit_expert_comm:
+                pass  # an expert: the dispatcher gathered the tokens and reduces this rank's partial output
+            elif self.sequence_parallel:
                 low = gather_from_sequence_parallel_region(low, tensor_parallel_output_grad=True, group=self.tp_group)
             else:
                 low = copy_to_tensor_model_parallel_region(low, group=self.tp_group)
@@ -197,7 +214,9 @@ def _row_class(base: type) -> type:
             if not self.adapters_enabled:
                 return output, bias
             partial = self._adapter_input(input_) @ self.lora_A.t()
-            if self.sequence_parallel:
+            if self.explicit_expert_comm:
+                low = partial  # an expert: the dispatcher reduces the partial output, B's term included
+            elif self.sequence_parallel:
                 low = reduce_scatter_to_sequence_parallel_region(partial, group=self.tp_group)
             else:
                 low = reduce_from_tensor_model_parallel_region(partial, group=self.tp_group)
@@ -206,35 +225,52 @@ def _row_class(base: type) -> type:
     return LoraRowParallelLinear
 
 
+def _mlp_owners(mlp_spec) -> list:
+    """The ``MLPSubmodules`` of a layer's MLP spec: the dense MLP's, or a mixture-of-experts layer's
+    experts' and shared expert's (each built only where the model has it).
+    """
+    submodules = getattr(mlp_spec, "submodules", None)
+    if hasattr(submodules, "linear_fc1"):
+        return [submodules]
+    owners = []
+    for spec in (submodules.experts, submodules.shared_experts):
+        if spec is not None and spec.submodules is None:
+            raise ValueError(f"lora.target: the experts are megatron-core's {spec.module.__name__}, whose "
+                             "weights are not linear layers that take an adapter; adapters go on the local "
+                             "spec's SequentialMLP experts (moe_grouped_gemm off)")
+        if spec is not None:
+            owners.append(spec.submodules)
+    return owners
+
+
 def with_adapters(submodules, settings: LoraSettings) -> None:
     """Puts adapters into a local layer spec: each targeted linear layer of ``submodules`` (a
     ``TransformerLayerSubmodules``) is replaced by a ``ModuleSpec`` of its LoRA class, in place.
+    ``linear_fc1`` / ``linear_fc2`` of a mixture-of-experts layer are those of each expert (megatron-core's
+    ``SequentialMLP``) and of its shared expert; the router takes no adapter.
 
     Raises:
         ValueError: a targeted layer that is not megatron-core's ``ColumnParallelLinear`` /
-            ``RowParallelLinear`` (naming ``lora.target``), or a mixture-of-experts layer (naming ``lora``).
+            ``RowParallelLinear``, such as the grouped-GEMM experts (naming ``lora.target``).
     """
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
     from megatron.core.transformer.spec_utils import ModuleSpec
 
     attention = submodules.self_attention.submodules
-    mlp = getattr(submodules.mlp, "submodules", None)
-    if mlp is None or not hasattr(mlp, "linear_fc1"):
-        raise ValueError("lora: the experts of a mixture-of-experts model cannot take adapters yet; train this "
-                         "model without adapters (rank 0, full fine-tuning)")
-    owners = {"linear_qkv": attention, "linear_proj": attention, "linear_fc1": mlp, "linear_fc2": mlp}
+    owners = {"linear_qkv": [attention], "linear_proj": [attention]}
+    owners["linear_fc1"] = owners["linear_fc2"] = _mlp_owners(submodules.mlp)
     for target in settings.targets:
-        owner = owners[target]
-        base = getattr(owner, target)
-        if base is ColumnParallelLinear:
-            wrapped = _column_class(base)
-        elif base is RowParallelLinear:
-            wrapped = _row_class(base)
-        else:
-            raise ValueError(f"lora.target: {target} is a {getattr(base, '__name__', base)!r}, which takes no "
-                             "adapter; adapters go on megatron-core's ColumnParallelLinear / RowParallelLinear "
-                             "(the local layer spec)")
-        setattr(owner, target, ModuleSpec(module=wrapped, params={"lora": settings}))
+        for owner in owners[target]:
+            base = getattr(owner, target, None)
+            if base is ColumnParallelLinear:
+                wrapped = _column_class(base)
+            elif base is RowParallelLinear:
+                wrapped = _row_class(base)
+            else:
+                raise ValueError(f"lora.target: {target} is a {getattr(base, '__name__', base)!r}, which takes no "
+                                 "adapter; adapters go on megatron-core's ColumnParallelLinear / RowParallelLinear "
+                                 "(the local layer spec, experts as SequentialMLP)")
+            setattr(owner, target, ModuleSpec(module=wrapped, params={"lora": settings}))
 
 
 def lora_layers(model: torch.nn.Module) -> Iterator[tuple[str, torch.nn.Module]]:
@@ -307,24 +343,40 @@ def _stable_seed(seed: int, key: str) -> int:
     return (seed * 1_000_003 + zlib.crc32(key.encode())) % (2**63)
 
 
-def initialize_adapters(gpt: torch.nn.Module, seed: int, tp_rank: int, tp_size: int) -> None:
+def _layout_free_name(name: str, ep_rank: int, local_experts: int) -> str:
+    """A LoRA layer's name within its decoder layer with a local expert ``local_experts.{i}`` renamed
+    to its global expert ``experts.{ep_rank * local_experts + i}``: the same on every EP layout.
+    """
+    marker = "experts.local_experts."
+    if marker not in name:
+        return name
+    head, tail = name.split(marker, 1)
+    index, rest = tail.split(".", 1)
+    return f"{head}experts.{ep_rank * local_experts + int(index)}.{rest}"
+
+
+def initialize_adapters(gpt: torch.nn.Module, seed: int, tp_rank: int, tp_size: int, ep_rank: int = 0) -> None:
     """Draws every ``A`` and zeroes every ``B`` of the unwrapped ``GPTModel`` stage ``gpt``, the same
-    whatever the parallel layout: ``A`` of global layer ``l``'s module ``m`` is drawn whole on the CPU
-    from ``(seed, l, m)``, U(-1/sqrt(in), 1/sqrt(in)) (``torch.nn.Linear``'s and ``peft``'s
-    Kaiming-uniform init with a = sqrt(5)), then this rank keeps its column slice (row-parallel layers).
+    whatever the parallel layout: ``A`` of global layer ``l``'s module ``m`` (an expert's named by its
+    global expert index) is drawn whole on the CPU from ``(seed, l, m)``, U(-1/sqrt(in), 1/sqrt(in))
+    (``torch.nn.Linear``'s and ``peft``'s Kaiming-uniform init with a = sqrt(5)), then this rank keeps
+    its column slice (row-parallel layers).
 
     Args:
         gpt: the stage (not wrapped).
         seed: the run's seed (``trainer.seed``).
-        tp_rank: this rank's tensor-parallel rank.
+        tp_rank: this rank's tensor-parallel rank (= its expert-TP rank: expert TP = TP).
         tp_size: the tensor-parallel size.
+        ep_rank: this rank's expert-parallel rank (0 for dense models).
     """
     with torch.no_grad():
         for layer in gpt.decoder.layers:
+            experts = getattr(getattr(layer.mlp, "experts", None), "num_local_experts", 0)
             for name, module in lora_layers(layer):
                 rank, width = module.lora_A.shape
                 whole = width * tp_size if module._row_parallel else width
-                generator = torch.Generator().manual_seed(_stable_seed(seed, f"{layer.layer_number - 1}.{name}"))
+                key = f"{layer.layer_number - 1}.{_layout_free_name(name, ep_rank, experts)}"
+                generator = torch.Generator().manual_seed(_stable_seed(seed, key))
                 bound = 1.0 / math.sqrt(whole)
                 drawn = torch.empty(rank, whole, dtype=torch.float64).uniform_(-bound, bound, generator=generator)
                 if module._row_parallel:

@@ -98,7 +98,8 @@ the activation element size (4 fp32, 2 bf16), ``t`` TP, ``sp`` = ``t`` with sequ
   ``4 e T h`` part is divided by ``t``; the final norm saves ``e T h``.
 * LoRA adapters (:mod:`nemo_sspo.megatron.lora`, local spec): each adapted layer saves its
   low-rank activation ``e T r`` (a row-parallel adapter's ``e T r / t`` under sequence
-  parallelism) for its ``B``'s gradient; its input is the base layer's input, already counted (a
+  parallelism; the experts' fc1 and fc2 adapters ``e R r`` each, over the routed pairs) for its
+  ``B``'s gradient; its input is the base layer's input, already counted (a
   frozen base weight saves no input of its own, so an unadapted layer's input is over-counted: the
   safe direction).
 * full recomputation keeps each recomputed chunk's input, ``e T h`` (``/ t`` with SP), per chunk of
@@ -145,13 +146,18 @@ class RankParameter:
 _COLUMN_TARGETS = ("linear_qkv", "linear_fc1")  # LoRA targets whose base is column-parallel (the rest: row)
 
 
-def _adapters(prefix: str, target: str, rank: int, in_local: int, out_local: int, whole: int) -> list[RankParameter]:
+def _adapters(prefix: str, target: str, rank: int, in_local: int, out_local: int, whole: int,
+              expert: bool = False) -> list[RankParameter]:
     """A LoRA layer's two factors on one rank (nemo_sspo.megatron.lora): column-parallel ``A`` [r, in]
-    whole and ``B`` [out / t, r]; row-parallel ``A`` [r, in / t] and ``B`` [out, r] whole.
+    whole and ``B`` [out / t, r]; row-parallel ``A`` [r, in / t] and ``B`` [out, r] whole. An expert's
+    factors sit in DDP's expert buffer like the expert's weights.
     """
     if target in _COLUMN_TARGETS:
-        return [RankParameter(f"{prefix}.lora_A", rank * whole), RankParameter(f"{prefix}.lora_B", out_local * rank)]
-    return [RankParameter(f"{prefix}.lora_A", rank * in_local), RankParameter(f"{prefix}.lora_B", whole * rank)]
+        sizes = (rank * whole, out_local * rank)
+    else:
+        sizes = (rank * in_local, whole * rank)
+    return [RankParameter(f"{prefix}.{factor}", numel, expert=expert)
+            for factor, numel in zip(("lora_A", "lora_B"), sizes, strict=True)]
 
 
 def _head_dim(hf: Any) -> int:
@@ -167,7 +173,8 @@ def rank_parameters(hf: Any, *, tp: int, pp: int, ep: int = 1, stage: int = 0, l
     """The parameters of pipeline stage ``stage`` on one rank (any TP rank, any EP rank: all hold
     as many), from the HF config alone (ours; equal to the built model's, tests/unit/trainer/test_memory_plan.py).
     With ``lora_rank >= 1`` every base parameter is frozen and each targeted linear layer of each
-    decoder layer is followed by its adapter's ``lora_A`` and ``lora_B``.
+    decoder layer (``linear_fc1`` / ``linear_fc2``: of each of this rank's experts in an MoE layer)
+    is followed by its adapter's ``lora_A`` and ``lora_B``.
 
     Args:
         hf: a Llama / Qwen2 / Qwen3 / Qwen3-MoE HF config (fields only).
@@ -184,7 +191,7 @@ def rank_parameters(hf: Any, *, tp: int, pp: int, ep: int = 1, stage: int = 0, l
 
     Raises:
         ValueError: a layout that does not split the model (``tp`` not dividing the heads, ``pp`` the
-            layers, ``ep`` the experts) or ``stage`` out of range; adapters on a mixture-of-experts model.
+            layers, ``ep`` the experts) or ``stage`` out of range.
     """
     h, a, g, d = hf.hidden_size, hf.num_attention_heads, hf.num_key_value_heads, _head_dim(hf)
     layers = hf.num_hidden_layers
@@ -194,8 +201,6 @@ def rank_parameters(hf: Any, *, tp: int, pp: int, ep: int = 1, stage: int = 0, l
     moe = _is_moe(hf)
     if moe and hf.num_experts % ep:
         raise ValueError(f"ep={ep} does not divide num_experts={hf.num_experts}")
-    if moe and lora_rank:
-        raise ValueError("lora_rank: the experts of a mixture-of-experts model cannot take adapters yet")
     vocab_rows = math.ceil(hf.vocab_size / (_VOCAB_DIVISOR * tp)) * _VOCAB_DIVISOR
     tied = bool(hf.tie_word_embeddings)
     kind = getattr(hf, "model_type", "llama")
@@ -228,11 +233,15 @@ def rank_parameters(hf: Any, *, tp: int, pp: int, ep: int = 1, stage: int = 0, l
             out += [RankParameter(p + "mlp.linear_fc1.weight", 2 * f * h),
                     RankParameter(p + "mlp.linear_fc2.weight", h * f)]
         if lora_rank:
-            shapes = {"linear_qkv": ("self_attention", h, qkv, h), "linear_proj": ("self_attention", a * d // tp, h, h),
-                      "linear_fc1": ("mlp", h, 2 * f, h), "linear_fc2": ("mlp", f, h, h)}
+            mlps = [f"mlp.experts.local_experts.{i}" for i in range(hf.num_experts // ep)] if moe else ["mlp"]
+            shapes = {"linear_qkv": (["self_attention"], h, qkv, h),
+                      "linear_proj": (["self_attention"], a * d // tp, h, h),
+                      "linear_fc1": (mlps, h, 2 * f, h), "linear_fc2": (mlps, f, h, h)}
             for target in lora_targets:
-                owner, in_local, out_local, whole = shapes[target]
-                out += _adapters(f"{p}{owner}.{target}", target, lora_rank, in_local, out_local, whole)
+                owners, in_local, out_local, whole = shapes[target]
+                for owner in owners:
+                    out += _adapters(f"{p}{owner}.{target}", target, lora_rank, in_local, out_local, whole,
+                                     expert=".experts." in owner)
     if stage == pp - 1:
         out.append(RankParameter("decoder.final_layernorm.weight", h))
         if not tied:
@@ -391,8 +400,11 @@ def layer_activation_bytes(hf: Any, *, tokens: int, rows: int, seq: int, tp: int
             mlp = 8 * T * experts + e * T * k * (2 * h + 3 * f)
     # LoRA: each adapter's low-rank activation [T, r], which its B's gradient reads (all T tokens after a
     # column-parallel adapter's gather, T / sp after a row-parallel adapter's reduce-scatter); its input
-    # is the base layer's, counted above.
-    adapters = sum(e * T * lora_rank / (1 if target in _COLUMN_TARGETS else sp) for target in lora_targets)
+    # is the base layer's, counted above. The experts' adapters: [R, r] each for fc1 and fc2 (no
+    # communication of their own; R summed over this rank's experts).
+    pairs = (T * hf.num_experts_per_tok if routed_tokens is None else routed_tokens) if moe else None
+    adapters = sum(e * lora_rank * (pairs if moe and target in ("linear_fc1", "linear_fc2") else
+                                    T / (1 if target in _COLUMN_TARGETS else sp)) for target in lora_targets)
     return norms + attention + mlp + adapters
 
 

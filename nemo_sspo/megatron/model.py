@@ -506,8 +506,7 @@ def build_policy_model(
 
     Raises:
         ValueError: as ``transformer_config_from_hf`` and ``resolve_transformer_impl``, or if
-            parallel state is not initialised; ``lora`` with the TransformerEngine spec or a
-            mixture-of-experts model.
+            parallel state is not initialised; ``lora`` with the TransformerEngine spec.
     """
     from megatron.core.models.gpt import GPTModel
 
@@ -544,7 +543,7 @@ def build_policy_model(
         model.requires_grad_(False)
         for parameter in adapter_parameters(model).values():
             parameter.requires_grad_(True)
-        initialize_adapters(model, lora.seed, groups.tp_rank, groups.tp_size)
+        initialize_adapters(model, lora.seed, groups.tp_rank, groups.tp_size, groups.ep_rank)
     return model
 
 

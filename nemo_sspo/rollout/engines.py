@@ -16,6 +16,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
+from nemo_sspo.megatron.moe import is_moe
 from nemo_sspo.models import build_hf_model
 from nemo_sspo.models.hf_checkpoint import engine_model_dir
 from nemo_sspo.registry import BuilderRegistry
@@ -170,7 +171,15 @@ def _build_hf(context: EngineContext) -> HFRolloutEngine:
 
 
 def _build_vllm(context: EngineContext) -> VLLMRolloutEngine:
-    """A vLLM engine loading the model folder itself (``engine_model_dir``)."""
+    """A vLLM engine loading the model folder itself (``engine_model_dir``).
+
+    Raises:
+        ValueError: ``context.adapter_rank`` set for a mixture-of-experts model on a host without CUDA
+            (vLLM applies the experts' adapters with Triton kernels only, which its CPU build cannot run).
+    """
+    if context.adapter_rank and is_moe(context.hf_config) and not torch.cuda.is_available():
+        raise ValueError("vLLM's CPU build cannot serve adapters on the experts of a mixture-of-experts model (it "
+                         "applies them with Triton GPU kernels); refit merged weights on this host")
     model_dir = engine_model_dir(context.model_source, cache_dir=context.cache_dir)
     ro = context.rollout
     return VLLMRolloutEngine.build(model_dir, context.tokenizer, options=ro.engine.options, seed=context.seed,

@@ -7,7 +7,11 @@ ratios) and once with GRPO (token-level). After each step it records the loss an
 weights (``W + (alpha / r) B A``, gathered over TP and PP by the weight export the refit uses), and
 at the end the adapters by HF module (the PEFT export, gathered the same way). Every layout must give
 the single-process run's losses, weight updates and adapters to rel 1e-5: TP 2, TP 2 with sequence
-parallelism, PP 2 (tied embeddings on two stages) and DP 2 with the distributed optimizer.
+parallelism, PP 2 (tied embeddings on two stages) and DP 2 with the distributed optimizer. The tiny
+Qwen3-MoE (8 experts, top-2, an adapter on each expert's fc1 and fc2) takes the same three steps at
+EP 2 x TP 2 with sequence parallelism (world 4: each replica holds 4 experts and its own rows), with
+and without the distributed optimizer, against its single process; each expert's adapter is
+compared by its global expert index.
 
 Each run also checks what LoRA promises of the wrapped model: only the adapters have gradient
 buffers and optimizer states (the optimizer's parameters are exactly the adapter factors), the
@@ -32,13 +36,33 @@ RANK, ALPHA, LR, STEPS = 4, 8.0, 1e-2, 3
 ADAM_EPS = 1e-4
 LOSSES = {"sspo": ("sspo", SSPOLossConfig(alpha=0.0, beta=0.8, gamma=1.1)),
           "grpo": ("grpo", GRPOLossConfig(eps_low=0.2, eps_high=0.2, dual_clip_c=None))}
-# world -> (tp, pp, sequence parallel, distributed optimizer); DP = world / (tp * pp)
-LAYOUTS = {1: [(1, 1, False, False)],
-           2: [(2, 1, False, False), (2, 1, True, False), (1, 2, False, False), (1, 1, False, True)]}
-REFERENCE = (1, 1, 1, False, False)
+# model -> world -> (tp, pp, ep, sequence parallel, distributed optimizer); DP = world / (tp * pp)
+LAYOUTS = {"llama": {1: [(1, 1, 1, False, False)],
+                     2: [(2, 1, 1, False, False), (2, 1, 1, True, False), (1, 2, 1, False, False),
+                         (1, 1, 1, False, True)]},
+           "qwen3_moe": {1: [(1, 1, 1, False, False)], 4: [(2, 1, 2, True, False), (2, 1, 2, True, True)]}}
+REFERENCE = (1, 1, 1, 1, False, False)  # (tp, pp, ep, dp, sp, distributed)
 
 
-def _train(rank, world_size):
+def _model_data(model: str):
+    """``test_invariance``'s HF weights, batch and noise; for ``qwen3_moe`` the tiny Qwen3-MoE of the
+    mapping tests (routers redrawn so routes depend on the token) at that test's vocabulary.
+    """
+    hf_config, hf_state, batch, noise = _fixture_data()
+    if model == "qwen3_moe":
+        from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+        from nemo_sspo.models import split_expert_weights
+        from tests.unit.mapping_cases import TINY_MOE, redraw_
+
+        torch.manual_seed(1234)
+        shape = TINY_MOE | dict(vocab_size=hf_config.vocab_size, max_position_embeddings=64)
+        hf = redraw_(Qwen3MoeForCausalLM(Qwen3MoeConfig(**shape)).eval())
+        hf_config, hf_state = hf.config, split_expert_weights(hf.state_dict())
+    return hf_config, hf_state, batch, noise
+
+
+def _train(rank, world_size, model_name):
     from nemo_sspo.algorithms.micro_batches import MicroBatchLayout
     from nemo_sspo.megatron import (build_policy_model, destroy_parallel, export_hf_adapters, export_hf_state_dict,
                                     get_parallel_groups, initialize_parallel, load_hf_into_megatron, vocab_shard)
@@ -47,14 +71,14 @@ def _train(rank, world_size):
     from nemo_sspo.megatron.training import compute_old_logprobs, train_on_batch, wrap_for_training
     from nemo_sspo.parallel.metric_reduce import reduce_metric_sums
 
-    hf_config, hf_state, batch, noise = _fixture_data()
+    hf_config, hf_state, batch, noise = _model_data(model_name)
     settings = LoraSettings(rank=RANK, alpha=ALPHA, dropout=0.0,
                             targets=("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"), seed=5)
     results = {}
-    for tp, pp, sp, distributed in LAYOUTS[world_size]:
+    for tp, pp, ep, sp, distributed in LAYOUTS[model_name][world_size]:
         dp = world_size // (tp * pp)
         for name, (registered, loss_config) in LOSSES.items():
-            initialize_parallel(tp_size=tp, pp_size=pp, seed=0)
+            initialize_parallel(tp_size=tp, pp_size=pp, ep_size=ep, seed=0)
             groups = get_parallel_groups()
             model = build_policy_model(hf_config, sequence_parallel=sp, lora=settings)
             load_hf_into_megatron(model, hf_state, hf_config)
@@ -83,11 +107,12 @@ def _train(rank, world_size):
                 weights.append(export_hf_state_dict(model, hf_config))
             frozen_moved = [n for n, p in model.named_parameters() if n not in adapters
                             and not torch.equal(p.detach(), frozen_before[n])]
-            results[(tp, pp, dp, sp, distributed, name)] = dict(
+            results[(model_name, tp, pp, ep, dp, sp, distributed, name)] = dict(
                 losses=losses, weights=weights, frozen_moved=frozen_moved, adapters=export_hf_adapters(model, hf_config),
                 buffers_are_adapters=buffered == {id(p) for p in adapters.values()},
-                optimized=optimized, adapter_numel=sum(p.numel() for p in adapters.values()), dp=dp,
-                distributed=distributed)
+                optimized=optimized, dp=dp, ep=ep, distributed=distributed,
+                dense_numel=sum(p.numel() for p in adapters.values() if p.allreduce),
+                expert_numel=sum(p.numel() for p in adapters.values() if not p.allreduce))
             destroy_parallel()
     return results if rank == 0 else None
 
@@ -95,8 +120,9 @@ def _train(rank, world_size):
 @pytest.fixture(scope="module")
 def lora_runs(run_distributed):
     results = {}
-    for world in LAYOUTS:
-        results.update(run_distributed(_train, world, timeout_s=600)[0])
+    for model, worlds in LAYOUTS.items():
+        for world in worlds:
+            results.update(run_distributed(_train, world, model, timeout_s=600)[0])
     return results
 
 
@@ -106,14 +132,14 @@ def _updates(run: dict, base: dict) -> list[dict[str, torch.Tensor]]:
 
 
 def _runs():
-    return [(tp, pp, world // (tp * pp), sp, distributed, loss) for world, layouts in LAYOUTS.items()
-            for tp, pp, sp, distributed in layouts for loss in LOSSES]
+    return [(model, tp, pp, ep, world // (tp * pp), sp, distributed, loss) for model, worlds in LAYOUTS.items()
+            for world, layouts in worlds.items() for tp, pp, ep, sp, distributed in layouts for loss in LOSSES]
 
 
-@pytest.mark.parametrize("run", [run for run in _runs() if run[:5] != REFERENCE])
+@pytest.mark.parametrize("run", [run for run in _runs() if run[1:7] != REFERENCE])
 def test_three_lora_steps_match_the_single_process(lora_runs, run):
-    _, hf_state, _, _ = _fixture_data()
-    reference, got = lora_runs[(*REFERENCE, run[-1])], lora_runs[run]
+    _, hf_state, _, _ = _model_data(run[0])
+    reference, got = lora_runs[(run[0], *REFERENCE, run[-1])], lora_runs[run]
     for step, (ref_loss, loss) in enumerate(zip(reference["losses"], got["losses"])):
         assert math.isclose(loss, ref_loss, rel_tol=1e-5), (step, loss, ref_loss)
     for step, (ref_update, update) in enumerate(zip(_updates(reference, hf_state), _updates(got, hf_state))):
@@ -130,17 +156,24 @@ def test_three_lora_steps_match_the_single_process(lora_runs, run):
 
 @pytest.mark.parametrize("run", _runs())
 def test_only_adapters_train(lora_runs, run):
-    _, hf_state, _, _ = _fixture_data()
+    _, hf_state, _, _ = _model_data(run[0])
     got = lora_runs[run]
     assert got["frozen_moved"] == []
     assert got["buffers_are_adapters"]
-    # The distributed optimizer keeps this rank's 1/DP of the adapters' buffer (Megatron pads the
-    # buffer, so the share is at least the even split).
-    share = got["adapter_numel"] / (got["dp"] if got["distributed"] else 1)
-    assert share <= got["optimized"] <= share + 64 * got["dp"]
+    # The distributed optimizer keeps this rank's 1/DP of the adapters' buffer, and 1/(DP / EP) of the
+    # expert adapters' (Megatron pads each buffer, so the share is at least the even split).
+    dp, expert_dp = (got["dp"], got["dp"] // got["ep"]) if got["distributed"] else (1, 1)
+    share = got["dense_numel"] / dp + got["expert_numel"] / expert_dp
+    assert share <= got["optimized"] <= share + 64 * (dp + expert_dp)
     first = _updates(got, hf_state)[0]
     adapted = [key for key in first if first[key].abs().max() > 0]
-    # every adapted HF weight moved at step 1 (q/k/v, o, gate/up, down of every layer); nothing else did
-    assert sorted(adapted) == sorted(key for key in hf_state if key.endswith(
+    # every adapted HF weight moved at step 1 (q/k/v, o, gate/up, down of every layer); nothing else did.
+    # An expert moves iff some token was routed to it in step 1: all three of its weights, or none.
+    expected = sorted(key for key in hf_state if key.endswith(
         ("q_proj.weight", "k_proj.weight", "v_proj.weight", "o_proj.weight", "gate_proj.weight", "up_proj.weight",
          "down_proj.weight")))
+    if run[0] == "qwen3_moe":
+        experts = {key.rsplit(".", 2)[0] for key in adapted if ".mlp.experts." in key}
+        assert len(experts) >= 8, sorted(experts)  # of the 16 (2 layers x 8 experts)
+        expected = [key for key in expected if ".mlp.experts." not in key or key.rsplit(".", 2)[0] in experts]
+    assert sorted(adapted) == expected

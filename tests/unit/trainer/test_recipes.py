@@ -81,10 +81,22 @@ def test_sspo_recipe_switches_loss_on_the_command_line(size, loss):
 # for Qwen3-30B-A3B (H100 80 GB = 79.65 GiB would be tighter than 80; we take the nominal 80).
 GPU_RECIPES = [(name, 8, (80, 141)) for name in RECIPES] + [
     ("soft_seq_po_qwen3_8b", 8, (80, 141)), ("sppo_deepseek_r1_distill_qwen_1.5b", 4, (80, 141)),
-    ("soft_seq_po_qwen3_30b_a3b", 16, (141,)), ("sspo_qwen2.5_math_7b_lora", 1, (80, 141))]
+    ("soft_seq_po_qwen3_30b_a3b", 16, (141,)), ("sspo_qwen2.5_math_7b_lora", 1, (80, 141)),
+    ("soft_seq_po_qwen3_30b_a3b_lora", 2, (141,))]
+
+# LoRA recipe -> what it changes in its full recipe (rank 32, local layers with selective recomputation,
+# 10x the learning rate after LoRA Without Regret, fewer GPUs)
+LORA_CHANGES = {
+    "sspo_qwen2.5_math_7b": {
+        "parallel.tensor_model_parallel_size": (2, 1),
+        "rollout.engine.options.tensor_parallel_size": (2, 1),
+        "rollout.engine.options.gpu_memory_utilization": (0.35, 0.4)},
+    "soft_seq_po_qwen3_30b_a3b": {"parallel.expert_model_parallel_size": (16, 2)},
+}
 
 
-def test_the_lora_recipe_is_the_full_recipe_with_adapters_on_one_gpu_per_replica():
+@pytest.mark.parametrize("full_name", LORA_CHANGES)
+def test_a_lora_recipe_is_its_full_recipe_with_adapters(full_name):
     from nemo_sspo.trainer.run_config import composed_config
 
     def flat(tree, prefix=""):
@@ -92,16 +104,24 @@ def test_the_lora_recipe_is_the_full_recipe_with_adapters_on_one_gpu_per_replica
                 for k, v in (flat(value, f"{prefix}{key}.").items() if isinstance(value, dict) else {
                     f"{prefix}{key}": value}.items())}
 
-    full, lora = (flat(composed_config(_recipe(name))) for name in ("sspo_qwen2.5_math_7b", "sspo_qwen2.5_math_7b_lora"))
+    full, lora = (flat(composed_config(_recipe(name))) for name in (full_name, f"{full_name}_lora"))
     changed = {key: (full[key], lora[key]) for key in full if full[key] != lora[key]}
-    assert changed == {
+    assert changed == LORA_CHANGES[full_name] | {
         "model.transformer_impl": ("auto", "local"), "model.lora.rank": (0, 32),
-        "parallel.tensor_model_parallel_size": (2, 1), "parallel.recompute": ("none", "selective"),
-        "optim.lr": (1e-6, 1e-5),  # 10x, LoRA Without Regret
-        "rollout.engine.options.tensor_parallel_size": (2, 1),
-        "rollout.engine.options.gpu_memory_utilization": (0.35, 0.4),
-        "trainer.output_dir": ("outputs/sspo_qwen2.5_math_7b", "outputs/sspo_qwen2.5_math_7b_lora")}
+        "parallel.recompute": ("none", "selective"), "optim.lr": (1e-6, 1e-5),
+        "trainer.output_dir": (f"outputs/{full_name}", f"outputs/{full_name}_lora")}
     assert lora["model.lora.target"] == ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"]
+
+
+def test_the_30b_lora_recipe_needs_its_two_gpus():
+    # the fewest GPUs: on one (EP 1) the whole frozen model (59.25 GiB) and vLLM's half of the GPU leave no room
+    from nemo_sspo.models.published import published_config
+    from nemo_sspo.trainer.memory_plan import GIB, memory_plan
+
+    cfg = _recipe("soft_seq_po_qwen3_30b_a3b_lora")
+    cfg.parallel.expert_model_parallel_size = 1
+    validate(cfg, world_size=1)
+    assert memory_plan(cfg, published_config(cfg.model.source), world_size=1, gpu_gib=141).peak > 141 * GIB
 
 
 def test_every_gpu_recipe_is_planned():

@@ -45,17 +45,6 @@ def test_adapters_on_transformer_engine_layers_are_refused_at_load():
             "model.transformer_impl='transformer_engine'; set model.transformer_impl=local") in message
 
 
-def test_a_mixture_of_experts_model_is_refused_when_the_policy_is_built(parallel_1):
-    from nemo_sspo.models import load_hf_checkpoint
-    from nemo_sspo.trainer.setup import build_policy
-
-    cfg = load_config(overrides=["model=tiny_random_qwen3_moe", "model.lora.rank=4"])
-    hf_config, state_dict, _ = load_hf_checkpoint(cfg.model.source)
-    with pytest.raises(ValueError, match=r"^model\.lora: the experts of a mixture-of-experts model cannot take "
-                                         r"adapters yet; train this model without adapters \(rank 0, full fine-tuning\)$"):
-        build_policy(cfg, hf_config, state_dict)
-
-
 def test_an_adapter_refit_needs_adapters_and_the_vllm_engine():
     expected = ("model.lora.refit='adapters' sends the adapters alone to a vLLM engine, but model.lora.rank={rank} "
                 "and rollout.engine.backend={backend!r}; use model.lora.rank >= 1 with rollout/engine=vllm, or "
