@@ -26,8 +26,9 @@ own layers):
 Both ways, this rank's merged weight is its own shard ``W_t + s * B_t A_t``: merging needs no
 communication, and the merged shards gather into the merged HF weight like the base shards do.
 
-* **experts** (``linear_fc1`` / ``linear_fc2`` of each expert of a mixture-of-experts layer, and of
-  a shared expert): every expert has its own adapter, held by the EP rank that holds the expert and
+* **experts** (``linear_fc1`` / ``linear_fc2`` of each expert of a mixture-of-experts layer; a
+  shared expert, which no supported model family has, is a dense MLP to its adapters): every expert
+  has its own adapter, held by the EP rank that holds the expert and
   split over the expert-TP group like the expert's weights. The token dispatcher does the expert
   layers' communication (megatron-core's ``explicit_expert_comm``): each expert-TP rank sees all the
   expert's tokens and its outputs are partial sums the dispatcher reduces. The adapter follows the
@@ -258,7 +259,8 @@ def with_adapters(submodules, settings: LoraSettings) -> None:
 
     attention = submodules.self_attention.submodules
     owners = {"linear_qkv": [attention], "linear_proj": [attention]}
-    owners["linear_fc1"] = owners["linear_fc2"] = _mlp_owners(submodules.mlp)
+    if {"linear_fc1", "linear_fc2"} & set(settings.targets):
+        owners["linear_fc1"] = owners["linear_fc2"] = _mlp_owners(submodules.mlp)
     for target in settings.targets:
         for owner in owners[target]:
             base = getattr(owner, target, None)

@@ -99,7 +99,9 @@ the activation element size (4 fp32, 2 bf16), ``t`` TP, ``sp`` = ``t`` with sequ
 * LoRA adapters (:mod:`nemo_sspo.megatron.lora`, local spec): each adapted layer saves its
   low-rank activation ``e T r`` (a row-parallel adapter's ``e T r / t`` under sequence
   parallelism; the experts' fc1 and fc2 adapters ``e R r`` each, over the routed pairs) for its
-  ``B``'s gradient; its input is the base layer's input, already counted (a
+  ``B``'s gradient; with dropout (``model.lora.dropout > 0``) also the dropped copy of its input, which
+  its ``A``'s gradient reads (``e`` an element; measured: no separate mask is kept); its input is the
+  base layer's input, already counted (a
   frozen base weight saves no input of its own, so an unadapted layer's input is over-counted: the
   safe direction).
 * full recomputation keeps each recomputed chunk's input, ``e T h`` (``/ t`` with SP), per chunk of
@@ -335,7 +337,7 @@ def _has_qk_norm(hf: Any) -> bool:
 def layer_activation_bytes(hf: Any, *, tokens: int, rows: int, seq: int, tp: int = 1, act_bytes: int = 2,
                            impl: str = "transformer_engine", recompute: str = "none",
                            sequence_parallel: bool = False, routed_tokens: float | None = None,
-                           lora_rank: int = 0, lora_targets: tuple[str, ...] = ()) -> float:
+                           lora_rank: int = 0, lora_targets: tuple[str, ...] = (), lora_dropout: float = 0.0) -> float:
     """Bytes one transformer layer saves for its backward on one micro-batch (module docstring: the
     formula of each spec, term by term; ours).
 
@@ -357,6 +359,8 @@ def layer_activation_bytes(hf: Any, *, tokens: int, rows: int, seq: int, tp: int
 
         lora_rank: LoRA's rank (0: no adapters).
         lora_targets: the adapted layers.
+        lora_dropout: the adapters' dropout probability (``model.lora.dropout``); above 0 each adapter
+            also saves the dropped copy of its input (``e`` bytes an element).
 
     Returns:
         Bytes (a float: ``a / t`` and ``T / t`` need not be integers in a plan).
@@ -405,6 +409,12 @@ def layer_activation_bytes(hf: Any, *, tokens: int, rows: int, seq: int, tp: int
     pairs = (T * hf.num_experts_per_tok if routed_tokens is None else routed_tokens) if moe else None
     adapters = sum(e * lora_rank * (pairs if moe and target in ("linear_fc1", "linear_fc2") else
                                     T / (1 if target in _COLUMN_TARGETS else sp)) for target in lora_targets)
+    if lora_dropout > 0:  # each adapter's input (a column-parallel layer's before its gather), dropped: one copy
+        width = hf.moe_intermediate_size / t if moe else hf.intermediate_size / t
+        mlp_rows = pairs if moe else T
+        inputs = {"linear_qkv": T * h / sp, "linear_proj": T * a * d / t, "linear_fc1": mlp_rows * h / (1 if moe else sp),
+                  "linear_fc2": mlp_rows * width}
+        adapters += e * sum(inputs[target] for target in lora_targets)
     return norms + attention + mlp + adapters
 
 
@@ -433,7 +443,7 @@ def activation_bytes(hf: Any, *, tokens: int, rows: int, seq: int, tp: int, pp: 
                      act_bytes: int, impl: str, recompute: str = "none", recompute_method: str = "uniform",
                      recompute_num_layers: int = 1, sequence_parallel: bool = False,
                      routed_tokens: float | None = None, lora_rank: int = 0,
-                     lora_targets: tuple[str, ...] = ()) -> ActivationTerms:
+                     lora_targets: tuple[str, ...] = (), lora_dropout: float = 0.0) -> ActivationTerms:
     """The activations of ``stage``'s layers for one micro-batch (module docstring; ours).
 
     Args:
@@ -454,6 +464,7 @@ def activation_bytes(hf: Any, *, tokens: int, rows: int, seq: int, tp: int, pp: 
             (the stage's mean: the bytes are linear in it).
         lora_rank: as :func:`layer_activation_bytes`.
         lora_targets: as :func:`layer_activation_bytes`.
+        lora_dropout: as :func:`layer_activation_bytes`.
 
     Returns:
         :class:`ActivationTerms` in bytes.
@@ -467,7 +478,8 @@ def activation_bytes(hf: Any, *, tokens: int, rows: int, seq: int, tp: int, pp: 
     keep = "selective" if recompute == "selective" else "none"
     one = layer_activation_bytes(hf, tokens=tokens, rows=rows, seq=seq, tp=tp, act_bytes=act_bytes, impl=impl,
                                  recompute=keep, sequence_parallel=sequence_parallel,
-                                 routed_tokens=routed_tokens, lora_rank=lora_rank, lora_targets=lora_targets)
+                                 routed_tokens=routed_tokens, lora_rank=lora_rank, lora_targets=lora_targets,
+                                 lora_dropout=lora_dropout)
     if recompute in ("none", "selective"):
         layers, working = per_stage * one, 0.0
     elif recompute == "full" and recompute_method == "uniform":

@@ -219,7 +219,7 @@ def memory_plan(cfg: Any, hf_config: Any, *, world_size: int, gpu_gib: float | N
         act = activation_bytes(hf_config, tokens=tokens, rows=rows, seq=width, tp=tp, pp=pp, stage=stage,
                                act_bytes=param_bytes, impl=impl, recompute=par.recompute,
                                recompute_method=par.recompute_method, recompute_num_layers=par.recompute_num_layers,
-                               sequence_parallel=par.sequence_parallel, **lora)
+                               sequence_parallel=par.sequence_parallel, lora_dropout=cfg.model.lora.dropout, **lora)
         terms["activations"] = act.saved * (pp - stage) + act.recompute_working
         if stage == pp - 1:
             if par.output_chunk_size is not None:

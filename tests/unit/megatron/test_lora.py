@@ -1,8 +1,9 @@
 """LoRA adapters on one process: a float64 hand check of one layer of each kind, a fresh adapter
-equal to the base model for every model family, the base model read back with the adapters off,
-the merged export against transformers, and the refusals.
+equal to the base model for every model family (Qwen3-MoE with an adapter on each expert), the base
+model read back with the adapters off, the merged export against transformers, the PEFT export
+against ``peft``, and the refusals.
 
-Multi-process layouts (TP, SP, PP, DP, distributed optimizer): tests/distributed/test_lora_invariance.py.
+Multi-process layouts (TP, SP, PP, DP, EP x TP, distributed optimizer): tests/distributed/test_lora_invariance.py.
 """
 
 import json

@@ -11,6 +11,7 @@ import copy
 import functools
 
 import pytest
+import torch
 
 from nemo_sspo.cli import load_config
 from nemo_sspo.megatron import destroy_parallel, initialize_parallel
@@ -128,6 +129,32 @@ def test_lora_activations_within_bounds_of_the_saved_bytes(one_process, hf):
     without = activation_bytes(config, tokens=64, rows=2, seq=32, tp=1, pp=1, stage=0, act_bytes=4,
                                impl="local", routed_tokens=pairs).saved
     assert planned - without == (2 * 4 * 64 * 16 * 4 if hf == "llama" else 2 * (2 * 64 + 2 * 128) * 16 * 4)
+
+
+@pytest.mark.parametrize("hf", ["llama", "qwen3_moe"])
+def test_lora_dropout_adds_each_adapters_mask_and_dropped_input(one_process, hf):
+    from nemo_sspo.megatron.lora import LoraSettings
+
+    config = _config(hf)
+    (ids, pos), _ = padded_and_packed_inputs(config.vocab_size, 2, 32, [8])
+    measured, planned = {}, {}
+    for dropout in (0.0, 0.1):
+        torch.manual_seed(0)  # the same routes both times (dropout does not touch the routers' input)
+        model = build_policy_model(config, lora=LoraSettings(rank=4, alpha=8.0, dropout=dropout,
+                                                             targets=LORA_TARGETS)).train()
+        with counting_routed_tokens(model) as routed:
+            measured[dropout] = saved_activation_bytes(model, ids, pos)
+        planned[dropout] = activation_bytes(config, tokens=64, rows=2, seq=32, tp=1, pp=1, stage=0, act_bytes=4,
+                                            impl="local", routed_tokens=sum(routed) / len(routed) if routed else None,
+                                            lora_rank=4, lora_targets=LORA_TARGETS, lora_dropout=dropout).saved
+    # by hand, per decoder layer: an fp32 copy (4 bytes) of each adapter's dropped input; the Llama's 64
+    # tokens into q/k/v (h 64), o (64), gate/up (64) and down (160); the MoE's attention alike (q/k/v 64,
+    # o 128) and its R = 128 routed pairs (64 tokens, top-2) into each expert's fc1 (64) and fc2 (32)
+    per_layer = 4 * 64 * (64 + 64 + 64 + 160) if hf == "llama" else 4 * (64 * (64 + 128) + 128 * (64 + 32))
+    assert planned[0.1] - planned[0.0] == 2 * per_layer
+    # Measured: each adapter keeps that one copy, except the first layer's q/k/v adapter, whose input (the
+    # frozen embedding's, normed) needs no gradient: the plan over-counts by that copy, 4 x 64 x 64 bytes.
+    assert (planned[0.1] - planned[0.0]) - (measured[0.1] - measured[0.0]) == 4 * 64 * 64
 
 
 def test_full_recomputation_keeps_one_input_per_chunk(one_process):
