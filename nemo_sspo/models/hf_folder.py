@@ -74,15 +74,31 @@ class PeftAdapter:
     base_model: str
 
     def write(self, folder: Path) -> None:
-        """``folder/adapter_config.json`` and ``folder/adapter_model.safetensors`` (``folder`` is created)."""
+        """``folder/adapter_config.json`` and ``folder/adapter_model.safetensors`` (``folder`` is created).
+
+        Mixture-of-experts adapters (``...mlp.experts.{e}.<proj>``) are written so that ``peft`` 0.21 can
+        put them on transformers 5's fused 3-D expert parameters (measured here): ``lora_dropout`` 0
+        (peft's wrapper of those parameters refuses any other value; dropout acts in training only),
+        and an expert with gate/up adapters but none on ``down_proj`` gets zero ``down_proj`` factors
+        (peft drops the gate/up adapters of a layer without them, silently; zero factors add nothing).
+        """
         folder.mkdir()
-        targets = sorted({name.split(".")[-3] for name in self.tensors})
+        tensors = dict(self.tensors)
+        for name, gate_a in self.tensors.items():
+            if ".mlp.experts." in name and name.endswith(".gate_proj.lora_A.weight"):
+                down = name.removesuffix(".gate_proj.lora_A.weight") + ".down_proj"
+                if down + ".lora_A.weight" not in tensors:
+                    gate_b = self.tensors[name.replace(".lora_A.", ".lora_B.")]
+                    tensors[down + ".lora_A.weight"] = gate_a.new_zeros(self.rank, gate_b.shape[0])
+                    tensors[down + ".lora_B.weight"] = gate_a.new_zeros(gate_a.shape[1], self.rank)
+        experts = any(".mlp.experts." in name for name in tensors)
+        targets = sorted({name.split(".")[-3] for name in tensors})
         config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": self.rank, "lora_alpha": self.alpha,
-                  "lora_dropout": self.dropout, "target_modules": targets, "bias": "none", "fan_in_fan_out": False,
-                  "use_rslora": False, "use_dora": False, "init_lora_weights": True, "inference_mode": True,
-                  "base_model_name_or_path": self.base_model}
+                  "lora_dropout": 0.0 if experts else self.dropout, "target_modules": targets, "bias": "none",
+                  "fan_in_fan_out": False, "use_rslora": False, "use_dora": False, "init_lora_weights": True,
+                  "inference_mode": True, "base_model_name_or_path": self.base_model}
         (folder / "adapter_config.json").write_text(json.dumps(config, indent=1), encoding="utf-8")
-        tensors = {_PEFT_PREFIX + name: t.detach().cpu().contiguous() for name, t in self.tensors.items()}
+        tensors = {_PEFT_PREFIX + name: t.detach().cpu().contiguous() for name, t in tensors.items()}
         save_file(tensors, str(folder / "adapter_model.safetensors"), metadata={"format": "pt"})
 
 

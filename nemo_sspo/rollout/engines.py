@@ -175,11 +175,12 @@ def _build_vllm(context: EngineContext) -> VLLMRolloutEngine:
 
     Raises:
         ValueError: ``context.adapter_rank`` set for a mixture-of-experts model on a host without CUDA
-            (vLLM applies the experts' adapters with Triton kernels only, which its CPU build cannot run).
+            (with LoRA enabled vLLM runs the experts through Triton kernels, which its CPU build cannot run).
     """
     if context.adapter_rank and is_moe(context.hf_config) and not torch.cuda.is_available():
-        raise ValueError("vLLM's CPU build cannot serve adapters on the experts of a mixture-of-experts model (it "
-                         "applies them with Triton GPU kernels); refit merged weights on this host")
+        raise ValueError(f"adapter_rank={context.adapter_rank}: vLLM's CPU build cannot serve LoRA adapters on a "
+                         "mixture-of-experts model (with LoRA enabled it runs the experts through Triton GPU "
+                         "kernels); refit merged weights on this host")
     model_dir = engine_model_dir(context.model_source, cache_dir=context.cache_dir)
     ro = context.rollout
     return VLLMRolloutEngine.build(model_dir, context.tokenizer, options=ro.engine.options, seed=context.seed,

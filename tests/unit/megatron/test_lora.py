@@ -124,8 +124,20 @@ def test_grouped_gemm_experts_are_refused_naming_the_setting():
         with_adapters(submodules, SETTINGS)
 
 
-@pytest.mark.parametrize("source", ["tiny-random-qwen2", "tiny-random-qwen3-moe"])
-def test_the_peft_folder_loaded_by_peft_gives_the_products_logits(parallel_1, tmp_path, source):
+# (source, targets, the folder's target_modules, its lora_dropout) with adapters trained at dropout 0.1.
+# Qwen3-MoE: peft 0.21 refuses dropout on transformers 5's fused expert parameters and silently drops a
+# layer's gate/up expert adapters without down_proj ones, so the folder says dropout 0 and carries zero
+# down_proj factors (measured: without them these logits were off by 5e-2).
+PEFT_CASES = [
+    ("tiny-random-qwen2", ALL, ["down_proj", "gate_proj", "k_proj", "o_proj", "q_proj", "up_proj", "v_proj"], 0.1),
+    ("tiny-random-qwen3-moe", ALL, ["down_proj", "gate_proj", "k_proj", "o_proj", "q_proj", "up_proj", "v_proj"], 0.0),
+    ("tiny-random-qwen3-moe", ("linear_fc1",), ["down_proj", "gate_proj", "up_proj"], 0.0),
+]
+
+
+@pytest.mark.parametrize("source, targets, modules, dropout", PEFT_CASES)
+def test_the_peft_folder_loaded_by_peft_gives_the_products_logits(parallel_1, tmp_path, source, targets, modules,
+                                                                  dropout):
     from peft import PeftModel
 
     from nemo_sspo.megatron import export_hf_adapters
@@ -133,17 +145,18 @@ def test_the_peft_folder_loaded_by_peft_gives_the_products_logits(parallel_1, tm
 
     config, state_dict, tokenizer = load_hf_checkpoint(source)
     ids = tokenizer(["Let x = 2.\n\nThen 2x = 4."], return_tensors="pt")["input_ids"]
-    adapted = build_policy_model(config, lora=SETTINGS).eval()
+    settings = LoraSettings(rank=3, alpha=6.0, dropout=0.1, targets=targets, seed=4)
+    adapted = build_policy_model(config, lora=settings).eval()
     load_hf_into_megatron(adapted, state_dict, config)
     with torch.no_grad():
         generator = torch.Generator().manual_seed(3)
         for factor in adapter_parameters(adapted).values():
             factor.normal_(0.0, 0.05, generator=generator)
         expected = forward_logits(adapted, ids, torch.arange(ids.shape[1]).expand_as(ids))[..., :config.vocab_size]
-    PeftAdapter(export_hf_adapters(adapted, config), rank=3, alpha=6.0, dropout=0.0,
+    PeftAdapter(export_hf_adapters(adapted, config), rank=3, alpha=6.0, dropout=0.1,
                 base_model=source).write(tmp_path / "adapter")
     written = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
-    assert written["target_modules"] == ["down_proj", "gate_proj", "k_proj", "o_proj", "q_proj", "up_proj", "v_proj"]
+    assert (written["target_modules"], written["lora_dropout"]) == (modules, dropout)
     # transformers 5 holds a Qwen3-MoE layer's experts as fused 3-D parameters; peft moves the
     # per-expert adapters onto them (its target_parameters)
     model = PeftModel.from_pretrained(build_hf_model(config, state_dict), tmp_path / "adapter").eval()

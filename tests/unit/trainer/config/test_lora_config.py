@@ -3,6 +3,7 @@ together, with the config's other problems); a mixture-of-experts model refused 
 built, before anything is written."""
 
 import pytest
+import torch
 
 from nemo_sspo.cli import load_config
 
@@ -53,3 +54,15 @@ def test_an_adapter_refit_needs_adapters_and_the_vllm_engine():
     assert expected.format(rank=0, backend="vllm") in _problems("model.lora.refit=adapters", "rollout/engine=vllm")
     cfg = load_config(overrides=["model.lora.rank=4", "model.lora.refit=adapters", "rollout/engine=vllm"])
     assert cfg.model.lora.refit == "adapters"
+
+
+def test_an_adapter_refit_of_a_mixture_of_experts_model_is_refused_at_load_without_cuda():
+    overrides = ["model=tiny_random_qwen3_moe", "model.lora.rank=4", "model.lora.refit=adapters", "rollout/engine=vllm"]
+    if torch.cuda.is_available():  # vLLM's GPU build serves MoE LoRA: nothing to refuse
+        assert load_config(overrides=overrides, check_model=True).model.lora.refit == "adapters"
+        return
+    with pytest.raises(ValueError) as err:
+        load_config(overrides=overrides, check_model=True)
+    assert ("model.lora.refit='adapters' with the mixture-of-experts model.source='tiny-random-qwen3-moe': vLLM's "
+            "CPU build cannot serve LoRA adapters on it (with LoRA enabled it runs the experts through Triton GPU "
+            "kernels); set model.lora.refit=merged on this host") in str(err.value)
