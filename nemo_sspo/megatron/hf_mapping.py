@@ -318,13 +318,19 @@ def _export_experts(params: dict, prefix: str, hf_config, groups: ParallelGroups
     mlps = [_export_mlp(params[f"{prefix}mlp.experts.local_experts.{i}.linear_fc1.weight"],
                         params[f"{prefix}mlp.experts.local_experts.{i}.linear_fc2.weight"], groups)
             for i in range(local)]
-    stacked = [torch.stack(parts) for parts in zip(*mlps, strict=True)]  # gate, up, down: [E_local, ...]
-    if groups.ep_size > 1:
-        stacked = [_gather_ep(tensor, groups) for tensor in stacked]
+    stacked = _all_experts(mlps, groups)  # gate, up, down: [E, ...]
     values = {}
     for expert in range(num_experts(hf_config)):
         values.update(zip(_expert_names(expert), (tensor[expert] for tensor in stacked), strict=True))
     return values
+
+
+def _all_experts(local: list[tuple[torch.Tensor, ...]], groups: ParallelGroups) -> list[torch.Tensor]:
+    """The same tensors of every expert of a layer: ``local[i]`` holds this EP rank's local expert
+    ``i``'s; each is stacked to ``[E_local, ...]`` and gathered over EP to ``[E, ...]`` (global order).
+    """
+    stacked = [torch.stack(parts) for parts in zip(*local, strict=True)]
+    return [_gather_ep(tensor, groups) for tensor in stacked] if groups.ep_size > 1 else stacked
 
 
 def _gather_ep(tensor: torch.Tensor, groups: ParallelGroups) -> torch.Tensor:
@@ -496,15 +502,11 @@ def _export_layer_adapters(gpt, params, unit: _Unit, hf_config, groups) -> dict:
             factors[f"{module_name}.lora_A.weight"] = lora_a.clone()
             factors[f"{module_name}.lora_B.weight"] = lora_b.clone()
     if experts:
-        stacked = {(proj, factor): torch.stack([pair[index] for pair in pairs])
-                   for proj, pairs in experts.items() for index, factor in enumerate(("lora_A", "lora_B"))}
-        if groups.ep_size > 1:
-            stacked = {key: _gather_ep(tensor, groups) for key, tensor in stacked.items()}
+        stacked = {proj: _all_experts(pairs, groups) for proj, pairs in experts.items()}  # proj: [A, B], [E, ...]
         for expert in range(num_experts(hf_config)):
-            for proj in _EXPERT_PROJ:
-                for factor in ("lora_A", "lora_B"):
-                    if (proj, factor) in stacked:
-                        factors[f"mlp.experts.{expert}.{proj}.{factor}.weight"] = stacked[(proj, factor)][expert]
+            for proj in (proj for proj in _EXPERT_PROJ if proj in stacked):
+                for factor, tensor in zip(("lora_A", "lora_B"), stacked[proj], strict=True):
+                    factors[f"mlp.experts.{expert}.{proj}.{factor}.weight"] = tensor[expert]
     prefix = f"model.layers.{unit.index}."
     return {prefix + name: tensor for name, tensor in factors.items()}
 

@@ -54,6 +54,7 @@ from dataclasses import dataclass
 import torch
 
 from nemo_sspo.choice import Choice
+from nemo_sspo.megatron.moe import global_expert
 
 __all__ = [
     "LoraRefit",
@@ -354,7 +355,7 @@ def _layout_free_name(name: str, ep_rank: int, local_experts: int) -> str:
         return name
     head, tail = name.split(marker, 1)
     index, rest = tail.split(".", 1)
-    return f"{head}experts.{ep_rank * local_experts + int(index)}.{rest}"
+    return f"{head}experts.{global_expert(int(index), ep_rank, local_experts)}.{rest}"
 
 
 def initialize_adapters(gpt: torch.nn.Module, seed: int, tp_rank: int, tp_size: int, ep_rank: int = 0) -> None:

@@ -16,12 +16,11 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-from nemo_sspo.megatron.moe import is_moe
 from nemo_sspo.models import build_hf_model
 from nemo_sspo.models.hf_checkpoint import engine_model_dir
 from nemo_sspo.registry import BuilderRegistry
 from nemo_sspo.rollout.hf_engine import HFRolloutEngine, RolloutBatch
-from nemo_sspo.rollout.vllm_engine import VLLMOptions, VLLMRolloutEngine
+from nemo_sspo.rollout.vllm_engine import VLLMOptions, VLLMRolloutEngine, serves_adapters
 
 __all__ = ["ROLLOUT_ENGINE_REGISTRY", "EngineContext", "RolloutEngine", "build_rollout_engine",
            "register_rollout_engine", "rollout_engine_names", "unregister_rollout_engine"]
@@ -177,7 +176,7 @@ def _build_vllm(context: EngineContext) -> VLLMRolloutEngine:
         ValueError: ``context.adapter_rank`` set for a mixture-of-experts model on a host without CUDA
             (with LoRA enabled vLLM runs the experts through Triton kernels, which its CPU build cannot run).
     """
-    if context.adapter_rank and is_moe(context.hf_config) and not torch.cuda.is_available():
+    if context.adapter_rank and not serves_adapters(context.hf_config):
         raise ValueError(f"adapter_rank={context.adapter_rank}: vLLM's CPU build cannot serve LoRA adapters on a "
                          "mixture-of-experts model (with LoRA enabled it runs the experts through Triton GPU "
                          "kernels); refit merged weights on this host")

